@@ -1,0 +1,31 @@
+# One command sets up and tests: `make test`. Another sets up and runs the demo: `make demo`.
+# TORCH picks the torch build; the default is the CPU build these machines install quickly.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+BIN := $(VENV)/bin
+
+.PHONY: setup test demo lint bench clean
+
+$(BIN)/diloco: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet "$(TORCH)"
+	$(BIN)/pip install --quiet -c constraints-dev.txt -e ".[dev]"
+	touch $(BIN)/diloco
+
+setup: $(BIN)/diloco
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+demo: setup
+	$(BIN)/diloco launch --config configs/local.yaml
+
+lint: setup
+	$(BIN)/ruff check diloco executors cli tests bench
+
+bench: setup
+	$(BIN)/python bench/cli_startup.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

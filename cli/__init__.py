@@ -1,0 +1,1 @@
+"""The ``diloco`` command line: Typer commands and Rich rendering only, no business logic."""

@@ -1,0 +1,8 @@
+"""Documented exit codes, shared by every command that waits on a run."""
+
+OK = 0  # all replicas succeeded / every check passed
+FAILED = 1  # a replica failed, or a check failed
+USAGE = 2  # bad flag, bad YAML, bad value: nothing was launched
+CANCELLED = 4  # the run was cancelled
+TIMEOUT = 124  # --timeout reached
+INTERRUPTED = 130  # Ctrl-C

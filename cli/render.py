@@ -1,0 +1,67 @@
+"""Where CLI output goes: data on stdout, narration and progress on stderr; ``NO_COLOR`` and non-TTYs honoured.
+
+Every read command accepts ``-o table|json``. JSON output is the same pydantic model the table renders, with a
+``schema_version`` key, so scripts can rely on it; keys are only ever added.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from rich.console import Console
+
+SCHEMA_VERSION = 1
+
+
+class OutputFormat(str, enum.Enum):
+    table = "table"
+    json = "json"
+
+
+def _no_color() -> bool:
+    return bool(os.environ.get("NO_COLOR"))
+
+
+def stdout_console() -> Console:
+    """Console for data. Built per call so tests capturing ``sys.stdout`` see the output."""
+    return Console(file=sys.stdout, no_color=_no_color(), highlight=False, soft_wrap=True)
+
+
+def stderr_console() -> Console:
+    """Console for narration, progress and errors; markup off so user data in brackets stays literal."""
+    return Console(file=sys.stderr, no_color=_no_color(), highlight=False, markup=False, soft_wrap=True)
+
+
+def say(message: str) -> None:
+    """One line of narration on stderr."""
+    stderr_console().print(message)
+
+
+def to_jsonable(data: Any) -> Any:
+    """pydantic models, enums and containers to plain JSON values."""
+    if hasattr(data, "model_dump"):
+        return data.model_dump(mode="json")
+    if isinstance(data, dict):
+        return {k: to_jsonable(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [to_jsonable(v) for v in data]
+    if isinstance(data, enum.Enum):
+        return data.value
+    return data
+
+
+def emit(data: Any, fmt: OutputFormat, table: Callable[[Console], None]) -> None:
+    """Print ``data`` as JSON (with ``schema_version``) or call ``table`` to render it for humans, on stdout."""
+    if fmt == OutputFormat.json:
+        payload = to_jsonable(data)
+        if isinstance(payload, dict):
+            payload = {"schema_version": SCHEMA_VERSION, **payload}
+        sys.stdout.write(json.dumps(payload, indent=2, sort_keys=False) + "\n")
+        sys.stdout.flush()
+    else:
+        table(stdout_console())

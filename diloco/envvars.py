@@ -1,0 +1,15 @@
+"""Names of the environment variables that form the replica contract, in one place so they stay greppable.
+
+Every backend sets the ``DILOCO``-neutral four (run id, rank, world size, rendezvous URI) on every replica, and
+keeps its own native ones (``JOB_COMPLETION_INDEX`` on Kubernetes, ``SM_*`` on SageMaker) alongside.
+"""
+
+RUN_ID = "DILOCO_RUN_ID"
+REPLICA_RANK = "REPLICA_RANK"
+WORLD_SIZE = "WORLD_SIZE"
+RENDEZVOUS_URI = "RENDEZVOUS_URI"
+JOB_COMPLETION_INDEX = "JOB_COMPLETION_INDEX"  # set by Kubernetes Indexed Jobs
+SM_MODEL_DIR = "SM_MODEL_DIR"  # set by SageMaker; the trainer also writes final weights there
+DILOCO_HOME = "DILOCO_HOME"  # local run registry root, default ~/.diloco
+DILOCO_DEBUG = "DILOCO_DEBUG"  # show tracebacks in the CLI
+DILOCO_S3_URI = "DILOCO_S3_URI"  # default S3 prefix for `diloco smoke` / `doctor`

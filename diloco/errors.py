@@ -1,0 +1,56 @@
+"""One error hierarchy, so the CLI can map each failure to a message, a hint and an exit code in one place."""
+
+from __future__ import annotations
+
+
+class DilocoError(Exception):
+    """Base of every error diloco raises on purpose. ``hint`` says what the user can do about it."""
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.hint = hint
+
+
+class ConfigError(DilocoError, ValueError):
+    """Invalid user input (flag, YAML, environment). Raised before anything is launched."""
+
+
+class StoreError(DilocoError):
+    """The object store failed after bounded retries; carries the underlying error as ``__cause__``."""
+
+
+class ObjectNotFound(StoreError, FileNotFoundError):
+    """A key that was expected to exist does not."""
+
+
+class CorruptObjectError(StoreError):
+    """An object was truncated, corrupted or is not what it claims to be. It is never averaged."""
+
+
+class AllReduceTimeout(DilocoError, TimeoutError):
+    """Peers did not publish their contribution for a round in time.
+
+    Names the round and the exact missing ranks so the orchestrator (or a human) knows whom to relaunch,
+    and the last store error seen while polling, so a denied bucket is not mistaken for a slow peer.
+    """
+
+    def __init__(
+        self, *, round_: int, missing_ranks: list[int], timeout_s: float, last_error: BaseException | None = None
+    ) -> None:
+        ranks = ", ".join(str(r) for r in missing_ranks)
+        msg = f"all-reduce round {round_} timed out after {timeout_s:g}s waiting for rank(s) {ranks}"
+        if last_error is not None:
+            msg += f"; last store error: {type(last_error).__name__}: {last_error}"
+        super().__init__(msg, hint="check those replicas' logs (`diloco logs -r <rank>`) and the store's permissions")
+        self.round = round_
+        self.missing_ranks = missing_ranks
+        self.timeout_s = timeout_s
+        self.last_error = last_error
+
+
+class BackendError(DilocoError):
+    """A backend (local processes, SageMaker, Kubernetes) refused or failed a request."""
+
+
+class RunNotFound(DilocoError):
+    """No run with that id is recorded in the local registry."""

@@ -1,0 +1,262 @@
+"""The object store: a few operations over one URI prefix, implemented once on fsspec.
+
+Replicas never talk to each other; everything they share goes through here. The semantics every caller relies on:
+
+* ``put`` is atomic: a reader sees the whole object or nothing (temp file + rename on local disks, a single PUT
+  per key on S3, a dict assignment in ``memory://``).
+* ``put_if_absent`` creates a key exactly once across all writers (``If-None-Match: *`` on S3, a hard link on
+  local disks) and reports whether this caller won.
+* ``exists``/``list`` never answer from a stale listing cache: polling for a peer's object must see it as soon as
+  the store does. ``exists`` treats only "not found" as missing; a denied request or a dead endpoint raises, so an
+  authentication failure never looks like a slow peer.
+* Transient failures (throttling, dropped connections, timeouts) are retried a bounded number of times with
+  exponential backoff and jitter; then a ``StoreError`` naming the key and the operation is raised.
+
+Keys are ``/``-separated paths relative to the store's root URI. Objects whose basename starts with ``.`` are
+in-flight temporaries and are never listed.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from diloco.errors import ObjectNotFound, StoreError
+
+T = TypeVar("T")
+
+#: Errors that say "the answer is no", not "try again": they are never retried.
+_PERMANENT: tuple[type[BaseException], ...] = (
+    FileNotFoundError,
+    FileExistsError,
+    PermissionError,
+    IsADirectoryError,
+    NotADirectoryError,
+    ValueError,
+    TypeError,
+)
+
+
+def split_uri(uri: str) -> tuple[str, str]:
+    """``"s3://b/p"`` -> ``("s3", "b/p")``; a bare path is a local path (``file``)."""
+    if "://" not in uri:
+        return "file", os.path.abspath(uri)
+    protocol, rest = uri.split("://", 1)
+    if protocol == "file":
+        rest = os.path.abspath(rest) if rest else "/"
+    return protocol, rest
+
+
+def _filesystem(protocol: str, storage_options: dict[str, Any]) -> fsspec.AbstractFileSystem:
+    """A filesystem that never serves a stale listing and is not shared through fsspec's instance cache."""
+    options = dict(storage_options)
+    if protocol == "s3":
+        from diloco.s3 import s3_storage_options  # lazy: boto/s3fs only when an s3:// URI is used
+
+        options = {**s3_storage_options(), **options}
+    options.setdefault("skip_instance_cache", True)
+    if protocol not in ("file", "memory"):
+        options.setdefault("use_listings_cache", False)
+    try:
+        return fsspec.filesystem(protocol, **options)
+    except ImportError as exc:  # fsspec names the missing package; add our extra
+        raise StoreError(
+            f"the {protocol}:// store needs an optional dependency: {exc}",
+            hint="pip install 'diloco[aws]'" if protocol == "s3" else None,
+        ) from exc
+
+
+class ObjectStore:
+    """Atomic, retried byte objects under one root URI (``file://``, ``memory://``, ``s3://``)."""
+
+    def __init__(
+        self,
+        uri: str,
+        *,
+        retries: int = 5,
+        backoff_s: float = 0.1,
+        max_backoff_s: float = 5.0,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        if retries < 0:
+            raise ValueError("retries must be >= 0")
+        self.uri = uri.rstrip("/")
+        self.protocol, self._root = split_uri(self.uri)
+        self._root = self._root.rstrip("/") or "/"
+        if self.protocol == "memory":  # fsspec's memory paths always start with "/"
+            self._root = "/" + self._root.lstrip("/")
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.fs = _filesystem(self.protocol, storage_options or {})
+        self._local = isinstance(self.fs, LocalFileSystem)
+
+    # ---------------------------------------------------------------- paths
+    def path(self, key: str) -> str:
+        """The filesystem path of ``key`` (no protocol)."""
+        key = key.strip("/")
+        return f"{self._root}/{key}" if key else self._root
+
+    def url(self, key: str = "") -> str:
+        """The full URI of ``key``, for messages and for handing to other processes."""
+        key = key.strip("/")
+        return f"{self.uri}/{key}" if key else self.uri
+
+    def child(self, prefix: str) -> ObjectStore:
+        """A store rooted at ``prefix`` under this one, sharing settings (not the filesystem instance)."""
+        return ObjectStore(self.url(prefix), retries=self.retries, backoff_s=self.backoff_s,
+                           max_backoff_s=self.max_backoff_s)
+
+    # ---------------------------------------------------------------- retries
+    def _retry(self, op: str, key: str, fn: Callable[[], T]) -> T:
+        """Run ``fn``; retry transient errors with capped exponential backoff and full jitter."""
+        attempt = 0
+        while True:
+            try:
+                return fn()
+            except _PERMANENT:
+                raise
+            except (OSError, ConnectionError, TimeoutError) as exc:
+                if attempt >= self.retries:
+                    raise StoreError(
+                        f"{op} {self.url(key)} failed after {attempt + 1} attempt(s): {type(exc).__name__}: {exc}"
+                    ) from exc
+                delay = min(self.max_backoff_s, self.backoff_s * (2**attempt))
+                time.sleep(random.uniform(0, delay) + delay / 2)
+                attempt += 1
+
+    def _invalidate(self, path: str) -> None:
+        try:
+            self.fs.invalidate_cache(path)
+        except Exception:  # noqa: BLE001 - a cache that cannot be cleared is not an error
+            pass
+
+    # ---------------------------------------------------------------- operations
+    def put(self, key: str, data: bytes) -> None:
+        """Write ``data`` at ``key`` atomically (overwrites)."""
+        path = self.path(key)
+        if self._local:
+            self._retry("put", key, lambda: self._local_atomic_write(path, data, exclusive=False))
+        else:
+            self._retry("put", key, lambda: self.fs.pipe_file(path, data))
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        """Create ``key`` only if no writer created it before; ``True`` if this call created it."""
+        path = self.path(key)
+
+        def create() -> bool:
+            try:
+                if self._local:
+                    self._local_atomic_write(path, data, exclusive=True)
+                elif self.protocol == "memory":
+                    if self.fs.exists(path):
+                        return False
+                    self.fs.pipe_file(path, data)
+                else:
+                    self.fs.pipe_file(path, data, mode="create")
+            except FileExistsError:
+                return False
+            return True
+
+        return self._retry("put_if_absent", key, create)
+
+    def get(self, key: str) -> bytes:
+        """The bytes of ``key``; ``ObjectNotFound`` if it does not exist."""
+        path = self.path(key)
+        try:
+            return self._retry("get", key, lambda: self.fs.cat_file(path))
+        except FileNotFoundError as exc:
+            raise ObjectNotFound(f"no object at {self.url(key)}") from exc
+
+    def exists(self, key: str) -> bool:
+        """Whether ``key`` exists now, asked of the store itself (never of a cached listing)."""
+        path = self.path(key)
+
+        def probe() -> bool:
+            self._invalidate(path)
+            try:
+                info = self.fs.info(path)
+            except FileNotFoundError:
+                return False
+            return info.get("type") != "directory"
+
+        return self._retry("exists", key, probe)
+
+    def list(self, prefix: str = "") -> list[str]:
+        """Keys under ``prefix`` (recursive), relative to the root, sorted; temporaries excluded."""
+        base = self.path(prefix)
+
+        def find() -> list[str]:
+            self._invalidate(base)
+            try:
+                paths: Iterable[str] = self.fs.find(base)
+            except FileNotFoundError:
+                return []
+            return list(paths)
+
+        root = self._root.rstrip("/") + "/"
+        keys = []
+        for p in self._retry("list", prefix, find):
+            if self.protocol == "memory":
+                p = "/" + p.lstrip("/")
+            rel = p[len(root):] if p.startswith(root) else p
+            if not os.path.basename(rel).startswith("."):
+                keys.append(rel)
+        return sorted(keys)
+
+    def delete(self, key: str) -> None:
+        """Delete one object; missing is fine (deletion is idempotent)."""
+        path = self.path(key)
+
+        def rm() -> None:
+            try:
+                self.fs.rm_file(path)
+            except FileNotFoundError:
+                pass
+
+        self._retry("delete", key, rm)
+
+    def delete_prefix(self, prefix: str) -> None:
+        """Delete every object under ``prefix`` (and the prefix itself on local disks)."""
+        for key in self.list(prefix):
+            self.delete(key)
+        if self._local:
+            path = self.path(prefix)
+            if os.path.isdir(path):
+                import shutil
+
+                shutil.rmtree(path, ignore_errors=True)
+
+    # ---------------------------------------------------------------- local helpers
+    @staticmethod
+    def _local_atomic_write(path: str, data: bytes, *, exclusive: bool) -> None:
+        """Temp file in the same directory, fsync, then rename (or hard-link for exclusive create)."""
+        directory = os.path.dirname(path)
+        os.makedirs(directory, exist_ok=True)
+        tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex}")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            if exclusive:
+                try:
+                    os.link(tmp, path)
+                except OSError as exc:
+                    if exc.errno == errno.EEXIST:
+                        raise FileExistsError(path) from exc
+                    raise
+            else:
+                os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
