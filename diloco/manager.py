@@ -1,0 +1,159 @@
+"""The manager surface the DiLoCo outer loop talks to, modelled on torchft's ``Manager``, over the store all-reduce.
+
+torchft's Manager runs quorums, heals joiners and swallows collective errors into ``report_error`` so a failed
+step is discarded and retried by a smaller quorum. There is no failover here: the replica set is fixed for the whole
+run, and a round that some rank skipped can never be repaired (the ranks' round counters would drift apart). So the
+one rule that differs from torchft is:
+
+* **Errors are loud.** A failed all-reduce re-raises from ``Work.wait()`` and the replica fails (the orchestrator
+  relaunches or aborts the run). The error is also latched, so ``should_commit()`` returns ``False`` if a caller
+  caught it and carried on: the outer step is never applied with a partial or local-only pseudo-gradient (Prime's
+  fallback to the unreduced pseudo-gradient was silent divergence).
+
+Step semantics (identical to torchft, and what the fragment schedule relies on): ``current_step()`` counts
+committed rounds. It starts at 0 and advances by exactly one per round, inside ``should_commit()`` when that
+returns ``True``, never twice per round (``start_quorum()`` opens a round; repeated ``should_commit()`` calls in
+one round return the same answer). So between ``start_quorum()`` and ``should_commit()`` of round k it reads k: the
+first sync picks fragment ``0 % F``, the next ``1 % F`` and so on, the same on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from diloco.allreduce import AllReduceStats, AllReduceWork, ObjectStoreAllReduce, Tensors
+
+if TYPE_CHECKING:
+    import torch
+
+    from diloco.store import ObjectStore
+
+logger = logging.getLogger(__name__)
+
+
+class ManagedWork:
+    """A round's ``Work`` whose failure is latched in the manager before it is re-raised."""
+
+    def __init__(self, manager: ObjectStoreManager, work: AllReduceWork) -> None:
+        self._manager = manager
+        self._work = work
+
+    def wait(self, timeout: object = None) -> bool:
+        """Block until the mean is written back into the tensors; re-raise (after latching) any error."""
+        try:
+            return self._work.wait(timeout)
+        except Exception as exc:
+            self._manager.report_error(exc)
+            raise
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+
+class ObjectStoreManager:
+    """torchft-style ``Manager`` for a fixed set of replicas meeting through an ``ObjectStoreAllReduce``."""
+
+    def __init__(self, allreduce: ObjectStoreAllReduce) -> None:
+        self._allreduce = allreduce
+        self._step = 0
+        self._error: BaseException | None = None
+        self._round_open = False
+        self._commit_decision: bool | None = None
+        self._pending: list[ManagedWork] = []
+
+    # ---------------------------------------------------------------- identity
+    @property
+    def rank(self) -> int:
+        return self._allreduce.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._allreduce.world_size
+
+    @property
+    def store(self) -> ObjectStore:
+        """The store at the rendezvous root (metrics and final weights go here too)."""
+        return self._allreduce.store
+
+    @property
+    def stats(self) -> AllReduceStats:
+        return self._allreduce.stats
+
+    def num_participants(self) -> int:
+        """Every replica participates in every round (no partial quorums), so this is ``world_size``."""
+        return self._allreduce.world_size
+
+    def current_step(self) -> int:
+        """Committed rounds so far; see the module docstring for exactly when it advances."""
+        return self._step
+
+    # ---------------------------------------------------------------- round lifecycle
+    def start_quorum(self) -> None:
+        """Open a round: clear the error latch (as torchft does) and allow ``should_commit`` to advance the step.
+
+        The quorum is trivially everyone, so this does no I/O.
+        """
+        if self._error is not None:
+            logger.warning("starting a new round after an error was latched: %s", self._error)
+        self._error = None
+        self._round_open = True
+        self._commit_decision = None
+
+    def allreduce(self, tensor_or_tensors: torch.Tensor | Tensors) -> ManagedWork:
+        """Start averaging (AVG) ``tensor_or_tensors`` in place across all replicas; returns the round's Work.
+
+        One call is one store round, however many tensors it carries, so pass a fragment's tensors together.
+        """
+        import torch
+
+        tensors: Tensors = [tensor_or_tensors] if isinstance(tensor_or_tensors, torch.Tensor) else tensor_or_tensors
+        try:
+            work = ManagedWork(self, self._allreduce.allreduce_async(tensors))
+        except Exception as exc:
+            self.report_error(exc)
+            raise
+        self._pending.append(work)
+        return work
+
+    def report_error(self, exc: BaseException) -> None:
+        """Latch ``exc`` for this round (the first one wins); ``should_commit()`` will return ``False``."""
+        if self._error is None:
+            self._error = exc
+            logger.error("rank %d, step %d: all-reduce failed: %s", self.rank, self._step, exc)
+
+    def errored(self) -> BaseException | None:
+        """The error latched in the current round, if any."""
+        return self._error
+
+    def should_commit(self) -> bool:
+        """Whether this round's outer step may be applied; advances ``current_step()`` when it is.
+
+        Waits for any all-reduce of the round that was not waited for yet (its error, if any, is raised: a
+        failure is never turned into a quiet ``False``). Returns ``False`` only when an error was latched earlier
+        in the round. Must follow ``start_quorum()``.
+        """
+        pending, self._pending = self._pending, []
+        for work in pending:
+            if not work.is_completed():  # a completed one already raised its error to whoever waited
+                work.wait()
+        if self._commit_decision is not None:
+            return self._commit_decision
+        if not self._round_open:
+            raise RuntimeError("should_commit() called without start_quorum() for this round")
+        decision = self._error is None
+        if decision:
+            self._step += 1
+        self._round_open = False
+        self._commit_decision = decision
+        return decision
+
+    # ---------------------------------------------------------------- checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self._step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        step = int(state["step"])
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        self._step = step

@@ -1,0 +1,374 @@
+"""The DiLoCo outer loop (and Streaming DiLoCo), as a context manager that hooks the inner optimizer's ``step``.
+
+Semantics follow torchft's ``DiLoCo`` / ``_StreamingDiLoCoFragment`` exactly, so a training loop needs no change:
+enter the context and call ``inner_optimizer.step()`` as usual. With F fragments, H = sync_every // F and
+tau = fragment_sync_delay, after each inner step the hook does:
+
+1. ``local_step += 1``.
+2. At ``local_step == H - tau`` (**prepare_sync**): ``manager.start_quorum()``; pick fragment
+   ``f = manager.current_step() % F`` (committed rounds, identical on every replica); compute its pseudo-gradient
+   ``global - local`` (positive when training moved the weights down, like a gradient) and launch the
+   asynchronous all-reduce (the upload runs while the next tau inner steps train).
+3. At ``local_step == H`` (**perform_sync**): wait for the mean pseudo-gradient; snapshot the local weights; put
+   the global weights back into the model; ``manager.should_commit()``; if it commits: one outer SGD step
+   (Nesterov by default) with the mean pseudo-gradient as ``.grad`` on the global weights, then
+   ``p = (1 - alpha) * global_new + alpha * local`` (``p.lerp_(local, alpha)``); always ``outer_opt.zero_grad()``;
+   ``local_step = 0``. If it does not commit, the fragment stays at its old global weights.
+
+Each fragment therefore syncs every ``sync_every`` inner steps, the fragments staggered by H.
+
+Deviation from torchft, on purpose: the global copy and the outer optimizer (momentum included) live in fp32 on the
+CPU, whatever the model's dtype and device (torchft keeps them in the parameter dtype); the new global weights are
+cast into each parameter's dtype and device. A bf16 model thus keeps an fp32 master copy across rounds.
+
+Failures are loud: a failed all-reduce raises out of ``inner_optimizer.step()`` (see ``diloco.manager``).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+    from torch.utils.hooks import RemovableHandle
+
+logger = logging.getLogger(__name__)
+
+
+class Work(Protocol):
+    def wait(self, timeout: object = None) -> bool: ...
+
+
+class Manager(Protocol):
+    """What the outer loop needs from a manager (``diloco.manager.ObjectStoreManager`` provides it)."""
+
+    def start_quorum(self) -> None: ...
+
+    def allreduce(self, tensor_or_tensors: Any) -> Work: ...
+
+    def should_commit(self) -> bool: ...
+
+    def current_step(self) -> int: ...
+
+
+# ---------------------------------------------------------------- pure math (no I/O)
+def pseudo_gradient(
+    global_params: Mapping[str, torch.Tensor], local_params: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """``global - local`` per name, in fp32 on the CPU: the direction the outer optimizer descends along."""
+    import torch
+
+    return {
+        name: g.detach().to("cpu", torch.float32) - local_params[name].detach().to("cpu", torch.float32)
+        for name, g in global_params.items()
+    }
+
+
+# ---------------------------------------------------------------- one fragment
+class _Fragment:
+    """One model fragment: its fp32 CPU global copy, its outer optimizer and its in-flight sync."""
+
+    def __init__(
+        self, index: int, module: nn.Module, *, outer_lr: float, outer_momentum: float, nesterov: bool,
+        alpha: float,
+    ) -> None:
+        import torch
+
+        self.index = index
+        self.params: dict[str, torch.nn.Parameter] = dict(module.named_parameters())
+        if not self.params:
+            raise ValueError(f"model_fragments[{index}] has no parameters; every fragment must own at least one")
+        self.global_params: dict[str, torch.Tensor] = {
+            name: p.detach().to("cpu", torch.float32, copy=True) for name, p in self.params.items()
+        }
+        # Nesterov with zero momentum is plain SGD (b = delta, update = delta + 0 * b); torch rejects the flag then.
+        self.outer_optimizer = torch.optim.SGD(
+            list(self.global_params.values()),
+            lr=outer_lr,
+            momentum=outer_momentum,
+            nesterov=nesterov and outer_momentum > 0,
+        )
+        self.alpha = alpha
+        self._grads: dict[str, torch.Tensor] | None = None
+        self._work: Work | None = None
+
+    @property
+    def in_flight(self) -> bool:
+        return self._work is not None
+
+    def save_parameters(self) -> None:
+        """Model weights -> global copy (fp32, CPU)."""
+        import torch
+
+        with torch.no_grad():
+            for name, p in self.params.items():
+                self.global_params[name].copy_(p.detach())
+
+    def restore_parameters(self) -> None:
+        """Global copy -> model weights, cast to each parameter's dtype and device."""
+        import torch
+
+        with torch.no_grad():
+            for name, p in self.params.items():
+                p.copy_(self.global_params[name])
+
+    def prepare_sync(self, manager: Manager) -> None:
+        """Compute ``global - local`` and launch its all-reduce without waiting."""
+        if self._work is not None:
+            raise RuntimeError(f"fragment {self.index} already has a sync in flight")
+        self._grads = pseudo_gradient(self.global_params, self.params)
+        self._work = manager.allreduce(self._grads)
+
+    def perform_sync(self, manager: Manager) -> bool:
+        """Wait for the mean pseudo-gradient and apply the outer step; returns whether it was committed."""
+        import torch
+
+        if self._work is None or self._grads is None:
+            raise RuntimeError(f"perform_sync on fragment {self.index} without prepare_sync")
+        work, grads = self._work, self._grads
+        self._work = self._grads = None
+        work.wait()  # raises if the round failed: never fall back to the local pseudo-gradient
+        local = {name: p.detach().clone() for name, p in self.params.items()} if self.alpha > 0 else {}
+        self.restore_parameters()
+        committed = manager.should_commit()
+        if committed:
+            for name, g in self.global_params.items():
+                g.grad = grads[name]
+            self.outer_optimizer.step()  # updates the global copy in place: it *is* the new global
+            self.restore_parameters()
+            if self.alpha > 0:
+                with torch.no_grad():
+                    for name, p in self.params.items():
+                        p.lerp_(local[name], self.alpha)
+        self.outer_optimizer.zero_grad(set_to_none=True)
+        return committed
+
+    def state_dict(self) -> dict[str, Any]:
+        # Copies, not references (torch's state_dict() shares the momentum buffers): the next outer step must
+        # not change a checkpoint already taken.
+        return {
+            "global_params": {name: t.clone() for name, t in self.global_params.items()},
+            "outer_optimizer": copy.deepcopy(self.outer_optimizer.state_dict()),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        import torch
+
+        saved = state["global_params"]
+        if set(saved) != set(self.global_params):
+            raise ValueError(
+                f"fragment {self.index} checkpoint has parameters {sorted(saved)}, "
+                f"the model has {sorted(self.global_params)}"
+            )
+        with torch.no_grad():
+            for name, t in self.global_params.items():
+                if saved[name].shape != t.shape:
+                    raise ValueError(
+                        f"fragment {self.index} checkpoint: {name!r} has shape {tuple(saved[name].shape)}, "
+                        f"the model has {tuple(t.shape)}"
+                    )
+                t.copy_(saved[name])
+        self.outer_optimizer.load_state_dict(copy.deepcopy(state["outer_optimizer"]))
+
+
+# ---------------------------------------------------------------- the outer loop
+class DiLoCo:
+    """Context manager running (Streaming) DiLoCo around an inner optimizer. Build it with
+    ``make_diloco_outer_loop``; see the module docstring for the exact schedule."""
+
+    def __init__(
+        self,
+        *,
+        manager: Manager,
+        model_fragments: Sequence[nn.Module],
+        inner_optimizer: torch.optim.Optimizer,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        nesterov: bool = True,
+        sync_every: int = 500,
+        fragment_sync_delay: int = 0,
+        fragment_update_alpha: float = 0.0,
+    ) -> None:
+        from torch import nn
+
+        fragments = list(model_fragments) if isinstance(model_fragments, Sequence) else []
+        if not fragments or not all(isinstance(m, nn.Module) for m in fragments):
+            raise ValueError("model_fragments must be a non-empty list of nn.Module (e.g. [model])")
+        n = len(fragments)
+        if not isinstance(sync_every, int) or sync_every < 1:
+            raise ValueError(f"sync_every must be an integer >= 1, got {sync_every!r}")
+        if sync_every < n or sync_every % n != 0:
+            raise ValueError(
+                f"sync_every must be a multiple of len(model_fragments)={n} (each fragment syncs every "
+                f"sync_every steps, one fragment per sync_every // {n} steps), got {sync_every}"
+            )
+        self.steps_per_fragment = sync_every // n
+        if not isinstance(fragment_sync_delay, int) or not 0 <= fragment_sync_delay < self.steps_per_fragment:
+            raise ValueError(
+                f"fragment_sync_delay must be an integer in [0, {self.steps_per_fragment - 1}] "
+                f"(below sync_every // len(model_fragments) = {self.steps_per_fragment}), got {fragment_sync_delay!r}"
+            )
+        if not 0.0 <= fragment_update_alpha <= 1.0:
+            raise ValueError(f"fragment_update_alpha must be in [0, 1], got {fragment_update_alpha}")
+        if not outer_lr > 0:
+            raise ValueError(f"outer_lr must be > 0, got {outer_lr}")
+        if not 0.0 <= outer_momentum < 1.0:
+            raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum}")
+        if not callable(getattr(inner_optimizer, "register_step_post_hook", None)):
+            raise ValueError("inner_optimizer must be a torch.optim.Optimizer (it needs register_step_post_hook)")
+        seen: set[int] = set()
+        for i, m in enumerate(fragments):
+            for p in m.parameters():
+                if id(p) in seen:
+                    raise ValueError(f"model_fragments[{i}] shares a parameter with an earlier fragment")
+                seen.add(id(p))
+
+        self.manager = manager
+        self.inner_optimizer = inner_optimizer
+        self.sync_every = sync_every
+        self.fragment_sync_delay = fragment_sync_delay
+        self.fragment_update_alpha = float(fragment_update_alpha)
+        self.local_step = 0
+        self._fragments = [
+            _Fragment(i, m, outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov,
+                      alpha=self.fragment_update_alpha)
+            for i, m in enumerate(fragments)
+        ]
+        self._preparing: int | None = None  # the fragment whose sync is in flight
+        self._hooks: list[RemovableHandle] = []
+
+    # ---------------------------------------------------------------- context manager
+    def __enter__(self) -> DiLoCo:
+        self._hooks.append(self.inner_optimizer.register_step_post_hook(self._step_post_hook))
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        if self._preparing is not None and exc_type is None:
+            logger.warning("leaving DiLoCo with fragment %d's sync in flight; its round is not applied",
+                           self._preparing)
+        return False
+
+    # ---------------------------------------------------------------- schedule
+    @property
+    def num_fragments(self) -> int:
+        return len(self._fragments)
+
+    @property
+    def syncing_fragment(self) -> int | None:
+        """The fragment whose all-reduce is in flight (between prepare_sync and perform_sync), if any."""
+        return self._preparing
+
+    def current_fragment(self) -> int:
+        """The fragment the current round syncs: committed rounds modulo F, so every replica agrees."""
+        return self.manager.current_step() % len(self._fragments)
+
+    def _step_post_hook(self, optimizer: object, args: object, kwargs: object) -> None:
+        try:
+            self.local_step += 1
+            if self.local_step == self.steps_per_fragment - self.fragment_sync_delay:
+                self.prepare_sync()
+            if self.local_step == self.steps_per_fragment:
+                self.perform_sync()
+                self.local_step = 0
+        except Exception as exc:
+            report = getattr(self.manager, "report_error", None)
+            if callable(report):
+                report(exc)
+            raise
+
+    def prepare_sync(self) -> None:
+        """Open a round, choose its fragment and launch the all-reduce of that fragment's pseudo-gradient."""
+        self.manager.start_quorum()
+        fragment = self.current_fragment()
+        logger.debug("prepare_sync fragment=%d local_step=%d", fragment, self.local_step)
+        self._fragments[fragment].prepare_sync(self.manager)
+        self._preparing = fragment
+
+    def perform_sync(self) -> bool:
+        """Wait for the round launched by ``prepare_sync`` and apply the outer step; returns whether committed."""
+        fragment = self._preparing
+        if fragment is None:
+            raise RuntimeError("perform_sync without a prepared fragment")
+        self._preparing = None
+        committed = self._fragments[fragment].perform_sync(self.manager)
+        logger.debug("perform_sync fragment=%d committed=%s step=%d", fragment, committed,
+                     self.manager.current_step())
+        return committed
+
+    # ---------------------------------------------------------------- checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        """Global weights, outer optimizer state (momentum) per fragment, ``local_step`` and the manager's step.
+
+        Take it outside a sync window: a round in flight (between prepare_sync and perform_sync, possible when
+        fragment_sync_delay > 0) cannot be checkpointed.
+        """
+        if self._preparing is not None:
+            raise RuntimeError(
+                f"cannot checkpoint while fragment {self._preparing}'s sync is in flight "
+                f"(local_step {self.local_step}); checkpoint when local_step < "
+                f"{self.steps_per_fragment - self.fragment_sync_delay} or right after a sync"
+            )
+        state: dict[str, Any] = {
+            "local_step": self.local_step,
+            "fragments": [f.state_dict() for f in self._fragments],
+        }
+        manager_state = getattr(self.manager, "state_dict", None)
+        if callable(manager_state):
+            state["manager"] = manager_state()
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what ``state_dict`` saved (the model's own weights are checkpointed separately)."""
+        fragments = state["fragments"]
+        if len(fragments) != len(self._fragments):
+            raise ValueError(f"checkpoint has {len(fragments)} fragments, this DiLoCo has {len(self._fragments)}")
+        local_step = int(state["local_step"])
+        if not 0 <= local_step < self.steps_per_fragment - self.fragment_sync_delay:
+            raise ValueError(f"checkpoint local_step {local_step} is outside [0, "
+                             f"{self.steps_per_fragment - self.fragment_sync_delay})")
+        for fragment, saved in zip(self._fragments, fragments, strict=True):
+            fragment.load_state_dict(saved)
+        self.local_step = local_step
+        if "manager" in state and callable(getattr(self.manager, "load_state_dict", None)):
+            self.manager.load_state_dict(state["manager"])
+
+
+def make_diloco_outer_loop(
+    *,
+    manager: Manager,
+    model_fragments: Sequence[nn.Module],
+    inner_optimizer: torch.optim.Optimizer,
+    outer_lr: float = 0.7,
+    outer_momentum: float = 0.9,
+    nesterov: bool = True,
+    sync_every: int = 500,
+    fragment_sync_delay: int = 0,
+    fragment_update_alpha: float = 0.0,
+) -> DiLoCo:
+    """Build the DiLoCo context manager; use as ``with make_diloco_outer_loop(...): <train as usual>``.
+
+    Raises ``ValueError`` naming the argument when a value is out of range (sync_every >= 1 and a multiple of
+    the number of fragments; 0 <= fragment_sync_delay < sync_every // fragments; 0 <= fragment_update_alpha <= 1;
+    outer_lr > 0; 0 <= outer_momentum < 1). ``nesterov=True`` with ``outer_momentum=0`` is plain SGD.
+    """
+    return DiLoCo(
+        manager=manager,
+        model_fragments=model_fragments,
+        inner_optimizer=inner_optimizer,
+        outer_lr=outer_lr,
+        outer_momentum=outer_momentum,
+        nesterov=nesterov,
+        sync_every=sync_every,
+        fragment_sync_delay=fragment_sync_delay,
+        fragment_update_alpha=fragment_update_alpha,
+    )

@@ -1,0 +1,156 @@
+"""ObjectStore semantics on memory:// and file:// (the S3 conformance runs against a loopback S3 elsewhere)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from fsspec.implementations.memory import MemoryFileSystem
+
+from diloco.errors import ObjectNotFound, StoreError
+from diloco.store import ObjectStore, split_uri
+
+
+@pytest.fixture(autouse=True)
+def _clean_memory_fs() -> Iterator[None]:
+    MemoryFileSystem.store.clear()
+    MemoryFileSystem.pseudo_dirs[:] = [""]
+    yield
+    MemoryFileSystem.store.clear()
+    MemoryFileSystem.pseudo_dirs[:] = [""]
+
+
+@pytest.fixture(params=["memory", "file"])
+def store(request: pytest.FixtureRequest, tmp_path: Any) -> ObjectStore:
+    if request.param == "memory":
+        return ObjectStore(f"memory://bucket-{uuid.uuid4().hex[:8]}/run")
+    return ObjectStore(f"file://{tmp_path}/run")
+
+
+def test_put_get_overwrite(store: ObjectStore) -> None:
+    store.put("a/b.bin", b"one")
+    assert store.get("a/b.bin") == b"one"
+    store.put("a/b.bin", b"two")
+    assert store.get("/a/b.bin/") == b"two"  # surrounding slashes do not matter
+    store.put("empty", b"")
+    assert store.get("empty") == b""
+
+
+def test_get_missing_raises_object_not_found_naming_the_key(store: ObjectStore) -> None:
+    with pytest.raises(ObjectNotFound, match="nope/x") as info:
+        store.get("nope/x")
+    assert isinstance(info.value, FileNotFoundError) and isinstance(info.value, StoreError)
+
+
+def test_exists_sees_objects_not_prefixes(store: ObjectStore) -> None:
+    assert not store.exists("d/x")
+    store.put("d/x", b"1")
+    assert store.exists("d/x")
+    assert not store.exists("d")  # a prefix is not an object
+    store.delete("d/x")
+    assert not store.exists("d/x")
+
+
+def test_list_is_recursive_relative_sorted_and_prefix_filtered(store: ObjectStore) -> None:
+    for key in ["round_000001/rank_0001", "round_000001/rank_0000", "round_000000/rank_0000", "metrics/a.jsonl"]:
+        store.put(key, b"x")
+    assert store.list() == ["metrics/a.jsonl", "round_000000/rank_0000", "round_000001/rank_0000",
+                            "round_000001/rank_0001"]
+    assert store.list("round_000001") == ["round_000001/rank_0000", "round_000001/rank_0001"]
+    assert store.list("missing") == []
+
+
+def test_temporaries_are_never_listed(store: ObjectStore) -> None:
+    store.put("r/rank_0000", b"x")
+    store.put("r/.rank_0001.tmp-abc", b"partial")  # what an in-flight local write looks like
+    assert store.list() == ["r/rank_0000"]
+
+
+def test_local_put_leaves_no_temporary_behind(tmp_path: Any) -> None:
+    store = ObjectStore(f"file://{tmp_path}/run")
+    for i in range(5):
+        store.put("r/obj", bytes([i]) * 1000)
+    assert os.listdir(tmp_path / "run" / "r") == ["obj"]
+
+
+def test_put_is_atomic_for_concurrent_readers(store: ObjectStore) -> None:
+    a, b = b"A" * 400_000, b"B" * 400_000
+    store.put("obj", a)
+    stop = threading.Event()
+    seen: set[bytes] = set()
+    bad: list[int] = []
+
+    def reader() -> None:
+        while not stop.is_set():
+            data = store.get("obj")
+            if data not in (a, b):
+                bad.append(len(data))
+            seen.add(data[:1])
+
+    t = threading.Thread(target=reader, daemon=True)
+    t.start()
+    for i in range(30):
+        store.put("obj", b if i % 2 == 0 else a)
+    stop.set()
+    t.join(10)
+    assert bad == [], "a reader saw a partial object"
+    assert seen <= {b"A", b"B"}
+
+
+def test_put_if_absent_creates_exactly_once_under_a_race(store: ObjectStore) -> None:
+    n, races = 8, 20
+    old_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible: a check-then-write race shows up
+    try:
+        for race in range(races):
+            barrier = threading.Barrier(n)
+            wins: list[int] = []
+
+            def contender(i: int, key: str, barrier: threading.Barrier, wins: list[int]) -> None:
+                barrier.wait()
+                if store.put_if_absent(key, f"writer-{i}".encode()):
+                    wins.append(i)
+
+            threads = [threading.Thread(target=contender, args=(i, f"manifest-{race}", barrier, wins))
+                       for i in range(n)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(10)
+            assert len(wins) == 1, f"race {race}: winners {wins}"
+            assert store.get(f"manifest-{race}") == f"writer-{wins[0]}".encode()
+    finally:
+        sys.setswitchinterval(old_interval)
+    assert store.put_if_absent("manifest-0", b"late") is False
+    assert store.get("manifest-0") != b"late"
+
+
+def test_delete_is_idempotent_and_delete_prefix_is_scoped(store: ObjectStore) -> None:
+    for key in ["round_000000/a", "round_000000/b", "round_0000001/a", "other"]:
+        store.put(key, b"x")
+    store.delete("other")
+    store.delete("other")  # already gone: fine
+    store.delete_prefix("round_000000")
+    assert store.list() == ["round_0000001/a"]  # a sibling sharing the name's start survives
+    store.delete_prefix("nothing/here")
+
+
+def test_child_store_and_urls(store: ObjectStore) -> None:
+    child = store.child("runs/abc")
+    child.put("config.json", b"{}")
+    assert store.get("runs/abc/config.json") == b"{}"
+    assert child.list() == ["config.json"]
+    assert child.url("config.json") == store.url("runs/abc/config.json")
+    assert store.url().startswith(store.protocol + "://")
+
+
+def test_split_uri() -> None:
+    assert split_uri("s3://bucket/prefix") == ("s3", "bucket/prefix")
+    assert split_uri("memory://x/y") == ("memory", "x/y")
+    proto, path = split_uri("relative/dir")
+    assert proto == "file" and os.path.isabs(path)
