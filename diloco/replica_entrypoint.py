@@ -1,0 +1,329 @@
+"""``python -m diloco.replica_entrypoint``: what every replica job runs, on every backend.
+
+It resolves who this replica is, builds the object-store all-reduce and its manager, imports the trainer and
+calls it with ``manager=``, ``rank=`` and ``world_size=`` injected next to the user's kwargs.
+
+Where the values come from (an explicit flag always wins over the environment):
+
+* rank: ``--rank``, else ``REPLICA_RANK`` (set by every diloco backend), else ``JOB_COMPLETION_INDEX``
+  (Kubernetes Indexed Jobs);
+* world size: ``--world-size``, else ``WORLD_SIZE``; rendezvous: ``--rendezvous``, else ``RENDEZVOUS_URI``;
+* trainer: ``--trainer module:fn`` or ``--trainer-module``/``--trainer-fn`` (default ``diloco.trainer:diloco_train``).
+
+Exit codes: 0 success; 1 the training failed (one line ``diloco: error: ...`` on stderr; the traceback too when
+``DILOCO_DEBUG=1``; an all-reduce timeout names the round and the missing ranks); 2 bad arguments or environment
+(one line naming the value and the fix, nothing trained); 143 on SIGTERM and 130 on SIGINT (prompt exit, so a
+backend's stop request does not wait out a poll loop).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import logging
+import os
+import signal
+import sys
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+from diloco import envvars
+from diloco.errors import AllReduceTimeout, ConfigError
+
+DEFAULT_TRAINER = "diloco.trainer:diloco_train"
+INJECTED = ("manager", "rank", "world_size")
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_SIGINT, EXIT_SIGTERM = 130, 143
+
+log = logging.getLogger("diloco.replica")
+
+
+class UsageError(Exception):
+    """Bad arguments or environment: printed as one line, exit 2."""
+
+    def __init__(self, what: str, fix: str) -> None:
+        super().__init__(f"{what} ({fix})")
+
+
+class Terminated(BaseException):
+    """Raised in the main thread by the SIGTERM handler; a BaseException so trainers' ``except Exception``
+    blocks do not swallow a stop request."""
+
+
+@dataclass(frozen=True)
+class ReplicaArgs:
+    """The fully resolved, validated inputs of one replica."""
+
+    rendezvous: str
+    world_size: int
+    rank: int
+    trainer_module: str
+    trainer_fn: str
+    trainer_kwargs: dict[str, Any] = field(default_factory=dict)
+    timeout_s: float = 1800.0
+    poll_interval_s: float = 1.0
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises instead of printing usage and exiting, so every error is our one line."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message, "see python -m diloco.replica_entrypoint --help")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m diloco.replica_entrypoint",
+                description="Run one DiLoCo replica: all-reduce through an object store, then the trainer.")
+    p.add_argument("--rendezvous", metavar="URI", help=f"rendezvous store root (else ${envvars.RENDEZVOUS_URI})")
+    p.add_argument("--world-size", metavar="N", help=f"number of replicas (else ${envvars.WORLD_SIZE})")
+    p.add_argument("--rank", metavar="R", help=f"this replica's rank (else ${envvars.REPLICA_RANK}, "
+                                               f"else ${envvars.JOB_COMPLETION_INDEX})")
+    p.add_argument("--trainer", metavar="MODULE:FN", help=f"trainer function (default {DEFAULT_TRAINER})")
+    p.add_argument("--trainer-module", metavar="MODULE", help="trainer module (with --trainer-fn)")
+    p.add_argument("--trainer-fn", metavar="FN", help="trainer function name in --trainer-module")
+    p.add_argument("--trainer-kwargs-json", metavar="JSON", default="{}",
+                   help="JSON object of keyword arguments for the trainer")
+    p.add_argument("--timeout", metavar="S", default="1800", help="all-reduce wait per round, seconds")
+    p.add_argument("--poll-interval", metavar="S", default="1.0", help="all-reduce poll interval, seconds")
+    return p
+
+
+def resolve_args(argv: list[str], env: Mapping[str, str]) -> ReplicaArgs:
+    """Parse ``argv`` and fill gaps from ``env``; ``UsageError`` names the first bad value and its fix."""
+    ns = build_parser().parse_args(argv)
+    rendezvous = ns.rendezvous or env.get(envvars.RENDEZVOUS_URI) or ""
+    if not rendezvous.strip():
+        raise UsageError("no rendezvous URI", f"pass --rendezvous URI or set {envvars.RENDEZVOUS_URI}")
+
+    world_size = _int_from("--world-size", ns.world_size, env, [envvars.WORLD_SIZE])
+    if world_size is None:
+        raise UsageError("no world size", f"pass --world-size N or set {envvars.WORLD_SIZE}")
+    if world_size < 1:
+        raise UsageError(f"world size is {world_size}", "it must be >= 1")
+    rank = _int_from("--rank", ns.rank, env, [envvars.REPLICA_RANK, envvars.JOB_COMPLETION_INDEX])
+    if rank is None:
+        raise UsageError("no rank", f"pass --rank R or set {envvars.REPLICA_RANK} or {envvars.JOB_COMPLETION_INDEX}")
+    if not 0 <= rank < world_size:
+        raise UsageError(f"rank {rank} is outside the world of size {world_size}",
+                         f"rank must be in 0..{world_size - 1}")
+
+    module, fn = _trainer(ns.trainer, ns.trainer_module, ns.trainer_fn)
+    kwargs = _kwargs(ns.trainer_kwargs_json)
+    timeout_s = _positive_float("--timeout", ns.timeout)
+    poll_s = _positive_float("--poll-interval", ns.poll_interval)
+    return ReplicaArgs(rendezvous=rendezvous, world_size=world_size, rank=rank, trainer_module=module,
+                       trainer_fn=fn, trainer_kwargs=kwargs, timeout_s=timeout_s, poll_interval_s=poll_s)
+
+
+def _int_from(flag: str, value: str | None, env: Mapping[str, str], names: list[str]) -> int | None:
+    """The flag's value, else the first set environment variable among ``names``, as an int (or None)."""
+    sources = [(flag, value)] + [(n, env.get(n)) for n in names]
+    for source, raw in sources:
+        if raw is None or raw.strip() == "":
+            continue
+        try:
+            return int(raw.strip())
+        except ValueError:
+            raise UsageError(f"{source}={raw!r} is not an integer", f"set {source} to a whole number") from None
+    return None
+
+
+def _positive_float(flag: str, raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise UsageError(f"{flag}={raw!r} is not a number", f"pass {flag} in seconds, e.g. {flag} 60") from None
+    if not value > 0:
+        raise UsageError(f"{flag} is {raw}", f"{flag} must be > 0 seconds")
+    return value
+
+
+def _trainer(spec: str | None, module: str | None, fn: str | None) -> tuple[str, str]:
+    """``--trainer M:F`` or ``--trainer-module``/``--trainer-fn``; both given must agree."""
+    if spec is not None:
+        if spec.count(":") != 1 or not all(spec.split(":")):
+            raise UsageError(f"--trainer={spec!r} is not MODULE:FN", "e.g. --trainer diloco.trainer:diloco_train")
+        s_module, s_fn = spec.split(":")
+        if (module and module != s_module) or (fn and fn != s_fn):
+            raise UsageError(f"--trainer {spec} disagrees with --trainer-module/--trainer-fn",
+                             "pass only one of the two forms")
+        return s_module, s_fn
+    d_module, d_fn = DEFAULT_TRAINER.split(":")
+    if module and not fn and module != d_module:
+        raise UsageError(f"--trainer-module {module} without --trainer-fn", "pass --trainer-fn FN too")
+    return module or d_module, fn or d_fn
+
+
+def _kwargs(text: str) -> dict[str, Any]:
+    try:
+        kwargs = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--trainer-kwargs-json is not valid JSON: {exc}",
+                         "pass a JSON object, e.g. '{\"total_steps\": 100}'") from None
+    if not isinstance(kwargs, dict):
+        raise UsageError(f"--trainer-kwargs-json is a JSON {type(kwargs).__name__}, not an object",
+                         "pass a JSON object, e.g. '{\"total_steps\": 100}'")
+    clash = sorted(set(kwargs) & set(INJECTED))
+    if clash:
+        raise UsageError(f"--trainer-kwargs-json sets {', '.join(clash)}, which the entrypoint injects",
+                         f"remove {', '.join(clash)} from the trainer kwargs")
+    return kwargs
+
+
+def load_trainer(args: ReplicaArgs) -> Callable[..., Any]:
+    """Import the trainer and check the kwargs bind to its signature, before any store traffic."""
+    try:
+        mod = importlib.import_module(args.trainer_module)
+    except ModuleNotFoundError as exc:
+        if exc.name and (args.trainer_module == exc.name or args.trainer_module.startswith(exc.name + ".")):
+            raise UsageError(f"trainer module {args.trainer_module!r} not found",
+                             "check --trainer-module and that it is installed in this image") from None
+        raise UsageError(f"trainer module {args.trainer_module!r} failed to import: {exc}",
+                         "install the module it needs in this image") from None
+    except ImportError as exc:
+        raise UsageError(f"trainer module {args.trainer_module!r} failed to import: {exc}",
+                         "install the module it needs in this image") from None
+    fn = getattr(mod, args.trainer_fn, None)
+    if not callable(fn):
+        raise UsageError(f"trainer module {args.trainer_module!r} has no function {args.trainer_fn!r}",
+                         "check --trainer-fn")
+    try:
+        inspect.signature(fn).bind(**dict.fromkeys(INJECTED), **args.trainer_kwargs)
+    except TypeError as exc:
+        raise UsageError(f"trainer kwargs do not fit {args.trainer_module}:{args.trainer_fn}: {exc}",
+                         "fix --trainer-kwargs-json") from None
+    except ValueError:  # no signature available (a builtin): let the call decide
+        pass
+    return fn
+
+
+def setup_logging(rank: int) -> Callable[[], None]:
+    """``[rank R]``-prefixed, line-buffered logs: info on stdout, warnings and errors on stderr.
+
+    Returns a function that puts the ``diloco`` logger back as it was (``main`` may run inside a test process).
+    """
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(line_buffering=True)
+    fmt = logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
+    out = logging.StreamHandler(sys.stdout)
+    out.addFilter(lambda record: record.levelno < logging.WARNING)
+    err = logging.StreamHandler(sys.stderr)
+    err.setLevel(logging.WARNING)
+    root = logging.getLogger("diloco")
+    saved = (root.level, root.propagate)
+    for h in (out, err):
+        h.setFormatter(fmt)
+        root.addHandler(h)
+    root.setLevel(logging.INFO)
+    root.propagate = False
+
+    def restore() -> None:
+        for h in (out, err):
+            root.removeHandler(h)
+        root.setLevel(saved[0])
+        root.propagate = saved[1]
+
+    return restore
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
+def _error(message: str) -> None:
+    sys.stderr.write(f"diloco: error: {' '.join(message.split())}\n")
+    sys.stderr.flush()
+
+
+def _find_timeout(exc: BaseException) -> AllReduceTimeout | None:
+    """The ``AllReduceTimeout`` behind ``exc``, if any (the outer loop may wrap it)."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, AllReduceTimeout):
+            return cur
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return None
+
+
+def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) -> int:
+    """Run one replica; returns the exit code (see the module docstring)."""
+    env = os.environ if env is None else env
+    debug = env.get(envvars.DILOCO_DEBUG, "") not in ("", "0")
+    try:
+        args = resolve_args(sys.argv[1:] if argv is None else argv, env)
+        trainer = load_trainer(args)
+    except UsageError as exc:
+        _error(str(exc))
+        return EXIT_USAGE
+    except SystemExit as exc:  # --help
+        return exc.code if isinstance(exc.code, int) else EXIT_OK
+
+    restore_logging = setup_logging(args.rank)
+    allreduce = None
+    stopping = False
+    previous = None
+    if _in_main_thread():
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        from diloco.allreduce import ObjectStoreAllReduce
+        from diloco.manager import ObjectStoreManager
+
+        allreduce = ObjectStoreAllReduce(args.rendezvous, args.rank, args.world_size,
+                                         timeout_s=args.timeout_s, poll_interval_s=args.poll_interval_s)
+        manager = ObjectStoreManager(allreduce)
+        log.info("replica %d/%d, rendezvous %s, trainer %s:%s", args.rank, args.world_size, args.rendezvous,
+                 args.trainer_module, args.trainer_fn)
+        trainer(manager=manager, rank=args.rank, world_size=args.world_size, **args.trainer_kwargs)
+        log.info("replica %d finished", args.rank)
+    except Terminated:
+        stopping = True
+        _error(f"rank {args.rank}: stopped by SIGTERM")
+        return EXIT_SIGTERM
+    except KeyboardInterrupt:
+        stopping = True
+        _error(f"rank {args.rank}: interrupted")
+        return EXIT_SIGINT
+    except ConfigError as exc:
+        _error(f"{exc} ({exc.hint or 'fix the value named above and relaunch'})")
+        return EXIT_USAGE
+    except Exception as exc:  # noqa: BLE001 - the one place a replica's failure becomes an exit code
+        if debug:
+            traceback.print_exc(file=sys.stderr)
+        timeout = _find_timeout(exc)
+        if timeout is not None:
+            _error(f"rank {args.rank}: {timeout} ({timeout.hint})")
+        else:
+            hint = getattr(exc, "hint", None) or f"set {envvars.DILOCO_DEBUG}=1 for the traceback"
+            _error(f"rank {args.rank}: {type(exc).__name__}: {exc} ({hint})")
+        return EXIT_FAILED
+    finally:
+        if allreduce is not None and not stopping:
+            allreduce.close()  # waits for an upload in flight; skipped when asked to stop promptly
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+        restore_logging()
+    return EXIT_OK
+
+
+def _in_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code != EXIT_OK:
+        # A failed or stopped replica may leave an all-reduce upload thread behind; do not wait for it.
+        logging.shutdown()
+        os._exit(code)
+    sys.exit(code)

@@ -1,0 +1,251 @@
+"""The replica entrypoint: where rank, world size and rendezvous come from, and how each failure exits.
+
+Run both in process (``main(argv, env)``) and as real ``python -m diloco.replica_entrypoint`` subprocesses. The
+trainers are real functions in a module written to ``tmp_path`` (``python -m`` puts its cwd on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+
+import pytest
+
+from diloco import envvars
+from diloco.replica_entrypoint import DEFAULT_TRAINER, UsageError, main, resolve_args
+from diloco.store import ObjectStore
+
+PROBE = textwrap.dedent('''
+    """Trainers for the entrypoint tests."""
+    import json
+    import time
+
+
+    def record(*, manager, rank, world_size, **kwargs):
+        """Write what was injected to the store, and log a line."""
+        import logging
+        logging.getLogger("diloco.probe").info("probe rank %d running", rank)
+        seen = {"rank": rank, "world_size": world_size, "kwargs": kwargs,
+                "manager": [manager.rank, manager.world_size]}
+        manager.store.put(f"probe/rank_{rank}.json", json.dumps(seen).encode())
+
+
+    def fail(*, manager, rank, world_size):
+        raise RuntimeError("boom from the trainer")
+
+
+    def exchange(*, manager, rank, world_size):
+        """One all-reduce round: times out when a peer never shows up."""
+        import torch
+        manager.allreduce([torch.zeros(2)]).wait()
+
+
+    def sleep(*, manager, rank, world_size, marker):
+        open(marker, "w").close()
+        time.sleep(120)
+''')
+
+CLEARED = (envvars.REPLICA_RANK, envvars.WORLD_SIZE, envvars.RENDEZVOUS_URI, envvars.JOB_COMPLETION_INDEX,
+           envvars.DILOCO_DEBUG, envvars.SM_MODEL_DIR)
+
+
+@pytest.fixture
+def probe_dir(tmp_path, monkeypatch):
+    """A directory holding ``probe_trainer.py``, importable in process and by subprocesses run there."""
+    (tmp_path / "probe_trainer.py").write_text(PROBE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in CLEARED}
+    env.update(extra)
+    return env
+
+
+def _uri() -> str:
+    return f"memory://entrypoint-{uuid.uuid4().hex}"
+
+
+def _run(args: list[str], cwd, env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "diloco.replica_entrypoint", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _one_error_line(stderr: str) -> str:
+    """Usage errors: stderr is exactly one line (nothing ran, nothing logged)."""
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, stderr
+    return _final_error_line(stderr)
+
+
+def _final_error_line(stderr: str) -> str:
+    """Failures: warnings may be logged first, but exactly one ``diloco: error:`` line ends stderr."""
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert [line for line in lines if line.startswith("diloco: error: ")] == lines[-1:], stderr
+    assert "Traceback" not in stderr
+    return lines[-1]
+
+
+# ---------------------------------------------------------------------------------------------- resolution
+@pytest.mark.parametrize("argv, env, rank", [
+    (["--rank", "2"], {envvars.REPLICA_RANK: "1", envvars.JOB_COMPLETION_INDEX: "0"}, 2),
+    ([], {envvars.REPLICA_RANK: "1", envvars.JOB_COMPLETION_INDEX: "0"}, 1),
+    ([], {envvars.JOB_COMPLETION_INDEX: "3"}, 3),
+    ([], {envvars.REPLICA_RANK: "", envvars.JOB_COMPLETION_INDEX: " 2 "}, 2),  # empty means unset
+])
+def test_rank_precedence_flag_then_replica_rank_then_job_completion_index(argv, env, rank) -> None:
+    args = resolve_args(["--rendezvous", "memory://x", "--world-size", "4", *argv], env)
+    assert args.rank == rank
+
+
+def test_world_size_and_rendezvous_from_env_and_flags_win() -> None:
+    env = {envvars.WORLD_SIZE: "3", envvars.RENDEZVOUS_URI: "file:///tmp/env-rdv", envvars.REPLICA_RANK: "2"}
+    args = resolve_args([], env)
+    assert (args.world_size, args.rendezvous, args.rank) == (3, "file:///tmp/env-rdv", 2)
+    args = resolve_args(["--world-size", "5", "--rendezvous", "memory://flag", "--rank", "4"], env)
+    assert (args.world_size, args.rendezvous, args.rank) == (5, "memory://flag", 4)
+
+
+def test_trainer_forms_and_defaults() -> None:
+    base = ["--rendezvous", "memory://x", "--world-size", "1", "--rank", "0"]
+    a = resolve_args(base, {})
+    assert f"{a.trainer_module}:{a.trainer_fn}" == DEFAULT_TRAINER
+    assert (a.trainer_kwargs, a.timeout_s, a.poll_interval_s) == ({}, 1800.0, 1.0)
+    b = resolve_args([*base, "--trainer", "pkg.mod:fn", "--trainer-kwargs-json", '{"x": 1}', "--timeout", "5",
+                      "--poll-interval", "0.25"], {})
+    assert (b.trainer_module, b.trainer_fn, b.trainer_kwargs, b.timeout_s, b.poll_interval_s) == (
+        "pkg.mod", "fn", {"x": 1}, 5.0, 0.25)
+    c = resolve_args([*base, "--trainer-module", "pkg.mod", "--trainer-fn", "fn"], {})
+    assert (c.trainer_module, c.trainer_fn) == ("pkg.mod", "fn")
+    with pytest.raises(UsageError, match="disagrees"):
+        resolve_args([*base, "--trainer", "pkg.mod:fn", "--trainer-fn", "other"], {})
+
+
+# ---------------------------------------------------------------------------------------------- usage errors
+BASE = ["--rendezvous", "memory://usage", "--world-size", "2"]
+
+
+@pytest.mark.parametrize("argv, env, needle", [
+    ([*BASE, "--rank", "2"], {}, "rank 2 is outside the world of size 2"),
+    ([*BASE, "--rank", "-1"], {}, "rank -1 is outside"),
+    (BASE, {envvars.REPLICA_RANK: "abc"}, "REPLICA_RANK='abc' is not an integer"),
+    (["--rendezvous", "memory://x", "--rank", "0"], {envvars.WORLD_SIZE: "two"}, "WORLD_SIZE='two'"),
+    (["--rendezvous", "memory://x", "--rank", "0"], {}, "no world size"),
+    (BASE, {}, "no rank"),
+    (["--world-size", "2", "--rank", "0"], {}, "no rendezvous URI"),
+    ([*BASE, "--rank", "0", "--trainer-module", "no_such_module_xyz", "--trainer-fn", "f"], {},
+     "trainer module 'no_such_module_xyz' not found"),
+    ([*BASE, "--rank", "0", "--trainer", "diloco.trainer:nope"], {}, "has no function 'nope'"),
+    ([*BASE, "--rank", "0", "--trainer", "no_colon"], {}, "--trainer='no_colon' is not MODULE:FN"),
+    ([*BASE, "--rank", "0", "--trainer-kwargs-json", "{oops"], {}, "--trainer-kwargs-json is not valid JSON"),
+    ([*BASE, "--rank", "0", "--trainer-kwargs-json", "[1]"], {}, "is a JSON list, not an object"),
+    ([*BASE, "--rank", "0", "--trainer-kwargs-json", '{"rank": 1}'], {}, "sets rank, which the entrypoint"),
+    ([*BASE, "--rank", "0", "--trainer-kwargs-json", '{"learning_rate": 1}'], {}, "learning_rate"),
+    ([*BASE, "--rank", "0", "--timeout", "0"], {}, "--timeout"),
+    ([*BASE, "--rank", "0", "--bogus"], {}, "unrecognized arguments: --bogus"),
+])
+def test_usage_errors_exit_2_with_one_line_naming_the_field(argv, env, needle, capsys) -> None:
+    assert main(argv, env) == 2
+    err = capsys.readouterr().err
+    line = _one_error_line(err)
+    assert needle in line
+    assert line.endswith(")"), line  # "<what> (<fix>)"
+
+
+def test_trainer_config_error_exits_2(capsys) -> None:
+    argv = ["--rendezvous", _uri(), "--world-size", "1", "--rank", "0",
+            "--trainer-kwargs-json", '{"total_steps": 61, "sync_every": 20}']
+    assert main(argv, {}) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "total_steps (61) must be a multiple of sync_every (20)" in line
+
+
+# ---------------------------------------------------------------------------------------------- in process
+def test_trainer_gets_the_injected_values_and_kwargs(probe_dir, capsys) -> None:
+    uri = _uri()
+    argv = ["--rendezvous", uri, "--trainer", "probe_trainer:record", "--trainer-kwargs-json", '{"alpha": [1, 2]}']
+    assert main(argv, {envvars.WORLD_SIZE: "3", envvars.JOB_COMPLETION_INDEX: "1"}) == 0
+    seen = json.loads(ObjectStore(uri).get("probe/rank_1.json"))
+    assert seen == {"rank": 1, "world_size": 3, "kwargs": {"alpha": [1, 2]}, "manager": [1, 3]}
+    assert "[rank 1]" in capsys.readouterr().out
+    # main() leaves the process's logging and signal handling as it found them.
+    assert logging.getLogger("diloco").propagate
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_all_reduce_timeout_names_round_and_missing_rank(probe_dir, capsys) -> None:
+    argv = ["--rendezvous", _uri(), "--world-size", "2", "--rank", "0", "--trainer", "probe_trainer:exchange",
+            "--timeout", "0.5", "--poll-interval", "0.05"]
+    assert main(argv, {}) == 1
+    line = _final_error_line(capsys.readouterr().err)
+    assert "rank 0:" in line and "round 0" in line and "rank(s) 1" in line
+
+
+def test_training_failure_exits_1_with_traceback_only_under_debug(probe_dir, capsys) -> None:
+    argv = ["--rendezvous", _uri(), "--world-size", "1", "--rank", "0", "--trainer", "probe_trainer:fail"]
+    assert main(argv, {}) == 1
+    line = _final_error_line(capsys.readouterr().err)
+    assert "RuntimeError: boom from the trainer" in line and "DILOCO_DEBUG=1" in line
+    assert main(argv, {envvars.DILOCO_DEBUG: "1"}) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and 'raise RuntimeError("boom from the trainer")' in err
+    assert err.rstrip().splitlines()[-1].startswith("diloco: error: rank 0: RuntimeError")
+
+
+# ---------------------------------------------------------------------------------------------- subprocesses
+def test_subprocess_usage_errors_are_one_line_without_traceback(tmp_path) -> None:
+    r = _run(["--rendezvous", f"file://{tmp_path}/rdv", "--world-size", "2", "--trainer",
+              "no_such_module_xyz:train"], tmp_path, _env(REPLICA_RANK="0"))
+    assert r.returncode == 2
+    assert "no_such_module_xyz" in _one_error_line(r.stderr)
+    r = _run(["--rendezvous", f"file://{tmp_path}/rdv"], tmp_path, _env(REPLICA_RANK="3", WORLD_SIZE="3"))
+    assert r.returncode == 2
+    assert "rank 3 is outside the world of size 3" in _one_error_line(r.stderr)
+    assert not (tmp_path / "rdv").exists()  # nothing was written
+
+
+def test_subprocess_runs_the_trainer_with_env_rank(probe_dir) -> None:
+    uri = f"file://{probe_dir}/rdv"
+    r = _run(["--trainer-module", "probe_trainer", "--trainer-fn", "record", "--trainer-kwargs-json", "{}"],
+             probe_dir, _env(RENDEZVOUS_URI=uri, WORLD_SIZE="2", JOB_COMPLETION_INDEX="1"))
+    assert r.returncode == 0, r.stderr
+    assert json.loads(ObjectStore(uri).get("probe/rank_1.json"))["rank"] == 1
+    assert "[rank 1]" in r.stdout and "probe rank 1 running" in r.stdout
+
+
+def test_subprocess_training_failure_exits_1(probe_dir) -> None:
+    r = _run(["--rendezvous", f"file://{probe_dir}/rdv", "--world-size", "1", "--trainer",
+              "probe_trainer:fail"], probe_dir, _env(REPLICA_RANK="0"))
+    assert r.returncode == 1
+    assert "RuntimeError: boom from the trainer" in _final_error_line(r.stderr)
+
+
+def test_sigterm_stops_the_replica_promptly_with_143(probe_dir) -> None:
+    marker = probe_dir / "started"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "diloco.replica_entrypoint", "--rendezvous", f"file://{probe_dir}/rdv",
+         "--world-size", "1", "--trainer", "probe_trainer:sleep",
+         "--trainer-kwargs-json", json.dumps({"marker": str(marker)})],
+        cwd=probe_dir, env=_env(REPLICA_RANK="0"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60  # a guard against hanging, not a speed assertion
+        while not marker.exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the trainer never started"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)  # the trainer sleeps 120 s: returning at all proves promptness
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 143
+    assert "stopped by SIGTERM" in _final_error_line(err)
