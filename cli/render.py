@@ -27,14 +27,23 @@ def _no_color() -> bool:
     return bool(os.environ.get("NO_COLOR"))
 
 
+def _width(stream: Any) -> int | None:
+    """Rich's own width on a terminal (or with ``COLUMNS``); piped output is not cut to 80 columns."""
+    if os.environ.get("COLUMNS") or (hasattr(stream, "isatty") and stream.isatty()):
+        return None
+    return 200
+
+
 def stdout_console() -> Console:
     """Console for data. Built per call so tests capturing ``sys.stdout`` see the output."""
-    return Console(file=sys.stdout, no_color=_no_color(), highlight=False, soft_wrap=True)
+    return Console(file=sys.stdout, no_color=_no_color(), highlight=False, soft_wrap=True,
+                   width=_width(sys.stdout))
 
 
 def stderr_console() -> Console:
     """Console for narration, progress and errors; markup off so user data in brackets stays literal."""
-    return Console(file=sys.stderr, no_color=_no_color(), highlight=False, markup=False, soft_wrap=True)
+    return Console(file=sys.stderr, no_color=_no_color(), highlight=False, markup=False, soft_wrap=True,
+                   width=_width(sys.stderr))
 
 
 def say(message: str) -> None:

@@ -1,0 +1,54 @@
+"""How long the CLI takes to start: ``diloco --help`` and ``diloco status`` next to ``python -c pass``.
+
+Not a test (timings depend on the machine): ``python bench/cli_startup.py [-n RUNS]`` prints the median and the
+best of N runs of each command, in a small table. ``diloco status`` runs against an empty, temporary
+``DILOCO_HOME`` so it measures start-up plus the registry lookup, not a backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def time_command(argv: list[str], runs: int, env: dict[str, str]) -> list[float]:
+    """Wall-clock seconds of ``runs`` executions of ``argv`` (after one warm-up run for the file cache)."""
+    subprocess.run(argv, env=env, capture_output=True)
+    samples = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        subprocess.run(argv, env=env, capture_output=True)
+        samples.append(time.perf_counter() - start)
+    return samples
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-n", "--runs", type=int, default=10, help="runs per command (default 10)")
+    args = parser.parse_args()
+    diloco = str(Path(sys.executable).with_name("diloco"))
+    with tempfile.TemporaryDirectory() as home:
+        env = {**os.environ, "DILOCO_HOME": home}
+        commands = {
+            "python -c pass": [sys.executable, "-c", "pass"],
+            "python -c 'import torch'": [sys.executable, "-c", "import torch"],
+            "diloco --help": [diloco, "--help"],
+            "diloco status": [diloco, "status"],
+        }
+        rows = [(name, time_command(argv, args.runs, env)) for name, argv in commands.items()]
+    base = statistics.median(rows[0][1])
+    print(f"{'command':<28} {'median s':>9} {'best s':>8} {'over python':>12}   ({args.runs} runs each)")
+    for name, samples in rows:
+        med = statistics.median(samples)
+        print(f"{name:<28} {med:>9.3f} {min(samples):>8.3f} {med - base:>+12.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

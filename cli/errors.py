@@ -1,0 +1,94 @@
+"""The one place an exception becomes a message, a hint and an exit code.
+
+Every command body runs inside ``handled()``. Output is one line on stderr, ``diloco: error: <message> (<hint>)``
+(the replica entrypoint's format too); the traceback only with ``DILOCO_DEBUG=1``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import typer
+from diloco.cli import exit_codes
+
+from diloco import envvars
+from diloco.errors import (
+    AllReduceTimeout,
+    BackendError,
+    ConfigError,
+    DilocoError,
+    RunNotFound,
+    StoreError,
+)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: Most specific first: the first matching type decides the exit code.
+ERROR_EXIT_CODES: list[tuple[type[BaseException], int]] = [
+    (ConfigError, exit_codes.USAGE),
+    (RunNotFound, exit_codes.USAGE),
+    (AllReduceTimeout, exit_codes.FAILED),
+    (StoreError, exit_codes.FAILED),
+    (BackendError, exit_codes.FAILED),
+    (DilocoError, exit_codes.FAILED),
+]
+
+
+def debug_enabled() -> bool:
+    return os.environ.get(envvars.DILOCO_DEBUG, "") not in ("", "0")
+
+
+def error_line(message: str) -> None:
+    """``diloco: error: ...`` on stderr, collapsed to one line."""
+    sys.stderr.write(f"diloco: error: {' '.join(str(message).split())}\n")
+    sys.stderr.flush()
+
+
+def exit_code_for(exc: BaseException) -> int:
+    for cls, code in ERROR_EXIT_CODES:
+        if isinstance(exc, cls):
+            return code
+    return exit_codes.FAILED
+
+
+def report(exc: BaseException) -> int:
+    """Print ``exc`` the documented way and return its exit code."""
+    if debug_enabled():
+        traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+    if isinstance(exc, DilocoError):
+        error_line(f"{exc} ({exc.hint})" if exc.hint else str(exc))
+    else:
+        hint = "" if debug_enabled() else f" (set {envvars.DILOCO_DEBUG}=1 for the traceback)"
+        error_line(f"internal error: {type(exc).__name__}: {exc}{hint}")
+    return exit_code_for(exc)
+
+
+@contextmanager
+def handled() -> Iterator[None]:
+    """Turn any exception from a command body into its documented message and exit code."""
+    try:
+        yield
+    except (typer.Exit, typer.Abort, SystemExit):
+        raise
+    except KeyboardInterrupt:
+        sys.stderr.write("\ninterrupted\n")
+        raise typer.Exit(exit_codes.INTERRUPTED) from None
+    except Exception as exc:  # noqa: BLE001 - this is the one place errors are mapped
+        raise typer.Exit(report(exc)) from None
+
+
+def command(fn: F) -> F:
+    """Decorator form of ``handled`` for Typer commands (keeps the signature Typer reads)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with handled():
+            return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]

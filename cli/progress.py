@@ -1,0 +1,67 @@
+"""Progress while a command waits on a run, always on stderr.
+
+On a terminal: a live Rich table (per replica: state, step/total, round, train/eval loss, tokens/s). Anywhere
+else (CI logs, pipes): one plain line per replica whenever its state or step changes, so the log stays short
+and greppable.
+"""
+
+from __future__ import annotations
+
+import sys
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+from diloco.cli.render import stderr_console
+from diloco.cli.views import fmt_loss, fmt_num, fmt_step, replica_table
+
+if TYPE_CHECKING:
+    from rich.live import Live
+
+    from diloco.orchestrate import RunReport
+
+
+class RunProgress:
+    """``with RunProgress(run_id) as p: p.update(report)``; ``note(text)`` prints narration above the table."""
+
+    def __init__(self, run_id: str, *, interactive: bool | None = None) -> None:
+        self.run_id = run_id
+        self.interactive = sys.stderr.isatty() if interactive is None else interactive
+        self.console = stderr_console()
+        self._live: Live | None = None
+        self._seen: dict[int, tuple[str, int | None]] = {}
+
+    def __enter__(self) -> RunProgress:
+        if self.interactive:
+            from rich.live import Live
+
+            self._live = Live(console=self.console, refresh_per_second=4, transient=False)
+            self._live.__enter__()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if self._live is not None:
+            self._live.__exit__(exc_type, exc, tb)
+            self._live = None
+
+    def note(self, text: str) -> None:
+        self.console.print(text)
+
+    def update(self, report: RunReport) -> None:
+        if self._live is not None:
+            self._live.update(replica_table(report, title=f"{report.run_id}: {report.state.value}"))
+            return
+        for rep in report.replicas:
+            key = (rep.state.value, rep.step)
+            if self._seen.get(rep.rank) == key:
+                continue
+            self._seen[rep.rank] = key
+            parts = [f"[r{rep.rank}] {rep.state.value}"]
+            if rep.step is not None:
+                parts.append(f"step {fmt_step(rep)}")
+                parts.append(f"round {rep.round}")
+                parts.append(f"train {fmt_loss(rep.train_loss)}")
+                parts.append(f"eval {fmt_loss(rep.eval_loss)}")
+                if rep.tokens_per_s:
+                    parts.append(f"{fmt_num(rep.tokens_per_s)} tok/s")
+            self.console.print("  ".join(parts))

@@ -1,0 +1,358 @@
+"""Run configuration: pydantic models are the single source of truth for every knob and its default.
+
+Precedence, lowest first: the defaults below < the YAML file (``--config``) < named CLI flags (``--replicas``,
+``--steps``, ...) < ``--set dotted.key=value`` (applied in order; values are parsed as YAML, so ``--set
+train.trainer_kwargs.lr=0.01`` is a float). Unknown keys are rejected. Every invalid value raises a one-line
+``ConfigError`` naming the field, what is allowed and what was given, before anything is launched.
+
+``store.rendezvous`` may contain ``{run_id}``; it is expanded at launch so each run gets a fresh prefix. For the
+local backend it defaults to ``file://$DILOCO_HOME/runs/<run_id>/store``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from diloco.errors import ConfigError
+
+DEFAULT_TRAINER = "diloco.trainer:diloco_train"
+BACKENDS = ("local", "sagemaker", "eks")
+#: Trainer keyword arguments the launcher owns: set by ``train.steps``/``train.sync_every`` or injected.
+RESERVED_TRAINER_KWARGS = {"total_steps": "train.steps", "sync_every": "train.sync_every",
+                           "manager": None, "rank": None, "world_size": None}
+_TRAINER_RE = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
+_PLACEHOLDER_RE = re.compile(r"<[a-z0-9][a-z0-9-]*>")
+_SCHEMES = ("file", "s3")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StoreConfig(_Strict):
+    """Where the replicas meet, and how patiently they wait for each other."""
+
+    rendezvous: str | None = None  # URI; "{run_id}" expands; local default: file://$DILOCO_HOME/runs/<id>/store
+    timeout_s: float = Field(1800.0, gt=0)  # how long a replica waits for its peers in one round
+    poll_interval_s: float = Field(1.0, gt=0)  # how often a waiting replica looks for its peers' uploads
+
+
+class TrainConfig(_Strict):
+    """What each replica runs: ``trainer`` is called with ``total_steps``, ``sync_every`` and ``trainer_kwargs``."""
+
+    trainer: str = DEFAULT_TRAINER  # "package.module:function"
+    steps: int = Field(200, ge=1)  # inner steps per replica (the trainer's total_steps)
+    sync_every: int = Field(50, ge=1)  # inner steps between outer rounds (DiLoCo's H)
+    trainer_kwargs: dict[str, Any] = Field(default_factory=dict)  # model/data knobs of the trainer
+
+
+class LocalBackendConfig(_Strict):
+    """Replicas as processes on this machine."""
+
+    kind: Literal["local"] = "local"
+    log_root: str | None = None  # default: $DILOCO_HOME/runs
+    grace_period_s: float = Field(10.0, ge=0)  # SIGTERM -> SIGKILL on cancel
+    python: str | None = None  # interpreter for the replicas; default: the one running diloco
+
+
+class SageMakerBackendConfig(_Strict):
+    """One single-instance SageMaker Training Job per replica (the executor ships in a later version)."""
+
+    kind: Literal["sagemaker"]
+    region: str | None = None  # default: the AWS SDK's region
+    role_arn: str  # execution role; it (not you) needs S3 access to the rendezvous prefix
+    image_uri: str  # a PyTorch image with diloco installed
+    instance_type: str = "ml.m5.xlarge"
+    volume_size_gb: int = Field(30, ge=1)
+    output_s3_uri: str | None = None  # where SageMaker uploads $SM_MODEL_DIR
+    keep_alive_period_s: int = Field(0, ge=0, le=21600)  # warm pool; needs a warm-pool quota (default 0)
+    use_spot: bool = False
+    max_wait_s: int | None = Field(None, ge=1)  # spot only; must be >= timeout_s
+    tags: dict[str, str] = Field(default_factory=dict)
+
+
+class EKSBackendConfig(_Strict):
+    """One Kubernetes Indexed Job with N completions (the executor ships in a later version)."""
+
+    kind: Literal["eks"]
+    image: str  # a PyTorch image with diloco installed
+    namespace: str = "default"
+    service_account: str | None = None  # with IRSA / Pod Identity access to the rendezvous prefix
+    kube_context: str | None = None
+    cpu: str = "2"
+    memory: str = "8Gi"
+    backoff_limit_per_index: int = Field(0, ge=0)
+    ttl_seconds_after_finished: int | None = Field(86400, ge=0)
+
+
+BackendConfig = Annotated[
+    LocalBackendConfig | SageMakerBackendConfig | EKSBackendConfig, Field(discriminator="kind")
+]
+
+
+class RunConfig(_Strict):
+    """One DiLoCo run: N replicas of one trainer on one backend, meeting in one store."""
+
+    replicas: int = Field(2, ge=1)
+    backend: BackendConfig = Field(default_factory=LocalBackendConfig)
+    store: StoreConfig = Field(default_factory=StoreConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    gpu: str | None = None  # accelerator per replica (sagemaker/eks)
+    timeout_s: float | None = Field(None, gt=0)  # wall-clock limit per replica job
+
+    @model_validator(mode="before")
+    @classmethod
+    def _backend_shorthand(cls, data: Any) -> Any:
+        """``backend: local`` means ``backend: {kind: local}``; a backend mapping without ``kind`` is local."""
+        if isinstance(data, dict) and isinstance(data.get("backend"), str):
+            data = {**data, "backend": {"kind": data["backend"]}}
+        if isinstance(data, dict) and isinstance(data.get("backend"), dict) and "kind" not in data["backend"]:
+            data = {**data, "backend": {"kind": "local", **data["backend"]}}
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> RunConfig:
+        """Cross-field rules; messages start with the dotted field name (see ``format_validation_error``)."""
+        t = self.train
+        if not _TRAINER_RE.match(t.trainer):
+            raise ValueError(f"train.trainer: must look like 'package.module:function' (got {t.trainer!r})")
+        for key, owner in RESERVED_TRAINER_KWARGS.items():
+            if key in t.trainer_kwargs:
+                fix = f"set {owner} instead" if owner else "the replica entrypoint injects it"
+                raise ValueError(f"train.trainer_kwargs.{key}: not allowed here ({fix})")
+        if t.steps % t.sync_every:
+            raise ValueError(f"train.steps: must be a multiple of train.sync_every ({t.sync_every}) so the run "
+                             f"ends on an outer sync (got {t.steps})")
+        uri = self.store.rendezvous
+        kind = self.backend.kind
+        if uri is not None:
+            scheme = uri.split("://", 1)[0] if "://" in uri else "file"
+            if scheme == "memory":
+                raise ValueError("store.rendezvous: memory:// lives inside one process, so replicas cannot meet "
+                                 "there; use file:// or s3://")
+            if scheme not in _SCHEMES:
+                raise ValueError(f"store.rendezvous: scheme must be one of {', '.join(_SCHEMES)} (got {uri!r})")
+            if kind != "local" and scheme != "s3":
+                raise ValueError(f"store.rendezvous: the {kind} backend needs an s3:// URI every replica can "
+                                 f"reach (got {uri!r})")
+        elif kind != "local":
+            raise ValueError(f"store.rendezvous: required for the {kind} backend (an s3:// URI, e.g. "
+                             f"s3://<bucket>/diloco/{{run_id}})")
+        if kind == "local" and self.gpu is not None:
+            raise ValueError(f"gpu: the local backend runs on this machine and does not place replicas; leave it "
+                             f"unset (got {self.gpu!r})")
+        for path, value in _strings(self.model_dump()):
+            found = _PLACEHOLDER_RE.search(value)
+            if found:
+                raise ValueError(f"{path}: replace the placeholder {found.group(0)!r} with a real value "
+                                 f"(got {value!r})")
+        return self
+
+
+def _strings(data: Any, prefix: str = "") -> list[tuple[str, str]]:
+    """Every string value in a nested dict, with its dotted path."""
+    out: list[tuple[str, str]] = []
+    if isinstance(data, dict):
+        for k, v in data.items():
+            out += _strings(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(data, str):
+        out.append((prefix, data))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- errors
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _model_at(loc: tuple[Any, ...], kind: str | None) -> type[BaseModel] | None:
+    """The model class owning the fields at ``loc`` (a path with the backend union's tag removed)."""
+    model: Any = RunConfig
+    for part in loc:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        if field is None:
+            return None
+        if model is RunConfig and part == "backend":
+            model = {"local": LocalBackendConfig, "sagemaker": SageMakerBackendConfig,
+                     "eks": EKSBackendConfig}.get(kind or "local")
+        elif isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            model = field.annotation
+        else:
+            return None
+    return model
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    """The first error as one line: ``field.path: what is allowed (got what)``; ``(+N more)`` if there are more."""
+    errors = exc.errors(include_url=False)
+    err = errors[0]
+    loc = tuple(err["loc"])
+    kind = loc[1] if len(loc) > 1 and loc[0] == "backend" and loc[1] in BACKENDS else None
+    if kind:
+        loc = (loc[0], *loc[2:])  # pydantic puts the union's tag after "backend"
+    path = ".".join(str(p) for p in loc)
+    typ, ctx, got = err["type"], err.get("ctx") or {}, err.get("input")
+    if typ == "union_tag_invalid":
+        msg = f"{path or 'backend'}: must be one of {', '.join(BACKENDS)} (got {_short(ctx.get('tag'))})"
+    elif typ == "union_tag_not_found":
+        msg = f"{path}.kind: required, one of {', '.join(BACKENDS)}"
+    elif typ == "extra_forbidden":
+        owner = _model_at(loc[:-1], kind)
+        allowed = ", ".join(owner.model_fields) if owner else ""
+        where = f" for the {kind} backend" if kind else ""
+        msg = f"{path}: unknown key{where}" + (f" (allowed: {allowed})" if allowed else "")
+    elif typ == "missing":
+        where = f" for the {kind} backend" if kind else ""
+        msg = f"{path}: required{where}"
+    elif typ in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
+        op = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}[typ]
+        bound = next(iter(ctx.values()), "?")
+        bound = f"{bound:g}" if isinstance(bound, float) else bound
+        msg = f"{path}: must be {op} {bound} (got {_short(got)})"
+    elif typ in ("int_parsing", "int_type", "int_from_float"):
+        msg = f"{path}: must be an integer (got {_short(got)})"
+    elif typ in ("float_parsing", "float_type"):
+        msg = f"{path}: must be a number (got {_short(got)})"
+    elif typ in ("bool_parsing", "bool_type"):
+        msg = f"{path}: must be true or false (got {_short(got)})"
+    elif typ == "string_type":
+        msg = f"{path}: must be a string (got {_short(got)})"
+    elif typ in ("dict_type", "model_type", "model_attributes_type"):
+        msg = f"{path or 'config'}: must be a mapping of keys to values (got {_short(got)})"
+    elif typ == "literal_error":
+        msg = f"{path}: must be {ctx.get('expected', '?')} (got {_short(got)})"
+    elif typ == "value_error" and not loc:
+        msg = str(ctx.get("error", err["msg"]))
+    else:
+        msg = f"{path}: {err['msg']} (got {_short(got)})"
+    if len(errors) > 1:
+        msg += f" (+{len(errors) - 1} more)"
+    return msg
+
+
+# ---------------------------------------------------------------------------------------------- loading
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """The YAML mapping in ``path``; one-line ``ConfigError`` for a missing file, bad syntax or a non-mapping."""
+    import yaml
+
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"--config: no such file {str(p)!r}") from None
+    except OSError as exc:
+        raise ConfigError(f"--config: cannot read {str(p)!r}: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{p}:{where}: invalid YAML: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: must be a mapping of keys to values at the top level "
+                          f"(got a {type(data).__name__})")
+    return data
+
+
+def parse_assignment(text: str, flag: str = "--set") -> tuple[str, Any]:
+    """``"a.b=value"`` -> ``("a.b", yaml(value))``."""
+    import yaml
+
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key or not all(part.strip() for part in key.split(".")):
+        raise ConfigError(f"{flag}: expected key=value (got {text!r})")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw  # not YAML: take it as a plain string
+    return key, value
+
+
+def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    """``data["a"]["b"] = value`` for ``key="a.b"``, creating mappings on the way."""
+    parts = key.split(".")
+    cur = data
+    for i, part in enumerate(parts[:-1]):
+        nxt = cur.get(part)
+        if part == "backend" and i == 0 and isinstance(nxt, str):
+            nxt = {"kind": nxt}
+            cur[part] = nxt
+        if nxt is None:
+            nxt = cur[part] = {}
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"--set {key}: {'.'.join(parts[: i + 1])} is not a mapping (it is {_short(nxt)})")
+        cur = nxt
+    cur[parts[-1]] = value
+
+
+def validate(data: dict[str, Any]) -> RunConfig:
+    """``RunConfig`` from plain data, or a one-line ``ConfigError``."""
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc)) from None
+
+
+def merge_sources(
+    config_path: str | Path | None = None,
+    flags: dict[str, Any] | None = None,
+    sets: list[str] | None = None,
+    trainer_kwargs: list[str] | None = None,
+) -> dict[str, Any]:
+    """YAML < flags (dotted keys; ``None`` means not given) < ``--trainer-kwargs`` < ``--set``, as plain data.
+
+    ``flags["backend"]`` switching to a different kind than the YAML's drops the YAML's backend options (they
+    belong to the other backend); ``--set backend.kind=...`` keeps them, and unknown ones are then reported.
+    """
+    data: dict[str, Any] = load_yaml(config_path) if config_path is not None else {}
+    for key, value in (flags or {}).items():
+        if value is None:
+            continue
+        if key == "backend":
+            current = data.get("backend")
+            current_kind = current if isinstance(current, str) else (current or {}).get("kind")
+            if current_kind != value or not isinstance(current, dict):
+                data["backend"] = {"kind": value}
+            continue
+        set_dotted(data, key, value)
+    for item in trainer_kwargs or []:
+        key, value = parse_assignment(item, "--trainer-kwargs")
+        set_dotted(data, "train.trainer_kwargs", {**(_get(data, "train.trainer_kwargs") or {}), key: value})
+    for item in sets or []:
+        set_dotted(data, *parse_assignment(item))
+    return data
+
+
+def backend_kind(data: dict[str, Any]) -> str:
+    """The backend named in (unvalidated) merged data; ``local`` when none is."""
+    backend = data.get("backend")
+    kind = backend if isinstance(backend, str) else (backend or {}).get("kind") if isinstance(backend, dict) else None
+    return kind if isinstance(kind, str) else "local"
+
+
+def resolve_config(
+    config_path: str | Path | None = None,
+    flags: dict[str, Any] | None = None,
+    sets: list[str] | None = None,
+    trainer_kwargs: list[str] | None = None,
+) -> RunConfig:
+    """Defaults < YAML < flags < ``--trainer-kwargs`` < ``--set``, validated (see ``merge_sources``)."""
+    return validate(merge_sources(config_path, flags, sets, trainer_kwargs))
+
+
+def _get(data: dict[str, Any], key: str) -> Any:
+    cur: Any = data
+    for part in key.split("."):
+        if not isinstance(cur, dict):
+            return None
+        cur = cur.get(part)
+    return cur

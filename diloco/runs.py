@@ -1,0 +1,137 @@
+"""The local run registry: one JSON record per launch, so later commands need only the run id.
+
+Layout under ``$DILOCO_HOME`` (default ``~/.diloco``)::
+
+    runs/<run_id>.json          the record: backend, handles, resolved config, rendezvous URI, created time
+    runs/<run_id>/store/        the default file:// rendezvous of a local run
+    runs/<run_id>/logs/rank_<r> a local replica's logs and exit record
+
+``status``, ``logs``, ``collect`` and ``cancel`` take a run id, ``latest`` (the default), or an unambiguous
+prefix of a run id. An unknown id raises ``RunNotFound`` with a hint to list runs.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import secrets
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from diloco import envvars
+from diloco.errors import RunNotFound
+from diloco.executors.base import ReplicaHandle
+
+RECORD_VERSION = 1
+LATEST = "latest"
+
+
+def diloco_home() -> Path:
+    """``$DILOCO_HOME``, else ``~/.diloco``."""
+    home = os.environ.get(envvars.DILOCO_HOME)
+    return Path(home).expanduser().resolve() if home else Path.home() / ".diloco"
+
+
+def runs_dir() -> Path:
+    return diloco_home() / "runs"
+
+
+def new_run_id(now: float | None = None) -> str:
+    """``diloco-<yyyymmdd-hhmmss>-<4 hex>`` (UTC): sorts by time, short enough to type, unique enough per second.
+
+    Also a valid SageMaker job name prefix and Kubernetes name (lowercase letters, digits, dashes).
+    """
+    stamp = _dt.datetime.fromtimestamp(now if now is not None else time.time(), tz=_dt.timezone.utc)
+    return f"diloco-{stamp:%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
+
+
+def default_local_rendezvous(run_id: str) -> str:
+    """``file://$DILOCO_HOME/runs/<run_id>/store``: each local run meets in its own fresh directory."""
+    return f"file://{runs_dir() / run_id / 'store'}"
+
+
+class RunRecord(BaseModel):
+    """Everything needed to manage a run from a later process."""
+
+    version: int = RECORD_VERSION
+    run_id: str
+    backend: str
+    created_at: float
+    rendezvous_uri: str
+    world_size: int
+    config: dict[str, Any]  # the resolved RunConfig, as JSON
+    executor_options: dict[str, Any] = Field(default_factory=dict)
+    handles: list[ReplicaHandle] = Field(default_factory=list)
+    final_state: str | None = None  # cached once observed terminal, so `diloco runs` needs no polling
+
+
+class RunRegistry:
+    """Run records under ``<home>/runs``; writes are atomic so a concurrent reader never sees half a record."""
+
+    def __init__(self, home: Path | str | None = None) -> None:
+        self.home = Path(home) if home is not None else diloco_home()
+        self.dir = self.home / "runs"
+
+    def path(self, run_id: str) -> Path:
+        return self.dir / f"{run_id}.json"
+
+    def save(self, record: RunRecord) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        target = self.path(record.run_id)
+        tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
+        tmp.write_text(record.model_dump_json(indent=2))
+        os.replace(tmp, target)
+
+    def delete(self, run_id: str) -> None:
+        self.path(run_id).unlink(missing_ok=True)
+
+    def load(self, run_id: str) -> RunRecord:
+        try:
+            return RunRecord.model_validate_json(self.path(run_id).read_text())
+        except FileNotFoundError:
+            raise self._not_found(run_id) from None
+        except ValueError as exc:
+            raise RunNotFound(f"run record {self.path(run_id)} is unreadable: {exc}",
+                              hint="delete it, or list runs with `diloco runs`") from exc
+
+    def ids(self) -> list[str]:
+        """Recorded run ids, oldest first (ids embed their creation time)."""
+        if not self.dir.is_dir():
+            return []
+        return sorted(p.stem for p in self.dir.glob("*.json") if not p.name.startswith("."))
+
+    def list(self) -> list[RunRecord]:
+        """Every readable record, oldest first by creation time."""
+        records = []
+        for run_id in self.ids():
+            try:
+                records.append(self.load(run_id))
+            except RunNotFound:
+                continue
+        return sorted(records, key=lambda r: (r.created_at, r.run_id))
+
+    def resolve(self, ref: str | None = None) -> RunRecord:
+        """A run by id, ``latest``/None (the most recently created), or a unique prefix of an id."""
+        if ref is None or ref == LATEST:
+            records = self.list()
+            if not records:
+                raise RunNotFound(f"no runs recorded in {self.dir}",
+                                  hint="start one with `diloco launch`, or set DILOCO_HOME to where your runs are")
+            return records[-1]
+        if self.path(ref).exists():
+            return self.load(ref)
+        matches = [i for i in self.ids() if i.startswith(ref)]
+        if len(matches) == 1:
+            return self.load(matches[0])
+        if len(matches) > 1:
+            raise RunNotFound(f"run id prefix {ref!r} is ambiguous ({', '.join(matches[:5])})",
+                              hint="give more of the id; `diloco runs` lists them")
+        raise self._not_found(ref)
+
+    def _not_found(self, run_id: str) -> RunNotFound:
+        return RunNotFound(f"no run {run_id!r} in {self.dir}", hint="list runs with `diloco runs`")
+

@@ -1,0 +1,254 @@
+"""A tiny supervisor around one local replica, so a *later* process can learn how it ended.
+
+``python -m diloco.executors.local_supervisor --log-dir D [--timeout S] [--grace G] -- CMD...`` runs ``CMD`` in
+the supervisor's own process group (the executor starts the supervisor in a new session, so one ``killpg``
+reaches both) and:
+
+* tees the child's stdout and stderr line by line into ``stdout.log``, ``stderr.log`` and ``combined.log``;
+  every ``combined.log`` line is ``"<unix time> <out|err> <text>"`` so ``diloco logs`` can merge replicas in
+  time order;
+* forwards SIGTERM/SIGINT/SIGHUP to the child and records that it was stopped by a signal;
+* enforces ``--timeout`` (SIGTERM, then SIGKILL after ``--grace`` seconds);
+* when the child ends, kills anything it left behind in the group, then writes ``exit.json`` atomically.
+
+``exit.json`` is the only place the exit code lives; the CLI's ``status`` reads it from another process. If the
+supervisor itself is SIGKILLed (cancel after the grace period) there is no ``exit.json``, and the executor reads
+that, plus the ``cancel_requested`` marker, as "cancelled".
+
+Standard library only: it must start fast and never import torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import IO, Any, NamedTuple
+
+COMBINED_LOG = "combined.log"
+STDOUT_LOG = "stdout.log"
+STDERR_LOG = "stderr.log"
+SUPERVISOR_LOG = "supervisor.log"
+EXIT_FILE = "exit.json"
+CHILD_FILE = "child.json"
+CANCEL_MARKER = "cancel_requested"
+
+_FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+# ------------------------------------------------------------------ /proc helpers (shared with the executor)
+class ProcStat(NamedTuple):
+    state: str  # "R", "S", "Z" (zombie), ...
+    pgrp: int
+    session: int
+    start_time: int  # clock ticks since boot: with the pid, identifies a process across pid reuse
+
+
+def proc_stat(pid: int) -> ProcStat | None:
+    """``/proc/<pid>/stat`` essentials, or ``None`` if there is no such process (or no ``/proc``)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    # The command name (field 2) is in parentheses and may itself contain spaces or ')'.
+    fields = raw[raw.rfind(")") + 2 :].split()
+    try:
+        return ProcStat(fields[0], int(fields[2]), int(fields[3]), int(fields[19]))
+    except (IndexError, ValueError):
+        return None
+
+
+def has_procfs() -> bool:
+    return os.path.isdir("/proc/self")
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes in process group ``pgid``.
+
+    Zombies are skipped on purpose: orphans are re-parented to an init that may never reap them, and a zombie
+    holds no resources. Without ``/proc`` (macOS) this falls back to ``killpg(pgid, 0)``.
+    """
+    if not has_procfs():
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return []
+        return [pgid]
+    members = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            st = proc_stat(int(name))
+            if st is not None and st.pgrp == pgid and st.state != "Z":
+                members.append(int(name))
+    return members
+
+
+def write_json_atomic(path: str, data: dict[str, Any]) -> None:
+    """Write ``data`` so that a reader in another process sees the whole file or none of it."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_json(path: str) -> dict[str, Any] | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def parse_combined_line(line: str) -> tuple[float, str, str] | None:
+    """``"<ts> <out|err> <text>"`` -> ``(ts, stream, text)``; ``None`` for a malformed line."""
+    parts = line.split(" ", 2)
+    if len(parts) < 2:
+        return None
+    try:
+        ts = float(parts[0])
+    except ValueError:
+        return None
+    return ts, parts[1], parts[2] if len(parts) == 3 else ""
+
+
+# ------------------------------------------------------------------ the supervisor itself
+class _Tee:
+    """Copies one pipe into its own raw log and, with a timestamp, into the shared combined log."""
+
+    def __init__(self, pipe: IO[bytes], raw: IO[bytes], combined: IO[bytes], lock: threading.Lock, tag: str):
+        self._pipe, self._raw, self._combined, self._lock, self._tag = pipe, raw, combined, lock, tag
+        self.thread = threading.Thread(target=self._run, daemon=True, name=f"tee-{tag}")
+
+    def _run(self) -> None:
+        for line in iter(self._pipe.readline, b""):
+            if not line.endswith(b"\n"):
+                line += b"\n"
+            with self._lock:
+                # Stamped under the lock, so combined.log is in non-decreasing time order.
+                stamp = f"{time.time():.6f} {self._tag} ".encode()
+                self._raw.write(line)
+                self._raw.flush()
+                self._combined.write(stamp + line)
+                self._combined.flush()
+
+
+def _kill_leftovers() -> None:
+    """SIGKILL whatever the child left in our process group (e.g. data-loader workers), except ourselves."""
+    me = os.getpid()
+    for pid in group_members(os.getpgrp()):
+        if pid != me:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def _describe_end(returncode: int, received: int | None, timed_out: float | None) -> tuple[int, str | None, str]:
+    """(shell-style exit code, signal name, one-line reason)."""
+    sig_name = signal.Signals(-returncode).name if returncode < 0 else None
+    code = 128 - returncode if returncode < 0 else returncode
+    if timed_out is not None:
+        reason = f"exceeded its time limit of {timed_out:g}s (timeout_s) and was stopped"
+    elif received is not None and returncode != 0:
+        reason = f"stopped by {signal.Signals(received).name}"
+    elif sig_name:
+        reason = f"killed by {sig_name}"
+    else:
+        reason = f"exited with code {code}"
+    return code, sig_name, reason
+
+
+def supervise(log_dir: str, command: list[str], timeout_s: float | None, grace_s: float) -> int:
+    """Run ``command`` to completion under supervision; returns its shell-style exit code."""
+    os.makedirs(log_dir, exist_ok=True)
+    received: list[int] = []
+    child: subprocess.Popen[bytes] | None = None
+
+    def forward(signum: int, _frame: object) -> None:
+        received.append(signum)
+        if child is not None and child.poll() is None:
+            try:
+                child.send_signal(signum)
+            except ProcessLookupError:
+                pass
+
+    for sig in _FORWARDED:
+        signal.signal(sig, forward)
+
+    started_at = time.time()
+    exit_path = os.path.join(log_dir, EXIT_FILE)
+    if received:  # cancelled before the child was even started
+        write_json_atomic(exit_path, {"exit_code": 128 + received[0], "signal": signal.Signals(received[0]).name,
+                                      "reason": "cancelled before start", "started_at": started_at,
+                                      "ended_at": time.time()})
+        return 128 + received[0]
+
+    lock = threading.Lock()
+    with open(os.path.join(log_dir, STDOUT_LOG), "ab") as out_raw, \
+         open(os.path.join(log_dir, STDERR_LOG), "ab") as err_raw, \
+         open(os.path.join(log_dir, COMBINED_LOG), "ab") as combined:
+        try:
+            child = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE)
+        except OSError as exc:
+            write_json_atomic(exit_path, {"exit_code": 127, "signal": None, "reason": f"could not start: {exc}",
+                                          "started_at": started_at, "ended_at": time.time()})
+            return 127
+        if received:  # a signal that arrived while the child was being started
+            forward(received[0], None)
+        write_json_atomic(os.path.join(log_dir, CHILD_FILE), {"pid": child.pid, "started_at": started_at})
+        assert child.stdout is not None and child.stderr is not None
+        tees = [_Tee(child.stdout, out_raw, combined, lock, "out"), _Tee(child.stderr, err_raw, combined, lock, "err")]
+        for tee in tees:
+            tee.thread.start()
+
+        timed_out: float | None = None
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            try:
+                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+                child.wait(timeout=remaining)
+                break
+            except subprocess.TimeoutExpired:
+                timed_out = timeout_s
+                child.terminate()
+                try:
+                    child.wait(timeout=grace_s)
+                except subprocess.TimeoutExpired:
+                    child.kill()
+                deadline = None
+
+        _kill_leftovers()  # so pipes held open by grandchildren reach EOF, and nothing is left behind
+        for tee in tees:
+            tee.thread.join(timeout=5.0)
+
+    code, sig_name, reason = _describe_end(child.returncode, received[0] if received else None, timed_out)
+    write_json_atomic(exit_path, {"exit_code": code, "signal": sig_name, "reason": reason,
+                                  "started_at": started_at, "ended_at": time.time(), "pid": child.pid,
+                                  "timed_out": timed_out is not None})
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m diloco.executors.local_supervisor")
+    parser.add_argument("--log-dir", required=True)
+    parser.add_argument("--timeout", type=float, default=None, help="wall-clock limit for the child, seconds")
+    parser.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL on timeout")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command to run")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("no command given (put it after --)")
+    return supervise(args.log_dir, command, args.timeout, args.grace)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

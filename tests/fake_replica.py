@@ -1,0 +1,48 @@
+"""A stand-in replica for executor tests: ``python -m fake_replica`` with the entrypoint's arguments.
+
+Behaviour comes from ``--trainer-kwargs-json`` (the executor's contract is only "run this module with these
+args and env"): print ``lines`` lines to stdout and one to stderr, optionally spawn a grandchild, optionally
+ignore SIGTERM, sleep, then exit with ``exit`` (or ``fail_exit`` on ``fail_rank``). ``env_out`` is a directory
+where each rank writes what it saw (argv, cwd, environment) as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+
+def main() -> int:
+    argv = sys.argv[1:]
+    kwargs = json.loads(argv[argv.index("--trainer-kwargs-json") + 1])
+    rank = int(os.environ["REPLICA_RANK"])
+    if kwargs.get("env_out"):
+        seen = {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "pid": os.getpid(),
+                "pgid": os.getpgrp()}
+        with open(os.path.join(kwargs["env_out"], f"rank_{rank}.json"), "w") as f:
+            json.dump(seen, f)
+    if kwargs.get("ignore_term"):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if kwargs.get("spawn_child"):
+        # A grandchild that outlives us unless someone kills the whole process group.
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        if kwargs.get("pid_out"):
+            with open(os.path.join(kwargs["pid_out"], f"grandchild_{rank}"), "w") as f:
+                f.write(str(child.pid))
+    for i in range(int(kwargs.get("lines", 3))):
+        print(f"rank {rank} line {i}")
+        time.sleep(float(kwargs.get("line_gap", 0.0)))
+    print(f"rank {rank} says hello on stderr", file=sys.stderr)
+    time.sleep(float(kwargs.get("sleep", 0.0)))
+    if rank == kwargs.get("fail_rank"):
+        print(f"rank {rank}: injected failure", file=sys.stderr)
+        return int(kwargs.get("fail_exit", 3))
+    return int(kwargs.get("exit", 0))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

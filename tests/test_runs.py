@@ -1,0 +1,70 @@
+"""The run registry: ids, records under $DILOCO_HOME, latest/prefix resolution, helpful not-found errors."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from diloco.executors.base import ReplicaHandle
+
+from diloco.errors import RunNotFound
+from diloco.runs import RunRecord, RunRegistry, default_local_rendezvous, diloco_home, new_run_id
+
+
+def record(run_id: str, created_at: float) -> RunRecord:
+    return RunRecord(run_id=run_id, backend="local", created_at=created_at, rendezvous_uri="file:///x",
+                     world_size=2, config={"replicas": 2},
+                     handles=[ReplicaHandle(backend="local", run_id=run_id, rank=0, job_id="1", data={"pid": 1})])
+
+
+def test_run_ids_sort_by_time_and_are_name_safe() -> None:
+    a, b = new_run_id(1_700_000_000), new_run_id(1_700_000_001)
+    assert re.fullmatch(r"diloco-\d{8}-\d{6}-[0-9a-f]{4}", a)
+    assert a.startswith("diloco-20231114-221320-")
+    assert a < b
+
+
+def test_home_comes_from_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DILOCO_HOME", str(tmp_path / "h"))
+    assert diloco_home() == (tmp_path / "h").resolve()
+    assert default_local_rendezvous("r1") == f"file://{(tmp_path / 'h').resolve()}/runs/r1/store"
+    assert RunRegistry().dir == (tmp_path / "h").resolve() / "runs"
+
+
+def test_save_load_roundtrip_and_latest(tmp_path: Path) -> None:
+    reg = RunRegistry(tmp_path)
+    old, new = record("diloco-20240101-000000-aaaa", 100.0), record("diloco-20240102-000000-bbbb", 200.0)
+    reg.save(new)
+    reg.save(old)
+    assert (tmp_path / "runs" / f"{old.run_id}.json").is_file()
+    assert reg.load(old.run_id) == old
+    assert [r.run_id for r in reg.list()] == [old.run_id, new.run_id]
+    assert reg.resolve().run_id == new.run_id
+    assert reg.resolve("latest").run_id == new.run_id
+    assert reg.resolve("diloco-20240101").run_id == old.run_id  # unique prefix
+    assert reg.resolve(old.run_id).handles[0].data == {"pid": 1}
+
+
+def test_unknown_and_ambiguous_runs_point_to_diloco_runs(tmp_path: Path) -> None:
+    reg = RunRegistry(tmp_path)
+    with pytest.raises(RunNotFound, match="no runs recorded"):
+        reg.resolve()
+    reg.save(record("diloco-20240101-000000-aaaa", 1.0))
+    reg.save(record("diloco-20240101-000000-aaab", 2.0))
+    with pytest.raises(RunNotFound, match="no run 'nope'") as info:
+        reg.resolve("nope")
+    assert "diloco runs" in (info.value.hint or "")
+    with pytest.raises(RunNotFound, match="ambiguous"):
+        reg.resolve("diloco-20240101")
+
+
+def test_unreadable_record_is_reported_not_crashed(tmp_path: Path) -> None:
+    reg = RunRegistry(tmp_path)
+    reg.dir.mkdir(parents=True)
+    (reg.dir / "broken.json").write_text("{not json")
+    with pytest.raises(RunNotFound, match="unreadable"):
+        reg.load("broken")
+    assert reg.list() == []
+    reg.delete("broken")
+    assert reg.ids() == []
