@@ -15,9 +15,9 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import typer
-from diloco.cli import exit_codes
 
 from diloco import envvars
+from diloco.cli import exit_codes
 from diloco.errors import (
     AllReduceTimeout,
     BackendError,

@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
 import typer
+
 from diloco.cli import exit_codes
 from diloco.cli.errors import command, error_line
 from diloco.cli.render import OutputFormat, emit, say
-
 from diloco.errors import ConfigError
 
 EPILOG = ("Exit codes: 0 all replicas succeeded, 1 a replica failed, 2 usage or config error (nothing launched), "
@@ -151,9 +151,8 @@ def launch(
     fmt: FormatOpt = OutputFormat.table,
 ) -> None:
     """Launch a DiLoCo run and (unless --detach) wait for it with live progress, then print the summary."""
-    from diloco.executors import require_available
-
     from diloco.config import backend_kind, merge_sources, validate
+    from diloco.executors import require_available
     from diloco.orchestrate import RunView, add_weights_verdict, plan_run
     from diloco.orchestrate import launch as launch_run
 
@@ -324,7 +323,6 @@ def cancel(run: RunArg = None, fmt: FormatOpt = OutputFormat.table) -> None:
 def runs_(fmt: FormatOpt = OutputFormat.table) -> None:
     """List recorded runs (under $DILOCO_HOME, default ~/.diloco), oldest first."""
     from diloco.cli.views import render_runs
-
     from diloco.orchestrate import summarize_runs
 
     summaries = summarize_runs(_registry())

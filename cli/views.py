@@ -11,9 +11,9 @@ from rich.table import Table
 from rich.text import Text
 
 if TYPE_CHECKING:
-    from diloco.executors.base import LaunchPlan, ReplicaStatus
     from rich.console import Console
 
+    from diloco.executors.base import LaunchPlan, ReplicaStatus
     from diloco.orchestrate import ReplicaReport, RunReport, RunSummary
 
 STATE_STYLES = {

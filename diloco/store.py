@@ -10,7 +10,8 @@ Replicas never talk to each other; everything they share goes through here. The 
   the store does. ``exists`` treats only "not found" as missing; a denied request or a dead endpoint raises, so an
   authentication failure never looks like a slow peer.
 * Transient failures (throttling, dropped connections, timeouts) are retried a bounded number of times with
-  exponential backoff and jitter; then a ``StoreError`` naming the key and the operation is raised.
+  exponential backoff and jitter; then a ``StoreError`` naming the key and the operation is raised. (On S3 this
+  loop sits on top of botocore's per-request retries; ``diloco/s3.py`` documents the total bound.)
 
 Keys are ``/``-separated paths relative to the store's root URI. Objects whose basename starts with ``.`` are
 in-flight temporaries and are never listed.
@@ -21,10 +22,11 @@ from __future__ import annotations
 import errno
 import os
 import random
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -32,6 +34,9 @@ from fsspec.implementations.local import LocalFileSystem
 from diloco.errors import ObjectNotFound, StoreError
 
 T = TypeVar("T")
+
+#: ``memory://`` is one dict shared by the whole process; its exists-then-write is not atomic between threads.
+_MEMORY_CREATE_LOCK = threading.Lock()
 
 #: Errors that say "the answer is no", not "try again": they are never retried.
 _PERMANENT: tuple[type[BaseException], ...] = (
@@ -66,7 +71,12 @@ def _filesystem(protocol: str, storage_options: dict[str, Any]) -> fsspec.Abstra
     if protocol not in ("file", "memory"):
         options.setdefault("use_listings_cache", False)
     try:
-        return fsspec.filesystem(protocol, **options)
+        fs = fsspec.filesystem(protocol, **options)
+        if protocol == "s3":
+            from diloco.s3 import configure_filesystem
+
+            configure_filesystem(fs)
+        return fs
     except ImportError as exc:  # fsspec names the missing package; add our extra
         raise StoreError(
             f"the {protocol}:// store needs an optional dependency: {exc}",
@@ -96,7 +106,17 @@ class ObjectStore:
         self.retries = retries
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
-        self.fs = _filesystem(self.protocol, storage_options or {})
+        self._storage_options = dict(storage_options or {})
+        options = dict(self._storage_options)
+        # S3 only (diloco/s3.py): extra transient error types, clearer permanent errors, multipart part size.
+        self._transient: tuple[type[BaseException], ...] = (OSError, ConnectionError, TimeoutError)
+        self._put_kwargs: dict[str, Any] = {}
+        if self.protocol == "s3":
+            from diloco import s3
+
+            self._transient += s3.transient_errors()
+            self._put_kwargs = s3.pop_put_kwargs(options)
+        self.fs = _filesystem(self.protocol, options)
         self._local = isinstance(self.fs, LocalFileSystem)
 
     # ---------------------------------------------------------------- paths
@@ -113,7 +133,7 @@ class ObjectStore:
     def child(self, prefix: str) -> ObjectStore:
         """A store rooted at ``prefix`` under this one, sharing settings (not the filesystem instance)."""
         return ObjectStore(self.url(prefix), retries=self.retries, backoff_s=self.backoff_s,
-                           max_backoff_s=self.max_backoff_s)
+                           max_backoff_s=self.max_backoff_s, storage_options=self._storage_options)
 
     # ---------------------------------------------------------------- retries
     def _retry(self, op: str, key: str, fn: Callable[[], T]) -> T:
@@ -122,16 +142,39 @@ class ObjectStore:
         while True:
             try:
                 return fn()
-            except _PERMANENT:
-                raise
-            except (OSError, ConnectionError, TimeoutError) as exc:
+            except _PERMANENT as exc:
+                self._raise_explained(op, key, exc)
+            except self._transient as exc:
                 if attempt >= self.retries:
-                    raise StoreError(
-                        f"{op} {self.url(key)} failed after {attempt + 1} attempt(s): {type(exc).__name__}: {exc}"
-                    ) from exc
+                    raise StoreError(f"{op} {self.url(key)} failed after {attempt + 1} attempt(s): "
+                                     f"{self._describe(exc)}") from exc
                 delay = min(self.max_backoff_s, self.backoff_s * (2**attempt))
                 time.sleep(random.uniform(0, delay) + delay / 2)
                 attempt += 1
+            except Exception as exc:  # neither, e.g. botocore's NoCredentialsError: permanent
+                self._raise_explained(op, key, exc)
+
+    def _raise_explained(self, op: str, key: str, exc: BaseException) -> NoReturn:
+        """Re-raise a permanent error, as a clearer ``StoreError`` where the backend can say more (S3: 403,
+        missing bucket, no credentials), so a denied or misnamed bucket never reads as "not written yet"."""
+        better = self._explain(op, key, exc)
+        if better is not None:
+            raise better from exc
+        raise exc
+
+    def _describe(self, exc: BaseException) -> str:
+        if self.protocol == "s3":
+            from diloco.s3 import describe_error
+
+            return describe_error(exc)
+        return f"{type(exc).__name__}: {exc}"
+
+    def _explain(self, op: str, key: str, exc: BaseException) -> BaseException | None:
+        if self.protocol != "s3":
+            return None
+        from diloco.s3 import explain_error
+
+        return explain_error(op, self.url(key), exc)
 
     def _invalidate(self, path: str) -> None:
         try:
@@ -146,10 +189,14 @@ class ObjectStore:
         if self._local:
             self._retry("put", key, lambda: self._local_atomic_write(path, data, exclusive=False))
         else:
-            self._retry("put", key, lambda: self.fs.pipe_file(path, data))
+            self._retry("put", key, lambda: self.fs.pipe_file(path, data, **self._put_kwargs))
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
-        """Create ``key`` only if no writer created it before; ``True`` if this call created it."""
+        """Create ``key`` only if no writer created it before; ``True`` if this call created it.
+
+        On S3 a create whose response was lost is retried and then meets its own object (412): it counts as ours
+        when the object holds exactly our bytes, so give each writer a distinct payload (e.g. its id) when the
+        answer elects one of them."""
         path = self.path(key)
 
         def create() -> bool:
@@ -157,13 +204,17 @@ class ObjectStore:
                 if self._local:
                     self._local_atomic_write(path, data, exclusive=True)
                 elif self.protocol == "memory":
-                    if self.fs.exists(path):
-                        return False
-                    self.fs.pipe_file(path, data)
+                    with _MEMORY_CREATE_LOCK:
+                        if self.fs.exists(path):
+                            return False
+                        self.fs.pipe_file(path, data)
                 else:
-                    self.fs.pipe_file(path, data, mode="create")
+                    self.fs.pipe_file(path, data, mode="create", **self._put_kwargs)
             except FileExistsError:
-                return False
+                # On S3 an earlier attempt (ours, or botocore's own retry) may have landed before its response
+                # was lost: the object is ours if it holds exactly our bytes (see the docstring).
+                return (self.protocol == "s3" and self.fs.info(path).get("size") == len(data)
+                        and self.fs.cat_file(path) == data)
             return True
 
         return self._retry("put_if_absent", key, create)
@@ -184,7 +235,9 @@ class ObjectStore:
             self._invalidate(path)
             try:
                 info = self.fs.info(path)
-            except FileNotFoundError:
+            except FileNotFoundError as exc:
+                if (better := self._explain("exists", key, exc)) is not None:
+                    raise better from exc
                 return False
             return info.get("type") != "directory"
 
@@ -198,7 +251,9 @@ class ObjectStore:
             self._invalidate(base)
             try:
                 paths: Iterable[str] = self.fs.find(base)
-            except FileNotFoundError:
+            except FileNotFoundError as exc:
+                if (better := self._explain("list", prefix, exc)) is not None:
+                    raise better from exc
                 return []
             return list(paths)
 

@@ -11,12 +11,12 @@ import time
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
+
 from diloco.cli.main import app
 from diloco.executors.base import EntrypointArgs, LaunchSpec, RunState
 from diloco.executors.local import LocalProcessExecutor
 from diloco.executors.local_supervisor import group_members
-from typer.testing import CliRunner
-
 from diloco.runs import RunRecord, RunRegistry
 
 DILOCO = str(Path(sys.executable).with_name("diloco"))

@@ -11,12 +11,12 @@ import time
 from pathlib import Path
 
 import pytest
+
+from diloco.errors import BackendError, ConfigError
 from diloco.executors import create_executor
 from diloco.executors.base import EntrypointArgs, LaunchSpec, ReplicaHandle, RunState, collect
 from diloco.executors.local import LocalProcessExecutor
 from diloco.executors.local_supervisor import group_members, proc_stat
-
-from diloco.errors import BackendError, ConfigError
 
 TESTS_DIR = str(Path(__file__).parent)
 

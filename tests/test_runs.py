@@ -6,9 +6,9 @@ import re
 from pathlib import Path
 
 import pytest
-from diloco.executors.base import ReplicaHandle
 
 from diloco.errors import RunNotFound
+from diloco.executors.base import ReplicaHandle
 from diloco.runs import RunRecord, RunRegistry, default_local_rendezvous, diloco_home, new_run_id
 
 

@@ -1,0 +1,122 @@
+"""A real S3 API on loopback for the S3 tests: moto's standalone server, driven through real boto3/s3fs.
+
+Nothing is patched: code under test finds the server the way it finds any S3-compatible store, through
+``AWS_ENDPOINT_URL``, which subprocesses (replicas) inherit. Credentials are moto's fake ones; the user's AWS
+config and credential files are hidden so a developer's real profile can never be picked up.
+
+Fixtures (all opt-in, none autouse):
+
+* ``moto_server`` (session): the server's base URL.
+* ``aws_env``: resets moto (``POST /moto-api/reset``) and points the AWS environment at it.
+* ``s3_bucket``: a fresh bucket on the clean server; ``s3_uri`` a unique prefix in it.
+* ``fault_proxy``: a ``FaultProxy`` in front of moto, with ``AWS_ENDPOINT_URL`` pointing at the proxy.
+* ``bucket_keys``: list a bucket straight from moto.
+* ``managed_policies``: moto with AWS's managed IAM policies loaded (it resets moto: request it first).
+"""
+
+from __future__ import annotations
+
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from faultproxy import FaultProxy  # tests/ is on sys.path (pytest's default rootdir-relative import)
+
+BUCKET = "diloco-test-bucket"
+REGION = "us-east-1"
+
+#: Variables that could route a test to a real account or change retry behaviour behind the test's back.
+_CLEARED = (
+    "AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL_STS", "AWS_ENDPOINT_URL_IAM",
+    "AWS_ROLE_ARN", "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+    "AWS_CONTAINER_CREDENTIALS_FULL_URI", "AWS_MAX_ATTEMPTS", "AWS_RETRY_MODE", "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS",
+    "DILOCO_S3_URI",
+)
+
+
+@pytest.fixture(scope="session")
+def moto_server() -> Iterator[str]:
+    """moto's S3/STS/IAM/Logs/ECR server on a free loopback port, for the whole session."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+def reset_moto(url: str) -> None:
+    """Forget every bucket, object, role and log group (moto's documented reset endpoint)."""
+    req = urllib.request.Request(f"{url}/moto-api/reset", data=b"", method="POST")
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        resp.read()
+
+
+@pytest.fixture
+def aws_env(moto_server: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> str:
+    """A clean moto and an AWS environment that reaches it (inherited by subprocesses); returns the URL."""
+    reset_moto(moto_server)
+    for name in _CLEARED:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_SESSION_TOKEN", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", REGION)
+    monkeypatch.setenv("AWS_REGION", REGION)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_server)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    return moto_server
+
+
+@pytest.fixture
+def s3_bucket(aws_env: str) -> str:
+    """A fresh, empty bucket (created directly on moto, never through a fault proxy)."""
+    import boto3
+
+    boto3.client("s3", endpoint_url=aws_env).create_bucket(Bucket=BUCKET)
+    return BUCKET
+
+
+@pytest.fixture
+def s3_uri(s3_bucket: str) -> str:
+    """A unique ``s3://bucket/prefix`` for one test."""
+    return f"s3://{s3_bucket}/t-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def fault_proxy(aws_env: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[FaultProxy]:
+    """A fault-injecting proxy in front of moto; every S3 client created afterwards goes through it."""
+    with FaultProxy(aws_env, seed=1234) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        yield proxy
+
+
+@pytest.fixture
+def bucket_keys(aws_env: str) -> Callable[[str], list[str]]:
+    """``bucket_keys(bucket)``: every key in the bucket, straight from moto (to prove clean-up)."""
+
+    def keys(bucket: str) -> list[str]:
+        import boto3
+
+        s3 = boto3.client("s3", endpoint_url=aws_env)
+        found: list[str] = []
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+            found += [obj["Key"] for obj in page.get("Contents", [])]
+        return found
+
+    return keys
+
+
+@pytest.fixture
+def managed_policies(aws_env: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """moto with AWS's managed IAM policies (AmazonSageMakerFullAccess...), which it ships but loads only when
+    MOTO_IAM_LOAD_MANAGED_POLICIES is set as its IAM backend is built. The server runs in this process, so the
+    variable plus a reset configures it. Request this fixture before ``s3_bucket``: it resets moto."""
+    monkeypatch.setenv("MOTO_IAM_LOAD_MANAGED_POLICIES", "true")
+    reset_moto(aws_env)
+    return aws_env

@@ -1,0 +1,132 @@
+"""``ObjectStoreAllReduce`` over ``s3://`` (moto on loopback) with faults injected by a reverse proxy.
+
+Ranks are threads, each with its own all-reduce and store (so its own S3 client), as separate jobs would have.
+What these prove: transient faults (dropped connections, throttling, delays, a cut-off read) are absorbed and
+every rank still gets the exact, identical mean; a persistent fault fails with an error that names the round, the
+missing rank and the S3 error underneath (not a bare timeout); a truncated contribution is never averaged.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from faultproxy import FaultProxy
+
+from diloco.allreduce import AllReduceStats, ObjectStoreAllReduce, average
+from diloco.errors import AllReduceTimeout, CorruptObjectError
+
+
+def contribution(rank: int, round_: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * round_ + rank)
+    return {"w": torch.randn(64, 33, generator=g), "b": torch.randn(7, generator=g, dtype=torch.float64)}
+
+
+def run_ranks(uri: str, world: int, rounds: int, *, timeout_s: float = 60.0,
+              ranks: list[int] | None = None) -> dict[int, Any]:
+    """Run ``rounds`` all-reduces on each rank in its own thread; per rank, its tensors per round or its error."""
+    results: dict[int, Any] = {}
+
+    def body(rank: int) -> None:
+        outs = []
+        try:
+            with ObjectStoreAllReduce(uri, rank, world, timeout_s=timeout_s, poll_interval_s=0.05) as ar:
+                for r in range(rounds):
+                    tensors = contribution(rank, r)
+                    ar.allreduce(tensors)
+                    outs.append(tensors)
+                results[rank] = (outs, ar.stats)
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            results[rank] = exc
+
+    threads = [threading.Thread(target=body, args=(rank,)) for rank in (ranks if ranks is not None else range(world))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    return results
+
+
+def expected_mean(world: int, round_: int) -> dict[str, torch.Tensor]:
+    mean = average([contribution(rank, round_) for rank in range(world)])
+    return {k: v.to(contribution(0, 0)[k].dtype) for k, v in mean.items()}
+
+
+def assert_exact_and_identical(results: dict[int, Any], world: int, rounds: int) -> None:
+    for rank in range(world):
+        assert not isinstance(results[rank], BaseException), f"rank {rank} failed: {results[rank]!r}"
+    for r in range(rounds):
+        want = expected_mean(world, r)
+        for rank in range(world):
+            got = results[rank][0][r]
+            for name in want:
+                assert torch.equal(got[name], want[name]), f"rank {rank} round {r} {name} differs"
+
+
+def test_allreduce_over_s3_is_exact(s3_uri: str, bucket_keys: Callable[[str], list[str]], s3_bucket: str) -> None:
+    results = run_ranks(s3_uri, world=3, rounds=2)
+    assert_exact_and_identical(results, 3, 2)
+    stats: AllReduceStats = results[0][1]
+    assert stats.rounds == 2 and stats.bytes_read > 0 and stats.bytes_written > 0
+    prefix = s3_uri.split("/", 3)[3]
+    # Layout pinned by the interface: round_NNNNNN/rank_RRRR.safetensors at the rendezvous root; round 0 deleted.
+    assert sorted(bucket_keys(s3_bucket)) == [f"{prefix}/round_000001/rank_{r:04d}.safetensors" for r in range(3)]
+
+
+def test_transient_faults_are_absorbed(s3_uri: str, fault_proxy: FaultProxy) -> None:
+    drops = fault_proxy.add("drop", probability=0.15)
+    throttles = fault_proxy.add("status", method="PUT", status=503, code="SlowDown", probability=0.3)
+    slow = fault_proxy.add("delay", delay_s=0.05, probability=0.3)
+    cut = fault_proxy.add("truncate", method="GET", path=r"rank_0002", times=1)
+    results = run_ranks(s3_uri, world=3, rounds=3)
+    assert_exact_and_identical(results, 3, 3)
+    assert drops.fired > 0 and throttles.fired > 0 and slow.fired > 0 and cut.fired == 1
+
+
+def test_persistent_denial_names_round_ranks_and_s3_error(s3_uri: str, fault_proxy: FaultProxy) -> None:
+    fault_proxy.add("status", method="HEAD", path=r"/round_000000/rank_0001", status=403, code="AccessDenied")
+    fault_proxy.add("status", method="GET", path=r"/round_000000/rank_0001", status=403, code="AccessDenied")
+    results = run_ranks(s3_uri, world=2, rounds=1, timeout_s=1.5)
+    err = results[0]
+    assert isinstance(err, AllReduceTimeout)
+    assert err.round == 0 and err.missing_ranks == [1]
+    assert isinstance(err.last_error, PermissionError)
+    text = str(err)
+    assert "round 0" in text and "rank(s) 1" in text and "S3AccessDenied" in text and "denied by S3 (403)" in text
+    assert not isinstance(results[1], BaseException)  # rank 1 could read rank 0: only the denied read failed
+
+
+def test_persistent_throttling_is_reported_not_a_bare_timeout(
+    s3_uri: str, fault_proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # keep the bounded retries short for the test
+    fault_proxy.add("status", method="HEAD", path=r"/rank_0001", status=503, code="SlowDown")
+    results = run_ranks(s3_uri, world=2, rounds=1, timeout_s=0.5)
+    err = results[0]
+    assert isinstance(err, AllReduceTimeout) and err.missing_ranks == [1]
+    assert "exists" in str(err.last_error) and "HTTP 503" in str(err.last_error)
+
+
+def test_truncated_contribution_is_never_averaged(s3_uri: str, fault_proxy: FaultProxy) -> None:
+    fault_proxy.add("truncate", method="GET", path=r"/round_000000/rank_0001")
+    uri = s3_uri
+    mine = contribution(0, 0)
+    before = {k: v.clone() for k, v in mine.items()}
+    outcome: dict[str, Any] = {}
+
+    def rank1() -> None:
+        with ObjectStoreAllReduce(uri, 1, 2, timeout_s=30, poll_interval_s=0.05) as ar:
+            ar.allreduce(contribution(1, 0))
+            outcome["rank1"] = "ok"
+
+    t = threading.Thread(target=rank1)
+    t.start()
+    with ObjectStoreAllReduce(uri, 0, 2, timeout_s=30, poll_interval_s=0.05) as ar, \
+            pytest.raises(CorruptObjectError, match=r"round 0: the contribution of rank 1 .* not averaged"):
+        ar.allreduce(mine)
+    t.join(timeout=60)
+    assert all(torch.equal(mine[k], before[k]) for k in mine)  # untouched
+    assert outcome.get("rank1") == "ok"
