@@ -26,6 +26,7 @@ import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 
+from diloco.errors import BackendError
 from diloco.executors.base import (
     LaunchPlan,
     LaunchSpec,
@@ -46,8 +47,6 @@ from diloco.executors.local_supervisor import (
     proc_stat,
     read_json,
 )
-
-from diloco.errors import BackendError
 from diloco.logstream import LogRecord
 
 SUPERVISOR_MODULE = "diloco.executors.local_supervisor"
