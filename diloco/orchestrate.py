@@ -31,6 +31,7 @@ from diloco.executors.base import (
     RunState,
     aggregate_state,
 )
+from diloco.layout import FINAL_KEY, METRICS_KEY, RUN_INFO_KEY
 from diloco.logstream import LogRecord, follow_merged, merged, records_for, tail
 from diloco.runs import RunRecord, RunRegistry, default_local_rendezvous, new_run_id
 
@@ -38,9 +39,6 @@ if TYPE_CHECKING:
     from diloco.executors.base import ServerlessExecutor
     from diloco.store import ObjectStore
 
-METRICS_KEY = "metrics/rank_{rank:04d}.jsonl"
-FINAL_KEY = "final/rank_{rank:04d}.safetensors"
-RUN_INFO_KEY = "run.json"
 
 
 # ---------------------------------------------------------------------------------------------- reports

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from diloco import envvars
 from diloco.data import DEFAULT_MAX_CORPUS_BYTES
 from diloco.errors import ConfigError
+from diloco.layout import FINAL_KEY, METRICS_KEY
 
 if TYPE_CHECKING:
     import torch
@@ -38,8 +39,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("diloco.trainer")
 
-METRICS_KEY = "metrics/rank_{rank:04d}.jsonl"
-FINAL_KEY = "final/rank_{rank:04d}.safetensors"
 SM_MODEL_FILE = "model.safetensors"
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 from faultproxy import FaultProxy  # tests/ is on sys.path (pytest's default rootdir-relative import)
+from fsspec.implementations.memory import MemoryFileSystem
 
 BUCKET = "diloco-test-bucket"
 REGION = "us-east-1"
@@ -120,3 +121,13 @@ def managed_policies(aws_env: str, monkeypatch: pytest.MonkeyPatch) -> str:
     monkeypatch.setenv("MOTO_IAM_LOAD_MANAGED_POLICIES", "true")
     reset_moto(aws_env)
     return aws_env
+
+
+@pytest.fixture(autouse=True)
+def _clean_memory_fs() -> Iterator[None]:
+    """memory:// is one process-global dict: every test starts and ends with it empty."""
+    MemoryFileSystem.store.clear()
+    MemoryFileSystem.pseudo_dirs[:] = [""]
+    yield
+    MemoryFileSystem.store.clear()
+    MemoryFileSystem.pseudo_dirs[:] = [""]

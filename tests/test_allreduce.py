@@ -5,12 +5,12 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-from fsspec.implementations.memory import MemoryFileSystem
+from ranks import run_ranks  # tests/ is on sys.path
 
 from diloco.allreduce import AllReduceStats, ObjectStoreAllReduce, average, contribution_key
 from diloco.codec import decode_tensors, encode_tensors
@@ -20,43 +20,11 @@ from diloco.store import ObjectStore
 POLL = 0.01
 
 
-@pytest.fixture(autouse=True)
-def _clean_memory_fs() -> Iterator[None]:
-    MemoryFileSystem.store.clear()
-    MemoryFileSystem.pseudo_dirs[:] = [""]
-    yield
-    MemoryFileSystem.store.clear()
-    MemoryFileSystem.pseudo_dirs[:] = [""]
-
-
 @pytest.fixture(params=["memory", "file"])
 def uri(request: pytest.FixtureRequest, tmp_path: Any) -> str:
     if request.param == "memory":
         return f"memory://rdv-{uuid.uuid4().hex[:8]}"
     return f"file://{tmp_path}/rdv"
-
-
-def run_ranks(world_size: int, fn: Callable[[int], Any], timeout: float = 30) -> list[Any]:
-    """Run ``fn(rank)`` for every rank in its own thread; return results in rank order, re-raising the first error."""
-    results: list[Any] = [None] * world_size
-    errors: list[BaseException | None] = [None] * world_size
-
-    def body(rank: int) -> None:
-        try:
-            results[rank] = fn(rank)
-        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
-            errors[rank] = exc
-
-    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(world_size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-        assert not t.is_alive(), "a rank hung"
-    for exc in errors:
-        if exc is not None:
-            raise exc
-    return results
 
 
 def make(uri: str, rank: int, world_size: int, **kw: Any) -> ObjectStoreAllReduce:

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import threading
 import uuid
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
-from fsspec.implementations.memory import MemoryFileSystem
+from ranks import run_ranks  # tests/ is on sys.path
 from torch import nn
 
 from diloco.allreduce import ObjectStoreAllReduce, contribution_key
@@ -19,43 +17,12 @@ from diloco.manager import ObjectStoreManager
 from diloco.outer import make_diloco_outer_loop, pseudo_gradient
 
 
-@pytest.fixture(autouse=True)
-def _clean_memory_fs() -> Iterator[None]:
-    MemoryFileSystem.store.clear()
-    MemoryFileSystem.pseudo_dirs[:] = [""]
-    yield
-    MemoryFileSystem.store.clear()
-    MemoryFileSystem.pseudo_dirs[:] = [""]
-
-
 def new_uri() -> str:
     return f"memory://rdv-{uuid.uuid4().hex[:8]}"
 
 
 def make_manager(uri: str, rank: int = 0, world_size: int = 1, timeout_s: float = 10) -> ObjectStoreManager:
     return ObjectStoreManager(ObjectStoreAllReduce(uri, rank, world_size, timeout_s=timeout_s, poll_interval_s=0.01))
-
-
-def run_ranks(world_size: int, fn: Callable[[int], Any], timeout: float = 30) -> list[Any]:
-    results: list[Any] = [None] * world_size
-    errors: list[BaseException | None] = [None] * world_size
-
-    def body(rank: int) -> None:
-        try:
-            results[rank] = fn(rank)
-        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
-            errors[rank] = exc
-
-    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(world_size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-        assert not t.is_alive(), "a rank hung"
-    for exc in errors:
-        if exc is not None:
-            raise exc
-    return results
 
 
 class Scalar(nn.Module):

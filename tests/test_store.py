@@ -6,23 +6,12 @@ import os
 import sys
 import threading
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from fsspec.implementations.memory import MemoryFileSystem
 
 from diloco.errors import ObjectNotFound, StoreError
 from diloco.store import ObjectStore, split_uri
-
-
-@pytest.fixture(autouse=True)
-def _clean_memory_fs() -> Iterator[None]:
-    MemoryFileSystem.store.clear()
-    MemoryFileSystem.pseudo_dirs[:] = [""]
-    yield
-    MemoryFileSystem.store.clear()
-    MemoryFileSystem.pseudo_dirs[:] = [""]
 
 
 @pytest.fixture(params=["memory", "file"])
