@@ -7,16 +7,19 @@ of that round exists, reads them, and averages.
 Round semantics (what a caller can rely on):
 
 * **Identical results.** Contributions are accumulated in fp32 (fp64 stays fp64) strictly in rank order 0..N-1
-  and divided by N on the CPU, so every rank computes the same bits; the mean is then copied back into the caller's
-  tensors, keeping each tensor's device and dtype (the cast back is the same on every rank too).
+  and divided by N on the CPU, so every rank computes the same bits; the mean is then cast to each caller tensor's
+  dtype on the CPU (so the rounding is the same on every rank, whatever its device) and copied back into it,
+  keeping its device.
 * **Late or missing peer.** Polling is bounded by ``timeout_s``, counted from when ``wait()`` starts polling
   (after our own upload finished). Past it, ``AllReduceTimeout`` names the round, the exact ranks whose objects
   are still missing, and the last store error seen while polling (so a denied bucket is not reported as a slow
-  peer).
-* **Partial or wrong upload.** A peer object that does not decode (truncated, corrupted, checksum mismatch) or
-  claims another round, rank or world size is re-read a few times (on ``file://`` and S3 an object is complete
-  when it is visible, so a retry only helps against a flaky read) and then raises ``CorruptObjectError`` naming
-  the round and the rank. It is never averaged: the caller's tensors are left untouched.
+  peer). Waiting for our own upload is bounded by ``timeout_s`` too (a ``StoreError`` naming the round), so
+  ``wait()`` never blocks for more than about twice ``timeout_s``.
+* **Partial or wrong upload.** A peer object that does not decode (truncated, corrupted, checksum mismatch),
+  claims another round, rank or world size, or holds other tensor names, shapes or dtypes than ours is re-read a
+  few times (on ``file://`` and S3 an object is complete when it is visible, so a retry only helps against a
+  flaky read) and then raises ``CorruptObjectError`` naming the round and the rank. It is never averaged: the
+  caller's tensors are left untouched.
 * **No silent skips.** Any failure is raised from ``wait()`` (upload errors included) and marks this instance
   failed: peers count rounds in lockstep, so after a failed round every later call raises instead of pairing up
   with the wrong round.
@@ -46,6 +49,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -72,14 +76,9 @@ Tensors = Mapping[str, "torch.Tensor"] | Sequence["torch.Tensor"]
 READ_ATTEMPTS = 3
 
 
-def round_prefix(round_: int) -> str:
-    """The key prefix of one round: ``round_000042``."""
-    return f"round_{round_:06d}"
-
-
 def contribution_key(round_: int, rank: int) -> str:
     """Where ``rank`` publishes its contribution to ``round_``: ``round_000042/rank_0003.safetensors``."""
-    return f"{round_prefix(round_)}/rank_{rank:04d}.safetensors"
+    return f"round_{round_:06d}/rank_{rank:04d}.safetensors"
 
 
 @dataclass
@@ -189,7 +188,7 @@ class AllReduceWork:
                     raise
                 finally:
                     self._done = True
-                    self._snapshot = {}
+                    self._snapshot = self._targets = {}  # a finished round keeps no tensor alive
             elif self._error is not None:
                 raise self._error
         return True
@@ -269,11 +268,15 @@ class ObjectStoreAllReduce:
         self._pending = work
         return work
 
-    def close(self) -> None:
-        """Stop the background upload thread (waiting for an upload in progress). Idempotent."""
+    def close(self, wait: bool = True) -> None:
+        """Stop the background upload thread. Idempotent.
+
+        ``wait=True`` lets an upload in progress finish first (bounded by the store's retries); ``wait=False``
+        returns at once and the thread ends by itself after that upload (for a replica that is failing anyway).
+        """
         self._closed = True
         if self._executor is not None:
-            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor.shutdown(wait=wait, cancel_futures=True)
             self._executor = None
 
     def __enter__(self) -> ObjectStoreAllReduce:
@@ -359,11 +362,18 @@ class ObjectStoreAllReduce:
 
         started = time.monotonic()
         try:
-            work._upload.result()  # re-raises the upload's error, if any
+            try:
+                work._upload.result(timeout=self.timeout_s)  # re-raises the upload's error, if any
+            except FutureTimeout:
+                raise StoreError(
+                    f"all-reduce round {work.round}: rank {self.rank}'s own upload to "
+                    f"{self.store.url(contribution_key(work.round, self.rank))} did not finish in {self.timeout_s:g}s",
+                    hint="check the store's reachability and bandwidth from this replica",
+                ) from None
             mean = self._gather_mean(work.round, work._snapshot)
             with torch.no_grad():
                 for name, target in work._targets.items():
-                    target.copy_(mean[name])
+                    target.copy_(mean[name].to(target.dtype))  # cast on the CPU: same bits on every device
         finally:
             with self._stats_lock:
                 self._stats.seconds_blocked += time.monotonic() - started
@@ -424,7 +434,7 @@ class ObjectStoreAllReduce:
 def _check_same_layout(
     tensors: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor], round_: int, peer: int
 ) -> None:
-    """A peer must contribute the same tensor names and shapes as we do, or averaging is meaningless."""
+    """A peer must contribute the same tensor names, shapes and dtypes as we do, or averaging is meaningless."""
     if set(tensors) != set(reference):
         extra = sorted(set(tensors) - set(reference))
         lacking = sorted(set(reference) - set(tensors))
@@ -432,8 +442,9 @@ def _check_same_layout(
             f"round {round_}: rank {peer} contributed different tensors (extra {extra}, missing {lacking})"
         )
     for name, t in reference.items():
-        if tensors[name].shape != t.shape:
+        got = tensors[name]
+        if got.shape != t.shape or got.dtype != t.dtype:
             raise CorruptObjectError(
-                f"round {round_}: rank {peer}'s {name!r} has shape {tuple(tensors[name].shape)}, "
-                f"expected {tuple(t.shape)}"
+                f"round {round_}: rank {peer}'s {name!r} is {got.dtype} {tuple(got.shape)}, "
+                f"expected {t.dtype} {tuple(t.shape)}"
             )

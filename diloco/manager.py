@@ -60,7 +60,7 @@ class ObjectStoreManager:
         self._error: BaseException | None = None
         self._round_open = False
         self._commit_decision: bool | None = None
-        self._pending: list[ManagedWork] = []
+        self._pending: ManagedWork | None = None  # the round in flight (the all-reduce allows one at a time)
 
     # ---------------------------------------------------------------- identity
     @property
@@ -113,7 +113,7 @@ class ObjectStoreManager:
         except Exception as exc:
             self.report_error(exc)
             raise
-        self._pending.append(work)
+        self._pending = work
         return work
 
     def report_error(self, exc: BaseException) -> None:
@@ -133,10 +133,9 @@ class ObjectStoreManager:
         failure is never turned into a quiet ``False``). Returns ``False`` only when an error was latched earlier
         in the round. Must follow ``start_quorum()``.
         """
-        pending, self._pending = self._pending, []
-        for work in pending:
-            if not work.is_completed():  # a completed one already raised its error to whoever waited
-                work.wait()
+        pending, self._pending = self._pending, None
+        if pending is not None and not pending.is_completed():  # a completed one already raised to its waiter
+            pending.wait()
         if self._commit_decision is not None:
             return self._commit_decision
         if not self._round_open:

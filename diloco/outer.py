@@ -21,7 +21,9 @@ Deviation from torchft, on purpose: the global copy and the outer optimizer (mom
 CPU, whatever the model's dtype and device (torchft keeps them in the parameter dtype); the new global weights are
 cast into each parameter's dtype and device. A bf16 model thus keeps an fp32 master copy across rounds.
 
-Failures are loud: a failed all-reduce raises out of ``inner_optimizer.step()`` (see ``diloco.manager``).
+Failures are loud: a failed all-reduce raises out of ``inner_optimizer.step()`` (see ``diloco.manager``), and
+so does every later ``step()`` of that outer loop: once a sync failed, this replica's rounds no longer line up
+with its peers', so training on without syncing would silently diverge (torchft asserts the same invariant).
 """
 
 from __future__ import annotations
@@ -97,25 +99,16 @@ class _Fragment:
         self._grads: dict[str, torch.Tensor] | None = None
         self._work: Work | None = None
 
-    @property
-    def in_flight(self) -> bool:
-        return self._work is not None
-
-    def save_parameters(self) -> None:
-        """Model weights -> global copy (fp32, CPU)."""
-        import torch
-
-        with torch.no_grad():
-            for name, p in self.params.items():
-                self.global_params[name].copy_(p.detach())
-
     def restore_parameters(self) -> None:
-        """Global copy -> model weights, cast to each parameter's dtype and device."""
+        """Global copy -> model weights, cast to each parameter's dtype and device.
+
+        The cast happens on the CPU before the copy to the device, so every replica gets the same bits whatever
+        its device (the fp32 -> bf16 rounding is never left to a device kernel)."""
         import torch
 
         with torch.no_grad():
             for name, p in self.params.items():
-                p.copy_(self.global_params[name])
+                p.copy_(self.global_params[name].to(p.dtype))
 
     def prepare_sync(self, manager: Manager) -> None:
         """Compute ``global - local`` and launch its all-reduce without waiting."""
@@ -240,6 +233,7 @@ class DiLoCo:
             for i, m in enumerate(fragments)
         ]
         self._preparing: int | None = None  # the fragment whose sync is in flight
+        self._failed: BaseException | None = None  # the first error raised by a sync; fatal for this loop
         self._hooks: list[RemovableHandle] = []
 
     # ---------------------------------------------------------------- context manager
@@ -260,10 +254,6 @@ class DiLoCo:
 
     # ---------------------------------------------------------------- schedule
     @property
-    def num_fragments(self) -> int:
-        return len(self._fragments)
-
-    @property
     def syncing_fragment(self) -> int | None:
         """The fragment whose all-reduce is in flight (between prepare_sync and perform_sync), if any."""
         return self._preparing
@@ -272,7 +262,20 @@ class DiLoCo:
         """The fragment the current round syncs: committed rounds modulo F, so every replica agrees."""
         return self.manager.current_step() % len(self._fragments)
 
+    def restore_global_parameters(self) -> None:
+        """Put every fragment's global weights (identical on every replica) into the model, e.g. to export it
+        after training: fragments synced before the last one have trained locally since their sync."""
+        for fragment in self._fragments:
+            fragment.restore_parameters()
+
     def _step_post_hook(self, optimizer: object, args: object, kwargs: object) -> None:
+        if self._failed is not None:
+            # A caller that caught the error and kept stepping would otherwise train on without ever syncing again
+            # (local_step would run past the sync point), or pair its next round with the peers' wrong one.
+            raise RuntimeError(
+                f"the DiLoCo outer loop already failed ({type(self._failed).__name__}: {self._failed}); this "
+                "replica is out of step with its peers and cannot keep training: restart it"
+            ) from self._failed
         try:
             self.local_step += 1
             if self.local_step == self.steps_per_fragment - self.fragment_sync_delay:
@@ -281,6 +284,7 @@ class DiLoCo:
                 self.perform_sync()
                 self.local_step = 0
         except Exception as exc:
+            self._failed = exc
             report = getattr(self.manager, "report_error", None)
             if callable(report):
                 report(exc)

@@ -267,7 +267,6 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
 
     restore_logging = setup_logging(args.rank)
     allreduce = None
-    stopping = False
     previous = None
     if _in_main_thread():
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
@@ -281,13 +280,12 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
         log.info("replica %d/%d, rendezvous %s, trainer %s:%s", args.rank, args.world_size, args.rendezvous,
                  args.trainer_module, args.trainer_fn)
         trainer(manager=manager, rank=args.rank, world_size=args.world_size, **args.trainer_kwargs)
+        allreduce.close()  # lets an upload the trainer left in flight land (a SIGTERM here still exits 143)
         log.info("replica %d finished", args.rank)
     except Terminated:
-        stopping = True
         _error(f"rank {args.rank}: stopped by SIGTERM")
         return EXIT_SIGTERM
     except KeyboardInterrupt:
-        stopping = True
         _error(f"rank {args.rank}: interrupted")
         return EXIT_SIGINT
     except ConfigError as exc:
@@ -304,8 +302,8 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
             _error(f"rank {args.rank}: {type(exc).__name__}: {exc} ({hint})")
         return EXIT_FAILED
     finally:
-        if allreduce is not None and not stopping:
-            allreduce.close()  # waits for an upload in flight; skipped when asked to stop promptly
+        if allreduce is not None:
+            allreduce.close(wait=False)  # failed or stopped: never wait for an upload (no-op after success)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
         restore_logging()

@@ -111,8 +111,16 @@ def diloco_train(
 
     # --- model: the common seed makes every rank's initial weights identical (no broadcast needed)
     model = build_model(config, seed=seed, device=dev)
-    model_fragments = split_fragments(model, fragments)
     inner_opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
+    try:  # the outer loop checks the schedule (sync_every, fragments, fragment_sync_delay, outer_*) itself
+        model_fragments = split_fragments(model, fragments)
+        diloco = make_diloco_outer_loop(
+            manager=manager, model_fragments=model_fragments, inner_optimizer=inner_opt, outer_lr=outer_lr,
+            outer_momentum=outer_momentum, nesterov=nesterov, sync_every=sync_every,
+            fragment_sync_delay=fragment_sync_delay, fragment_update_alpha=0.0,
+        )
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
     log.info("model %s (%d params) on %s; shard bytes [%d, %d) of %d-byte corpus; %d steps, sync every %d",
              config.to_json(), model.num_params(), dev, *split.train_range, split.eval_range[1],
              total_steps, sync_every)
@@ -123,14 +131,6 @@ def diloco_train(
     log.info("round 0 step 0/%d eval_loss %.4f", total_steps, init_eval)
 
     tokens_per_round = sync_every * batch_size * block_size
-    try:
-        diloco = make_diloco_outer_loop(
-            manager=manager, model_fragments=model_fragments, inner_optimizer=inner_opt, outer_lr=outer_lr,
-            outer_momentum=outer_momentum, nesterov=nesterov, sync_every=sync_every,
-            fragment_sync_delay=fragment_sync_delay, fragment_update_alpha=0.0,
-        )
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from exc
     model.train()
     train_loss: float | None = None
     eval_loss = init_eval
@@ -163,7 +163,7 @@ def diloco_train(
     total_tps = rounds * tokens_per_round / max(time.perf_counter() - t_start, 1e-9)
     # Export the global weights. With one fragment the model already holds them (the last step was an outer
     # sync with alpha 0); with several, the fragments synced earlier have trained locally since.
-    _load_global_weights(model_fragments, diloco.state_dict())
+    diloco.restore_global_parameters()
     if fragments > 1:
         eval_loss = _evaluate(model, batches, dev)
     metrics.record("final", round_=rounds, step=total_steps, train_loss=train_loss, eval_loss=eval_loss,
@@ -188,12 +188,7 @@ def _validate(*, manager: Any, rank: int, world_size: int, **values: Any) -> Non
         v = values[name]
         if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
             raise ConfigError(f"{name} must be a number >= 0, got {v!r}")
-    if not values["outer_lr"] > 0:
-        raise ConfigError("outer_lr must be > 0, got 0", hint="DiLoCo's default is 0.7")
-    if not values["outer_momentum"] < 1:
-        raise ConfigError(f"outer_momentum must be < 1, got {values['outer_momentum']}",
-                          hint="DiLoCo's default is 0.9")
-    total, every, frags = values["total_steps"], values["sync_every"], values["fragments"]
+    total, every = values["total_steps"], values["sync_every"]
     if total % every:
         lower, upper = max(every, total - total % every), total - total % every + every
         raise ConfigError(
@@ -201,12 +196,6 @@ def _validate(*, manager: Any, rank: int, world_size: int, **values: Any) -> Non
             f"and every rank exports the same global weights",
             hint=f"use total_steps={lower} or {upper}",
         )
-    if every % frags:
-        raise ConfigError(f"sync_every ({every}) must be a multiple of fragments ({frags})",
-                          hint="each fragment syncs every sync_every // fragments steps")
-    if values["fragment_sync_delay"] >= every // frags:
-        raise ConfigError(f"fragment_sync_delay ({values['fragment_sync_delay']}) must be < sync_every // "
-                          f"fragments ({every // frags})")
     if not 0 <= rank < world_size:
         raise ConfigError(f"rank {rank} is outside 0..{world_size - 1} for world_size {world_size}")
     for attr, want in (("rank", rank), ("world_size", world_size)):
@@ -243,16 +232,6 @@ def _evaluate(model: GPT, batches: list[tuple[torch.Tensor, torch.Tensor]], dev:
         value = torch.stack(losses).mean().item()
     model.train(was_training)
     return value
-
-
-def _load_global_weights(model_fragments: list[Any], outer_state: dict[str, Any]) -> None:
-    """Copy each fragment's global (synced, identical on every rank) weights from the outer loop's state."""
-    import torch
-
-    with torch.no_grad():
-        for module, saved in zip(model_fragments, outer_state["fragments"], strict=True):
-            for name, p in module.named_parameters():
-                p.copy_(saved["global_params"][name])
 
 
 def _stats(manager: Any) -> dict[str, float | int]:

@@ -14,7 +14,7 @@ from ranks import run_ranks  # tests/ is on sys.path
 
 from diloco.allreduce import AllReduceStats, ObjectStoreAllReduce, average, contribution_key
 from diloco.codec import decode_tensors, encode_tensors
-from diloco.errors import AllReduceTimeout, ConfigError, CorruptObjectError, DilocoError
+from diloco.errors import AllReduceTimeout, ConfigError, CorruptObjectError, DilocoError, StoreError
 from diloco.store import ObjectStore
 
 POLL = 0.01
@@ -165,6 +165,22 @@ def test_wait_reraises_upload_errors_and_the_instance_refuses_later_rounds(tmp_p
     ar.close()
 
 
+def test_a_stuck_upload_fails_the_round_instead_of_hanging(uri: str) -> None:
+    ar = make(uri, 0, 1, timeout_s=0.3)
+    release = threading.Event()
+    real_put = ar.store.put
+    ar.store.put = lambda key, data: (release.wait(30), real_put(key, data))  # type: ignore[method-assign]
+    try:
+        work = ar.allreduce_async({"g": torch.ones(2)})
+        started = time.monotonic()
+        with pytest.raises(StoreError, match=r"round 0: rank 0's own upload .* did not finish in 0.3s"):
+            work.wait()
+        assert time.monotonic() - started < 10
+    finally:
+        release.set()
+        ar.close()
+
+
 def test_starting_a_round_before_waiting_the_previous_one_is_refused(uri: str) -> None:
     with make(uri, 0, 1) as ar:
         work = ar.allreduce_async({"g": torch.ones(2)})
@@ -225,6 +241,8 @@ def test_corrupted_and_truncated_peer_objects_are_reported_and_never_averaged(ur
         "truncated": good[: len(good) // 2],
         "wrong round": encode_tensors({"g": torch.full((64,), 7.0)}, {"round": 5, "rank": 1, "world_size": 2}),
         "wrong shape": encode_tensors({"g": torch.full((3,), 7.0)}, {"round": 0, "rank": 1, "world_size": 2}),
+        "wrong dtype": encode_tensors({"g": torch.full((64,), 7.0, dtype=torch.float64)},
+                                      {"round": 0, "rank": 1, "world_size": 2}),
     }
     for what, data in cases.items():
         store.delete_prefix("")

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import uuid
 
@@ -45,6 +46,15 @@ PROBE = textwrap.dedent('''
         """One all-reduce round: times out when a peer never shows up."""
         import torch
         manager.allreduce([torch.zeros(2)]).wait()
+
+
+    def abandon_round(*, manager, rank, world_size, interrupt):
+        """Start a round (its upload runs in the background), then stop before anyone waits for it."""
+        import torch
+        manager.allreduce([torch.zeros(2)])
+        if interrupt:
+            raise KeyboardInterrupt
+        raise RuntimeError("failed mid-round")
 
 
     def sleep(*, manager, rank, world_size, marker):
@@ -198,6 +208,18 @@ def test_training_failure_exits_1_with_traceback_only_under_debug(probe_dir, cap
     err = capsys.readouterr().err
     assert "Traceback" in err and 'raise RuntimeError("boom from the trainer")' in err
     assert err.rstrip().splitlines()[-1].startswith("diloco: error: rank 0: RuntimeError")
+
+
+@pytest.mark.parametrize("interrupt, code", [(True, 130), (False, 1)])
+def test_a_replica_stopped_mid_round_leaves_no_upload_thread_behind(probe_dir, capsys, interrupt, code) -> None:
+    before = set(threading.enumerate())
+    argv = ["--rendezvous", _uri(), "--world-size", "2", "--rank", "0", "--trainer", "probe_trainer:abandon_round",
+            "--trainer-kwargs-json", json.dumps({"interrupt": interrupt})]
+    assert main(argv, {}) == code
+    deadline = time.monotonic() + 30  # the upload to memory:// takes milliseconds; this only guards a hang
+    while left := [t for t in threading.enumerate() if t not in before and t.name.startswith("diloco-allreduce")]:
+        assert time.monotonic() < deadline, f"the all-reduce was never closed: {left}"
+        time.sleep(0.05)
 
 
 # ---------------------------------------------------------------------------------------------- subprocesses

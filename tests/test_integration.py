@@ -101,6 +101,30 @@ def test_three_replicas_train_to_identical_weights_and_lower_loss(tmp_path) -> N
     assert rounds == [f"round_000002/rank_{r:04d}.safetensors" for r in range(3)]
 
 
+def test_streaming_diloco_two_fragments_with_overlap_through_two_processes(tmp_path) -> None:
+    """F=2, fragment_sync_delay=1: 4 all-reduce rounds (one per fragment every 10 steps), each launched a step
+    before its wait; every round is waited for before the next one starts, so the k-1 deletion stays safe."""
+    kwargs = {**TINY, "total_steps": 40, "sync_every": 20, "fragments": 2, "fragment_sync_delay": 1}
+    results = _launch(tmp_path, [0, 1], 2, kwargs, timeout_s=120)
+    for rank, code, out, err in results:
+        assert code == 0, f"rank {rank} exited {code}:\n{err}"
+        assert "round 2 step 40/40" in out
+
+    store = ObjectStore(f"file://{tmp_path / 'rdv'}")
+    finals = [decode_tensors(store.get(f"final/rank_{r:04d}.safetensors"))[0] for r in range(2)]
+    assert finals[0].keys() == finals[1].keys()
+    assert all(torch.equal(finals[0][k], finals[1][k]) for k in finals[0])
+    rows = [[json.loads(line) for line in store.get(f"metrics/rank_{r:04d}.jsonl").decode().splitlines()]
+            for r in range(2)]
+    for per_rank in rows:
+        assert [row["kind"] for row in per_rank] == ["init", "round", "round", "final"]
+        assert per_rank[-1]["eval_loss"] < per_rank[0]["eval_loss"]
+    assert rows[0][-1]["eval_loss"] == rows[1][-1]["eval_loss"]  # measured on the identical global weights
+    # 40 steps / (20 // 2) = 4 rounds (0..3); the older ones were deleted by their writers.
+    assert [k for k in store.list() if k.startswith("round_")] == [f"round_000003/rank_{r:04d}.safetensors"
+                                                                   for r in range(2)]
+
+
 def test_missing_peer_fails_the_others_naming_round_and_rank(tmp_path) -> None:
     kwargs = {**TINY, "total_steps": 10, "sync_every": 10}
     results = _launch(tmp_path, [0, 1], 3, kwargs, timeout_s=3)  # rank 2 never starts

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import uuid
+import weakref
 from typing import Any
 
 import pytest
@@ -139,12 +141,14 @@ def test_hand_computed_two_fragment_schedule() -> None:
     manager = make_manager(new_uri())
     seen = []
     with make_diloco_outer_loop(manager=manager, model_fragments=[f0, f1], inner_optimizer=opt, outer_lr=2.0,
-                                outer_momentum=0.0, nesterov=False, sync_every=6):
+                                outer_momentum=0.0, nesterov=False, sync_every=6) as diloco:
         for _ in range(9):
             constant_grad_step(opt, [f0.w, f1.w], 2.0)
             seen.append((f0.w.item(), f1.w.item()))
     assert seen == expected
     assert manager.current_step() == 3
+    diloco.restore_global_parameters()  # fragment 1 trained locally since its sync at step 6 (global -23)
+    assert (f0.w.item(), f1.w.item()) == (-36, -23)
 
 
 def reference_streaming_diloco(
@@ -272,6 +276,24 @@ def test_failed_allreduce_raises_out_of_the_optimizer_step_and_never_commits() -
     assert manager.current_step() == 0
 
 
+def test_after_a_failed_sync_every_later_step_raises_instead_of_training_on_unsynced() -> None:
+    # A trainer that catches the error and keeps stepping must not train on locally forever: before the fix,
+    # local_step ran past the sync point and no round ever started again, silently.
+    frag = Scalar(1.0)
+    opt = torch.optim.SGD(frag.parameters(), lr=0.5)
+    manager = make_manager(new_uri(), rank=0, world_size=2, timeout_s=0.2)  # rank 1 never comes
+    with make_diloco_outer_loop(manager=manager, model_fragments=[frag], inner_optimizer=opt, outer_lr=1.0,
+                                outer_momentum=0.0, nesterov=False, sync_every=2, fragment_sync_delay=1):
+        constant_grad_step(opt, [frag.w], 1.0)  # prepare_sync: the upload starts, nobody waits yet
+        with pytest.raises(AllReduceTimeout) as first:
+            constant_grad_step(opt, [frag.w], 1.0)
+        for _ in range(3):
+            with pytest.raises(RuntimeError, match="already failed") as later:
+                constant_grad_step(opt, [frag.w], 1.0)
+            assert later.value.__cause__ is first.value
+    assert manager.current_step() == 0
+
+
 def test_state_dict_roundtrip_continues_exactly_like_the_original() -> None:
     def build() -> tuple[Scalar, Scalar, torch.optim.Optimizer, Any, ObjectStoreManager]:
         f0, f1 = Scalar(0.0), Scalar(1.0)
@@ -383,3 +405,17 @@ def test_manager_step_advances_once_per_committed_round() -> None:
     assert manager.state_dict() == {"step": 2}
     manager.load_state_dict({"step": 7})
     assert manager.current_step() == 7
+
+
+def test_finished_rounds_keep_no_tensor_alive_without_should_commit() -> None:
+    # A trainer may use manager.allreduce(...).wait() directly, never calling should_commit(): the manager used to
+    # append every round's Work (and with it the caller's tensors) to a list that only should_commit() cleared.
+    manager = make_manager(new_uri())
+    t = torch.ones(1024)
+    ref = weakref.ref(t)
+    manager.allreduce(t).wait()
+    del t
+    for _ in range(2):
+        manager.allreduce(torch.ones(1024)).wait()
+    gc.collect()
+    assert ref() is None

@@ -154,6 +154,7 @@ def test_total_steps_must_be_a_multiple_of_sync_every_and_nothing_is_written() -
     (dict(sync_every=0), "sync_every"),
     (dict(fragments=3), "fragments"),  # 20 is not a multiple of 3
     (dict(fragments=2, fragment_sync_delay=10), "fragment_sync_delay"),
+    (dict(fragments=4), "fragments must be between 1 and 3"),  # TINY has n_layer + 2 = 3 units to split
     (dict(outer_momentum=1.0), "outer_momentum"),
     (dict(batch_size=2.5), "batch_size"),
     (dict(n_embd=30, n_head=4), "n_embd"),
