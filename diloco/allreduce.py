@@ -205,7 +205,13 @@ class ObjectStoreAllReduce:
     """
 
     def __init__(
-        self, uri: str, rank: int, world_size: int, timeout_s: float = 1800, poll_interval_s: float = 1.0
+        self,
+        uri: str,
+        rank: int,
+        world_size: int,
+        timeout_s: float = 1800,
+        poll_interval_s: float = 1.0,
+        run_id: str | None = None,
     ) -> None:
         if world_size < 1:
             raise ConfigError(f"world_size must be >= 1, got {world_size}")
@@ -220,6 +226,9 @@ class ObjectStoreAllReduce:
         self.world_size = world_size
         self.timeout_s = float(timeout_s)
         self.poll_interval_s = float(poll_interval_s)
+        # Tagged into every contribution and checked on every peer's: leftovers of another run in a reused
+        # prefix are rejected as corrupt instead of being averaged into this one.
+        self.run_id = run_id
         self.store = ObjectStore(uri)
         self._round = 0
         self._pending: AllReduceWork | None = None
@@ -288,13 +297,20 @@ class ObjectStoreAllReduce:
     # ---------------------------------------------------------------- seams
     def _encode(self, round_: int, tensors: Mapping[str, torch.Tensor]) -> bytes:
         """The wire format of one contribution (override for compressed payloads)."""
-        return encode_tensors(tensors, {"round": round_, "rank": self.rank, "world_size": self.world_size})
+        return encode_tensors(tensors, self._identity(round_, self.rank))
+
+    def _identity(self, round_: int, rank: int) -> dict[str, str | int]:
+        """The metadata that says whose contribution an object is: written by us, expected of peers."""
+        identity: dict[str, str | int] = {"round": round_, "rank": rank, "world_size": self.world_size}
+        if self.run_id:
+            identity["run_id"] = self.run_id
+        return identity
 
     def _decode(self, data: bytes, round_: int, rank: int) -> dict[str, torch.Tensor]:
         """Parse and verify a peer's contribution; ``CorruptObjectError`` if it is not exactly what we expect."""
         tensors, _ = decode_tensors(
             data,
-            expect={"round": round_, "rank": rank, "world_size": self.world_size},
+            expect=self._identity(round_, rank),
             source=self.store.url(contribution_key(round_, rank)),
         )
         return tensors

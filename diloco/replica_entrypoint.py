@@ -66,6 +66,7 @@ class ReplicaArgs:
     trainer_kwargs: dict[str, Any] = field(default_factory=dict)
     timeout_s: float = 1800.0
     poll_interval_s: float = 1.0
+    run_id: str | None = None  # from DILOCO_RUN_ID; tags every contribution so runs never mix in one prefix
 
 
 class _Parser(argparse.ArgumentParser):
@@ -116,7 +117,8 @@ def resolve_args(argv: list[str], env: Mapping[str, str]) -> ReplicaArgs:
     timeout_s = _positive_float("--timeout", ns.timeout)
     poll_s = _positive_float("--poll-interval", ns.poll_interval)
     return ReplicaArgs(rendezvous=rendezvous, world_size=world_size, rank=rank, trainer_module=module,
-                       trainer_fn=fn, trainer_kwargs=kwargs, timeout_s=timeout_s, poll_interval_s=poll_s)
+                       trainer_fn=fn, trainer_kwargs=kwargs, timeout_s=timeout_s, poll_interval_s=poll_s,
+                       run_id=env.get(envvars.RUN_ID) or None)
 
 
 def _int_from(flag: str, value: str | None, env: Mapping[str, str], names: list[str]) -> int | None:
@@ -232,6 +234,9 @@ def setup_logging(rank: int) -> Callable[[], None]:
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
+    """Stop the replica on the first SIGTERM; ignore later ones so they cannot interrupt the clean-up it started
+    (``main`` puts the previous handler back when it returns)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise Terminated()
 
 
@@ -275,7 +280,8 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
         from diloco.manager import ObjectStoreManager
 
         allreduce = ObjectStoreAllReduce(args.rendezvous, args.rank, args.world_size,
-                                         timeout_s=args.timeout_s, poll_interval_s=args.poll_interval_s)
+                                         timeout_s=args.timeout_s, poll_interval_s=args.poll_interval_s,
+                                         run_id=args.run_id)
         manager = ObjectStoreManager(allreduce)
         log.info("replica %d/%d, rendezvous %s, trainer %s:%s", args.rank, args.world_size, args.rendezvous,
                  args.trainer_module, args.trainer_fn)

@@ -258,6 +258,21 @@ def test_corrupted_and_truncated_peer_objects_are_reported_and_never_averaged(ur
         ar.close()
 
 
+def test_a_leftover_of_another_run_in_a_reused_prefix_is_rejected_not_averaged(uri: str) -> None:
+    store = ObjectStore(uri)
+    identity = {"round": 0, "rank": 1, "world_size": 2}
+    store.put(contribution_key(0, 1), encode_tensors({"g": torch.full((4,), 7.0)}, {**identity, "run_id": "old"}))
+    mine = torch.full((4,), 1.0)
+    with make(uri, 0, 2, run_id="new") as ar, pytest.raises(CorruptObjectError, match="run_id='old'"):
+        ar.allreduce({"g": mine})
+    assert torch.equal(mine, torch.full((4,), 1.0))
+    # The same run's contribution is accepted: the tag is what tells them apart.
+    store.put(contribution_key(0, 1), encode_tensors({"g": torch.full((4,), 7.0)}, {**identity, "run_id": "new"}))
+    with make(uri, 0, 2, run_id="new") as ar:
+        ar.allreduce({"g": mine})
+    assert torch.equal(mine, torch.full((4,), 4.0))
+
+
 def test_invalid_arguments_name_the_field() -> None:
     with pytest.raises(ConfigError, match="rank"):
         ObjectStoreAllReduce("memory://x", 2, 2)

@@ -271,3 +271,17 @@ def test_sigterm_stops_the_replica_promptly_with_143(probe_dir) -> None:
             proc.wait()
     assert proc.returncode == 143
     assert "stopped by SIGTERM" in _final_error_line(err)
+
+
+def test_only_the_first_sigterm_interrupts_later_ones_cannot_break_the_clean_up() -> None:
+    import signal
+
+    from diloco.replica_entrypoint import Terminated, _on_sigterm
+
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        with pytest.raises(Terminated):
+            _on_sigterm(signal.SIGTERM, None)
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, previous)
