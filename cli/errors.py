@@ -18,26 +18,12 @@ import typer
 
 from diloco import envvars
 from diloco.cli import exit_codes
-from diloco.errors import (
-    AllReduceTimeout,
-    BackendError,
-    ConfigError,
-    DilocoError,
-    RunNotFound,
-    StoreError,
-)
+from diloco.errors import ConfigError, DilocoError, RunNotFound
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-#: Most specific first: the first matching type decides the exit code.
-ERROR_EXIT_CODES: list[tuple[type[BaseException], int]] = [
-    (ConfigError, exit_codes.USAGE),
-    (RunNotFound, exit_codes.USAGE),
-    (AllReduceTimeout, exit_codes.FAILED),
-    (StoreError, exit_codes.FAILED),
-    (BackendError, exit_codes.FAILED),
-    (DilocoError, exit_codes.FAILED),
-]
+#: Errors that mean "the command was asked for something wrong" (nothing launched); every other error is 1.
+USAGE_ERRORS: tuple[type[BaseException], ...] = (ConfigError, RunNotFound)
 
 
 def debug_enabled() -> bool:
@@ -51,10 +37,7 @@ def error_line(message: str) -> None:
 
 
 def exit_code_for(exc: BaseException) -> int:
-    for cls, code in ERROR_EXIT_CODES:
-        if isinstance(exc, cls):
-            return code
-    return exit_codes.FAILED
+    return exit_codes.USAGE if isinstance(exc, USAGE_ERRORS) else exit_codes.FAILED
 
 
 def report(exc: BaseException) -> int:
@@ -79,6 +62,9 @@ def handled() -> Iterator[None]:
     except KeyboardInterrupt:
         sys.stderr.write("\ninterrupted\n")
         raise typer.Exit(exit_codes.INTERRUPTED) from None
+    except BrokenPipeError:  # `diloco logs | head`: the reader has all it wanted; no traceback, no error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit-time flush cannot fail
+        raise typer.Exit(exit_codes.OK) from None
     except Exception as exc:  # noqa: BLE001 - this is the one place errors are mapped
         raise typer.Exit(report(exc)) from None
 

@@ -15,7 +15,7 @@ import typer
 
 from diloco.cli import exit_codes
 from diloco.cli.errors import command, error_line
-from diloco.cli.render import OutputFormat, emit, say
+from diloco.cli.render import FormatOpt, OutputFormat, emit, say
 from diloco.errors import ConfigError
 
 EPILOG = ("Exit codes: 0 all replicas succeeded, 1 a replica failed, 2 usage or config error (nothing launched), "
@@ -24,7 +24,13 @@ EPILOG = ("Exit codes: 0 all replicas succeeded, 1 a replica failed, 2 usage or 
 
 app = typer.Typer(
     name="diloco",
-    help="Train one model with DiLoCo across N independent replica jobs that meet only through an object store.",
+    help="Train one model with DiLoCo across N independent replica jobs that meet only through an object store."
+         "\n\n\b\nExamples:\n"
+         "  diloco launch --config configs/local.yaml    # the 4-replica demo, live table until it ends\n"
+         "  diloco launch -n 2 --steps 400 --sync-every 50 --detach\n"
+         "  diloco status --watch                        # RUN defaults to the latest run\n"
+         "  diloco logs -f                               # Ctrl-C stops following, never the run\n"
+         "  diloco collect -o json                       # check the weights agree, write the model",
     epilog=EPILOG,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -32,10 +38,8 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
-FormatOpt = Annotated[OutputFormat, typer.Option("-o", "--format", help="Output format: table or json.",
-                                                 case_sensitive=False)]
-RunArg = Annotated[str | None, typer.Argument(help="Run id, a unique prefix of one, or 'latest' (default).",
-                                                  show_default=False)]
+RunArg = Annotated[str | None, typer.Argument(help="Run id, a unique part of one (e.g. its 4-hex suffix), or "
+                                                       "'latest' (default).", metavar="RUN", show_default=False)]
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -99,8 +103,8 @@ def _interrupted(view: Any, cancel: bool) -> NoReturn:
         view.cancel()
         say(f"run {run_id} cancelled")
     else:
-        say(f"stopped waiting; run {run_id} keeps running. Watch it: diloco status {run_id} --watch; "
-            f"stop it: diloco cancel {run_id}")
+        say(f"stopped waiting; run {run_id} keeps running.\n  watch it: diloco status {run_id} --watch\n"
+            f"  stop it:  diloco cancel {run_id}")
     raise typer.Exit(exit_codes.INTERRUPTED)
 
 
@@ -123,24 +127,25 @@ def _parse_ranks(text: str | None, world_size: int) -> list[int] | None:
 @command
 def launch(
     replicas: Annotated[int | None, typer.Option("--replicas", "-n", help="Number of replicas.",
-                                                    show_default=False)] = None,
+                                                    metavar="N", show_default=False)] = None,
     backend: Annotated[str | None, typer.Option("--backend", "-b", help="local, sagemaker or eks.",
-                                                   show_default=False)] = None,
+                                                   metavar="NAME", show_default=False)] = None,
     config: Annotated[Path | None, typer.Option("--config", "-c", help="YAML run config (see configs/).",
-                                                   show_default=False)] = None,
+                                                   metavar="FILE", show_default=False)] = None,
     steps: Annotated[int | None, typer.Option(help="Inner steps per replica (train.steps).",
-                                                 show_default=False)] = None,
+                                                 metavar="N", show_default=False)] = None,
     sync_every: Annotated[int | None, typer.Option(help="Inner steps per outer round (train.sync_every).",
-                                                      show_default=False)] = None,
+                                                      metavar="H", show_default=False)] = None,
     trainer: Annotated[str | None, typer.Option(help="Trainer function, module:fn (train.trainer).",
-                                                   show_default=False)] = None,
+                                                   metavar="MODULE:FN", show_default=False)] = None,
     trainer_kwargs: Annotated[list[str] | None, typer.Option(
         "--trainer-kwargs", "-k", help="key=value for the trainer (repeatable; values parsed as YAML).",
-        show_default=False)] = None,
+        metavar="KEY=VALUE", show_default=False)] = None,
     rendezvous: Annotated[str | None, typer.Option(help="Store URI the replicas meet in; {run_id} expands.",
-                                                      show_default=False)] = None,
+                                                      metavar="URI", show_default=False)] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="dotted.key=value config override "
-                                                      "(repeatable; applied last).", show_default=False)] = None,
+                                                      "(repeatable; applied last).", metavar="KEY=VALUE",
+                                                      show_default=False)] = None,
     detach: Annotated[bool, typer.Option("--detach", "-d", help="Return after submitting; print the run id.")
                       ] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would be launched; launch nothing.")
@@ -150,10 +155,21 @@ def launch(
     fail_fast: Annotated[bool, typer.Option(help="Stop the other replicas as soon as one fails.")] = True,
     fmt: FormatOpt = OutputFormat.table,
 ) -> None:
-    """Launch a DiLoCo run and (unless --detach) wait for it with live progress, then print the summary."""
+    """Launch a DiLoCo run and (unless --detach) wait for it with live progress, then print the summary.
+
+    Precedence: defaults < --config YAML < flags < --trainer-kwargs < --set. Invalid settings fail before
+    anything starts (exit 2). Ctrl-C stops waiting; the run keeps going unless --cancel-on-interrupt.
+
+    \b
+    Examples:
+      diloco launch --config configs/local.yaml --steps 200 --sync-every 50
+      diloco launch -n 4 --trainer mypkg.train:train -k lr=3e-4 --steps 1000 --sync-every 100
+      diloco launch -c configs/local.yaml --set train.trainer_kwargs.n_embd=32 --detach
+      diloco launch -c configs/local.yaml --dry-run -o json   # the exact per-replica requests
+    """
     from diloco.config import backend_kind, merge_sources, validate
     from diloco.executors import require_available
-    from diloco.orchestrate import RunView, add_weights_verdict, plan_run
+    from diloco.orchestrate import RunView, add_weights_verdict, check_trainer_importable, plan_run
     from diloco.orchestrate import launch as launch_run
 
     flags = {"replicas": replicas, "backend": backend, "train.steps": steps, "train.sync_every": sync_every,
@@ -161,6 +177,7 @@ def launch(
     data = merge_sources(config, flags, set_, trainer_kwargs)
     require_available(backend_kind(data))  # a backend not shipped yet fails before anything else
     cfg = validate(data)
+    check_trainer_importable(cfg)
 
     if dry_run:
         from diloco.cli.views import render_plan
@@ -175,14 +192,14 @@ def launch(
     say(f"launched {run_id}: {record.world_size} replica(s) on {record.backend}, meeting at "
         f"{record.rendezvous_uri}")
     if detach:
-        say(f"follow: diloco logs {run_id} -f   status: diloco status {run_id}   "
-            f"collect: diloco collect {run_id}   cancel: diloco cancel {run_id}")
+        say(f"  status:  diloco status {run_id} --watch\n  logs:    diloco logs {run_id} -f\n"
+            f"  collect: diloco collect {run_id}\n  cancel:  diloco cancel {run_id}")
         emit({"run_id": run_id, "backend": record.backend, "rendezvous_uri": record.rendezvous_uri,
               "replicas": record.handles}, fmt, lambda console: console.print(run_id))
         return
 
-    say(f"waiting (Ctrl-C stops waiting{'' if cancel_on_interrupt else ', the run keeps going'}); "
-        f"logs: diloco logs {run_id} -f")
+    on_ctrl_c = "cancels the run" if cancel_on_interrupt else "stops waiting, the run keeps going"
+    say(f"waiting (Ctrl-C {on_ctrl_c}); logs: diloco logs {run_id} -f")
     view = RunView(record, executor, registry=registry)
     try:
         report, timed_out = _wait(view, timeout_s=None, fail_fast=fail_fast)
@@ -203,7 +220,17 @@ def status(
     watch: Annotated[bool, typer.Option("--watch", "-w", help="Follow until the run ends.")] = False,
     fmt: FormatOpt = OutputFormat.table,
 ) -> None:
-    """Show a run's replicas: state, step, round, losses, throughput (exit code reflects the run with --watch)."""
+    """Show a run's replicas: state, step, round, losses, throughput, and why a replica failed.
+
+    Exits 0 once it has shown the run; with --watch it follows the run to its end and exits with the run's
+    outcome (0 succeeded, 1 failed, 4 cancelled; Ctrl-C: 130, the run is unaffected).
+
+    \b
+    Examples:
+      diloco status                  # the latest run
+      diloco status 7c98 --watch     # a run by any unique part of its id
+      diloco status -o json | jq -r '.replicas[] | "\\(.rank) \\(.state) \\(.step)"'
+    """
     view = _view(run)
     if not watch:
         _print_run(view.report(), fmt)
@@ -223,13 +250,21 @@ def status(
 def logs(
     run: RunArg = None,
     replica: Annotated[str | None, typer.Option("--replica", "-r", help="Only these replicas, e.g. 0,2.",
-                                                   show_default=False)] = None,
+                                                   metavar="RANKS", show_default=False)] = None,
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines until the run ends.")
                       ] = False,
     tail_n: Annotated[int | None, typer.Option("--tail", help="Only the last N lines of each replica.",
-                                                  show_default=False)] = None,
+                                                  metavar="N", show_default=False)] = None,
 ) -> None:
-    """Print the replicas' output merged in time order, each line prefixed [r<replica>]. Ctrl-C never cancels."""
+    """Print the replicas' output merged in time order, each line prefixed [r<replica>]. Ctrl-C never cancels.
+
+    \b
+    Examples:
+      diloco logs                    # everything so far, latest run
+      diloco logs -f                 # then follow until the run ends (Ctrl-C stops following only)
+      diloco logs 7c98 -r 1 --tail 50
+      diloco logs | grep -i error
+    """
     from diloco.logstream import format_record
 
     if tail_n is not None and tail_n < 0:
@@ -253,8 +288,6 @@ def logs(
     except KeyboardInterrupt:
         say(f"stopped following; run {view.record.run_id} is unaffected")
         raise typer.Exit(exit_codes.INTERRUPTED) from None
-    except BrokenPipeError:  # `diloco logs | head`
-        os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
 
 
 @app.command(epilog=EPILOG)
@@ -262,14 +295,23 @@ def logs(
 def collect(
     run: RunArg = None,
     timeout: Annotated[float | None, typer.Option(help="Give up waiting after this many seconds (exit 124; "
-                                                     "the run continues).", show_default=False)] = None,
+                                                     "the run continues).", metavar="SECONDS",
+                                                     show_default=False)] = None,
     output: Annotated[Path | None, typer.Option("--output", help="Where to write the model "
-                                                   "(default ./<run_id>.safetensors).", show_default=False)] = None,
+                                                   "(default ./<run_id>.safetensors).", metavar="PATH",
+                                                   show_default=False)] = None,
     fail_fast: Annotated[bool, typer.Option(help="Stop the other replicas as soon as one fails.")] = True,
     fmt: FormatOpt = OutputFormat.table,
 ) -> None:
     """Wait for the run, check every replica's final weights are identical, print the final metrics and write
-    the agreed model."""
+    the agreed model.
+
+    \b
+    Examples:
+      diloco collect                                  # latest run, writes ./<run_id>.safetensors
+      diloco collect 7c98 --output model.safetensors
+      diloco collect --timeout 3600 -o json           # exit 124 if it has not ended within an hour
+    """
     from diloco.orchestrate import add_weights_verdict, write_model
 
     if timeout is not None and timeout <= 0:
@@ -302,7 +344,15 @@ def collect(
 @app.command(epilog=EPILOG)
 @command
 def cancel(run: RunArg = None, fmt: FormatOpt = OutputFormat.table) -> None:
-    """Stop every replica of a run (SIGTERM, then SIGKILL after the grace period on the local backend)."""
+    """Stop every replica of a run (SIGTERM, then SIGKILL after the grace period on the local backend).
+
+    Idempotent: cancelling a finished run does nothing. Commands waiting on the run then exit 4.
+
+    \b
+    Examples:
+      diloco cancel          # the latest run
+      diloco cancel 7c98
+    """
     from diloco.cli.views import render_cancel
 
     view = _view(run)
@@ -321,7 +371,13 @@ def cancel(run: RunArg = None, fmt: FormatOpt = OutputFormat.table) -> None:
 @app.command("runs", epilog=EPILOG)
 @command
 def runs_(fmt: FormatOpt = OutputFormat.table) -> None:
-    """List recorded runs (under $DILOCO_HOME, default ~/.diloco), oldest first."""
+    """List recorded runs (under $DILOCO_HOME, default ~/.diloco), oldest first.
+
+    \b
+    Examples:
+      diloco runs
+      diloco runs -o json | jq -r '.runs[] | select(.state == "running") | .run_id'
+    """
     from diloco.cli.views import render_runs
     from diloco.orchestrate import summarize_runs
 
@@ -331,7 +387,7 @@ def runs_(fmt: FormatOpt = OutputFormat.table) -> None:
 
 from diloco.cli import s3_commands  # noqa: E402 - registers `smoke` and `doctor` on the app
 
-s3_commands.register(app)
+s3_commands.register(app, EPILOG)
 
 
 # ------------------------------------------------------------------------------------------------ entry
@@ -357,7 +413,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
         where = exc.ctx.command_path if exc.ctx else "diloco"
         error_line(f"{exc.format_message()} (see `{where} --help`)")
         sys.exit(exit_codes.USAGE)
-    except errors.Abort:
+    except typer.Abort:  # typer's own class (not in its vendored click's exceptions), or click's on older Typer
         sys.stderr.write("\ninterrupted\n")
         sys.exit(exit_codes.INTERRUPTED)
     except errors.ClickException as exc:

@@ -8,14 +8,16 @@ and greppable.
 from __future__ import annotations
 
 import sys
+import time
 from types import TracebackType
 from typing import TYPE_CHECKING
 
 from diloco.cli.render import stderr_console
-from diloco.cli.views import fmt_loss, fmt_num, fmt_step, replica_table
+from diloco.cli.views import fmt_duration, fmt_loss, fmt_num, fmt_step, replica_table
 
 if TYPE_CHECKING:
     from rich.live import Live
+    from rich.table import Table
 
     from diloco.orchestrate import RunReport
 
@@ -28,13 +30,15 @@ class RunProgress:
         self.interactive = sys.stderr.isatty() if interactive is None else interactive
         self.console = stderr_console()
         self._live: Live | None = None
+        self._last: Table | None = None
         self._seen: dict[int, tuple[str, int | None]] = {}
 
     def __enter__(self) -> RunProgress:
         if self.interactive:
             from rich.live import Live
 
-            self._live = Live(console=self.console, refresh_per_second=4, transient=False)
+            # Transient: the summary printed after the wait replaces the live table instead of repeating it.
+            self._live = Live(console=self.console, refresh_per_second=4, transient=True)
             self._live.__enter__()
         return self
 
@@ -43,13 +47,17 @@ class RunProgress:
         if self._live is not None:
             self._live.__exit__(exc_type, exc, tb)
             self._live = None
+            if exc_type is not None and self._last is not None:
+                self.console.print(self._last)  # interrupted: leave the last view on screen (no summary follows)
 
     def note(self, text: str) -> None:
         self.console.print(text)
 
     def update(self, report: RunReport) -> None:
         if self._live is not None:
-            self._live.update(replica_table(report, title=f"{report.run_id}: {report.state.value}"))
+            elapsed = fmt_duration(time.time() - report.created_at)
+            self._last = replica_table(report, title=f"{report.run_id}: {report.state.value}, {elapsed} since launch")
+            self._live.update(self._last)
             return
         for rep in report.replicas:
             key = (rep.state.value, rep.step)

@@ -7,12 +7,14 @@ Every read command accepts ``-o table|json``. JSON output is the same pydantic m
 from __future__ import annotations
 
 import enum
+import errno
 import json
 import os
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
+import typer
 from rich.console import Console
 
 SCHEMA_VERSION = 1
@@ -21,6 +23,11 @@ SCHEMA_VERSION = 1
 class OutputFormat(str, enum.Enum):
     table = "table"
     json = "json"
+
+
+#: The ``-o/--format`` option every read command takes.
+FormatOpt = Annotated[OutputFormat, typer.Option("-o", "--format", help="Output format: table or json.",
+                                                 metavar="table|json", case_sensitive=False)]
 
 
 def _no_color() -> bool:
@@ -34,10 +41,17 @@ def _width(stream: Any) -> int | None:
     return 200
 
 
+def _broken_pipe() -> None:
+    """Rich's default exits 1 on a closed stdout; raise instead, so ``handled()`` treats every command alike."""
+    raise BrokenPipeError(errno.EPIPE, "stdout was closed by the reader")
+
+
 def stdout_console() -> Console:
     """Console for data. Built per call so tests capturing ``sys.stdout`` see the output."""
-    return Console(file=sys.stdout, no_color=_no_color(), highlight=False, soft_wrap=True,
-                   width=_width(sys.stdout))
+    console = Console(file=sys.stdout, no_color=_no_color(), highlight=False, soft_wrap=True,
+                      width=_width(sys.stdout))
+    console.on_broken_pipe = _broken_pipe  # type: ignore[method-assign]
+    return console
 
 
 def stderr_console() -> Console:

@@ -13,18 +13,16 @@ import typer
 
 from diloco.cli import exit_codes
 from diloco.cli.errors import command
-from diloco.cli.render import OutputFormat, emit, say
+from diloco.cli.render import FormatOpt, OutputFormat, emit, say
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-FormatOpt = Annotated[OutputFormat, typer.Option("-o", "--format", help="Output format: table or json.",
-                                                 case_sensitive=False)]
 S3Opt = Annotated[str | None, typer.Option(
     "--s3", help="s3://bucket/prefix to use (else the config's s3:// store.rendezvous, else $DILOCO_S3_URI).",
-    show_default=False)]
+    metavar="URI", show_default=False)]
 ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="YAML run config (see configs/).",
-                                                   show_default=False)]
+                                                   metavar="FILE", show_default=False)]
 
 _STATUS_STYLE = {"pass": "green", "fail": "bold red", "warn": "yellow", "skip": "dim"}
 
@@ -68,15 +66,24 @@ def _render_smoke(console: Console, report: Any) -> None:
 
 def smoke(
     s3: S3Opt = None,
-    replicas: Annotated[int, typer.Option("--replicas", "-n", help="Number of local replica processes.")] = 2,
+    replicas: Annotated[int, typer.Option("--replicas", "-n", help="Number of local replica processes.", metavar="N")] = 2,
     keep: Annotated[bool, typer.Option("--keep", help="Keep the smoke's store prefix (and logs) afterwards.")
                     ] = False,
     config: ConfigOpt = None,
-    timeout: Annotated[float, typer.Option("--timeout", help="Give up after this many seconds.")] = 600.0,
+    timeout: Annotated[float, typer.Option("--timeout", help="Give up after this many seconds (exit 124).", metavar="SECONDS")] = 600.0,
     fmt: FormatOpt = OutputFormat.table,
 ) -> None:
     """Run a tiny DiLoCo job on local replicas through a store (S3 with --s3, else a temporary file:// one)
-    and check rounds, bitwise-identical final weights, per-round time and bytes."""
+    and check rounds, bitwise-identical final weights, per-round time and bytes.
+
+    Exits 0 when every check passed, 1 when one failed, 124 when the replicas did not finish within --timeout.
+
+    \b
+    Examples:
+      diloco smoke                                 # file:// store in a temporary directory, ~10 s
+      diloco smoke --s3 s3://my-bucket/diloco -n 4 # the same through S3, as cloud replicas would meet
+      diloco smoke -o json | jq .ok
+    """
     from diloco.s3 import resolve_s3_uri
     from diloco.smoke import run_smoke
 
@@ -89,7 +96,7 @@ def smoke(
     report = run_smoke(s3_uri=uri, replicas=replicas, keep=keep, timeout_s=timeout, progress=say)
     emit(report, fmt, lambda console: _render_smoke(console, report))
     if not report.ok:
-        raise typer.Exit(exit_codes.FAILED)
+        raise typer.Exit(exit_codes.TIMEOUT if report.timed_out else exit_codes.FAILED)
 
 
 def doctor(
@@ -107,9 +114,17 @@ def doctor(
                                                    show_default=False)] = None,
     fmt: FormatOpt = OutputFormat.table,
 ) -> None:
-    """Check what a launch on the backend needs (credentials, region, S3 access and conditional writes, the
-    SageMaker role and its bucket access, logs, the image, Kubernetes), each failure with its fix. Reads only,
-    except a few probe objects it writes under the prefix and deletes."""
+    """Check what a launch on the backend needs (the local Python environment and run directory; credentials,
+    region, S3 access and conditional writes, the SageMaker role and its bucket access, logs, the image,
+    Kubernetes), each failure with its fix. Reads only, except a few probe objects it writes under the prefix
+    and the run directory, and deletes. Exits 0 when no check failed, 1 otherwise.
+
+    \b
+    Examples:
+      diloco doctor                                # the local backend
+      diloco doctor --backend local --s3 s3://my-bucket/diloco
+      diloco doctor -c configs/sagemaker.yaml
+    """
     from diloco.doctor import resolve_inputs, run_doctor
 
     ctx = resolve_inputs(backend=backend, s3_uri=s3, config_path=str(config) if config else None, role_arn=role,
@@ -123,7 +138,7 @@ def doctor(
         raise typer.Exit(exit_codes.FAILED)
 
 
-def register(app: typer.Typer) -> None:
+def register(app: typer.Typer, epilog: str) -> None:
     """Add ``smoke`` and ``doctor`` to ``app``."""
-    app.command("smoke")(command(smoke))
-    app.command("doctor")(command(doctor))
+    app.command("smoke", epilog=epilog)(command(smoke))
+    app.command("doctor", epilog=epilog)(command(doctor))

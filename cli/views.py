@@ -40,14 +40,29 @@ def fmt_step(rep: ReplicaReport) -> str:
     return f"{rep.step}/{rep.total_steps}" if rep.total_steps else str(rep.step)
 
 
+def fmt_duration(seconds: float) -> str:
+    """``42s``, ``3m05s``, ``1h02m``."""
+    s = max(0, int(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
 def fmt_time(ts: float) -> str:
     return _dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
 
 
+def _table(title: str | None = None) -> Table:
+    """The one table style of the CLI: a rule under the header, no borders (easy to read, grep and paste)."""
+    return Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
+                 collapse_padding=True)
+
+
 def replica_table(report: RunReport, *, title: str | None = None) -> Table:
     """Per replica: state, step/total, round, train/eval loss, tokens/s, seconds blocked in sync."""
-    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
-                  collapse_padding=True)
+    table = _table(title)
     for name, justify in (("replica", "right"), ("state", "left"), ("exit", "right"), ("step", "right"),
                           ("round", "right"), ("train loss", "right"), ("eval loss", "right"),
                           ("tok/s", "right"), ("sync s", "right")):
@@ -75,9 +90,26 @@ def render_run(console: Console, report: RunReport) -> None:
         console.print(f"final weights: {verdict}: {report.weights_detail}")
     if report.model_path:
         console.print(f"model: {report.model_path}")
-    failed = [r for r in report.replicas if r.state.value in ("failed", "cancelled") and r.reason]
-    for rep in failed:
-        console.print(f"r{rep.rank}: {rep.reason}")
+    by_reason: dict[str, list[str]] = {}  # "r0, r2: cancelled (stopped by SIGTERM)", not one line per replica
+    for rep in report.replicas:
+        if rep.reason and rep.state.value != "succeeded":
+            by_reason.setdefault(rep.reason, []).append(f"r{rep.rank}")
+    for reason, ranks in by_reason.items():
+        console.print(f"{', '.join(ranks)}: {reason}")
+
+
+_ERROR_PREFIX = "diloco: error: "
+
+
+def failure_why(rep: ReplicaReport) -> str:
+    """The most telling one-line cause: the backend's reason unless it only restates the exit code (a time
+    limit, a kill), else the replica's own ``diloco: error:`` line, else the last line of its stderr."""
+    if rep.reason and not rep.reason.startswith("exited with code"):
+        return rep.reason
+    errors = [line for line in rep.stderr_tail if line.startswith(_ERROR_PREFIX)]
+    if errors:
+        return errors[-1][len(_ERROR_PREFIX):]
+    return rep.stderr_tail[-1] if rep.stderr_tail else rep.reason or "no reason recorded"
 
 
 def failure_lines(report: RunReport, run_ref: str) -> list[str]:
@@ -85,8 +117,9 @@ def failure_lines(report: RunReport, run_ref: str) -> list[str]:
     lines: list[str] = []
     for rep in report.failed:
         code = "" if rep.exit_code is None else f" with exit code {rep.exit_code}"
-        lines.append(f"replica {rep.rank} failed{code}: {rep.reason or 'no reason recorded'}")
-        if rep.stderr_tail:
+        why = failure_why(rep)
+        lines.append(f"replica {rep.rank} failed{code}: {why}")
+        if [line for line in rep.stderr_tail if why not in line]:  # more than the line quoted above
             lines.append(f"  last lines of replica {rep.rank}'s stderr:")
             lines += [f"    {line}" for line in rep.stderr_tail]
     if lines:
@@ -122,8 +155,7 @@ def render_runs(console: Console, runs: list[RunSummary]) -> None:
     if not runs:
         console.print("no runs yet: start one with `diloco launch`")
         return
-    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
-                  collapse_padding=True)
+    table = _table()
     for name in ("run", "created", "backend", "replicas", "state"):
         table.add_column(name, no_wrap=True)
     for r in runs:
@@ -132,9 +164,7 @@ def render_runs(console: Console, runs: list[RunSummary]) -> None:
 
 
 def render_cancel(console: Console, run_id: str, statuses: list[ReplicaStatus]) -> None:
-    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
-                  collapse_padding=True, title=f"run {run_id}",
-                  title_justify="left")
+    table = _table(f"run {run_id}")
     for name in ("replica", "state", "reason"):
         table.add_column(name)
     for s in statuses:

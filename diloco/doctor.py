@@ -83,6 +83,7 @@ class DoctorContext:
     region: str | None = None  # explicit region (the sagemaker config's); else the SDK's
     namespace: str = "default"
     kube_context: str | None = None
+    python: str | None = None  # the local backend's interpreter for replicas (default: this one)
     results: dict[str, Check] = field(default_factory=dict)
     _session: Any = None
 
@@ -480,9 +481,67 @@ def check_kubernetes(ctx: DoctorContext) -> list[Check]:
     return [client_check, context_check, Check(name=names[2], status=Status.PASS, detail=f"{ctx.namespace!r} readable")]
 
 
+def check_replica_environment(ctx: DoctorContext) -> Check:
+    """Local replicas run ``python -m diloco.replica_entrypoint`` with this interpreter: can it import the
+    replica side (torch included), the way a replica will, in a fresh process?"""
+    import subprocess
+    import sys
+
+    name = "replica environment"
+    if ctx.backend != "local":
+        return _skip(name, f"{ctx.backend} replicas run in the training image (see 'training image')")
+    python = ctx.python or sys.executable
+    code = "import torch, safetensors, diloco.replica_entrypoint, diloco.trainer; print(torch.__version__)"
+    try:
+        out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120,
+                             stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return Check(name=name, status=Status.FAIL, detail=f"cannot run {python}: {exc}",
+                     fix="set backend.python to a working interpreter, or leave it unset to use this one")
+    if out.returncode != 0:
+        last = (out.stderr.strip().splitlines() or [f"exit code {out.returncode}"])[-1]
+        return Check(name=name, status=Status.FAIL, detail=f"{python} cannot import the replica side: {last}",
+                     fix="install diloco into that environment (`make demo` does, or `pip install -e .`)")
+    return Check(name=name, status=Status.PASS,
+                 detail=f"{python}: torch {out.stdout.strip()}, {os.cpu_count()} CPU core(s) to share")
+
+
+def check_run_directory(ctx: DoctorContext) -> Check:
+    """Where runs are recorded (and local replicas log and meet): writable, with room to spare. Creates nothing
+    that was not there: a missing directory is judged by its nearest existing parent."""
+    import shutil
+    import tempfile
+
+    from diloco.runs import runs_dir
+
+    name = "run directory"
+    target = runs_dir()
+    existing = target
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return Check(name=name, status=Status.FAIL, detail=f"{existing} is not a directory",
+                     fix="set DILOCO_HOME to a writable directory")
+    try:
+        if existing == target:
+            with tempfile.NamedTemporaryFile(dir=target, prefix=".doctor-"):
+                pass
+        elif not os.access(existing, os.W_OK | os.X_OK):
+            raise PermissionError(f"{existing} is not writable")
+    except OSError as exc:
+        return Check(name=name, status=Status.FAIL, detail=f"cannot write under {target}: {exc}",
+                     fix="set DILOCO_HOME to a writable directory")
+    free_gb = shutil.disk_usage(existing).free / 2**30
+    detail = f"{target} writable{'' if existing == target else ' (will be created)'}, {free_gb:.1f} GiB free"
+    if free_gb < 1:
+        return Check(name=name, status=Status.WARN, detail=detail,
+                     fix="free some space, or set DILOCO_HOME elsewhere: local runs keep logs and the store there")
+    return Check(name=name, status=Status.PASS, detail=detail)
+
+
 #: In order; each takes the context and returns one check or several.
 CHECKS: list[Callable[[DoctorContext], Check | list[Check]]] = [
-    check_credentials, check_region, check_bucket, check_read_write, check_role, check_role_bucket, check_logs,
+    check_replica_environment, check_run_directory, check_credentials, check_region, check_bucket, check_read_write, check_role, check_role_bucket, check_logs,
     check_image, check_kubernetes,
 ]
 
@@ -512,6 +571,7 @@ def resolve_inputs(
         region=getattr(section, "region", None),
         namespace=namespace or getattr(section, "namespace", None) or "default",
         kube_context=kube_context or getattr(section, "kube_context", None),
+        python=getattr(section, "python", None),
     )
     return ctx
 

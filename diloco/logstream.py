@@ -46,16 +46,14 @@ def merged(streams: Sequence[Iterable[LogRecord]]) -> Iterator[LogRecord]:
     return heapq.merge(*streams, key=lambda r: (r.ts, r.rank))
 
 
-def follow_merged(
-    streams: Sequence[Iterable[LogRecord]], *, stop: threading.Event | None = None
-) -> Iterator[LogRecord]:
+def follow_merged(streams: Sequence[Iterable[LogRecord]]) -> Iterator[LogRecord]:
     """Follow several (possibly endless) streams at once, one thread each, yielding records as they arrive.
 
     Ends when every stream has ended. The first exception raised by a stream is re-raised here. Threads are
     daemons, so an interrupted caller (Ctrl-C) never waits for them.
     """
     q: queue.Queue[tuple[str, object]] = queue.Queue()
-    stop = stop or threading.Event()
+    stop = threading.Event()  # set on the first error: the other pumps stop at their next record
 
     def pump(stream: Iterable[LogRecord]) -> None:
         try:

@@ -40,7 +40,6 @@ if TYPE_CHECKING:
     from diloco.store import ObjectStore
 
 
-
 # ---------------------------------------------------------------------------------------------- reports
 class ReplicaReport(BaseModel):
     """One replica: its backend state and its latest metrics (``None`` until it has reported any)."""
@@ -119,6 +118,30 @@ def build_spec(cfg: RunConfig, run_id: str) -> LaunchSpec:
                       timeout_s=cfg.timeout_s)
 
 
+def check_trainer_importable(cfg: RunConfig) -> None:
+    """For local replicas (this interpreter, this working directory): ``ConfigError`` if ``train.trainer``'s
+    module cannot be found, so a typo fails before launch instead of in every replica. Imports only the module's
+    parent packages; other backends import it in their own image, so they are not checked here."""
+    import importlib.util
+    import sys
+
+    if cfg.backend.kind != "local" or getattr(cfg.backend, "python", None):
+        return
+    module = cfg.train.trainer.split(":", 1)[0]
+    cwd = os.getcwd()
+    sys.path.insert(0, cwd)  # `python -m` puts the replica's working directory (this one) on its path
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package is missing
+        found = False
+    finally:
+        sys.path.remove(cwd)
+    if not found:
+        raise ConfigError(f"train.trainer: module {module!r} is not importable here (looked in {cwd} and "
+                          f"the installed packages)",
+                          hint="check the spelling, install its package, or launch from the directory that holds it")
+
+
 def plan_run(cfg: RunConfig, run_id: str | None = None) -> tuple[ServerlessExecutor, LaunchPlan]:
     """The executor and its dry-run plan. Pure: no process, no directory, no registry entry, no network."""
     require_available(cfg.backend.kind)
@@ -131,6 +154,7 @@ def launch(cfg: RunConfig, registry: RunRegistry | None = None) -> tuple[RunReco
     from diloco.store import ObjectStore
 
     registry = registry or RunRegistry()
+    registry.prepare()  # an unwritable DILOCO_HOME fails here, before the store is touched
     executor, plan = plan_run(cfg)
     spec = plan.spec
     uri = spec.entrypoint_args.rendezvous_uri
@@ -259,8 +283,8 @@ class RunView:
 
     def cancel(self, ranks: list[int] | None = None) -> list[ReplicaStatus]:
         """Stop the (given) non-terminal replicas; returns every replica's status afterwards. Idempotent."""
-        targets = [h for h in self.handles if ranks is None or h.rank in ranks]
-        targets = [h for h, s in zip(targets, [self.executor.poll(h) for h in targets], strict=True) if not s.state.is_terminal]
+        targets = [h for h in self.handles if (ranks is None or h.rank in ranks)
+                   and not self.executor.poll(h).state.is_terminal]
         many = getattr(self.executor, "cancel_many", None)
         if many is not None:
             many(targets)

@@ -7,12 +7,13 @@ Layout under ``$DILOCO_HOME`` (default ``~/.diloco``)::
     runs/<run_id>/logs/rank_<r> a local replica's logs and exit record
 
 ``status``, ``logs``, ``collect`` and ``cancel`` take a run id, ``latest`` (the default), or an unambiguous
-prefix of a run id. An unknown id raises ``RunNotFound`` with a hint to list runs.
+prefix or part of a run id (e.g. its 4-hex suffix). An unknown id raises ``RunNotFound`` with a hint to list runs.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import errno
 import os
 import secrets
 import time
@@ -23,7 +24,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from diloco import envvars
-from diloco.errors import RunNotFound
+from diloco.errors import ConfigError, RunNotFound
 from diloco.executors.base import ReplicaHandle
 
 RECORD_VERSION = 1
@@ -79,8 +80,18 @@ class RunRegistry:
     def path(self, run_id: str) -> Path:
         return self.dir / f"{run_id}.json"
 
+    def prepare(self) -> None:
+        """Create the runs directory; a one-line ``ConfigError`` naming DILOCO_HOME if it is not writable."""
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            if not os.access(self.dir, os.W_OK | os.X_OK):
+                raise PermissionError(errno.EACCES, "not writable")
+        except OSError as exc:
+            raise ConfigError(f"DILOCO_HOME: cannot record runs in {self.dir}: {exc.strerror or exc}",
+                              hint="set DILOCO_HOME to a writable directory") from None
+
     def save(self, record: RunRecord) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.prepare()
         target = self.path(record.run_id)
         tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
         tmp.write_text(record.model_dump_json(indent=2))
@@ -115,7 +126,7 @@ class RunRegistry:
         return sorted(records, key=lambda r: (r.created_at, r.run_id))
 
     def resolve(self, ref: str | None = None) -> RunRecord:
-        """A run by id, ``latest``/None (the most recently created), or a unique prefix of an id."""
+        """A run by id, ``latest``/None (the most recently created), or a unique prefix or part of an id."""
         if ref is None or ref == LATEST:
             records = self.list()
             if not records:
@@ -124,11 +135,13 @@ class RunRegistry:
             return records[-1]
         if self.path(ref).exists():
             return self.load(ref)
-        matches = [i for i in self.ids() if i.startswith(ref)]
+        ids = self.ids()
+        # A prefix ("diloco-20240101-1203"), else any unique part, e.g. the short hex suffix ("7c98").
+        matches = [i for i in ids if i.startswith(ref)] or [i for i in ids if ref in i]
         if len(matches) == 1:
             return self.load(matches[0])
         if len(matches) > 1:
-            raise RunNotFound(f"run id prefix {ref!r} is ambiguous ({', '.join(matches[:5])})",
+            raise RunNotFound(f"run id {ref!r} is ambiguous ({', '.join(matches[:5])})",
                               hint="give more of the id; `diloco runs` lists them")
         raise self._not_found(ref)
 

@@ -63,6 +63,7 @@ class SmokeReport(BaseModel):
     seconds: float
     kept: bool
     log_dir: str | None = None  # kept when something failed
+    timed_out: bool = False  # the replicas had not finished within the timeout (the CLI exits 124)
     ok: bool
 
 
@@ -156,10 +157,12 @@ def run_smoke(
         handles = executor.submit(plan)
         deadline = time.monotonic() + timeout_s
         statuses = [executor.poll(h) for h in handles]
+        timed_out = False
         try:
             while not all(s.state.is_terminal for s in statuses):
                 observed |= _observe(store)
-                if any(s.state == RunState.FAILED for s in statuses) or time.monotonic() > deadline:
+                timed_out = time.monotonic() > deadline
+                if any(s.state == RunState.FAILED for s in statuses) or timed_out:
                     break
                 time.sleep(poll_interval_s)
                 statuses = [executor.poll(h) for h in handles]
@@ -168,7 +171,7 @@ def run_smoke(
             if not all(s.state.is_terminal for s in statuses):
                 executor.cancel_many(handles)
                 statuses = [executor.poll(h) for h in handles]
-        timed_out = time.monotonic() > deadline
+        timed_out = timed_out or any("time limit" in (s.reason or "") for s in statuses)  # the supervisors'
         bad = [s for s in statuses if s.state != RunState.SUCCEEDED]
         if bad:
             lines = []
@@ -176,9 +179,10 @@ def run_smoke(
                 tail = executor.stderr_tail(handles[s.rank], 3)
                 why = tail[-1] if tail else (s.reason or "")
                 lines.append(f"rank {s.rank} {s.state.value} (exit {s.exit_code}): {why}".strip())
+            logs = f"replica logs: {os.path.join(work_dir, 'logs', run_id)}"
             checks.append(Check(name="replicas exited 0", status=Status.FAIL,
                                 detail=(f"timed out after {timeout_s:g}s; " if timed_out else "") + "; ".join(lines),
-                                fix=f"replica logs: {os.path.join(work_dir, 'logs', run_id)}"))
+                                fix=f"a slow store or machine: raise --timeout; {logs}" if timed_out else logs))
         else:
             checks.append(Check(name="replicas exited 0", status=Status.PASS, detail=f"{replicas} replica(s)"))
 
@@ -189,7 +193,9 @@ def run_smoke(
                             status=Status.PASS if verdict else Status.FAIL, detail=detail,
                             fix=None if verdict else "the replicas diverged or did not finish; see the checks above"))
         failed = any(c.status == Status.FAIL for c in checks)
-        return _report(uri, replicas, checks, metrics, observed, started, keep, work_dir, failed=failed)
+        report = _report(uri, replicas, checks, metrics, observed, started, keep, work_dir, failed=failed)
+        report.timed_out = timed_out
+        return report
     finally:
         if not keep:
             try:

@@ -3,10 +3,12 @@
 Why it looks the way it does:
 
 * Each replica runs under ``diloco.executors.local_supervisor`` in its **own session / process group**, so a
-  Ctrl-C in the launching terminal never reaches it and ``cancel`` can signal the whole group (replica, its
-  children, the supervisor) at once.
+  Ctrl-C in the launching terminal never reaches it. ``cancel`` sends one SIGTERM through the supervisor (which
+  forwards it) and, after the grace period, SIGKILLs the whole group (replica, its children, the supervisor).
 * The supervisor writes ``exit.json`` when the replica ends; that file, not the launching process's memory, is
-  the source of truth, so ``diloco status`` in a brand-new process knows the exit code.
+  the source of truth, so ``diloco status`` in a brand-new process knows the exit code. If the supervisor is
+  killed on its own (``kill -9``, the OOM killer), a replica still alive in its group reads as running (and
+  ``cancel`` still stops it), never as failed while it trains on.
 * A handle records the supervisor's pid *and* its start time (``/proc/<pid>/stat``), so a recycled pid is never
   mistaken for our replica, and never signalled.
 * ``plan`` is pure: it computes argv, the added environment, cwd and the log directory and creates nothing.
@@ -103,8 +105,10 @@ class LocalProcessExecutor:
         for replica in plan.replicas:
             try:
                 handles.append(self._spawn(plan.spec.run_id, replica))
-            except OSError as exc:
+            except BaseException as exc:  # an OSError, or Ctrl-C mid-submit: no replica is left orphaned
                 self.cancel_many(handles)
+                if not isinstance(exc, OSError):
+                    raise
                 raise BackendError(
                     f"could not start local replica {replica.rank}: {type(exc).__name__}: {exc}",
                     hint="the replicas already started were stopped; fix the cause and launch again",
@@ -172,14 +176,23 @@ class LocalProcessExecutor:
                                  secondary=f"pid {d['pid']}")
         if exit_rec is None:  # it may have finished between the two reads
             exit_rec = read_json(os.path.join(log_dir, EXIT_FILE))
+        if exit_rec is None and self._orphans(handle):
+            # The supervisor was killed (kill -9, OOM killer) but the replica lives on in its process group:
+            # still running, and still ours to stop (cancel signals the group).
+            return ReplicaStatus(
+                rank=handle.rank, state=RunState.CANCELLING if cancel_requested else RunState.RUNNING,
+                job_id=handle.job_id, started_at=started, secondary="unsupervised",
+                reason=f"its supervisor (pid {d['pid']}) was killed; the replica runs on unsupervised, its output "
+                       f"is no longer logged and its exit code will not be recorded",
+            )
         if exit_rec is None:
             if cancel_requested:
                 return ReplicaStatus(rank=handle.rank, state=RunState.CANCELLED, job_id=handle.job_id,
-                                     reason="cancelled (killed after the grace period)", started_at=started)
+                                     reason="cancelled (no exit code was recorded)", started_at=started)
             return ReplicaStatus(
                 rank=handle.rank, state=RunState.FAILED, job_id=handle.job_id, started_at=started,
-                reason=f"its supervisor (pid {d['pid']}) ended without recording an exit code; "
-                       f"see {os.path.join(log_dir, SUPERVISOR_LOG)}",
+                reason=f"ended without recording an exit code: its supervisor (pid {d['pid']}) was killed "
+                       f"(kill -9, the OOM killer, a reboot?); see {os.path.join(log_dir, SUPERVISOR_LOG)}",
             )
         code = int(exit_rec.get("exit_code", 1))
         reason = exit_rec.get("reason")
@@ -203,14 +216,30 @@ class LocalProcessExecutor:
             return False
         return True
 
+    def _terminate(self, handle: ReplicaHandle) -> None:
+        """One SIGTERM for the replica: to its supervisor, which forwards it (a group-wide SIGTERM would reach
+        the replica twice, and a second one can cut its clean shutdown short); to the whole group only when the
+        supervisor is gone. Whatever survives the grace period gets the group-wide SIGKILL."""
+        if self._is_ours(handle):
+            try:
+                os.kill(handle.data["pid"], signal.SIGTERM)
+            except (ProcessLookupError, PermissionError):
+                pass
+        else:
+            self._signal_group(handle, signal.SIGTERM)
+
     def _alive(self, handle: ReplicaHandle) -> bool:
-        self._reap(handle.data["pid"])
+        """Anything of the replica's process group still alive (the supervisor, or what it left behind)."""
         if self._is_ours(handle) is False:
-            return False
+            return False  # recycled pid: the kernel never reuses a pid that is still a live group id
         return bool(group_members(handle.data["pid"]))
 
+    def _orphans(self, handle: ReplicaHandle) -> bool:
+        """Whether the supervisor is gone but processes of its group (the replica) are still alive."""
+        return self._is_ours(handle) is None and self._alive(handle)
+
     def cancel(self, handle: ReplicaHandle) -> None:
-        """SIGTERM the replica's process group, SIGKILL it after ``grace_period_s``. Idempotent."""
+        """SIGTERM the replica (see ``_terminate``), SIGKILL its process group after ``grace_period_s``. Idempotent."""
         self.cancel_many([handle])
 
     def cancel_many(self, handles: Iterable[ReplicaHandle]) -> None:
@@ -221,7 +250,7 @@ class LocalProcessExecutor:
             if self._alive(h):
                 if not self._finished(h):
                     _touch(os.path.join(h.data["log_dir"], CANCEL_MARKER))
-                self._signal_group(h, signal.SIGTERM)
+                self._terminate(h)
                 live.append(h)
         deadline = time.monotonic() + self.grace_period_s
         while live and time.monotonic() < deadline:

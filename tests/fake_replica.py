@@ -2,7 +2,7 @@
 
 Behaviour comes from ``--trainer-kwargs-json`` (the executor's contract is only "run this module with these
 args and env"): print ``lines`` lines to stdout and one to stderr, optionally spawn a grandchild, optionally
-ignore SIGTERM, sleep, then exit with ``exit`` (or ``fail_exit`` on ``fail_rank``). ``env_out`` is a directory
+ignore SIGTERM (or log each one's sender to ``term_log``), sleep, then exit with ``exit`` (or ``fail_exit`` on ``fail_rank``). ``env_out`` is a directory
 where each rank writes what it saw (argv, cwd, environment) as JSON.
 """
 
@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 
@@ -27,6 +28,16 @@ def main() -> int:
             json.dump(seen, f)
     if kwargs.get("ignore_term"):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if kwargs.get("term_log"):  # record who sent each SIGTERM; exit 143 half a second after the first
+        def wait_for_terms() -> None:
+            while True:
+                info = signal.sigwaitinfo({signal.SIGTERM})
+                with open(kwargs["term_log"], "a") as f:
+                    f.write(f"SIGTERM from {info.si_pid}\n")
+                threading.Timer(0.5, os._exit, args=(143,)).start()
+
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # delivered to sigwaitinfo only
+        threading.Thread(target=wait_for_terms, daemon=True).start()
     if kwargs.get("spawn_child"):
         # A grandchild that outlives us unless someone kills the whole process group.
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])

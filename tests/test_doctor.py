@@ -194,3 +194,28 @@ def test_eks_without_kubernetes_package_says_what_to_install(
     assert checks["kubernetes context"]["status"] == "skip"
     assert checks["s3 read/write"]["status"] == "pass"
     assert checks["sagemaker execution role"]["status"] == "skip"
+
+
+def test_local_backend_checks_the_replica_environment_and_run_directory(tmp_path: Any,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DILOCO_S3_URI", raising=False)
+    monkeypatch.setenv("DILOCO_HOME", str(tmp_path / "home"))
+    code, payload, _ = doctor("--backend", "local")
+    checks = by_name(payload)
+    assert code == 0 and payload["ok"] is True, payload
+    assert checks["replica environment"]["status"] == "pass" and "torch" in checks["replica environment"]["detail"]
+    assert checks["run directory"]["status"] == "pass"
+    assert not (tmp_path / "home").exists()  # judged, not created
+
+    (tmp_path / "file").write_text("not a directory")
+    monkeypatch.setenv("DILOCO_HOME", str(tmp_path / "file" / "home"))
+    code, payload, stderr = doctor("--backend", "local")
+    checks = by_name(payload)
+    assert code == 1 and checks["run directory"]["status"] == "fail"
+    assert "DILOCO_HOME" in checks["run directory"]["fix"] and "1 check(s) failed" in stderr
+
+
+def test_a_replica_interpreter_without_diloco_fails_with_the_fix() -> None:
+    check = run_doctor(DoctorContext(backend="local", python="/usr/bin/false")).checks[0]
+    assert check.name == "replica environment" and check.status == Status.FAIL
+    assert "install diloco" in (check.fix or "")

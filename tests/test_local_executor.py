@@ -216,3 +216,71 @@ def test_follow_logs_until_the_replica_ends(tmp_path: Path, executor: LocalProce
     records = list(executor.log_records(handles[0], follow=True))
     assert [r.text for r in records if r.stream == "out"] == [f"rank 0 line {i}" for i in range(5)]
     assert executor.poll(handles[0]).state == RunState.SUCCEEDED
+
+
+def test_killed_supervisor_leaves_a_running_replica_that_cancel_still_stops(tmp_path: Path,
+                                                                            executor: LocalProcessExecutor) -> None:
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    handles = executor.submit(executor.plan(make_spec(tmp_path, n=1, sleep=120, env_out=str(pid_dir))))
+    (handle,) = handles
+    wait_for(lambda: (pid_dir / "rank_0.json").exists())
+    replica_pid = json.loads((pid_dir / "rank_0.json").read_text())["pid"]
+    os.kill(handle.data["pid"], signal.SIGKILL)  # the supervisor only, as `kill -9 <pid>` or the OOM killer would
+    wait_for(lambda: not alive(handle.data["pid"]))
+    assert alive(replica_pid)
+
+    status = executor.poll(handle)  # not "failed" while the replica still trains, and not "running" forever:
+    assert status.state == RunState.RUNNING
+    assert "supervisor" in (status.reason or "") and "unsupervised" in (status.reason or "")
+
+    executor.cancel(handle)  # it is still ours to stop
+    assert not alive(replica_pid)
+    assert group_members(handle.data["pid"]) == []
+    assert executor.poll(handle).state == RunState.CANCELLED
+
+
+def test_killed_supervisor_whose_replica_then_ends_is_failed_with_the_reason(tmp_path: Path,
+                                                                              executor: LocalProcessExecutor) -> None:
+    handles = executor.submit(executor.plan(make_spec(tmp_path, n=1, sleep=120)))
+    (handle,) = handles
+    wait_for(lambda: (Path(handle.data["log_dir"]) / "child.json").exists())
+    os.killpg(handle.data["pid"], signal.SIGKILL)  # the whole group, e.g. a reboot
+    wait_for(lambda: group_members(handle.data["pid"]) == [])
+    status = executor.poll(handle)
+    assert status.state == RunState.FAILED
+    assert "without recording an exit code" in (status.reason or "")
+
+
+def test_interrupt_mid_submit_stops_the_replicas_already_started(tmp_path: Path, executor: LocalProcessExecutor,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    plan = executor.plan(make_spec(tmp_path, n=3, sleep=120))
+    spawn = executor._spawn
+    started = []
+
+    def spawn_or_interrupt(run_id, replica):  # Ctrl-C arrives while replica 2 is being started
+        if replica.rank == 2:
+            raise KeyboardInterrupt
+        started.append(spawn(run_id, replica))
+        return started[-1]
+
+    monkeypatch.setattr(executor, "_spawn", spawn_or_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        executor.submit(plan)
+    assert len(started) == 2
+    for h in started:
+        assert group_members(h.data["pid"]) == []
+        assert executor.poll(h).state == RunState.CANCELLED
+
+
+def test_cancel_delivers_exactly_one_sigterm_to_the_replica(tmp_path: Path, executor: LocalProcessExecutor) -> None:
+    term_log = tmp_path / "terms"
+    handles = executor.submit(executor.plan(make_spec(tmp_path, n=1, sleep=120, term_log=str(term_log))))
+    wait_for(lambda: (Path(handles[0].data["log_dir"]) / "child.json").exists())
+    time.sleep(0.5)  # the replica has installed its handler
+    executor.cancel(handles[0])
+    # Only the supervisor's forwarded SIGTERM: a group-wide one would reach the replica a second time, directly
+    # from the canceller, and a second SIGTERM can cut the replica's clean shutdown short.
+    assert term_log.read_text().splitlines() == [f"SIGTERM from {handles[0].data['pid']}"]
+    status = executor.poll(handles[0])
+    assert status.state == RunState.CANCELLED and status.exit_code == 143

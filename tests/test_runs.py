@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from diloco.errors import RunNotFound
+from diloco.errors import ConfigError, RunNotFound
 from diloco.executors.base import ReplicaHandle
 from diloco.runs import RunRecord, RunRegistry, default_local_rendezvous, diloco_home, new_run_id
 
@@ -43,6 +43,8 @@ def test_save_load_roundtrip_and_latest(tmp_path: Path) -> None:
     assert reg.resolve().run_id == new.run_id
     assert reg.resolve("latest").run_id == new.run_id
     assert reg.resolve("diloco-20240101").run_id == old.run_id  # unique prefix
+    assert reg.resolve("bbbb").run_id == new.run_id  # the short suffix `diloco runs` shows, as users type it
+    assert reg.resolve("20240101-000000").run_id == old.run_id  # any unique part
     assert reg.resolve(old.run_id).handles[0].data == {"pid": 1}
 
 
@@ -57,6 +59,8 @@ def test_unknown_and_ambiguous_runs_point_to_diloco_runs(tmp_path: Path) -> None
     assert "diloco runs" in (info.value.hint or "")
     with pytest.raises(RunNotFound, match="ambiguous"):
         reg.resolve("diloco-20240101")
+    with pytest.raises(RunNotFound, match="ambiguous"):
+        reg.resolve("aaa")
 
 
 def test_unreadable_record_is_reported_not_crashed(tmp_path: Path) -> None:
@@ -68,3 +72,10 @@ def test_unreadable_record_is_reported_not_crashed(tmp_path: Path) -> None:
     assert reg.list() == []
     reg.delete("broken")
     assert reg.ids() == []
+
+
+def test_a_home_that_cannot_hold_runs_names_diloco_home(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match="DILOCO_HOME: cannot record runs in") as info:
+        RunRegistry(tmp_path / "file" / "home").prepare()
+    assert "writable" in (info.value.hint or "")

@@ -97,3 +97,14 @@ def test_s3_uri_sources_in_order(tmp_path: Any) -> None:
     config.write_text("store:\n  rendezvous: s3://Bad_Bucket/{run_id}\n")
     result = CliRunner().invoke(app, ["smoke", "--config", str(config)])
     assert result.exit_code == 2 and "store.rendezvous has an invalid bucket name" in result.stderr
+
+
+def test_smoke_past_its_timeout_exits_124_with_the_fix(monkeypatch: Any) -> None:
+    monkeypatch.delenv("DILOCO_S3_URI", raising=False)
+    code, report, _ = smoke("--timeout", "1")  # file:// store; the replicas need longer than that to start
+    assert code == 124, report
+    assert report["timed_out"] is True and report["ok"] is False
+    replicas = next(c for c in report["checks"] if c["name"] == "replicas exited 0")
+    assert replicas["status"] == "fail" and "raise --timeout" in replicas["fix"]
+    if report["log_dir"]:
+        shutil.rmtree(os.path.dirname(report["log_dir"]), ignore_errors=True)
