@@ -194,6 +194,14 @@ def _make_handler(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
             n = int(self.headers.get("Content-Length") or 0)
             return self.rfile.read(n) if n else b""
 
+        def _hang_up(self) -> None:
+            """Close the client's connection without a response (what a dropped connection looks like)."""
+            self.close_connection = True
+            try:
+                self.connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
         def _handle(self) -> None:
             body = self._read_body()
             method, path = self.command, self.path
@@ -201,11 +209,7 @@ def _make_handler(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
             rule = proxy._decide(method, path)
             if rule is not None and rule.action == "drop":
                 proxy._record(method, path, "drop", seen_headers)
-                self.close_connection = True
-                try:
-                    self.connection.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+                self._hang_up()
                 return
             if rule is not None and rule.action == "status":
                 proxy._record(method, path, f"status:{rule.status}", seen_headers)
@@ -223,11 +227,7 @@ def _make_handler(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
             status, reason, headers, data = self._forward(method, path, body)
             if rule is not None and rule.action == "drop_response":
                 proxy._record(method, path, "drop_response", seen_headers)
-                self.close_connection = True
-                try:
-                    self.connection.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+                self._hang_up()
                 return
             if rule is not None and rule.action == "truncate" and method != "HEAD" and len(data) > 1:
                 proxy._record(method, path, "truncate", seen_headers)
