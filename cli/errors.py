@@ -18,7 +18,7 @@ import typer
 
 from diloco import envvars
 from diloco.cli import exit_codes
-from diloco.errors import ConfigError, DilocoError, RunNotFound
+from diloco.errors import ConfigError, DilocoError, RunNotFound, error_line
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -28,12 +28,6 @@ USAGE_ERRORS: tuple[type[BaseException], ...] = (ConfigError, RunNotFound)
 
 def debug_enabled() -> bool:
     return os.environ.get(envvars.DILOCO_DEBUG, "") not in ("", "0")
-
-
-def error_line(message: str) -> None:
-    """``diloco: error: ...`` on stderr, collapsed to one line."""
-    sys.stderr.write(f"diloco: error: {' '.join(str(message).split())}\n")
-    sys.stderr.flush()
 
 
 def exit_code_for(exc: BaseException) -> int:

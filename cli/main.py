@@ -14,9 +14,9 @@ from typing import Annotated, Any, NoReturn
 import typer
 
 from diloco.cli import exit_codes
-from diloco.cli.errors import command, error_line
+from diloco.cli.errors import command
 from diloco.cli.render import FormatOpt, OutputFormat, emit, say
-from diloco.errors import ConfigError
+from diloco.errors import ConfigError, error_line
 
 EPILOG = ("Exit codes: 0 all replicas succeeded, 1 a replica failed, 2 usage or config error (nothing launched), "
           "4 cancelled, 124 timeout, 130 interrupted. Set DILOCO_DEBUG=1 for tracebacks, DILOCO_HOME for where "

@@ -10,6 +10,8 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
+from diloco.errors import ERROR_PREFIX
+
 if TYPE_CHECKING:
     from rich.console import Console
 
@@ -98,17 +100,14 @@ def render_run(console: Console, report: RunReport) -> None:
         console.print(f"{', '.join(ranks)}: {reason}")
 
 
-_ERROR_PREFIX = "diloco: error: "
-
-
 def failure_why(rep: ReplicaReport) -> str:
     """The most telling one-line cause: the backend's reason unless it only restates the exit code (a time
     limit, a kill), else the replica's own ``diloco: error:`` line, else the last line of its stderr."""
     if rep.reason and not rep.reason.startswith("exited with code"):
         return rep.reason
-    errors = [line for line in rep.stderr_tail if line.startswith(_ERROR_PREFIX)]
+    errors = [line for line in rep.stderr_tail if line.startswith(ERROR_PREFIX)]
     if errors:
-        return errors[-1][len(_ERROR_PREFIX):]
+        return errors[-1][len(ERROR_PREFIX):]
     return rep.stderr_tail[-1] if rep.stderr_tail else rep.reason or "no reason recorded"
 
 

@@ -18,12 +18,12 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from diloco.errors import ConfigError
+from diloco.replica_entrypoint import DEFAULT_TRAINER, INJECTED
 
-DEFAULT_TRAINER = "diloco.trainer:diloco_train"
 BACKENDS = ("local", "sagemaker", "eks")
 #: Trainer keyword arguments the launcher owns: set by ``train.steps``/``train.sync_every`` or injected.
 RESERVED_TRAINER_KWARGS = {"total_steps": "train.steps", "sync_every": "train.sync_every",
-                           "manager": None, "rank": None, "world_size": None}
+                           **dict.fromkeys(INJECTED)}
 _TRAINER_RE = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
 _PLACEHOLDER_RE = re.compile(r"<[a-z0-9][a-z0-9-]*>")
 _SCHEMES = ("file", "s3")
@@ -318,9 +318,7 @@ def merge_sources(
         if value is None:
             continue
         if key == "backend":
-            current = data.get("backend")
-            current_kind = current if isinstance(current, str) else (current or {}).get("kind")
-            if current_kind != value or not isinstance(current, dict):
+            if backend_kind(data) != value or not isinstance(data.get("backend"), dict):
                 data["backend"] = {"kind": value}
             continue
         set_dotted(data, key, value)
@@ -335,7 +333,7 @@ def merge_sources(
 def backend_kind(data: dict[str, Any]) -> str:
     """The backend named in (unvalidated) merged data; ``local`` when none is."""
     backend = data.get("backend")
-    kind = backend if isinstance(backend, str) else (backend or {}).get("kind") if isinstance(backend, dict) else None
+    kind = backend.get("kind") if isinstance(backend, dict) else backend
     return kind if isinstance(kind, str) else "local"
 
 

@@ -7,8 +7,8 @@ doctor finds these in seconds, from where you launch.
 
 Rules it keeps:
 
-* It only reads. The one exception is the S3 probe: a few objects under a fresh ``_diloco_doctor/<uuid>/`` key
-  under the prefix, deleted again (only those keys, never anything else).
+* It only reads. The exceptions are probes, deleted again: a few objects under a fresh ``_diloco_doctor/<uuid>/``
+  key under the prefix (only those keys, never anything else), and a temporary file in the run directory.
 * Each check is a small function returning a ``Check``; a check that does not apply to the chosen backend is
   ``skip`` with the reason. ``warn`` means "could not prove it works, might still": it does not fail the run.
 * boto3 and the Kubernetes client are imported inside the checks; clients get short timeouts and few retries.
@@ -29,9 +29,9 @@ from urllib.parse import unquote
 
 from pydantic import BaseModel
 
+from diloco.config import BACKENDS, resolve_config
 from diloco.errors import ConfigError
 
-BACKENDS = ("local", "sagemaker", "eks")
 LOG_GROUP = "/aws/sagemaker/TrainingJobs"
 PROBE_DIR = "_diloco_doctor"
 #: AmazonSageMakerFullAccess grants S3 only on buckets whose name contains one of these (case-sensitive; bucket
@@ -106,15 +106,20 @@ class DoctorContext:
         """A boto3 client with short timeouts and 2 attempts (unless AWS_MAX_ATTEMPTS/AWS_RETRY_MODE say else)."""
         from botocore.config import Config
 
-        kw: dict[str, Any] = {"connect_timeout": 3, "read_timeout": 10}
-        if not (os.environ.get("AWS_MAX_ATTEMPTS") or os.environ.get("AWS_RETRY_MODE")):
-            kw["retries"] = {"mode": "standard", "max_attempts": 2}
-        return self.session().client(service, region_name=region, config=Config(**kw))
+        from diloco.s3 import retry_config
+
+        config = Config(connect_timeout=3, read_timeout=10, **retry_config(2))
+        return self.session().client(service, region_name=region, config=config)
 
 
 # ---------------------------------------------------------------------------------------------- failures
+def _custom_endpoint() -> str | None:
+    """The S3-compatible endpoint the environment points at (e.g. MinIO, moto), if any."""
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+
+
 def _endpoint_hint() -> str:
-    custom = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    custom = _custom_endpoint()
     if custom:
         return f"check AWS_ENDPOINT_URL (now {custom}): is the S3-compatible service running and reachable?"
     return "check the network/proxy settings (HTTPS_PROXY) and that the region's endpoints are reachable"
@@ -174,8 +179,7 @@ def check_credentials(ctx: DoctorContext) -> Check:
         ident = ctx.client("sts").get_caller_identity()
     except Exception as exc:  # noqa: BLE001 - every failure becomes a row
         check = _fail(name, exc, "sts:GetCallerIdentity")
-        custom = os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL_S3")
-        if ctx.backend == "local" and custom and "credentials" not in check.detail:
+        if ctx.backend == "local" and _custom_endpoint() and "credentials" not in check.detail:
             # An S3-compatible store need not offer STS; the S3 checks below are what count.
             check.status = Status.WARN
         return check
@@ -541,8 +545,8 @@ def check_run_directory(ctx: DoctorContext) -> Check:
 
 #: In order; each takes the context and returns one check or several.
 CHECKS: list[Callable[[DoctorContext], Check | list[Check]]] = [
-    check_replica_environment, check_run_directory, check_credentials, check_region, check_bucket, check_read_write, check_role, check_role_bucket, check_logs,
-    check_image, check_kubernetes,
+    check_replica_environment, check_run_directory, check_credentials, check_region, check_bucket, check_read_write,
+    check_role, check_role_bucket, check_logs, check_image, check_kubernetes,
 ]
 
 
@@ -554,11 +558,7 @@ def resolve_inputs(
     """Flags win over the run config; ``ConfigError`` (exit 2) for a bad backend, URI or config."""
     from diloco.s3 import resolve_s3_uri
 
-    cfg = None
-    if config_path is not None:
-        from diloco.config import resolve_config
-
-        cfg = resolve_config(config_path)
+    cfg = resolve_config(config_path) if config_path is not None else None
     kind = backend or (cfg.backend.kind if cfg is not None else "local")
     if kind not in BACKENDS:
         raise ConfigError(f"--backend must be one of {', '.join(BACKENDS)} (got {kind!r})")

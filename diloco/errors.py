@@ -1,6 +1,18 @@
-"""One error hierarchy, so the CLI can map each failure to a message, a hint and an exit code in one place."""
+"""One error hierarchy, so the CLI can map each failure to a message, a hint and an exit code in one place; and
+the one-line format every error is printed in, by the CLI and the replicas alike."""
 
 from __future__ import annotations
+
+import sys
+
+#: Starts every error line; the CLI finds a replica's own error in its stderr by it.
+ERROR_PREFIX = "diloco: error: "
+
+
+def error_line(message: object) -> None:
+    """``diloco: error: <message>`` on stderr, collapsed to one line."""
+    sys.stderr.write(f"{ERROR_PREFIX}{' '.join(str(message).split())}\n")
+    sys.stderr.flush()
 
 
 class DilocoError(Exception):

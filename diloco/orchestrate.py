@@ -11,6 +11,7 @@ until ``store.timeout_s`` and then fail too. Commands that wait on a run (``laun
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -243,12 +244,16 @@ class RunView:
 
     def __init__(self, record: RunRecord, executor: ServerlessExecutor | None = None,
                  registry: RunRegistry | None = None) -> None:
-        from diloco.store import ObjectStore
-
         self.record = record
         self.executor = executor or executor_for(record)
         self.registry = registry
-        self.store = ObjectStore(record.rendezvous_uri)
+
+    @functools.cached_property
+    def store(self) -> ObjectStore:
+        """The run's rendezvous store, opened on first use (``diloco logs`` never needs it)."""
+        from diloco.store import ObjectStore
+
+        return ObjectStore(self.record.rendezvous_uri)
 
     @property
     def handles(self) -> list[ReplicaHandle]:
@@ -262,10 +267,6 @@ class RunView:
         statuses = statuses if statuses is not None else self.statuses()
         metrics = read_metrics(self.store, self.record.world_size)
         replicas = [_replica_report(s, metrics.get(s.rank, [])) for s in statuses]
-        if with_stderr:
-            for rep, handle in zip(replicas, self.handles, strict=True):
-                if rep.state == RunState.FAILED:
-                    rep.stderr_tail = stderr_tail(self.executor, handle)
         state = aggregate_state([r.state for r in replicas]) if replicas else RunState.PENDING
         report = RunReport(run_id=self.record.run_id, backend=self.record.backend, state=state,
                            created_at=self.record.created_at, rendezvous_uri=self.record.rendezvous_uri,
@@ -273,6 +274,13 @@ class RunView:
                            initial_eval_loss=_mean([r.initial_eval_loss for r in replicas]),
                            final_eval_loss=_mean([r.eval_loss for r in replicas if r.step]))
         self._remember(report.state)
+        return self._add_stderr(report) if with_stderr else report
+
+    def _add_stderr(self, report: RunReport) -> RunReport:
+        """Attach the last stderr lines of every failed replica (they usually say why)."""
+        for rep, handle in zip(report.replicas, self.handles, strict=True):
+            if rep.state == RunState.FAILED:
+                rep.stderr_tail = stderr_tail(self.executor, handle)
         return report
 
     def _remember(self, state: RunState) -> None:
@@ -315,17 +323,17 @@ class RunView:
             if on_update is not None:
                 on_update(report)
             if all(s.state.is_terminal for s in statuses):
-                return self.report(statuses), False
+                return self._add_stderr(report), False
             failed = [r for r in report.replicas if r.state == RunState.FAILED]
             if failed:
                 if not fail_fast:
-                    return self.report(statuses), False
+                    return self._add_stderr(report), False
                 survivors = [s.rank for s in statuses if not s.state.is_terminal]
                 if on_fail_fast is not None:
                     on_fail_fast(failed[0], survivors)
                 return self.report(self.cancel(survivors)), False
             if deadline is not None and time.monotonic() >= deadline:
-                return self.report(statuses), True
+                return self._add_stderr(report), True
             time.sleep(poll_interval_s)
 
     # ------------------------------------------------------------------------------------------ logs
@@ -393,15 +401,11 @@ def check_final_weights(store: ObjectStore, world_size: int) -> tuple[bool | Non
 def write_model(path: str, tensors: Any, meta: dict[str, str], run_id: str) -> str:
     """Write the agreed weights as one safetensors file (atomic); returns its absolute path."""
     from diloco.codec import encode_tensors
+    from diloco.store import write_file_atomic
 
-    keep = {k: v for k, v in meta.items() if k not in ("rank", "format", "sha256")}
-    data = encode_tensors(tensors, {**keep, "run_id": run_id})
+    keep = {k: v for k, v in meta.items() if k != "rank"}  # encode_tensors sets its own format and checksum
     path = os.path.abspath(path)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    write_file_atomic(path, encode_tensors(tensors, {**keep, "run_id": run_id}))
     return path
 
 

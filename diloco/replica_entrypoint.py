@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from diloco import envvars
-from diloco.errors import AllReduceTimeout, ConfigError
+from diloco.errors import AllReduceTimeout, ConfigError, error_line
 
 DEFAULT_TRAINER = "diloco.trainer:diloco_train"
-INJECTED = ("manager", "rank", "world_size")
+INJECTED = ("manager", "rank", "world_size")  # trainer kwargs this entrypoint passes itself
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 EXIT_SIGINT, EXIT_SIGTERM = 130, 143
 
@@ -240,11 +240,6 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     raise Terminated()
 
 
-def _error(message: str) -> None:
-    sys.stderr.write(f"diloco: error: {' '.join(message.split())}\n")
-    sys.stderr.flush()
-
-
 def _find_timeout(exc: BaseException) -> AllReduceTimeout | None:
     """The ``AllReduceTimeout`` behind ``exc``, if any (the outer loop may wrap it)."""
     seen: set[int] = set()
@@ -265,7 +260,7 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
         args = resolve_args(sys.argv[1:] if argv is None else argv, env)
         trainer = load_trainer(args)
     except UsageError as exc:
-        _error(str(exc))
+        error_line(str(exc))
         return EXIT_USAGE
     except SystemExit as exc:  # --help
         return exc.code if isinstance(exc.code, int) else EXIT_OK
@@ -289,23 +284,23 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
         allreduce.close()  # lets an upload the trainer left in flight land (a SIGTERM here still exits 143)
         log.info("replica %d finished", args.rank)
     except Terminated:
-        _error(f"rank {args.rank}: stopped by SIGTERM")
+        error_line(f"rank {args.rank}: stopped by SIGTERM")
         return EXIT_SIGTERM
     except KeyboardInterrupt:
-        _error(f"rank {args.rank}: interrupted")
+        error_line(f"rank {args.rank}: interrupted")
         return EXIT_SIGINT
     except ConfigError as exc:
-        _error(f"{exc} ({exc.hint or 'fix the value named above and relaunch'})")
+        error_line(f"{exc} ({exc.hint or 'fix the value named above and relaunch'})")
         return EXIT_USAGE
     except Exception as exc:  # noqa: BLE001 - the one place a replica's failure becomes an exit code
         if debug:
             traceback.print_exc(file=sys.stderr)
         timeout = _find_timeout(exc)
         if timeout is not None:
-            _error(f"rank {args.rank}: {timeout} ({timeout.hint})")
+            error_line(f"rank {args.rank}: {timeout} ({timeout.hint})")
         else:
             hint = getattr(exc, "hint", None) or f"set {envvars.DILOCO_DEBUG}=1 for the traceback"
-            _error(f"rank {args.rank}: {type(exc).__name__}: {exc} ({hint})")
+            error_line(f"rank {args.rank}: {type(exc).__name__}: {exc} ({hint})")
         return EXIT_FAILED
     finally:
         if allreduce is not None:

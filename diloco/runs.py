@@ -17,7 +17,6 @@ import errno
 import os
 import secrets
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -91,11 +90,10 @@ class RunRegistry:
                               hint="set DILOCO_HOME to a writable directory") from None
 
     def save(self, record: RunRecord) -> None:
+        from diloco.store import write_file_atomic
+
         self.prepare()
-        target = self.path(record.run_id)
-        tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
-        tmp.write_text(record.model_dump_json(indent=2))
-        os.replace(tmp, target)
+        write_file_atomic(str(self.path(record.run_id)), record.model_dump_json(indent=2).encode())
 
     def delete(self, run_id: str) -> None:
         self.path(run_id).unlink(missing_ok=True)

@@ -73,12 +73,18 @@ def parse_s3_uri(uri: str, *, field: str = "--s3") -> tuple[str, str]:
     return bucket, prefix
 
 
+def retry_config(max_attempts: int) -> dict[str, Any]:
+    """botocore ``Config`` retry settings: ``standard`` mode, ``max_attempts`` per request; none when
+    ``AWS_MAX_ATTEMPTS`` or ``AWS_RETRY_MODE`` is set (botocore reads those itself, and they win)."""
+    if os.environ.get("AWS_MAX_ATTEMPTS") or os.environ.get("AWS_RETRY_MODE"):
+        return {}
+    return {"retries": {"mode": "standard", "max_attempts": max_attempts}}
+
+
 def s3_storage_options() -> dict[str, Any]:
     """s3fs options for every ``s3://`` store: botocore's retry layer and timeouts (see the module docstring)."""
-    config: dict[str, Any] = {"connect_timeout": CONNECT_TIMEOUT_S, "read_timeout": READ_TIMEOUT_S}
-    if not (os.environ.get("AWS_MAX_ATTEMPTS") or os.environ.get("AWS_RETRY_MODE")):
-        config["retries"] = {"mode": "standard", "max_attempts": BOTOCORE_MAX_ATTEMPTS}
-    return {"config_kwargs": config}
+    return {"config_kwargs": {"connect_timeout": CONNECT_TIMEOUT_S, "read_timeout": READ_TIMEOUT_S,
+                              **retry_config(BOTOCORE_MAX_ATTEMPTS)}}
 
 
 def configure_filesystem(fs: Any) -> None:

@@ -116,7 +116,7 @@ def run_smoke(
 ) -> SmokeReport:
     """Run the smoke (see the module docstring). Raises ``ConfigError`` for bad input; otherwise every problem
     becomes a failed check in the report."""
-    from diloco.executors.base import DEFAULT_ENTRYPOINT, EntrypointArgs, LaunchSpec, RunState
+    from diloco.executors.base import EntrypointArgs, LaunchSpec, RunState
     from diloco.executors.local import LocalProcessExecutor
     from diloco.orchestrate import check_final_weights, read_metrics
     from diloco.s3 import parse_s3_uri
@@ -152,8 +152,8 @@ def run_smoke(
                               poll_interval_s=poll_interval_s,  # tiny rounds: poll the store briskly
                               trainer_kwargs={**TINY_TRAINER_KWARGS, "total_steps": SYNC_EVERY * ROUNDS,
                                               "sync_every": SYNC_EVERY})
-        plan = executor.plan(LaunchSpec(run_id=run_id, n_replicas=replicas, entrypoint=DEFAULT_ENTRYPOINT,
-                                        entrypoint_args=args, timeout_s=timeout_s))
+        plan = executor.plan(LaunchSpec(run_id=run_id, n_replicas=replicas, entrypoint_args=args,
+                                        timeout_s=timeout_s))
         handles = executor.submit(plan)
         deadline = time.monotonic() + timeout_s
         statuses = [executor.poll(h) for h in handles]

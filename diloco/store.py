@@ -187,7 +187,7 @@ class ObjectStore:
         """Write ``data`` at ``key`` atomically (overwrites)."""
         path = self.path(key)
         if self._local:
-            self._retry("put", key, lambda: self._local_atomic_write(path, data, exclusive=False))
+            self._retry("put", key, lambda: write_file_atomic(path, data))
         else:
             self._retry("put", key, lambda: self.fs.pipe_file(path, data, **self._put_kwargs))
 
@@ -202,7 +202,7 @@ class ObjectStore:
         def create() -> bool:
             try:
                 if self._local:
-                    self._local_atomic_write(path, data, exclusive=True)
+                    write_file_atomic(path, data, exclusive=True)
                 elif self.protocol == "memory":
                     with _MEMORY_CREATE_LOCK:
                         if self.fs.exists(path):
@@ -290,28 +290,28 @@ class ObjectStore:
 
                 shutil.rmtree(path, ignore_errors=True)
 
-    # ---------------------------------------------------------------- local helpers
-    @staticmethod
-    def _local_atomic_write(path: str, data: bytes, *, exclusive: bool) -> None:
-        """Temp file in the same directory, fsync, then rename (or hard-link for exclusive create)."""
-        directory = os.path.dirname(path)
-        os.makedirs(directory, exist_ok=True)
-        tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex}")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        try:
-            if exclusive:
-                try:
-                    os.link(tmp, path)
-                except OSError as exc:
-                    if exc.errno == errno.EEXIST:
-                        raise FileExistsError(path) from exc
-                    raise
-            else:
-                os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
 
+def write_file_atomic(path: str, data: bytes, *, exclusive: bool = False) -> None:
+    """Write a local file so a reader sees all of it or nothing: a temp file in the same directory (created with
+    its parents), fsync, then rename; ``exclusive`` hard-links instead and raises ``FileExistsError`` if ``path``
+    exists."""
+    directory = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        if exclusive:
+            try:
+                os.link(tmp, path)
+            except OSError as exc:
+                if exc.errno == errno.EEXIST:
+                    raise FileExistsError(path) from exc
+                raise
+        else:
+            os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

@@ -263,6 +263,7 @@ def _write_final(manager: Any, model: GPT, config: Any, *, rank: int, world_size
                  rounds: int) -> str:
     """Encode the (global) weights once; put them in the store and, on SageMaker, in ``$SM_MODEL_DIR``."""
     from diloco.codec import encode_tensors
+    from diloco.store import write_file_atomic
 
     data = encode_tensors(model.state_dict(), {
         "rank": rank, "world_size": world_size, "step": step, "round": rounds,
@@ -271,11 +272,6 @@ def _write_final(manager: Any, model: GPT, config: Any, *, rank: int, world_size
     key = FINAL_KEY.format(rank=rank)
     manager.store.put(key, data)
     model_dir = os.environ.get(envvars.SM_MODEL_DIR)
-    if model_dir:
-        os.makedirs(model_dir, exist_ok=True)
-        path = os.path.join(model_dir, SM_MODEL_FILE)
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)  # a half-written model.safetensors is never what SageMaker uploads
+    if model_dir:  # atomic: a half-written model.safetensors is never what SageMaker uploads
+        write_file_atomic(os.path.join(model_dir, SM_MODEL_FILE), data)
     return key

@@ -30,11 +30,6 @@ INSTALL_HINTS: dict[str, str] = {
 }
 
 
-def backend_names() -> list[str]:
-    """Every backend name the configuration accepts, in a stable order."""
-    return list(KNOWN_BACKENDS)
-
-
 def is_available(name: str) -> bool:
     """Whether ``name``'s module ships with this version (checked without importing it)."""
     target = KNOWN_BACKENDS.get(name)

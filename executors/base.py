@@ -25,6 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 from pydantic import BaseModel, Field
 
 from diloco import envvars
+from diloco.replica_entrypoint import DEFAULT_TRAINER
 
 DEFAULT_ENTRYPOINT = "diloco.replica_entrypoint"
 
@@ -55,7 +56,7 @@ class EntrypointArgs(BaseModel):
 
     rendezvous_uri: str
     world_size: int = Field(ge=1)
-    trainer: str = "diloco.trainer:diloco_train"  # "module:function"
+    trainer: str = DEFAULT_TRAINER  # "module:function"
     trainer_kwargs: dict[str, Any] = Field(default_factory=dict)
     timeout_s: float | None = None  # all-reduce poll timeout inside the replica
     poll_interval_s: float | None = None  # how often a waiting replica polls the store (entrypoint default: 1 s)

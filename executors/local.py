@@ -45,6 +45,7 @@ from diloco.executors.local_supervisor import (
     STDERR_LOG,
     SUPERVISOR_LOG,
     group_members,
+    has_procfs,
     parse_combined_line,
     proc_stat,
     read_json,
@@ -148,7 +149,7 @@ class LocalProcessExecutor:
         self._reap(pid)
         st = proc_stat(pid)
         if st is None:
-            if os.path.isdir("/proc"):
+            if has_procfs():
                 return None
             try:  # no /proc (macOS): best effort, no pid-reuse check
                 os.kill(pid, 0)
