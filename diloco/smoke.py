@@ -171,7 +171,7 @@ def run_smoke(
             if not all(s.state.is_terminal for s in statuses):
                 executor.cancel_many(handles)
                 statuses = [executor.poll(h) for h in handles]
-        timed_out = timed_out or any("time limit" in (s.reason or "") for s in statuses)  # the supervisors'
+        timed_out = timed_out or any(s.timed_out for s in statuses)  # a replica hit its own time limit
         bad = [s for s in statuses if s.state != RunState.SUCCEEDED]
         if bad:
             lines = []

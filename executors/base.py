@@ -136,6 +136,7 @@ class ReplicaStatus(BaseModel):
     reason: str | None = None  # why it failed / was cancelled, in the backend's words
     secondary: str | None = None  # e.g. SageMaker SecondaryStatus, a pod phase
     exit_code: int | None = None
+    timed_out: bool = False  # the backend stopped it for exceeding the run's wall-clock limit (timeout_s)
     started_at: float | None = None
     ended_at: float | None = None
 

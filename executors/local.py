@@ -204,6 +204,7 @@ class LocalProcessExecutor:
         else:
             state = RunState.FAILED
         return ReplicaStatus(rank=handle.rank, state=state, job_id=handle.job_id, reason=reason, exit_code=code,
+                             timed_out=bool(exit_rec.get("timed_out")),
                              started_at=exit_rec.get("started_at", started), ended_at=exit_rec.get("ended_at"))
 
     # ------------------------------------------------------------------ cancelling

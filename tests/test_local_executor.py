@@ -209,6 +209,7 @@ def test_timeout_stops_the_replica(tmp_path: Path, executor: LocalProcessExecuto
     (result,) = collect(executor, handles, timeout=30, poll_interval_s=0.05)
     assert result.status.state == RunState.FAILED
     assert "exceeded its time limit of 0.5s" in (result.status.reason or "")
+    assert result.status.timed_out
 
 
 def test_follow_logs_until_the_replica_ends(tmp_path: Path, executor: LocalProcessExecutor) -> None:
