@@ -17,6 +17,26 @@ import time
 from pathlib import Path
 
 
+#: The floor: a Typer app with one command and nothing else imported.
+MINIMAL_TYPER_APP = """import typer
+
+app = typer.Typer()
+
+
+@app.command()
+def hello(name: str = "world") -> None:
+    print(name)
+
+
+@app.command()
+def bye() -> None:
+    pass
+
+
+app()
+"""
+
+
 def time_command(argv: list[str], runs: int, env: dict[str, str]) -> list[float]:
     """Wall-clock seconds of ``runs`` executions of ``argv`` (after one warm-up run for the file cache)."""
     subprocess.run(argv, env=env, capture_output=True)
@@ -35,9 +55,12 @@ def main() -> int:
     diloco = str(Path(sys.executable).with_name("diloco"))
     with tempfile.TemporaryDirectory() as home:
         env = {**os.environ, "DILOCO_HOME": home}
+        minimal = Path(home, "minimal_typer.py")
+        minimal.write_text(MINIMAL_TYPER_APP)
         commands = {
             "python -c pass": [sys.executable, "-c", "pass"],
             "python -c 'import torch'": [sys.executable, "-c", "import torch"],
+            "minimal Typer app --help": [sys.executable, str(minimal), "--help"],
             "diloco --help": [diloco, "--help"],
             "diloco status": [diloco, "status"],
         }
@@ -47,6 +70,9 @@ def main() -> int:
     for name, samples in rows:
         med = statistics.median(samples)
         print(f"{name:<28} {med:>9.3f} {min(samples):>8.3f} {med - base:>+12.3f}")
+    medians = {name: statistics.median(samples) for name, samples in rows}
+    ratio = medians["diloco --help"] / medians["minimal Typer app --help"]
+    print(f"diloco --help / minimal Typer app --help: {ratio:.2f}x (target: under 1.15x)")
     return 0
 
 

@@ -13,19 +13,24 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, model_validator
 
+from diloco.defaults import DEFAULT_TRAINER
 from diloco.errors import ConfigError
-from diloco.replica_entrypoint import DEFAULT_TRAINER, INJECTED
+from diloco.executors import DEFAULT_BACKEND
+from diloco.executors.base import BackendConfig
 
-BACKENDS = ("local", "sagemaker", "eks")
+DEFAULT_TIMEOUT_S = 86400.0
+#: Trainer keyword arguments the replica entrypoint passes itself.
+INJECTED = ("manager", "rank", "world_size")
 #: Trainer keyword arguments the launcher owns: set by ``train.steps``/``train.sync_every`` or injected.
 RESERVED_TRAINER_KWARGS = {"total_steps": "train.steps", "sync_every": "train.sync_every",
                            **dict.fromkeys(INJECTED)}
 _TRAINER_RE = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
 _PLACEHOLDER_RE = re.compile(r"<[a-z0-9][a-z0-9-]*>")
+_BRACES_RE = re.compile(r"\{[^{}]*\}")
 _SCHEMES = ("file", "s3")
 
 
@@ -50,59 +55,17 @@ class TrainConfig(_Strict):
     trainer_kwargs: dict[str, Any] = Field(default_factory=dict)  # model/data knobs of the trainer
 
 
-class LocalBackendConfig(_Strict):
-    """Replicas as processes on this machine."""
-
-    kind: Literal["local"] = "local"
-    log_root: str | None = None  # default: $DILOCO_HOME/runs
-    grace_period_s: float = Field(10.0, ge=0)  # SIGTERM -> SIGKILL on cancel
-    python: str | None = None  # interpreter for the replicas; default: the one running diloco
-
-
-class SageMakerBackendConfig(_Strict):
-    """One single-instance SageMaker Training Job per replica (the executor ships in a later version)."""
-
-    kind: Literal["sagemaker"]
-    region: str | None = None  # default: the AWS SDK's region
-    role_arn: str  # execution role; it (not you) needs S3 access to the rendezvous prefix
-    image_uri: str  # a PyTorch image with diloco installed
-    instance_type: str = "ml.m5.xlarge"
-    volume_size_gb: int = Field(30, ge=1)
-    output_s3_uri: str | None = None  # where SageMaker uploads $SM_MODEL_DIR
-    keep_alive_period_s: int = Field(0, ge=0, le=21600)  # warm pool; needs a warm-pool quota (default 0)
-    use_spot: bool = False
-    max_wait_s: int | None = Field(None, ge=1)  # spot only; must be >= timeout_s
-    tags: dict[str, str] = Field(default_factory=dict)
-
-
-class EKSBackendConfig(_Strict):
-    """One Kubernetes Indexed Job with N completions (the executor ships in a later version)."""
-
-    kind: Literal["eks"]
-    image: str  # a PyTorch image with diloco installed
-    namespace: str = "default"
-    service_account: str | None = None  # with IRSA / Pod Identity access to the rendezvous prefix
-    kube_context: str | None = None
-    cpu: str = "2"
-    memory: str = "8Gi"
-    backoff_limit_per_index: int = Field(0, ge=0)
-    ttl_seconds_after_finished: int | None = Field(86400, ge=0)
-
-
-BackendConfig = Annotated[
-    LocalBackendConfig | SageMakerBackendConfig | EKSBackendConfig, Field(discriminator="kind")
-]
-
-
 class RunConfig(_Strict):
     """One DiLoCo run: N replicas of one trainer on one backend, meeting in one store."""
 
     replicas: int = Field(2, ge=1)
-    backend: BackendConfig = Field(default_factory=LocalBackendConfig)
+    backend: SerializeAsAny[BackendConfig] = Field(default_factory=lambda: _backend_section({}))
     store: StoreConfig = Field(default_factory=StoreConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     gpu: str | None = None  # accelerator per replica (sagemaker/eks)
-    timeout_s: float | None = Field(None, gt=0)  # wall-clock limit per replica job
+    #: Wall-clock limit per replica job (default one day, SageMaker's own default MaxRuntimeInSeconds), so a trainer
+    #: that hangs before its first sync cannot run for ever; ``null`` in YAML removes the limit.
+    timeout_s: float | None = Field(DEFAULT_TIMEOUT_S, gt=0)
 
     @model_validator(mode="before")
     @classmethod
@@ -110,8 +73,8 @@ class RunConfig(_Strict):
         """``backend: local`` means ``backend: {kind: local}``; a backend mapping without ``kind`` is local."""
         if isinstance(data, dict) and isinstance(data.get("backend"), str):
             data = {**data, "backend": {"kind": data["backend"]}}
-        if isinstance(data, dict) and isinstance(data.get("backend"), dict) and "kind" not in data["backend"]:
-            data = {**data, "backend": {"kind": "local", **data["backend"]}}
+        if isinstance(data, dict) and isinstance(data.get("backend"), dict):
+            data = {**data, "backend": _backend_section(data["backend"])}
         return data
 
     @model_validator(mode="after")
@@ -128,22 +91,27 @@ class RunConfig(_Strict):
             raise ValueError(f"train.steps: must be a multiple of train.sync_every ({t.sync_every}) so the run "
                              f"ends on an outer sync (got {t.steps})")
         uri = self.store.rendezvous
-        kind = self.backend.kind
+        kind, reachable = self.backend.kind, self.backend.rendezvous_schemes
         if uri is not None:
+            unknown = [p for p in _BRACES_RE.findall(uri) if p != "{run_id}"]
+            if unknown:
+                raise ValueError(f"store.rendezvous: unknown placeholder {unknown[0]} (only {{run_id}} is expanded; "
+                                 f"got {uri!r})")
             scheme = uri.split("://", 1)[0] if "://" in uri else "file"
             if scheme == "memory":
                 raise ValueError("store.rendezvous: memory:// lives inside one process, so replicas cannot meet "
                                  "there; use file:// or s3://")
             if scheme not in _SCHEMES:
                 raise ValueError(f"store.rendezvous: scheme must be one of {', '.join(_SCHEMES)} (got {uri!r})")
-            if kind != "local" and scheme != "s3":
-                raise ValueError(f"store.rendezvous: the {kind} backend needs an s3:// URI every replica can "
+            if scheme not in reachable:
+                schemes = " or ".join(f"{s}://" for s in reachable)
+                raise ValueError(f"store.rendezvous: the {kind} backend needs an {schemes} URI every replica can "
                                  f"reach (got {uri!r})")
-        elif kind != "local":
+        elif self.backend.default_rendezvous("<run_id>") is None:
             raise ValueError(f"store.rendezvous: required for the {kind} backend (an s3:// URI, e.g. "
                              f"s3://<bucket>/diloco/{{run_id}})")
-        if kind == "local" and self.gpu is not None:
-            raise ValueError(f"gpu: the local backend runs on this machine and does not place replicas; leave it "
+        if not self.backend.places_replicas and self.gpu is not None:
+            raise ValueError(f"gpu: the {kind} backend runs on this machine and does not place replicas; leave it "
                              f"unset (got {self.gpu!r})")
         for path, value in _strings(self.model_dump()):
             found = _PLACEHOLDER_RE.search(value)
@@ -170,40 +138,66 @@ def _short(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _model_at(loc: tuple[Any, ...], kind: str | None) -> type[BaseModel] | None:
-    """The model class owning the fields at ``loc`` (a path with the backend union's tag removed)."""
-    model: Any = RunConfig
+def _model_at(root: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The model class owning the fields at ``loc``."""
+    model: Any = root
     for part in loc:
         field = model.model_fields.get(part) if isinstance(part, str) else None
         if field is None:
             return None
-        if model is RunConfig and part == "backend":
-            model = {"local": LocalBackendConfig, "sagemaker": SageMakerBackendConfig,
-                     "eks": EKSBackendConfig}.get(kind or "local")
-        elif isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
             model = field.annotation
         else:
             return None
     return model
 
 
-def format_validation_error(exc: ValidationError) -> str:
-    """The first error as one line: ``field.path: what is allowed (got what)``; ``(+N more)`` if there are more."""
+def _backend_section(section: dict[str, Any]) -> BackendConfig:
+    """The ``backend:`` mapping validated by its own backend's model (looked up in the backend registry).
+
+    Raises ``ValueError`` with the one-line message (``backend.<field>: ...``) so the run config reports it as is.
+    """
+    from diloco.executors import backend_names, config_type
+
+    kind = section.get("kind", DEFAULT_BACKEND)
+    for path, value in _strings(section, "backend"):  # before the backend's own checks of the value's shape
+        found = _PLACEHOLDER_RE.search(value)
+        if found:
+            raise ValueError(f"{path}: replace the placeholder {found.group(0)!r} with a real value (got {value!r})")
+    if not isinstance(kind, str) or kind not in backend_names():
+        raise ValueError(f"backend: must be one of {', '.join(backend_names())} (got {_short(kind)})")
+    try:
+        model = config_type(kind)
+        return model.model_validate({**section, "kind": kind})
+    except ValidationError as exc:
+        raise ValueError(format_validation_error(exc, root=model, prefix=("backend",), kind=kind)) from None
+    except ConfigError as exc:
+        raise ValueError(str(exc)) from None
+
+
+def backend_config(section: dict[str, Any]) -> BackendConfig:
+    """A ``backend:`` mapping as its backend's validated config, or a one-line ``ConfigError``."""
+    try:
+        return _backend_section(section)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def format_validation_error(exc: ValidationError, *, root: type[BaseModel] | None = None,
+                            prefix: tuple[str, ...] = (), kind: str | None = None) -> str:
+    """The first error as one line: ``field.path: what is allowed (got what)``; ``(+N more)`` if there are more.
+
+    ``prefix`` is where the validated model sits in the run config (``("backend",)`` for a backend section, whose
+    errors also name the backend ``kind``)."""
     errors = exc.errors(include_url=False)
     err = errors[0]
-    loc = tuple(err["loc"])
-    kind = loc[1] if len(loc) > 1 and loc[0] == "backend" and loc[1] in BACKENDS else None
-    if kind:
-        loc = (loc[0], *loc[2:])  # pydantic puts the union's tag after "backend"
+    inner = tuple(err["loc"])
+    loc = (*prefix, *inner)
     path = ".".join(str(p) for p in loc)
     typ, ctx, got = err["type"], err.get("ctx") or {}, err.get("input")
-    if typ == "union_tag_invalid":
-        msg = f"{path or 'backend'}: must be one of {', '.join(BACKENDS)} (got {_short(ctx.get('tag'))})"
-    elif typ == "union_tag_not_found":
-        msg = f"{path}.kind: required, one of {', '.join(BACKENDS)}"
-    elif typ == "extra_forbidden":
-        owner = _model_at(loc[:-1], kind)
-        allowed = ", ".join(owner.model_fields) if owner else ""
+    if typ == "extra_forbidden":
+        owner = _model_at(root or RunConfig, inner[:-1])
+        allowed = ", ".join(f for f in owner.model_fields if f != "kind") if owner else ""
         where = f" for the {kind} backend" if kind else ""
         msg = f"{path}: unknown key{where}" + (f" (allowed: {allowed})" if allowed else "")
     elif typ == "missing":
@@ -226,7 +220,7 @@ def format_validation_error(exc: ValidationError) -> str:
         msg = f"{path or 'config'}: must be a mapping of keys to values (got {_short(got)})"
     elif typ == "literal_error":
         msg = f"{path}: must be {ctx.get('expected', '?')} (got {_short(got)})"
-    elif typ == "value_error" and not loc:
+    elif typ == "value_error" and not inner:
         msg = str(ctx.get("error", err["msg"]))
     else:
         msg = f"{path}: {err['msg']} (got {_short(got)})"
@@ -236,6 +230,33 @@ def format_validation_error(exc: ValidationError) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- loading
+#: YAML 1.2's float syntax: ``3e-4`` and ``1E5`` are numbers (PyYAML follows YAML 1.1, where they are strings).
+_FLOAT_12 = re.compile(r"^[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?$|^[-+]?\.(?:inf|Inf|INF)$|"
+                       r"^\.(?:nan|NaN|NAN)$")
+
+
+def _yaml_loader() -> type:
+    """PyYAML's safe loader with YAML 1.2 number rules, so ``lr: 3e-4`` is the float every user means."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.yaml_implicit_resolvers = {
+        first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:float"]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_12, list("-+0123456789."))
+    return Loader
+
+
+def yaml_load(text: str) -> Any:
+    """Parse YAML text with YAML 1.2 number rules (see ``_yaml_loader``)."""
+    import yaml
+
+    return yaml.load(text, Loader=_yaml_loader())  # noqa: S506 - a SafeLoader subclass
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
     """The YAML mapping in ``path``; one-line ``ConfigError`` for a missing file, bad syntax or a non-mapping."""
     import yaml
@@ -248,7 +269,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     except OSError as exc:
         raise ConfigError(f"--config: cannot read {str(p)!r}: {exc.strerror}") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -271,7 +292,7 @@ def parse_assignment(text: str, flag: str = "--set") -> tuple[str, Any]:
     if not sep or not key or not all(part.strip() for part in key.split(".")):
         raise ConfigError(f"{flag}: expected key=value (got {text!r})")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = yaml_load(raw) if raw.strip() else None
     except yaml.YAMLError:
         value = raw  # not YAML: take it as a plain string
     return key, value
@@ -307,6 +328,7 @@ def merge_sources(
     flags: dict[str, Any] | None = None,
     sets: list[str] | None = None,
     trainer_kwargs: list[str] | None = None,
+    backend_flags: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """YAML < flags (dotted keys; ``None`` means not given) < ``--trainer-kwargs`` < ``--set``, as plain data.
 
@@ -314,6 +336,7 @@ def merge_sources(
     belong to the other backend); ``--set backend.kind=...`` keeps them, and unknown ones are then reported.
     """
     data: dict[str, Any] = load_yaml(config_path) if config_path is not None else {}
+    backend_settings = _backend_flags(data, flags or {}, backend_flags or {})
     for key, value in (flags or {}).items():
         if value is None:
             continue
@@ -321,6 +344,8 @@ def merge_sources(
             if backend_kind(data) != value or not isinstance(data.get("backend"), dict):
                 data["backend"] = {"kind": value}
             continue
+        set_dotted(data, key, value)
+    for key, value in backend_settings.items():
         set_dotted(data, key, value)
     for item in trainer_kwargs or []:
         key, value = parse_assignment(item, "--trainer-kwargs")
@@ -330,11 +355,35 @@ def merge_sources(
     return data
 
 
+def _backend_flags(data: dict[str, Any], flags: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    """Backend flags (``{"role": ARN}``) as dotted config keys of the chosen backend (``backend.role_arn``).
+
+    ``ConfigError`` for a flag the chosen backend has no setting for, so ``--role`` on a local run is an error,
+    not silently ignored.
+    """
+    from diloco.executors import config_type
+
+    given = {k: v for k, v in given.items() if v is not None}
+    if not given:
+        return {}
+    kind = flags.get("backend") or backend_kind(data)
+    mapping = config_type(kind).flags
+    out = {}
+    for flag, value in given.items():
+        field_name = mapping.get(flag)
+        if field_name is None:
+            takes = ", ".join(f"--{f.replace('_', '-')}" for f in mapping) or "none"
+            raise ConfigError(f"--{flag.replace('_', '-')}: the {kind} backend has no such setting "
+                              f"(its flags: {takes})")
+        out[f"backend.{field_name}"] = value
+    return out
+
+
 def backend_kind(data: dict[str, Any]) -> str:
-    """The backend named in (unvalidated) merged data; ``local`` when none is."""
+    """The backend named in (unvalidated) merged data; the default backend when none is."""
     backend = data.get("backend")
     kind = backend.get("kind") if isinstance(backend, dict) else backend
-    return kind if isinstance(kind, str) else "local"
+    return kind if isinstance(kind, str) else DEFAULT_BACKEND
 
 
 def resolve_config(

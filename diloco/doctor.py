@@ -17,28 +17,19 @@ Rules it keeps:
 from __future__ import annotations
 
 import enum
-import fnmatch
-import json
 import os
 import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import unquote
 
 from pydantic import BaseModel
 
-from diloco.config import BACKENDS, resolve_config
-from diloco.errors import ConfigError
+from diloco.config import resolve_config
+from diloco.executors import DEFAULT_BACKEND
 
-LOG_GROUP = "/aws/sagemaker/TrainingJobs"
 PROBE_DIR = "_diloco_doctor"
-#: AmazonSageMakerFullAccess grants S3 only on buckets whose name contains one of these (case-sensitive; bucket
-#: names are lower case, so in practice "sagemaker" or "aws-glue").
-SAGEMAKER_BUCKET_MARKERS = ("SageMaker", "Sagemaker", "sagemaker", "aws-glue")
-SAGEMAKER_FULL_ACCESS = "arn:aws:iam::aws:policy/AmazonSageMakerFullAccess"
-S3_ACTIONS_NEEDED = ("s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:ListBucket")
 _ECR_RE = re.compile(
     r"^(?P<account>\d{12})\.dkr\.ecr\.(?P<region>[a-z0-9-]+)\.amazonaws\.com(?:\.cn)?/"
     r"(?P<repo>[a-z0-9._/-]+?)(?::(?P<tag>[\w.-]+))?(?:@(?P<digest>sha256:[0-9a-f]{64}))?$"
@@ -74,18 +65,37 @@ class DoctorReport(BaseModel):
 
 @dataclass
 class DoctorContext:
-    """What the checks look at. Built by ``run_doctor`` from flags and the run config; also a cache for checks."""
+    """What the checks look at. Built by ``resolve_inputs`` from flags and the run config; also a cache for checks.
 
-    backend: str = "local"
+    ``section`` is the backend's config section as far as it is known (flags over the config file). It may be
+    incomplete, because the doctor runs before a launch would validate it; backends read it with ``option``.
+    """
+
+    backend: str = DEFAULT_BACKEND
     s3_uri: str | None = None
-    role_arn: str | None = None
-    image_uri: str | None = None
-    region: str | None = None  # explicit region (the sagemaker config's); else the SDK's
-    namespace: str = "default"
-    kube_context: str | None = None
-    python: str | None = None  # the local backend's interpreter for replicas (default: this one)
+    section: Any = None
+    #: Whether replicas of this backend can meet in a file:// store (so S3 is optional).
+    file_store_ok: bool = True
     results: dict[str, Check] = field(default_factory=dict)
     _session: Any = None
+
+    @classmethod
+    def for_backend(cls, kind: str, s3_uri: str | None = None, **options: Any) -> DoctorContext:
+        """A context for backend ``kind`` with ``options`` as its (possibly incomplete) config section."""
+        from diloco.executors import config_type
+
+        model = config_type(kind)
+        known = {k: v for k, v in options.items() if v is not None and k in model.model_fields}
+        return cls(backend=kind, s3_uri=s3_uri, section=model.model_construct(**{**known, "kind": kind}),
+                   file_store_ok="file" in model.rendezvous_schemes)
+
+    def option(self, name: str) -> Any:
+        """A field of the backend's config section, or None."""
+        return getattr(self.section, name, None)
+
+    @property
+    def region(self) -> str | None:
+        return self.option("region")
 
     @property
     def bucket(self) -> str | None:
@@ -156,12 +166,13 @@ def explain_aws_error(exc: BaseException, action: str) -> tuple[str, str]:
     return (f"{type(exc).__name__}: {exc}", "set DILOCO_DEBUG=1 and rerun for the traceback")
 
 
-def _fail(name: str, exc: BaseException, action: str) -> Check:
+def fail_check(name: str, exc: BaseException, action: str) -> Check:
+    """A failed row for an AWS error, with its explanation and fix."""
     detail, fix = explain_aws_error(exc, action)
     return Check(name=name, status=Status.FAIL, detail=detail, fix=fix)
 
 
-def _skip(name: str, why: str) -> Check:
+def skip_check(name: str, why: str) -> Check:
     return Check(name=name, status=Status.SKIP, detail=why)
 
 
@@ -173,13 +184,13 @@ def _failed(ctx: DoctorContext, name: str) -> bool:
 # ---------------------------------------------------------------------------------------------- checks
 def check_credentials(ctx: DoctorContext) -> Check:
     name = "aws credentials"
-    if ctx.backend == "local" and not ctx.s3_uri:
-        return _skip(name, "local backend without --s3: replicas meet in a file:// store")
+    if ctx.file_store_ok and not ctx.s3_uri:
+        return skip_check(name, "no --s3: replicas meet in a file:// store")
     try:
         ident = ctx.client("sts").get_caller_identity()
     except Exception as exc:  # noqa: BLE001 - every failure becomes a row
-        check = _fail(name, exc, "sts:GetCallerIdentity")
-        if ctx.backend == "local" and _custom_endpoint() and "credentials" not in check.detail:
+        check = fail_check(name, exc, "sts:GetCallerIdentity")
+        if ctx.file_store_ok and _custom_endpoint() and "credentials" not in check.detail:
             # An S3-compatible store need not offer STS; the S3 checks below are what count.
             check.status = Status.WARN
         return check
@@ -188,28 +199,28 @@ def check_credentials(ctx: DoctorContext) -> Check:
 
 def check_region(ctx: DoctorContext) -> Check:
     name = "aws region"
-    if ctx.backend == "local" and not ctx.s3_uri:
-        return _skip(name, "local backend without --s3")
+    if ctx.file_store_ok and not ctx.s3_uri:
+        return skip_check(name, "no --s3: replicas meet in a file:// store")
     try:
         region = ctx.session().region_name
     except Exception as exc:  # noqa: BLE001
-        return _fail(name, exc, "a readable AWS config")
+        return fail_check(name, exc, "a readable AWS config")
     if region:
         source = "the run config" if ctx.region else next(
             (v for v in ("AWS_REGION", "AWS_DEFAULT_REGION") if os.environ.get(v)), "the AWS config file")
         return Check(name=name, status=Status.PASS, detail=f"{region} (from {source})")
-    return Check(name=name, status=Status.FAIL if ctx.backend != "local" else Status.WARN,
+    return Check(name=name, status=Status.WARN if ctx.file_store_ok else Status.FAIL,
                  detail="no region configured",
                  fix="set AWS_REGION (or `aws configure set region <region>`), the region of your bucket and jobs")
 
 
 def check_bucket(ctx: DoctorContext) -> Check:
     name = "s3 bucket"
-    if not ctx.s3_uri and ctx.backend != "local":
+    if not ctx.s3_uri and not ctx.file_store_ok:
         return Check(name=name, status=Status.FAIL, detail=f"the {ctx.backend} backend needs an s3:// rendezvous",
                      fix="pass --s3 s3://<bucket>/<prefix>, or set store.rendezvous in the config or DILOCO_S3_URI")
     if not ctx.s3_uri:
-        return _skip(name, "no S3 URI (--s3, the config's store.rendezvous or DILOCO_S3_URI)")
+        return skip_check(name, "no S3 URI (--s3, the config's store.rendezvous or DILOCO_S3_URI)")
     from botocore.exceptions import ClientError
 
     try:
@@ -228,9 +239,9 @@ def check_bucket(ctx: DoctorContext) -> Check:
             where = headers.get("x-amz-bucket-region", "another region")
             return Check(name=name, status=Status.FAIL, detail=f"bucket {ctx.bucket!r} is in {where}",
                          fix=f"set AWS_REGION={where} (run the jobs next to their bucket)")
-        return _fail(name, exc, f"s3:ListBucket on {ctx.bucket}")
+        return fail_check(name, exc, f"s3:ListBucket on {ctx.bucket}")
     except Exception as exc:  # noqa: BLE001
-        return _fail(name, exc, f"s3:ListBucket on {ctx.bucket}")
+        return fail_check(name, exc, f"s3:ListBucket on {ctx.bucket}")
     region = (out.get("ResponseMetadata", {}).get("HTTPHeaders", {}) or {}).get("x-amz-bucket-region")
     return Check(name=name, status=Status.PASS, detail=f"{ctx.bucket!r} reachable" + (f" ({region})" if region else ""))
 
@@ -239,9 +250,9 @@ def check_read_write(ctx: DoctorContext) -> list[Check]:
     """put/get/list/delete and conditional create on a fresh probe key under the prefix, through ObjectStore."""
     rw, cc = "s3 read/write", "s3 conditional create"
     if not ctx.s3_uri:
-        return [_skip(rw, "no S3 URI"), _skip(cc, "no S3 URI")]
+        return [skip_check(rw, "no S3 URI"), skip_check(cc, "no S3 URI")]
     if _failed(ctx, "s3 bucket"):
-        return [_skip(rw, "bucket not reachable (see above)"), _skip(cc, "bucket not reachable (see above)")]
+        return [skip_check(rw, "bucket not reachable (see above)"), skip_check(cc, "bucket not reachable (see above)")]
     from diloco.store import ObjectStore
 
     probe_dir = "/".join(p for p in (ctx.prefix, PROBE_DIR, uuid.uuid4().hex) if p)
@@ -256,17 +267,17 @@ def check_read_write(ctx: DoctorContext) -> list[Check]:
         if store.get("probe") != payload:
             return [Check(name=rw, status=Status.FAIL, detail="read back different bytes than written",
                           fix="the store does not return what it stored; use AWS S3 or a conformant store"),
-                    _skip(cc, "read/write failed")]
+                    skip_check(cc, "read/write failed")]
         step = "list"
         if store.list() != ["probe"]:
             return [Check(name=rw, status=Status.FAIL, detail=f"listing shows {store.list()}, expected ['probe']",
-                          fix="the store's listing is not consistent with its writes"), _skip(cc, "read/write failed")]
+                          fix="the store's listing is not consistent with its writes"), skip_check(cc, "read/write failed")]
         step = "delete"
         store.delete("probe")
         written.remove("probe")
         if store.exists("probe"):
             return [Check(name=rw, status=Status.FAIL, detail="a deleted object still exists",
-                          fix="grant s3:DeleteObject on the prefix"), _skip(cc, "read/write failed")]
+                          fix="grant s3:DeleteObject on the prefix"), skip_check(cc, "read/write failed")]
         rw_check = Check(name=rw, status=Status.PASS, detail=f"put/get/list/delete under {store.url()}")
         step = "conditional create"
         first = store.put_if_absent("lease", b"first")
@@ -283,7 +294,7 @@ def check_read_write(ctx: DoctorContext) -> list[Check]:
         detail = f"{step} failed: {type(exc).__name__}: {exc}"
         hint = getattr(exc, "hint", None) or explain_aws_error(exc, "s3:GetObject/PutObject/DeleteObject")[1]
         failed = Check(name=rw if step != "conditional create" else cc, status=Status.FAIL, detail=detail, fix=hint)
-        return [failed, _skip(cc, "read/write failed")] if failed.name == rw else [rw_check, failed]
+        return [failed, skip_check(cc, "read/write failed")] if failed.name == rw else [rw_check, failed]
     finally:
         for key in written:  # only what we wrote
             try:
@@ -292,137 +303,14 @@ def check_read_write(ctx: DoctorContext) -> list[Check]:
                 pass
 
 
-def _role_name(arn: str) -> str:
-    return arn.rsplit("/", 1)[-1]
-
-
-def check_role(ctx: DoctorContext) -> Check:
-    name = "sagemaker execution role"
-    if ctx.backend != "sagemaker":
-        return _skip(name, f"not used by the {ctx.backend} backend")
-    if not ctx.role_arn:
-        return Check(name=name, status=Status.FAIL, detail="no execution role given",
-                     fix="pass --role arn:aws:iam::<account>:role/<name> or set backend.role_arn in the config")
-    if not re.match(r"^arn:aws[a-z-]*:iam::\d{12}:role/[\w+=,.@/-]+$", ctx.role_arn):
-        return Check(name=name, status=Status.FAIL, detail=f"not an IAM role ARN: {ctx.role_arn!r}",
-                     fix="use the role's full ARN, e.g. arn:aws:iam::<account>:role/service-role/<name>")
-    try:
-        role = ctx.client("iam").get_role(RoleName=_role_name(ctx.role_arn))["Role"]
-    except Exception as exc:  # noqa: BLE001
-        from botocore.exceptions import ClientError
-
-        if isinstance(exc, ClientError) and exc.response.get("Error", {}).get("Code") == "NoSuchEntity":
-            return Check(name=name, status=Status.FAIL, detail=f"role {_role_name(ctx.role_arn)!r} does not exist",
-                         fix="create a SageMaker execution role (IAM console > Roles) or fix the ARN")
-        check = _fail(name, exc, "iam:GetRole")
-        if check.detail.startswith("denied"):
-            check.status = Status.WARN  # you may launch with a role you cannot inspect
-            check.detail += " (cannot inspect the role; the launch may still work)"
-        return check
-    trust = role.get("AssumeRolePolicyDocument", "")
-    trust_text = unquote(trust) if isinstance(trust, str) else json.dumps(trust)
-    if "sagemaker.amazonaws.com" not in trust_text:
-        return Check(name=name, status=Status.FAIL, detail=f"{role['Arn']} does not trust sagemaker.amazonaws.com",
-                     fix="add sagemaker.amazonaws.com as a trusted principal (the role's trust policy)")
-    return Check(name=name, status=Status.PASS, detail=f"{role['Arn']} exists and trusts SageMaker")
-
-
-def _as_list(value: Any) -> list[Any]:
-    return value if isinstance(value, list) else [value] if value is not None else []
-
-
-def _document(doc: Any) -> dict[str, Any]:
-    if isinstance(doc, str):
-        return json.loads(unquote(doc))
-    return doc or {}
-
-
-def grants_object_access(document: Any, bucket: str, prefix: str) -> bool:
-    """Whether some Allow statement covers s3:PutObject on ``bucket/prefix/...`` (IAM wildcards; Deny and
-    conditions ignored: it is a hint, which is why a miss is only a warning)."""
-    target = f"arn:aws:s3:::{bucket}/{prefix + '/' if prefix else ''}{PROBE_DIR}"
-    for st in _as_list(_document(document).get("Statement")):
-        if not isinstance(st, dict) or st.get("Effect") != "Allow":
-            continue
-        actions = [str(a).lower() for a in _as_list(st.get("Action"))]
-        if not any(fnmatch.fnmatchcase("s3:putobject", a) for a in actions):
-            continue
-        if any(fnmatch.fnmatchcase(target, str(r)) for r in _as_list(st.get("Resource"))):
-            return True
-    return False
-
-
-def check_role_bucket(ctx: DoctorContext) -> Check:
-    """The seed's gotcha: AmazonSageMakerFullAccess covers only buckets named like *sagemaker*."""
-    name = "role can reach bucket"
-    if ctx.backend != "sagemaker":
-        return _skip(name, f"not used by the {ctx.backend} backend")
-    if not ctx.s3_uri or not ctx.role_arn:
-        return _skip(name, "needs both an execution role and an S3 URI")
-    if ctx.results.get("sagemaker execution role", Check(name="", status=Status.FAIL)).status != Status.PASS:
-        return _skip(name, "execution role not readable (see above)")
-    bucket, role = ctx.bucket or "", _role_name(ctx.role_arn)
-    iam = ctx.client("iam")
-    fix = (f"attach an inline policy to {role} allowing {', '.join(S3_ACTIONS_NEEDED)} on arn:aws:s3:::{bucket} "
-           f"and arn:aws:s3:::{bucket}/{ctx.prefix + '/' if ctx.prefix else ''}*, or use a bucket whose name "
-           f"contains 'sagemaker'")
-    try:
-        for policy_name in iam.list_role_policies(RoleName=role).get("PolicyNames", []):
-            doc = iam.get_role_policy(RoleName=role, PolicyName=policy_name)["PolicyDocument"]
-            if grants_object_access(doc, bucket, ctx.prefix):
-                return Check(name=name, status=Status.PASS, detail=f"inline policy {policy_name!r} grants it")
-        attached = iam.list_attached_role_policies(RoleName=role).get("AttachedPolicies", [])
-        for policy in attached:
-            arn = policy["PolicyArn"]
-            if arn == SAGEMAKER_FULL_ACCESS:
-                continue  # judged by the name rule below
-            meta = iam.get_policy(PolicyArn=arn)["Policy"]
-            doc = iam.get_policy_version(PolicyArn=arn, VersionId=meta["DefaultVersionId"])["PolicyVersion"]
-            if grants_object_access(doc["Document"], bucket, ctx.prefix):
-                return Check(name=name, status=Status.PASS, detail=f"policy {policy['PolicyName']!r} grants it")
-    except Exception as exc:  # noqa: BLE001
-        check = _fail(name, exc, "iam:ListRolePolicies, iam:GetRolePolicy, iam:ListAttachedRolePolicies, "
-                                 "iam:GetPolicy, iam:GetPolicyVersion")
-        check.status, check.detail = Status.WARN, f"cannot read the role's policies: {check.detail}"
-        return check
-    if any(p["PolicyArn"] == SAGEMAKER_FULL_ACCESS for p in attached):
-        if any(m in bucket for m in SAGEMAKER_BUCKET_MARKERS):
-            return Check(name=name, status=Status.PASS,
-                         detail=f"AmazonSageMakerFullAccess covers buckets named like *sagemaker* ({bucket!r})")
-        return Check(name=name, status=Status.WARN,
-                     detail=f"AmazonSageMakerFullAccess grants S3 only on buckets whose name contains "
-                            f"'sagemaker' or 'aws-glue'; {bucket!r} does not, and no other policy of {role} "
-                            f"names it: the jobs' first PUT would be denied and every peer would wait",
-                     fix=fix)
-    return Check(name=name, status=Status.WARN, detail=f"no policy of {role} visibly grants S3 access to {bucket!r}",
-                 fix=fix)
-
-
-def check_logs(ctx: DoctorContext) -> Check:
-    name = "cloudwatch logs"
-    if ctx.backend != "sagemaker":
-        return _skip(name, f"not used by the {ctx.backend} backend")
-    try:
-        groups = ctx.client("logs").describe_log_groups(logGroupNamePrefix=LOG_GROUP, limit=1).get("logGroups", [])
-    except Exception as exc:  # noqa: BLE001
-        check = _fail(name, exc, "logs:DescribeLogGroups, logs:DescribeLogStreams, logs:GetLogEvents")
-        check.status = Status.WARN  # launching works without it; `diloco logs` does not
-        check.detail += " (`diloco logs` will not work)"
-        return check
-    state = "exists" if any(g.get("logGroupName") == LOG_GROUP for g in groups) else \
-        "not created yet (the first training job creates it)"
-    return Check(name=name, status=Status.PASS, detail=f"can read {LOG_GROUP}: {state}")
-
-
-def check_image(ctx: DoctorContext) -> Check:
+def check_image(ctx: DoctorContext, image: str | None) -> Check:
+    """An ECR image reference exists (other registries are not checked). Used by the container backends."""
     name = "training image"
-    if ctx.backend == "local":
-        return _skip(name, "the local backend runs this Python environment")
-    if not ctx.image_uri:
-        return _skip(name, "no image given (--image, or the config's backend.image_uri / backend.image)")
-    m = _ECR_RE.match(ctx.image_uri)
+    if not image:
+        return skip_check(name, "no image given (--image, or the config's backend section)")
+    m = _ECR_RE.match(image)
     if not m:
-        return _skip(name, f"not an ECR image, not checked: {ctx.image_uri}")
+        return skip_check(name, f"not an ECR image, not checked: {image}")
     image_id = {"imageDigest": m["digest"]} if m["digest"] else {"imageTag": m["tag"] or "latest"}
     try:
         ctx.client("ecr", region=m["region"]).describe_images(
@@ -436,78 +324,14 @@ def check_image(ctx: DoctorContext) -> Check:
                          fix=f"aws ecr create-repository --repository-name {m['repo']} --region {m['region']}, "
                              f"then build and push docker/Dockerfile")
         if code == "ImageNotFoundException":
-            return Check(name=name, status=Status.FAIL, detail=f"{ctx.image_uri} not found in ECR",
-                         fix=f"docker build -f docker/Dockerfile -t {ctx.image_uri} . && docker push "
-                             f"{ctx.image_uri} (after `aws ecr get-login-password | docker login ...`)")
-        check = _fail(name, exc, "ecr:DescribeImages")
+            return Check(name=name, status=Status.FAIL, detail=f"{image} not found in ECR",
+                         fix=f"docker build -f docker/Dockerfile -t {image} . && docker push "
+                             f"{image} (after `aws ecr get-login-password | docker login ...`)")
+        check = fail_check(name, exc, "ecr:DescribeImages")
         if check.detail.startswith("denied"):
             check.status = Status.WARN  # e.g. AWS's own DLC registry: pullable, not describable
         return check
-    return Check(name=name, status=Status.PASS, detail=f"{ctx.image_uri} exists")
-
-
-def check_kubernetes(ctx: DoctorContext) -> list[Check]:
-    names = ("kubernetes client", "kubernetes context", "kubernetes namespace")
-    if ctx.backend != "eks":
-        return [_skip(n, f"not used by the {ctx.backend} backend") for n in names]
-    try:
-        from kubernetes import client as kclient
-        from kubernetes import config as kconfig
-    except ImportError:
-        return [Check(name=names[0], status=Status.FAIL, detail="the kubernetes package is not installed",
-                      fix="pip install 'diloco[k8s]'"),
-                _skip(names[1], "no kubernetes client"), _skip(names[2], "no kubernetes client")]
-
-    client_check = Check(name=names[0], status=Status.PASS, detail="installed")
-    try:
-        kconfig.load_kube_config(context=ctx.kube_context)
-        _, active = kconfig.list_kube_config_contexts()
-    except Exception as exc:  # noqa: BLE001 - ConfigException, missing file
-        return [client_check,
-                Check(name=names[1], status=Status.FAIL, detail=f"no usable kubeconfig context: {exc}",
-                      fix="aws eks update-kubeconfig --name <cluster> --region <region> (or pass --context)"),
-                _skip(names[2], "no kubernetes context")]
-    context_check = Check(name=names[1], status=Status.PASS,
-                          detail=str(ctx.kube_context or (active or {}).get("name", "current")))
-    try:
-        kclient.CoreV1Api().read_namespace(ctx.namespace, _request_timeout=5)
-    except Exception as exc:  # noqa: BLE001
-        status = getattr(exc, "status", None)
-        if status == 404:
-            detail, fix = f"namespace {ctx.namespace!r} does not exist", f"kubectl create namespace {ctx.namespace}"
-        elif status in (401, 403):
-            detail, fix = f"not allowed to read namespace {ctx.namespace!r} ({status})", \
-                "ask for RBAC access to create Jobs and read Pods/logs in that namespace"
-        else:
-            detail, fix = f"cluster API not reachable: {type(exc).__name__}: {exc}", \
-                "check the cluster endpoint, VPN/network, and `kubectl get ns`"
-        return [client_check, context_check, Check(name=names[2], status=Status.FAIL, detail=detail, fix=fix)]
-    return [client_check, context_check, Check(name=names[2], status=Status.PASS, detail=f"{ctx.namespace!r} readable")]
-
-
-def check_replica_environment(ctx: DoctorContext) -> Check:
-    """Local replicas run ``python -m diloco.replica_entrypoint`` with this interpreter: can it import the
-    replica side (torch included), the way a replica will, in a fresh process?"""
-    import subprocess
-    import sys
-
-    name = "replica environment"
-    if ctx.backend != "local":
-        return _skip(name, f"{ctx.backend} replicas run in the training image (see 'training image')")
-    python = ctx.python or sys.executable
-    code = "import torch, safetensors, diloco.replica_entrypoint, diloco.trainer; print(torch.__version__)"
-    try:
-        out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120,
-                             stdin=subprocess.DEVNULL)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return Check(name=name, status=Status.FAIL, detail=f"cannot run {python}: {exc}",
-                     fix="set backend.python to a working interpreter, or leave it unset to use this one")
-    if out.returncode != 0:
-        last = (out.stderr.strip().splitlines() or [f"exit code {out.returncode}"])[-1]
-        return Check(name=name, status=Status.FAIL, detail=f"{python} cannot import the replica side: {last}",
-                     fix="install diloco into that environment (`make demo` does, or `pip install -e .`)")
-    return Check(name=name, status=Status.PASS,
-                 detail=f"{python}: torch {out.stdout.strip()}, {os.cpu_count()} CPU core(s) to share")
+    return Check(name=name, status=Status.PASS, detail=f"{image} exists")
 
 
 def check_run_directory(ctx: DoctorContext) -> Check:
@@ -545,46 +369,42 @@ def check_run_directory(ctx: DoctorContext) -> Check:
 
 #: In order; each takes the context and returns one check or several.
 CHECKS: list[Callable[[DoctorContext], Check | list[Check]]] = [
-    check_replica_environment, check_run_directory, check_credentials, check_region, check_bucket, check_read_write,
-    check_role, check_role_bucket, check_logs, check_image, check_kubernetes,
+    check_run_directory, check_credentials, check_region, check_bucket, check_read_write,
 ]
 
 
 # ---------------------------------------------------------------------------------------------- entry
 def resolve_inputs(
-    *, backend: str | None, s3_uri: str | None, config_path: str | None, role_arn: str | None,
-    image_uri: str | None, namespace: str | None, kube_context: str | None,
+    *, backend: str | None, s3_uri: str | None, config_path: str | None, options: dict[str, Any] | None = None,
 ) -> DoctorContext:
-    """Flags win over the run config; ``ConfigError`` (exit 2) for a bad backend, URI or config."""
+    """Flags win over the run config; ``ConfigError`` (exit 2) for a bad backend, URI or config.
+
+    ``options`` are flag values for the backend's config fields (e.g. ``{"role_arn": ...}``); a flag a backend
+    has no field for is ignored, so one ``--image`` serves backends that call the field differently.
+    """
     from diloco.s3 import resolve_s3_uri
 
     cfg = resolve_config(config_path) if config_path is not None else None
-    kind = backend or (cfg.backend.kind if cfg is not None else "local")
-    if kind not in BACKENDS:
-        raise ConfigError(f"--backend must be one of {', '.join(BACKENDS)} (got {kind!r})")
-    section: Any = cfg.backend if cfg is not None and cfg.backend.kind == kind else None
-    ctx = DoctorContext(
-        backend=kind,
-        s3_uri=resolve_s3_uri(s3_uri, cfg.store.rendezvous if cfg is not None else None),
-        role_arn=role_arn or getattr(section, "role_arn", None),
-        image_uri=image_uri or getattr(section, "image_uri", None) or getattr(section, "image", None),
-        region=getattr(section, "region", None),
-        namespace=namespace or getattr(section, "namespace", None) or "default",
-        kube_context=kube_context or getattr(section, "kube_context", None),
-        python=getattr(section, "python", None),
-    )
-    return ctx
+    kind = backend or (cfg.backend.kind if cfg is not None else DEFAULT_BACKEND)
+    data: dict[str, Any] = cfg.backend.model_dump(exclude={"kind"}) if cfg is not None and cfg.backend.kind == kind else {}
+    data.update({k: v for k, v in (options or {}).items() if v is not None})
+    # The section stays unvalidated on purpose: the doctor reports what is missing, row by row.
+    return DoctorContext.for_backend(kind, resolve_s3_uri(s3_uri, cfg.store.rendezvous if cfg else None), **data)
 
 
 def run_doctor(ctx: DoctorContext) -> DoctorReport:
-    """Run every check in order (later checks may read earlier results) and collect the report."""
+    """Run every common check, then the backend's own, in order (later checks may read earlier results)."""
+    from diloco.executors import backend_class
+
     checks: list[Check] = []
-    for fn in CHECKS:
+    steps: list[Callable[[DoctorContext], Check | list[Check]]] = [
+        *CHECKS, backend_class(ctx.backend).doctor_checks]
+    for fn in steps:
         try:
             out = fn(ctx)
         except Exception as exc:  # noqa: BLE001 - a broken check is a failed row, not a crash
-            out = Check(name=fn.__name__.removeprefix("check_").replace("_", " "), status=Status.FAIL,
-                        detail=f"the check itself failed: {type(exc).__name__}: {exc}",
+            out = Check(name=getattr(fn, "__name__", "check").removeprefix("check_").replace("_", " "),
+                        status=Status.FAIL, detail=f"the check itself failed: {type(exc).__name__}: {exc}",
                         fix="set DILOCO_DEBUG=1 and report it")
         for check in out if isinstance(out, list) else [out]:
             ctx.results[check.name] = check

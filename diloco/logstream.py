@@ -1,8 +1,7 @@
 """Replica log lines as timestamped records, merged across replicas in time order.
 
-Backends that know when each line was written (the local supervisor stamps every line; CloudWatch stamps
-events) expose ``log_records(handle, follow)``; for any other backend the lines of ``stream_logs`` are stamped
-on arrival. ``diloco logs`` prints the merge with a ``[r<rank>]`` prefix on every line.
+Every backend yields ``LogRecord``s (the local supervisor stamps every line as it is written; CloudWatch and the
+Kubernetes API stamp them too). ``diloco logs`` prints the merge with a ``[r<rank>]`` prefix on every line.
 """
 
 from __future__ import annotations
@@ -10,13 +9,9 @@ from __future__ import annotations
 import heapq
 import queue
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, NamedTuple
-
-if TYPE_CHECKING:
-    from diloco.executors.base import ReplicaHandle, ServerlessExecutor
+from typing import NamedTuple
 
 
 class LogRecord(NamedTuple):
@@ -24,16 +19,6 @@ class LogRecord(NamedTuple):
     rank: int
     stream: str  # "out" | "err"
     text: str  # the line, without its trailing newline ("\r" kept)
-
-
-def records_for(executor: ServerlessExecutor, handle: ReplicaHandle, follow: bool) -> Iterator[LogRecord]:
-    """``executor.log_records`` when the backend has it, else ``stream_logs`` stamped on arrival."""
-    native = getattr(executor, "log_records", None)
-    if native is not None:
-        yield from native(handle, follow=follow)
-        return
-    for line in executor.stream_logs(handle, follow=follow):
-        yield LogRecord(time.time(), handle.rank, "out", line.rstrip("\n"))
 
 
 def tail(records: Iterable[LogRecord], n: int | None) -> list[LogRecord]:

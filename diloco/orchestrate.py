@@ -1,18 +1,21 @@
-"""What the CLI commands do, without the CLI: plan, launch, watch, cancel, collect a run.
+"""What the CLI commands do, without the CLI: plan, launch, watch, cancel, collect a run, on any backend.
 
-Each function takes plain values (a ``RunConfig``, a ``RunRecord``, an executor) and returns pydantic reports
-that the CLI renders as a table or JSON; none of them prints. The replicas' progress comes from the metrics
-they write to the store (``metrics/rank_RRRR.jsonl``), their fate from the backend (``executor.poll``).
+Each function takes plain values (a ``RunConfig``, a ``RunRecord``) and returns pydantic reports that the CLI
+renders as a table or JSON; none of them prints, and none names a backend: the backend comes from the registry
+(``diloco.executors``) by the config's ``backend.kind``. The replicas' progress comes from the metrics they write to
+the store (``metrics/rank_RRRR.jsonl``), their fate from the backend (``describe``).
 
-Fail-fast: replicas meet at every outer round, so once one replica has *failed* the others can only wait for it
-until ``store.timeout_s`` and then fail too. Commands that wait on a run (``launch``, ``collect``,
-``status --watch``) therefore stop the surviving replicas as soon as one fails, unless told not to.
+There is one wait loop (``RunView.wait``: ``launch``, ``collect``, ``status --watch`` and ``smoke`` use it) and one
+collect flow (``collect``). Fail-fast: replicas meet at every outer round, so once one replica has *failed* the
+others can only wait for it until ``store.timeout_s`` and then fail too; commands that wait on a run therefore stop
+the surviving replicas as soon as one fails, unless told not to.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -20,24 +23,28 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field
 
-from diloco.config import RunConfig
-from diloco.errors import ConfigError, CorruptObjectError, DilocoError, ObjectNotFound
-from diloco.executors import create_executor, require_available
+from diloco.config import RunConfig, backend_config
+from diloco.errors import ConfigError, DilocoError
+from diloco.executors import create_backend
 from diloco.executors.base import (
     EntrypointArgs,
     LaunchPlan,
     LaunchSpec,
-    ReplicaHandle,
+    ReplicaState,
     ReplicaStatus,
+    RunHandle,
     RunState,
-    aggregate_state,
+    RunStatus,
 )
-from diloco.layout import FINAL_KEY, METRICS_KEY, RUN_INFO_KEY
-from diloco.logstream import LogRecord, follow_merged, merged, records_for, tail
-from diloco.runs import RunRecord, RunRegistry, default_local_rendezvous, new_run_id
+from diloco.layout import RUN_INFO_KEY
+from diloco.logstream import LogRecord, follow_merged, merged, tail
+from diloco.metrics import ReplicaProgress, read_progress
+from diloco.runs import RunRecord, RunRegistry, new_run_id
+from diloco.signals import terminate_as_interrupt
+from diloco.weights import WeightsCheck, check_final_weights, write_model
 
 if TYPE_CHECKING:
-    from diloco.executors.base import ServerlessExecutor
+    from diloco.executors.base import Backend
     from diloco.store import ObjectStore
 
 
@@ -46,10 +53,19 @@ class ReplicaReport(BaseModel):
     """One replica: its backend state and its latest metrics (``None`` until it has reported any)."""
 
     rank: int
-    state: RunState
+    state: ReplicaState
     job_id: str = ""
     exit_code: int | None = None
     reason: str | None = None
+    detail: str | None = None  # the backend's own words (SageMaker secondary status, pod phase, pid)
+    restarts: int = 0
+    timed_out: bool = False
+    started_at: float | None = None
+    ended_at: float | None = None
+    artifacts: dict[str, str] = Field(default_factory=dict)
+    billable_s: float | None = None
+    cost_usd: float | None = None  # an estimate (cost_source says from what)
+    cost_source: str | None = None
     step: int | None = None
     total_steps: int | None = None
     round: int | None = None
@@ -60,7 +76,10 @@ class ReplicaReport(BaseModel):
     sync_s: float | None = None
     bytes_written: int | None = None
     bytes_read: int | None = None
+    tokens: int | None = None
+    diverged: bool = False  # a loss was NaN or infinite (recorded as null): the run diverged
     finished_training: bool = False  # the trainer recorded its "final" metrics
+    updated_at: float | None = None  # when the replica last reported progress
     stderr_tail: list[str] = Field(default_factory=list)  # only for failed replicas
 
 
@@ -71,18 +90,25 @@ class RunReport(BaseModel):
     backend: str
     state: RunState
     created_at: float
+    ended_at: float | None = None  # when the last replica ended, once the run is terminal
     rendezvous_uri: str
-    world_size: int
-    replicas: list[ReplicaReport]
+    replicas: int  # how many replicas the run has (the same word everywhere)
+    ranks: list[ReplicaReport]  # one row per replica, in rank order
+    timed_out: bool = False  # a replica hit the run's time limit (timeout_s)
+    billable_s: float | None = None  # summed over replicas, on backends that bill
+    cost_usd: float | None = None  # estimated, summed over replicas (each replica's cost_source says from what)
     initial_eval_loss: float | None = None  # mean over replicas of the loss before training
-    final_eval_loss: float | None = None  # mean over replicas of the last recorded eval loss
+    latest_eval_loss: float | None = None  # mean over replicas of the last recorded eval loss
+    final_eval_loss: float | None = None  # the same, only once the run has succeeded
+    diverged: bool = False  # some replica recorded a NaN or infinite loss
     weights_identical: bool | None = None  # set by collect (and launch's summary)
     weights_detail: str | None = None
     model_path: str | None = None  # where collect wrote the agreed model
+    warnings: list[str] = Field(default_factory=list)  # e.g. metric rows a trainer wrote that could not be read
 
     @property
     def failed(self) -> list[ReplicaReport]:
-        return [r for r in self.replicas if r.state == RunState.FAILED]
+        return [r for r in self.ranks if r.state == ReplicaState.FAILED]
 
 
 class RunSummary(BaseModel):
@@ -97,16 +123,14 @@ class RunSummary(BaseModel):
 
 
 # ---------------------------------------------------------------------------------------------- plan/launch
-def executor_options(cfg: RunConfig) -> dict[str, Any]:
-    """The backend section of the config as executor constructor options (``kind`` removed)."""
-    return cfg.backend.model_dump(exclude={"kind"})
-
-
 def rendezvous_for(cfg: RunConfig, run_id: str) -> str:
-    """The run's rendezvous URI: the configured one with ``{run_id}`` expanded, else the local default."""
+    """The run's rendezvous URI: the configured one with ``{run_id}`` expanded, else the backend's default."""
     if cfg.store.rendezvous:
         return cfg.store.rendezvous.replace("{run_id}", run_id).rstrip("/")
-    return default_local_rendezvous(run_id)
+    default = cfg.backend.default_rendezvous(run_id)
+    if default is None:  # RunConfig validation rejects this already; kept for configs built by hand
+        raise ConfigError(f"store.rendezvous: required for the {cfg.backend.kind} backend")
+    return default
 
 
 def build_spec(cfg: RunConfig, run_id: str) -> LaunchSpec:
@@ -115,50 +139,143 @@ def build_spec(cfg: RunConfig, run_id: str) -> LaunchSpec:
     args = EntrypointArgs(rendezvous_uri=rendezvous_for(cfg, run_id), world_size=cfg.replicas,
                           trainer=cfg.train.trainer, trainer_kwargs=trainer_kwargs, timeout_s=cfg.store.timeout_s,
                           poll_interval_s=cfg.store.poll_interval_s)
-    return LaunchSpec(run_id=run_id, n_replicas=cfg.replicas, entrypoint_args=args, gpu=cfg.gpu,
+    return LaunchSpec(run_id=run_id, replicas=cfg.replicas, entrypoint_args=args, gpu=cfg.gpu,
                       timeout_s=cfg.timeout_s)
 
 
-def check_trainer_importable(cfg: RunConfig) -> None:
-    """For local replicas (this interpreter, this working directory): ``ConfigError`` if ``train.trainer``'s
-    module cannot be found, so a typo fails before launch instead of in every replica. Imports only the module's
-    parent packages; other backends import it in their own image, so they are not checked here."""
-    import importlib.util
+def check_trainer(cfg: RunConfig) -> RunConfig:
+    """Import the trainer here and check its keyword arguments before anything is launched; returns the config
+    with the kwargs coerced to the trainer's annotated types (``"3e-4"`` -> ``0.0003``).
+
+    ``ConfigError`` names the problem: a module that cannot be imported or has no such function (only where the
+    replicas run this interpreter in this directory; another backend's image may hold modules this machine
+    lacks, so there an unimportable trainer is left to the image), an unknown key, a value of the wrong type, or
+    what the trainer's own ``@diloco.preflight`` check rejects.
+    """
+    import importlib
     import sys
 
-    if cfg.backend.kind != "local" or getattr(cfg.backend, "python", None):
-        return
-    module = cfg.train.trainer.split(":", 1)[0]
+    from diloco.trainer_check import check_trainer_kwargs
+
+    local = cfg.backend.default_check_trainer_locally()
+    module_name, fn_name = cfg.train.trainer.split(":", 1)
     cwd = os.getcwd()
     sys.path.insert(0, cwd)  # `python -m` puts the replica's working directory (this one) on its path
     try:
-        found = importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):  # a parent package is missing
-        found = False
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if not local:
+            return cfg
+        missing = exc.name or module_name
+        if module_name == missing or module_name.startswith(missing + "."):
+            raise ConfigError(f"train.trainer: module {module_name!r} is not importable here (looked in {cwd} "
+                              f"and the installed packages)",
+                              hint="check the spelling, install its package, or launch from the directory that "
+                                   "holds it") from None
+        raise ConfigError(f"train.trainer: module {module_name!r} needs {missing!r}, which is not installed",
+                          hint=f"pip install {missing.split('.')[0]}") from None
+    except Exception as exc:  # noqa: BLE001 - the user's module raised while importing
+        if not local:
+            return cfg
+        raise ConfigError(f"train.trainer: importing {module_name!r} failed: {type(exc).__name__}: {exc}",
+                          hint="fix the module; it runs on import in every replica too") from None
     finally:
         sys.path.remove(cwd)
-    if not found:
-        raise ConfigError(f"train.trainer: module {module!r} is not importable here (looked in {cwd} and "
-                          f"the installed packages)",
-                          hint="check the spelling, install its package, or launch from the directory that holds it")
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
+                        and getattr(v, "__module__", None) == module.__name__)
+        raise ConfigError(f"train.trainer: {module_name!r} has no function {fn_name!r}"
+                          + (f" (it has: {', '.join(public[:8])})" if public else ""),
+                          hint="use --trainer module:function")
+    owned = {"total_steps": cfg.train.steps, "sync_every": cfg.train.sync_every}
+    checked = check_trainer_kwargs(fn, {**owned, **cfg.train.trainer_kwargs}, world_size=cfg.replicas,
+                                   on_this_machine=not cfg.backend.places_replicas)
+    kwargs = {k: v for k, v in checked.items() if k not in owned}
+    return cfg.model_copy(update={"train": cfg.train.model_copy(update={"trainer_kwargs": kwargs})})
 
 
-def plan_run(cfg: RunConfig, run_id: str | None = None) -> tuple[ServerlessExecutor, LaunchPlan]:
-    """The executor and its dry-run plan. Pure: no process, no directory, no registry entry, no network."""
-    require_available(cfg.backend.kind)
-    executor = create_executor(cfg.backend.kind, **executor_options(cfg))
-    return executor, executor.plan(build_spec(cfg, run_id or new_run_id()))
+#: Where no run's data belongs: kernel filesystems accept a path and then refuse every write.
+_PSEUDO_FILESYSTEMS = ("/proc", "/sys", "/dev")
 
 
-def launch(cfg: RunConfig, registry: RunRegistry | None = None) -> tuple[RunRecord, ServerlessExecutor]:
-    """Plan, check the rendezvous is unused, record the run, submit. A failed submit leaves no record."""
+def check_rendezvous(uri: str, *, probe: bool) -> None:
+    """``ConfigError`` (exit 2, nothing launched) for a ``file://`` rendezvous the replicas could not use.
+
+    Without ``probe`` (a dry run) it only looks: the path is absolute, not on a kernel filesystem, and its nearest
+    existing ancestor is a writable directory. With ``probe`` it also creates the directory and writes, reads
+    and deletes one small object, so a read-only mount fails here, in a second, not in every replica. Other
+    schemes are checked by the store on first use (``diloco doctor`` checks S3 in depth).
+    """
+    from pathlib import Path
+
+    if not uri.startswith("file://"):
+        return
+    raw = uri[len("file://"):]
+    if not raw.startswith("/"):
+        raise ConfigError(f"store.rendezvous: a file:// URI needs an absolute path (got {uri!r})",
+                          hint="e.g. file:///data/diloco/{run_id}")
+    path = Path(raw)
+    if any(raw == p or raw.startswith(p + "/") for p in _PSEUDO_FILESYSTEMS):
+        raise ConfigError(f"store.rendezvous: {raw} is on a kernel filesystem, which cannot hold files",
+                          hint="use a directory on a disk, e.g. under $HOME or /tmp")
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"store.rendezvous: {existing} is a file, so {raw} cannot be a directory",
+                          hint="choose a path that is (or can become) a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"store.rendezvous: cannot create or write {raw}: {existing} is not writable "
+                          f"(read-only or permission denied)", hint="choose a writable directory")
+    if not probe:
+        return
     from diloco.store import ObjectStore
 
+    probe_key = f".diloco-probe-{os.getpid()}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        store = ObjectStore(uri, retries=0)
+        store.put(probe_key, b"ok")
+        store.get(probe_key)
+        store.delete(probe_key)
+    except (OSError, DilocoError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigError(f"store.rendezvous: cannot write {raw}: {reason}",
+                          hint="choose a writable directory on a local disk") from None
+
+
+def preflight(cfg: RunConfig) -> RunConfig:
+    """Everything about the config checkable before anything is launched, without side effects (``--dry-run``
+    runs it too); returns the config with the trainer's kwargs coerced."""
+    cfg = check_trainer(cfg)
+    check_rendezvous(rendezvous_for(cfg, "{run_id}"), probe=False)
+    return cfg
+
+
+def plan_run(cfg: RunConfig, run_id: str | None = None) -> tuple[Backend[Any, Any], LaunchPlan]:
+    """The backend and its dry-run plan. Pure: no process, no directory, no registry entry, no network."""
+    backend = create_backend(cfg.backend)
+    return backend, backend.plan(build_spec(cfg, run_id or new_run_id()))
+
+
+def launch(cfg: RunConfig, registry: RunRegistry | None = None, *,
+           force: bool = False) -> tuple[RunRecord, Backend[Any, Any]]:
+    """Plan, check the rendezvous is unused, record the run, submit. A failed submit leaves no record.
+
+    The record is saved when the backend reports its handle before the first replica starts, and again after each
+    one (``on_progress``), so a launch interrupted half-way is still known to ``diloco cancel``.
+    """
+    from diloco.store import ObjectStore
+
+    cfg = preflight(cfg)  # before anything is created, DILOCO_HOME included
+    backend, plan = plan_run(cfg)
+    backend.preflight(plan.spec, force=force)  # e.g. more local replicas than this machine holds: nothing created
     registry = registry or RunRegistry()
     registry.prepare()  # an unwritable DILOCO_HOME fails here, before the store is touched
-    executor, plan = plan_run(cfg)
     spec = plan.spec
     uri = spec.entrypoint_args.rendezvous_uri
+    check_rendezvous(uri, probe=True)
     store = ObjectStore(uri)
     leftovers = store.list()
     if leftovers:
@@ -168,84 +285,58 @@ def launch(cfg: RunConfig, registry: RunRegistry | None = None) -> tuple[RunReco
             hint="use a fresh prefix (put {run_id} in store.rendezvous) or delete the old objects",
         )
     record = RunRecord(run_id=spec.run_id, backend=plan.backend, created_at=time.time(), rendezvous_uri=uri,
-                       world_size=spec.n_replicas, config=cfg.model_dump(mode="json"),
-                       executor_options=executor_options(cfg))
+                       replicas=spec.replicas, config=cfg.model_dump(mode="json"))
     store.put(RUN_INFO_KEY, json.dumps({"run_id": spec.run_id, "config": record.config}, indent=2).encode())
-    registry.save(record)  # first, so a crash mid-submit still leaves something `diloco cancel` can find
+
+    def progress(handle: RunHandle) -> None:
+        """Saved on every step of the submission, the first before any replica exists: a record always has a
+        handle, so `diloco cancel` can find whatever an interrupted launch started."""
+        record.handle = handle.model_dump(mode="json")
+        registry.save(record)
+
     try:
-        record.handles = executor.submit(plan)
+        with terminate_as_interrupt():  # SIGTERM/SIGHUP while submitting: the rollback Ctrl-C gets, on every backend
+            backend.submit(plan, on_progress=progress)
     except BaseException:
         registry.delete(record.run_id)
         raise
-    registry.save(record)
-    return record, executor
+    return record, backend
 
 
-def executor_for(record: RunRecord) -> ServerlessExecutor:
-    """The executor that manages ``record``'s replicas, rebuilt from the options recorded at launch."""
-    return create_executor(record.backend, **record.executor_options)
+def backend_for(record: RunRecord) -> Backend[Any, Any]:
+    """The backend that manages ``record``'s replicas, rebuilt from the config recorded at launch."""
+    return create_backend(backend_config(record.config.get("backend") or {}))
 
 
 # ---------------------------------------------------------------------------------------------- observe
-def read_metrics(store: ObjectStore, world_size: int) -> dict[int, list[dict[str, Any]]]:
-    """Each rank's metrics records so far (absent or unreadable objects count as none yet)."""
-    out: dict[int, list[dict[str, Any]]] = {}
-    for rank in range(world_size):
-        try:
-            raw = store.get(METRICS_KEY.format(rank=rank))
-        except ObjectNotFound:
-            out[rank] = []
-            continue
-        rows = []
-        for line in raw.decode(errors="replace").splitlines():
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(row, dict):
-                rows.append(row)
-        out[rank] = rows
-    return out
-
-
-def _replica_report(status: ReplicaStatus, rows: list[dict[str, Any]]) -> ReplicaReport:
-    rep = ReplicaReport(rank=status.rank, state=status.state, job_id=status.job_id, exit_code=status.exit_code,
-                        reason=status.reason)
-    init = next((r for r in rows if r.get("kind") == "init"), None)
-    if init is not None:
-        rep.initial_eval_loss = init.get("eval_loss")
-    if rows:
-        last = rows[-1]
-        rep.step, rep.total_steps, rep.round = last.get("step"), last.get("total_steps"), last.get("round")
-        rep.eval_loss = last.get("eval_loss")
-        rep.train_loss = last.get("train_loss")
-        rep.tokens_per_s = last.get("tokens_per_s")
-        rep.sync_s, rep.bytes_written, rep.bytes_read = last.get("sync_s"), last.get("bytes_written"), \
-            last.get("bytes_read")
-        rep.finished_training = last.get("kind") == "final"
+def _replica_report(status: ReplicaStatus, progress: ReplicaProgress | None) -> ReplicaReport:
+    """A replica's backend status and its latest metrics, as one row."""
+    rep = ReplicaReport(**status.model_dump(include=set(ReplicaReport.model_fields) & set(ReplicaStatus.model_fields)))
+    if progress is not None:
+        shared = set(ReplicaReport.model_fields) & set(type(progress).model_fields) - {"rank"}
+        for name in shared:
+            setattr(rep, name, getattr(progress, name))
     return rep
 
 
+def _total(values: list[float | None]) -> float | None:
+    """The sum of the known values; None when none is known (a backend that does not bill)."""
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None
+
+
 def _mean(values: list[float | None]) -> float | None:
-    vals = [v for v in values if isinstance(v, (int, float))]
+    vals = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
     return sum(vals) / len(vals) if vals else None
 
 
-def stderr_tail(executor: ServerlessExecutor, handle: ReplicaHandle, n: int = 10) -> list[str]:
-    """The last lines a replica wrote to stderr (or to its log, for backends without separate streams)."""
-    native = getattr(executor, "stderr_tail", None)
-    if native is not None:
-        return native(handle, n)
-    return [r.text for r in tail((r for r in records_for(executor, handle, follow=False) if r.stream == "err"), n)]
-
-
 class RunView:
-    """A run being observed: its record, executor and store, polled on demand."""
+    """A run being observed: its record, backend and store, described on demand."""
 
-    def __init__(self, record: RunRecord, executor: ServerlessExecutor | None = None,
+    def __init__(self, record: RunRecord, backend: Backend[Any, Any] | None = None,
                  registry: RunRegistry | None = None) -> None:
         self.record = record
-        self.executor = executor or executor_for(record)
+        self.backend = backend or backend_for(record)
         self.registry = registry
 
     @functools.cached_property
@@ -256,50 +347,75 @@ class RunView:
         return ObjectStore(self.record.rendezvous_uri)
 
     @property
-    def handles(self) -> list[ReplicaHandle]:
-        return sorted(self.record.handles, key=lambda h: h.rank)
+    def handle(self) -> RunHandle | None:
+        """The backend's handle as last recorded (None while no replica has started)."""
+        if self.record.handle is None:
+            return None
+        return self.backend.load_handle(self.record.handle)
 
-    def statuses(self) -> list[ReplicaStatus]:
-        return [self.executor.poll(h) for h in self.handles]
+    def status(self) -> RunStatus:
+        """Every replica's state in one backend call."""
+        handle = self.handle
+        if handle is None:
+            return RunStatus(run_id=self.record.run_id, replicas=[
+                ReplicaStatus(rank=r, state=ReplicaState.PENDING, detail="not submitted yet")
+                for r in range(self.record.replicas)])
+        return self.backend.describe(handle)
 
-    def report(self, statuses: list[ReplicaStatus] | None = None, *, with_stderr: bool = True) -> RunReport:
-        """Poll the backend (unless ``statuses`` are given) and read the metrics; failed replicas' stderr."""
-        statuses = statuses if statuses is not None else self.statuses()
-        metrics = read_metrics(self.store, self.record.world_size)
-        replicas = [_replica_report(s, metrics.get(s.rank, [])) for s in statuses]
-        state = aggregate_state([r.state for r in replicas]) if replicas else RunState.PENDING
+    def report(self, status: RunStatus | None = None, *, with_stderr: bool = True) -> RunReport:
+        """Describe the run (unless ``status`` is given) and read the metrics; failed replicas' stderr."""
+        status = status if status is not None else self.status()
+        readout = read_progress(self.store, self.record.replicas)
+        progress = {p.rank: p for p in readout.replicas}
+        ranks = [_replica_report(s, progress.get(s.rank)) for s in sorted(status.replicas, key=lambda s: s.rank)]
+        state = self.final_state or status.state  # a run that ended cannot resume: what was seen then holds
+        ended = [r.ended_at for r in ranks if r.ended_at is not None]
+        latest = _mean([r.eval_loss for r in ranks if r.step])
         report = RunReport(run_id=self.record.run_id, backend=self.record.backend, state=state,
                            created_at=self.record.created_at, rendezvous_uri=self.record.rendezvous_uri,
-                           world_size=self.record.world_size, replicas=replicas,
-                           initial_eval_loss=_mean([r.initial_eval_loss for r in replicas]),
-                           final_eval_loss=_mean([r.eval_loss for r in replicas if r.step]))
-        self._remember(report.state)
+                           replicas=self.record.replicas, ranks=ranks,
+                           ended_at=max(ended) if state.is_terminal and ended else None,
+                           timed_out=any(r.timed_out for r in ranks),
+                           billable_s=_total([r.billable_s for r in ranks]),
+                           cost_usd=_total([r.cost_usd for r in ranks]),
+                           initial_eval_loss=_mean([r.initial_eval_loss for r in ranks]),
+                           latest_eval_loss=latest, diverged=any(r.diverged for r in ranks),
+                           final_eval_loss=latest if state == RunState.SUCCEEDED else None,
+                           warnings=readout.warnings)
+        self._remember(status)
         return self._add_stderr(report) if with_stderr else report
 
     def _add_stderr(self, report: RunReport) -> RunReport:
         """Attach the last stderr lines of every failed replica (they usually say why)."""
-        for rep, handle in zip(report.replicas, self.handles, strict=True):
-            if rep.state == RunState.FAILED:
-                rep.stderr_tail = stderr_tail(self.executor, handle)
+        handle = self.handle
+        if handle is None:
+            return report
+        for rep in report.ranks:
+            if rep.state == ReplicaState.FAILED:
+                rep.stderr_tail = self.backend.failure_tail(handle, rep.rank)
         return report
 
-    def _remember(self, state: RunState) -> None:
-        """Cache a terminal state in the record, so ``diloco runs`` need not poll finished runs."""
-        if state.is_terminal and self.registry is not None and self.record.final_state != state.value:
+    @property
+    def final_state(self) -> RunState | None:
+        """The terminal state cached in the record once every replica had ended, if any."""
+        cached = self.record.final_state
+        return RunState(cached) if cached is not None and RunState(cached).is_terminal else None
+
+    def _remember(self, status: RunStatus) -> None:
+        """Cache the state of a run whose replicas have all ended, so ``diloco runs`` need not poll it and a later
+        ``status`` still knows it once the backend has forgotten the run (files deleted, a Job's TTL). Only then:
+        a run is "failed" as soon as one replica fails, while the others may still run."""
+        state = status.state
+        if status.terminal and state.is_terminal and self.registry is not None and self.record.final_state is None:
             self.record.final_state = state.value
             self.registry.save(self.record)
 
-    def cancel(self, ranks: list[int] | None = None) -> list[ReplicaStatus]:
-        """Stop the (given) non-terminal replicas; returns every replica's status afterwards. Idempotent."""
-        targets = [h for h in self.handles if (ranks is None or h.rank in ranks)
-                   and not self.executor.poll(h).state.is_terminal]
-        many = getattr(self.executor, "cancel_many", None)
-        if many is not None:
-            many(targets)
-        else:
-            for h in targets:
-                self.executor.cancel(h)
-        return self.statuses()
+    def cancel(self, ranks: list[int] | None = None) -> RunStatus:
+        """Ask the (given) replicas to stop; returns at once with every replica's status. Idempotent."""
+        handle = self.handle
+        if handle is not None:
+            self.backend.cancel(handle, ranks)
+        return self.status()
 
     def wait(
         self,
@@ -312,26 +428,28 @@ class RunView:
     ) -> tuple[RunReport, bool]:
         """Poll until the run's outcome is decided; ``(report, timed_out)``. KeyboardInterrupt propagates.
 
-        Decided means every replica is terminal, or one has failed. With ``fail_fast`` a failure also gets
-        the survivors stopped (``on_fail_fast(failed, survivors)`` is told first) and waits for them to end;
-        without it the survivors are left running (they will wait for the failed one until store.timeout_s).
+        Decided means every replica is terminal. With ``fail_fast`` a failure gets the survivors stopped
+        (``on_fail_fast(failed, survivors)`` is told first) and the wait goes on until they have ended; without
+        it the wait returns at the first failure and the survivors are left running (they will wait for the
+        failed one until store.timeout_s).
         """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        stopping = False
         while True:
-            statuses = self.statuses()
-            report = self.report(statuses, with_stderr=False)
+            status = self.status()
+            report = self.report(status, with_stderr=False)
             if on_update is not None:
                 on_update(report)
-            if all(s.state.is_terminal for s in statuses):
+            if status.terminal:
                 return self._add_stderr(report), False
-            failed = [r for r in report.replicas if r.state == RunState.FAILED]
-            if failed:
+            if report.failed and not stopping:
                 if not fail_fast:
                     return self._add_stderr(report), False
-                survivors = [s.rank for s in statuses if not s.state.is_terminal]
+                survivors = [s.rank for s in status.replicas if not s.state.is_terminal]
                 if on_fail_fast is not None:
-                    on_fail_fast(failed[0], survivors)
-                return self.report(self.cancel(survivors)), False
+                    on_fail_fast(report.failed[0], survivors)
+                self.cancel(survivors)
+                stopping = True
             if deadline is not None and time.monotonic() >= deadline:
                 return self._add_stderr(report), True
             time.sleep(poll_interval_s)
@@ -344,78 +462,57 @@ class RunView:
         With ``follow``, the backlog comes first (time-ordered), then new lines as they arrive, until every
         followed replica has ended.
         """
-        handles = [h for h in self.handles if ranks is None or h.rank in ranks]
-        backlogs = [list(records_for(self.executor, h, follow=False)) for h in handles]
+        handle = self.handle
+        if handle is None:
+            return
+        selected = list(range(self.record.replicas)) if ranks is None else ranks
+        backlogs = [list(self.backend.logs(handle, [rank], follow=False)) for rank in selected]
         yield from merged([tail(b, tail_n) for b in backlogs])
         if not follow:
             return
 
-        def rest(handle: ReplicaHandle, skip: int) -> Iterator[LogRecord]:
-            for i, record in enumerate(records_for(self.executor, handle, follow=True)):
+        def rest(rank: int, skip: int) -> Iterator[LogRecord]:
+            for i, record in enumerate(self.backend.logs(handle, [rank], follow=True)):
                 if i >= skip:
                     yield record
 
-        yield from follow_merged([rest(h, len(b)) for h, b in zip(handles, backlogs, strict=True)])
+        yield from follow_merged([rest(r, len(b)) for r, b in zip(selected, backlogs, strict=True)])
 
 
 # ---------------------------------------------------------------------------------------------- collect
-def check_final_weights(store: ObjectStore, world_size: int) -> tuple[bool | None, str, Any, dict[str, str]]:
-    """Whether every rank's final weights are bitwise identical: ``(verdict, detail, tensors, metadata)``.
-
-    ``verdict`` is None when some rank wrote no final weights (a trainer that does not export them).
-    """
-    import torch
-
-    from diloco.codec import decode_tensors
-
-    reference: dict[str, torch.Tensor] | None = None
-    ref_meta: dict[str, str] = {}
-    for rank in range(world_size):
-        key = FINAL_KEY.format(rank=rank)
-        try:
-            data = store.get(key)
-        except ObjectNotFound:
-            return None, f"replica {rank} wrote no final weights ({store.url(key)} is missing)", None, {}
-        try:
-            tensors, meta = decode_tensors(data, source=store.url(key))
-        except CorruptObjectError as exc:
-            return False, str(exc), None, {}
-        if reference is None:
-            reference, ref_meta = tensors, meta
-            continue
-        if set(tensors) != set(reference):
-            diff = sorted(set(tensors) ^ set(reference))
-            return False, f"replica {rank}'s final weights have different tensors than replica 0's ({diff[:3]})", \
-                None, {}
-        for name in sorted(reference):
-            a, b = reference[name], tensors[name]
-            if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b):
-                gap = (a.float() - b.float()).abs().max().item() if a.shape == b.shape else float("nan")
-                return False, (f"replica {rank}'s final weights differ from replica 0's in {name!r} "
-                               f"(max abs difference {gap:.3g})"), None, {}
-    n = sum(t.numel() for t in (reference or {}).values())
-    return True, f"{world_size} replica(s) hold identical final weights ({len(reference or {})} tensors, " \
-                 f"{n} values)", reference, ref_meta
-
-
-def write_model(path: str, tensors: Any, meta: dict[str, str], run_id: str) -> str:
-    """Write the agreed weights as one safetensors file (atomic); returns its absolute path."""
-    from diloco.codec import encode_tensors
-    from diloco.store import write_file_atomic
-
-    keep = {k: v for k, v in meta.items() if k != "rank"}  # encode_tensors sets its own format and checksum
-    path = os.path.abspath(path)
-    write_file_atomic(path, encode_tensors(tensors, {**keep, "run_id": run_id}))
-    return path
-
-
-def add_weights_verdict(view: RunView, report: RunReport) -> tuple[Any, dict[str, str]]:
-    """Fill ``report.weights_*`` for a succeeded run; returns the agreed tensors (or None) and metadata."""
+def add_weights_verdict(view: RunView, report: RunReport) -> WeightsCheck | None:
+    """Fill ``report.weights_*`` for a succeeded run; returns the check (with rank 0's tensors when identical)."""
     if report.state != RunState.SUCCEEDED:
-        return None, {}
-    verdict, detail, tensors, meta = check_final_weights(view.store, view.record.world_size)
-    report.weights_identical, report.weights_detail = verdict, detail
-    return tensors, meta
+        return None
+    check = check_final_weights(view.store, view.record.replicas)
+    report.weights_identical, report.weights_detail = check.identical, check.detail
+    return check
+
+
+def collect(view: RunView, *, output: str | None = None, timeout_s: float | None = None,
+            fail_fast: bool = True, poll_interval_s: float = 1.0,
+            on_update: Callable[[RunReport], None] | None = None,
+            on_fail_fast: Callable[[ReplicaReport, list[int]], None] | None = None) -> tuple[RunReport, bool]:
+    """The one collect flow: wait for the run's end, check the final weights agree, write the agreed model.
+
+    ``output`` is where the model goes (None: do not write it). Returns ``(report, timed_out)``; the model is
+    written only when every replica succeeded and their weights are bitwise identical (``report.model_path``).
+    """
+    report, timed_out = view.wait(timeout_s=timeout_s, poll_interval_s=poll_interval_s, on_update=on_update,
+                                  on_fail_fast=on_fail_fast, fail_fast=fail_fast)
+    if timed_out:
+        return report, True
+    check = add_weights_verdict(view, report)
+    if output is not None and check is not None and check.identical and check.tensors is not None:
+        report.model_path = write_model(output, check.tensors, check.metadata, view.record.run_id)
+    if check is not None and check.identical:  # one copy of the agreed model is enough (idempotent)
+        from diloco.housekeeping import compact_store
+
+        try:
+            compact_store(view.store, view.record.replicas, check=check)
+        except DilocoError as exc:  # e.g. no s3:DeleteObject: the model is fine, the copies stay until `diloco rm`
+            report.warnings.append(f"the replicas' extra copies of the final weights were kept: {exc}")
+    return report, False
 
 
 def summarize_runs(registry: RunRegistry) -> list[RunSummary]:
@@ -429,5 +526,5 @@ def summarize_runs(registry: RunRegistry) -> list[RunSummary]:
             except DilocoError:
                 state = RunState.UNKNOWN
         out.append(RunSummary(run_id=record.run_id, created_at=record.created_at, backend=record.backend,
-                              replicas=record.world_size, state=state, rendezvous_uri=record.rendezvous_uri))
+                              replicas=record.replicas, state=state, rendezvous_uri=record.rendezvous_uri))
     return out

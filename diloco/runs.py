@@ -20,13 +20,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 
 from diloco import envvars
 from diloco.errors import ConfigError, RunNotFound
-from diloco.executors.base import ReplicaHandle
 
-RECORD_VERSION = 1
+RECORD_VERSION = 2  # 2: one run-level backend handle; "replicas" is the count
 LATEST = "latest"
 
 
@@ -62,10 +61,9 @@ class RunRecord(BaseModel):
     backend: str
     created_at: float
     rendezvous_uri: str
-    world_size: int
-    config: dict[str, Any]  # the resolved RunConfig, as JSON
-    executor_options: dict[str, Any] = Field(default_factory=dict)
-    handles: list[ReplicaHandle] = Field(default_factory=list)
+    replicas: int
+    config: dict[str, Any]  # the resolved RunConfig, as JSON (its ``backend`` section rebuilds the backend)
+    handle: dict[str, Any] | None = None  # the backend's RunHandle as JSON; None until the first replica started
     final_state: str | None = None  # cached once observed terminal, so `diloco runs` needs no polling
 
 
@@ -75,6 +73,13 @@ class RunRegistry:
     def __init__(self, home: Path | str | None = None) -> None:
         self.home = Path(home) if home is not None else diloco_home()
         self.dir = self.home / "runs"
+        existing = self.dir
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if not existing.is_dir():  # every command fails here, clearly, not with "no runs recorded"
+            what = "is a file, not a directory" if existing in (self.home, self.dir) else "is a file"
+            raise ConfigError(f"DILOCO_HOME: cannot record runs in {self.dir}: {existing} {what}",
+                              hint="set DILOCO_HOME to a writable directory (default ~/.diloco)")
 
     def path(self, run_id: str) -> Path:
         return self.dir / f"{run_id}.json"
@@ -100,10 +105,17 @@ class RunRegistry:
 
     def load(self, run_id: str) -> RunRecord:
         try:
-            return RunRecord.model_validate_json(self.path(run_id).read_text())
+            text = self.path(run_id).read_text()
         except FileNotFoundError:
             raise self._not_found(run_id) from None
+        except OSError as exc:
+            raise RunNotFound(f"run record {self.path(run_id)} is unreadable: {exc.strerror or exc}") from None
+        try:
+            return RunRecord.model_validate_json(text)
         except ValueError as exc:
+            if '"version": 1' in text:
+                raise RunNotFound(f"run {run_id} was recorded by an older diloco (record version 1)",
+                                  hint=f"manage it with that version, or delete {self.path(run_id)}") from None
             raise RunNotFound(f"run record {self.path(run_id)} is unreadable: {exc}",
                               hint="delete it, or list runs with `diloco runs`") from exc
 

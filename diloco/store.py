@@ -38,6 +38,9 @@ T = TypeVar("T")
 #: ``memory://`` is one dict shared by the whole process; its exists-then-write is not atomic between threads.
 _MEMORY_CREATE_LOCK = threading.Lock()
 
+#: OS errors that will not go away by waiting (a read-only filesystem, a full disk, a name too long).
+_PERMANENT_ERRNOS = frozenset({errno.EROFS, errno.ENOSPC, errno.EACCES, errno.ENAMETOOLONG, errno.EDQUOT})
+
 #: Errors that say "the answer is no", not "try again": they are never retried.
 _PERMANENT: tuple[type[BaseException], ...] = (
     FileNotFoundError,
@@ -145,6 +148,8 @@ class ObjectStore:
             except _PERMANENT as exc:
                 self._raise_explained(op, key, exc)
             except self._transient as exc:
+                if isinstance(exc, OSError) and exc.errno in _PERMANENT_ERRNOS:
+                    self._raise_explained(op, key, exc)
                 if attempt >= self.retries:
                     raise StoreError(f"{op} {self.url(key)} failed after {attempt + 1} attempt(s): "
                                      f"{self._describe(exc)}") from exc

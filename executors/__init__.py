@@ -1,72 +1,101 @@
-"""Backends that launch replica jobs: one protocol (``base``), one thin module per backend.
+"""The backend registry: names -> backend classes, imported on first use (the fsspec / TorchX pattern).
 
-Backends are looked up by name and imported on first use (the fsspec/torchx registry pattern), so the CLI pays
-for boto3 or the Kubernetes client only when a command actually uses that backend. A name that is known but
-whose module is not shipped (yet) fails fast with a ``ConfigError`` before anything is launched: no fakes.
+Built-in backends are listed below; any installed package can add one through the ``diloco.backends``
+entry-point group without editing this project::
+
+    # the third party's pyproject.toml
+    [project.entry-points."diloco.backends"]
+    slurm = "diloco_slurm:SlurmBackend"
+
+A backend module must import cheaply (its SDK only inside the methods that use it), because the run config's
+``backend`` section is validated against the backend's own ``config_type``. A third-party entry point that reuses a
+built-in name is ignored: the built-in wins, so installing a package cannot silently replace ``local``.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
-import importlib.util
 from typing import TYPE_CHECKING, Any
 
 from diloco.errors import ConfigError
 
 if TYPE_CHECKING:
-    from diloco.executors.base import ServerlessExecutor
+    from diloco.executors.base import Backend, BackendConfig
 
-#: name -> "module:Class", imported on first use.
-KNOWN_BACKENDS: dict[str, str] = {
-    "local": "diloco.executors.local:LocalProcessExecutor",
-    "sagemaker": "diloco.executors.sagemaker:SageMakerExecutor",
-    "eks": "diloco.executors.eks:EKSExecutor",
+ENTRY_POINT_GROUP = "diloco.backends"
+#: The backend used when a config names none.
+DEFAULT_BACKEND = "local"
+
+#: Built-in backends: name -> "module:Class".
+BUILTIN_BACKENDS: dict[str, str] = {
+    "local": "diloco.executors.local:LocalBackend",
+    "sagemaker": "diloco.executors.sagemaker:SageMakerBackend",
+    "eks": "diloco.executors.kubernetes:KubernetesBackend",
 }
 
-#: What to install when a backend's module exists but its SDK does not.
-INSTALL_HINTS: dict[str, str] = {
-    "sagemaker": "pip install 'diloco[sagemaker]'",
-    "eks": "pip install 'diloco[k8s]'",
-}
+__all__ = ["DEFAULT_BACKEND", "ENTRY_POINT_GROUP", "backend_class", "backend_names", "config_type",
+           "create_backend", "require_launchable"]
 
 
-def is_available(name: str) -> bool:
-    """Whether ``name``'s module ships with this version (checked without importing it)."""
-    target = KNOWN_BACKENDS.get(name)
+@functools.lru_cache(maxsize=1)
+def _registered() -> dict[str, str]:
+    """Built-ins first, then third-party entry points (read once per process; built-in names win)."""
+    from importlib.metadata import entry_points
+
+    found = dict(BUILTIN_BACKENDS)
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        found.setdefault(ep.name, ep.value)
+    return found
+
+
+def backend_names() -> list[str]:
+    """Every backend name a config may use, built-ins first."""
+    return list(_registered())
+
+
+def backend_class(name: str) -> type[Backend[Any, Any]]:
+    """Import backend ``name``'s class. ``ConfigError`` (one line, nothing launched) for an unknown name, a backend
+    that cannot be imported, or one that this version does not ship yet."""
+    registered = _registered()
+    target = registered.get(name)
     if target is None:
-        return False
-    module = target.split(":", 1)[0]
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:
-        return False
-
-
-def require_available(name: str) -> None:
-    """Raise the one-line ``ConfigError`` for an unknown or not-yet-shipped backend; no side effects."""
-    if name not in KNOWN_BACKENDS:
-        raise ConfigError(f"backend: must be one of {', '.join(KNOWN_BACKENDS)} (got {name!r})")
-    if not is_available(name):
-        available = ", ".join(n for n in KNOWN_BACKENDS if is_available(n))
-        raise ConfigError(
-            f"backend: {name!r} is not available in this version yet (available: {available})",
-            hint="use --backend local",
-        )
-
-
-def create_executor(name: str, **options: Any) -> ServerlessExecutor:
-    """Import backend ``name`` on first use and build its executor with ``options``.
-
-    Raises ``ConfigError`` for an unknown name, a backend not shipped in this version, or a missing optional SDK
-    (with the ``pip install`` line that fixes it).
-    """
-    require_available(name)
-    module_name, cls_name = KNOWN_BACKENDS[name].split(":", 1)
+        raise ConfigError(f"backend: must be one of {', '.join(registered)} (got {name!r})")
+    module_name, _, cls_name = target.partition(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ConfigError(
-            f"backend {name!r} needs an optional dependency that is not installed: {exc}",
-            hint=INSTALL_HINTS.get(name),
-        ) from exc
-    return getattr(module, cls_name)(**options)
+        raise ConfigError(f"backend {name!r} could not be imported from {module_name}: {exc}",
+                          hint="reinstall the package that provides it") from exc
+    cls = getattr(module, cls_name, None)
+    if cls is None:
+        raise ConfigError(f"backend {name!r}: {module_name} has no {cls_name}",
+                          hint="check the entry point of the package that provides it")
+    return cls
+
+
+def config_type(name: str) -> type[BackendConfig]:
+    """The pydantic model of backend ``name``'s config section."""
+    return backend_class(name).config_type
+
+
+def require_launchable(name: str) -> type[Backend[Any, Any]]:
+    """Backend ``name``'s class, or the one-line ``ConfigError`` saying why it cannot launch in this version."""
+    cls = backend_class(name)
+    if cls.unavailable_reason:
+        available = ", ".join(n for n in backend_names() if getattr(_safe_class(n), "unavailable_reason", 1) is None)
+        raise ConfigError(f"backend: {name!r} {cls.unavailable_reason} (available: {available})",
+                          hint=f"use --backend {DEFAULT_BACKEND}")
+    return cls
+
+
+def create_backend(config: BackendConfig) -> Backend[Any, Any]:
+    """The backend for a validated config section. ``ConfigError`` if this version cannot run it yet."""
+    return require_launchable(config.kind)(config)
+
+
+def _safe_class(name: str) -> Any:
+    try:
+        return backend_class(name)
+    except ConfigError:
+        return None

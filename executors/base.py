@@ -1,40 +1,62 @@
-"""The ``ServerlessExecutor`` protocol: one lifecycle model, planning separate from submitting.
+"""The backend contract: one run of N replicas, planned, submitted, described, cancelled and logged as a whole.
 
-A *run* is N replica jobs that never talk to each other except through the rendezvous store. Every backend
-(local processes, SageMaker Training Jobs, Kubernetes Indexed Jobs) is a thin translator:
+A *run* is N replica jobs that never talk to each other except through the rendezvous store. A backend (local
+processes, SageMaker Training Jobs, a Kubernetes Indexed Job, or a third party's) is a thin translator between that
+idea and its own service, and every call takes the whole run, so a backend can answer with one list or describe call
+per poll instead of N (SageMaker throttles ``DescribeTrainingJob``; an Indexed Job is one object anyway):
 
-* ``plan(spec) -> LaunchPlan`` is pure: it returns the exact per-replica requests the backend would submit
-  (argv + env for local, CreateTrainingJob kwargs for SageMaker, the Job manifest for Kubernetes). It touches no
-  network, creates no directory and mutates nothing; ``diloco launch --dry-run`` prints it.
-* ``submit(plan) -> handles`` only executes a plan. If submitting replica k fails, replicas 0..k-1 are cancelled
-  before the error propagates: a backend failure never leaves orphan jobs.
-* ``poll``, ``collect``, ``cancel``, ``stream_logs`` work from a ``ReplicaHandle`` alone (it is JSON-serialisable
-  and stored in the run registry), so a later CLI invocation can manage a run it did not launch.
+* ``plan(spec) -> LaunchPlan`` is pure: the exact requests the backend would send (argv + env for local,
+  CreateTrainingJob kwargs for SageMaker, the Job manifest for Kubernetes). No network, no directory, no mutation;
+  ``diloco launch --dry-run`` prints it and tests snapshot it. Deterministic for a fixed run id.
+* ``submit(plan, on_progress) -> RunHandle`` is all-or-nothing: if replica k cannot be created, whatever was
+  created before it is cancelled before the error propagates (also on Ctrl-C), so a failed launch never leaves
+  orphan jobs. ``on_progress`` receives the handle before the first replica is created and after each one, so
+  the caller can record it at once.
+* ``describe(handle) -> RunStatus``: every replica's state, reason, exit code, restarts, timestamps, backend detail
+  and artifacts in one call.
+* ``cancel(handle, ranks=None)`` asks the replicas to stop and returns without waiting (idempotent: a finished or
+  already cancelled replica is not an error). ``wait(handle)`` is for callers that need the end.
+* ``logs(handle, ranks, follow, since) -> Iterator[LogRecord]``: timestamped lines, each replica's in order; the
+  orchestrator merges replicas in time order and the CLI prefixes ``[rK]``.
+* ``list_runs()``: the runs the backend can see on its own (without the local run registry).
+* ``remove(handle, dry_run)``: delete what the backend itself keeps of a run that has ended (the local backend: its
+  run directory with the logs); ``diloco rm``/``prune`` call it after deleting the store objects, before the record.
 
-Every replica gets the same environment on every backend: ``DILOCO_RUN_ID``, ``REPLICA_RANK``, ``WORLD_SIZE``,
-``RENDEZVOUS_URI``, plus the backend's native variables.
+A handle is a pydantic model the backend defines (``handle_type``); it is JSON in the run registry, so a later CLI
+process can manage a run it did not launch. Backend configuration is a pydantic model the backend owns
+(``config_type``); the run config's ``backend`` section is validated against it, and the backend is built from it.
+
+Every replica gets the same environment on every backend (``LaunchSpec.replica_env``): ``DILOCO_RUN_ID``,
+``REPLICA_RANK``, ``WORLD_SIZE``, ``RENDEZVOUS_URI``, plus the backend's native variables.
 """
 
 from __future__ import annotations
 
 import enum
+import json
 import time
-from collections.abc import Iterator, Sequence
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from diloco import envvars
-from diloco.replica_entrypoint import DEFAULT_TRAINER
+from diloco.defaults import DEFAULT_ENTRYPOINT, DEFAULT_TRAINER
+from diloco.logstream import LogRecord
 
-DEFAULT_ENTRYPOINT = "diloco.replica_entrypoint"
+if TYPE_CHECKING:
+    from diloco.doctor import Check, DoctorContext
+
+__all__ = ["DEFAULT_ENTRYPOINT", "DEFAULT_TRAINER", "LogRecord"]
 
 
-class RunState(str, enum.Enum):
-    """One lifecycle for every backend. Unknown backend states map to ``UNKNOWN`` (non-terminal), never a KeyError.
+# ---------------------------------------------------------------------------------------------- states
+class ReplicaState(str, enum.Enum):
+    """One lifecycle for a replica on every backend. A backend value it does not know maps to ``UNKNOWN``
+    (non-terminal), never to a ``KeyError``.
 
-    Transitions: PENDING -> RUNNING -> SUCCEEDED | FAILED; any non-terminal -> CANCELLING -> CANCELLED;
-    RUNNING -> PREEMPTED -> RUNNING (the backend relaunched the replica, which rejoins from the store).
+    PENDING -> RUNNING -> SUCCEEDED | FAILED; any non-terminal -> CANCELLING -> CANCELLED;
+    RUNNING -> PREEMPTED -> RUNNING (the backend is bringing the replica back: spot restart, pod retry).
     """
 
     PENDING = "pending"
@@ -43,14 +65,58 @@ class RunState(str, enum.Enum):
     FAILED = "failed"
     CANCELLING = "cancelling"
     CANCELLED = "cancelled"
-    PREEMPTED = "preempted"  # preempted/recovering: the backend is bringing the replica back
+    PREEMPTED = "preempted"
+    UNKNOWN = "unknown"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in (ReplicaState.SUCCEEDED, ReplicaState.FAILED, ReplicaState.CANCELLED)
+
+
+class RunState(str, enum.Enum):
+    """The state of a whole run, derived from its replicas by ``RunState.of`` (a run is never "preempted": while
+    a replica is being brought back, the run is still running)."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLING = "cancelling"
+    CANCELLED = "cancelled"
     UNKNOWN = "unknown"
 
     @property
     def is_terminal(self) -> bool:
         return self in (RunState.SUCCEEDED, RunState.FAILED, RunState.CANCELLED)
 
+    @classmethod
+    def of(cls, states: Sequence[ReplicaState]) -> RunState:
+        """Any failure fails the run; all succeeded succeeds it; a cancel in progress or done wins next; otherwise
+        the least advanced state (a preempted replica counts as running: its run goes on)."""
+        if not states:
+            return cls.PENDING
+        s = set(states)
+        if ReplicaState.FAILED in s:
+            return cls.FAILED
+        if s == {ReplicaState.SUCCEEDED}:
+            return cls.SUCCEEDED
+        if ReplicaState.CANCELLING in s:
+            return cls.CANCELLING
+        if ReplicaState.CANCELLED in s:
+            return cls.CANCELLED if all(x.is_terminal for x in s) else cls.CANCELLING
+        if ReplicaState.PENDING in s:
+            return cls.PENDING
+        if s & {ReplicaState.RUNNING, ReplicaState.PREEMPTED, ReplicaState.SUCCEEDED}:
+            return cls.RUNNING
+        return cls.UNKNOWN
 
+
+def map_state(table: Mapping[str, ReplicaState], native: str | None) -> ReplicaState:
+    """A backend's own state name through its documented table; anything else is ``UNKNOWN``."""
+    return table.get(native or "", ReplicaState.UNKNOWN)
+
+
+# ---------------------------------------------------------------------------------------------- specs
 class EntrypointArgs(BaseModel):
     """What the replica entrypoint needs; rendered into argv identically by every backend."""
 
@@ -63,8 +129,6 @@ class EntrypointArgs(BaseModel):
 
     def to_argv(self) -> list[str]:
         """The entrypoint's arguments, one token per list element (as SageMaker's ContainerArguments wants)."""
-        import json
-
         module, fn = self.trainer.split(":", 1)
         argv = [
             "--rendezvous", self.rendezvous_uri,
@@ -81,10 +145,10 @@ class EntrypointArgs(BaseModel):
 
 
 class LaunchSpec(BaseModel):
-    """Backend-neutral description of one run: N identical replicas of one entrypoint."""
+    """Backend-neutral description of one run: ``replicas`` identical copies of one entrypoint."""
 
     run_id: str
-    n_replicas: int = Field(ge=1)
+    replicas: int = Field(ge=1)
     entrypoint: str = DEFAULT_ENTRYPOINT  # a python module run with ``python -m``
     entrypoint_args: EntrypointArgs
     gpu: str | None = None
@@ -97,123 +161,219 @@ class LaunchSpec(BaseModel):
             **self.env,
             envvars.RUN_ID: self.run_id,
             envvars.REPLICA_RANK: str(rank),
-            envvars.WORLD_SIZE: str(self.n_replicas),
+            envvars.WORLD_SIZE: str(self.replicas),
             envvars.RENDEZVOUS_URI: self.entrypoint_args.rendezvous_uri,
         }
 
-
-class ReplicaRequest(BaseModel):
-    """The exact request a backend would submit for one replica (its shape is the backend's own)."""
-
-    rank: int
-    request: dict[str, Any]
+    def argv(self, python: str = "python") -> list[str]:
+        """``python -m <entrypoint> <args>``: the command every backend runs in a replica."""
+        return [python, "-m", self.entrypoint, *self.entrypoint_args.to_argv()]
 
 
 class LaunchPlan(BaseModel):
-    """The dry-run: everything ``submit`` will do, and nothing done yet."""
+    """The dry run: everything ``submit`` will send, and nothing sent yet.
+
+    ``requests`` are the backend's own requests, in submission order (one per replica for SageMaker and local,
+    one Job for Kubernetes); ``-o json`` prints them verbatim.
+    """
 
     backend: str
     spec: LaunchSpec
-    replicas: list[ReplicaRequest]
+    requests: list[dict[str, Any]]
 
 
-class ReplicaHandle(BaseModel):
-    """Enough to find one replica job again from another process: backend name, run, rank, backend job id."""
+# ---------------------------------------------------------------------------------------------- handles, status
+class RunHandle(BaseModel):
+    """Enough to find a run's replicas again from another process. Each backend subclasses it with typed fields
+    (pids and log directories, job names, the Job's namespace and name); no free-form dicts."""
+
+    model_config = ConfigDict(extra="forbid")
 
     backend: str
     run_id: str
-    rank: int
-    job_id: str
-    data: dict[str, Any] = Field(default_factory=dict)  # backend specifics (pid, log dir, job ARN, ...)
+    replicas: int = Field(ge=1)
 
 
 class ReplicaStatus(BaseModel):
-    """The state of one replica, with the backend's own secondary status text kept verbatim."""
+    """One replica as its backend sees it. ``detail`` keeps the backend's own words (a SageMaker SecondaryStatus,
+    a pod phase, a pid); ``reason`` says why it is in a failed or stopped state."""
 
     rank: int
-    state: RunState
+    state: ReplicaState
     job_id: str = ""
-    reason: str | None = None  # why it failed / was cancelled, in the backend's words
-    secondary: str | None = None  # e.g. SageMaker SecondaryStatus, a pod phase
+    reason: str | None = None
+    detail: str | None = None
     exit_code: int | None = None
-    timed_out: bool = False  # the backend stopped it for exceeding the run's wall-clock limit (timeout_s)
+    restarts: int = 0
+    timed_out: bool = False  # stopped for exceeding the run's wall-clock limit (timeout_s)
     started_at: float | None = None
     ended_at: float | None = None
-
-
-class ReplicaResult(BaseModel):
-    """What ``collect`` returns per replica once it is terminal."""
-
-    rank: int
-    status: ReplicaStatus
     artifacts: dict[str, str] = Field(default_factory=dict)  # e.g. {"model": "s3://.../model.tar.gz"}
+    billable_s: float | None = None  # cloud backends: what the provider bills for
+    cost_usd: float | None = None  # an estimate of what those seconds cost (see cost_source)
+    cost_source: str | None = None  # where the price came from, e.g. "AWS Price List API" or a dated table
 
 
-def aggregate_state(states: Sequence[RunState]) -> RunState:
-    """One state for a run: any failure fails it; all succeeded succeeds; otherwise the least advanced."""
-    if not states:
-        return RunState.UNKNOWN
-    s = set(states)
-    if RunState.FAILED in s:
-        return RunState.FAILED
-    if s == {RunState.SUCCEEDED}:
-        return RunState.SUCCEEDED
-    if RunState.CANCELLING in s:
-        return RunState.CANCELLING
-    if RunState.CANCELLED in s and all(x.is_terminal for x in s):
-        return RunState.CANCELLED
-    for state in (RunState.PREEMPTED, RunState.PENDING, RunState.RUNNING, RunState.UNKNOWN):
-        if state in s:
-            return state
-    return RunState.UNKNOWN
+class RunStatus(BaseModel):
+    """Every replica of a run in one call; ``state`` is derived from them."""
+
+    run_id: str
+    replicas: list[ReplicaStatus]
+
+    @property
+    def state(self) -> RunState:
+        return RunState.of([r.state for r in self.replicas])
+
+    @property
+    def terminal(self) -> bool:
+        return all(r.state.is_terminal for r in self.replicas)
+
+    def replica(self, rank: int) -> ReplicaStatus:
+        return next(r for r in self.replicas if r.rank == rank)
 
 
-@runtime_checkable
-class ServerlessExecutor(Protocol):
-    """What every backend implements. See the module docstring for the contract of each method."""
+class RunListing(BaseModel):
+    """A run a backend can see on its own (``diloco runs`` shows the registry's; this finds the others)."""
 
-    name: str
-
-    def plan(self, spec: LaunchSpec) -> LaunchPlan: ...
-
-    def submit(self, plan: LaunchPlan) -> list[ReplicaHandle]: ...
-
-    def poll(self, handle: ReplicaHandle) -> ReplicaStatus: ...
-
-    def cancel(self, handle: ReplicaHandle) -> None: ...
-
-    def stream_logs(self, handle: ReplicaHandle, follow: bool = False) -> Iterator[str]: ...
+    run_id: str
+    backend: str
+    state: RunState
+    replicas: int
+    created_at: float | None = None
 
 
-def launch_replicas(
-    executor: ServerlessExecutor,
-    n_replicas: int,
-    entrypoint: str,
-    entrypoint_args: EntrypointArgs,
-    *,
-    run_id: str,
-    gpu: str | None = None,
-    timeout: float | None = None,
-) -> list[ReplicaHandle]:
-    """``submit(plan(spec))``: the seed's ``launch_replicas`` in terms of the two phases."""
-    spec = LaunchSpec(run_id=run_id, n_replicas=n_replicas, entrypoint=entrypoint,
-                      entrypoint_args=entrypoint_args, gpu=gpu, timeout_s=timeout)
-    return executor.submit(executor.plan(spec))
+class BackendConfig(BaseModel):
+    """Base of every backend's config section. ``kind`` names the backend; the rest is the backend's own."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: str
+
+    #: URI schemes every replica of this backend can reach (a cloud job cannot see this machine's files).
+    rendezvous_schemes: ClassVar[tuple[str, ...]] = ("s3",)
+    #: Whether the backend places replicas on machines it chooses (so ``gpu`` means something).
+    places_replicas: ClassVar[bool] = True
+    #: ``diloco launch`` flags this backend takes -> its config fields, e.g. ``{"role": "role_arn"}``. The CLI
+    #: has a fixed set of such flags (``--image``, ``--role``, ``--region``, ``--instance-type``, ``--namespace``,
+    #: ``--context``, ``--spot``, ``--keep-alive``, ``--source-dir``); one a backend does not list is refused.
+    flags: ClassVar[dict[str, str]] = {}
+
+    def default_rendezvous(self, run_id: str) -> str | None:
+        """The rendezvous to use when none is configured; ``None`` means the user must give one."""
+        return None
+
+    def default_check_trainer_locally(self) -> bool:
+        """Whether the trainer is imported from this interpreter and directory (so it can be checked here)."""
+        return False
 
 
-def collect(
-    executor: ServerlessExecutor,
-    handles: Sequence[ReplicaHandle],
-    timeout: float | None = None,
-    poll_interval_s: float = 1.0,
-) -> list[ReplicaResult]:
-    """Poll every replica until all are terminal; rank-ordered results. Raises ``TimeoutError`` past ``timeout``."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while True:
-        statuses = [executor.poll(h) for h in handles]
-        if all(s.state.is_terminal for s in statuses):
-            return sorted((ReplicaResult(rank=s.rank, status=s) for s in statuses), key=lambda r: r.rank)
-        if deadline is not None and time.monotonic() >= deadline:
-            pending = [s.rank for s in statuses if not s.state.is_terminal]
-            raise TimeoutError(f"replica(s) {pending} not finished after {timeout:g}s")
-        time.sleep(poll_interval_s)
+# ---------------------------------------------------------------------------------------------- the protocol
+H = TypeVar("H", bound=RunHandle)
+C = TypeVar("C", bound=BackendConfig)
+
+
+class Backend(Generic[C, H]):
+    """What every backend implements; defaults for what most backends have nothing special to do about.
+
+    Subclasses set ``name``, ``config_type`` and ``handle_type`` and implement ``plan``, ``submit``, ``describe``,
+    ``cancel`` and ``replica_logs`` (or ``logs``). ``STATES`` documents every state name the backend's service
+    reports and the ``ReplicaState`` it means; the conformance suite (tests/backends) checks it.
+    """
+
+    name: ClassVar[str]
+    config_type: ClassVar[type[BackendConfig]]
+    handle_type: ClassVar[type[RunHandle]]
+    #: What to install when the backend's SDK is missing (shown with the error).
+    install_hint: ClassVar[str | None] = None
+    #: The backend's own state names -> ReplicaState.
+    STATES: ClassVar[Mapping[str, ReplicaState]] = {}
+    #: Set (to a phrase such as "is not available in this version yet") while a backend cannot launch.
+    unavailable_reason: ClassVar[str | None] = None
+
+    def __init__(self, config: C) -> None:
+        self.config = config
+
+    # ---------------------------------------------------------------- lifecycle (abstract)
+    def plan(self, spec: LaunchSpec) -> LaunchPlan:
+        raise NotImplementedError(f"{type(self).__name__}.plan")
+
+    def submit(self, plan: LaunchPlan, on_progress: Callable[[H], None] | None = None) -> H:
+        raise NotImplementedError(f"{type(self).__name__}.submit")
+
+    def describe(self, handle: H) -> RunStatus:
+        raise NotImplementedError(f"{type(self).__name__}.describe")
+
+    def cancel(self, handle: H, ranks: Sequence[int] | None = None) -> None:
+        raise NotImplementedError(f"{type(self).__name__}.cancel")
+
+    def replica_logs(self, handle: H, rank: int, *, follow: bool = False,
+                     since: float | None = None) -> Iterator[LogRecord]:
+        """One replica's lines in order; with ``follow``, until it is terminal (then one last read)."""
+        raise NotImplementedError(f"{type(self).__name__}.replica_logs")
+
+    # ---------------------------------------------------------------- defaults
+    def preflight(self, spec: LaunchSpec, *, force: bool = False) -> None:
+        """Refuse (``ConfigError``, exit 2) a launch this backend cannot hold, before anything of it is created;
+        ``force`` launches anyway. Not called for ``--dry-run``: a plan is for any machine. Default: no check."""
+
+    def estimate_cost(self, plan: LaunchPlan, seconds_per_replica: float) -> tuple[float | None, str] | None:
+        """What submitting ``plan`` would cost if each replica's own work took ``seconds_per_replica``:
+        ``(usd, how it was reckoned)``, ``usd`` None when it costs money at a price that cannot be told; ``None``
+        when running it is free (this machine's processes, a cluster already paid for).
+
+        Pure apart from a price lookup: called before anything is created, so a command that would spend money
+        can say how much and ask first (``diloco smoke`` refuses without ``--yes`` unless this is None). A backend
+        that bills must therefore answer, including what its service bills beyond the work itself (start-up,
+        image download). An estimate: the bill is the authority. Default: free."""
+        return None
+
+    def logs(self, handle: H, ranks: Sequence[int] | None = None, *, follow: bool = False,
+             since: float | None = None) -> Iterator[LogRecord]:
+        """Every (or ``ranks``') replica's records, merged in time order; followed until all have ended."""
+        from diloco.logstream import follow_merged, merged
+
+        selected = range(handle.replicas) if ranks is None else ranks
+        streams = [self.replica_logs(handle, rank, follow=follow, since=since) for rank in selected]
+        return follow_merged(streams) if follow else merged(streams)
+
+    def failure_tail(self, handle: H, rank: int, n: int = 10) -> list[str]:
+        """The last ``n`` lines replica ``rank`` wrote to stderr: usually why it failed."""
+        from collections import deque
+
+        errs = (r.text for r in self.replica_logs(handle, rank) if r.stream == "err" and r.text.strip())
+        return list(deque(errs, maxlen=n))
+
+    def wait(self, handle: H, *, timeout_s: float | None = None, poll_interval_s: float = 1.0) -> RunStatus:
+        """Describe until every replica is terminal or ``timeout_s`` passes; the last status either way."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            status = self.describe(handle)
+            if status.terminal or (deadline is not None and time.monotonic() >= deadline):
+                return status
+            time.sleep(poll_interval_s)
+
+    def remove(self, handle: H, *, dry_run: bool = False) -> list[str]:
+        """Delete what this backend keeps of its own of a run whose replicas have all ended, and return what was
+        removed (paths or URIs); with ``dry_run``, what would be, removing nothing. Idempotent: ``[]`` once gone.
+
+        Only the backend's own leftovers: the store's objects and the registry record are removed by the caller
+        (``diloco.housekeeping``). The default keeps nothing to remove (a SageMaker job cannot be deleted and its
+        logs follow CloudWatch's retention)."""
+        return []
+
+    def list_runs(self) -> list[RunListing]:
+        """Runs this backend can find without the registry; backends that cannot search return nothing."""
+        return []
+
+    def load_handle(self, data: Mapping[str, Any]) -> H:
+        """A handle from its JSON form (as stored in the run registry)."""
+        return self.handle_type.model_validate(data)  # type: ignore[return-value]
+
+    @classmethod
+    def doctor_checks(cls, ctx: DoctorContext) -> list[Check]:
+        """``diloco doctor --backend <name>``'s backend-specific checks (the store's are common)."""
+        return []
+
+    @classmethod
+    def map_state(cls, native: str | None) -> ReplicaState:
+        return map_state(cls.STATES, native)

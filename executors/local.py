@@ -3,14 +3,26 @@
 Why it looks the way it does:
 
 * Each replica runs under ``diloco.executors.local_supervisor`` in its **own session / process group**, so a
-  Ctrl-C in the launching terminal never reaches it. ``cancel`` sends one SIGTERM through the supervisor (which
-  forwards it) and, after the grace period, SIGKILLs the whole group (replica, its children, the supervisor).
+  Ctrl-C in the launching terminal never reaches it. ``cancel`` sends one SIGTERM to the supervisor, which forwards
+  it and, after the grace period, SIGKILLs the replica's whole group itself: the escalation does not depend on the
+  CLI staying alive. A second ``cancel`` SIGKILLs at once.
 * The supervisor writes ``exit.json`` when the replica ends; that file, not the launching process's memory, is
   the source of truth, so ``diloco status`` in a brand-new process knows the exit code. If the supervisor is
   killed on its own (``kill -9``, the OOM killer), a replica still alive in its group reads as running (and
   ``cancel`` still stops it), never as failed while it trains on.
-* A handle records the supervisor's pid *and* its start time (``/proc/<pid>/stat``), so a recycled pid is never
-  mistaken for our replica, and never signalled.
+* A handle records each supervisor's pid *and* its start time (``/proc/<pid>/stat``), so a recycled pid is never
+  mistaken for our replica, and never signalled. The handle is also kept in the run's directory
+  (``handle.json``), updated as each replica starts, so ``list_runs`` and a later ``cancel`` find the replicas of a
+  launch that was interrupted half-way.
+* Nothing started is ever unrecorded: the handle is written (``handle.json``, then ``on_progress``) before the first
+  replica and after each one, and starting a replica and recording it is one step that Ctrl-C cannot split
+  (``diloco.signals.signals_deferred``). While it submits, SIGTERM and SIGHUP take Ctrl-C's path
+  (``terminate_as_interrupt``): whatever was started is stopped before the launcher exits. If the launcher is
+  killed outright (``kill -9``) the replicas it had no time to record are still found, by the ``DILOCO_RUN_ID`` in
+  their environment, and adopted into the handle so ``status`` and ``cancel`` see them.
+* A launch this machine cannot hold (more replicas than ``REPLICAS_PER_CORE`` per CPU core, or than its available
+  memory at the replica size estimated for the trainer) is refused before any process starts, with the numbers and
+  the fix, unless forced (``check_capacity``; ``backend.oversubscribe: true``).
 * ``plan`` is pure: it computes argv, the added environment, cwd and the log directory and creates nothing.
 * Every replica inherits this process's environment plus ``DILOCO_RUN_ID``, ``REPLICA_RANK``, ``WORLD_SIZE``,
   ``RENDEZVOUS_URI``, ``PYTHONUNBUFFERED=1`` and, unless already set, an ``OMP_NUM_THREADS`` that shares the CPU
@@ -19,6 +31,8 @@ Why it looks the way it does:
 
 from __future__ import annotations
 
+import inspect
+import math
 import os
 import signal
 import socket
@@ -26,16 +40,24 @@ import subprocess
 import sys
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from diloco.errors import BackendError
+from pydantic import BaseModel, Field
+
+from diloco import envvars
+from diloco.defaults import DEFAULT_TRAINER
+from diloco.errors import BackendError, ConfigError
 from diloco.executors.base import (
+    Backend,
+    BackendConfig,
     LaunchPlan,
     LaunchSpec,
-    ReplicaHandle,
-    ReplicaRequest,
+    ReplicaState,
     ReplicaStatus,
-    RunState,
+    RunHandle,
+    RunListing,
+    RunStatus,
 )
 from diloco.executors.local_supervisor import (
     CANCEL_MARKER,
@@ -44,98 +66,233 @@ from diloco.executors.local_supervisor import (
     EXIT_FILE,
     STDERR_LOG,
     SUPERVISOR_LOG,
+    command_line,
     group_members,
     has_procfs,
+    live_process_groups,
     parse_combined_line,
     proc_stat,
+    processes_with_env,
     read_json,
+    write_json_atomic,
 )
 from diloco.logstream import LogRecord
+from diloco.signals import signals_deferred, terminate_as_interrupt
+
+if TYPE_CHECKING:
+    from diloco.doctor import Check, DoctorContext
 
 SUPERVISOR_MODULE = "diloco.executors.local_supervisor"
+HANDLE_FILE = "handle.json"
+RUN_CANCEL_MARKER = "cancel_requested"  # in the run directory: a launch in progress stops starting replicas
 
 
-def _default_log_root() -> str:
-    from diloco.runs import runs_dir
+class LocalBackendConfig(BackendConfig):
+    """Replicas as processes on this machine."""
 
-    return str(runs_dir())
+    kind: Literal["local"] = "local"
+    log_root: str | None = None  # default: $DILOCO_HOME/runs
+    grace_period_s: float = Field(10.0, ge=0)  # SIGTERM -> SIGKILL on cancel
+    python: str | None = None  # interpreter for the replicas; default: the one running diloco
+    oversubscribe: bool = False  # launch even when the replicas exceed this machine's cores or memory
+    # One replica's memory for the capacity check; default: estimated for the built-in trainer, else 512 MiB.
+    memory_per_replica_mb: int | None = Field(None, gt=0)
+
+    rendezvous_schemes: ClassVar[tuple[str, ...]] = ("file", "s3")
+    places_replicas: ClassVar[bool] = False
+
+    def default_rendezvous(self, run_id: str) -> str | None:
+        from diloco.runs import default_local_rendezvous
+
+        return default_local_rendezvous(run_id)
+
+    def default_check_trainer_locally(self) -> bool:
+        return self.python is None  # another interpreter may have other packages
 
 
-class LocalProcessExecutor:
+class LocalProcess(BaseModel):
+    """One replica's supervisor: pid + start time identify it across pid reuse."""
+
+    rank: int
+    pid: int
+    start_time: int | None = None
+    log_dir: str
+    launched_at: float
+
+
+class LocalRunHandle(RunHandle):
+    """The run's supervisors on this host; ``complete`` once every replica has been started."""
+
+    backend: str = "local"
+    host: str
+    run_dir: str
+    launcher_pid: int
+    launcher_start_time: int | None = None  # with the pid, tells a live launcher from a recycled pid
+    complete: bool = False
+    processes: list[LocalProcess] = Field(default_factory=list)
+
+    def process(self, rank: int) -> LocalProcess | None:
+        return next((p for p in self.processes if p.rank == rank), None)
+
+
+class LocalBackend(Backend[LocalBackendConfig, LocalRunHandle]):
     """Replicas as supervised local processes. See the module docstring for the guarantees."""
 
-    name = "local"
+    name: ClassVar[str] = "local"
+    config_type = LocalBackendConfig
+    handle_type = LocalRunHandle
+    STATES: ClassVar[dict[str, ReplicaState]] = {
+        "not-started": ReplicaState.PENDING,  # the launch is still starting earlier replicas
+        "starting": ReplicaState.PENDING,  # supervisor up, replica not yet
+        "running": ReplicaState.RUNNING,
+        "unsupervised": ReplicaState.RUNNING,  # supervisor killed, replica alive in its group
+        "cancel-requested": ReplicaState.CANCELLING,
+        "succeeded": ReplicaState.SUCCEEDED,
+        "failed": ReplicaState.FAILED,
+        "lost": ReplicaState.FAILED,  # supervisor killed, nothing left, no exit code
+        "cancelled": ReplicaState.CANCELLED,
+        "never-started": ReplicaState.CANCELLED,  # the launch was interrupted before this replica
+        "elsewhere": ReplicaState.UNKNOWN,  # launched on another host
+        "files-gone": ReplicaState.UNKNOWN,  # ended, and its log directory was deleted since
+    }
 
-    def __init__(self, log_root: str | None = None, grace_period_s: float = 10.0, python: str | None = None) -> None:
-        if grace_period_s < 0:
-            raise ValueError("grace_period_s must be >= 0")
-        self.log_root = log_root
-        self.grace_period_s = grace_period_s
-        self.python = python or sys.executable
+    def __init__(self, config: LocalBackendConfig | None = None) -> None:
+        super().__init__(config or LocalBackendConfig())
+        self.python = self.config.python or sys.executable
         self._procs: dict[int, subprocess.Popen[bytes]] = {}  # supervisors this object started (to reap them)
+        self._capacity_checked: set[str] = set()  # run ids whose capacity a caller checked before submitting
 
     # ------------------------------------------------------------------ planning (pure)
+    def run_dir(self, run_id: str) -> str:
+        """``<log_root>/<run_id>``: logs, exit records and the handle of one run."""
+        root = self.config.log_root
+        if root is None:
+            from diloco.runs import runs_dir
+
+            root = str(runs_dir())
+        return os.path.join(os.path.abspath(root), run_id)
+
     def log_dir(self, run_id: str, rank: int) -> str:
-        """Where replica ``rank``'s logs and exit record live: ``<log_root>/<run_id>/logs/rank_<r>``."""
-        root = self.log_root or _default_log_root()
-        return os.path.join(os.path.abspath(root), run_id, "logs", f"rank_{rank}")
+        """Where replica ``rank``'s logs and exit record live: ``<run_dir>/logs/rank_<r>``."""
+        return os.path.join(self.run_dir(run_id), "logs", f"rank_{rank}")
 
     def plan(self, spec: LaunchSpec) -> LaunchPlan:
         """The exact argv, added environment, cwd and log dir of every replica. Creates nothing."""
-        argv = [self.python, "-m", spec.entrypoint, *spec.entrypoint_args.to_argv()]
         added: dict[str, str] = {"PYTHONUNBUFFERED": "1"}
         if "OMP_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in spec.env:
-            added["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // spec.n_replicas))
+            added["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // spec.replicas))
         cwd = os.getcwd()
-        replicas = [
-            ReplicaRequest(rank=rank, request={
-                "argv": list(argv),
-                "env": {**added, **spec.replica_env(rank)},
-                "cwd": cwd,
-                "log_dir": self.log_dir(spec.run_id, rank),
-                "timeout_s": spec.timeout_s,
-            })
-            for rank in range(spec.n_replicas)
+        requests = [
+            {"rank": rank, "argv": spec.argv(self.python), "env": {**added, **spec.replica_env(rank)}, "cwd": cwd,
+             "log_dir": self.log_dir(spec.run_id, rank), "timeout_s": spec.timeout_s}
+            for rank in range(spec.replicas)
         ]
-        return LaunchPlan(backend=self.name, spec=spec, replicas=replicas)
+        return LaunchPlan(backend=self.name, spec=spec, requests=requests)
+
+    # ------------------------------------------------------------------ capacity
+    def check_capacity(self, spec: LaunchSpec, force: bool = False) -> CapacityEstimate:
+        """Whether this machine can hold ``spec``'s replicas; ``ConfigError`` (one line, the numbers and the fix)
+        if not, unless ``force`` or ``backend.oversubscribe``. Reads the machine, never changes it: call it before
+        anything of the run is created (``diloco launch`` does, not ``--dry-run``: a plan is for any machine)."""
+        estimate = estimate_capacity(spec, self.config.memory_per_replica_mb)
+        if estimate.problem is not None and not (force or self.config.oversubscribe):
+            raise ConfigError(estimate.problem, hint=estimate.fix)
+        self._capacity_checked.add(spec.run_id)
+        return estimate
+
+    def preflight(self, spec: LaunchSpec, *, force: bool = False) -> None:
+        """The launch-time check of the backend contract: for local processes, the machine's capacity."""
+        self.check_capacity(spec, force=force)
 
     # ------------------------------------------------------------------ submitting
-    def submit(self, plan: LaunchPlan) -> list[ReplicaHandle]:
-        """Start every replica; if replica k cannot be started, stop 0..k-1 and raise ``BackendError``."""
-        handles: list[ReplicaHandle] = []
-        for replica in plan.replicas:
+    def submit(self, plan: LaunchPlan,
+               on_progress: Callable[[LocalRunHandle], None] | None = None) -> LocalRunHandle:
+        """Start every replica, reporting the handle before the first and after each; if one cannot be started
+        (or Ctrl-C, SIGTERM or SIGHUP arrives, or a ``cancel`` from another process), stop those already started
+        and raise. A caller that did not check the capacity first gets it checked here, before any process."""
+        spec = plan.spec
+        if spec.run_id not in self._capacity_checked:
+            self.check_capacity(spec)
+        me = proc_stat(os.getpid())
+        handle = LocalRunHandle(backend=self.name, run_id=spec.run_id, replicas=spec.replicas,
+                                host=socket.gethostname(), run_dir=self.run_dir(spec.run_id),
+                                launcher_pid=os.getpid(), launcher_start_time=me.start_time if me else None)
+        with terminate_as_interrupt():  # `kill <launcher>` rolls back like Ctrl-C instead of orphaning replicas
             try:
-                handles.append(self._spawn(plan.spec.run_id, replica))
-            except BaseException as exc:  # an OSError, or Ctrl-C mid-submit: no replica is left orphaned
-                self.cancel_many(handles)
-                if not isinstance(exc, OSError):
-                    raise
-                raise BackendError(
-                    f"could not start local replica {replica.rank}: {type(exc).__name__}: {exc}",
-                    hint="the replicas already started were stopped; fix the cause and launch again",
-                ) from exc
-        return handles
+                os.makedirs(handle.run_dir, exist_ok=True)
+                self._progress(handle, on_progress)  # findable before its first replica exists
+                for request in plan.requests:
+                    if os.path.exists(os.path.join(handle.run_dir, RUN_CANCEL_MARKER)):
+                        raise BackendError(f"run {spec.run_id} was cancelled while it was being launched")
+                    with signals_deferred():  # a replica started is a replica recorded, Ctrl-C or not
+                        handle.processes.append(self._spawn(request))
+                    self._progress(handle, on_progress)
+                handle.complete = True
+                self._progress(handle, on_progress)
+            except BaseException as exc:  # an OSError, a cancel, or a signal mid-submit: no replica is orphaned
+                self._roll_back(handle)
+                if isinstance(exc, OSError):
+                    rank = len(handle.processes)
+                    raise BackendError(
+                        f"could not start local replica {rank}: {type(exc).__name__}: {exc}",
+                        hint="the replicas already started were stopped; fix the cause and launch again",
+                    ) from exc
+                raise
+        return handle
 
-    def _spawn(self, run_id: str, replica: ReplicaRequest) -> ReplicaHandle:
-        req = replica.request
-        log_dir = req["log_dir"]
+    def _progress(self, handle: LocalRunHandle, on_progress: Callable[[LocalRunHandle], None] | None) -> None:
+        write_json_atomic(os.path.join(handle.run_dir, HANDLE_FILE), handle.model_dump(mode="json"))
+        if on_progress is not None:
+            on_progress(handle)
+
+    def _roll_back(self, handle: LocalRunHandle) -> None:
+        """Stop what a failed launch started, and wait (bounded) until it is gone.
+
+        Signals are held meanwhile, so a second Ctrl-C cannot cut the stop in two; it only hurries it: the wait
+        for a clean stop ends and everything left is killed at once. The held signal is acted on afterwards."""
+        with signals_deferred() as hurry:
+            if handle.processes:
+                self.cancel(handle)
+                deadline = time.monotonic() + self.config.grace_period_s + 5.0
+                while time.monotonic() < deadline and not hurry():
+                    groups = live_process_groups()
+                    if not any(self._alive(p, groups) for p in handle.processes):
+                        break
+                    time.sleep(0.05)
+            self._kill_everything(handle)
+
+    def _kill_everything(self, handle: LocalRunHandle) -> None:
+        """SIGKILL what is left of a run: its replicas' groups, then any process still carrying its run id (a
+        replica's child that left the group). Never this process or its own group."""
+        groups = live_process_groups()
+        for p in handle.processes:
+            if self._alive(p, groups):
+                self._signal_group(p, signal.SIGKILL)
+        for pid in processes_with_env(envvars.RUN_ID, handle.run_id):
+            st = proc_stat(pid)
+            if pid != os.getpid() and st is not None and st.pgrp != os.getpgrp():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+    def _spawn(self, request: dict[str, Any]) -> LocalProcess:
+        log_dir = request["log_dir"]
         os.makedirs(log_dir, exist_ok=True)
-        cmd = [sys.executable, "-m", SUPERVISOR_MODULE, "--log-dir", log_dir, "--grace", f"{self.grace_period_s:g}"]
-        if req.get("timeout_s") is not None:
-            cmd += ["--timeout", f"{req['timeout_s']:g}"]
-        cmd += ["--", *req["argv"]]
+        cmd = [sys.executable, "-m", SUPERVISOR_MODULE, "--log-dir", log_dir,
+               "--grace", f"{self.config.grace_period_s:g}"]
+        if request.get("timeout_s") is not None:
+            cmd += ["--timeout", f"{request['timeout_s']:g}"]
+        cmd += ["--", *request["argv"]]
         with open(os.path.join(log_dir, SUPERVISOR_LOG), "ab") as sup_log:
             proc = subprocess.Popen(
-                cmd, cwd=req["cwd"], env={**os.environ, **req["env"]}, stdin=subprocess.DEVNULL,
+                cmd, cwd=request["cwd"], env={**os.environ, **request["env"]}, stdin=subprocess.DEVNULL,
                 stdout=sup_log, stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
             )
         self._procs[proc.pid] = proc
         st = proc_stat(proc.pid)
-        return ReplicaHandle(
-            backend=self.name, run_id=run_id, rank=replica.rank, job_id=str(proc.pid),
-            data={"pid": proc.pid, "start_time": st.start_time if st else None, "log_dir": log_dir,
-                  "host": socket.gethostname(), "launched_at": time.time()},
-        )
+        return LocalProcess(rank=request["rank"], pid=proc.pid, start_time=st.start_time if st else None,
+                            log_dir=log_dir, launched_at=time.time())
 
     # ------------------------------------------------------------------ state
     def _reap(self, pid: int) -> None:
@@ -143,138 +300,206 @@ class LocalProcessExecutor:
         if proc is not None and proc.poll() is not None:
             self._procs.pop(pid, None)
 
-    def _is_ours(self, handle: ReplicaHandle) -> bool | None:
-        """Whether the handle's pid is still *our* supervisor: True/False, or None if it no longer exists."""
-        pid, start = handle.data["pid"], handle.data.get("start_time")
-        self._reap(pid)
-        st = proc_stat(pid)
+    def _is_ours(self, p: LocalProcess) -> bool | None:
+        """Whether the pid is still *our* supervisor: True/False, or None if it no longer exists."""
+        self._reap(p.pid)
+        st = proc_stat(p.pid)
         if st is None:
             if has_procfs():
                 return None
             try:  # no /proc (macOS): best effort, no pid-reuse check
-                os.kill(pid, 0)
+                os.kill(p.pid, 0)
             except (ProcessLookupError, PermissionError):
                 return None
             return True
-        if start is not None and st.start_time != start:
+        if p.start_time is not None and st.start_time != p.start_time:
             return False  # the pid was recycled by an unrelated process
         return None if st.state == "Z" else True
 
-    def poll(self, handle: ReplicaHandle) -> ReplicaStatus:
-        """The replica's state, read from ``exit.json`` and the supervisor's liveness (works from any process)."""
-        d = handle.data
-        if d.get("host") and d["host"] != socket.gethostname():
-            return ReplicaStatus(rank=handle.rank, state=RunState.UNKNOWN, job_id=handle.job_id,
-                                 reason=f"launched on host {d['host']}; run diloco there to see it")
-        log_dir = d["log_dir"]
-        cancel_requested = os.path.exists(os.path.join(log_dir, CANCEL_MARKER))
-        child = read_json(os.path.join(log_dir, CHILD_FILE)) or {}
+    def _alive(self, p: LocalProcess, groups: dict[int, list[int]] | None = None) -> bool:
+        """Anything of the replica's process group still alive (the supervisor, or what it left behind).
+        ``groups`` is one ``live_process_groups()`` pass shared by many replicas."""
+        if self._is_ours(p) is False:
+            return False  # recycled pid: the kernel never reuses a pid that is still a live group id
+        return bool(groups.get(p.pid)) if groups is not None else bool(group_members(p.pid))
+
+    def _launcher_alive(self, handle: LocalRunHandle) -> bool:
+        """Whether the process that submitted the run is still there (so it may still start replicas)."""
+        st = proc_stat(handle.launcher_pid)
+        if st is None:
+            return not has_procfs() and _pid_alive(handle.launcher_pid)
+        if st.state == "Z":
+            return False
+        return handle.launcher_start_time is None or st.start_time == handle.launcher_start_time
+
+    def _current(self, handle: LocalRunHandle) -> LocalRunHandle:
+        """The handle as completely as it can be known.
+
+        A caller's copy (the run registry's) can lag the launch's own ``handle.json``, which is written first;
+        and a launcher killed outright may have started a replica it had no time to record anywhere. Once such
+        a launcher is gone, its replicas are found by the run id in their environment and adopted (and written
+        to ``handle.json``), so ``describe`` shows them and ``cancel`` stops them."""
+        if handle.host != socket.gethostname():
+            return handle
+        data = read_json(os.path.join(handle.run_dir, HANDLE_FILE))
+        if data:
+            try:
+                latest = self.load_handle(data)
+            except ValueError:
+                latest = handle
+            if latest.run_id == handle.run_id and (len(latest.processes) > len(handle.processes)
+                                                   or (latest.complete and not handle.complete)):
+                handle = latest
+        if handle.complete or self._launcher_alive(handle):
+            return handle
+        strays = self._strays(handle)
+        if strays:
+            processes = sorted([*handle.processes, *strays], key=lambda p: p.rank)
+            handle = handle.model_copy(update={"processes": processes})
+            try:
+                write_json_atomic(os.path.join(handle.run_dir, HANDLE_FILE), handle.model_dump(mode="json"))
+            except OSError:
+                pass  # adopted for this call all the same
+        return handle
+
+    def _strays(self, handle: LocalRunHandle) -> list[LocalProcess]:
+        """Replicas of ``handle``'s run that it does not list: one per process group carrying the run id."""
+        known_groups = {p.pid for p in handle.processes}
+        known_ranks = {p.rank for p in handle.processes}
+        found: list[LocalProcess] = []
+        for pid, env in sorted(processes_with_env(envvars.RUN_ID, handle.run_id).items()):
+            st = proc_stat(pid)
+            try:
+                rank = int(env.get(envvars.REPLICA_RANK, ""))
+            except ValueError:
+                continue
+            if st is None or st.pgrp in known_groups or st.pgrp == os.getpgrp() or rank in known_ranks \
+                    or not 0 <= rank < handle.replicas:
+                continue
+            leader = proc_stat(st.pgrp)  # the supervisor, which leads the group (gone if it was killed)
+            args = command_line(st.pgrp)
+            log_dir = args[args.index("--log-dir") + 1] if "--log-dir" in args[:-1] else \
+                self.log_dir(handle.run_id, rank)
+            found.append(LocalProcess(rank=rank, pid=st.pgrp, start_time=leader.start_time if leader else None,
+                                      log_dir=log_dir, launched_at=time.time()))
+            known_groups.add(st.pgrp)
+            known_ranks.add(rank)
+        return found
+
+    def describe(self, handle: LocalRunHandle) -> RunStatus:
+        """Every replica's state, from its ``exit.json`` and its supervisor's liveness (works from any process)."""
+        handle = self._current(handle)
+        return RunStatus(run_id=handle.run_id,
+                         replicas=[self._replica_status(handle, rank) for rank in range(handle.replicas)])
+
+    def _status(self, rank: int, native: str, job_id: str = "", **fields: Any) -> ReplicaStatus:
+        return ReplicaStatus(rank=rank, state=self.map_state(native), job_id=job_id, **fields)
+
+    def _replica_status(self, handle: LocalRunHandle, rank: int) -> ReplicaStatus:
+        if handle.host != socket.gethostname():
+            return self._status(rank, "elsewhere", reason=f"launched on host {handle.host}; run diloco there")
+        p = handle.process(rank)
+        if p is None:
+            stopped = os.path.exists(os.path.join(handle.run_dir, RUN_CANCEL_MARKER))  # the launch starts no more
+            if handle.complete or stopped or not self._launcher_alive(handle):
+                return self._status(rank, "never-started", reason="never started: its launch was interrupted")
+            return self._status(rank, "not-started", detail="waiting for the launch to start it")
+        job_id = str(p.pid)
+        cancel_requested = os.path.exists(os.path.join(p.log_dir, CANCEL_MARKER))
+        child = read_json(os.path.join(p.log_dir, CHILD_FILE)) or {}
         started = child.get("started_at")
-        exit_rec = read_json(os.path.join(log_dir, EXIT_FILE))
-        if exit_rec is None and self._is_ours(handle):
-            state = RunState.CANCELLING if cancel_requested else (RunState.RUNNING if child else RunState.PENDING)
-            return ReplicaStatus(rank=handle.rank, state=state, job_id=handle.job_id, started_at=started,
-                                 secondary=f"pid {d['pid']}")
+        exit_rec = read_json(os.path.join(p.log_dir, EXIT_FILE))
+        if self._is_ours(p):
+            # No exit record yet, or the supervisor wrote it and has not quite exited: a replica is terminal only
+            # once its supervisor is gone (it kills the rest of the group first), so a caller that waited for it
+            # finds no process left.
+            native = "cancel-requested" if cancel_requested else ("running" if child else "starting")
+            return self._status(rank, native, job_id, started_at=started, detail=f"pid {p.pid}")
         if exit_rec is None:  # it may have finished between the two reads
-            exit_rec = read_json(os.path.join(log_dir, EXIT_FILE))
-        if exit_rec is None and self._orphans(handle):
+            exit_rec = read_json(os.path.join(p.log_dir, EXIT_FILE))
+        if exit_rec is None and self._is_ours(p) is None and self._alive(p):
             # The supervisor was killed (kill -9, OOM killer) but the replica lives on in its process group:
             # still running, and still ours to stop (cancel signals the group).
-            return ReplicaStatus(
-                rank=handle.rank, state=RunState.CANCELLING if cancel_requested else RunState.RUNNING,
-                job_id=handle.job_id, started_at=started, secondary="unsupervised",
-                reason=f"its supervisor (pid {d['pid']}) was killed; the replica runs on unsupervised, its output "
-                       f"is no longer logged and its exit code will not be recorded",
-            )
+            return self._status(
+                rank, "cancel-requested" if cancel_requested else "unsupervised", job_id, started_at=started,
+                detail="unsupervised",
+                reason=f"its supervisor (pid {p.pid}) was killed; the replica runs on unsupervised, its output "
+                       f"is no longer logged and its exit code will not be recorded")
+        if exit_rec is None and not os.path.isdir(p.log_dir):
+            return self._status(rank, "files-gone", job_id, started_at=started,
+                                reason=f"its run files are gone ({p.log_dir} was deleted): how it ended is no "
+                                       f"longer known here")
         if exit_rec is None:
             if cancel_requested:
-                return ReplicaStatus(rank=handle.rank, state=RunState.CANCELLED, job_id=handle.job_id,
-                                     reason="cancelled (no exit code was recorded)", started_at=started)
-            return ReplicaStatus(
-                rank=handle.rank, state=RunState.FAILED, job_id=handle.job_id, started_at=started,
-                reason=f"ended without recording an exit code: its supervisor (pid {d['pid']}) was killed "
-                       f"(kill -9, the OOM killer, a reboot?); see {os.path.join(log_dir, SUPERVISOR_LOG)}",
-            )
+                return self._status(rank, "cancelled", job_id, reason="cancelled (no exit code was recorded)",
+                                    started_at=started)
+            return self._status(
+                rank, "lost", job_id, started_at=started,
+                reason=f"ended without recording an exit code: its supervisor (pid {p.pid}) was killed "
+                       f"(kill -9, the OOM killer, a reboot?); see {os.path.join(p.log_dir, SUPERVISOR_LOG)}")
         code = int(exit_rec.get("exit_code", 1))
         reason = exit_rec.get("reason")
         if code == 0:
-            state = RunState.SUCCEEDED
+            native = "succeeded"
         elif cancel_requested:
-            state, reason = RunState.CANCELLED, f"cancelled ({reason})"
+            native, reason = "cancelled", f"cancelled ({reason})"
         else:
-            state = RunState.FAILED
-        return ReplicaStatus(rank=handle.rank, state=state, job_id=handle.job_id, reason=reason, exit_code=code,
-                             timed_out=bool(exit_rec.get("timed_out")),
-                             started_at=exit_rec.get("started_at", started), ended_at=exit_rec.get("ended_at"))
+            native = "failed"
+        return self._status(rank, native, job_id, reason=reason, exit_code=code,
+                            timed_out=bool(exit_rec.get("timed_out")),
+                            started_at=exit_rec.get("started_at", started), ended_at=exit_rec.get("ended_at"))
 
     # ------------------------------------------------------------------ cancelling
-    def _signal_group(self, handle: ReplicaHandle, sig: int) -> bool:
+    def _signal_group(self, p: LocalProcess, sig: int) -> bool:
         """Signal the replica's process group unless its leader pid now belongs to someone else."""
-        if self._is_ours(handle) is False:
-            return False  # recycled pid: the kernel never reuses a pid that is still a live group id
+        if self._is_ours(p) is False:
+            return False
         try:
-            os.killpg(handle.data["pid"], sig)
+            os.killpg(p.pid, sig)
         except (ProcessLookupError, PermissionError):
             return False
         return True
 
-    def _terminate(self, handle: ReplicaHandle) -> None:
-        """One SIGTERM for the replica: to its supervisor, which forwards it (a group-wide SIGTERM would reach
-        the replica twice, and a second one can cut its clean shutdown short); to the whole group only when the
-        supervisor is gone. Whatever survives the grace period gets the group-wide SIGKILL."""
-        if self._is_ours(handle):
-            try:
-                os.kill(handle.data["pid"], signal.SIGTERM)
+    def cancel(self, handle: LocalRunHandle, ranks: Sequence[int] | None = None) -> None:
+        """Ask the (given) replicas to stop and return at once; idempotent.
+
+        The first request SIGTERMs each supervisor, which forwards it to its replica and SIGKILLs the replica's
+        group after ``grace_period_s`` on its own. A repeated request, or a replica whose supervisor is gone, gets
+        the group-wide signal directly (SIGKILL when it was already asked once). A launch still in progress stops
+        starting replicas (``cancel_requested`` in the run directory). Ctrl-C while it asks is acted on once every
+        replica has been asked: a cancel cut in half would leave the rest running with nobody to escalate.
+        """
+        handle = self._current(handle)  # also the replicas a killed launch had no time to record
+        with signals_deferred():
+            if ranks is None:
+                _touch(os.path.join(handle.run_dir, RUN_CANCEL_MARKER))
+            groups = live_process_groups()
+            for p in handle.processes:
+                if (ranks is None or p.rank in ranks) and self._alive(p, groups):
+                    self._ask_to_stop(p)
+
+    def _ask_to_stop(self, p: LocalProcess) -> None:
+        """SIGTERM through the supervisor the first time, SIGKILL to the whole group the next."""
+        marker = os.path.join(p.log_dir, CANCEL_MARKER)
+        again = os.path.exists(marker)
+        if not again and not os.path.exists(os.path.join(p.log_dir, EXIT_FILE)):
+            _touch(marker)
+        if again:
+            self._signal_group(p, signal.SIGKILL)
+        elif self._is_ours(p):
+            try:  # one SIGTERM, through the supervisor (a group-wide one would reach the replica twice)
+                os.kill(p.pid, signal.SIGTERM)
             except (ProcessLookupError, PermissionError):
                 pass
         else:
-            self._signal_group(handle, signal.SIGTERM)
-
-    def _alive(self, handle: ReplicaHandle) -> bool:
-        """Anything of the replica's process group still alive (the supervisor, or what it left behind)."""
-        if self._is_ours(handle) is False:
-            return False  # recycled pid: the kernel never reuses a pid that is still a live group id
-        return bool(group_members(handle.data["pid"]))
-
-    def _orphans(self, handle: ReplicaHandle) -> bool:
-        """Whether the supervisor is gone but processes of its group (the replica) are still alive."""
-        return self._is_ours(handle) is None and self._alive(handle)
-
-    def cancel(self, handle: ReplicaHandle) -> None:
-        """SIGTERM the replica (see ``_terminate``), SIGKILL its process group after ``grace_period_s``. Idempotent."""
-        self.cancel_many([handle])
-
-    def cancel_many(self, handles: Iterable[ReplicaHandle]) -> None:
-        """``cancel`` for several replicas, sharing one grace period instead of one each."""
-        handles = list(handles)
-        live = []
-        for h in handles:
-            if self._alive(h):
-                if not self._finished(h):
-                    _touch(os.path.join(h.data["log_dir"], CANCEL_MARKER))
-                self._terminate(h)
-                live.append(h)
-        deadline = time.monotonic() + self.grace_period_s
-        while live and time.monotonic() < deadline:
-            time.sleep(0.05)
-            live = [h for h in live if self._alive(h)]
-        for h in live:
-            self._signal_group(h, signal.SIGKILL)
-        deadline = time.monotonic() + 5.0
-        while live and time.monotonic() < deadline:
-            time.sleep(0.05)
-            live = [h for h in live if self._alive(h)]
-        if live:
-            raise BackendError(f"local replica(s) {[h.rank for h in live]} survived SIGKILL")
-
-    @staticmethod
-    def _finished(handle: ReplicaHandle) -> bool:
-        return os.path.exists(os.path.join(handle.data["log_dir"], EXIT_FILE))
+            self._signal_group(p, signal.SIGTERM)
 
     # ------------------------------------------------------------------ logs
-    def log_records(self, handle: ReplicaHandle, follow: bool = False) -> Iterator[LogRecord]:
+    def replica_logs(self, handle: LocalRunHandle, rank: int, *, follow: bool = False,
+                     since: float | None = None) -> Iterator[LogRecord]:
         """The replica's output lines with the time each was written; ``follow`` waits for more until it ends."""
-        path = os.path.join(handle.data["log_dir"], COMBINED_LOG)
+        p = handle.process(rank) or self._current(handle).process(rank)
+        path = os.path.join(p.log_dir if p else self.log_dir(handle.run_id, rank), COMBINED_LOG)
         buf = b""
         offset = 0
         while True:
@@ -290,24 +515,25 @@ class LocalProcessExecutor:
             *lines, buf = buf.split(b"\n")
             for raw in lines:
                 parsed = parse_combined_line(raw.decode(errors="replace"))
-                if parsed is not None:
-                    yield LogRecord(parsed[0], handle.rank, parsed[1], parsed[2])
+                if parsed is not None and (since is None or parsed[0] >= since):
+                    yield LogRecord(parsed[0], rank, parsed[1], parsed[2])
             if not follow:
                 return
             if not chunk:
-                if self.poll(handle).state.is_terminal:
+                if p is None:
+                    handle = self._current(handle)
+                    p = handle.process(rank)
+                if self._replica_status(handle, rank).state.is_terminal:
                     follow = False  # one more read: the last lines may have landed after the previous one
                     continue
                 time.sleep(0.2)
 
-    def stream_logs(self, handle: ReplicaHandle, follow: bool = False) -> Iterator[str]:
-        """The replica's stdout and stderr lines, interleaved as written."""
-        for record in self.log_records(handle, follow=follow):
-            yield record.text
-
-    def stderr_tail(self, handle: ReplicaHandle, n: int = 10) -> list[str]:
+    def failure_tail(self, handle: LocalRunHandle, rank: int, n: int = 10) -> list[str]:
         """The last ``n`` lines the replica wrote to stderr (why it failed, usually)."""
-        path = os.path.join(handle.data["log_dir"], STDERR_LOG)
+        p = handle.process(rank) or self._current(handle).process(rank)
+        if p is None:
+            return []
+        path = os.path.join(p.log_dir, STDERR_LOG)
         try:
             with open(path, "rb") as f:
                 f.seek(max(0, os.path.getsize(path) - 64 * 1024))
@@ -317,6 +543,237 @@ class LocalProcessExecutor:
         lines = [ln for ln in data.decode(errors="replace").splitlines() if ln.strip()]
         return list(deque(lines, maxlen=n))
 
+    # ------------------------------------------------------------------ housekeeping
+    def remove(self, handle: LocalRunHandle, *, dry_run: bool = False) -> list[str]:
+        """The run directory: every replica's logs and exit record, the handle, and the default file:// store."""
+        from diloco.housekeeping import remove_run_files
+
+        return remove_run_files(handle.run_dir, dry_run=dry_run)
+
+    # ------------------------------------------------------------------ discovery
+    def list_runs(self) -> list[RunListing]:
+        """Runs whose handle is under the log root (also launches interrupted before the registry saw them)."""
+        root = os.path.dirname(self.run_dir("x"))
+        out: list[RunListing] = []
+        try:
+            names = sorted(os.listdir(root))
+        except OSError:
+            return []
+        for name in names:
+            data = read_json(os.path.join(root, name, HANDLE_FILE))
+            if not data:
+                continue
+            try:
+                handle = self.load_handle(data)
+            except ValueError:
+                continue
+            created = min((p.launched_at for p in handle.processes), default=None)
+            out.append(RunListing(run_id=handle.run_id, backend=self.name, state=self.describe(handle).state,
+                                  replicas=handle.replicas, created_at=created))
+        return out
+
+    @classmethod
+    def doctor_checks(cls, ctx: DoctorContext) -> list[Check]:
+        return [check_replica_environment(ctx)]
+
+
+def check_replica_environment(ctx: DoctorContext) -> Check:
+    """Local replicas run ``python -m diloco.replica_entrypoint`` with this interpreter: can it import the
+    replica side (torch included), the way a replica will, in a fresh process?"""
+    from diloco.doctor import Check, Status
+
+    name = "replica environment"
+    python = ctx.option("python") or sys.executable
+    code = "import torch, safetensors, diloco.replica_entrypoint, diloco.trainer; print(torch.__version__)"
+    try:
+        out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120,
+                             stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return Check(name=name, status=Status.FAIL, detail=f"cannot run {python}: {exc}",
+                     fix="set backend.python to a working interpreter, or leave it unset to use this one")
+    if out.returncode != 0:
+        last = (out.stderr.strip().splitlines() or [f"exit code {out.returncode}"])[-1]
+        return Check(name=name, status=Status.FAIL, detail=f"{python} cannot import the replica side: {last}",
+                     fix="install diloco into that environment (`make demo` does, or `pip install -e .`)")
+    return Check(name=name, status=Status.PASS,
+                 detail=f"{python}: torch {out.stdout.strip()}, {os.cpu_count()} CPU core(s) to share")
+
+
+# ---------------------------------------------------------------------------------------------- capacity
+#: At most this many replicas per CPU core: beyond it each replica gets so little of a core that a run crawls, and
+#: starting hundreds of Python processes at once can take a machine down before the first round.
+REPLICAS_PER_CORE = 4
+#: The available memory a launch may plan to use; the rest is for the launcher, the store and everything else.
+MEMORY_SHARE = 0.9
+#: One replica of the built-in trainer before its model and data: Python, torch and diloco's replica side
+#: (measured at about 330 MiB RSS on Linux x86-64 with torch 2.x for the default, 120k-parameter model).
+REPLICA_BASE_MIB = 340
+#: One replica's supervisor (standard library only; measured at about 14 MiB).
+SUPERVISOR_MIB = 16
+#: A replica of a trainer diloco cannot size (a user's): a torch process with a small model. Set
+#: ``backend.memory_per_replica_mb`` for a bigger one.
+OTHER_TRAINER_MIB = 512
+_MIB = 1024 * 1024
+_VOCAB = 256  # diloco.model.VOCAB_SIZE (the byte values), not imported here: diloco.model imports torch
+
+
+class MachineCapacity(BaseModel):
+    """What this machine offers a local run: usable CPU cores (affinity and cgroup quota) and available memory
+    (``MemAvailable``, or the cgroup limit's headroom if lower)."""
+
+    cores: int
+    memory_bytes: int
+
+    @property
+    def max_by_cores(self) -> int:
+        return self.cores * REPLICAS_PER_CORE
+
+    def max_by_memory(self, per_replica_bytes: int) -> int:
+        return int(self.memory_bytes * MEMORY_SHARE // max(1, per_replica_bytes))
+
+
+class CapacityEstimate(BaseModel):
+    """A local run against this machine: how many replicas it holds and, if the run needs more, why not."""
+
+    replicas: int
+    per_replica_bytes: int
+    basis: str  # where per_replica_bytes comes from
+    machine: MachineCapacity
+    max_replicas: int
+    problem: str | None = None  # one line with the numbers; None if the run fits
+    fix: str | None = None
+
+
+def estimate_capacity(spec: LaunchSpec, memory_per_replica_mb: int | None = None,
+                      machine: MachineCapacity | None = None) -> CapacityEstimate:
+    """Replicas of ``spec`` against ``machine`` (default: this one, read now)."""
+    machine = machine or machine_capacity()
+    per_replica, basis = replica_memory(spec, memory_per_replica_mb)
+    limit = max(0, min(machine.max_by_cores, machine.max_by_memory(per_replica)))
+    estimate = CapacityEstimate(replicas=spec.replicas, per_replica_bytes=per_replica, basis=basis, machine=machine,
+                                max_replicas=limit)
+    if spec.replicas <= limit:
+        return estimate
+    estimate.problem = (
+        f"replicas: this machine can hold {limit} local replica(s) of this run, not {spec.replicas}: "
+        f"{machine.cores} CPU core(s) take at most {machine.max_by_cores} ({REPLICAS_PER_CORE} per core) and "
+        f"{_size(machine.memory_bytes)} of available memory holds {machine.max_by_memory(per_replica)} at about "
+        f"{_size(per_replica)} each ({basis})")
+    estimate.fix = (f"launch at most {limit} (--replicas {limit})" if limit else "free some memory") + \
+        ", use smaller replicas, or pass --force (or --set backend.oversubscribe=true) to launch anyway"
+    return estimate
+
+
+def replica_memory(spec: LaunchSpec, memory_per_replica_mb: int | None = None) -> tuple[int, str]:
+    """Bytes one replica (with its supervisor) is expected to take, and what the number is based on."""
+    supervisor = SUPERVISOR_MIB * _MIB
+    if memory_per_replica_mb is not None:
+        return memory_per_replica_mb * _MIB + supervisor, "backend.memory_per_replica_mb"
+    if spec.entrypoint_args.trainer == DEFAULT_TRAINER:
+        return builtin_trainer_bytes(spec.entrypoint_args.trainer_kwargs) + supervisor, \
+            "estimated from the built-in trainer's model and data"
+    return OTHER_TRAINER_MIB * _MIB + supervisor, \
+        "a default for trainers diloco cannot size; set backend.memory_per_replica_mb"
+
+
+def builtin_trainer_bytes(trainer_kwargs: dict[str, Any]) -> int:
+    """One built-in trainer replica: the process itself, its model's float32 state and its data, from the same
+    defaults the trainer uses (its signature). An upper-side estimate, not a measurement."""
+    from diloco.trainer import diloco_train
+
+    defaults = {name: p.default for name, p in inspect.signature(diloco_train).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+
+    def knob(name: str) -> int:
+        try:
+            return max(1, int(float(trainer_kwargs.get(name, defaults[name]))))
+        except (TypeError, ValueError):  # a bad value: the trainer check rejects it with its own message
+            return max(1, int(defaults[name]))
+
+    n_layer, n_head, n_embd = knob("n_layer"), knob("n_head"), knob("n_embd")
+    block, batch = knob("block_size"), knob("batch_size")
+    params = n_layer * (12 * n_embd * n_embd + 13 * n_embd) + (_VOCAB + block) * n_embd + 2 * n_embd
+    # weights, gradients, AdamW's two moments, the outer loop's global copy, momentum and running average, the
+    # upload's bytes, and one peer's contribution (bytes and tensors) at a time while averaging
+    state = 4 * params * 10
+    activations = 4 * batch * block * (24 * n_embd * n_layer + 2 * n_head * block * n_layer + 3 * _VOCAB)
+    corpus = 10 * knob("max_corpus_bytes")  # the bytes, a copy, and one int64 per byte as a tensor
+    evals = 16 * knob("eval_batches") * batch * block
+    return REPLICA_BASE_MIB * _MIB + state + activations + corpus + evals
+
+
+def machine_capacity() -> MachineCapacity:
+    """This machine's usable cores and available memory, read now."""
+    return MachineCapacity(cores=_usable_cores(), memory_bytes=_available_memory())
+
+
+def _usable_cores() -> int:
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        cores = os.cpu_count() or 1
+    quota = _cgroup_cpu_quota()
+    return max(1, min(cores, math.ceil(quota))) if quota else max(1, cores)
+
+
+def _cgroup_cpu_quota() -> float | None:
+    """The container's CPU limit in cores (cgroup v2 ``cpu.max`` or v1 CFS quota), if it has one."""
+    text = _read_text("/sys/fs/cgroup/cpu.max")
+    if text:
+        quota, _, period = text.partition(" ")
+        if quota != "max" and period:
+            return int(quota) / int(period)
+        return None
+    quota_us, period_us = _read_text("/sys/fs/cgroup/cpu/cpu.cfs_quota_us"), \
+        _read_text("/sys/fs/cgroup/cpu/cpu.cfs_period_us")
+    if quota_us and period_us and int(quota_us) > 0:
+        return int(quota_us) / int(period_us)
+    return None
+
+
+def _available_memory() -> int:
+    """``MemAvailable`` (what can be used without swapping), capped by a cgroup memory limit's headroom."""
+    available: int | None = None
+    for line in (_read_text("/proc/meminfo") or "").splitlines():
+        if line.startswith("MemAvailable:"):
+            available = int(line.split()[1]) * 1024
+    if available is None:
+        try:
+            available = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):
+            available = 0
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        limit, usage = _read_text(limit_file), _read_text(usage_file)
+        if limit and usage and limit.isdigit() and usage.isdigit() and int(limit) < 1 << 60:
+            available = min(available, max(0, int(limit) - int(usage)))
+            break
+    return available
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _size(n: int) -> str:
+    return f"{n / (1024 * _MIB):.1f} GiB" if n >= 1024 * _MIB else f"{n / _MIB:.0f} MiB"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    st = proc_stat(pid)
+    return st is None or st.state != "Z"
+
 
 def _touch(path: str) -> None:
     try:
@@ -324,3 +781,7 @@ def _touch(path: str) -> None:
             pass
     except OSError:
         pass
+
+
+__all__ = ["CapacityEstimate", "LocalBackend", "LocalBackendConfig", "LocalProcess", "LocalRunHandle",
+           "MachineCapacity", "estimate_capacity", "machine_capacity"]

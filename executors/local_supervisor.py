@@ -7,13 +7,14 @@ reaches both) and:
 * tees the child's stdout and stderr line by line into ``stdout.log``, ``stderr.log`` and ``combined.log``;
   every ``combined.log`` line is ``"<unix time> <out|err> <text>"`` so ``diloco logs`` can merge replicas in
   time order;
-* forwards SIGTERM/SIGINT/SIGHUP to the child and records that it was stopped by a signal;
+* forwards SIGTERM/SIGINT/SIGHUP to the child, records that it was stopped by a signal, and SIGKILLs it if it is
+  still alive ``--grace`` seconds later (so a cancel's escalation does not depend on the CLI that asked);
 * enforces ``--timeout`` (SIGTERM, then SIGKILL after ``--grace`` seconds);
 * when the child ends, kills anything it left behind in the group, then writes ``exit.json`` atomically.
 
 ``exit.json`` is the only place the exit code lives; the CLI's ``status`` reads it from another process. If the
-supervisor itself is SIGKILLed (cancel after the grace period) there is no ``exit.json``, and the executor reads
-that, plus the ``cancel_requested`` marker, as "cancelled".
+supervisor itself is SIGKILLed (a second cancel) there is no ``exit.json``, and the backend reads that, plus the
+``cancel_requested`` marker, as "cancelled".
 
 Standard library only: it must start fast and never import torch.
 """
@@ -87,6 +88,60 @@ def group_members(pgid: int) -> list[int]:
             if st is not None and st.pgrp == pgid and st.state != "Z":
                 members.append(int(name))
     return members
+
+
+def live_process_groups() -> dict[int, list[int]] | None:
+    """Every live (non-zombie) process by process group, ``pgid -> pids``, from one pass over ``/proc``.
+
+    One pass instead of ``group_members`` per group, because a run of many replicas asks about all of its groups
+    at once (a cancel, a rollback). ``None`` without ``/proc`` (callers fall back to ``group_members``)."""
+    if not has_procfs():
+        return None
+    groups: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            st = proc_stat(int(name))
+            if st is not None and st.state != "Z":
+                groups.setdefault(st.pgrp, []).append(int(name))
+    return groups
+
+
+def processes_with_env(name: str, value: str) -> dict[int, dict[str, str]]:
+    """Live processes whose environment has ``name=value``: ``pid -> environment``.
+
+    The last way to find a replica no record names (its launcher was killed between starting it and writing its
+    pid down): every replica and everything it starts inherits ``DILOCO_RUN_ID``. Only this user's processes can
+    be read, which is also all this user could signal. Empty without ``/proc``."""
+    needle = f"{name}={value}".encode()
+    found: dict[int, dict[str, str]] = {}
+    if not has_procfs():
+        return found
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                raw = f.read().split(b"\0")
+        except OSError:
+            continue
+        if needle not in raw:
+            continue
+        st = proc_stat(int(entry))
+        if st is None or st.state == "Z":
+            continue
+        env = dict(item.decode(errors="replace").partition("=")[::2] for item in raw if b"=" in item)
+        found[int(entry)] = env
+    return found
+
+
+def command_line(pid: int) -> list[str]:
+    """``/proc/<pid>/cmdline`` as arguments (empty if the process is gone or unreadable)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return []
+    return [a.decode(errors="replace") for a in raw.split(b"\0")[:-1]]
 
 
 def write_json_atomic(path: str, data: dict[str, Any]) -> None:
@@ -212,20 +267,20 @@ def supervise(log_dir: str, command: list[str], timeout_s: float | None, grace_s
 
         timed_out: float | None = None
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            try:
-                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-                child.wait(timeout=remaining)
-                break
-            except subprocess.TimeoutExpired:
+        kill_at: float | None = None  # SIGKILL the child then: a stop request or the time limit, plus grace
+        while child.poll() is None:
+            now = time.monotonic()
+            if deadline is not None and now >= deadline and timed_out is None:
                 timed_out = timeout_s
                 child.terminate()
-                try:
-                    child.wait(timeout=grace_s)
-                except subprocess.TimeoutExpired:
-                    child.kill()
-                deadline = None
-
+            if kill_at is None and (received or timed_out is not None):
+                kill_at = now + grace_s  # the supervisor owns the escalation: no CLI needs to stay alive for it
+            if kill_at is not None and now >= kill_at:
+                child.kill()
+            try:
+                child.wait(timeout=0.1)
+            except subprocess.TimeoutExpired:
+                pass
         _kill_leftovers()  # so pipes held open by grandchildren reach EOF, and nothing is left behind
         for tee in tees:
             tee.thread.join(timeout=5.0)
@@ -241,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m diloco.executors.local_supervisor")
     parser.add_argument("--log-dir", required=True)
     parser.add_argument("--timeout", type=float, default=None, help="wall-clock limit for the child, seconds")
-    parser.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL on timeout")
+    parser.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL (on a stop request or the timeout)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command to run")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command

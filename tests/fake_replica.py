@@ -1,4 +1,6 @@
-"""A stand-in replica for executor tests: ``python -m fake_replica`` with the entrypoint's arguments.
+"""A stand-in replica for backend tests, and do-nothing trainers for CLI tests.
+
+``python -m fake_replica`` with the entrypoint's arguments is the stand-in replica.
 
 Behaviour comes from ``--trainer-kwargs-json`` (the executor's contract is only "run this module with these
 args and env"): print ``lines`` lines to stdout and one to stderr, optionally spawn a grandchild, optionally
@@ -20,7 +22,7 @@ import time
 def main() -> int:
     argv = sys.argv[1:]
     kwargs = json.loads(argv[argv.index("--trainer-kwargs-json") + 1])
-    rank = int(os.environ["REPLICA_RANK"])
+    rank = int(os.environ.get("REPLICA_RANK") or os.environ["JOB_COMPLETION_INDEX"])
     if kwargs.get("env_out"):
         seen = {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "pid": os.getpid(),
                 "pgid": os.getpgrp()}
@@ -57,3 +59,22 @@ def main() -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# ---------------------------------------------------------------------------------------------- CLI trainers
+# Trainer functions for tests that launch through the real CLI (``--trainer fake_replica:<fn>``, run from the
+# tests directory, which a local replica's ``python -m`` puts on its path): replicas that do nothing but exist.
+
+
+def idle(*, manager: object, rank: int, world_size: int, total_steps: int, sync_every: int,
+         sleep_s: float = 600.0, **_: object) -> None:
+    """Sleep; stops promptly on SIGTERM (the replica entrypoint's own handler)."""
+    time.sleep(sleep_s)
+
+
+def stubborn(*, manager: object, rank: int, world_size: int, total_steps: int, sync_every: int,
+             sleep_s: float = 600.0, **_: object) -> None:
+    """Ignore SIGTERM and sleep: only a SIGKILL stops it (a trainer stuck in native code, in effect)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    print(f"rank {rank} ignores SIGTERM", flush=True)
+    time.sleep(sleep_s)

@@ -6,16 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from diloco.config import (
-    EKSBackendConfig,
-    LocalBackendConfig,
-    RunConfig,
-    SageMakerBackendConfig,
-    merge_sources,
-    resolve_config,
-    validate,
-)
+from diloco.config import RunConfig, merge_sources, resolve_config, validate
 from diloco.errors import ConfigError
+from diloco.executors.kubernetes import KubernetesBackendConfig as EKSBackendConfig
+from diloco.executors.local import LocalBackendConfig
+from diloco.executors.sagemaker import SageMakerBackendConfig
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -70,7 +65,7 @@ def test_backend_flag_switches_kind_and_drops_other_backend_options(tmp_path: Pa
     ({"sets": ["train.bogus=1"]},
      "train.bogus: unknown key (allowed: trainer, steps, sync_every, trainer_kwargs)"),
     ({"sets": ["backend.bogus=1"]},
-     "backend.bogus: unknown key for the local backend (allowed: kind, log_root, grace_period_s, python)"),
+     "backend.bogus: unknown key for the local backend (allowed: log_root, grace_period_s, python"),
     ({"sets": ["store.timeout_s=0"]}, "store.timeout_s: must be > 0 (got 0)"),
     ({"flags": {"train.steps": 30, "train.sync_every": 20}},
      "train.steps: must be a multiple of train.sync_every (20) so the run ends on an outer sync (got 30)"),
@@ -91,8 +86,10 @@ def test_invalid_values_fail_with_one_line_naming_the_field(kwargs: dict, expect
 def test_cloud_backends_need_an_s3_rendezvous_and_their_required_fields() -> None:
     msg = error_of(sets=["backend.kind=sagemaker", "backend.role_arn=arn:x", "backend.image_uri=img"])
     assert msg.startswith("store.rendezvous: required for the sagemaker backend")
-    msg = error_of(flags={"backend": "sagemaker", "store.rendezvous": "s3://b/{run_id}"})
-    assert msg.startswith("backend.role_arn: required for the sagemaker backend")
+    msg = error_of(flags={"backend": "eks", "store.rendezvous": "s3://b/{run_id}"})
+    assert msg.startswith("backend.image: required for the eks backend")
+    # The SageMaker role is checked when the launch is planned (its error lists the account's roles): see
+    # tests/test_sagemaker_e2e.py.
     msg = error_of(sets=["backend.kind=eks", "backend.image=img", "store.rendezvous=file:///tmp/x"])
     assert msg.startswith("store.rendezvous: the eks backend needs an s3:// URI")
 

@@ -8,14 +8,13 @@ from pathlib import Path
 import pytest
 
 from diloco.errors import ConfigError, RunNotFound
-from diloco.executors.base import ReplicaHandle
 from diloco.runs import RunRecord, RunRegistry, default_local_rendezvous, diloco_home, new_run_id
 
 
 def record(run_id: str, created_at: float) -> RunRecord:
     return RunRecord(run_id=run_id, backend="local", created_at=created_at, rendezvous_uri="file:///x",
-                     world_size=2, config={"replicas": 2},
-                     handles=[ReplicaHandle(backend="local", run_id=run_id, rank=0, job_id="1", data={"pid": 1})])
+                     replicas=2, config={"replicas": 2},
+                     handle={"backend": "local", "run_id": run_id, "replicas": 2, "pid": 1})
 
 
 def test_run_ids_sort_by_time_and_are_name_safe() -> None:
@@ -45,7 +44,7 @@ def test_save_load_roundtrip_and_latest(tmp_path: Path) -> None:
     assert reg.resolve("diloco-20240101").run_id == old.run_id  # unique prefix
     assert reg.resolve("bbbb").run_id == new.run_id  # the short suffix `diloco runs` shows, as users type it
     assert reg.resolve("20240101-000000").run_id == old.run_id  # any unique part
-    assert reg.resolve(old.run_id).handles[0].data == {"pid": 1}
+    assert reg.resolve(old.run_id).handle == {"backend": "local", "run_id": old.run_id, "replicas": 2, "pid": 1}
 
 
 def test_unknown_and_ambiguous_runs_point_to_diloco_runs(tmp_path: Path) -> None:

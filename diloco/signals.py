@@ -1,0 +1,115 @@
+"""Signals while a launcher holds half a run: SIGTERM behaves like Ctrl-C, and critical steps are not cut in two.
+
+Why this module exists: a launcher that is starting N replicas is the only process that knows which of them exist
+until it has recorded them. Python turns Ctrl-C into ``KeyboardInterrupt`` (so ``except BaseException`` rolls the
+launch back), but SIGTERM (``kill``, a CI runner's timeout, a closing terminal's SIGHUP) kills the interpreter on
+the spot, without running any clean-up, and leaves the replicas already started running unseen. Two tools:
+
+* ``terminate_as_interrupt()``: while the block runs, SIGTERM and SIGHUP raise ``KeyboardInterrupt`` in the main
+  thread, so the one Ctrl-C path (roll back, exit 130) also serves them. A signal the process ignores (``nohup``)
+  stays ignored.
+* ``signals_deferred()``: while the block runs, SIGINT, SIGTERM and SIGHUP are held instead of acted on, so a step
+  such as "start a process and record its pid" or "stop what was started" is never interrupted half-way; the block
+  can ask whether one arrived (to hurry up), and on exit the first held signal is handed to the handler that was in
+  place, exactly as if it had arrived then.
+
+Both only act in the main thread (Python runs signal handlers there and nowhere else); elsewhere they do nothing.
+Standard library only: the CLI imports this while it launches.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import FrameType
+from typing import Any
+
+__all__ = ["Terminated", "signals_deferred", "terminate_as_interrupt"]
+
+#: The signals that stop a launcher by default and that a launcher therefore turns into its rollback.
+TERMINATING: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGHUP)
+#: What ``signals_deferred`` holds by default: Ctrl-C and the terminating signals.
+STOPPING: tuple[signal.Signals, ...] = (signal.SIGINT, *TERMINATING)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised where Ctrl-C's ``KeyboardInterrupt`` would be, so one rollback path serves all.
+
+    A subclass (not a new base) on purpose: every ``except KeyboardInterrupt`` already written handles it."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(f"{signal.Signals(signum).name} received")
+
+
+def _in_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+def _raise_terminated(signum: int, _frame: FrameType | None) -> None:
+    raise Terminated(signum)
+
+
+@contextmanager
+def terminate_as_interrupt(signals: tuple[signal.Signals, ...] = TERMINATING) -> Iterator[None]:
+    """Within the block, ``signals`` (SIGTERM, SIGHUP) raise ``Terminated`` (a ``KeyboardInterrupt``).
+
+    The previous handlers come back when the block ends, however it ends. Ignored signals stay ignored.
+    """
+    if not _in_main_thread():
+        yield
+        return
+    previous = {sig: signal.getsignal(sig) for sig in signals}
+    for sig, handler in previous.items():
+        if handler is not signal.SIG_IGN:
+            signal.signal(sig, _raise_terminated)
+    try:
+        yield
+    finally:
+        _restore(previous)
+
+
+@contextmanager
+def signals_deferred(signals: tuple[signal.Signals, ...] = STOPPING) -> Iterator[Callable[[], bool]]:
+    """Hold ``signals`` for the duration of the block; yields ``arrived()``, true once one has been held.
+
+    On exit the previous handlers are restored and the first held signal is delivered to its previous handler
+    (Ctrl-C's ``KeyboardInterrupt``, ``Terminated`` inside ``terminate_as_interrupt``, or the default action,
+    which for SIGTERM ends the process: later than asked, but only once the critical step is complete).
+    """
+    if not _in_main_thread():
+        yield lambda: False
+        return
+    held: list[int] = []
+
+    def hold(signum: int, _frame: FrameType | None) -> None:
+        held.append(signum)
+
+    previous = {sig: signal.getsignal(sig) for sig in signals}
+    for sig, handler in previous.items():
+        if handler is not signal.SIG_IGN:
+            signal.signal(sig, hold)
+    try:
+        yield lambda: bool(held)
+    finally:
+        _restore(previous)
+        if held:
+            _deliver(held[0], previous[signal.Signals(held[0])])
+
+
+def _restore(previous: dict[signal.Signals, Any]) -> None:
+    for sig, handler in previous.items():
+        # ``None`` means a handler installed from C that Python cannot reinstall; the default is the safe choice.
+        signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+
+
+def _deliver(signum: int, handler: Any) -> None:
+    """Act on a held signal as its previous handler would have when it arrived."""
+    if handler is signal.SIG_IGN:
+        return
+    if callable(handler):
+        handler(signum, None)
+        return
+    signal.raise_signal(signum)  # SIG_DFL (or unknown): the default action, now that the handler is back
