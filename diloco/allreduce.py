@@ -4,6 +4,10 @@ Replicas never connect to each other. Per round, each rank writes ONE object hol
 ``round_{NNNNNN}/rank_{RRRR}.safetensors`` at the root of the rendezvous URI, then polls until every peer's object
 of that round exists, reads them, and averages.
 
+Round numbering: messages (errors, logs) name rounds from 1, as the metrics and the CLI do ("round 1" is the first
+outer sync); the round index inside this module, in the object keys and in each object's metadata counts from 0, so
+round N lives under ``round_{N-1:06d}/``.
+
 Round semantics (what a caller can rely on):
 
 * **Identical results.** Contributions are accumulated in fp32 (fp64 stays fp64) strictly in rank order 0..N-1
@@ -76,8 +80,15 @@ Tensors = Mapping[str, "torch.Tensor"] | Sequence["torch.Tensor"]
 READ_ATTEMPTS = 3
 
 
+def number(round_index: int) -> int:
+    """The round's number in every message: rounds are numbered from 1 for people (round 1 is the first outer
+    sync, as in the metrics and the CLI's table); ``round_index`` counts from 0 on the wire and in the keys."""
+    return round_index + 1
+
+
 def contribution_key(round_: int, rank: int) -> str:
-    """Where ``rank`` publishes its contribution to ``round_``: ``round_000042/rank_0003.safetensors``."""
+    """Where ``rank`` publishes its contribution to the round of zero-based index ``round_`` (round
+    ``round_ + 1`` in messages): ``round_000042/rank_0003.safetensors``."""
     return f"round_{round_:06d}/rank_{rank:04d}.safetensors"
 
 
@@ -264,8 +275,8 @@ class ObjectStoreAllReduce:
         self._check_usable()
         if self._pending is not None and not self._pending.is_completed():
             raise RuntimeError(
-                f"all-reduce round {self._pending.round} was never waited for; call wait() on its Work before "
-                f"starting round {self._round}"
+                f"all-reduce round {number(self._pending.round)} was never waited for; call wait() on its Work "
+                f"before starting round {number(self._round)}"
             )
         targets = as_named(tensors)
         # A CPU copy now (a device sync on accelerators), so the caller may keep updating its tensors.
@@ -335,7 +346,7 @@ class ObjectStoreAllReduce:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise AllReduceTimeout(
-                        round_=round_,
+                        round_=number(round_),
                         missing_ranks=self._missing(round_, range(peer, self.world_size)),
                         timeout_s=self.timeout_s,
                         last_error=last_error,
@@ -370,7 +381,7 @@ class ObjectStoreAllReduce:
         self.store.put(contribution_key(round_, self.rank), data)
         with self._stats_lock:
             self._stats.bytes_written += len(data)
-        logger.debug("rank %d published round %d (%d bytes)", self.rank, round_, len(data))
+        logger.debug("rank %d published round %d (%d bytes)", self.rank, number(round_), len(data))
 
     def _complete(self, work: AllReduceWork) -> None:
         """Body of ``Work.wait()``: finish the upload, gather the mean, copy it back, clean up round k-1."""
@@ -382,7 +393,7 @@ class ObjectStoreAllReduce:
                 work._upload.result(timeout=self.timeout_s)  # re-raises the upload's error, if any
             except FutureTimeout:
                 raise StoreError(
-                    f"all-reduce round {work.round}: rank {self.rank}'s own upload to "
+                    f"all-reduce round {number(work.round)}: rank {self.rank}'s own upload to "
                     f"{self.store.url(contribution_key(work.round, self.rank))} did not finish in {self.timeout_s:g}s",
                     hint="check the store's reachability and bandwidth from this replica",
                 ) from None
@@ -417,9 +428,9 @@ class ObjectStoreAllReduce:
             except (CorruptObjectError, ObjectNotFound) as exc:
                 problem = exc
                 logger.warning("round %d: rank %d's contribution is unreadable (attempt %d): %s",
-                               round_, peer, attempt + 1, exc)
+                               number(round_), peer, attempt + 1, exc)
         raise CorruptObjectError(
-            f"all-reduce round {round_}: the contribution of rank {peer} at {self.store.url(key)} is unusable "
+            f"all-reduce round {number(round_)}: the contribution of rank {peer} at {self.store.url(key)} is unusable "
             f"after {READ_ATTEMPTS} reads, so it was not averaged: {problem}",
             hint=f"check rank {peer}'s logs; a replica of another run or version may share this rendezvous URI",
         ) from problem
@@ -455,12 +466,12 @@ def _check_same_layout(
         extra = sorted(set(tensors) - set(reference))
         lacking = sorted(set(reference) - set(tensors))
         raise CorruptObjectError(
-            f"round {round_}: rank {peer} contributed different tensors (extra {extra}, missing {lacking})"
+            f"round {number(round_)}: rank {peer} contributed different tensors (extra {extra}, missing {lacking})"
         )
     for name, t in reference.items():
         got = tensors[name]
         if got.shape != t.shape or got.dtype != t.dtype:
             raise CorruptObjectError(
-                f"round {round_}: rank {peer}'s {name!r} is {got.dtype} {tuple(got.shape)}, "
+                f"round {number(round_)}: rank {peer}'s {name!r} is {got.dtype} {tuple(got.shape)}, "
                 f"expected {t.dtype} {tuple(t.shape)}"
             )

@@ -3,6 +3,14 @@
 Every object that crosses the store carries string metadata: a format tag, the writer's identity (round, rank,
 whatever the caller adds) and a SHA-256 over the tensors' names, dtypes, shapes and raw bytes. ``decode_tensors``
 recomputes it, so a truncated or corrupted object raises ``CorruptObjectError`` instead of being averaged.
+
+Two readers, on purpose:
+
+* ``decode_tensors`` is strict: the object must be ours (format tag and checksum). All-reduce contributions are
+  read with it, because an unverifiable contribution must never be averaged.
+* ``decode`` also accepts plain safetensors (``safetensors.torch.save_file``, ``save_pretrained``: no checksum,
+  perhaps ``format: pt``), which is what a trainer that exports its own final weights writes. Our checksum is
+  still verified whenever it is present, so a corrupted object of ours is a ``CorruptObjectError`` either way.
 """
 
 from __future__ import annotations
@@ -74,6 +82,38 @@ def decode_tensors(
         if meta.get(key) != str(want):
             raise CorruptObjectError(f"{source} has {key}={meta.get(key)!r}, expected {str(want)!r}")
     return tensors, meta
+
+
+def decode(
+    data: bytes, *, expect: Mapping[str, str | int] | None = None, source: str = "object"
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Parse ``data`` written by ``encode_tensors`` *or* by plain safetensors; verify what can be verified.
+
+    Our checksum is checked when the metadata carries one (a mismatch is a ``CorruptObjectError``), and so is
+    every ``expect``-ed metadata value. Plain safetensors (no checksum) are accepted as they are: safetensors
+    itself rejects truncated or malformed bytes, so only a bit flip inside tensor data would go unnoticed.
+    """
+    from safetensors.torch import load
+
+    try:
+        tensors = load(data)
+        meta = _read_metadata(data)
+    except Exception as exc:  # safetensors raises its own error types for malformed bytes
+        raise CorruptObjectError(f"{source} is not a readable safetensors object ({len(data)} bytes): {exc}") from exc
+    if _CHECKSUM_KEY in meta or meta.get(_FORMAT_KEY) == FORMAT:  # ours: the checksum must be there and match
+        digest = tensor_digest(tensors)
+        if meta.get(_CHECKSUM_KEY) != digest:
+            raise CorruptObjectError(
+                f"{source} failed its checksum (stored {meta.get(_CHECKSUM_KEY)}, computed {digest})")
+    for key, want in (expect or {}).items():
+        if meta.get(key) != str(want):
+            raise CorruptObjectError(f"{source} has {key}={meta.get(key)!r}, expected {str(want)!r}")
+    return tensors, meta
+
+
+def has_checksum(metadata: Mapping[str, str]) -> bool:
+    """Whether an object's metadata carries our checksum (so ``decode`` verified its tensors bit for bit)."""
+    return _CHECKSUM_KEY in metadata
 
 
 def _read_metadata(data: bytes) -> dict[str, str]:

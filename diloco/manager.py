@@ -15,6 +15,13 @@ committed rounds. It starts at 0 and advances by exactly one per round, inside `
 returns ``True``, never twice per round (``start_quorum()`` opens a round; repeated ``should_commit()`` calls in
 one round return the same answer). So between ``start_quorum()`` and ``should_commit()`` of round k it reads k: the
 first sync picks fragment ``0 % F``, the next ``1 % F`` and so on, the same on every rank.
+
+Round numbering (the one used in every log line, error, metric and table): rounds are numbered from 1, round N
+being the N-th outer sync; during round N ``current_step()`` reads N - 1, and after it commits, N. Metrics'
+``round`` is ``current_step()``: the number of the last completed round, 0 before the first.
+
+The manager also owns the replica's ``MetricsWriter`` (``manager.metrics``): the outer loop drives it, so every
+trainer's progress and final weights are recorded whether or not the trainer reports anything itself.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from diloco.allreduce import AllReduceStats, AllReduceWork, ObjectStoreAllReduce, Tensors
+from diloco.metrics import DEFAULT_PROGRESS_INTERVAL_S, MetricsWriter
 
 if TYPE_CHECKING:
     import torch
@@ -54,8 +62,18 @@ class ManagedWork:
 class ObjectStoreManager:
     """torchft-style ``Manager`` for a fixed set of replicas meeting through an ``ObjectStoreAllReduce``."""
 
-    def __init__(self, allreduce: ObjectStoreAllReduce) -> None:
+    def __init__(
+        self,
+        allreduce: ObjectStoreAllReduce,
+        *,
+        total_steps: int | None = None,
+        progress_interval_s: float = DEFAULT_PROGRESS_INTERVAL_S,
+    ) -> None:
+        """``total_steps`` (when known) and ``progress_interval_s`` configure the replica's metrics."""
         self._allreduce = allreduce
+        self.metrics = MetricsWriter(allreduce.store, allreduce.rank, total_steps=total_steps,
+                                     stats=lambda: self.stats, rounds=self.current_step,
+                                     progress_interval_s=progress_interval_s)
         self._step = 0
         self._error: BaseException | None = None
         self._round_open = False
@@ -120,7 +138,7 @@ class ObjectStoreManager:
         """Latch ``exc`` for this round (the first one wins); ``should_commit()`` will return ``False``."""
         if self._error is None:
             self._error = exc
-            logger.error("rank %d, step %d: all-reduce failed: %s", self.rank, self._step, exc)
+            logger.error("rank %d: outer round %d failed: %s", self.rank, self._step + 1, exc)
 
     def errored(self) -> BaseException | None:
         """The error latched in the current round, if any."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -166,12 +167,18 @@ def build_model(config: GPTConfig, *, seed: int, device: str | torch.device = "c
     """A freshly initialised model that depends only on ``config`` and ``seed``.
 
     DiLoCo needs every replica to start from the same weights; building them from a common seed avoids a
-    broadcast. The global RNG is left as it was, so what ran before cannot change the weights.
+    broadcast. The global RNG is left as it was, so what ran before cannot change the weights. The lock makes
+    that hold for ranks run as threads of one process too (tests do that): they would otherwise reseed and draw
+    from the one global RNG at the same time and start from different weights.
     """
-    with torch.random.fork_rng(devices=[]):
+    with _GLOBAL_RNG, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = GPT(config)
     return model.to(device)
+
+
+#: Serialises the reseed-and-draw of ``build_model`` across threads.
+_GLOBAL_RNG = threading.Lock()
 
 
 def split_fragments(model: GPT, n: int) -> list[nn.Module]:

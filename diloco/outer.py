@@ -21,6 +21,20 @@ Deviation from torchft, on purpose: the global copy and the outer optimizer (mom
 CPU, whatever the model's dtype and device (torchft keeps them in the parameter dtype); the new global weights are
 cast into each parameter's dtype and device. A bf16 model thus keeps an fp32 master copy across rounds.
 
+What the loop records on its own, for any trainer (through the manager's ``MetricsWriter``, see
+``diloco.metrics``): on entering, an ``init`` row; after every inner step, the step (a progress row at most every
+few seconds); after every round, a ``round`` row; on leaving after training (no exception), the final *global*
+weights to ``final/rank_RRRR.safetensors`` (and ``$SM_MODEL_DIR`` on SageMaker), then a ``final`` row. Losses come
+from the trainer through ``diloco.report(...)``, which goes to this replica while the context is open.
+
+Round numbering: round N is the N-th outer sync (one fragment's all-reduce and outer step), numbered from 1 in
+every log line, error and metric; ``manager.current_step()`` is the number of the last completed round.
+
+The exported weights are the fragments' global weights, each cast to its parameter's dtype on the CPU (bitwise
+identical on every replica), named as in ``model`` when it is given, else as in the single fragment, else
+``"<fragment index>.<name>"``. Buffers are not exported: DiLoCo does not synchronise them, so replicas' buffers
+may legitimately differ.
+
 Failures are loud: a failed all-reduce raises out of ``inner_optimizer.step()`` (see ``diloco.manager``), and
 so does every later ``step()`` of that outer loop: once a sync failed, this replica's rounds no longer line up
 with its peers', so training on without syncing would silently diverge (torchft asserts the same invariant).
@@ -31,6 +45,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Mapping, Sequence
+from contextlib import ExitStack
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -47,7 +62,10 @@ class Work(Protocol):
 
 
 class Manager(Protocol):
-    """What the outer loop needs from a manager (``diloco.manager.ObjectStoreManager`` provides it)."""
+    """What the outer loop needs from a manager (``diloco.manager.ObjectStoreManager`` provides it).
+
+    Optional, used when present: ``metrics`` (a ``diloco.metrics.MetricsWriter``: progress rows and ``report()``),
+    ``store``, ``rank`` and ``world_size`` (the final weights' export), ``report_error``."""
 
     def start_quorum(self) -> None: ...
 
@@ -186,6 +204,8 @@ class DiLoCo:
         sync_every: int = 500,
         fragment_sync_delay: int = 0,
         fragment_update_alpha: float = 0.0,
+        model: nn.Module | None = None,
+        export_metadata: Mapping[str, str | int] | None = None,
     ) -> None:
         from torch import nn
 
@@ -227,18 +247,31 @@ class DiLoCo:
         self.fragment_sync_delay = fragment_sync_delay
         self.fragment_update_alpha = float(fragment_update_alpha)
         self.local_step = 0
+        self.inner_step = 0  # inner optimizer steps taken inside this loop (what the metrics call "step")
         self._fragments = [
             _Fragment(i, m, outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov,
                       alpha=self.fragment_update_alpha)
             for i, m in enumerate(fragments)
         ]
+        if model is not None and not isinstance(model, nn.Module):
+            raise ValueError(f"model must be an nn.Module (the whole model, to name the exported weights), "
+                             f"got {type(model).__name__}")
+        self._export_names = _export_names(self._fragments, model)
+        self.export_metadata = {str(k): str(v) for k, v in (export_metadata or {}).items()}
+        self._metrics = getattr(manager, "metrics", None)  # a MetricsWriter on ObjectStoreManager
         self._preparing: int | None = None  # the fragment whose sync is in flight
         self._failed: BaseException | None = None  # the first error raised by a sync; fatal for this loop
         self._hooks: list[RemovableHandle] = []
+        self._context = ExitStack()
 
     # ---------------------------------------------------------------- context manager
     def __enter__(self) -> DiLoCo:
         self._hooks.append(self.inner_optimizer.register_step_post_hook(self._step_post_hook))
+        if self._metrics is not None:
+            from diloco.metrics import reporting_to
+
+            self._context.enter_context(reporting_to(self._metrics))
+            self._metrics.begin(self.inner_step)
         return self
 
     def __exit__(
@@ -247,10 +280,40 @@ class DiLoCo:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
-        if self._preparing is not None and exc_type is None:
-            logger.warning("leaving DiLoCo with fragment %d's sync in flight; its round is not applied",
-                           self._preparing)
+        try:
+            if exc_type is None and self._failed is None:
+                if self._preparing is not None:
+                    logger.warning("leaving DiLoCo with fragment %d's sync in flight; its round is not applied",
+                                   self._preparing)
+                self._record_the_end()
+        finally:
+            self._context.close()
         return False
+
+    def _record_the_end(self) -> None:
+        """Training ended normally: export the global weights (when the manager has a store), then the
+        ``final`` metrics row. A failed export raises: a run whose model was not saved has not succeeded."""
+        store = getattr(self.manager, "store", None)
+        if store is not None and self._metrics is not None:
+            from diloco.weights import write_final_weights
+
+            key = write_final_weights(store, getattr(self.manager, "rank", 0), self.global_state_dict(), {
+                "rank": getattr(self.manager, "rank", 0), "world_size": getattr(self.manager, "world_size", 1),
+                "step": self.inner_step, "round": self.manager.current_step(), **self.export_metadata,
+            })
+            logger.info("final global weights (round %d, step %d) written to %s", self.manager.current_step(),
+                        self.inner_step, store.url(key))
+        if self._metrics is not None:
+            self._metrics.finish(self.inner_step)
+
+    def global_state_dict(self) -> dict[str, torch.Tensor]:
+        """The global weights, named for export (see the module docstring), each in its parameter's dtype
+        (cast on the CPU, so every replica gets the same bits). Buffers are not included."""
+        out = {}
+        for name, (fragment, param_name) in self._export_names.items():
+            param = fragment.params[param_name]
+            out[name] = fragment.global_params[param_name].to(param.dtype)
+        return out
 
     # ---------------------------------------------------------------- schedule
     @property
@@ -276,19 +339,27 @@ class DiLoCo:
                 f"the DiLoCo outer loop already failed ({type(self._failed).__name__}: {self._failed}); this "
                 "replica is out of step with its peers and cannot keep training: restart it"
             ) from self._failed
+        synced = False
         try:
+            self.inner_step += 1
             self.local_step += 1
             if self.local_step == self.steps_per_fragment - self.fragment_sync_delay:
                 self.prepare_sync()
             if self.local_step == self.steps_per_fragment:
                 self.perform_sync()
                 self.local_step = 0
+                synced = True
         except Exception as exc:
             self._failed = exc
             report = getattr(self.manager, "report_error", None)
             if callable(report):
                 report(exc)
             raise
+        if self._metrics is not None:
+            if synced:
+                self._metrics.on_round(self.inner_step)
+            else:
+                self._metrics.on_step(self.inner_step)
 
     def prepare_sync(self) -> None:
         """Open a round, choose its fragment and launch the all-reduce of that fragment's pseudo-gradient."""
@@ -324,6 +395,7 @@ class DiLoCo:
             )
         state: dict[str, Any] = {
             "local_step": self.local_step,
+            "inner_step": self.inner_step,
             "fragments": [f.state_dict() for f in self._fragments],
         }
         manager_state = getattr(self.manager, "state_dict", None)
@@ -343,6 +415,7 @@ class DiLoCo:
         for fragment, saved in zip(self._fragments, fragments, strict=True):
             fragment.load_state_dict(saved)
         self.local_step = local_step
+        self.inner_step = int(state.get("inner_step", self.inner_step))
         if "manager" in state and callable(getattr(self.manager, "load_state_dict", None)):
             self.manager.load_state_dict(state["manager"])
 
@@ -358,8 +431,14 @@ def make_diloco_outer_loop(
     sync_every: int = 500,
     fragment_sync_delay: int = 0,
     fragment_update_alpha: float = 0.0,
+    model: nn.Module | None = None,
+    export_metadata: Mapping[str, str | int] | None = None,
 ) -> DiLoCo:
     """Build the DiLoCo context manager; use as ``with make_diloco_outer_loop(...): <train as usual>``.
+
+    ``model`` (optional) is the whole model: with several fragments it names the exported final weights as in
+    ``model.named_parameters()``. ``export_metadata`` is added to the final weights' safetensors metadata (the
+    built-in trainer stores its model config there, so the exported file can be rebuilt into a model).
 
     Raises ``ValueError`` naming the argument when a value is out of range (sync_every >= 1 and a multiple of
     the number of fragments; 0 <= fragment_sync_delay < sync_every // fragments; 0 <= fragment_update_alpha <= 1;
@@ -375,4 +454,24 @@ def make_diloco_outer_loop(
         sync_every=sync_every,
         fragment_sync_delay=fragment_sync_delay,
         fragment_update_alpha=fragment_update_alpha,
+        model=model,
+        export_metadata=export_metadata,
     )
+
+
+def _export_names(fragments: Sequence[_Fragment], model: nn.Module | None) -> dict[str, tuple[_Fragment, str]]:
+    """Export name -> (fragment, its parameter name); ``ValueError`` if a fragment's parameter is not ``model``'s."""
+    out: dict[str, tuple[_Fragment, str]] = {}
+    names = {id(p): n for n, p in model.named_parameters()} if model is not None else None
+    for fragment in fragments:
+        for param_name, param in fragment.params.items():
+            if names is not None:
+                if id(param) not in names:
+                    raise ValueError(f"model_fragments[{fragment.index}] has parameter {param_name!r}, which is "
+                                     f"not a parameter of model; pass the model the fragments were split from")
+                out[names[id(param)]] = (fragment, param_name)
+            elif len(fragments) == 1:
+                out[param_name] = (fragment, param_name)
+            else:
+                out[f"{fragment.index}.{param_name}"] = (fragment, param_name)
+    return out

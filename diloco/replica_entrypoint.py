@@ -10,10 +10,21 @@ Where the values come from (an explicit flag always wins over the environment):
 * world size: ``--world-size``, else ``WORLD_SIZE``; rendezvous: ``--rendezvous``, else ``RENDEZVOUS_URI``;
 * trainer: ``--trainer module:fn`` or ``--trainer-module``/``--trainer-fn`` (default ``diloco.trainer:diloco_train``).
 
-Exit codes: 0 success; 1 the training failed (one line ``diloco: error: ...`` on stderr; the traceback too when
-``DILOCO_DEBUG=1``; an all-reduce timeout names the round and the missing ranks); 2 bad arguments or environment
-(one line naming the value and the fix, nothing trained); 143 on SIGTERM and 130 on SIGINT (prompt exit, so a
-backend's stop request does not wait out a poll loop).
+Before anything touches the store, the trainer kwargs are checked against the trainer's signature, its type
+annotations and its preflight hook (``diloco.trainer_check``), with the replica's own machine as the target; values
+are coerced where that is lossless (``"3e-4"`` to ``0.0003`` for a ``float`` parameter).
+
+What it records for every trainer: the manager's ``MetricsWriter`` (``diloco.metrics``) is the target of
+``diloco.report(...)`` for the whole trainer call; it knows ``total_steps`` (from the kwargs, else the trainer's
+default); the outer loop records progress and the final global weights; after the trainer returns, a trainer
+that recorded anything but never left an outer loop gets its ``final`` row here.
+
+Exit codes: 0 success; 1 the training failed (the full traceback of the exception on stderr, then one last line
+``diloco: error: ...``, which is what the CLI quotes; an all-reduce timeout is the one line alone and names the
+round and the missing ranks); 2 bad arguments, environment or trainer kwargs (one line naming the value and the
+fix, nothing trained); 143 on SIGTERM and 130 on SIGINT (prompt exit, so a backend's stop request does not wait
+out a poll loop). Hints name ``diloco launch``'s flags (``--trainer``, ``-k/--trainer-kwargs``) when diloco
+started the replica (``DILOCO_RUN_ID`` is set), this entrypoint's own flags otherwise.
 """
 
 from __future__ import annotations
@@ -33,9 +44,10 @@ from typing import Any, NoReturn
 
 from diloco import envvars
 from diloco.errors import AllReduceTimeout, ConfigError, error_line
+from diloco.metrics import DEFAULT_PROGRESS_INTERVAL_S
+from diloco.trainer_check import INJECTED, check_trainer_kwargs
 
 DEFAULT_TRAINER = "diloco.trainer:diloco_train"
-INJECTED = ("manager", "rank", "world_size")  # trainer kwargs this entrypoint passes itself
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 EXIT_SIGINT, EXIT_SIGTERM = 130, 143
 
@@ -67,6 +79,24 @@ class ReplicaArgs:
     timeout_s: float = 1800.0
     poll_interval_s: float = 1.0
     run_id: str | None = None  # from DILOCO_RUN_ID; tags every contribution so runs never mix in one prefix
+    progress_interval_s: float = DEFAULT_PROGRESS_INTERVAL_S
+
+    @property
+    def launched(self) -> bool:
+        """Whether ``diloco launch`` started this replica (every backend sets the run id): hints then name
+        launch's flags, which the user typed, instead of this entrypoint's."""
+        return bool(self.run_id)
+
+    def flag(self, entrypoint_flag: str) -> str:
+        """The flag a user should change for ``entrypoint_flag``, in the command they ran."""
+        if not self.launched:
+            return entrypoint_flag
+        return _LAUNCH_FLAGS.get(entrypoint_flag, entrypoint_flag)
+
+
+#: This entrypoint's flags -> ``diloco launch``'s flags that set them.
+_LAUNCH_FLAGS = {"--trainer-kwargs-json": "-k/--trainer-kwargs", "--trainer-module": "--trainer",
+                 "--trainer-fn": "--trainer", "--trainer": "--trainer"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -90,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="JSON object of keyword arguments for the trainer")
     p.add_argument("--timeout", metavar="S", default="1800", help="all-reduce wait per round, seconds")
     p.add_argument("--poll-interval", metavar="S", default="1.0", help="all-reduce poll interval, seconds")
+    p.add_argument("--progress-interval", metavar="S", default=str(DEFAULT_PROGRESS_INTERVAL_S),
+                   help="seconds between progress rows written between outer rounds")
     return p
 
 
@@ -116,9 +148,10 @@ def resolve_args(argv: list[str], env: Mapping[str, str]) -> ReplicaArgs:
     kwargs = _kwargs(ns.trainer_kwargs_json)
     timeout_s = _positive_float("--timeout", ns.timeout)
     poll_s = _positive_float("--poll-interval", ns.poll_interval)
+    progress_s = _positive_float("--progress-interval", ns.progress_interval)
     return ReplicaArgs(rendezvous=rendezvous, world_size=world_size, rank=rank, trainer_module=module,
                        trainer_fn=fn, trainer_kwargs=kwargs, timeout_s=timeout_s, poll_interval_s=poll_s,
-                       run_id=env.get(envvars.RUN_ID) or None)
+                       run_id=env.get(envvars.RUN_ID) or None, progress_interval_s=progress_s)
 
 
 def _int_from(flag: str, value: str | None, env: Mapping[str, str], names: list[str]) -> int | None:
@@ -177,13 +210,14 @@ def _kwargs(text: str) -> dict[str, Any]:
 
 
 def load_trainer(args: ReplicaArgs) -> Callable[..., Any]:
-    """Import the trainer and check the kwargs bind to its signature, before any store traffic."""
+    """Import the trainer function, before any store traffic."""
     try:
         mod = importlib.import_module(args.trainer_module)
     except ModuleNotFoundError as exc:
         if exc.name and (args.trainer_module == exc.name or args.trainer_module.startswith(exc.name + ".")):
             raise UsageError(f"trainer module {args.trainer_module!r} not found",
-                             "check --trainer-module and that it is installed in this image") from None
+                             f"check {args.flag('--trainer-module')} and that the module is installed in this "
+                             f"image") from None
         raise UsageError(f"trainer module {args.trainer_module!r} failed to import: {exc}",
                          "install the module it needs in this image") from None
     except ImportError as exc:
@@ -192,15 +226,31 @@ def load_trainer(args: ReplicaArgs) -> Callable[..., Any]:
     fn = getattr(mod, args.trainer_fn, None)
     if not callable(fn):
         raise UsageError(f"trainer module {args.trainer_module!r} has no function {args.trainer_fn!r}",
-                         "check --trainer-fn")
-    try:
-        inspect.signature(fn).bind(**dict.fromkeys(INJECTED), **args.trainer_kwargs)
-    except TypeError as exc:
-        raise UsageError(f"trainer kwargs do not fit {args.trainer_module}:{args.trainer_fn}: {exc}",
-                         "fix --trainer-kwargs-json") from None
-    except ValueError:  # no signature available (a builtin): let the call decide
-        pass
+                         f"check the function name in {args.flag('--trainer-fn')}")
     return fn
+
+
+def checked_kwargs(trainer: Callable[..., Any], args: ReplicaArgs) -> dict[str, Any]:
+    """The trainer kwargs checked against the trainer (signature, annotations, preflight hook) and coerced;
+    ``UsageError`` naming the key otherwise. This replica's machine is where it runs."""
+    try:
+        return check_trainer_kwargs(trainer, args.trainer_kwargs, world_size=args.world_size, on_this_machine=True)
+    except ConfigError as exc:
+        hint = exc.hint or ""
+        if not args.launched and (not hint or "-k/--trainer-kwargs" in hint):
+            hint = "fix it in --trainer-kwargs-json"
+        raise UsageError(str(exc), hint or "fix it with -k/--trainer-kwargs KEY=VALUE") from None
+
+
+def total_steps_of(trainer: Callable[..., Any], kwargs: Mapping[str, Any]) -> int | None:
+    """``total_steps`` as the trainer will see it (its kwarg, else its default), for the metrics' step/total."""
+    value = kwargs.get("total_steps")
+    if value is None:
+        try:
+            value = inspect.signature(trainer).parameters["total_steps"].default
+        except (KeyError, TypeError, ValueError):
+            return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def setup_logging(rank: int) -> Callable[[], None]:
@@ -259,6 +309,7 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
     try:
         args = resolve_args(sys.argv[1:] if argv is None else argv, env)
         trainer = load_trainer(args)
+        kwargs = checked_kwargs(trainer, args)
     except UsageError as exc:
         error_line(str(exc))
         return EXIT_USAGE
@@ -273,14 +324,18 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
     try:
         from diloco.allreduce import ObjectStoreAllReduce
         from diloco.manager import ObjectStoreManager
+        from diloco.metrics import reporting_to
 
         allreduce = ObjectStoreAllReduce(args.rendezvous, args.rank, args.world_size,
                                          timeout_s=args.timeout_s, poll_interval_s=args.poll_interval_s,
                                          run_id=args.run_id)
-        manager = ObjectStoreManager(allreduce)
+        manager = ObjectStoreManager(allreduce, total_steps=total_steps_of(trainer, kwargs),
+                                     progress_interval_s=args.progress_interval_s)
         log.info("replica %d/%d, rendezvous %s, trainer %s:%s", args.rank, args.world_size, args.rendezvous,
                  args.trainer_module, args.trainer_fn)
-        trainer(manager=manager, rank=args.rank, world_size=args.world_size, **args.trainer_kwargs)
+        with reporting_to(manager.metrics):
+            trainer(manager=manager, rank=args.rank, world_size=args.world_size, **kwargs)
+        manager.metrics.close()  # a `final` row for a trainer that recorded progress outside an outer loop
         allreduce.close()  # lets an upload the trainer left in flight land (a SIGTERM here still exits 143)
         log.info("replica %d finished", args.rank)
     except Terminated:
@@ -290,16 +345,23 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
         error_line(f"rank {args.rank}: interrupted")
         return EXIT_SIGINT
     except ConfigError as exc:
-        error_line(f"{exc} ({exc.hint or 'fix the value named above and relaunch'})")
-        return EXIT_USAGE
-    except Exception as exc:  # noqa: BLE001 - the one place a replica's failure becomes an exit code
         if debug:
             traceback.print_exc(file=sys.stderr)
+        fix = (f"fix it with {args.flag('--trainer-kwargs-json')} KEY=VALUE and relaunch" if args.launched
+               else "fix the value named above and relaunch")
+        error_line(f"{exc} ({exc.hint or fix})")
+        return EXIT_USAGE
+    except Exception as exc:  # noqa: BLE001 - the one place a replica's failure becomes an exit code
         timeout = _find_timeout(exc)
+        if timeout is None or debug:
+            # Always, not only under DILOCO_DEBUG: the replica's log is the only place a trainer's traceback can
+            # be kept, and rerunning a job to see it costs the user a whole run. Before the summary line, so
+            # the last line of stderr is the one-line `diloco: error:` the CLI quotes.
+            traceback.print_exc(file=sys.stderr)
         if timeout is not None:
             error_line(f"rank {args.rank}: {timeout} ({timeout.hint})")
         else:
-            hint = getattr(exc, "hint", None) or f"set {envvars.DILOCO_DEBUG}=1 for the traceback"
+            hint = getattr(exc, "hint", None) or _traceback_hint(args)
             error_line(f"rank {args.rank}: {type(exc).__name__}: {exc} ({hint})")
         return EXIT_FAILED
     finally:
@@ -309,6 +371,12 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
             signal.signal(signal.SIGTERM, previous)
         restore_logging()
     return EXIT_OK
+
+
+def _traceback_hint(args: ReplicaArgs) -> str:
+    if args.launched:
+        return f"the full traceback is in this replica's log: diloco logs {args.run_id} -r {args.rank}"
+    return "the full traceback is above"
 
 
 def _in_main_thread() -> bool:

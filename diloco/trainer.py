@@ -3,12 +3,14 @@
 ``diloco_train`` is the ``trainer_fn`` the replica entrypoint calls by default, with ``manager``, ``rank`` and
 ``world_size`` injected. It reads like nanoGPT's ``train.py``: flat, commented defaults; build the model and the
 inner AdamW; enter ``make_diloco_outer_loop`` (its hook on ``inner_optimizer.step`` runs the outer round every
-``sync_every`` steps, so the loop below is an ordinary training loop); evaluate and record after each round.
+``sync_every`` steps, so the loop below is an ordinary training loop); evaluate after each round.
 
-What it leaves in the store (``manager.store``, the rendezvous root):
+It records nothing itself that any other trainer could not: the outer loop writes the progress rows and the final
+global weights (``diloco.metrics``, ``diloco.outer``), and the trainer adds its losses and token counts with
+``diloco.report(...)``, exactly as a user's trainer would. What ends up in the store (``manager.store``):
 
-* ``metrics/rank_{RRRR}.jsonl``: one JSON object per line, ``kind`` ``init`` (before training), ``round`` (after
-  every outer round), ``final``; rewritten whole each time because object stores cannot append.
+* ``metrics/rank_{RRRR}.jsonl`` and ``progress/rank_{RRRR}.json``: ``init`` (with the eval loss before training),
+  one ``round`` row per outer round (with the round's mean train loss and the eval loss after it), ``final``.
 * ``final/rank_{RRRR}.safetensors``: the final *global* weights, with the model config as JSON in the metadata
   (``model_config``) so ``collect`` can rebuild the model. Also ``$SM_MODEL_DIR/model.safetensors`` on SageMaker.
 
@@ -16,20 +18,24 @@ Every rank starts from identical weights (common ``seed``), samples batches with
 disjoint shard, and evaluates on the same held-out batches. ``total_steps`` must be a multiple of ``sync_every``
 so training ends right after an outer sync: with ``fragment_update_alpha = 0`` the model then *is* the global
 model, bitwise identical on every rank.
+
+``check_config`` is the one place the knobs are validated: at the start of ``diloco_train``, and before launch as
+the trainer's preflight hook (``@preflight``), so ``diloco launch`` rejects ``-k lrr=0.1``, ``n_embd=33`` or
+``device=cuda`` on a machine without CUDA before any replica starts.
 """
 
 from __future__ import annotations
 
-import json
+import inspect
 import logging
 import os
-import time
+import re
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from diloco import envvars
 from diloco.data import DEFAULT_MAX_CORPUS_BYTES
 from diloco.errors import ConfigError
-from diloco.layout import FINAL_KEY, METRICS_KEY
+from diloco.trainer_check import PreflightContext, preflight
 
 if TYPE_CHECKING:
     import torch
@@ -39,9 +45,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("diloco.trainer")
 
-SM_MODEL_FILE = "model.safetensors"
+#: Device strings accepted without importing torch: a device type, optionally ``:index``.
+_DEVICE = re.compile(r"^(auto|cpu|cuda|mps|xpu|hpu|npu|meta)(:\d+)?$")
 
 
+def _preflight(kwargs: dict[str, Any], context: PreflightContext) -> None:
+    check_config(kwargs, world_size=context.world_size, on_this_machine=context.on_this_machine)
+
+
+@preflight(_preflight)
 def diloco_train(
     *,
     manager: ObjectStoreManager,
@@ -85,19 +97,16 @@ def diloco_train(
     """
     import torch
 
+    from diloco import report
     from diloco.data import eval_batches as make_eval_batches
     from diloco.data import load_corpus, sample_batch, split_corpus
+    from diloco.layout import FINAL_KEY
     from diloco.model import GPTConfig, build_model, split_fragments
     from diloco.outer import make_diloco_outer_loop
 
-    _validate(total_steps=total_steps, sync_every=sync_every, batch_size=batch_size, lr=lr,
-              weight_decay=weight_decay, grad_clip=grad_clip, outer_lr=outer_lr, outer_momentum=outer_momentum,
-              fragments=fragments, fragment_sync_delay=fragment_sync_delay, eval_batches=eval_batches,
-              threads=threads, rank=rank, world_size=world_size, manager=manager)
-    try:
-        config = GPTConfig(block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from exc
+    check_config({k: v for k, v in locals().items() if k in _KNOBS}, world_size=world_size)
+    _check_identity(manager, rank=rank, world_size=world_size)
+    config = GPTConfig(block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
     dev = _resolve_device(device)
     if threads:
         torch.set_num_threads(threads)
@@ -112,30 +121,21 @@ def diloco_train(
     # --- model: the common seed makes every rank's initial weights identical (no broadcast needed)
     model = build_model(config, seed=seed, device=dev)
     inner_opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
-    try:  # the outer loop checks the schedule (sync_every, fragments, fragment_sync_delay, outer_*) itself
-        model_fragments = split_fragments(model, fragments)
-        diloco = make_diloco_outer_loop(
-            manager=manager, model_fragments=model_fragments, inner_optimizer=inner_opt, outer_lr=outer_lr,
-            outer_momentum=outer_momentum, nesterov=nesterov, sync_every=sync_every,
-            fragment_sync_delay=fragment_sync_delay, fragment_update_alpha=0.0,
-        )
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from exc
+    diloco = make_diloco_outer_loop(
+        manager=manager, model_fragments=split_fragments(model, fragments), inner_optimizer=inner_opt,
+        outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov, sync_every=sync_every,
+        fragment_sync_delay=fragment_sync_delay, fragment_update_alpha=0.0, model=model,
+        export_metadata={"model": "diloco.model:GPT", "model_config": config.to_json()},
+    )
     log.info("model %s (%d params) on %s; shard bytes [%d, %d) of %d-byte corpus; %d steps, sync every %d",
              config.to_json(), model.num_params(), dev, *split.train_range, split.eval_range[1],
              total_steps, sync_every)
 
-    metrics = _MetricsLog(manager, rank=rank, total_steps=total_steps)
-    init_eval = _evaluate(model, batches, dev)
-    metrics.record("init", round_=0, step=0, train_loss=None, eval_loss=init_eval, tokens_per_s=0.0)
-    log.info("round 0 step 0/%d eval_loss %.4f", total_steps, init_eval)
-
-    tokens_per_round = sync_every * batch_size * block_size
+    tokens_per_step = batch_size * block_size
     model.train()
-    train_loss: float | None = None
-    eval_loss = init_eval
-    t_start = t_round = time.perf_counter()
-    with diloco:
+    with diloco:  # report() goes to this replica's metrics while the loop is open
+        init_eval = eval_loss = _evaluate(model, batches, dev)
+        report(eval_loss=init_eval, total_steps=total_steps)  # amends the loop's `init` row
         loss_sum = torch.zeros((), device=dev)
         for step in range(1, total_steps + 1):
             x, y = sample_batch(split.train, batch_size=batch_size, block_size=block_size, generator=train_gen)
@@ -145,57 +145,124 @@ def diloco_train(
             if grad_clip:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
             inner_opt.step()  # every sync_every-th call also runs the outer round: blocks on the store
+            report(tokens=tokens_per_step)
             loss_sum += loss.detach()
             if step % sync_every:
                 continue
-            round_ = step // sync_every
-            train_loss = (loss_sum / sync_every).item()  # a device sync point, once per round
-            tps = tokens_per_round / max(time.perf_counter() - t_round, 1e-9)
+            train_loss = (loss_sum / sync_every).item()  # a device sync point, once per sync_every steps
             eval_loss = _evaluate(model, batches, dev)
-            metrics.record("round", round_=round_, step=step, train_loss=train_loss, eval_loss=eval_loss,
-                           tokens_per_s=tps)
-            log.info("round %d step %d/%d train_loss %.4f eval_loss %.4f tok/s %.0f sync_s %.2f", round_, step,
-                     total_steps, train_loss, eval_loss, tps, _stats(manager)["sync_s"])
+            report(train_loss=train_loss, eval_loss=eval_loss)  # amends the row of the round just completed
             loss_sum.zero_()
-            t_round = time.perf_counter()
+        # With one fragment the model already holds the global weights (the last step was an outer sync with
+        # alpha 0); with several, the fragments synced earlier have trained locally since: evaluate the global
+        # model, which is what the loop exports on leaving.
+        if fragments > 1:
+            diloco.restore_global_parameters()
+            eval_loss = _evaluate(model, batches, dev)
+            report(eval_loss=eval_loss)
 
-    rounds = total_steps // sync_every
-    total_tps = rounds * tokens_per_round / max(time.perf_counter() - t_start, 1e-9)
-    # Export the global weights. With one fragment the model already holds them (the last step was an outer
-    # sync with alpha 0); with several, the fragments synced earlier have trained locally since.
-    diloco.restore_global_parameters()
-    if fragments > 1:
-        eval_loss = _evaluate(model, batches, dev)
-    metrics.record("final", round_=rounds, step=total_steps, train_loss=train_loss, eval_loss=eval_loss,
-                   tokens_per_s=total_tps)
-    key = _write_final(manager, model, config, rank=rank, world_size=world_size, step=total_steps, rounds=rounds)
-    log.info("done: %d rounds, eval_loss %.4f -> %.4f, final weights at %s", rounds, init_eval, eval_loss,
-             manager.store.url(key))
-    return {"rank": rank, "rounds": rounds, "steps": total_steps, "init_eval_loss": init_eval,
+    key = FINAL_KEY.format(rank=rank)
+    log.info("done: %d rounds, eval_loss %.4f -> %.4f, final weights at %s", manager.current_step(), init_eval,
+             eval_loss, manager.store.url(key))
+    return {"rank": rank, "rounds": manager.current_step(), "steps": total_steps, "init_eval_loss": init_eval,
             "final_eval_loss": eval_loss, "final_key": key}
 
 
-# ------------------------------------------------------------------------------------------------ helpers
-def _validate(*, manager: Any, rank: int, world_size: int, **values: Any) -> None:
-    """Check every argument once, before anything is built; ``ConfigError`` names the argument and the fix."""
-    ints = {"total_steps": 1, "sync_every": 1, "batch_size": 1, "fragments": 1, "fragment_sync_delay": 0,
-            "eval_batches": 1, "threads": 0}
-    for name, low in ints.items():
-        v = values[name]
+# ------------------------------------------------------------------------------------------------ checks
+#: Minimum of every integer knob.
+_INT_MINIMUMS = {"total_steps": 1, "sync_every": 1, "n_layer": 1, "n_head": 1, "n_embd": 1, "block_size": 1,
+                 "batch_size": 1, "fragments": 1, "fragment_sync_delay": 0, "eval_batches": 1, "threads": 0,
+                 "max_corpus_bytes": 1, "seed": -(2**63)}
+_NON_NEGATIVE = ("lr", "weight_decay", "grad_clip", "outer_lr", "outer_momentum")
+
+
+def check_config(values: Mapping[str, Any], *, world_size: int | None = None, on_this_machine: bool = False) -> None:
+    """Everything ``diloco_train`` would reject at start, as one ``ConfigError`` naming the knob.
+
+    Pure arithmetic unless ``on_this_machine`` (the replicas run here): then also that ``device`` exists here
+    (imports torch only for a non-CPU device) and that the corpus exists and is large enough for ``world_size``
+    shards. Keys that are absent are not checked (the preflight hook always gets them all)."""
+    for name, low in _INT_MINIMUMS.items():
+        v = values.get(name, low)
         if isinstance(v, bool) or not isinstance(v, int) or v < low:
-            raise ConfigError(f"{name} must be an integer >= {low}, got {v!r}")
-    for name in ("lr", "weight_decay", "grad_clip", "outer_lr", "outer_momentum"):
-        v = values[name]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+            raise ConfigError(f"{name} must be an integer{f' >= {low}' if low >= 0 else ''}, got {v!r}")
+    for name in _NON_NEGATIVE:
+        v = values.get(name, 0)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
             raise ConfigError(f"{name} must be a number >= 0, got {v!r}")
-    total, every = values["total_steps"], values["sync_every"]
-    if total % every:
-        lower, upper = max(every, total - total % every), total - total % every + every
+    if not values.get("outer_lr", 1) > 0:
+        raise ConfigError(f"outer_lr must be > 0, got {values['outer_lr']!r}")
+    if not values.get("outer_momentum", 0) < 1:
+        raise ConfigError(f"outer_momentum must be in [0, 1), got {values['outer_momentum']!r}")
+    fraction = values.get("eval_fraction", 0.1)
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
+        raise ConfigError(f"eval_fraction must be in (0, 1), got {fraction!r}")
+    if not isinstance(values.get("nesterov", True), bool):
+        raise ConfigError(f"nesterov must be true or false, got {values['nesterov']!r}")
+    _check_schedule(values)
+    _check_model_shape(values)
+    device = values.get("device", "auto")
+    if not isinstance(device, str) or not _DEVICE.match(device):
+        raise ConfigError(f"device {device!r} is not a torch device", hint="use auto, cpu, cuda or cuda:N")
+    corpus = values.get("corpus")
+    if corpus is not None and not isinstance(corpus, str):
+        raise ConfigError(f"corpus must be a path (a string), got {corpus!r}")
+    if on_this_machine:
+        if device not in ("auto", "cpu"):
+            _resolve_device(device)
+        if world_size is not None:
+            _check_corpus_size(corpus, values.get("max_corpus_bytes", DEFAULT_MAX_CORPUS_BYTES), world_size=world_size,
+                               block_size=values.get("block_size", 64), eval_fraction=fraction)
+
+
+def _check_schedule(values: Mapping[str, Any]) -> None:
+    if "total_steps" in values and "sync_every" in values:
+        total, every = values["total_steps"], values["sync_every"]
+        if total % every:
+            lower, upper = max(every, total - total % every), total - total % every + every
+            raise ConfigError(
+                f"total_steps ({total}) must be a multiple of sync_every ({every}) so training ends on an outer "
+                f"sync and every rank exports the same global weights",
+                hint=f"use total_steps={lower} or {upper}",
+            )
+    fragments, every = values.get("fragments", 1), values.get("sync_every", 50)
+    if every % fragments:
+        raise ConfigError(f"sync_every ({every}) must be a multiple of fragments ({fragments}): each fragment syncs "
+                          f"every sync_every steps, one every sync_every // fragments steps")
+    delay = values.get("fragment_sync_delay", 0)
+    if delay >= every // fragments:
+        raise ConfigError(f"fragment_sync_delay must be below sync_every // fragments = {every // fragments}, "
+                          f"got {delay}")
+
+
+def _check_model_shape(values: Mapping[str, Any]) -> None:
+    n_embd, n_head = values.get("n_embd", 64), values.get("n_head", 2)
+    if n_embd % n_head:
+        raise ConfigError(f"n_embd ({n_embd}) must be a multiple of n_head ({n_head}): each head gets "
+                          f"n_embd // n_head channels", hint=f"e.g. n_embd={n_embd - n_embd % n_head or n_head}")
+    units = values.get("n_layer", 2) + 2  # embeddings, each block, final norm + head (diloco.model.split_fragments)
+    if values.get("fragments", 1) > units:
+        raise ConfigError(f"fragments must be between 1 and {units} (n_layer + 2) for this model, got "
+                          f"{values['fragments']}")
+
+
+def _check_corpus_size(corpus: str | None, max_bytes: int, *, world_size: int, block_size: int,
+                       eval_fraction: float) -> None:
+    """The size test of ``diloco.data.split_corpus``, from file sizes (nothing is read, torch is not needed)."""
+    from diloco.data import _FILE_SEPARATOR, corpus_files
+
+    size = min(max_bytes, sum(os.path.getsize(f) + len(_FILE_SEPARATOR) for f in corpus_files(corpus)))
+    n_train = int(size * (1.0 - eval_fraction))
+    need = block_size + 2
+    if n_train // world_size < need or size - n_train < need:
         raise ConfigError(
-            f"total_steps ({total}) must be a multiple of sync_every ({every}) so training ends on an outer sync "
-            f"and every rank exports the same global weights",
-            hint=f"use total_steps={lower} or {upper}",
+            f"corpus of {size} bytes is too small for {world_size} shard(s) and an eval split of "
+            f"block_size {block_size} (each needs >= {need} bytes)",
+            hint="raise max_corpus_bytes, use a larger corpus or lower block_size",
         )
+
+
+def _check_identity(manager: Any, *, rank: int, world_size: int) -> None:
     if not 0 <= rank < world_size:
         raise ConfigError(f"rank {rank} is outside 0..{world_size - 1} for world_size {world_size}")
     for attr, want in (("rank", rank), ("world_size", world_size)):
@@ -234,44 +301,5 @@ def _evaluate(model: GPT, batches: list[tuple[torch.Tensor, torch.Tensor]], dev:
     return value
 
 
-def _stats(manager: Any) -> dict[str, float | int]:
-    """The cumulative all-reduce counters of the metrics schema."""
-    s = manager.stats
-    return {"sync_s": float(s.seconds_blocked), "bytes_written": int(s.bytes_written),
-            "bytes_read": int(s.bytes_read)}
-
-
-class _MetricsLog:
-    """``metrics/rank_{RRRR}.jsonl`` in the store, rewritten whole on every record (stores cannot append)."""
-
-    def __init__(self, manager: Any, *, rank: int, total_steps: int) -> None:
-        self._manager = manager
-        self._key = METRICS_KEY.format(rank=rank)
-        self._total_steps = total_steps
-        self._lines: list[str] = []
-
-    def record(self, kind: str, *, round_: int, step: int, train_loss: float | None, eval_loss: float,
-               tokens_per_s: float) -> None:
-        row = {"kind": kind, "round": round_, "step": step, "total_steps": self._total_steps,
-               "train_loss": train_loss, "eval_loss": eval_loss, "tokens_per_s": tokens_per_s,
-               **_stats(self._manager), "time": time.time()}
-        self._lines.append(json.dumps(row) + "\n")
-        self._manager.store.put(self._key, "".join(self._lines).encode())
-
-
-def _write_final(manager: Any, model: GPT, config: Any, *, rank: int, world_size: int, step: int,
-                 rounds: int) -> str:
-    """Encode the (global) weights once; put them in the store and, on SageMaker, in ``$SM_MODEL_DIR``."""
-    from diloco.codec import encode_tensors
-    from diloco.store import write_file_atomic
-
-    data = encode_tensors(model.state_dict(), {
-        "rank": rank, "world_size": world_size, "step": step, "round": rounds,
-        "model": "diloco.model:GPT", "model_config": config.to_json(),
-    })
-    key = FINAL_KEY.format(rank=rank)
-    manager.store.put(key, data)
-    model_dir = os.environ.get(envvars.SM_MODEL_DIR)
-    if model_dir:  # atomic: a half-written model.safetensors is never what SageMaker uploads
-        write_file_atomic(os.path.join(model_dir, SM_MODEL_FILE), data)
-    return key
+#: The knobs ``check_config`` validates: every parameter except the injected ones.
+_KNOBS = frozenset(inspect.signature(diloco_train).parameters) - {"manager", "rank", "world_size"}

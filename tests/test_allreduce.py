@@ -173,7 +173,7 @@ def test_a_stuck_upload_fails_the_round_instead_of_hanging(uri: str) -> None:
     try:
         work = ar.allreduce_async({"g": torch.ones(2)})
         started = time.monotonic()
-        with pytest.raises(StoreError, match=r"round 0: rank 0's own upload .* did not finish in 0.3s"):
+        with pytest.raises(StoreError, match=r"round 1: rank 0's own upload .* did not finish in 0.3s"):
             work.wait()
         assert time.monotonic() - started < 10
     finally:
@@ -195,18 +195,19 @@ def test_starting_a_round_before_waiting_the_previous_one_is_refused(uri: str) -
 def test_timeout_names_the_round_and_exactly_the_missing_ranks(uri: str) -> None:
     world = 4
     ars = [make(uri, r, world, timeout_s=1.0) for r in range(world)]
-    run_ranks(world, lambda r: ars[r].allreduce({"g": torch.ones(2)}))  # round 0 completes
+    run_ranks(world, lambda r: ars[r].allreduce({"g": torch.ones(2)}))  # round 1 (index 0) completes
 
-    # Round 1: rank 2 publishes (and does not wait), ranks 1 and 3 never show up.
+    # Round 2 (index 1): rank 2 publishes (and does not wait), ranks 1 and 3 never show up. Messages and the
+    # error's `round` number rounds from 1, like the metrics and the CLI.
     ars[2].allreduce_async({"g": torch.ones(2)})
     started = time.monotonic()
     with pytest.raises(AllReduceTimeout) as info:
         ars[0].allreduce({"g": torch.ones(2)})
     elapsed = time.monotonic() - started
     err = info.value
-    assert err.round == 1
+    assert err.round == 2
     assert err.missing_ranks == [1, 3]
-    assert "round 1" in str(err) and "1, 3" in str(err)
+    assert "round 2" in str(err) and "1, 3" in str(err)
     assert err.timeout_s == 1.0
     assert elapsed >= 1.0  # it did wait for the configured time...
     assert elapsed < 20.0  # ...and gave up (generous bound: a hang would be caught here)
@@ -252,7 +253,7 @@ def test_corrupted_and_truncated_peer_objects_are_reported_and_never_averaged(ur
         with pytest.raises(CorruptObjectError) as info:
             ar.allreduce({"g": mine})
         message = str(info.value)
-        assert "round 0" in message and "rank 1" in message, what
+        assert "round 1" in message and "rank 1" in message, what  # index 0 is round 1 for people
         assert torch.equal(mine, torch.full((64,), 1.0)), f"{what}: a bad contribution was averaged"
         assert ar.stats.rounds == 0
         ar.close()

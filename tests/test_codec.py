@@ -83,3 +83,33 @@ def test_foreign_safetensors_without_our_format_tag_are_rejected() -> None:
     data = save({"t": torch.ones(2)}, metadata={"rank": "0"})
     with pytest.raises(CorruptObjectError, match="format"):
         decode_tensors(data)
+
+
+# ---------------------------------------------------------------------------------------------- decode: ours or plain
+def test_decode_accepts_plain_safetensors_written_by_a_trainer(tmp_path) -> None:
+    """Issue 7 item 5: final weights written with safetensors.torch.save_file (no metadata) or by
+    save_pretrained (``format: pt``) are accepted; only ``decode_tensors`` (contributions) insists on ours."""
+    from safetensors.torch import save, save_file
+
+    from diloco.codec import decode
+
+    path = tmp_path / "plain.safetensors"
+    save_file({"w": torch.arange(4.0)}, str(path))
+    tensors, meta = decode(path.read_bytes())
+    assert torch.equal(tensors["w"], torch.arange(4.0)) and meta == {}
+    tensors, meta = decode(save({"w": torch.ones(2)}, metadata={"format": "pt"}))
+    assert meta == {"format": "pt"}
+    with pytest.raises(CorruptObjectError, match="format"):
+        decode_tensors(path.read_bytes())
+
+
+def test_decode_still_verifies_our_checksum_when_present() -> None:
+    from diloco.codec import decode
+
+    data = bytearray(encode_tensors({"t": torch.arange(64, dtype=torch.float32)}, {"rank": 0}))
+    assert torch.equal(decode(bytes(data), expect={"rank": 0})[0]["t"], torch.arange(64, dtype=torch.float32))
+    data[-3] ^= 0x01
+    with pytest.raises(CorruptObjectError, match="checksum"):
+        decode(bytes(data), source="final/rank_0001.safetensors")
+    with pytest.raises(CorruptObjectError, match="not a readable safetensors"):
+        decode(bytes(data[:20]))

@@ -20,6 +20,7 @@ import uuid
 import pytest
 
 from diloco import envvars
+from diloco.metrics import read_replica
 from diloco.replica_entrypoint import DEFAULT_TRAINER, UsageError, main, resolve_args
 from diloco.store import ObjectStore
 
@@ -60,6 +61,18 @@ PROBE = textwrap.dedent('''
     def sleep(*, manager, rank, world_size, marker):
         open(marker, "w").close()
         time.sleep(120)
+
+
+    def typed(*, manager, rank, world_size, lr: float = 0.1, total_steps: int = 5):
+        """Records the kwargs as it received them (after the entrypoint's checks)."""
+        seen = {"lr": lr, "lr_type": type(lr).__name__, "total_steps": total_steps}
+        manager.store.put("probe/typed.json", json.dumps(seen).encode())
+
+
+    def reports_only(*, manager, rank, world_size, total_steps):
+        """No outer loop: only diloco.report()."""
+        import diloco
+        diloco.report(train_loss=1.5, tokens=10)
 ''')
 
 CLEARED = (envvars.REPLICA_RANK, envvars.WORLD_SIZE, envvars.RENDEZVOUS_URI, envvars.JOB_COMPLETION_INDEX,
@@ -96,11 +109,12 @@ def _one_error_line(stderr: str) -> str:
     return _final_error_line(stderr)
 
 
-def _final_error_line(stderr: str) -> str:
-    """Failures: warnings may be logged first, but exactly one ``diloco: error:`` line ends stderr."""
+def _final_error_line(stderr: str, *, traceback: bool = False) -> str:
+    """Failures: warnings (and, for a trainer's exception, its traceback) come first, and exactly one
+    ``diloco: error:`` line ends stderr: the line the CLI quotes (cli/views.py failure_why)."""
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert [line for line in lines if line.startswith("diloco: error: ")] == lines[-1:], stderr
-    assert "Traceback" not in stderr
+    assert ("Traceback (most recent call last)" in stderr) == traceback, stderr
     return lines[-1]
 
 
@@ -195,19 +209,24 @@ def test_all_reduce_timeout_names_round_and_missing_rank(probe_dir, capsys) -> N
     argv = ["--rendezvous", _uri(), "--world-size", "2", "--rank", "0", "--trainer", "probe_trainer:exchange",
             "--timeout", "0.5", "--poll-interval", "0.05"]
     assert main(argv, {}) == 1
-    line = _final_error_line(capsys.readouterr().err)
-    assert "rank 0:" in line and "round 0" in line and "rank(s) 1" in line
+    line = _final_error_line(capsys.readouterr().err)  # a timeout says all there is to say: no traceback
+    assert "rank 0:" in line and "round 1 timed out" in line and "rank(s) 1" in line  # rounds count from 1
 
 
-def test_training_failure_exits_1_with_traceback_only_under_debug(probe_dir, capsys) -> None:
+def test_a_trainer_exception_always_leaves_its_full_traceback_before_the_one_line_summary(probe_dir, capsys) -> None:
+    """Issue 7 item 13: without DILOCO_DEBUG the traceback is in the log too (nobody has to rerun the job), and
+    the last stderr line stays the one-line summary the CLI shows."""
     argv = ["--rendezvous", _uri(), "--world-size", "1", "--rank", "0", "--trainer", "probe_trainer:fail"]
     assert main(argv, {}) == 1
-    line = _final_error_line(capsys.readouterr().err)
-    assert "RuntimeError: boom from the trainer" in line and "DILOCO_DEBUG=1" in line
-    assert main(argv, {envvars.DILOCO_DEBUG: "1"}) == 1
     err = capsys.readouterr().err
-    assert "Traceback" in err and 'raise RuntimeError("boom from the trainer")' in err
-    assert err.rstrip().splitlines()[-1].startswith("diloco: error: rank 0: RuntimeError")
+    line = _final_error_line(err, traceback=True)
+    assert 'raise RuntimeError("boom from the trainer")' in err and 'probe_trainer.py", line' in err
+    assert line.startswith("diloco: error: rank 0: RuntimeError: boom from the trainer")
+    assert "DILOCO_DEBUG" not in line and "traceback is above" in line
+    # Started by diloco (every backend sets the run id): the hint says how to read that log.
+    assert main(argv, {envvars.RUN_ID: "run-123"}) == 1
+    line = _final_error_line(capsys.readouterr().err, traceback=True)
+    assert "diloco logs run-123 -r 0" in line
 
 
 @pytest.mark.parametrize("interrupt, code", [(True, 130), (False, 1)])
@@ -247,7 +266,7 @@ def test_subprocess_training_failure_exits_1(probe_dir) -> None:
     r = _run(["--rendezvous", f"file://{probe_dir}/rdv", "--world-size", "1", "--trainer",
               "probe_trainer:fail"], probe_dir, _env(REPLICA_RANK="0"))
     assert r.returncode == 1
-    assert "RuntimeError: boom from the trainer" in _final_error_line(r.stderr)
+    assert "RuntimeError: boom from the trainer" in _final_error_line(r.stderr, traceback=True)
 
 
 def test_sigterm_stops_the_replica_promptly_with_143(probe_dir) -> None:
@@ -285,3 +304,49 @@ def test_only_the_first_sigterm_interrupts_later_ones_cannot_break_the_clean_up(
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+# ---------------------------------------------------------------------------------------------- kwargs and hints
+LAUNCHED = {envvars.RUN_ID: "run-7"}  # every backend sets the run id: the replica was started by `diloco launch`
+
+
+@pytest.mark.parametrize("extra, env, wanted, unwanted", [
+    (["--trainer", "no_such_module_xyz:train"], LAUNCHED, "check --trainer and", "--trainer-module"),
+    (["--trainer", "no_such_module_xyz:train"], {}, "check --trainer-module and", None),
+    (["--trainer", "diloco.trainer:nope"], LAUNCHED, "check the function name in --trainer)", "--trainer-fn"),
+    (["--trainer", "diloco.trainer:nope"], {}, "check the function name in --trainer-fn", None),
+    (["--trainer-kwargs-json", '{"lr": "abc"}'], LAUNCHED, "fix it with -k/--trainer-kwargs lr=VALUE",
+     "--trainer-kwargs-json"),
+    (["--trainer-kwargs-json", '{"lr": "abc"}'], {}, "fix it in --trainer-kwargs-json", "-k/"),
+    (["--trainer-kwargs-json", '{"lrr": 0.1}'], LAUNCHED, "(did you mean 'lr'?)", "--trainer-kwargs-json"),
+    (["--trainer-kwargs-json", '{"n_embd": 33}'], LAUNCHED, "n_embd (33) must be a multiple of n_head (2)", None),
+])
+def test_hints_name_launchs_flags_when_diloco_started_the_replica(extra, env, wanted, unwanted, capsys) -> None:
+    """Issue 7 item 15: a user who typed `diloco launch -k ...` was told to fix --trainer-kwargs-json."""
+    uri = _uri()
+    assert main(["--rendezvous", uri, "--world-size", "2", "--rank", "0", *extra], env) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert wanted in line
+    assert unwanted is None or unwanted not in line
+    assert ObjectStore(uri).list() == []  # rejected before any store traffic
+
+
+def test_kwargs_are_coerced_to_the_trainers_annotations_before_it_runs(probe_dir) -> None:
+    """Issue 7 item 9: "3e-4" (YAML 1.1) reaches a `lr: float` parameter as a float."""
+    uri = _uri()
+    argv = ["--rendezvous", uri, "--world-size", "1", "--rank", "0", "--trainer", "probe_trainer:typed",
+            "--trainer-kwargs-json", '{"lr": "3e-4", "total_steps": "8"}']
+    assert main(argv, {}) == 0
+    assert json.loads(ObjectStore(uri).get("probe/typed.json")) == {"lr": 3e-4, "lr_type": "float",
+                                                                     "total_steps": 8}
+
+
+def test_a_trainer_that_only_reports_gets_a_final_row_with_total_steps(probe_dir) -> None:
+    uri = _uri()
+    argv = ["--rendezvous", uri, "--world-size", "1", "--rank", "0", "--trainer", "probe_trainer:reports_only",
+            "--trainer-kwargs-json", '{"total_steps": 7}']
+    assert main(argv, {}) == 0
+    progress, warnings = read_replica(ObjectStore(uri), 0)
+    assert warnings == []
+    assert (progress.total_steps, progress.train_loss, progress.tokens, progress.finished_training) == (
+        7, 1.5, 10, True)

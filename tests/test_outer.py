@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import time
 import uuid
 import weakref
 from typing import Any
@@ -12,19 +13,24 @@ import torch
 from ranks import run_ranks  # tests/ is on sys.path
 from torch import nn
 
+import diloco
 from diloco.allreduce import ObjectStoreAllReduce, contribution_key
 from diloco.codec import decode_tensors
 from diloco.errors import AllReduceTimeout
 from diloco.manager import ObjectStoreManager
+from diloco.metrics import read_history, read_replica
 from diloco.outer import make_diloco_outer_loop, pseudo_gradient
+from diloco.weights import check_final_weights
 
 
 def new_uri() -> str:
     return f"memory://rdv-{uuid.uuid4().hex[:8]}"
 
 
-def make_manager(uri: str, rank: int = 0, world_size: int = 1, timeout_s: float = 10) -> ObjectStoreManager:
-    return ObjectStoreManager(ObjectStoreAllReduce(uri, rank, world_size, timeout_s=timeout_s, poll_interval_s=0.01))
+def make_manager(uri: str, rank: int = 0, world_size: int = 1, timeout_s: float = 10,
+                 **metrics: Any) -> ObjectStoreManager:
+    return ObjectStoreManager(ObjectStoreAllReduce(uri, rank, world_size, timeout_s=timeout_s, poll_interval_s=0.01),
+                              **metrics)
 
 
 class Scalar(nn.Module):
@@ -419,3 +425,115 @@ def test_finished_rounds_keep_no_tensor_alive_without_should_commit() -> None:
         manager.allreduce(torch.ones(1024)).wait()
     gc.collect()
     assert ref() is None
+
+
+# ---------------------------------------------------------------- what the loop records for any trainer
+def test_progress_rows_move_between_rounds_for_a_trainer_that_reports_nothing() -> None:
+    """Issue 7 item 8: before the first round the progress object already shows the step moving (time-based
+    rows), with round 0; the loop needs nothing from the trainer for that."""
+    frag = Scalar(1.0)
+    opt = torch.optim.SGD(frag.parameters(), lr=0.01)
+    manager = make_manager(new_uri(), total_steps=100, progress_interval_s=0.05)
+    seen = []
+    with make_diloco_outer_loop(manager=manager, model_fragments=[frag], inner_optimizer=opt, sync_every=50):
+        for _ in range(20):  # stays before round 1 (step 50)
+            constant_grad_step(opt, [frag.w], 1.0)
+            time.sleep(0.01)
+            seen.append(read_replica(manager.store, 0)[0].step)
+    steps = [s for s in seen if s is not None]
+    assert len(set(steps)) >= 3 and steps == sorted(steps) and steps[-1] > 1  # it moved, several times
+    progress, warnings = read_replica(manager.store, 0)
+    assert warnings == []
+    # Left after 20 steps: no round happened, and the loop recorded where it stopped.
+    assert (progress.step, progress.total_steps, progress.round, progress.finished_training) == (20, 100, 0, True)
+    rows, _ = read_history(manager.store, 0)
+    assert [r.kind for r in rows] == ["init", "final"]
+
+
+def test_rounds_rows_and_report_amendments_and_final_weights_for_two_replicas() -> None:
+    """Each round gets a row with the loop's own numbers; a report() after a round (an eval) amends that
+    round's row; on leaving, each replica exports the identical global weights."""
+    uri, world = new_uri(), 2
+
+    def run(rank: int) -> None:
+        torch.manual_seed(0)
+        model = nn.Linear(3, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        manager = make_manager(uri, rank=rank, world_size=world, total_steps=6)
+        with make_diloco_outer_loop(manager=manager, model_fragments=[model], inner_optimizer=opt, sync_every=3):
+            diloco.report(eval_loss=9.0)  # before the first step: the init row's
+            for step in range(1, 7):
+                x = torch.full((4, 3), float(rank + step))
+                loss = model(x).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                diloco.report(train_loss=loss.item(), tokens=4, accuracy=0.5 + rank)
+                if step % 3 == 0:
+                    diloco.report(eval_loss=float(step))  # after the round: amends its row
+
+    run_ranks(world, run)
+    store = make_manager(uri).store
+    for rank in range(world):
+        rows, warnings = read_history(store, rank)
+        assert warnings == []
+        assert [(r.kind, r.step, r.round) for r in rows] == [("init", 0, 0), ("round", 3, 1), ("round", 6, 2),
+                                                             ("final", 6, 2)]
+        assert [r.eval_loss for r in rows] == [9.0, 3.0, 6.0, 6.0]
+        assert rows[0].train_loss is None and rows[1].train_loss is not None
+        assert rows[-1].tokens == 24 and rows[-1].extra == {"accuracy": 0.5 + rank}
+        assert rows[-1].bytes_written and rows[-1].bytes_read and rows[-1].sync_s is not None
+        assert all(r.total_steps == 6 for r in rows)
+    check = check_final_weights(store, world)
+    assert check.identical is True, check.detail
+    assert sorted(check.tensors or {}) == ["bias", "weight"]
+
+
+def test_several_fragments_export_under_the_whole_models_names() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    manager = make_manager(new_uri())
+    with make_diloco_outer_loop(manager=manager, model_fragments=[model[0], model[1]], inner_optimizer=opt,
+                                sync_every=2, model=model, export_metadata={"note": "x"}):
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.ones(1, 2)).sum().backward()
+            opt.step()
+    tensors, meta = decode_tensors(manager.store.get("final/rank_0000.safetensors"))
+    assert sorted(tensors) == sorted(name for name, _ in model.named_parameters())
+    assert meta["note"] == "x" and meta["step"] == "2" and meta["round"] == "2"
+    with pytest.raises(ValueError, match="not a parameter of model"):
+        make_diloco_outer_loop(manager=manager, model_fragments=[nn.Linear(1, 1)], inner_optimizer=opt,
+                               sync_every=2, model=model)
+
+
+def test_no_final_weights_or_final_row_when_training_raised_or_a_sync_failed() -> None:
+    frag = Scalar(1.0)
+    opt = torch.optim.SGD(frag.parameters(), lr=0.5)
+    manager = make_manager(new_uri())
+    with pytest.raises(KeyError):
+        with make_diloco_outer_loop(manager=manager, model_fragments=[frag], inner_optimizer=opt, sync_every=1):
+            constant_grad_step(opt, [frag.w], 1.0)
+            raise KeyError("the trainer broke")
+    assert not manager.store.exists("final/rank_0000.safetensors")
+    assert not read_replica(manager.store, 0)[0].finished_training
+
+    manager = make_manager(new_uri(), rank=0, world_size=2, timeout_s=0.2)  # rank 1 never comes
+    with make_diloco_outer_loop(manager=manager, model_fragments=[frag], inner_optimizer=opt, sync_every=1):
+        with pytest.raises(AllReduceTimeout):
+            constant_grad_step(opt, [frag.w], 1.0)  # caught: the context is left without an exception
+    assert not manager.store.exists("final/rank_0000.safetensors")
+
+
+def test_report_goes_to_the_open_loop_and_is_a_no_op_elsewhere() -> None:
+    diloco.report(train_loss=1.0, tokens=3)  # no replica here: nothing happens, nothing raises
+    with pytest.raises(ValueError, match="step is recorded by the DiLoCo outer loop"):
+        diloco.report(step=3)
+    frag = Scalar(1.0)
+    opt = torch.optim.SGD(frag.parameters(), lr=0.5)
+    manager = make_manager(new_uri())
+    with make_diloco_outer_loop(manager=manager, model_fragments=[frag], inner_optimizer=opt, sync_every=1):
+        diloco.report(train_loss=2.5)
+    diloco.report(train_loss=99.0)  # the loop is closed: not this replica's any more
+    rows, _ = read_history(manager.store, 0)
+    assert [r.train_loss for r in rows] == [2.5, 2.5]

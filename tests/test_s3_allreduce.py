@@ -92,10 +92,10 @@ def test_persistent_denial_names_round_ranks_and_s3_error(s3_uri: str, fault_pro
     results = run_ranks(s3_uri, world=2, rounds=1, timeout_s=1.5)
     err = results[0]
     assert isinstance(err, AllReduceTimeout)
-    assert err.round == 0 and err.missing_ranks == [1]
+    assert err.round == 1 and err.missing_ranks == [1]
     assert isinstance(err.last_error, PermissionError)
     text = str(err)
-    assert "round 0" in text and "rank(s) 1" in text and "S3AccessDenied" in text and "denied by S3 (403)" in text
+    assert "round 1" in text and "rank(s) 1" in text and "S3AccessDenied" in text and "denied by S3 (403)" in text
     assert not isinstance(results[1], BaseException)  # rank 1 could read rank 0: only the denied read failed
 
 
@@ -125,7 +125,7 @@ def test_truncated_contribution_is_never_averaged(s3_uri: str, fault_proxy: Faul
     t = threading.Thread(target=rank1)
     t.start()
     with ObjectStoreAllReduce(uri, 0, 2, timeout_s=30, poll_interval_s=0.05) as ar, \
-            pytest.raises(CorruptObjectError, match=r"round 0: the contribution of rank 1 .* not averaged"):
+            pytest.raises(CorruptObjectError, match=r"round 1: the contribution of rank 1 .* not averaged"):
         ar.allreduce(mine)
     t.join(timeout=60)
     assert all(torch.equal(mine[k], before[k]) for k in mine)  # untouched

@@ -13,19 +13,22 @@ import uuid
 
 import pytest
 import torch
+from ranks import run_ranks  # tests/ is on sys.path
 
 from diloco.allreduce import ObjectStoreAllReduce
 from diloco.codec import decode_tensors
 from diloco.data import corpus_files, eval_batches, load_corpus, sample_batch, split_corpus, stdlib_dir
 from diloco.errors import ConfigError
 from diloco.manager import ObjectStoreManager
+from diloco.metrics import read_progress
 from diloco.model import GPT, GPTConfig, build_model, split_fragments
 from diloco.trainer import diloco_train
+from diloco.weights import check_final_weights
 
 TINY = dict(n_layer=1, n_head=2, n_embd=32, block_size=32, batch_size=8, eval_batches=2,
             max_corpus_bytes=60_000)
-METRIC_KEYS = {"kind", "round", "step", "total_steps", "train_loss", "eval_loss", "tokens_per_s", "sync_s",
-               "bytes_written", "bytes_read", "time"}
+METRIC_KEYS = {"kind", "round", "step", "total_steps", "train_loss", "eval_loss", "tokens", "tokens_per_s",
+               "sync_s", "bytes_written", "bytes_read", "time", "diverged", "extra"}
 
 
 def _manager(uri: str, rank: int = 0, world_size: int = 1) -> ObjectStoreManager:
@@ -182,10 +185,15 @@ def test_single_replica_run_writes_metrics_and_a_rebuildable_final_model(tmp_pat
                            fragment_sync_delay=1, **TINY)
 
     rows = [json.loads(line) for line in manager.store.get("metrics/rank_0000.jsonl").decode().splitlines()]
-    assert [r["kind"] for r in rows] == ["init", "round", "round", "final"]
+    # Two fragments synced in turn every 10 // 2 = 5 steps: 4 outer rounds, each with its own row.
+    assert [r["kind"] for r in rows] == ["init", "round", "round", "round", "round", "final"]
     assert all(set(r) == METRIC_KEYS for r in rows)
-    assert [(r["round"], r["step"]) for r in rows] == [(0, 0), (1, 10), (2, 20), (2, 20)]
-    assert rows[0]["train_loss"] is None and rows[1]["train_loss"] > 0
+    assert [(r["round"], r["step"]) for r in rows] == [(0, 0), (1, 5), (2, 10), (3, 15), (4, 20), (4, 20)]
+    assert all(r["total_steps"] == 20 for r in rows)  # the trainer's own total_steps: no entrypoint here
+    # The trainer's report() after a round (its mean train loss, its eval) amends that round's row.
+    assert rows[0]["train_loss"] is None and rows[1]["train_loss"] is None and rows[2]["train_loss"] > 0
+    assert rows[-1]["tokens"] == 20 * TINY["batch_size"] * TINY["block_size"] and rows[-1]["tokens_per_s"] > 0
+    assert not any(r["diverged"] for r in rows)
     assert rows[-1]["bytes_written"] > rows[1]["bytes_written"] > 0  # cumulative all-reduce traffic
     assert rows[-1]["eval_loss"] < rows[0]["eval_loss"]
     assert summary["final_eval_loss"] == rows[-1]["eval_loss"]
@@ -204,3 +212,31 @@ def test_single_replica_run_writes_metrics_and_a_rebuildable_final_model(tmp_pat
         batches = eval_batches(split.eval, n_batches=2, batch_size=8, block_size=32, seed=1337)
         loss = torch.stack([model(x, y)[1] for x, y in batches]).mean().item()
     assert loss == pytest.approx(rows[-1]["eval_loss"], abs=1e-5)
+
+
+def test_a_diverged_run_is_reported_as_divergence_with_valid_json_and_agreeing_weights() -> None:
+    """Issue 7 item 4 (``-k lr=1000 -k outer_lr=100``): losses go non-finite. The metrics say "diverged" with
+    nulls (strict JSON), and the replicas, which still computed identical global weights, are found to agree."""
+    uri, world = f"memory://diverge-{uuid.uuid4().hex}", 2
+
+    def run(rank: int) -> dict:
+        return diloco_train(manager=_manager(uri, rank, world), rank=rank, world_size=world, total_steps=20,
+                            sync_every=10, lr=1000.0, outer_lr=100.0, **TINY)
+
+    summaries = run_ranks(world, run, timeout=120)
+    assert not any(math.isfinite(s["final_eval_loss"]) for s in summaries)  # it really diverged
+    store = _manager(uri).store
+    readout = read_progress(store, world)
+    assert readout.warnings == []
+    for rep in readout.replicas:
+        assert rep.diverged and rep.eval_loss is None and rep.finished_training
+
+    def refuse(token: str) -> None:
+        raise ValueError(token)
+
+    json.loads(readout.model_dump_json(), parse_constant=refuse)  # no NaN/Infinity tokens
+    for r in range(world):
+        for line in store.get(f"metrics/rank_{r:04d}.jsonl").decode().splitlines():
+            json.loads(line, parse_constant=refuse)
+    check = check_final_weights(store, world)
+    assert check.identical is True, check.detail

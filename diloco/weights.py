@@ -1,0 +1,179 @@
+"""Final weights: how a replica exports them, how ``collect`` checks that every replica agrees, and the model file.
+
+Every replica ends a DiLoCo run holding the same *global* weights (the outer step is computed from identical
+inputs in the same order on every rank), so the check is **bitwise**: two replicas agree when every tensor has the
+same name, dtype, shape and raw bytes. Comparing bytes, not values, is what makes a diverged run honest: NaN is not
+equal to NaN as a number, but two replicas holding the same NaN payloads *do* agree, and saying "DIFFERENT" there
+would send the user hunting for a synchronisation bug that does not exist. A max abs difference is reported only
+when it is a finite number, so no report ever carries NaN or Infinity (which JSON cannot represent).
+
+Objects read here may be ours (``diloco.codec.encode_tensors``: checksum verified) or plain safetensors written
+by a trainer itself (``safetensors.torch.save_file``, ``save_pretrained``): both are accepted.
+
+torch is imported inside the functions: the CLI imports this module.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from diloco import envvars
+from diloco.errors import CorruptObjectError, ObjectNotFound
+from diloco.layout import FINAL_KEY
+
+if TYPE_CHECKING:
+    import torch
+
+    from diloco.store import ObjectStore
+
+#: The model file a replica also writes into ``$SM_MODEL_DIR`` on SageMaker (uploaded as the job's model).
+SM_MODEL_FILE = "model.safetensors"
+
+
+@dataclass
+class WeightsCheck:
+    """The verdict on every replica's ``final/rank_RRRR.safetensors``.
+
+    ``identical`` is ``True`` (all bitwise equal), ``False`` (a difference, or an unreadable object) or ``None``
+    (not checkable: some replica wrote no final weights). ``detail`` is the one line the CLI prints.
+    """
+
+    identical: bool | None
+    detail: str
+    world_size: int
+    tensor_count: int = 0
+    value_count: int = 0
+    missing_ranks: list[int] = field(default_factory=list)
+    differing_rank: int | None = None  # the first rank that differs from rank 0
+    differing_tensor: str | None = None  # the first tensor (in name order) that differs
+    max_abs_diff: float | None = None  # only when finite; None for NaN/inf differences or layout mismatches
+    tensors: dict[str, torch.Tensor] | None = field(default=None, repr=False)  # rank 0's, when identical
+    metadata: dict[str, str] = field(default_factory=dict)  # rank 0's, when identical
+
+
+# ---------------------------------------------------------------------------------------------- export
+def write_final_weights(store: ObjectStore, rank: int, tensors: Mapping[str, torch.Tensor],
+                        metadata: Mapping[str, str | int]) -> str:
+    """Encode ``tensors`` once and put them at ``final/rank_RRRR.safetensors``; on SageMaker also into
+    ``$SM_MODEL_DIR/model.safetensors`` (atomically: a half-written file is never what SageMaker uploads).
+    Returns the store key."""
+    from diloco.codec import encode_tensors
+    from diloco.store import write_file_atomic
+
+    data = encode_tensors(tensors, metadata)
+    key = FINAL_KEY.format(rank=rank)
+    store.put(key, data)
+    model_dir = os.environ.get(envvars.SM_MODEL_DIR)
+    if model_dir:
+        write_file_atomic(os.path.join(model_dir, SM_MODEL_FILE), data)
+    return key
+
+
+# ---------------------------------------------------------------------------------------------- check
+def check_final_weights(store: ObjectStore, world_size: int) -> WeightsCheck:
+    """Compare every rank's final weights with rank 0's, bit for bit (see the module docstring).
+
+    Holds at most two ranks' tensors in memory at a time. A missing object gives ``identical=None``; an
+    unreadable one (corrupt, checksum mismatch) gives ``identical=False`` naming it.
+    """
+    from diloco.codec import decode
+    from diloco.housekeeping import compacted_verdict
+
+    compacted = compacted_verdict(store, world_size)  # checked before: the store kept one copy (compact_store)
+    if compacted is not None:
+        return compacted
+    reference: dict[str, torch.Tensor] | None = None
+    ref_meta: dict[str, str] = {}
+    missing = [r for r in range(world_size) if not store.exists(FINAL_KEY.format(rank=r))]
+    if missing:
+        first = FINAL_KEY.format(rank=missing[0])
+        who = "replica" if len(missing) == 1 else "replicas"
+        return WeightsCheck(identical=None, world_size=world_size, missing_ranks=missing,
+                            detail=f"{who} {', '.join(map(str, missing))} wrote no final weights "
+                                   f"({store.url(first)} is missing)")
+    for rank in range(world_size):
+        key = FINAL_KEY.format(rank=rank)
+        try:
+            tensors, meta = decode(store.get(key), source=store.url(key))
+        except ObjectNotFound:  # deleted between the listing and the read
+            return WeightsCheck(identical=None, world_size=world_size, missing_ranks=[rank],
+                                detail=f"replica {rank} wrote no final weights ({store.url(key)} is missing)")
+        except CorruptObjectError as exc:
+            return WeightsCheck(identical=False, world_size=world_size, differing_rank=rank, detail=str(exc))
+        if reference is None:
+            reference, ref_meta = tensors, meta
+            continue
+        difference = first_difference(reference, tensors)
+        if difference is not None:
+            return WeightsCheck(identical=False, world_size=world_size, differing_rank=rank,
+                                differing_tensor=difference.tensor, max_abs_diff=difference.max_abs_diff,
+                                detail=f"replica {rank}'s final weights differ from replica 0's {difference.detail}")
+    assert reference is not None  # world_size >= 1
+    n = sum(t.numel() for t in reference.values())
+    return WeightsCheck(identical=True, world_size=world_size, tensor_count=len(reference), value_count=n,
+                        tensors=reference, metadata=ref_meta,
+                        detail=f"{world_size} replica(s) hold identical final weights ({len(reference)} tensors, "
+                               f"{n} values)")
+
+
+@dataclass(frozen=True)
+class Difference:
+    """Where two sets of weights first differ; ``detail`` completes "... differ from replica 0's"."""
+
+    detail: str
+    tensor: str | None = None
+    max_abs_diff: float | None = None
+
+
+def first_difference(reference: Mapping[str, torch.Tensor], other: Mapping[str, torch.Tensor]) -> Difference | None:
+    """``None`` when ``other`` is bitwise identical to ``reference``, else the first difference in name order."""
+    if set(other) != set(reference):
+        extra, lacking = sorted(set(other) - set(reference)), sorted(set(reference) - set(other))
+        return Difference(f"in their tensor names (extra {extra[:3]}, missing {lacking[:3]})")
+    for name in sorted(reference):
+        a, b = reference[name], other[name]
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return Difference(f"in {name!r}: {b.dtype} {tuple(b.shape)} instead of {a.dtype} {tuple(a.shape)}",
+                              tensor=name)
+        if not same_bytes(a, b):
+            gap = max_abs_difference(a, b)
+            size = "max abs difference " + (f"{gap:.3g}" if gap is not None else "not finite (NaN or inf values)")
+            return Difference(f"in {name!r} ({size})", tensor=name, max_abs_diff=gap)
+    return None
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Raw-byte equality of two tensors of one dtype and shape: NaN payloads compare like any other bits."""
+    import torch
+
+    flat_a, flat_b = a.detach().cpu().contiguous().reshape(-1), b.detach().cpu().contiguous().reshape(-1)
+    return torch.equal(flat_a.view(torch.uint8), flat_b.view(torch.uint8))
+
+
+def max_abs_difference(a: torch.Tensor, b: torch.Tensor) -> float | None:
+    """The largest ``|a - b|`` in float64, or ``None`` when it is not a finite number (NaN or inf involved)."""
+    import torch
+
+    if a.numel() == 0:
+        return None
+    gap = (a.detach().cpu().to(torch.float64) - b.detach().cpu().to(torch.float64)).abs().max().item()
+    return gap if math.isfinite(gap) else None
+
+
+# ---------------------------------------------------------------------------------------------- model file
+def write_model(path: str, tensors: Any, meta: Mapping[str, str], run_id: str) -> str:
+    """Write the agreed weights as one safetensors file (atomic, our checksum); returns its absolute path.
+
+    The writer's ``rank`` is dropped (the file is the run's model, not one replica's); ``format`` and the checksum
+    are set afresh, so a plain-safetensors input gets them too."""
+    from diloco.codec import encode_tensors
+    from diloco.store import write_file_atomic
+
+    keep = {k: v for k, v in meta.items() if k not in ("rank", "format", "sha256")}
+    path = os.path.abspath(path)
+    write_file_atomic(path, encode_tensors(tensors, {**keep, "run_id": run_id}))
+    return path
