@@ -6,6 +6,7 @@ Data goes to stdout (a table, or JSON with ``-o json``), narration and progress 
 the commands that need them, so ``diloco --help`` starts fast.
 """
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ import typer
 
 from diloco.cli import exit_codes
 from diloco.cli.errors import command
-from diloco.cli.render import FormatOpt, OutputFormat, emit, say
+from diloco.cli.render import FormatOpt, OutputFormat, emit, say, to_jsonable
 from diloco.errors import ConfigError, error_line
 
 EPILOG = ("Exit codes: 0 all replicas succeeded, 1 a replica failed, 2 usage or config error (nothing launched), "
@@ -38,8 +39,43 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
+def _complete_run_ids(incomplete: str) -> list[str]:
+    """Shell completion of run ids (``diloco status <TAB>``): the recorded runs, newest first."""
+    try:
+        ids = _registry().ids()
+    except Exception:  # noqa: BLE001 - completion must never print a traceback into the shell
+        return []
+    return [i for i in reversed(ids) if incomplete in i] + (["latest"] if "latest".startswith(incomplete) else [])
+
+
+def _complete_backends(incomplete: str) -> list[str]:
+    from diloco.executors import backend_names
+
+    return [name for name in backend_names() if name.startswith(incomplete)]
+
+
 RunArg = Annotated[str | None, typer.Argument(help="Run id, a unique part of one (e.g. its 4-hex suffix), or "
-                                                       "'latest' (default).", metavar="RUN", show_default=False)]
+                                                       "'latest' (default).", metavar="RUN", show_default=False,
+                                              autocompletion=_complete_run_ids)]
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            sys.stdout.write(f"diloco {version('diloco')}\n")
+        except PackageNotFoundError:
+            sys.stdout.write("diloco (not installed as a package)\n")
+        raise typer.Exit(exit_codes.OK)
+
+
+@app.callback()
+def _main(
+    version: Annotated[bool, typer.Option("--version", "-V", help="Print the version and exit.", is_eager=True,
+                                          callback=_version)] = False,
+) -> None:
+    """Train one model with DiLoCo across N independent replica jobs that meet only through an object store."""
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -56,21 +92,37 @@ def _view(run: str | None) -> Any:
     return RunView(registry.resolve(run), registry=registry)
 
 
-def _outcome_code(report: Any, timed_out: bool) -> int:
+def _outcome_code(report: Any, timed_out: bool, *, weights_checked: bool = True) -> int:
+    """0 only when every replica succeeded and (for launch and collect) the final weights were checked and
+    agree: a model that could not be checked is not "every check passed"."""
     from diloco.executors.base import RunState
 
-    if timed_out:
+    if timed_out or report.timed_out:
         return exit_codes.TIMEOUT
     if report.state == RunState.SUCCEEDED:
-        return exit_codes.FAILED if report.weights_identical is False else exit_codes.OK
+        if not weights_checked:
+            return exit_codes.OK
+        return exit_codes.OK if report.weights_identical else exit_codes.FAILED
     if report.state == RunState.CANCELLED:
         return exit_codes.CANCELLED
     return exit_codes.FAILED
 
 
+#: Warnings already shown by this process (a live table re-reads the metrics every poll; say each once).
+_SHOWN_WARNINGS: set[str] = set()
+
+
+def _show_warnings(report: Any) -> None:
+    for warning in report.warnings:
+        if warning not in _SHOWN_WARNINGS:
+            _SHOWN_WARNINGS.add(warning)
+            say(f"warning: {warning}")
+
+
 def _print_run(report: Any, fmt: OutputFormat) -> None:
     from diloco.cli.views import render_run
 
+    _show_warnings(report)
     emit(report, fmt, lambda console: render_run(console, report))
 
 
@@ -81,9 +133,12 @@ def _explain_failures(report: Any) -> None:
         say(line)
 
 
-def _wait(view: Any, *, timeout_s: float | None, fail_fast: bool) -> Any:
-    """Wait on the run with progress on stderr; returns ``(report, timed_out)``."""
+def _wait(view: Any, *, timeout_s: float | None, fail_fast: bool, output: str | None = None,
+          collect: bool = False) -> Any:
+    """Wait on the run with progress on stderr (and, with ``collect``, check and write the model the one way
+    ``diloco.orchestrate.collect`` does); returns ``(report, timed_out)``."""
     from diloco.cli.progress import RunProgress
+    from diloco.orchestrate import collect as collect_run
 
     interval = float(view.record.config.get("store", {}).get("poll_interval_s", 1.0))
     with RunProgress(view.record.run_id) as progress:
@@ -92,8 +147,18 @@ def _wait(view: Any, *, timeout_s: float | None, fail_fast: bool) -> Any:
                 progress.note(f"replica {failed.rank} failed; stopping replica(s) "
                               f"{', '.join(map(str, survivors))}: they cannot finish without it")
 
-        return view.wait(timeout_s=timeout_s, poll_interval_s=min(max(interval, 0.2), 2.0),
-                         on_update=progress.update, on_fail_fast=stopping, fail_fast=fail_fast)
+        def update(report: Any) -> None:
+            for warning in report.warnings:
+                if warning not in _SHOWN_WARNINGS:
+                    _SHOWN_WARNINGS.add(warning)
+                    progress.note(f"warning: {warning}")
+            progress.update(report)
+
+        options = {"timeout_s": timeout_s, "poll_interval_s": min(max(interval, 0.2), 2.0),
+                   "on_update": update, "on_fail_fast": stopping, "fail_fast": fail_fast}
+        if collect:
+            return collect_run(view, output=output, **options)
+        return view.wait(**options)
 
 
 def _interrupted(view: Any, cancel: bool) -> NoReturn:
@@ -108,7 +173,7 @@ def _interrupted(view: Any, cancel: bool) -> NoReturn:
     raise typer.Exit(exit_codes.INTERRUPTED)
 
 
-def _parse_ranks(text: str | None, world_size: int) -> list[int] | None:
+def _parse_ranks(text: str | None, replicas: int) -> list[int] | None:
     if text is None:
         return None
     ranks = []
@@ -116,8 +181,8 @@ def _parse_ranks(text: str | None, world_size: int) -> list[int] | None:
         part = part.strip().lstrip("r")
         if not part.isdigit():
             raise ConfigError(f"--replica: expected replica numbers like 0,2 (got {text!r})")
-        if int(part) >= world_size:
-            raise ConfigError(f"--replica: replica {part} does not exist (the run has replicas 0-{world_size - 1})")
+        if int(part) >= replicas:
+            raise ConfigError(f"--replica: replica {part} does not exist (the run has replicas 0-{replicas - 1})")
         ranks.append(int(part))
     return sorted(set(ranks))
 
@@ -128,8 +193,9 @@ def _parse_ranks(text: str | None, world_size: int) -> list[int] | None:
 def launch(
     replicas: Annotated[int | None, typer.Option("--replicas", "-n", help="Number of replicas.",
                                                     metavar="N", show_default=False)] = None,
-    backend: Annotated[str | None, typer.Option("--backend", "-b", help="local, sagemaker or eks.",
-                                                   metavar="NAME", show_default=False)] = None,
+    backend: Annotated[str | None, typer.Option("--backend", "-b", help="Where replicas run (local, sagemaker, "
+                                                   "eks, or an installed third-party backend).", metavar="NAME",
+                                                   show_default=False, autocompletion=_complete_backends)] = None,
     config: Annotated[Path | None, typer.Option("--config", "-c", help="YAML run config (see configs/).",
                                                    metavar="FILE", show_default=False)] = None,
     steps: Annotated[int | None, typer.Option(help="Inner steps per replica (train.steps).",
@@ -143,13 +209,42 @@ def launch(
         metavar="KEY=VALUE", show_default=False)] = None,
     rendezvous: Annotated[str | None, typer.Option(help="Store URI the replicas meet in; {run_id} expands.",
                                                       metavar="URI", show_default=False)] = None,
+    timeout: Annotated[float | None, typer.Option("--timeout", help="Wall-clock limit per replica, seconds "
+                                                   "(timeout_s; default 86400 = one day).", metavar="SECONDS",
+                                                   show_default=False)] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="dotted.key=value config override "
                                                       "(repeatable; applied last).", metavar="KEY=VALUE",
                                                       show_default=False)] = None,
+    gpu: Annotated[str | None, typer.Option(help="Accelerator per replica, e.g. A10G (backends that place "
+                                                 "replicas).", metavar="TYPE", show_default=False,
+                                            rich_help_panel="Backend")] = None,
+    image: Annotated[str | None, typer.Option(help="Container image (container backends).", metavar="URI",
+                                               show_default=False, rich_help_panel="Backend")] = None,
+    role: Annotated[str | None, typer.Option(help="Execution role ARN (backends that assume one).", metavar="ARN",
+                                              show_default=False, rich_help_panel="Backend")] = None,
+    region: Annotated[str | None, typer.Option(help="Cloud region (default: the SDK's).", metavar="REGION",
+                                                show_default=False, rich_help_panel="Backend")] = None,
+    instance_type: Annotated[str | None, typer.Option(help="Instance type per replica.", metavar="TYPE",
+                                                       show_default=False, rich_help_panel="Backend")] = None,
+    namespace: Annotated[str | None, typer.Option(help="Kubernetes namespace.", metavar="NS", show_default=False,
+                                                   rich_help_panel="Backend")] = None,
+    context: Annotated[str | None, typer.Option(help="kubeconfig context.", metavar="NAME", show_default=False,
+                                                 rich_help_panel="Backend")] = None,
+    spot: Annotated[bool | None, typer.Option("--spot/--no-spot", help="Preemptible (spot) capacity.",
+                                               show_default=False, rich_help_panel="Backend")] = None,
+    keep_alive: Annotated[int | None, typer.Option(help="Keep instances warm this long after a job (warm pools).",
+                                                    metavar="SECONDS", show_default=False,
+                                                    rich_help_panel="Backend")] = None,
+    source_dir: Annotated[Path | None, typer.Option(help="Your code, shipped to every replica (backends without "
+                                                         "a ready image).", metavar="DIR", show_default=False,
+                                                     rich_help_panel="Backend")] = None,
     detach: Annotated[bool, typer.Option("--detach", "-d", help="Return after submitting; print the run id.")
                       ] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would be launched; launch nothing.")
                        ] = False,
+    force: Annotated[bool, typer.Option("--force", help="Launch even if the backend says it cannot hold the run "
+                                                        "(local: more replicas than this machine's cores or memory "
+                                                        "allow).")] = False,
     cancel_on_interrupt: Annotated[bool, typer.Option(help="Ctrl-C cancels the run instead of only detaching.")
                                    ] = False,
     fail_fast: Annotated[bool, typer.Option(help="Stop the other replicas as soon as one fails.")] = True,
@@ -166,50 +261,58 @@ def launch(
       diloco launch -n 4 --trainer mypkg.train:train -k lr=3e-4 --steps 1000 --sync-every 100
       diloco launch -c configs/local.yaml --set train.trainer_kwargs.n_embd=32 --detach
       diloco launch -c configs/local.yaml --dry-run -o json   # the exact per-replica requests
+      diloco launch -c configs/eks.yaml --dry-run -o yaml     # the backend's requests as YAML documents
     """
     from diloco.config import backend_kind, merge_sources, validate
-    from diloco.executors import require_available
-    from diloco.orchestrate import RunView, add_weights_verdict, check_trainer_importable, plan_run
+    from diloco.executors import require_launchable
+    from diloco.orchestrate import RunView, plan_run, preflight
     from diloco.orchestrate import launch as launch_run
 
     flags = {"replicas": replicas, "backend": backend, "train.steps": steps, "train.sync_every": sync_every,
-             "train.trainer": trainer, "store.rendezvous": rendezvous}
-    data = merge_sources(config, flags, set_, trainer_kwargs)
-    require_available(backend_kind(data))  # a backend not shipped yet fails before anything else
+             "train.trainer": trainer, "store.rendezvous": rendezvous, "gpu": gpu, "timeout_s": timeout}
+    backend_flags = {"image": image, "role": role, "region": region, "instance_type": instance_type,
+                     "namespace": namespace, "context": context, "spot": spot, "keep_alive": keep_alive,
+                     "source_dir": str(source_dir) if source_dir is not None else None}
+    registry = _registry()  # a DILOCO_HOME that is a file fails here, even for --dry-run
+    data = merge_sources(config, flags, set_, trainer_kwargs, backend_flags)
+    require_launchable(backend_kind(data))  # a backend not shipped yet fails before anything else
     cfg = validate(data)
-    check_trainer_importable(cfg)
 
     if dry_run:
         from diloco.cli.views import render_plan
 
-        _, plan = plan_run(cfg)
+        _, plan = plan_run(preflight(cfg))
+        if fmt == OutputFormat.yaml:  # the backend's own requests, e.g. a Job manifest for `kubectl apply -f -`
+            import yaml
+
+            sys.stdout.write(yaml.safe_dump_all(to_jsonable(plan.requests), sort_keys=False))
+            return
         emit(plan, fmt, lambda console: render_plan(console, plan))
         return
 
-    registry = _registry()
-    record, executor = launch_run(cfg, registry)
+    record, backend_impl = launch_run(cfg, registry, force=force)
     run_id = record.run_id
-    say(f"launched {run_id}: {record.world_size} replica(s) on {record.backend}, meeting at "
+    say(f"launched {run_id}: {record.replicas} replica(s) on {record.backend}, meeting at "
         f"{record.rendezvous_uri}")
+    view = RunView(record, backend_impl, registry=registry)
     if detach:
         say(f"  status:  diloco status {run_id} --watch\n  logs:    diloco logs {run_id} -f\n"
             f"  collect: diloco collect {run_id}\n  cancel:  diloco cancel {run_id}")
-        emit({"run_id": run_id, "backend": record.backend, "rendezvous_uri": record.rendezvous_uri,
-              "replicas": record.handles}, fmt, lambda console: console.print(run_id))
+        emit(view.report(with_stderr=False), fmt, lambda console: console.print(run_id))
         return
 
     on_ctrl_c = "cancels the run" if cancel_on_interrupt else "stops waiting, the run keeps going"
     say(f"waiting (Ctrl-C {on_ctrl_c}); logs: diloco logs {run_id} -f")
-    view = RunView(record, executor, registry=registry)
     try:
-        report, timed_out = _wait(view, timeout_s=None, fail_fast=fail_fast)
+        report, timed_out = _wait(view, timeout_s=None, fail_fast=fail_fast, collect=True)
     except KeyboardInterrupt:
         _interrupted(view, cancel_on_interrupt)
-    add_weights_verdict(view, report)
     _print_run(report, fmt)
     _explain_failures(report)
-    if report.state.value == "succeeded":
+    if report.state.value == "succeeded" and report.weights_identical:
         say(f"write the model with: diloco collect {run_id}")
+    elif report.state.value == "succeeded" and report.weights_identical is None:
+        say(f"the final weights could not be checked: {report.weights_detail}")
     raise typer.Exit(_outcome_code(report, timed_out))
 
 
@@ -229,7 +332,7 @@ def status(
     Examples:
       diloco status                  # the latest run
       diloco status 7c98 --watch     # a run by any unique part of its id
-      diloco status -o json | jq -r '.replicas[] | "\\(.rank) \\(.state) \\(.step)"'
+      diloco status -o json | jq -r '.ranks[] | "\\(.rank) \\(.state) \\(.step)"'
     """
     view = _view(run)
     if not watch:
@@ -242,7 +345,7 @@ def status(
         raise typer.Exit(exit_codes.INTERRUPTED) from None
     _print_run(report, fmt)
     _explain_failures(report)
-    raise typer.Exit(_outcome_code(report, False))
+    raise typer.Exit(_outcome_code(report, False, weights_checked=False))
 
 
 @app.command(epilog=EPILOG)
@@ -255,8 +358,12 @@ def logs(
                       ] = False,
     tail_n: Annotated[int | None, typer.Option("--tail", help="Only the last N lines of each replica.",
                                                   metavar="N", show_default=False)] = None,
+    fmt: FormatOpt = OutputFormat.table,
 ) -> None:
     """Print the replicas' output merged in time order, each line prefixed [r<replica>]. Ctrl-C never cancels.
+
+    With -o json: one JSON object per line, {"rank", "time", "stream", "text"} (time in unix seconds; stream
+    "out" or "err"), so it can be streamed into jq.
 
     \b
     Examples:
@@ -264,13 +371,14 @@ def logs(
       diloco logs -f                 # then follow until the run ends (Ctrl-C stops following only)
       diloco logs 7c98 -r 1 --tail 50
       diloco logs | grep -i error
+      diloco logs -o json | jq -r 'select(.stream == "err") | .text'
     """
     from diloco.logstream import format_record
 
     if tail_n is not None and tail_n < 0:
         raise ConfigError(f"--tail: must be >= 0 (got {tail_n})")
     view = _view(run)
-    ranks = _parse_ranks(replica, view.record.world_size)
+    ranks = _parse_ranks(replica, view.record.replicas)
     color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
     palette = ["36", "33", "35", "32", "34", "31"]
 
@@ -278,10 +386,15 @@ def logs(
         tag = f"[r{rank}]"
         return f"\x1b[{palette[rank % len(palette)]}m{tag}\x1b[0m" if color else tag
 
+    def line(record: Any) -> str:
+        if fmt == OutputFormat.json:
+            return json.dumps({"rank": record.rank, "time": record.ts, "stream": record.stream, "text": record.text})
+        return format_record(record, prefix)
+
     out = sys.stdout
     try:
         for record in view.log_lines(ranks=ranks, follow=follow, tail_n=tail_n):
-            out.write(format_record(record, prefix) + "\n")
+            out.write(line(record) + "\n")
             if follow:
                 out.flush()
         out.flush()
@@ -297,9 +410,10 @@ def collect(
     timeout: Annotated[float | None, typer.Option(help="Give up waiting after this many seconds (exit 124; "
                                                      "the run continues).", metavar="SECONDS",
                                                      show_default=False)] = None,
-    output: Annotated[Path | None, typer.Option("--output", help="Where to write the model "
-                                                   "(default ./<run_id>.safetensors).", metavar="PATH",
-                                                   show_default=False)] = None,
+    output: Annotated[str | None, typer.Option("--output", help="Where to write the model: a file, or a "
+                                                  "directory to write <run_id>.safetensors in (default: the "
+                                                  "current directory).", metavar="PATH", show_default=False)] = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing model file.")] = False,
     fail_fast: Annotated[bool, typer.Option(help="Stop the other replicas as soon as one fails.")] = True,
     fmt: FormatOpt = OutputFormat.table,
 ) -> None:
@@ -312,28 +426,24 @@ def collect(
       diloco collect 7c98 --output model.safetensors
       diloco collect --timeout 3600 -o json           # exit 124 if it has not ended within an hour
     """
-    from diloco.orchestrate import add_weights_verdict, write_model
-
     if timeout is not None and timeout <= 0:
         raise ConfigError(f"--timeout: must be > 0 seconds (got {timeout:g})")
     view = _view(run)
     run_id = view.record.run_id
+    target = _model_target(output, run_id, force)
     try:
-        report, timed_out = _wait(view, timeout_s=timeout, fail_fast=fail_fast)
+        report, timed_out = _wait(view, timeout_s=timeout, fail_fast=fail_fast, output=target, collect=True)
     except KeyboardInterrupt:
         say(f"stopped waiting; run {run_id} keeps running")
         raise typer.Exit(exit_codes.INTERRUPTED) from None
     if timed_out:
         _print_run(report, fmt)
-        running = [r.rank for r in report.replicas if not r.state.is_terminal]
+        running = [r.rank for r in report.ranks if not r.state.is_terminal]
         say(f"timed out after {timeout:g}s waiting for replica(s) {', '.join(map(str, running))}; "
             f"the run continues (diloco cancel {run_id} stops it)")
         raise typer.Exit(exit_codes.TIMEOUT)
-    tensors, meta = add_weights_verdict(view, report)
-    if tensors is not None and report.weights_identical:
-        report.model_path = write_model(str(output or Path.cwd() / f"{run_id}.safetensors"), tensors, meta, run_id)
-    elif report.state.value == "succeeded" and report.weights_identical is None:
-        say(f"no model written: {report.weights_detail}")
+    if report.state.value == "succeeded" and report.weights_identical is None:
+        say(f"no model written: the final weights could not be checked: {report.weights_detail}")
     _print_run(report, fmt)
     _explain_failures(report)
     if report.weights_identical is False:
@@ -341,31 +451,63 @@ def collect(
     raise typer.Exit(_outcome_code(report, False))
 
 
+def _model_target(output: str | None, run_id: str, force: bool) -> str:
+    """Where collect writes the model, checked before waiting: a directory gets ``<run_id>.safetensors``; an
+    existing file needs ``--force``; the directory must exist and be writable."""
+    if output is not None and not output.strip():
+        raise ConfigError("--output: must be a file or directory path (got '')")
+    path = Path(output).expanduser() if output is not None else Path.cwd()
+    if path.is_dir():
+        path = path / f"{run_id}.safetensors"
+    if path.exists() and not force:
+        raise ConfigError(f"--output: {path} already exists", hint="pass --force to overwrite it, or choose another "
+                                                                     "path")
+    if path.exists() and not path.is_file():
+        raise ConfigError(f"--output: {path} is not a regular file")
+    parent = path.parent
+    if not parent.is_dir():
+        raise ConfigError(f"--output: directory {parent} does not exist", hint="create it first")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"--output: cannot write in {parent} (permission denied)", hint="choose a writable path")
+    return str(path.absolute())
+
+
 @app.command(epilog=EPILOG)
 @command
-def cancel(run: RunArg = None, fmt: FormatOpt = OutputFormat.table) -> None:
+def cancel(
+    run: RunArg = None,
+    wait: Annotated[bool, typer.Option("--wait/--no-wait", help="Wait until every replica has stopped.")] = True,
+    fmt: FormatOpt = OutputFormat.table,
+) -> None:
     """Stop every replica of a run (SIGTERM, then SIGKILL after the grace period on the local backend).
 
-    Idempotent: cancelling a finished run does nothing. Commands waiting on the run then exit 4.
+    The stop request is handed to the backend at once (on the local backend each replica's supervisor escalates
+    to SIGKILL by itself), so Ctrl-C while waiting never leaves a replica running. Idempotent: cancelling a
+    finished run does nothing; cancelling again escalates at once. Commands waiting on the run then exit 4.
 
     \b
     Examples:
-      diloco cancel          # the latest run
-      diloco cancel 7c98
+      diloco cancel              # the latest run; waits until its replicas have stopped
+      diloco cancel 7c98 --no-wait
     """
     from diloco.cli.views import render_cancel
 
     view = _view(run)
     run_id = view.record.run_id
-    before = view.statuses()
-    if all(s.state.is_terminal for s in before):
+    before = view.status()
+    if before.terminal:
         say(f"run {run_id} already finished; nothing to cancel")
-        statuses = before
+        report = view.report(before, with_stderr=False)
     else:
         say(f"cancelling run {run_id} ...")
-        statuses = view.cancel()
-        view.report(statuses, with_stderr=False)  # caches the final state in the registry
-    emit({"run_id": run_id, "replicas": statuses}, fmt, lambda console: render_cancel(console, run_id, statuses))
+        try:
+            status = view.cancel()
+            report = view.wait(poll_interval_s=0.2)[0] if wait else view.report(status, with_stderr=False)
+        except KeyboardInterrupt:
+            say(f"stopped waiting; the replicas of {run_id} are being stopped all the same "
+                f"(`diloco cancel {run_id}` again stops them at once)")
+            raise typer.Exit(exit_codes.INTERRUPTED) from None
+    emit(report, fmt, lambda console: render_cancel(console, report))
 
 
 @app.command("runs", epilog=EPILOG)
@@ -388,6 +530,10 @@ def runs_(fmt: FormatOpt = OutputFormat.table) -> None:
 from diloco.cli import s3_commands  # noqa: E402 - registers `smoke` and `doctor` on the app
 
 s3_commands.register(app, EPILOG)
+
+from diloco.cli import housekeeping as housekeeping_commands  # noqa: E402 - registers `rm` and `prune`
+
+housekeeping_commands.register(app, EPILOG)
 
 
 # ------------------------------------------------------------------------------------------------ entry

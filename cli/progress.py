@@ -56,10 +56,12 @@ class RunProgress:
     def update(self, report: RunReport) -> None:
         if self._live is not None:
             elapsed = fmt_duration(time.time() - report.created_at)
-            self._last = replica_table(report, title=f"{report.run_id}: {report.state.value}, {elapsed} since launch")
+            size = self.console.size
+            self._last = replica_table(report, title=f"{report.run_id}: {report.state.value}, {elapsed} since launch",
+                                       width=size.width, max_rows=max(2, size.height - 4))
             self._live.update(self._last)
             return
-        for rep in report.replicas:
+        for rep in report.ranks:
             key = (rep.state.value, rep.step)
             if self._seen.get(rep.rank) == key:
                 continue

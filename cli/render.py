@@ -9,9 +9,11 @@ from __future__ import annotations
 import enum
 import errno
 import json
+import math
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -23,11 +25,13 @@ SCHEMA_VERSION = 1
 class OutputFormat(str, enum.Enum):
     table = "table"
     json = "json"
+    yaml = "yaml"
 
 
 #: The ``-o/--format`` option every read command takes.
-FormatOpt = Annotated[OutputFormat, typer.Option("-o", "--format", help="Output format: table or json.",
-                                                 metavar="table|json", case_sensitive=False)]
+FormatOpt = Annotated[OutputFormat, typer.Option("-o", "--format", help="Output format: table, json or yaml "
+                                                 "(yaml: the same data as json).", metavar="table|json|yaml",
+                                                 case_sensitive=False)]
 
 
 def _no_color() -> bool:
@@ -48,16 +52,17 @@ def _broken_pipe() -> None:
 
 def stdout_console() -> Console:
     """Console for data. Built per call so tests capturing ``sys.stdout`` see the output."""
-    console = Console(file=sys.stdout, no_color=_no_color(), highlight=False, soft_wrap=True,
-                      width=_width(sys.stdout))
+    console = Console(file=sys.stdout, no_color=_no_color(), highlight=False, soft_wrap=True, markup=False,
+                      emoji=False, width=_width(sys.stdout))
     console.on_broken_pipe = _broken_pipe  # type: ignore[method-assign]
     return console
 
 
 def stderr_console() -> Console:
-    """Console for narration, progress and errors; markup off so user data in brackets stays literal."""
-    return Console(file=sys.stderr, no_color=_no_color(), highlight=False, markup=False, soft_wrap=True,
-                   width=_width(sys.stderr))
+    """Console for narration, progress and errors; markup and emoji codes off, so user and trainer text
+    (``[r0]``, ``mypkg.train:train:``, ``:smile:``) prints literally."""
+    return Console(file=sys.stderr, no_color=_no_color(), highlight=False, markup=False, emoji=False,
+                   soft_wrap=True, width=_width(sys.stderr))
 
 
 def say(message: str) -> None:
@@ -66,25 +71,35 @@ def say(message: str) -> None:
 
 
 def to_jsonable(data: Any) -> Any:
-    """pydantic models, enums and containers to plain JSON values."""
+    """pydantic models, enums and containers to plain JSON values; NaN and infinities become ``null`` (JSON has
+    no such numbers, and ``NaN`` in the output would break every parser; reports flag divergence separately)."""
     if hasattr(data, "model_dump"):
-        return data.model_dump(mode="json")
+        return to_jsonable(data.model_dump(mode="python"))
     if isinstance(data, dict):
-        return {k: to_jsonable(v) for k, v in data.items()}
+        return {str(k): to_jsonable(v) for k, v in data.items()}
     if isinstance(data, (list, tuple)):
         return [to_jsonable(v) for v in data]
     if isinstance(data, enum.Enum):
         return data.value
+    if isinstance(data, float) and not math.isfinite(data):
+        return None
+    if isinstance(data, Path):
+        return str(data)
     return data
 
 
 def emit(data: Any, fmt: OutputFormat, table: Callable[[Console], None]) -> None:
     """Print ``data`` as JSON (with ``schema_version``) or call ``table`` to render it for humans, on stdout."""
-    if fmt == OutputFormat.json:
+    if fmt in (OutputFormat.json, OutputFormat.yaml):
         payload = to_jsonable(data)
         if isinstance(payload, dict):
             payload = {"schema_version": SCHEMA_VERSION, **payload}
-        sys.stdout.write(json.dumps(payload, indent=2, sort_keys=False) + "\n")
+        if fmt == OutputFormat.json:
+            sys.stdout.write(json.dumps(payload, indent=2, sort_keys=False, allow_nan=False) + "\n")
+        else:
+            import yaml
+
+            sys.stdout.write(yaml.safe_dump(payload, sort_keys=False, default_flow_style=False))
         sys.stdout.flush()
     else:
         table(stdout_console())

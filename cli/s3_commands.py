@@ -27,8 +27,15 @@ ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="YAML run
 _STATUS_STYLE = {"pass": "green", "fail": "bold red", "warn": "yellow", "skip": "dim"}
 
 
+def _complete_backends(incomplete: str) -> list[str]:
+    from diloco.executors import backend_names
+
+    return [name for name in backend_names() if name.startswith(incomplete)]
+
+
 def _checks_table(console: Console, checks: list[Any], title: str) -> None:
     from rich.table import Table
+    from rich.text import Text
 
     table = Table(title=title, title_justify="left", show_lines=False)
     table.add_column("check")
@@ -37,20 +44,17 @@ def _checks_table(console: Console, checks: list[Any], title: str) -> None:
     table.add_column("fix", overflow="fold")
     for c in checks:
         status = c.status.value
-        table.add_row(c.name, f"[{_STATUS_STYLE[status]}]{status}[/]", _literal(c.detail), _literal(c.fix or ""))
+        table.add_row(c.name, Text(status, style=_STATUS_STYLE[status]), c.detail, c.fix or "")  # printed literally
     console.print(table)
-
-
-def _literal(text: str) -> str:
-    from rich.markup import escape
-
-    return escape(text)
 
 
 def _render_smoke(console: Console, report: Any) -> None:
     from rich.table import Table
 
-    _checks_table(console, report.checks, f"diloco smoke: {report.replicas} replica(s) via {report.uri}")
+    from diloco.smoke import format_usd
+
+    _checks_table(console, report.checks, f"diloco smoke: {report.replicas} replica(s) on {report.backend} via "
+                                          f"{report.uri}")
     if report.round_stats:
         table = Table(title="per round (slowest rank; bytes summed over ranks)", title_justify="left")
         for col in ("round", "seconds", "sync s", "bytes written", "bytes read"):
@@ -59,49 +63,70 @@ def _render_smoke(console: Console, report: Any) -> None:
             table.add_row(str(r.round), f"{r.seconds:.2f}", f"{r.sync_s:.2f}", f"{r.bytes_written:,}",
                           f"{r.bytes_read:,}")
         console.print(table)
+    if report.billable_s is not None:
+        cost = f"; estimated cost {format_usd(report.cost_usd)}" if report.cost_usd is not None else ""
+        source = f" ({report.cost_source})" if report.cost_source else ""
+        console.print(f"billable: {report.billable_s:g} s over {report.replicas} replica(s){cost}{source}",
+                      markup=False)
     verdict = "PASSED" if report.ok else "FAILED"
     console.print(f"smoke {verdict} in {report.seconds:.1f}s" + (f"; logs kept in {report.log_dir}"
                                                                   if report.log_dir else ""), markup=False)
 
 
 def smoke(
+    backend: Annotated[str | None, typer.Option("--backend", "-b", help="Where the replicas run (default: the "
+                                                   "config's, else local processes).", metavar="NAME",
+                                                   show_default=False, autocompletion=_complete_backends)] = None,
     s3: S3Opt = None,
-    replicas: Annotated[int, typer.Option("--replicas", "-n", help="Number of local replica processes.", metavar="N")] = 2,
+    config: ConfigOpt = None,
+    role: Annotated[str | None, typer.Option("--role", help="Execution role ARN, for backends that take one.",
+                                                metavar="ARN", show_default=False)] = None,
+    image: Annotated[str | None, typer.Option("--image", help="Ready image URI, for backends that take one.",
+                                                 metavar="URI", show_default=False)] = None,
+    instance_type: Annotated[str | None, typer.Option("--instance-type", help="Instance type per replica, for "
+                                                         "backends that take one.", metavar="TYPE",
+                                                         show_default=False)] = None,
+    region: Annotated[str | None, typer.Option("--region", help="Cloud region, for backends that take one.",
+                                                  metavar="REGION", show_default=False)] = None,
+    replicas: Annotated[int, typer.Option("--replicas", "-n", help="Number of replicas.", metavar="N")] = 2,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Run it even though it costs money (the backend bills "
+                                         "for it); without it such a smoke only says how much and exits 2.")
+                   ] = False,
     keep: Annotated[bool, typer.Option("--keep", help="Keep the smoke's store prefix (and logs) afterwards.")
                     ] = False,
-    config: ConfigOpt = None,
-    timeout: Annotated[float, typer.Option("--timeout", help="Give up after this many seconds (exit 124).", metavar="SECONDS")] = 600.0,
+    timeout: Annotated[float, typer.Option("--timeout", help="Give up after this many seconds (exit 124); also "
+                                              "each replica's own time limit.", metavar="SECONDS")] = 600.0,
     fmt: FormatOpt = OutputFormat.table,
 ) -> None:
-    """Run a tiny DiLoCo job on local replicas through a store (S3 with --s3, else a temporary file:// one)
-    and check rounds, bitwise-identical final weights, per-round time and bytes.
+    """Run a tiny DiLoCo job (2 replicas of the built-in trainer, 4 steps, 2 rounds) on a backend through a store
+    (S3 with --s3, else a temporary file:// one where the replicas can reach it) and check that every replica
+    succeeded, that every round met in the store and that the final weights are bitwise identical; prints per-round
+    time and bytes, and the billable time and estimated cost where the backend bills.
 
+    A smoke that would cost money refuses to start without --yes and says how much it expects (exit 2).
     Exits 0 when every check passed, 1 when one failed, 124 when the replicas did not finish within --timeout.
 
     \b
     Examples:
-      diloco smoke                                 # file:// store in a temporary directory, ~10 s
+      diloco smoke                                 # local processes, file:// store in a temporary directory
       diloco smoke --s3 s3://my-bucket/diloco -n 4 # the same through S3, as cloud replicas would meet
+      diloco smoke --backend sagemaker --s3 s3://sagemaker-my-bucket/smoke --role ARN --yes
       diloco smoke -o json | jq .ok
     """
-    from diloco.s3 import resolve_s3_uri
-    from diloco.smoke import run_smoke
+    from diloco.smoke import resolve_target, run_smoke
 
-    rendezvous = None
-    if config is not None:
-        from diloco.config import resolve_config
-
-        rendezvous = resolve_config(config).store.rendezvous
-    uri = resolve_s3_uri(s3, rendezvous)
-    report = run_smoke(s3_uri=uri, replicas=replicas, keep=keep, timeout_s=timeout, progress=say)
+    flags = {"role": role, "image": image, "instance_type": instance_type, "region": region}
+    target = resolve_target(config_path=config, backend=backend, s3=s3, backend_flags=flags)
+    report = run_smoke(s3_uri=target.s3_uri, backend=target.backend, replicas=replicas, keep=keep, yes=yes,
+                       timeout_s=timeout, progress=say)
     emit(report, fmt, lambda console: _render_smoke(console, report))
     if not report.ok:
         raise typer.Exit(exit_codes.TIMEOUT if report.timed_out else exit_codes.FAILED)
 
 
 def doctor(
-    backend: Annotated[str | None, typer.Option("--backend", "-b", help="local, sagemaker or eks (default: the "
-                                                   "config's, else local).", show_default=False)] = None,
+    backend: Annotated[str | None, typer.Option("--backend", "-b", help="Backend name (default: the config's, else "
+                                                   "local).", metavar="NAME", show_default=False)] = None,
     s3: S3Opt = None,
     config: ConfigOpt = None,
     role: Annotated[str | None, typer.Option("--role", help="SageMaker execution role ARN (else the config's "
@@ -127,8 +152,8 @@ def doctor(
     """
     from diloco.doctor import resolve_inputs, run_doctor
 
-    ctx = resolve_inputs(backend=backend, s3_uri=s3, config_path=str(config) if config else None, role_arn=role,
-                         image_uri=image, namespace=namespace, kube_context=context)
+    options = {"role_arn": role, "image_uri": image, "image": image, "namespace": namespace, "kube_context": context}
+    ctx = resolve_inputs(backend=backend, s3_uri=s3, config_path=str(config) if config else None, options=options)
     report = run_doctor(ctx)
     emit(report, fmt, lambda console: _checks_table(console, report.checks, f"diloco doctor: {report.backend}"
                                                     + (f", {report.s3_uri}" if report.s3_uri else "")))

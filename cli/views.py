@@ -15,7 +15,7 @@ from diloco.errors import ERROR_PREFIX
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from diloco.executors.base import LaunchPlan, ReplicaStatus
+    from diloco.executors.base import LaunchPlan
     from diloco.orchestrate import ReplicaReport, RunReport, RunSummary
 
 STATE_STYLES = {
@@ -62,40 +62,94 @@ def _table(title: str | None = None) -> Table:
                  collapse_padding=True)
 
 
-def replica_table(report: RunReport, *, title: str | None = None) -> Table:
-    """Per replica: state, step/total, round, train/eval loss, tokens/s, seconds blocked in sync."""
+#: The replica table's columns, most important first: narrow terminals drop them from the end of this list.
+COLUMNS = (("replica", "right"), ("state", "left"), ("step", "right"), ("round", "right"), ("eval loss", "right"),
+           ("train loss", "right"), ("tok/s", "right"), ("sync s", "right"), ("exit", "right"))
+#: The order columns are shown in (a subset of COLUMNS, in reading order).
+_ORDER = ("replica", "state", "exit", "step", "round", "train loss", "eval loss", "tok/s", "sync s")
+
+
+def _cells(rep: ReplicaReport) -> dict[str, str | Text]:
+    return {"replica": f"r{rep.rank}", "state": state_text(rep.state.value),
+            "exit": "-" if rep.exit_code is None else str(rep.exit_code), "step": fmt_step(rep),
+            "round": "-" if rep.round is None else str(rep.round), "train loss": fmt_loss(rep.train_loss),
+            "eval loss": fmt_loss(rep.eval_loss), "tok/s": fmt_num(rep.tokens_per_s),
+            "sync s": fmt_num(rep.sync_s, ".1f")}
+
+
+def _fitting_columns(rows: list[dict[str, str | Text]], width: int | None) -> list[str]:
+    """The most important columns whose widths (plus a separating space) fit in ``width``."""
+    if width is None:
+        return list(_ORDER)
+    kept: list[str] = []
+    used = 0
+    for name, _ in COLUMNS:
+        need = max([len(name)] + [len(str(r[name])) for r in rows]) + 2  # Rich pads every cell by one each side
+        if used + need > width and kept:
+            break
+        kept.append(name)
+        used += need
+    return [name for name in _ORDER if name in kept]
+
+
+def replica_table(report: RunReport, *, title: str | None = None, width: int | None = None,
+                  max_rows: int | None = None) -> Table:
+    """Per replica: state, step/total, round, train/eval loss, tokens/s, seconds blocked in sync.
+
+    ``width`` drops the least important columns that do not fit; ``max_rows`` shows the replicas that most need
+    attention (failed, then not running, then the rest by rank) and one summary line for those hidden.
+    """
+    rows = [_cells(rep) for rep in report.ranks]
+    columns = _fitting_columns(rows, width)
+    justify = dict(COLUMNS)
     table = _table(title)
-    for name, justify in (("replica", "right"), ("state", "left"), ("exit", "right"), ("step", "right"),
-                          ("round", "right"), ("train loss", "right"), ("eval loss", "right"),
-                          ("tok/s", "right"), ("sync s", "right")):
-        table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
-    for rep in report.replicas:
-        table.add_row(
-            f"r{rep.rank}", state_text(rep.state.value), "-" if rep.exit_code is None else str(rep.exit_code),
-            fmt_step(rep), "-" if rep.round is None else str(rep.round), fmt_loss(rep.train_loss),
-            fmt_loss(rep.eval_loss), fmt_num(rep.tokens_per_s), fmt_num(rep.sync_s, ".1f"),
-        )
+    for name in columns:
+        table.add_column(name, justify=justify[name], no_wrap=True)  # type: ignore[arg-type]
+    shown = list(range(len(rows)))
+    if max_rows is not None and len(rows) > max_rows:
+        urgency = {"failed": 0, "cancelling": 1, "preempted": 1, "pending": 2, "unknown": 2}
+        shown = sorted(shown, key=lambda i: (urgency.get(report.ranks[i].state.value, 3), i))[:max(1, max_rows - 1)]
+        shown.sort()
+    for i in shown:
+        table.add_row(*(rows[i][name] for name in columns))
+    hidden = [report.ranks[i] for i in range(len(rows)) if i not in set(shown)]
+    if hidden:
+        counts: dict[str, int] = {}
+        for rep in hidden:
+            counts[rep.state.value] = counts.get(rep.state.value, 0) + 1
+        summary = ", ".join(f"{n} {state}" for state, n in sorted(counts.items()))
+        table.caption = f"+{len(hidden)} more replicas not shown: {summary}"
+        table.caption_justify = "left"
     return table
 
 
 def render_run(console: Console, report: RunReport) -> None:
     """The status/summary view of one run."""
     header = Text.assemble(("run ", ""), (report.run_id, "bold"), ": ", state_text(report.state.value),
-                           f"  ({report.world_size} replicas, {report.backend})")
+                           f"  ({report.replicas} replicas, {report.backend})")
     console.print(header)
-    console.print(replica_table(report))
-    if report.initial_eval_loss is not None and report.final_eval_loss is not None:
-        console.print(f"eval loss: {report.initial_eval_loss:.3f} -> {report.final_eval_loss:.3f} "
+    console.print(replica_table(report, width=console.width if console.is_terminal else None))
+    if report.initial_eval_loss is not None and report.latest_eval_loss is not None:
+        console.print(f"eval loss: {report.initial_eval_loss:.3f} -> {report.latest_eval_loss:.3f} "
                       f"(mean over replicas, before training -> latest)")
+    if report.billable_s is not None:
+        cost = ""
+        if report.cost_usd is not None:
+            sources = {r.cost_source for r in report.ranks if r.cost_source}
+            cost = f", estimated cost ${report.cost_usd:.4f}" + (f" ({'; '.join(sorted(sources))})" if sources else "")
+        console.print(f"billable: {fmt_duration(report.billable_s)} over all replicas{cost}")
+    if report.diverged:
+        console.print("diverged: some replica recorded a NaN or infinite loss (shown as -)")
     if report.weights_identical is not None or report.weights_detail:
         verdict = {True: "identical", False: "DIFFERENT", None: "not checked"}[report.weights_identical]
         console.print(f"final weights: {verdict}: {report.weights_detail}")
     if report.model_path:
         console.print(f"model: {report.model_path}")
     by_reason: dict[str, list[str]] = {}  # "r0, r2: cancelled (stopped by SIGTERM)", not one line per replica
-    for rep in report.replicas:
-        if rep.reason and rep.state.value != "succeeded":
-            by_reason.setdefault(rep.reason, []).append(f"r{rep.rank}")
+    for rep in report.ranks:
+        why = failure_why(rep) if rep.state.value == "failed" else rep.reason
+        if why and rep.state.value != "succeeded":
+            by_reason.setdefault(why, []).append(f"r{rep.rank}")
     for reason, ranks in by_reason.items():
         console.print(f"{', '.join(ranks)}: {reason}")
 
@@ -123,7 +177,7 @@ def failure_lines(report: RunReport, run_ref: str) -> list[str]:
             lines += [f"    {line}" for line in rep.stderr_tail]
     if lines:
         lines.append(f"full logs: diloco logs {run_ref} -r {report.failed[0].rank}")
-        running = [str(r.rank) for r in report.replicas if not r.state.is_terminal]
+        running = [str(r.rank) for r in report.ranks if not r.state.is_terminal]
         if running:
             lines.append(f"replica(s) {', '.join(running)} still running: they wait for the failed replica until "
                          f"store.timeout_s; stop them with: diloco cancel {run_ref}")
@@ -133,21 +187,21 @@ def failure_lines(report: RunReport, run_ref: str) -> list[str]:
 def render_plan(console: Console, plan: LaunchPlan) -> None:
     """The dry run: what would be launched, per replica, and the fact that nothing was."""
     spec = plan.spec
-    console.print(Text.assemble("dry run ", (spec.run_id, "bold"), f": {spec.n_replicas} replicas on ",
+    console.print(Text.assemble("dry run ", (spec.run_id, "bold"), f": {spec.replicas} replicas on ",
                                 (plan.backend, "bold"), " (nothing launched)"))
     console.print(f"rendezvous: {spec.entrypoint_args.rendezvous_uri}")
-    for replica in plan.replicas:
-        req = replica.request
-        console.print(Text(f"replica {replica.rank}:", style="bold"))
-        if "argv" in req:
-            console.print(f"  argv: {shlex.join(req['argv'])}")
-            console.print("  env:  " + " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(req["env"].items())))
-            console.print(f"  cwd:  {req['cwd']}")
-            console.print(f"  logs: {req['log_dir']}")
+    for request in plan.requests:
+        label = f"replica {request['rank']}:" if "rank" in request else "request:"
+        console.print(Text(label, style="bold"))
+        if "argv" in request:
+            console.print(f"  argv: {shlex.join(request['argv'])}")
+            console.print("  env:  " + " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(request["env"].items())))
+            console.print(f"  cwd:  {request['cwd']}")
+            console.print(f"  logs: {request['log_dir']}")
         else:
             import json
 
-            console.print(json.dumps(req, indent=2, default=str))
+            console.print(json.dumps(request, indent=2, default=str))
 
 
 def render_runs(console: Console, runs: list[RunSummary]) -> None:
@@ -162,10 +216,10 @@ def render_runs(console: Console, runs: list[RunSummary]) -> None:
     console.print(table)
 
 
-def render_cancel(console: Console, run_id: str, statuses: list[ReplicaStatus]) -> None:
-    table = _table(f"run {run_id}")
+def render_cancel(console: Console, report: RunReport) -> None:
+    table = _table(f"run {report.run_id}: {report.state.value}")
     for name in ("replica", "state", "reason"):
         table.add_column(name)
-    for s in statuses:
-        table.add_row(f"r{s.rank}", state_text(s.state.value), s.reason or "")
+    for rep in report.ranks:
+        table.add_row(f"r{rep.rank}", state_text(rep.state.value), rep.reason or "")
     console.print(table)

@@ -37,3 +37,17 @@ def slow(*, manager: Any, rank: int, world_size: int, total_steps: int, sync_eve
                     total_steps=total_steps, train_loss=4.0, eval_loss=4.0)
     _metric(manager, rank, rows, kind="final", round=total_steps // sync_every, step=total_steps,
             total_steps=total_steps, train_loss=4.0, eval_loss=4.0)
+
+
+def diverge(*, manager: Any, rank: int, world_size: int, total_steps: int, sync_every: int, **_: Any) -> None:
+    """A run whose losses blew up: NaN and infinity in the metrics, as a diverged trainer writes them."""
+    rows: list[str] = []
+    _metric(manager, rank, rows, kind="init", round=0, step=0, total_steps=total_steps, eval_loss=5.0)
+    _metric(manager, rank, rows, kind="final", round=1, step=total_steps, total_steps=total_steps,
+            train_loss=float("nan"), eval_loss=float("inf"), tokens_per_s=float("-inf"))
+
+
+def crash_with_text(*, manager: Any, rank: int, world_size: int, total_steps: int, sync_every: int,
+                    text: str = "", **_: Any) -> None:
+    """Every rank raises with ``text`` in the message (markup- or emoji-like text must print literally)."""
+    raise RuntimeError(text)

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from diloco.cli.main import app
 from diloco.executors.base import EntrypointArgs, LaunchSpec, RunState
-from diloco.executors.local import LocalProcessExecutor
+from diloco.executors.local import LocalBackend, LocalBackendConfig, LocalProcess, LocalRunHandle
 from diloco.executors.local_supervisor import group_members
 from diloco.runs import RunRecord, RunRegistry
 
@@ -57,17 +57,24 @@ def fake_run(home: Path, tmp_path: Path, n: int = 2, **behaviour: object) -> Run
     store = tmp_path / "store"
     store.mkdir(exist_ok=True)
     run_id = f"diloco-20240101-000000-{len(list(home.glob('runs/*.json'))) if home.exists() else 0:04x}"
-    executor = LocalProcessExecutor(grace_period_s=2.0)
+    backend = LocalBackend(LocalBackendConfig(grace_period_s=2.0))
     args = EntrypointArgs(rendezvous_uri=f"file://{store}", world_size=n, trainer="fake:train",
                           trainer_kwargs=dict(behaviour))
-    spec = LaunchSpec(run_id=run_id, n_replicas=n, entrypoint="fake_replica", entrypoint_args=args,
+    spec = LaunchSpec(run_id=run_id, replicas=n, entrypoint="fake_replica", entrypoint_args=args,
                       env={"PYTHONPATH": TESTS_DIR})
-    handles = executor.submit(executor.plan(spec))
+    handle = backend.submit(backend.plan(spec))
     record = RunRecord(run_id=run_id, backend="local", created_at=time.time(), rendezvous_uri=f"file://{store}",
-                       world_size=n, config={"store": {"poll_interval_s": 0.1}},
-                       executor_options={"log_root": None, "grace_period_s": 2.0, "python": None}, handles=handles)
+                       replicas=n, config={"store": {"poll_interval_s": 0.1},
+                                           "backend": backend.config.model_dump(mode="json")},
+                       handle=handle.model_dump(mode="json"))
     RunRegistry().save(record)
     return record
+
+
+def processes(record: RunRecord) -> list[LocalProcess]:
+    """The supervisors of a local run, in rank order."""
+    assert record.handle is not None
+    return LocalRunHandle.model_validate(record.handle).processes
 
 
 # ---------------------------------------------------------------------------------------------- start-up
@@ -116,9 +123,9 @@ def test_dry_run_prints_requests_and_launches_nothing(home: Path) -> None:
     plan = json.loads(result.stdout)
     assert plan["schema_version"] == 1 and plan["backend"] == "local"
     run_id = plan["spec"]["run_id"]
-    assert [r["rank"] for r in plan["replicas"]] == [0, 1, 2, 3]
-    for r in plan["replicas"]:
-        req = r["request"]
+    assert [r["rank"] for r in plan["requests"]] == [0, 1, 2, 3]
+    for r in plan["requests"]:
+        req = r
         assert req["argv"][1:3] == ["-m", "diloco.replica_entrypoint"]
         assert req["env"]["REPLICA_RANK"] == str(r["rank"]) and req["env"]["WORLD_SIZE"] == "4"
         assert req["env"]["DILOCO_RUN_ID"] == run_id
@@ -132,8 +139,8 @@ def test_dry_run_prints_requests_and_launches_nothing(home: Path) -> None:
 @pytest.mark.parametrize(("args", "message"), [
     (["--replicas", "0"], "replicas: must be >= 1 (got 0)"),
     (["--backend", "ec2"], "backend: must be one of local, sagemaker, eks (got 'ec2')"),
-    (["--backend", "sagemaker"], "backend: 'sagemaker' is not available in this version yet"),
-    (["--backend", "eks", "--rendezvous", "s3://b/x"], "backend: 'eks' is not available in this version yet"),
+    (["--backend", "nomad"], "backend: must be one of local, sagemaker, eks (got 'nomad')"),
+    (["--backend", "sagemaker"], "store.rendezvous: required for the sagemaker backend"),
     (["--no-such-flag"], "No such option: --no-such-flag"),
     (["--replicas", "many"], "Invalid value for '--replicas'"),
     (["--set", "train.nope=1"], "train.nope: unknown key"),
@@ -174,8 +181,11 @@ def test_runs_lists_nothing_then_json(home: Path) -> None:
 # ---------------------------------------------------------------------------------------------- run commands
 def test_logs_merge_replicas_in_time_order_with_prefixes(home: Path, tmp_path: Path) -> None:
     record = fake_run(home, tmp_path, n=3, lines=4, line_gap=0.05)
-    result = runner.invoke(app, ["collect", "-o", "json"])  # waits for the run to end
+    result = runner.invoke(app, ["status", "--watch", "-o", "json"])  # waits for the run to end
     assert result.exit_code == 0, result.output
+    # fake replicas write no model: collect cannot check one, so it is not "every check passed"
+    collected = runner.invoke(app, ["collect"])
+    assert collected.exit_code == 1 and "the final weights could not be checked" in collected.stderr
 
     out = runner.invoke(app, ["logs"])
     assert out.exit_code == 0
@@ -185,15 +195,15 @@ def test_logs_merge_replicas_in_time_order_with_prefixes(home: Path, tmp_path: P
     assert "[r1] rank 1 line 3" in lines and "[r2] rank 2 says hello on stderr" in lines
     # time order: the merge follows the supervisors' timestamps
     stamps = {}
-    for h in record.handles:
-        for raw in Path(h.data["log_dir"], "combined.log").read_text().splitlines():
+    for h in processes(record):
+        for raw in Path(h.log_dir, "combined.log").read_text().splitlines():
             ts, _, text = raw.split(" ", 2)
             stamps[f"[r{h.rank}] {text}"] = float(ts)
     assert [stamps[line] for line in lines] == sorted(stamps[line] for line in lines)
 
     only = runner.invoke(app, ["logs", record.run_id, "-r", "0,2", "--tail", "1"])
-    last = {h.rank: Path(h.data["log_dir"], "combined.log").read_text().splitlines()[-1].split(" ", 2)[2]
-            for h in record.handles}
+    last = {h.rank: Path(h.log_dir, "combined.log").read_text().splitlines()[-1].split(" ", 2)[2]
+            for h in processes(record)}
     assert sorted(only.stdout.splitlines()) == [f"[r0] {last[0]}", f"[r2] {last[2]}"]
     bad = runner.invoke(app, ["logs", "-r", "7"])
     assert bad.exit_code == 2 and "replica 7 does not exist" in bad.stderr
@@ -205,7 +215,7 @@ def test_status_and_collect_report_a_failed_replica_and_why(home: Path, tmp_path
     assert result.exit_code == 1
     report = json.loads(result.stdout)
     assert report["state"] == "failed"
-    failed = report["replicas"][1]
+    failed = report["ranks"][1]
     assert failed["state"] == "failed" and failed["exit_code"] == 3
     assert failed["stderr_tail"][-1] == "rank 1: injected failure"
     assert "replica 1 failed with exit code 3: rank 1: injected failure" in result.stderr
@@ -217,16 +227,16 @@ def test_status_and_collect_report_a_failed_replica_and_why(home: Path, tmp_path
 def test_cancel_stops_every_process_and_collect_then_exits_4(home: Path, tmp_path: Path) -> None:
     record = fake_run(home, tmp_path, n=2, sleep=120, spawn_child=True)
     deadline = time.monotonic() + 20
-    while not all(Path(h.data["log_dir"], "child.json").exists() for h in record.handles):
+    while not all(Path(h.log_dir, "child.json").exists() for h in processes(record)):
         assert time.monotonic() < deadline
         time.sleep(0.05)
     status = runner.invoke(app, ["status", "-o", "json"])
-    assert [r["state"] for r in json.loads(status.stdout)["replicas"]] == ["running", "running"]
+    assert [r["state"] for r in json.loads(status.stdout)["ranks"]] == ["running", "running"]
 
     result = runner.invoke(app, ["cancel", "-o", "json"])
     assert result.exit_code == 0, result.output
-    assert [r["state"] for r in json.loads(result.stdout)["replicas"]] == ["cancelled", "cancelled"]
-    assert all(group_members(h.data["pid"]) == [] for h in record.handles)
+    assert [r["state"] for r in json.loads(result.stdout)["ranks"]] == ["cancelled", "cancelled"]
+    assert all(group_members(h.pid) == [] for h in processes(record))
     assert processes_with_env(record.run_id) == []
 
     shown = runner.invoke(app, ["status"])
@@ -258,7 +268,7 @@ def test_follow_and_watch_end_with_the_run(home: Path, tmp_path: Path) -> None:
     assert followed.stdout.splitlines()[:6] == [f"[r1] rank 1 line {i}" for i in range(6)]
     watched = runner.invoke(app, ["status", "--watch", "-o", "json"])
     assert watched.exit_code == 1  # the run failed: --watch exits like collect
-    assert json.loads(watched.stdout)["replicas"][0]["exit_code"] == 2
+    assert json.loads(watched.stdout)["ranks"][0]["exit_code"] == 2
 
 
 def test_unwritable_diloco_home_is_a_usage_error_naming_it(tmp_path: Path) -> None:

@@ -64,7 +64,7 @@ def wait_until_running(home: Path, n: int, timeout: float = 60) -> str:
         if ids:
             status = cli("status", ids[0], "-o", "json", home=home, cwd=TESTS_DIR)
             if status.returncode == 0:
-                reps = json.loads(status.stdout)["replicas"]
+                reps = json.loads(status.stdout)["ranks"]
                 if len(reps) == n and all(r["state"] == "running" and r["step"] is not None for r in reps):
                     return ids[0]
         time.sleep(0.3)
@@ -86,9 +86,9 @@ def test_four_replicas_train_agree_and_report(tmp_path: Path) -> None:
     assert collect.returncode == 0, collect.stderr
     report = json.loads(collect.stdout)
     assert report["run_id"] == run_id and report["state"] == "succeeded"
-    assert [r["state"] for r in report["replicas"]] == ["succeeded"] * 4
+    assert [r["state"] for r in report["ranks"]] == ["succeeded"] * 4
     assert report["weights_identical"] is True
-    for rep in report["replicas"]:
+    for rep in report["ranks"]:
         assert rep["step"] == 40 and rep["round"] == 2 and rep["finished_training"]
         assert rep["eval_loss"] < rep["initial_eval_loss"]
     assert report["final_eval_loss"] < report["initial_eval_loss"]
@@ -129,8 +129,8 @@ def test_crashing_replica_fails_launch_and_collect_naming_it(tmp_path: Path) -> 
     assert collect.returncode == 1
     report = json.loads(collect.stdout)
     assert report["state"] == "failed"
-    assert [r["state"] for r in report["replicas"]] == ["cancelled", "failed", "cancelled"]
-    assert report["replicas"][1]["exit_code"] == 1
+    assert [r["state"] for r in report["ranks"]] == ["cancelled", "failed", "cancelled"]
+    assert report["ranks"][1]["exit_code"] == 1
     assert "replica 1 failed with exit code 1" in collect.stderr
     assert processes_of(run_id) == []
 
@@ -164,7 +164,7 @@ def test_ctrl_c_stops_waiting_but_not_the_run(tmp_path: Path) -> None:
         assert launch.returncode == 130
         assert f"diloco cancel {run_id}" in err
         status = json.loads(cli("status", run_id, "-o", "json", home=home, cwd=TESTS_DIR).stdout)
-        assert [r["state"] for r in status["replicas"]] == ["running", "running"]
+        assert [r["state"] for r in status["ranks"]] == ["running", "running"]
     finally:
         assert cli("cancel", run_id, home=home, cwd=TESTS_DIR).returncode == 0
     assert processes_of(run_id) == []

@@ -1,0 +1,137 @@
+"""`diloco rm` and `diloco prune`: parse, one call into ``diloco.housekeeping``, render.
+
+Both print one row per run considered (a table, or ``-o json``: the same pydantic report) on stdout and a one-line
+summary on stderr. A run that has not ended is never removed: ``rm`` of one exits 1 and says how to stop it;
+``prune`` lists it as kept and goes on. ``--dry-run`` removes nothing and shows what would go.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from diloco.cli import exit_codes
+from diloco.cli.errors import command
+from diloco.cli.render import FormatOpt, OutputFormat, emit, say
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print what would be removed; remove nothing.")]
+
+
+def fmt_bytes(n: int) -> str:
+    """``512 B``, ``4.2 kB``, ``3.8 MB``, ``1.2 GB`` (decimal units, as ``du --si`` and cloud consoles show)."""
+    size = float(n)
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if size < 1000 or unit == "TB":
+            return f"{int(size)} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    raise AssertionError("unreachable")
+
+
+def _action(run: Any, dry_run: bool) -> str:
+    if run.removed:
+        return "would remove" if dry_run else "removed"
+    return "kept"
+
+
+def _render(console: Console, report: Any, empty: str) -> None:
+    from diloco.cli.views import _table, fmt_time, state_text
+
+    if not report.runs:
+        console.print(empty)
+        return
+    table = _table()
+    for name, justify in (("run", "left"), ("created", "left"), ("state", "left"), ("action", "left"),
+                          ("store objects", "right"), ("store bytes", "right"), ("why kept", "left")):
+        table.add_column(name, justify=justify, no_wrap=name != "why kept")  # type: ignore[arg-type]
+    for run in report.runs:
+        table.add_row(run.run_id, fmt_time(run.created_at), state_text(run.state.value),
+                      _action(run, report.dry_run), str(run.store_objects) if run.removed else "-",
+                      fmt_bytes(run.store_bytes) if run.removed else "-", run.reason or "")
+    console.print(table)
+
+
+def _narrate(report: Any) -> None:
+    """The summary line, what was left behind, and how to stop a run that was kept because it is going."""
+    verb = "would remove" if report.dry_run else "removed"
+    for run in report.runs:
+        for warning in run.warnings:
+            say(f"run {run.run_id}: {warning}")
+        if run.removed and run.store_kept:
+            shown = ", ".join(run.store_kept[:3]) + (" ..." if len(run.store_kept) > 3 else "")
+            say(f"run {run.run_id}: {len(run.store_kept)} object(s) under {run.rendezvous_uri} were not written "
+                f"by diloco and were left alone ({shown})")
+        if not run.removed and not run.state.is_terminal:
+            say(f"run {run.run_id} is {run.state.value}: not removed (stop it first: diloco cancel {run.run_id})")
+        elif not run.removed:
+            say(f"run {run.run_id}: not removed: {run.reason}")
+    if report.removed or report.kept:
+        say(f"{verb} {report.removed} run(s), {fmt_bytes(report.store_bytes)} of store objects"
+            + (f"; kept {report.kept}" if report.kept else "") + (" (dry run: nothing removed)" if report.dry_run
+                                                                  else ""))
+
+
+def rm(
+    runs: Annotated[list[str], typer.Argument(help="Run ids, unique parts of them (e.g. the 4-hex suffix), or "
+                                                   "'latest'.", metavar="RUN", show_default=False)],
+    dry_run: DryRunOpt = False,
+    fmt: FormatOpt = OutputFormat.table,
+) -> None:
+    """Remove runs that have ended: their record, their logs and run directory, and their objects under the run's
+    rendezvous prefix (file:// or s3://; nothing outside that prefix).
+
+    A run still pending, running or cancelling is never removed: it is listed as kept and the exit code is 1
+    (stop it first with diloco cancel RUN). Every RUN is looked up before anything is removed, so a typo
+    removes nothing (exit 2). Exits 0 when every run given was removed.
+
+    \b
+    Examples:
+      diloco rm 7c98                   # one run, by any unique part of its id
+      diloco rm 7c98 a1b2 --dry-run    # what would go, and how many bytes of store objects
+      diloco rm latest -o json
+    """
+    from diloco.housekeeping import remove_runs
+
+    report = remove_runs(runs, dry_run=dry_run)
+    emit(report, fmt, lambda console: _render(console, report, "nothing to remove"))
+    _narrate(report)
+    if report.kept:
+        raise typer.Exit(exit_codes.FAILED)
+
+
+def prune(
+    older_than: Annotated[str, typer.Option("--older-than", help="Remove runs that ended more than this long ago "
+                                                                 "(30m, 12h, 7d, 2w).", metavar="AGE",
+                                            show_default=False)],
+    dry_run: DryRunOpt = False,
+    fmt: FormatOpt = OutputFormat.table,
+) -> None:
+    """Remove every recorded run that ended more than AGE ago (by its last replica's end, else its creation time):
+    its record, logs and store objects, as diloco rm does. Runs still going are listed as kept and left alone.
+
+    Exits 0 unless a finished run could not be removed (1, e.g. its store was unreachable).
+
+    \b
+    Examples:
+      diloco prune --older-than 7d --dry-run   # what would go
+      diloco prune --older-than 12h
+      diloco prune --older-than 2w -o json | jq -r '.runs[] | select(.removed) | .run_id'
+    """
+    from diloco.housekeeping import parse_duration, prune_runs
+
+    seconds = parse_duration(older_than, field="--older-than")
+    report = prune_runs(seconds, dry_run=dry_run)
+    emit(report, fmt, lambda console: _render(console, report, f"nothing to prune: no run ended more than "
+                                                                f"{older_than} ago"))
+    _narrate(report)
+    if any(not run.removed and run.state.is_terminal for run in report.runs):
+        raise typer.Exit(exit_codes.FAILED)
+
+
+def register(app: typer.Typer, epilog: str) -> None:
+    """Add ``rm`` and ``prune`` to ``app``."""
+    app.command("rm", epilog=epilog)(command(rm))
+    app.command("prune", epilog=epilog)(command(prune))

@@ -1,0 +1,469 @@
+"""Housekeeping: remove finished runs (``diloco rm``, ``diloco prune``) and shrink a finished run's store.
+
+A run leaves three things behind, and removing it removes all three, in this order, so that an interrupted removal
+can simply be repeated (the record, which is what finds the rest, goes last):
+
+1. its objects in the rendezvous store (``file://`` or ``s3://``, through ``ObjectStore``), and only those under its
+   own prefix: a listing is of ``<prefix>/`` and never of a sibling such as ``<prefix>-2/``. Everything under the
+   prefix is removed only when the store's ``run.json`` names this run (``launch`` refuses a prefix that is not
+   empty, so then every object there arrived with or after this run); without that proof only the keys of the
+   store layout (``diloco.layout``) are removed, and a prefix whose ``run.json`` names another run is left alone;
+2. what its backend keeps of its own (the local backend: the run directory with logs and exit records), by asking
+   the backend (``Backend.remove``): nothing here knows a backend's files;
+3. its record in the run registry.
+
+A run that is still going is never removed: every replica its backend reports on must have ended, and a replica
+the backend can no longer tell about (its files deleted, a Job removed by a TTL) counts as ended only when the
+record cached a terminal state (``final_state``) before.
+
+``compact_store`` is the other half: a finished run keeps every rank's final weights and the last round's
+contributions, about 2 x N x the model's size. Once the weight check has found every rank's copy identical, one
+copy (rank 0's) is all that carries information; the others and the contributions are deleted, and a small
+``final/compacted.json`` records the verdict and the kept copy's SHA-256, so a later ``collect`` can still say
+"identical" without the copies it no longer has (``compacted_verdict``).
+
+Nothing here prints: every function returns a pydantic report that the CLI renders. torch is imported only by
+the weight check, inside the functions that need it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, Field
+
+from diloco.errors import ConfigError, CorruptObjectError, DilocoError, ObjectNotFound
+from diloco.executors.base import ReplicaState, RunState
+from diloco.layout import FINAL_KEY, RUN_INFO_KEY
+from diloco.runs import RunRecord, RunRegistry
+
+if TYPE_CHECKING:
+    from diloco.executors.base import Backend, RunHandle
+    from diloco.store import ObjectStore
+    from diloco.weights import WeightsCheck
+
+#: Written by ``compact_store``: the weight check's verdict and the checksum of the one copy kept.
+COMPACTED_KEY = "final/compacted.json"
+#: The rank whose final weights a compacted store keeps.
+KEPT_RANK = 0
+
+#: Keys the replicas and the launcher write (``diloco.layout``, ``diloco.allreduce``): the only ones removed from
+#: a prefix whose ``run.json`` does not prove it belongs to the run.
+_LAYOUT_KEY = re.compile(r"(round_\d{6}/rank_\d{4}\.safetensors|metrics/rank_\d{4}\.jsonl|progress/rank_\d{4}\.json"
+                         r"|final/rank_\d{4}\.safetensors|final/compacted\.json)")
+_CONTRIBUTION_KEY = re.compile(r"round_\d{6}/rank_\d{4}\.safetensors")
+_FINAL_RANK_KEY = re.compile(r"final/rank_(\d{4})\.safetensors")
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw])")
+_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+# ---------------------------------------------------------------------------------------------- reports
+class RunRemoval(BaseModel):
+    """One run that ``rm``/``prune`` removed (or, with ``dry_run``, would remove), or kept and why.
+
+    The run's own fields use the words of ``diloco runs`` and ``diloco status`` (``replicas`` is a count)."""
+
+    run_id: str
+    backend: str
+    state: RunState
+    replicas: int
+    created_at: float
+    ended_at: float | None = None  # when its last replica ended, when the backend still knows
+    rendezvous_uri: str
+    removed: bool  # True: gone (dry run: would be); False: kept, see ``reason``
+    reason: str | None = None  # why it was kept
+    record_path: str  # its registry record
+    files: list[str] = Field(default_factory=list)  # what its backend removed of its own (local: the run directory)
+    store_objects: int = 0  # objects removed from its rendezvous prefix
+    store_bytes: int = 0  # their size
+    store_kept: list[str] = Field(default_factory=list)  # objects left under the prefix (not provably the run's)
+    warnings: list[str] = Field(default_factory=list)  # e.g. a backend that could not be asked to remove its files
+
+
+class RemovalReport(BaseModel):
+    """What ``diloco rm`` / ``diloco prune`` did; ``-o json`` prints exactly this (plus ``schema_version``)."""
+
+    dry_run: bool
+    older_than_s: float | None = None  # prune only: the age limit in seconds
+    runs: list[RunRemoval]  # every run considered, in the order given (rm) or oldest first (prune)
+    removed: int  # how many runs were (dry run: would be) removed
+    kept: int  # how many were not (still running, or an error)
+    store_bytes: int  # bytes of store objects removed (dry run: that would be)
+
+    @classmethod
+    def of(cls, runs: list[RunRemoval], *, dry_run: bool, older_than_s: float | None = None) -> RemovalReport:
+        removed = [r for r in runs if r.removed]
+        return cls(dry_run=dry_run, older_than_s=older_than_s, runs=runs, removed=len(removed),
+                   kept=len(runs) - len(removed), store_bytes=sum(r.store_bytes for r in removed))
+
+
+class CompactReport(BaseModel):
+    """What ``compact_store`` did to a finished run's store."""
+
+    compacted: bool  # the store holds one copy of the agreed weights (now or from an earlier call)
+    detail: str  # one line: why not, or what was kept
+    kept_key: str | None = None  # the copy kept
+    deleted: list[str] = Field(default_factory=list)  # keys deleted by this call
+    bytes_freed: int = 0  # their size
+
+
+class CompactionMarker(BaseModel):
+    """``final/compacted.json``: the verdict the copies gave before they were deleted, and the kept copy's hash."""
+
+    world_size: int
+    kept_key: str
+    sha256: str  # of the kept object's bytes
+    size: int
+    tensor_count: int
+    value_count: int
+    compacted_at: float
+
+
+# ---------------------------------------------------------------------------------------------- durations
+def parse_duration(text: str, *, field: str = "duration") -> float:
+    """``30m``, ``12h``, ``7d``, ``2w`` (also ``90s``, ``1.5h``) in seconds; ``ConfigError`` naming ``field``.
+
+    A unit is required: a bare ``7`` could mean days or seconds, and guessing wrong deletes the wrong runs."""
+    match = _DURATION.fullmatch(text.strip().lower())
+    if match is None:
+        raise ConfigError(f"{field}: expected a duration such as 30m, 12h, 7d or 2w (got {text!r})",
+                          hint="units: s, m, h, d, w")
+    return float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+
+
+# ---------------------------------------------------------------------------------------------- run state
+@dataclass
+class RunCondition:
+    """Whether a recorded run has ended, as its backend says (or, where it cannot tell, as its record remembers)."""
+
+    state: RunState
+    going: list[int] = field(default_factory=list)  # replicas the backend reports as not ended yet
+    unknown: list[int] = field(default_factory=list)  # replicas whose state the backend cannot tell
+    ended_at: float | None = None
+    backend: Backend[Any, Any] | None = None
+    handle: RunHandle | None = None
+    problem: str | None = None  # why the backend could not be asked
+
+    @property
+    def removable(self) -> bool:
+        return self.state.is_terminal and not self.going
+
+
+def run_condition(record: RunRecord) -> RunCondition:
+    """Whether ``record``'s run has ended: every replica the backend reports on has ended, and one it cannot tell
+    about (its files deleted, a Job removed by a TTL, another host) is covered by the terminal state the record
+    cached once every replica had ended (a run that ended cannot resume). A replica still going always keeps the
+    run, whatever the cache says (a run is "failed" as soon as one replica fails, while the others may still run).
+    The backend is asked in any case: it knows when the run ended, and it removes its own files."""
+    from diloco.orchestrate import RunView
+
+    cached = RunState(record.final_state) if record.final_state else None
+    final = cached if cached is not None and cached.is_terminal else None
+    try:
+        view = RunView(record)
+        handle = view.handle
+    except (DilocoError, ImportError, ValueError) as exc:  # no such backend here, or a handle it cannot read
+        return RunCondition(state=final or RunState.UNKNOWN, problem=_problem(exc))
+    try:
+        status = view.status()
+    except (DilocoError, ImportError, OSError) as exc:  # the backend cannot be reached now
+        return RunCondition(state=final or RunState.UNKNOWN, backend=view.backend, handle=handle,
+                            problem=_problem(exc))
+    going = [r.rank for r in status.replicas if not r.state.is_terminal and r.state != ReplicaState.UNKNOWN]
+    unknown = [r.rank for r in status.replicas if r.state == ReplicaState.UNKNOWN]
+    if going:
+        state = status.state
+    elif unknown and final is None:
+        state = RunState.UNKNOWN
+    else:
+        state = final or status.state
+    ended = [r.ended_at for r in status.replicas if r.ended_at is not None]
+    reasons = {r.reason for r in status.replicas if r.state == ReplicaState.UNKNOWN and r.reason}
+    return RunCondition(state=state, going=going, unknown=unknown, backend=view.backend, handle=handle,
+                        ended_at=max(ended) if not going and not unknown and ended else None,
+                        problem="; ".join(sorted(reasons)) or None)
+
+
+def _problem(exc: BaseException) -> str:
+    return str(exc) or type(exc).__name__
+
+
+def kept_reason(condition: RunCondition) -> str:
+    """Why a run that has not (provably) ended is kept: one short phrase for a table cell."""
+    if condition.going:
+        return f"replica(s) {', '.join(map(str, condition.going))} have not ended"
+    if condition.state == RunState.UNKNOWN or condition.unknown:
+        return "not known to have ended" + (f" ({condition.problem})" if condition.problem else "")
+    return f"it is {condition.state.value}"
+
+
+# ---------------------------------------------------------------------------------------------- rm / prune
+def remove_runs(refs: Sequence[str], *, registry: RunRegistry | None = None, dry_run: bool = False) -> RemovalReport:
+    """``diloco rm``: every ref is resolved first (an unknown or ambiguous one raises ``RunNotFound`` and nothing is
+    removed), then each run that has ended is removed; one still going is kept with the reason."""
+    registry = registry or RunRegistry()
+    records: dict[str, RunRecord] = {}
+    for ref in refs:
+        record = registry.resolve(ref)
+        records.setdefault(record.run_id, record)
+    runs = [remove_run(record, run_condition(record), registry=registry, dry_run=dry_run)
+            for record in records.values()]
+    return RemovalReport.of(runs, dry_run=dry_run)
+
+
+def prune_runs(older_than_s: float, *, registry: RunRegistry | None = None, dry_run: bool = False,
+               now: float | None = None) -> RemovalReport:
+    """``diloco prune``: remove every run that ended more than ``older_than_s`` seconds ago (by its last replica's
+    end when the backend knows it, else by its creation time). Runs still going are listed as kept, never removed;
+    runs created within the limit are not even asked about."""
+    if older_than_s < 0:
+        raise ConfigError(f"--older-than: must not be negative (got {older_than_s:g}s)")
+    registry = registry or RunRegistry()
+    cutoff = (time.time() if now is None else now) - older_than_s
+    runs = []
+    for record in registry.list():
+        if record.created_at > cutoff:
+            continue
+        condition = run_condition(record)
+        if condition.removable and (condition.ended_at or record.created_at) > cutoff:
+            continue
+        runs.append(remove_run(record, condition, registry=registry, dry_run=dry_run))
+    return RemovalReport.of(runs, dry_run=dry_run, older_than_s=older_than_s)
+
+
+def remove_run(record: RunRecord, condition: RunCondition, *, registry: RunRegistry,
+               dry_run: bool = False) -> RunRemoval:
+    """Remove one run that has ended: store objects, then the backend's files, then the record (see the module
+    docstring for why in this order). A store error keeps the record, so ``rm`` can be run again."""
+    out = RunRemoval(run_id=record.run_id, backend=record.backend, state=condition.state, replicas=record.replicas,
+                     created_at=record.created_at, ended_at=condition.ended_at,
+                     rendezvous_uri=record.rendezvous_uri, removed=False, record_path=str(registry.path(record.run_id)))
+    if not condition.removable:
+        out.reason = kept_reason(condition)
+        return out
+    try:
+        store = remove_store_objects(record.rendezvous_uri, record.run_id, dry_run=dry_run)
+    except (DilocoError, OSError) as exc:
+        out.reason = f"its store objects at {record.rendezvous_uri} could not be removed: {exc}"
+        return out
+    out.store_objects, out.store_bytes, out.store_kept = len(store.removed), store.bytes, store.kept
+    if store.note:
+        out.warnings.append(store.note)
+    out.files, problem = remove_backend_files(record, condition, dry_run=dry_run)
+    if problem:
+        out.warnings.append(problem)
+    if not dry_run:
+        registry.delete(record.run_id)
+    out.removed = True
+    return out
+
+
+def remove_backend_files(record: RunRecord, condition: RunCondition, *,
+                         dry_run: bool) -> tuple[list[str], str | None]:
+    """Ask the run's backend to remove what it keeps of its own; ``(removed, problem)``."""
+    if record.handle is None:
+        return [], None  # never submitted: the backend has nothing of it
+    if condition.backend is None or condition.handle is None:
+        return [], f"its backend could not be asked to remove its own files: {condition.problem}"
+    try:
+        return list(condition.backend.remove(condition.handle, dry_run=dry_run)), None
+    except (DilocoError, OSError) as exc:
+        return [], f"its backend could not remove its own files: {_problem(exc)}"
+
+
+# ---------------------------------------------------------------------------------------------- the store
+@dataclass
+class StoreRemoval:
+    """What ``remove_store_objects`` removed (or would) and left."""
+
+    removed: list[str]
+    bytes: int
+    kept: list[str]
+    note: str | None = None
+
+
+def remove_store_objects(uri: str, run_id: str, *, dry_run: bool = False) -> StoreRemoval:
+    """Delete run ``run_id``'s objects under ``uri`` (only there: see the module docstring for which)."""
+    from diloco.store import ObjectStore
+
+    store = ObjectStore(uri)
+    owner, note = store_owner(store)  # first: a denied or missing bucket fails here, explained and retried
+    sizes = object_sizes(store)
+    if owner is not None and owner != run_id:
+        return StoreRemoval(removed=[], bytes=0, kept=sorted(sizes),
+                            note=f"{uri} now belongs to run {owner} (its run.json says so): left alone")
+    if owner == run_id:
+        doomed = sorted(sizes, key=lambda k: (k == RUN_INFO_KEY, k))  # run.json last: the proof of ownership
+    else:
+        doomed = [k for k in sorted(sizes) if _LAYOUT_KEY.fullmatch(k)]
+    kept = sorted(set(sizes) - set(doomed))
+    if not dry_run:
+        for key in doomed:
+            store.delete(key)
+        if store.protocol == "file":
+            _remove_empty_directories(store.path(""))
+    return StoreRemoval(removed=doomed, bytes=sum(sizes[k] for k in doomed), kept=kept, note=note)
+
+
+def store_owner(store: ObjectStore) -> tuple[str | None, str | None]:
+    """The run id in the prefix's ``run.json`` (written by ``launch`` before any replica starts); ``(None, note)``
+    when it is missing or unreadable."""
+    try:
+        info = json.loads(store.get(RUN_INFO_KEY))
+    except ObjectNotFound:
+        return None, None
+    except ValueError:
+        return None, f"{store.url(RUN_INFO_KEY)} is unreadable: only the store layout's keys were removed"
+    run_id = info.get("run_id") if isinstance(info, dict) else None
+    if not isinstance(run_id, str):
+        return None, f"{store.url(RUN_INFO_KEY)} names no run: only the store layout's keys were removed"
+    return run_id, None
+
+
+def object_sizes(store: ObjectStore) -> dict[str, int]:
+    """Every object strictly under the store's root, with its size: one recursive listing of ``<root>/`` (so a
+    sibling prefix that merely starts with the same characters is never included), temporaries too."""
+    base = store.path("")
+    prefix = base.rstrip("/") + "/"
+    try:
+        found: dict[str, dict[str, Any]] = store.fs.find(base, detail=True)
+    except FileNotFoundError:
+        return {}
+    sizes = {}
+    for path, info in found.items():
+        if store.protocol == "memory":
+            path = "/" + path.lstrip("/")
+        if path.startswith(prefix) and info.get("type") != "directory":
+            sizes[path[len(prefix):]] = int(info.get("size") or 0)
+    return sizes
+
+
+def _remove_empty_directories(root: str) -> None:
+    """A local prefix's directories left empty by the deletions, the root included (a directory that still holds
+    anything stays)."""
+    if not os.path.isdir(root) or os.path.islink(root):
+        return
+    for directory, _dirs, _files in os.walk(root, topdown=False):
+        try:
+            os.rmdir(directory)
+        except OSError:  # not empty
+            pass
+
+
+# ---------------------------------------------------------------------------------------------- local backend files
+#: What a local run directory (``diloco.runs``: ``<log_root>/<run_id>/``) holds; one of them must be there before
+#: ``remove_run_files`` deletes a directory, so a wrong path can never take an unrelated directory with it.
+_RUN_DIR_ENTRIES = ("handle.json", "logs", "store", "cancel_requested")
+
+
+def remove_run_files(run_dir: str, *, dry_run: bool = False) -> list[str]:
+    """The local backend's ``remove``: delete a finished run's directory (logs, exit records, handle, and the default
+    ``file://`` store) and return what was (or, with ``dry_run``, would be) removed.
+
+    Lives here, not in the backend, so the rule "only a directory that looks like a run directory" is stated once;
+    a symlink is unlinked, never followed. A missing directory is already removed (idempotent)."""
+    if os.path.islink(run_dir):
+        if not dry_run:
+            os.unlink(run_dir)
+        return [run_dir]
+    if not os.path.isdir(run_dir):
+        return []
+    if not any(os.path.lexists(os.path.join(run_dir, name)) for name in _RUN_DIR_ENTRIES):
+        raise DilocoError(f"{run_dir} does not look like a run directory (none of {', '.join(_RUN_DIR_ENTRIES)}); "
+                          f"not removed", hint="remove it yourself if it is no longer needed")
+    if not dry_run:
+        shutil.rmtree(run_dir)
+    return [run_dir]
+
+
+# ---------------------------------------------------------------------------------------------- compaction
+def compact_store(store: ObjectStore, replicas: int, *, check: WeightsCheck | None = None) -> CompactReport:
+    """Keep one copy of a finished run's agreed final weights and delete the rest (the other ranks' copies and the
+    leftover ``round_*`` contributions). Idempotent: a compacted store is recognised by ``final/compacted.json``.
+
+    Call it only once the run has ended. ``check`` is the weight check the caller (``collect``) already made;
+    without it the check is made here. Nothing is deleted unless every rank's copy was found bitwise identical.
+    """
+    marker = read_marker(store)
+    if marker is None:
+        if check is None:
+            from diloco.weights import check_final_weights
+
+            check = check_final_weights(store, replicas)
+        if check.identical is not True:
+            return CompactReport(compacted=False, detail=f"every replica's final weights kept: {check.detail}")
+        marker = write_marker(store, replicas, check)
+    sizes = object_sizes(store)
+    doomed = [k for k in sorted(sizes) if _CONTRIBUTION_KEY.fullmatch(k) or _is_extra_final(k, marker.kept_key)]
+    for key in doomed:
+        store.delete(key)
+    return CompactReport(compacted=True, kept_key=marker.kept_key, deleted=doomed,
+                         bytes_freed=sum(sizes[k] for k in doomed),
+                         detail=f"kept one copy of the agreed weights ({store.url(marker.kept_key)})")
+
+
+def _is_extra_final(key: str, kept_key: str) -> bool:
+    return key != kept_key and _FINAL_RANK_KEY.fullmatch(key) is not None
+
+
+def write_marker(store: ObjectStore, replicas: int, check: WeightsCheck) -> CompactionMarker:
+    """Record the verdict and the hash of the copy that will be kept, before anything is deleted: a compaction cut
+    short leaves a store that is still checkable."""
+    kept_key = FINAL_KEY.format(rank=KEPT_RANK)
+    data = store.get(kept_key)
+    marker = CompactionMarker(world_size=replicas, kept_key=kept_key, sha256=hashlib.sha256(data).hexdigest(),
+                              size=len(data), tensor_count=check.tensor_count, value_count=check.value_count,
+                              compacted_at=time.time())
+    store.put(COMPACTED_KEY, marker.model_dump_json(indent=2).encode())
+    return marker
+
+
+def read_marker(store: ObjectStore) -> CompactionMarker | None:
+    """``final/compacted.json``, or None when the store was never compacted (or the marker is unreadable: then the
+    store is treated as not compacted, and the weight check looks at every rank's copy as usual)."""
+    try:
+        return CompactionMarker.model_validate_json(store.get(COMPACTED_KEY))
+    except ObjectNotFound:
+        return None
+    except ValueError:
+        return None
+
+
+def compacted_verdict(store: ObjectStore, world_size: int) -> WeightsCheck | None:
+    """The weight check of a compacted store: the verdict recorded before the copies were deleted, provided the
+    kept copy is still the one that was checked (same SHA-256) and readable. None when the store was not
+    compacted (then check every rank's copy as usual)."""
+    from diloco.weights import WeightsCheck
+
+    marker = read_marker(store)
+    if marker is None or marker.world_size != world_size:
+        return None
+    url = store.url(marker.kept_key)
+    try:
+        data = store.get(marker.kept_key)
+    except ObjectNotFound:
+        return WeightsCheck(identical=None, world_size=world_size, missing_ranks=[KEPT_RANK],
+                            detail=f"the store kept one copy of the final weights, and it is gone ({url} is missing)")
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != marker.sha256:
+        return WeightsCheck(identical=False, world_size=world_size, differing_rank=KEPT_RANK,
+                            detail=f"{url} changed after the replicas' copies were checked and compacted "
+                                   f"(sha256 {digest[:12]}..., checked {marker.sha256[:12]}...)")
+    from diloco.codec import decode
+
+    try:
+        tensors, meta = decode(data, source=url)
+    except CorruptObjectError as exc:
+        return WeightsCheck(identical=False, world_size=world_size, differing_rank=KEPT_RANK, detail=str(exc))
+    return WeightsCheck(identical=True, world_size=world_size, tensor_count=marker.tensor_count,
+                        value_count=marker.value_count, tensors=tensors, metadata=meta,
+                        detail=f"{world_size} replica(s) hold identical final weights ({marker.tensor_count} "
+                               f"tensors, {marker.value_count} values; checked before the store kept one copy)")
