@@ -1,0 +1,194 @@
+"""The emulator's kubelet and container runtime: each container is a real local process with a captured log.
+
+A container start is one process in its own process group (``start_new_session``), so stopping a container
+reaches everything it spawned, as a cgroup kill would. Its stdout and stderr go into one pipe; a reader thread
+timestamps every line with nanoseconds as the container runtime does, which is what ``timestamps=true`` prints
+(``RFC3339NanoFixed``). When the main process exits, whatever is left in its group is killed, so the log reaches
+end-of-file and ``follow`` ends, like a container whose cgroup is torn down.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .kube_store import now_rfc3339
+
+#: Variables a container inherits from the machine running the emulator; everything else comes from the pod.
+INHERITED_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "TZ", "SYSTEMROOT", "USER")
+
+
+def rfc3339_nano(ns: int) -> str:
+    """``RFC3339NanoFixed``: ``2006-01-02T15:04:05.000000000Z`` (always nine digits, UTC)."""
+    seconds, nanos = divmod(ns, 1_000_000_000)
+    stamp = dt.datetime.fromtimestamp(seconds, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S")
+    return f"{stamp}.{nanos:09d}Z"
+
+
+def exit_code_of(returncode: int) -> int:
+    """A container's exit code: a process killed by signal N reports 128+N (137 for SIGKILL, 143 for SIGTERM)."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+@dataclass
+class ContainerRun:
+    """One start of one container: its process, its log lines and how it ended."""
+
+    name: str
+    started_at: str = ""
+    finished_at: str = ""
+    process: subprocess.Popen[bytes] | None = None
+    lines: list[tuple[int, bytes]] = field(default_factory=list)
+    eof: bool = False
+    exit_code: int | None = None
+    reason: str = ""
+    message: str = ""
+    forced: tuple[int, str] | None = None
+    container_id: str = ""
+    #: ``terminationMessagePolicy: FallbackToLogsOnError``: a failed container's message is its log's tail.
+    fallback_to_logs: bool = False
+    cond: threading.Condition = field(default_factory=threading.Condition)
+
+    @property
+    def terminated(self) -> bool:
+        """The process is gone and its log is complete (the runtime only reports exit after both)."""
+        return self.exit_code is not None and self.eof
+
+    def poll(self) -> bool:
+        """Notice the exit of the main process (killing what is left of its group); true once terminated."""
+        if self.exit_code is None and self.process is not None:
+            returncode = self.process.poll()
+            if returncode is not None:
+                self.signal(signal.SIGKILL)
+                code = exit_code_of(returncode)
+                if self.forced is not None:
+                    code, self.reason = self.forced
+                else:
+                    self.reason = "Completed" if code == 0 else "Error"
+                self.exit_code = code
+        if self.exit_code is not None and not self.finished_at and self.eof:
+            self.finished_at = now_rfc3339()
+        return self.terminated
+
+    def signal(self, sig: int) -> None:
+        """Send a signal to the container's whole process group (never after its exit: the id may be reused)."""
+        if self.process is None or self.exit_code is not None:
+            return
+        try:
+            os.killpg(self.process.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def read_output(self) -> None:
+        """The reader thread: one timestamped entry per line until end-of-file."""
+        assert self.process is not None and self.process.stdout is not None
+        for line in iter(self.process.stdout.readline, b""):
+            with self.cond:
+                self.lines.append((time.time_ns(), line))
+                self.cond.notify_all()
+        self.process.stdout.close()
+        with self.cond:
+            self.eof = True
+            self.cond.notify_all()
+
+    def log_tail(self) -> str:
+        """What the kubelet copies into the message: the last 80 lines, at most 2048 bytes."""
+        with self.cond:
+            tail = b"".join(line for _, line in self.lines[-80:])
+        return tail[-2048:].decode(errors="replace")
+
+    def follow(self, start: int, stop: threading.Event) -> Iterator[tuple[int, bytes]]:
+        """Lines from index ``start`` on, waiting for new ones until the log is complete or ``stop`` is set."""
+        index = start
+        while not stop.is_set():
+            with self.cond:
+                while index >= len(self.lines) and not self.eof and not stop.is_set():
+                    self.cond.wait(0.5)
+                batch, done = self.lines[index:], self.eof
+            yield from batch
+            index += len(batch)
+            if done and index >= len(self.lines):
+                return
+
+    def state(self) -> dict[str, Any]:
+        """The container's ``state`` as the kubelet reports it."""
+        if self.terminated:
+            terminated: dict[str, Any] = {"exitCode": self.exit_code, "reason": self.reason,
+                                          "startedAt": self.started_at or None,
+                                          "finishedAt": self.finished_at, "containerID": self.container_id}
+            message = self.message or (self.log_tail() if self.fallback_to_logs and self.exit_code else "")
+            if message:
+                terminated["message"] = message
+            return {"terminated": terminated}
+        return {"running": {"startedAt": self.started_at}}
+
+
+def start_error(name: str, message: str) -> ContainerRun:
+    """A container the runtime could not start (``StartError``, exit code 128), e.g. executable not found."""
+    run = ContainerRun(name=name, started_at="", eof=True, exit_code=128, reason="StartError", message=message)
+    run.finished_at = now_rfc3339()
+    return run
+
+
+def expand(text: str, env: dict[str, str]) -> str:
+    """Kubernetes ``$(VAR)`` expansion: defined variables are replaced, ``$$`` escapes, the rest stays literal."""
+    def replace(match: re.Match[str]) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        return env.get(match.group(1), match.group(0))
+    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)", replace, text)
+
+
+def python_shim(bin_dir: Path, interpreter: str) -> None:
+    """``python`` and ``python3`` scripts that stand for the image's interpreter (a symlink would lose the venv)."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("python", "python3"):
+        shim = bin_dir / name
+        shim.write_text(f'#!/bin/sh\nexec "{interpreter}" "$@"\n')
+        shim.chmod(0o755)
+
+
+def launch(name: str, argv: list[str], env: dict[str, str], cwd: Path) -> ContainerRun:
+    """Start one container process; an executable that cannot be found is a ``StartError`` like containerd's."""
+    executable = shutil.which(argv[0], path=env.get("PATH", os.defpath)) if "/" not in argv[0] else argv[0]
+    if executable is None or not os.access(executable, os.X_OK):
+        return start_error(name, "failed to create containerd task: failed to create shim task: OCI runtime create "
+                                 f"failed: runc create failed: unable to start container process: exec: "
+                                 f'"{argv[0]}": executable file not found in $PATH: unknown')
+    cwd.mkdir(parents=True, exist_ok=True)
+    process = subprocess.Popen([executable, *argv[1:]], env=env, cwd=cwd, stdin=subprocess.DEVNULL,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    digest = hashlib.sha256(f"{name}-{process.pid}-{time.time_ns()}".encode()).hexdigest()
+    run = ContainerRun(name=name, started_at=now_rfc3339(), process=process, container_id=f"containerd://{digest}")
+    threading.Thread(target=run.read_output, name=f"log-{name}-{process.pid}", daemon=True).start()
+    return run
+
+
+def select_lines(lines: list[tuple[int, bytes]], *, tail: int | None, since_ns: int | None) -> list[tuple[int, bytes]]:
+    """``sinceSeconds``/``sinceTime`` then ``tailLines``, as the kubelet's log reader applies them."""
+    if since_ns is not None:
+        lines = [entry for entry in lines if entry[0] >= since_ns]
+    if tail is not None:
+        lines = lines[-tail:] if tail > 0 else []
+    return lines
+
+
+def format_line(entry: tuple[int, bytes], timestamps: bool) -> bytes:
+    """One log line, prefixed with its ``RFC3339NanoFixed`` timestamp and a space when asked."""
+    ns, line = entry
+    return (rfc3339_nano(ns).encode() + b" " + line) if timestamps else line
+
+
+__all__ = ["ContainerRun", "INHERITED_ENV", "expand", "format_line", "launch", "python_shim", "rfc3339_nano",
+           "select_lines", "start_error"]
