@@ -51,3 +51,12 @@ def crash_with_text(*, manager: Any, rank: int, world_size: int, total_steps: in
                     text: str = "", **_: Any) -> None:
     """Every rank raises with ``text`` in the message (markup- or emoji-like text must print literally)."""
     raise RuntimeError(text)
+
+
+def bad_metrics(*, manager: Any, rank: int, world_size: int, total_steps: int, sync_every: int,
+                **_: Any) -> None:
+    """Metric rows a sloppy trainer might write: a string loss and a non-numeric step, next to good rows."""
+    rows: list[str] = []
+    _metric(manager, rank, rows, kind="init", round=0, step=0, total_steps=total_steps, eval_loss=5.0)
+    _metric(manager, rank, rows, kind="round", round=1, step=total_steps, total_steps=total_steps,
+            train_loss="abc", eval_loss=4.0)

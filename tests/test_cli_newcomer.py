@@ -204,3 +204,51 @@ def test_the_documented_json_schema_matches_the_models_and_the_output(home: Path
     import jsonschema
     plan = json.loads(runner.invoke(app, ["launch", "--dry-run", "-o", "json"]).stdout)
     jsonschema.validate(plan, {**shipped, "$ref": "#/$defs/plan"})
+
+
+def test_non_numeric_metrics_are_skipped_with_one_warning_naming_rank_and_field(home: Path) -> None:
+    launched = run_cli(*launch_args("bad_metrics"), home=home)
+    assert "internal error" not in launched.stderr
+    for args in (["status"], ["status", "-o", "json"], ["collect", "--output", str(home.parent)]):
+        result = run_cli(*args, home=home)
+        assert "internal error" not in result.stderr, result.stderr
+        warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+        assert len(warnings) == 2, result.stderr  # one per replica, each naming its rank and the field
+        assert all("train_loss" in w for w in warnings) and any("rank 0" in w for w in warnings)
+    assert strict_json(run_cli("status", "-o", "json", home=home).stdout)["ranks"][0]["eval_loss"] == 4.0
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (["-k", "lrr=0.1"], "lrr"),
+    (["--set", "train.trainer_kwargs.n_embd=33"], "n_embd"),
+    (["-k", "device=cuda"], "cuda"),
+    (["-k", "lr=fast"], "lr"),
+])
+def test_built_in_trainer_kwargs_are_checked_before_launch(home: Path, kwargs: list[str], message: str) -> None:
+    result = runner.invoke(app, ["launch", "-n", "2", *kwargs])
+    assert result.exit_code == 2, result.output
+    line = result.stderr.strip()
+    assert len(line.splitlines()) == 1 and message in line and line.startswith("diloco: error: ")
+    assert not (home / "runs").exists() or not list((home / "runs").glob("*.json"))
+
+
+def test_tables_fit_a_60_column_terminal_and_summarize_hidden_replicas() -> None:
+    from rich.console import Console
+
+    from diloco.cli.views import replica_table
+    from diloco.executors.base import ReplicaState, RunState
+    from diloco.orchestrate import ReplicaReport, RunReport
+
+    ranks = [ReplicaReport(rank=i, state=ReplicaState.FAILED if i == 7 else ReplicaState.RUNNING, step=10,
+                           total_steps=100, round=1, train_loss=2.6, eval_loss=2.5, tokens_per_s=12345.0, sync_s=1.2)
+             for i in range(20)]
+    report = RunReport(run_id="r", backend="x", state=RunState.RUNNING, created_at=0.0, rendezvous_uri="file:///r",
+                       replicas=20, ranks=ranks)
+    console = Console(width=60, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
+    console.print(replica_table(report, width=60, max_rows=6))
+    text = console.export_text()
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 60
+    assert not any("…" in line for line in lines)  # columns dropped, never truncated mid-value
+    assert any(line.strip().startswith("r7") and "failed" in line for line in lines)  # the one needing attention
+    assert "+15 more replicas not shown: 15 running" in text
