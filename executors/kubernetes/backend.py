@@ -1,0 +1,601 @@
+"""``KubernetesBackend``: one Indexed Job per run. Plan, submit, describe from the Job and its pods, cancel, pod logs."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from diloco import envvars
+from diloco.errors import BackendError
+from diloco.executors.base import (
+    Backend,
+    LaunchPlan,
+    LaunchSpec,
+    LogRecord,
+    ReplicaState,
+    ReplicaStatus,
+    RunListing,
+    RunState,
+    RunStatus,
+)
+
+if TYPE_CHECKING:
+    from diloco.doctor import Check, DoctorContext
+
+#: Labels and annotations diloco puts on the Job and its pods.
+from diloco.executors.kubernetes.api import _lines, _status_of, _timing, api_error, load_api_client
+from diloco.executors.kubernetes.config import (
+    CANCELLED_ANNOTATION,
+    CONFIG_ERROR_EXIT,
+    CONTAINER,
+    FAILURE_COUNT,
+    GPU_RESOURCE,
+    IGNORED_COUNT,
+    INDEX_KEY,
+    INSTALL_HINT,
+    JOB_NAME_LABEL,
+    MANAGED_BY,
+    MAX_FAILED_ANNOTATION,
+    RUN_LABEL,
+    SIGTERM_EXIT,
+    TIMEOUT,
+    KubernetesBackendConfig,
+    KubernetesRunHandle,
+)
+from diloco.executors.kubernetes.doctor import check_cluster, check_image_reference
+from diloco.executors.kubernetes.pods import (
+    _annotation_int,
+    _attempt_key,
+    _conditions,
+    _disruption,
+    _exit_code,
+    _PodLog,
+    failure_action,
+    failure_reason,
+    job_name_for,
+    label_value,
+    parse_gpu,
+    parse_intervals,
+    parse_time,
+    pending_reason,
+    split_log_line,
+)
+
+
+# ---------------------------------------------------------------------------------------------- the backend
+class KubernetesBackend(Backend[KubernetesBackendConfig, KubernetesRunHandle]):
+    """Replicas as the indexes of one Indexed Job (see the module docstring for the design)."""
+
+    name: ClassVar[str] = "eks"
+    config_type = KubernetesBackendConfig
+    handle_type = KubernetesRunHandle
+    install_hint = INSTALL_HINT
+    unavailable_reason: ClassVar[str | None] = None
+    #: Pod phases and Job conditions, plus the names ``describe`` gives to what it derives from both.
+    STATES: ClassVar[dict[str, ReplicaState]] = {
+        "Pending": ReplicaState.PENDING,  # pod phase: not scheduled, or its image is being pulled
+        "Running": ReplicaState.RUNNING,
+        "Succeeded": ReplicaState.SUCCEEDED,
+        "Failed": ReplicaState.FAILED,  # pod phase or Job condition: out of retries, or a config error
+        "Unknown": ReplicaState.UNKNOWN,  # pod phase: the node stopped reporting
+        "Complete": ReplicaState.SUCCEEDED,  # Job conditions
+        "SuccessCriteriaMet": ReplicaState.SUCCEEDED,
+        "FailureTarget": ReplicaState.FAILED,
+        "Suspended": ReplicaState.PENDING,
+        "NoPod": ReplicaState.PENDING,  # derived: the job controller has not created the index's pod yet
+        "Retrying": ReplicaState.PREEMPTED,  # derived: an attempt failed or was disrupted; the next is coming
+        "Terminating": ReplicaState.CANCELLING,  # derived: its pod is being deleted (cancel, or the Job failed)
+        "Deleted": ReplicaState.CANCELLED,  # derived: stopped and gone
+        "DeadlineExceeded": ReplicaState.FAILED,  # derived: activeDeadlineSeconds (timeout_s)
+        "Gone": ReplicaState.FAILED,  # derived: the Job was deleted before diloco saw it end
+    }
+
+    def __init__(self, config: KubernetesBackendConfig) -> None:
+        super().__init__(config)
+        self._client: Any = None
+        self._logs: dict[tuple[str, str, int], dict[str, _PodLog]] = {}  # what this process has read, per pod
+
+    # ------------------------------------------------------------------ plan (pure)
+    def plan(self, spec: LaunchSpec) -> LaunchPlan:
+        """The Job manifest ``submit`` will create; nothing is contacted or created."""
+        return LaunchPlan(backend=self.name, spec=spec, requests=[self.manifest(spec)])
+
+    def manifest(self, spec: LaunchSpec) -> dict[str, Any]:
+        """The ``batch/v1`` Job: Indexed, one pod per replica, the failure policy, resources and the env contract."""
+        cfg, replicas = self.config, spec.replicas
+        labels = {**cfg.labels, **MANAGED_BY, RUN_LABEL: label_value(spec.run_id)}
+        annotations = {**cfg.annotations, RUN_LABEL: spec.run_id,
+                       MAX_FAILED_ANNOTATION: str(min(cfg.max_failed_indexes, replicas))}
+        job_spec: dict[str, Any] = {
+            "completionMode": "Indexed", "completions": replicas, "parallelism": replicas,
+            "backoffLimitPerIndex": cfg.backoff_limit_per_index,
+            "maxFailedIndexes": min(cfg.max_failed_indexes, replicas),
+            "podFailurePolicy": {"rules": [
+                # spot reclaim, drain, preemption: retried, not counted
+                {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+                # a configuration error, or a stop by SIGTERM (a cancel): retrying cannot help
+                {"action": "FailIndex", "onExitCodes": {"containerName": CONTAINER, "operator": "In",
+                                                        "values": [CONFIG_ERROR_EXIT, SIGTERM_EXIT]}},
+            ]},
+            "template": {"metadata": {"labels": labels, "annotations": annotations}, "spec": self._pod_spec(spec)},
+        }
+        if cfg.ttl_seconds_after_finished is not None:
+            job_spec["ttlSecondsAfterFinished"] = cfg.ttl_seconds_after_finished
+        if spec.timeout_s:
+            job_spec["activeDeadlineSeconds"] = math.ceil(spec.timeout_s)
+        return {"apiVersion": "batch/v1", "kind": "Job",
+                "metadata": {"name": job_name_for(spec.run_id, replicas), "namespace": cfg.namespace,
+                             "labels": labels, "annotations": annotations},
+                "spec": job_spec}
+
+    def _pod_spec(self, spec: LaunchSpec) -> dict[str, Any]:
+        """One replica's pod: the container, its identity, and where it may be scheduled."""
+        cfg = self.config
+        gpus, product = parse_gpu(spec.gpu)
+        pod: dict[str, Any] = {"restartPolicy": "Never", "terminationGracePeriodSeconds": cfg.grace_period_s,
+                               "containers": [self._container(spec, gpus)]}
+        if cfg.service_account:
+            pod["serviceAccountName"] = cfg.service_account
+        node_selector = {**cfg.node_selector, **({cfg.gpu_product_label: product} if product else {})}
+        if node_selector:
+            pod["nodeSelector"] = node_selector
+        tolerations = list(cfg.tolerations)
+        if gpus and not any(t.get("key") == GPU_RESOURCE for t in tolerations):
+            tolerations.append({"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
+        if tolerations:
+            pod["tolerations"] = tolerations
+        return pod
+
+    def _container(self, spec: LaunchSpec, gpus: int) -> dict[str, Any]:
+        """``python -m <entrypoint> <args>`` with the common env contract; the rank from the downward API."""
+        cfg = self.config
+        common = {k: v for k, v in spec.replica_env(0).items() if k != envvars.REPLICA_RANK}
+        common["PYTHONUNBUFFERED"] = "1"
+        env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in sorted(common.items())]
+        env.append({"name": envvars.REPLICA_RANK, "valueFrom": {"fieldRef": {
+            "fieldPath": f"metadata.annotations['{INDEX_KEY}']"}}})
+        requests: dict[str, Any] = {"cpu": cfg.cpu, "memory": cfg.memory}
+        limits: dict[str, Any] = {"memory": cfg.memory}
+        if cfg.cpu_limit:
+            limits["cpu"] = cfg.cpu_limit
+        if gpus:
+            requests[GPU_RESOURCE] = limits[GPU_RESOURCE] = str(gpus)
+        container: dict[str, Any] = {
+            "name": CONTAINER, "image": cfg.image, "command": ["python", "-m", spec.entrypoint],
+            "args": spec.entrypoint_args.to_argv(), "env": env, "resources": {"requests": requests, "limits": limits},
+            # a failed replica's last log lines land in its pod status: `describe` quotes its `diloco: error:` line
+            "terminationMessagePolicy": "FallbackToLogsOnError"}
+        if cfg.image_pull_policy:
+            container["imagePullPolicy"] = cfg.image_pull_policy
+        return container
+
+    # ------------------------------------------------------------------ the cluster
+    def api_client(self) -> Any:
+        """The ``kubernetes`` ApiClient for the configured kubeconfig and context (or the in-cluster config)."""
+        if self._client is None:
+            self._client = load_api_client(self.config.kubeconfig, self.config.kube_context)
+        return self._client
+
+    def _batch(self) -> Any:
+        from kubernetes import client
+
+        return client.BatchV1Api(self.api_client())
+
+    def _core(self) -> Any:
+        from kubernetes import client
+
+        return client.CoreV1Api(self.api_client())
+
+    def _call(self, action: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """An API call's JSON answer; any failure becomes one ``BackendError`` line naming the API's reason."""
+        kwargs.setdefault("_request_timeout", TIMEOUT)
+        try:
+            response = fn(*args, _preload_content=False, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - translated below, with the cause chained
+            raise api_error(exc, action, self.config) from exc
+        data = response.data
+        return json.loads(data) if data else {}
+
+    def _job(self, handle: KubernetesRunHandle) -> dict[str, Any] | None:
+        """The run's Job, or None when it no longer exists."""
+        try:
+            job = self._call(f"could not read Job {handle.namespace}/{handle.job_name}",
+                             self._batch().read_namespaced_job, handle.job_name, handle.namespace)
+        except BackendError as exc:
+            if _status_of(exc) == 404:
+                return None
+            raise
+        if handle.job_uid and job["metadata"].get("uid") not in (None, handle.job_uid):
+            return None  # a later Job with the same name is not this run's
+        return job
+
+    def _pods(self, handle: KubernetesRunHandle) -> dict[int, list[dict[str, Any]]]:
+        """The run's pods by index, every attempt in order."""
+        found = self._call(f"could not list the pods of Job {handle.namespace}/{handle.job_name}",
+                           self._core().list_namespaced_pod, handle.namespace,
+                           label_selector=f"{JOB_NAME_LABEL}={handle.job_name}")
+        by_index: dict[int, list[dict[str, Any]]] = {}
+        for pod in found.get("items") or []:
+            owners = pod["metadata"].get("ownerReferences") or []
+            if handle.job_uid and owners and all(o.get("uid") != handle.job_uid for o in owners):
+                continue
+            index = (pod["metadata"].get("annotations") or {}).get(INDEX_KEY)
+            if index is not None and str(index).isdigit():
+                by_index.setdefault(int(index), []).append(pod)
+        return {i: sorted(pods, key=_attempt_key) for i, pods in by_index.items()}
+
+    # ------------------------------------------------------------------ submit
+    def submit(self, plan: LaunchPlan,
+               on_progress: Callable[[KubernetesRunHandle], None] | None = None) -> KubernetesRunHandle:
+        """Create the Job (the only object a run creates). One object, so all or nothing; if reporting the
+        handle fails, or Ctrl-C arrives while the request is in flight, the Job is deleted again."""
+        job = plan.requests[0]
+        meta = job["metadata"]
+        handle = KubernetesRunHandle(run_id=plan.spec.run_id, replicas=plan.spec.replicas,
+                                     namespace=meta["namespace"], job_name=meta["name"],
+                                     kube_context=self.config.kube_context)
+        batch = self._batch()
+        created = False
+        try:
+            answer = self._call(f"could not create Job {meta['namespace']}/{meta['name']}",
+                                batch.create_namespaced_job, meta["namespace"], job)
+            created = True
+            handle.job_uid = answer["metadata"]["uid"]
+            if on_progress is not None:
+                on_progress(handle)
+        except BaseException as exc:
+            refused = isinstance(exc, BackendError) and _status_of(exc) is not None  # the API said no
+            if created or not refused:
+                self._delete_quietly(handle)
+            raise
+        return handle
+
+    def _delete_quietly(self, handle: KubernetesRunHandle) -> None:
+        """Roll back a launch whose outcome is uncertain: delete the Job if it exists (foreground)."""
+        try:
+            self._batch().delete_namespaced_job(handle.job_name, handle.namespace, propagation_policy="Foreground",
+                                                _preload_content=False, _request_timeout=TIMEOUT)
+        except Exception:  # noqa: BLE001 - it was never created, or the cluster is unreachable: nothing to do
+            pass
+
+    # ------------------------------------------------------------------ describe
+    def describe(self, handle: KubernetesRunHandle) -> RunStatus:
+        """Every replica from the Job and its pods (one GET, one LIST)."""
+        cancel = self._read_state(handle.run_id, "cancel")
+        job = self._job(handle)
+        if job is None:
+            return self._without_job(handle, cancel)
+        pods = self._pods(handle)
+        status = RunStatus(run_id=handle.run_id, replicas=[
+            self._replica(job, i, pods.get(i, []), cancel) for i in range(handle.replicas)])
+        if status.terminal and self._read_state(handle.run_id, "final") is None:
+            self._write_state(handle.run_id, "final", status.model_dump(mode="json"))
+        return status
+
+    def _without_job(self, handle: KubernetesRunHandle, cancel: dict[str, Any] | None) -> RunStatus:
+        """The Job is gone: the final states seen earlier, what a cancel decided, or "gone"."""
+        final = self._read_state(handle.run_id, "final")
+        if final is not None:
+            return RunStatus.model_validate(final)
+        replicas = []
+        for rank in range(handle.replicas):
+            recorded = ((cancel or {}).get("terminal") or {}).get(str(rank))
+            if recorded is not None:
+                replicas.append(ReplicaStatus.model_validate(recorded))
+            elif cancel is not None and (cancel.get("all") or rank in cancel.get("ranks", [])):
+                replicas.append(self._status(rank, "Deleted", f"{handle.job_name}-{rank}", reason="cancelled"))
+            else:
+                replicas.append(self._status(
+                    rank, "Gone", f"{handle.job_name}-{rank}",
+                    reason=f"Job {handle.namespace}/{handle.job_name} no longer exists: it was deleted (by "
+                           f"ttlSecondsAfterFinished or by hand) before diloco saw it end"))
+        status = RunStatus(run_id=handle.run_id, replicas=replicas)
+        if cancel is not None:
+            self._write_state(handle.run_id, "final", status.model_dump(mode="json"))
+        return status
+
+    def _status(self, rank: int, native: str, job_id: str, **fields: Any) -> ReplicaStatus:
+        return ReplicaStatus(rank=rank, state=self.map_state(native), job_id=job_id, **fields)
+
+    def _replica(self, job: dict[str, Any], rank: int, pods: list[dict[str, Any]],
+                 cancel: dict[str, Any] | None) -> ReplicaStatus:
+        """One index: its outcome from the Job status, else from its latest pod."""
+        status = job.get("status") or {}
+        latest = pods[-1] if pods else None
+        job_id = latest["metadata"]["name"] if latest else f"{job['metadata']['name']}-{rank}"
+        timing = _timing(latest)
+        earlier = (_annotation_int(latest, FAILURE_COUNT) + _annotation_int(latest, IGNORED_COUNT)) if latest else 0
+        restarts = max(len(pods) - 1, earlier)  # pods of earlier attempts may be gone; the counters remain
+        common: dict[str, Any] = {"restarts": restarts, **timing}
+        live = latest is not None and (latest.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
+        phase = (latest.get("status") or {}).get("phase") if latest else None
+        if rank in parse_intervals(status.get("completedIndexes")) or phase == "Succeeded":
+            return self._status(rank, "Succeeded", job_id, exit_code=0, detail="Succeeded", **common)
+        recorded = ((cancel or {}).get("terminal") or {}).get(str(rank))
+        if recorded is not None:
+            return ReplicaStatus.model_validate(recorded)
+        deleting = bool(job["metadata"].get("deletionTimestamp"))
+        if (cancel is not None and (cancel.get("all") or rank in cancel.get("ranks", []))) or deleting:
+            why = "cancelled" if cancel is not None else "the Job is being deleted"
+            return self._status(rank, "Terminating" if live else "Deleted", job_id, reason=why,
+                                exit_code=_exit_code(latest) if latest and not live else None,
+                                detail=f"pod {phase}" if latest else None, **common)
+        # Ended on its own (a pod the job controller or a cancel deleted has a deletionTimestamp).
+        own = latest is not None and not live and not latest["metadata"].get("deletionTimestamp")
+        failed = self._status(rank, "Failed", job_id, reason=failure_reason(latest) if latest else
+                              "failed (its pods are gone)", exit_code=_exit_code(latest) if latest else None,
+                              detail=f"pod {latest['metadata']['name']} Failed" if latest else None, **common)
+        conditions = _conditions(job)
+        failing = conditions.get("Failed") or conditions.get("FailureTarget")
+        if failing is not None:
+            if own:
+                return failed
+            if failing.get("reason") == "DeadlineExceeded":
+                return self._status(rank, "DeadlineExceeded", job_id, timed_out=True,
+                                    reason=f"stopped after activeDeadlineSeconds="
+                                           f"{job['spec'].get('activeDeadlineSeconds')} (timeout_s)", **common)
+            why = f"stopped because the Job failed ({failing.get('reason')}: {failing.get('message', '')})"
+            return self._status(rank, "Terminating" if live else "Deleted", job_id, reason=why, **common)
+        if rank in parse_intervals(status.get("failedIndexes")) or (
+                own and latest is not None and not self._will_retry(job, rank, pods, latest)):
+            return failed
+        if latest is None:
+            return self._status(rank, "NoPod", job_id, detail="waiting for the job controller to create its pod",
+                                **common)
+        disruption = _disruption(latest)
+        if not live or disruption is not None:
+            attempt = f"attempt {len(pods)}" if pods else "its pod"
+            return self._status(rank, "Retrying", job_id, reason=f"{attempt} ended ({failure_reason(latest)}); "
+                                f"the job controller is starting the next", detail=f"pod {phase}", **common)
+        if latest["metadata"].get("deletionTimestamp"):
+            return self._status(rank, "Terminating", job_id, reason="its pod is being deleted",
+                                detail=f"pod {phase}", **common)
+        return self._status(rank, phase or "Unknown", job_id, reason=pending_reason(latest) if phase == "Pending"
+                            else None, detail=f"pod {latest['metadata']['name']} {phase}", **common)
+
+    @staticmethod
+    def _will_retry(job: dict[str, Any], rank: int, pods: list[dict[str, Any]], latest: dict[str, Any]) -> bool:
+        """Whether the job controller will start another attempt after this failed pod."""
+        if rank in parse_intervals((job.get("status") or {}).get("failedIndexes")):
+            return False
+        action = failure_action(job, latest)
+        if action == "Ignore":
+            return True
+        if action in ("FailIndex", "FailJob"):
+            return False
+        limit = (job.get("spec") or {}).get("backoffLimitPerIndex")
+        counted = sum(1 for p in pods if (p.get("status") or {}).get("phase") == "Failed"
+                      and failure_action(job, p) == "Count")
+        return limit is None or counted <= limit
+
+    # ------------------------------------------------------------------ cancel
+    def cancel(self, handle: KubernetesRunHandle, ranks: Sequence[int] | None = None) -> None:
+        """Stop the (given) replicas and return at once; idempotent, and a repeat stops their pods at once.
+
+        All replicas still running: delete the Job with foreground propagation (its pods go first). Some of them:
+        raise ``maxFailedIndexes`` so the Job survives their end, note them on the Job, delete their pods.
+        """
+        job = self._job(handle)
+        if job is None:
+            if self._read_state(handle.run_id, "final") is None:
+                self._merge_cancel(handle, None, {})
+            return
+        pods = self._pods(handle)
+        cancel = self._read_state(handle.run_id, "cancel")
+        current = {i: self._replica(job, i, pods.get(i, []), cancel) for i in range(handle.replicas)}
+        running = {i for i, s in current.items() if not s.state.is_terminal}
+        whole = ranks is None or running <= set(ranks)
+        terminal = {str(i): s.model_dump(mode="json") for i, s in current.items() if s.state.is_terminal}
+        again = job["metadata"].get("deletionTimestamp") is not None or (
+            cancel is not None and (cancel.get("all") or (ranks is not None and set(ranks) <= set(cancel.get(
+                "ranks", [])))))
+        self._merge_cancel(handle, None if whole else sorted(set(ranks or [])), terminal)
+        if whole:
+            if not job["metadata"].get("deletionTimestamp"):
+                self._call(f"could not delete Job {handle.namespace}/{handle.job_name}",
+                           self._batch().delete_namespaced_job, handle.job_name, handle.namespace,
+                           propagation_policy="Foreground")
+            targets = list(range(handle.replicas))
+        else:
+            targets = sorted(set(ranks or []) & running)
+            self._raise_max_failed(handle, job, sorted(set(ranks or [])))
+        if again or not whole:
+            for i in targets:
+                for pod in pods.get(i, []):
+                    if (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed"):
+                        self._delete_pod(handle, pod["metadata"]["name"], 0 if again else None)
+
+    def _raise_max_failed(self, handle: KubernetesRunHandle, job: dict[str, Any], ranks: list[int]) -> None:
+        """Let the Job survive the end of the cancelled replicas (and show which they are, for ``kubectl``)."""
+        annotations = job["metadata"].get("annotations") or {}
+        cancelled = sorted(parse_intervals(annotations.get(CANCELLED_ANNOTATION)) | set(ranks))
+        base = int(annotations.get(MAX_FAILED_ANNOTATION, job["spec"].get("maxFailedIndexes") or 0))
+        patch: list[dict[str, Any]] = [{"op": "add", "path": "/metadata/annotations/" + CANCELLED_ANNOTATION.replace(
+            "/", "~1"), "value": ",".join(map(str, cancelled))}]
+        if job["spec"].get("maxFailedIndexes") is not None:
+            patch.append({"op": "replace", "path": "/spec/maxFailedIndexes",
+                          "value": min(handle.replicas, base + len(cancelled))})
+        self._call(f"could not update Job {handle.namespace}/{handle.job_name}", self._batch().patch_namespaced_job,
+                   handle.job_name, handle.namespace, patch)
+
+    def _delete_pod(self, handle: KubernetesRunHandle, pod: str, grace: int | None) -> None:
+        try:
+            self._call(f"could not delete pod {handle.namespace}/{pod}", self._core().delete_namespaced_pod, pod,
+                       handle.namespace, **({"grace_period_seconds": grace} if grace is not None else {}))
+        except BackendError as exc:
+            if _status_of(exc) != 404:
+                raise
+
+    def _merge_cancel(self, handle: KubernetesRunHandle, ranks: list[int] | None,
+                      terminal: dict[str, Any]) -> None:
+        """Record what this cancel decided: all replicas or some, and the outcomes that were already final."""
+        record = self._read_state(handle.run_id, "cancel") or {"all": False, "ranks": [], "terminal": {}}
+        record["all"] = record["all"] or ranks is None
+        record["ranks"] = sorted(set(record["ranks"]) | set(ranks or []))
+        record["terminal"] = {**terminal, **record["terminal"]}
+        self._write_state(handle.run_id, "cancel", record)
+
+    # ------------------------------------------------------------------ local state
+    def _state_dir(self, run_id: str) -> Path:
+        if self.config.state_dir:
+            return Path(self.config.state_dir).expanduser() / run_id
+        from diloco.runs import runs_dir
+
+        return runs_dir() / run_id / "eks"
+
+    def _read_state(self, run_id: str, name: str) -> dict[str, Any] | None:
+        try:
+            return json.loads((self._state_dir(run_id) / f"{name}.json").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def _write_state(self, run_id: str, name: str, data: dict[str, Any]) -> None:
+        """Atomically, so a concurrent reader never sees half a file; best effort (the cluster is the truth)."""
+        folder = self._state_dir(run_id)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            tmp = folder / f".{name}.{os.getpid()}.tmp"
+            tmp.write_text(json.dumps(data))
+            os.replace(tmp, folder / f"{name}.json")
+        except OSError:
+            pass
+
+    # ------------------------------------------------------------------ logs
+    def replica_logs(self, handle: KubernetesRunHandle, rank: int, *, follow: bool = False,
+                     since: float | None = None) -> Iterator[LogRecord]:
+        """Every attempt's lines in order (``timestamps=true``); a pod without a log shows its events. With
+        ``follow``: stream the running attempt, then the next one, until the replica is terminal.
+
+        What this process has read of a pod is kept, so a later call still yields it after the pod is gone (an
+        evicted pod's object, and its log, disappear): every call sees the same records first, then new ones.
+        """
+        history = self._logs.setdefault((handle.namespace, handle.job_name, rank), {})
+        sent: dict[str, int] = {}
+        while True:
+            done = not follow or self.describe(handle).replica(rank).state.is_terminal
+            pods = self._pods(handle).get(rank, [])
+            for pod in pods:
+                history.setdefault(pod["metadata"]["name"], _PodLog())
+            current = {pod["metadata"]["name"]: pod for pod in pods}
+            for name, log in list(history.items()):
+                pod = current.get(name)
+                streaming = follow and not done and bool(pods) and pod is pods[-1]
+                if pod is not None:
+                    for _ in self._read_pod(handle, rank, pod, log, streaming=streaming):
+                        yield from self._unsent(log, name, sent, since)
+                yield from self._unsent(log, name, sent, since)
+            if done:
+                return
+            time.sleep(self.config.log_poll_interval_s)
+
+    @staticmethod
+    def _unsent(log: _PodLog, name: str, sent: dict[str, int], since: float | None) -> Iterator[LogRecord]:
+        start = sent.get(name, 0)
+        sent[name] = len(log.records)
+        for record in log.records[start:]:
+            if since is None or record.ts >= since:
+                yield record
+
+    def _read_pod(self, handle: KubernetesRunHandle, rank: int, pod: dict[str, Any], log: _PodLog, *,
+                  streaming: bool) -> Iterator[None]:
+        """Append the pod's new log lines (or, without a log yet, its new events) to ``log``; yields after each
+        append, so a followed stream is passed on line by line."""
+        from kubernetes.client.rest import ApiException
+
+        name = pod["metadata"]["name"]
+        streaming = streaming and (pod.get("status") or {}).get("phase") == "Running"
+        options: dict[str, Any] = {"container": CONTAINER, "timestamps": True}
+        if not streaming:
+            options["_request_timeout"] = TIMEOUT  # a followed stream may be silent for as long as it likes
+        try:
+            response = self._core().read_namespaced_pod_log(name, handle.namespace, follow=streaming,
+                                                            _preload_content=False, **options)
+        except ApiException as exc:
+            if exc.status == 400:  # no log yet (pending, pulling its image): say why instead
+                yield from self._pod_events(handle, rank, pod, log)
+            elif exc.status != 404:
+                raise api_error(exc, f"could not read the log of pod {handle.namespace}/{name}", self.config) \
+                    from exc
+            return
+        except Exception as exc:  # noqa: BLE001
+            raise api_error(exc, f"could not read the log of pod {handle.namespace}/{name}", self.config) from exc
+        try:
+            for index, line in enumerate(_lines(response)):
+                if index < log.lines_read:
+                    continue
+                log.lines_read = index + 1
+                ts, text = split_log_line(line)
+                log.records.append(LogRecord(ts if ts is not None else time.time(), rank, "out", text))
+                yield None
+        finally:
+            response.release_conn()
+
+    def _pod_events(self, handle: KubernetesRunHandle, rank: int, pod: dict[str, Any],
+                    log: _PodLog) -> Iterator[None]:
+        """The pod's events not shown yet, as lines (``[event] FailedScheduling: 0/3 nodes are available...``)."""
+        name = pod["metadata"]["name"]
+        try:
+            found = self._call(f"could not list the events of pod {name}", self._core().list_namespaced_event,
+                               handle.namespace, field_selector=f"involvedObject.name={name}")
+        except BackendError:
+            return
+        for event in sorted(found.get("items") or [], key=lambda e: e.get("lastTimestamp") or ""):
+            key = (str(event.get("reason")), str(event.get("message")), str(event.get("count")))
+            if key in log.events:
+                continue
+            log.events.add(key)
+            ts = parse_time(event.get("lastTimestamp") or event.get("eventTime")) or time.time()
+            stream = "err" if event.get("type") == "Warning" else "out"
+            log.records.append(LogRecord(ts, rank, stream,
+                                         f"[event] {event.get('reason')}: {event.get('message', '').strip()}"))
+            yield None
+
+    def failure_tail(self, handle: KubernetesRunHandle, rank: int, n: int = 10) -> list[str]:
+        """The last ``n`` non-empty lines of the latest attempt (stdout and stderr share a pod's log), or its
+        events when it never ran."""
+        try:
+            pods = self._pods(handle).get(rank, [])
+            if not pods:
+                return []
+            log = _PodLog()
+            for _ in self._read_pod(handle, rank, pods[-1], log, streaming=False):
+                pass
+        except Exception:  # noqa: BLE001 - the tail is a courtesy: a failure report must not fail on it
+            return []
+        return list(deque((r.text for r in log.records if r.text.strip()), maxlen=n))
+
+    # ------------------------------------------------------------------ discovery
+    def list_runs(self) -> list[RunListing]:
+        """diloco's Jobs in the namespace (found without the local registry)."""
+        found = self._call(f"could not list Jobs in namespace {self.config.namespace}",
+                           self._batch().list_namespaced_job, self.config.namespace,
+                           label_selector="app.kubernetes.io/managed-by=diloco")
+        out = []
+        for job in found.get("items") or []:
+            meta, status = job["metadata"], job.get("status") or {}
+            conditions = _conditions(job)
+            if "Complete" in conditions:
+                state = RunState.SUCCEEDED
+            elif "Failed" in conditions or "FailureTarget" in conditions:
+                state = RunState.FAILED
+            elif meta.get("deletionTimestamp"):
+                state = RunState.CANCELLING
+            else:
+                state = RunState.RUNNING if status.get("active") else RunState.PENDING
+            out.append(RunListing(run_id=(meta.get("annotations") or {}).get(RUN_LABEL, meta["name"]),
+                                  backend=self.name, state=state, replicas=int(job["spec"].get("completions") or 1),
+                                  created_at=parse_time(meta.get("creationTimestamp"))))
+        return out
+
+    # ------------------------------------------------------------------ doctor
+    @classmethod
+    def doctor_checks(cls, ctx: DoctorContext) -> list[Check]:
+        return [*check_cluster(ctx), check_image_reference(ctx)]
+
+

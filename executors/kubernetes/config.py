@@ -1,0 +1,135 @@
+"""The Kubernetes backend's settings and run handle, with the validation a real API server would apply to them."""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+from pydantic import Field, model_validator
+
+from diloco.executors.base import (
+    BackendConfig,
+    RunHandle,
+)
+
+if TYPE_CHECKING:
+    pass
+
+#: What to install when the kubernetes client is missing.
+INSTALL_HINT = "pip install 'diloco[k8s]'"
+#: Labels and annotations diloco puts on the Job and its pods.
+
+
+#: Labels and annotations diloco puts on the Job and its pods.
+RUN_LABEL = "diloco.dev/run-id"
+MANAGED_BY = {"app.kubernetes.io/name": "diloco", "app.kubernetes.io/managed-by": "diloco"}
+MAX_FAILED_ANNOTATION = "diloco.dev/max-failed-indexes"  # the configured value, before cancels raise it
+CANCELLED_ANNOTATION = "diloco.dev/cancelled-indexes"
+#: What the job controller puts on every pod of an Indexed Job.
+INDEX_KEY = "batch.kubernetes.io/job-completion-index"
+JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
+FAILURE_COUNT = "batch.kubernetes.io/job-index-failure-count"
+IGNORED_COUNT = "batch.kubernetes.io/job-index-ignored-failure-count"
+CONTAINER = "replica"
+GPU_RESOURCE = "nvidia.com/gpu"
+IRSA_ANNOTATION = "eks.amazonaws.com/role-arn"
+#: The replica entrypoint's exit codes the pod failure policy acts on: a configuration error, and SIGTERM.
+CONFIG_ERROR_EXIT, SIGTERM_EXIT = 2, 143
+#: The oldest Kubernetes with every field the Job uses on by default (``backoffLimitPerIndex``, ``FailIndex``:
+#: beta in 1.29, GA in 1.33; ``podFailurePolicy``: GA in 1.31).
+MIN_KUBERNETES = (1, 29)
+#: (connect, read) seconds for API calls other than followed logs.
+TIMEOUT = (5, 30)
+
+_QUANTITY = re.compile(r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$")
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+#: The image reference grammar of ``distribution/reference`` (name, optional tag, optional digest).
+_IMAGE = re.compile(
+    r"^(?:(?P<domain>(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9])(?:\.(?:[a-zA-Z0-9]|[a-zA-Z0-9]"
+    r"[a-zA-Z0-9-]*[a-zA-Z0-9]))*(?::[0-9]+)?)/)?"
+    r"(?P<path>[a-z0-9]+(?:(?:[._]|__|[-]+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|[-]+)[a-z0-9]+)*)*)"
+    r"(?::(?P<tag>[\w][\w.-]{0,127}))?(?:@(?P<digest>[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:"
+    r"[0-9a-fA-F]{32,}))?$")
+
+
+def _quantity_error(field: str, value: str) -> str | None:
+    if not _QUANTITY.match(str(value).strip()):
+        return (f"backend.{field}: must be a Kubernetes quantity such as 2, 500m, 8Gi or 512Mi (got {value!r}; "
+                "note Gi/Mi, not GB/MB)")
+    return None
+
+
+def image_reference_error(image: str) -> str | None:
+    """Why ``image`` is not a well-formed image reference, or None."""
+    if not image or image != image.strip():
+        return f"backend.image: must be an image reference such as <registry>/<repository>:<tag> (got {image!r})"
+    found = _IMAGE.match(image)
+    if found is None or len(found.group("path")) > 255:
+        return (f"backend.image: not a valid image reference (got {image!r}); expected "
+                "[registry[:port]/]repository[:tag][@sha256:digest] with a lowercase repository")
+    return None
+
+
+class KubernetesBackendConfig(BackendConfig):
+    """One Kubernetes Indexed Job with N completions (EKS or any cluster)."""
+
+    kind: Literal["eks"] = "eks"
+    image: str  # a PyTorch image with diloco installed (docker/Dockerfile)
+    namespace: str = "default"
+    service_account: str | None = None  # with IRSA / Pod Identity access to the rendezvous prefix
+    kube_context: str | None = None  # default: the kubeconfig's current context
+    kubeconfig: str | None = None  # default: $KUBECONFIG or ~/.kube/config; inside a pod: the in-cluster config
+    cpu: str = "2"  # request per replica
+    memory: str = "8Gi"  # request and limit per replica
+    cpu_limit: str | None = None  # no CPU limit by default (throttling slows the all-reduce for nothing)
+    backoff_limit_per_index: int = Field(0, ge=0)  # retries of a failed replica (disruptions do not count)
+    max_failed_indexes: int = Field(0, ge=0)  # failed replicas the Job tolerates before it fails (and stops all)
+    ttl_seconds_after_finished: int | None = Field(86400, ge=0)  # the cluster deletes the finished Job after this
+    grace_period_s: int = Field(30, ge=0)  # SIGTERM -> SIGKILL when a replica is stopped
+    node_selector: dict[str, str] = Field(default_factory=dict)  # e.g. {"karpenter.sh/capacity-type": "spot"}
+    tolerations: list[dict[str, Any]] = Field(default_factory=list)  # e.g. for tainted GPU or spot nodes
+    gpu_product_label: str = "nvidia.com/gpu.product"  # node label a --gpu TYPE selects on
+    labels: dict[str, str] = Field(default_factory=dict)  # extra labels on the Job and its pods
+    annotations: dict[str, str] = Field(default_factory=dict)  # extra annotations on the Job and its pods
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
+    log_poll_interval_s: float = Field(1.0, gt=0)  # how often `diloco logs -f` looks for a new attempt
+    state_dir: str | None = None  # where cancels and final states are kept; default $DILOCO_HOME/runs/<run>/eks
+
+    flags: ClassVar[dict[str, str]] = {"image": "image", "namespace": "namespace", "context": "kube_context"}
+
+    @model_validator(mode="after")
+    def _check(self) -> KubernetesBackendConfig:
+        """One line per bad value, naming the field and what is allowed (nothing is launched)."""
+        if not _DNS_LABEL.match(self.namespace) or len(self.namespace) > 63:
+            raise ValueError(f"backend.namespace: must be a DNS-1123 label (lowercase letters, digits and '-', "
+                             f"at most 63 characters; got {self.namespace!r})")
+        image_error = image_reference_error(self.image)
+        if image_error:
+            raise ValueError(image_error)
+        for name in ("cpu", "memory", "cpu_limit"):
+            value = getattr(self, name)
+            error = _quantity_error(name, value) if value is not None else None
+            if error:
+                raise ValueError(error)
+        if self.service_account is not None and not _DNS_SUBDOMAIN.match(self.service_account):
+            raise ValueError(f"backend.service_account: must be a DNS-1123 subdomain such as diloco-trainer "
+                             f"(got {self.service_account!r})")
+        for key, value in {**self.labels, **self.node_selector}.items():
+            if not _LABEL_VALUE.match(value) or len(value) > 63:
+                raise ValueError(f"backend: label value {value!r} of {key!r} is not a valid Kubernetes label value "
+                                 "(at most 63 letters, digits, '-', '_' or '.')")
+        return self
+
+
+class KubernetesRunHandle(RunHandle):
+    """The run's Job."""
+
+    backend: str = "eks"
+    namespace: str = "default"
+    job_name: str = ""
+    job_uid: str = ""
+    kube_context: str | None = None
+
+

@@ -1,0 +1,204 @@
+"""Pure helpers over Job and Pod objects: names, the API's interval and time formats, why a pod is pending or failed."""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from diloco.errors import ConfigError
+from diloco.executors.base import (
+    LogRecord,
+)
+
+if TYPE_CHECKING:
+    pass
+
+#: Labels and annotations diloco puts on the Job and its pods.
+from diloco.executors.kubernetes.config import (
+    _LABEL_VALUE,
+    CONFIG_ERROR_EXIT,
+    CONTAINER,
+    FAILURE_COUNT,
+    IGNORED_COUNT,
+    SIGTERM_EXIT,
+)
+
+
+# ---------------------------------------------------------------------------------------------- pure helpers
+def job_name_for(run_id: str, replicas: int) -> str:
+    """A DNS-1123 label unique per run, short enough that ``<name>-<index>`` (the pods' hostname) is one too."""
+    limit = 63 - 1 - len(str(max(0, replicas - 1)))
+    name = re.sub(r"[^a-z0-9-]+", "-", run_id.lower()).strip("-") or "diloco"
+    if name != run_id or len(name) > limit:
+        digest = hashlib.sha256(run_id.encode()).hexdigest()[:6]
+        name = f"{name[:limit - 7].strip('-')}-{digest}".lstrip("-")
+    return name
+
+
+def label_value(text: str) -> str:
+    """``text`` as a label value (63 characters of letters, digits, ``-_.``; the annotation keeps it exact)."""
+    value = re.sub(r"[^A-Za-z0-9_.-]+", "-", text)[:63].strip("-_.")
+    return value
+
+
+def parse_gpu(gpu: str | None) -> tuple[int, str | None]:
+    """``--gpu``: ``N`` GPUs, ``TYPE`` (one GPU of a product) or ``TYPE:N``; (count, product or None)."""
+    if gpu is None or gpu == "":
+        return 0, None
+    text = str(gpu).strip()
+    product, _, count = text.rpartition(":") if ":" in text else ("", "", text)
+    if not count.isdigit():
+        product, count = text, "1"
+    if int(count) < 1 or (product and not _LABEL_VALUE.match(product)):
+        raise ConfigError(f"gpu: expected N, TYPE or TYPE:N for the eks backend, e.g. 1, NVIDIA-A10G or "
+                          f"NVIDIA-A10G:4 (got {gpu!r})")
+    return int(count), product or None
+
+
+def parse_intervals(text: str | None) -> set[int]:
+    """``completedIndexes`` / ``failedIndexes``: ``"0-2,4"`` -> {0, 1, 2, 4}."""
+    found: set[int] = set()
+    for part in (text or "").split(","):
+        if "-" in part:
+            low, high = part.split("-", 1)
+            found.update(range(int(low), int(high) + 1))
+        elif part.strip():
+            found.add(int(part))
+    return found
+
+
+def parse_time(stamp: str | None) -> float | None:
+    """An API timestamp (``2026-01-02T03:04:05Z``, or with up to nine fractional digits) as unix time."""
+    if not stamp:
+        return None
+    text = stamp.rstrip("Z")
+    if "." in text:
+        whole, fraction = text.split(".", 1)
+        text = f"{whole}.{fraction[:6]}"
+    try:
+        return dt.datetime.fromisoformat(text).replace(tzinfo=dt.timezone.utc).timestamp()
+    except ValueError:
+        return None
+
+
+def split_log_line(line: str) -> tuple[float | None, str]:
+    """A ``timestamps=true`` line: its time and its text."""
+    stamp, _, text = line.partition(" ")
+    ts = parse_time(stamp) if stamp[:1].isdigit() else None
+    return (ts, text) if ts is not None else (None, line)
+
+
+def _conditions(obj: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """The object's true conditions by type."""
+    return {c["type"]: c for c in (obj.get("status") or {}).get("conditions") or [] if c.get("status") == "True"}
+
+
+def _annotation_int(pod: Mapping[str, Any], key: str) -> int:
+    value = (pod["metadata"].get("annotations") or {}).get(key, "0")
+    return int(value) if str(value).isdigit() else 0
+
+
+def _container_state(pod: Mapping[str, Any]) -> dict[str, Any]:
+    """The replica container's ``state`` (the first container if the name differs)."""
+    statuses = (pod.get("status") or {}).get("containerStatuses") or []
+    status = next((s for s in statuses if s.get("name") == CONTAINER), statuses[0] if statuses else None)
+    return (status or {}).get("state") or {}
+
+
+def _exit_code(pod: Mapping[str, Any]) -> int | None:
+    terminated = _container_state(pod).get("terminated")
+    return int(terminated["exitCode"]) if terminated and terminated.get("exitCode") is not None else None
+
+
+def _disruption(pod: Mapping[str, Any]) -> dict[str, Any] | None:
+    return _conditions(pod).get("DisruptionTarget")
+
+
+def _attempt_key(pod: Mapping[str, Any]) -> tuple[int, str, str]:
+    """Attempts of one index in order: the job controller counts earlier failures on each new pod."""
+    meta = pod["metadata"]
+    return (_annotation_int(pod, FAILURE_COUNT) + _annotation_int(pod, IGNORED_COUNT),
+            meta.get("creationTimestamp", ""), meta["name"])
+
+
+def failure_reason(pod: Mapping[str, Any]) -> str:
+    """Why a pod ended, in the words a user can act on (OOMKilled, the exit code, an eviction)."""
+    status = pod.get("status") or {}
+    if status.get("reason") == "Evicted":
+        return f"Evicted: {status.get('message', '').strip()}"
+    disruption = _disruption(pod)
+    if disruption is not None:
+        return f"{disruption.get('reason', 'Disrupted')}: {disruption.get('message', '').strip()}"
+    terminated = _container_state(pod).get("terminated") or {}
+    code, reason = terminated.get("exitCode"), terminated.get("reason") or "Error"
+    message = _last_error(terminated.get("message") or "")
+    if reason == "OOMKilled":
+        text = f"OOMKilled (exit code {code}): the container exceeded its memory limit (backend.memory)"
+    elif code == CONFIG_ERROR_EXIT:
+        text = f"configuration error (exit code {code}, not retried)"
+    elif code == SIGTERM_EXIT:
+        text = f"stopped by SIGTERM (exit code {code})"
+    elif code is None:
+        text = f"{status.get('phase', 'Unknown')} without an exit code"
+    else:
+        text = f"{reason} (exit code {code})"
+    return f"{text}: {message}" if message else text
+
+
+def _last_error(message: str) -> str:
+    """From a termination message (the log's tail), the replica's own ``diloco: error:`` line, else its last line."""
+    from diloco.errors import ERROR_PREFIX
+
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    errors = [line[len(ERROR_PREFIX):] for line in lines if line.startswith(ERROR_PREFIX)]
+    return errors[-1] if errors else (lines[-1] if lines else "")
+
+
+def pending_reason(pod: Mapping[str, Any]) -> str | None:
+    """Why a pod is still pending: the scheduler's verdict, or the kubelet's waiting reason for its container."""
+    for condition in (pod.get("status") or {}).get("conditions") or []:
+        if condition.get("type") == "PodScheduled" and condition.get("status") == "False":
+            return f"{condition.get('reason', 'Unschedulable')}: {condition.get('message', '').strip()}"
+    waiting = _container_state(pod).get("waiting") or {}
+    reason = waiting.get("reason")
+    if reason and reason not in ("ContainerCreating", "PodInitializing"):
+        message = (waiting.get("message") or "").strip()
+        return f"{reason}: {message}" if message else reason
+    return None
+
+
+def failure_action(job: Mapping[str, Any], pod: Mapping[str, Any]) -> str:
+    """What the Job's ``podFailurePolicy`` does with this failed pod: Ignore, FailIndex, FailJob or Count."""
+    status = pod.get("status") or {}
+    codes = [(s.get("name"), (s.get("state") or {}).get("terminated", {}).get("exitCode"))
+             for s in (status.get("initContainerStatuses") or []) + (status.get("containerStatuses") or [])]
+    conditions = _conditions(pod)
+    for rule in ((job.get("spec") or {}).get("podFailurePolicy") or {}).get("rules") or []:
+        on_codes = rule.get("onExitCodes")
+        if on_codes:
+            for name, code in codes:
+                if code in (None, 0) or on_codes.get("containerName") not in (None, name):
+                    continue
+                if (code in on_codes.get("values", [])) == (on_codes.get("operator") == "In"):
+                    return str(rule.get("action", "Count"))
+        for pattern in rule.get("onPodConditions") or []:
+            found = conditions.get(pattern.get("type"))
+            if found is not None and pattern.get("status", "True") == "True":
+                return str(rule.get("action", "Count"))
+    return "Count"
+
+
+@dataclass
+class _PodLog:
+    """One pod's log as read so far: its records (log lines, or events while it had no log), how many log lines
+    came from the API, and which events were shown."""
+
+    records: list[LogRecord] = field(default_factory=list)
+    lines_read: int = 0
+    events: set[tuple[str, str, str]] = field(default_factory=set)
+
+

@@ -1,0 +1,551 @@
+"""``SageMakerBackend``: plan, submit (rollback on failure), describe (one list call per poll), cancel, CloudWatch logs."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from diloco.errors import BackendError, ConfigError
+from diloco.executors.base import (
+    Backend,
+    LaunchPlan,
+    LaunchSpec,
+    ReplicaState,
+    ReplicaStatus,
+    RunListing,
+    RunState,
+    RunStatus,
+)
+from diloco.logstream import LogRecord
+
+if TYPE_CHECKING:
+    from diloco.doctor import Check, DoctorContext
+
+from diloco.executors.sagemaker.code import BOOTSTRAP_SCRIPT, build_wheel, pack_source
+from diloco.executors.sagemaker.config import (
+    BOOTSTRAP_FILE,
+    CODE_CHANNEL,
+    CONTAINER_CHECKPOINT_DIR,
+    CONTAINER_MODEL_DIR,
+    DEFAULT_MAX_RUNTIME_S,
+    LOG_GROUP,
+    RANK_TAG,
+    ROLE_CHECK,
+    RUN_TAG,
+    SOURCE_ARCHIVE,
+    SageMakerBackendConfig,
+    SageMakerRunHandle,
+    instance_type_for,
+    job_name,
+    training_image_uri,
+)
+from diloco.executors.sagemaker.cost import BOOTSTRAP_S, IMAGE_START_S, estimate_cost_usd, price_per_hour
+from diloco.executors.sagemaker.doctor import check_logs, check_quotas, check_role, check_role_bucket
+from diloco.executors.sagemaker.requests import check_request
+
+# ---------------------------------------------------------------------------------------------- the backend
+#: SageMaker's primary statuses that decide a job's fate even when its secondary status is one we do not know.
+_PRIMARY_DECIDES = ("Completed", "Failed", "Stopping", "Stopped")
+#: Secondary statuses a job passes through while SageMaker brings an interrupted spot job back.
+_COMING_BACK = ("Starting", "Pending", "Downloading", "Restarting", "LaunchingMLInstances",
+                "PreparingTrainingStack", "DownloadingTrainingImage")
+_EXIT_CODE_RE = re.compile(r"exit code:?\s*(-?\d+)", re.IGNORECASE)
+_NOT_STOPPABLE = ("in status", "not found", "does not exist")
+
+
+def _client_error(exc: BaseException) -> tuple[str, str]:
+    """(code, message) of a botocore error, or the exception's class and text."""
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        err = response.get("Error", {})
+        return str(err.get("Code") or type(exc).__name__), str(err.get("Message") or exc)
+    return type(exc).__name__, str(exc)
+
+
+def _ts(value: Any) -> float | None:
+    """A boto3 timestamp (datetime) as unix seconds."""
+    return value.timestamp() if hasattr(value, "timestamp") else (float(value) if value is not None else None)
+
+
+class SageMakerBackend(Backend[SageMakerBackendConfig, SageMakerRunHandle]):
+    """Replicas as single-instance SageMaker Training Jobs (see the module docstring for the design)."""
+
+    name: ClassVar[str] = "sagemaker"
+    config_type = SageMakerBackendConfig
+    handle_type = SageMakerRunHandle
+    install_hint = "pip install 'diloco[sagemaker]'"
+    unavailable_reason: ClassVar[str | None] = None
+    #: SecondaryStatus values (and, for jobs whose secondary status is new to us, TrainingJobStatus values).
+    STATES: ClassVar[dict[str, ReplicaState]] = {
+        "Starting": ReplicaState.PENDING,
+        "Pending": ReplicaState.PENDING,  # waiting for capacity
+        "Downloading": ReplicaState.PENDING,
+        "LaunchingMLInstances": ReplicaState.PENDING,  # deprecated names, still in old jobs' histories
+        "PreparingTrainingStack": ReplicaState.PENDING,
+        "DownloadingTrainingImage": ReplicaState.PENDING,
+        "Training": ReplicaState.RUNNING,
+        "Uploading": ReplicaState.RUNNING,
+        "Updating": ReplicaState.RUNNING,
+        "Interrupted": ReplicaState.PREEMPTED,  # spot capacity reclaimed; SageMaker brings it back
+        "Restarting": ReplicaState.PREEMPTED,
+        "Completed": ReplicaState.SUCCEEDED,
+        "Failed": ReplicaState.FAILED,
+        "MaxRuntimeExceeded": ReplicaState.FAILED,  # timed_out
+        "MaxWaitTimeExceeded": ReplicaState.FAILED,  # timed_out (spot capacity never came back in time)
+        "Stopping": ReplicaState.CANCELLING,
+        "Stopped": ReplicaState.CANCELLED,
+        "InProgress": ReplicaState.RUNNING,
+        "Deleting": ReplicaState.UNKNOWN,
+    }
+
+    def __init__(self, config: SageMakerBackendConfig) -> None:
+        super().__init__(config)
+        self._seen: dict[str, tuple[Any, dict[str, Any]]] = {}  # job -> (LastModifiedTime, description)
+        self._clients: dict[tuple[str, str], Any] = {}
+
+    # ------------------------------------------------------------------ AWS plumbing
+    def region(self) -> str:
+        """The configured region, else the AWS SDK's (``AWS_REGION``, the profile); ``ConfigError`` if none."""
+        if self.config.region:
+            return self.config.region
+        import boto3
+
+        region = boto3.session.Session().region_name
+        if not region:
+            raise ConfigError("backend.region: not set and no AWS region is configured",
+                              hint="pass --region, or set AWS_REGION")
+        return region
+
+    def client(self, service: str, region: str | None = None) -> Any:
+        """A cached boto3 client in adaptive retry mode (the standard AWS settings, AWS_ENDPOINT_URL_<SERVICE>
+        included, apply; AWS_MAX_ATTEMPTS/AWS_RETRY_MODE win over ours)."""
+        region = region or self.region()
+        key = (service, region)
+        if key not in self._clients:
+            import boto3
+            from botocore.config import Config
+
+            retries = {} if os.environ.get("AWS_MAX_ATTEMPTS") or os.environ.get("AWS_RETRY_MODE") else \
+                {"retries": {"mode": "adaptive", "max_attempts": 10}}
+            self._clients[key] = boto3.client(service, region_name=region,
+                                              config=Config(connect_timeout=5, read_timeout=30, **retries))
+        return self._clients[key]
+
+    # ------------------------------------------------------------------ plan (pure)
+    def base_uri(self, spec: LaunchSpec) -> str:
+        """Where this run's code, artifacts and checkpoints go."""
+        if self.config.output_s3_uri:
+            return f"{self.config.output_s3_uri.rstrip('/')}/{spec.run_id}"
+        return f"{spec.entrypoint_args.rendezvous_uri.rstrip('/')}/sagemaker"
+
+    @property
+    def ships_code(self) -> bool:
+        """Without a ready image, the wheel, the bootstrap and the source travel as the ``code`` channel."""
+        return self.config.image_uri is None
+
+    def plan(self, spec: LaunchSpec) -> LaunchPlan:
+        """One CreateTrainingJob request per replica, validated; nothing is sent and nothing is created."""
+        if not self.config.role_arn:
+            raise ConfigError("backend.role_arn: the SageMaker execution role is required",
+                              hint=_role_hint(self))
+        if not spec.entrypoint_args.rendezvous_uri.startswith("s3://"):
+            raise ConfigError(f"store.rendezvous: SageMaker jobs meet in S3; got {spec.entrypoint_args.rendezvous_uri}",
+                              hint="pass --rendezvous s3://<bucket>/<prefix>/{run_id}")
+        region = self.region()
+        instance_type = instance_type_for(self.config, spec.gpu)
+        image = self.config.image_uri or training_image_uri(region, instance_type, self.config.framework_version,
+                                                            self.config.py_version)
+        requests = [self._request(spec, rank, region, instance_type, image) for rank in range(spec.replicas)]
+        for rank, request in enumerate(requests):
+            check_request(request, rank)
+        return LaunchPlan(backend=self.name, spec=spec, requests=requests)
+
+    def _request(self, spec: LaunchSpec, rank: int, region: str, instance_type: str, image: str) -> dict[str, Any]:
+        base = self.base_uri(spec)
+        env = {**spec.replica_env(rank), "SM_MODEL_DIR": CONTAINER_MODEL_DIR, "AWS_DEFAULT_REGION": region,
+               "PYTHONUNBUFFERED": "1"}
+        if self.ships_code:
+            entrypoint = ["python", f"/opt/ml/input/data/{CODE_CHANNEL}/{BOOTSTRAP_FILE}"]
+            arguments = ["-m", spec.entrypoint, *spec.entrypoint_args.to_argv()]
+        else:
+            entrypoint = ["python", "-m", spec.entrypoint]
+            arguments = spec.entrypoint_args.to_argv()
+        max_run = math.ceil(spec.timeout_s) if spec.timeout_s else DEFAULT_MAX_RUNTIME_S
+        resources: dict[str, Any] = {"InstanceType": instance_type, "InstanceCount": 1,
+                                     "VolumeSizeInGB": self.config.volume_size_gb}
+        if self.config.keep_alive_period_s:
+            resources["KeepAlivePeriodInSeconds"] = self.config.keep_alive_period_s
+        stopping: dict[str, Any] = {"MaxRuntimeInSeconds": max_run}
+        request: dict[str, Any] = {
+            "TrainingJobName": job_name(spec.run_id, rank),
+            "RoleArn": self.config.role_arn,
+            "AlgorithmSpecification": {"TrainingImage": image, "TrainingInputMode": "File",
+                                       "ContainerEntrypoint": entrypoint, "ContainerArguments": arguments},
+            "ResourceConfig": resources,
+            "StoppingCondition": stopping,
+            "OutputDataConfig": {"S3OutputPath": f"{base}/output"},
+            "EnableNetworkIsolation": False,  # isolation cuts the job off from S3: never a knob
+            "Environment": env,
+            "Tags": [{"Key": RUN_TAG, "Value": spec.run_id}, {"Key": RANK_TAG, "Value": str(rank)},
+                     *({"Key": k, "Value": v} for k, v in sorted(self.config.tags.items()))],
+        }
+        if self.ships_code:
+            request["InputDataConfig"] = [{"ChannelName": CODE_CHANNEL, "InputMode": "File", "DataSource": {
+                "S3DataSource": {"S3DataType": "S3Prefix", "S3Uri": f"{base}/code/",
+                                 "S3DataDistributionType": "FullyReplicated"}}}]
+        if self.config.use_spot:
+            request["EnableManagedSpotTraining"] = True
+            stopping["MaxWaitTimeInSeconds"] = self.config.max_wait_s or max_run
+            request["CheckpointConfig"] = {"S3Uri": f"{base}/checkpoints/rank_{rank}",
+                                           "LocalPath": CONTAINER_CHECKPOINT_DIR}
+            env["DILOCO_CHECKPOINT_DIR"] = CONTAINER_CHECKPOINT_DIR
+        elif self.config.max_wait_s is not None:
+            stopping["MaxWaitTimeInSeconds"] = self.config.max_wait_s  # check_request explains why not
+        return request
+
+    # ------------------------------------------------------------------ cost (before anything is created)
+    def estimate_cost(self, plan: LaunchPlan, seconds_per_replica: float) -> tuple[float | None, str] | None:
+        """Each job's on-demand instance price times what SageMaker would bill it: the replica's work plus the
+        assumed start-up (``IMAGE_START_S``, and ``BOOTSTRAP_S`` without a ready image). Managed spot bills less,
+        so for spot jobs this is a ceiling. The detail also says the most the jobs could cost: every one run to
+        its ``MaxRuntimeInSeconds``."""
+        region = self.region()
+        startup = IMAGE_START_S + (BOOTSTRAP_S if self.ships_code else 0.0)
+        billed = startup + max(0.0, seconds_per_replica)
+        by_type: dict[str, list[Mapping[str, Any]]] = {}
+        for request in plan.requests:
+            by_type.setdefault(request["ResourceConfig"]["InstanceType"], []).append(request)
+        usd, most, parts, unknown = 0.0, 0.0, [], []
+        for instance_type, requests in by_type.items():
+            hourly, source = price_per_hour(instance_type, region)
+            if hourly is None:
+                unknown.append(instance_type)
+                parts.append(f"{len(requests)} x {instance_type} training job(s) at a price diloco does not know")
+                continue
+            usd += len(requests) * hourly * billed / 3600.0
+            most += sum(hourly * r["StoppingCondition"]["MaxRuntimeInSeconds"] / 3600.0 for r in requests)
+            parts.append(f"{len(requests)} x {instance_type} training job(s) at ${hourly:g}/h ({source})")
+        detail = (f"{'; '.join(parts)}, each billed about {billed:.0f} s ({startup:.0f} s of image download and "
+                  f"start-up, assumed, + {seconds_per_replica:.0f} s of work)")
+        if unknown:
+            return None, detail + f"; see the SageMaker pricing page for {', '.join(unknown)} in {region}"
+        limits = sorted({int(r["StoppingCondition"]["MaxRuntimeInSeconds"]) for r in plan.requests})
+        detail += (f"; at most ${most:.2f} if every job ran to its time limit (MaxRuntimeInSeconds "
+                   f"{'/'.join(str(x) for x in limits)})")
+        if any(r.get("EnableManagedSpotTraining") for r in plan.requests):
+            detail += "; managed spot bills less than these on-demand prices"
+        return round(usd, 4), detail
+
+    # ------------------------------------------------------------------ submit (all or nothing)
+    def submit(self, plan: LaunchPlan,
+               on_progress: Callable[[SageMakerRunHandle], None] | None = None) -> SageMakerRunHandle:
+        """Ship the code (without a ready image), then create the jobs in rank order. If creating replica k fails
+        (quota, throttling that outlasts the retries, validation) or Ctrl-C arrives, the jobs already created are
+        stopped before the error propagates."""
+        spec = plan.spec
+        region = self.region()
+        handle = SageMakerRunHandle(run_id=spec.run_id, replicas=spec.replicas, region=region)
+        if self.ships_code:
+            self._ship_code(spec, region)
+        sm = self.client("sagemaker", region)
+        rank = 0
+        try:
+            for rank, request in enumerate(plan.requests):
+                if rank and self._stopped_meanwhile(sm, handle):
+                    raise BackendError(f"run {spec.run_id} was cancelled while it was being launched",
+                                       hint="its jobs were stopped; launch again when ready")
+                try:
+                    sm.create_training_job(**request)
+                except Exception as exc:  # noqa: BLE001 - every cause is reported the same way, with its code
+                    code, message = _client_error(exc)
+                    stopped = len(handle.job_names)
+                    raise BackendError(
+                        f"could not create the SageMaker training job of replica {rank} "
+                        f"({request['TrainingJobName']}): {code}: {message}",
+                        hint=f"the {stopped} job(s) already created were stopped; fix the cause and launch again"
+                        if stopped else "nothing was created; fix the cause and launch again") from exc
+                handle.job_names.append(request["TrainingJobName"])
+                if on_progress is not None:
+                    on_progress(handle)
+        except BaseException:
+            self._roll_back(sm, handle, plan.requests[rank]["TrainingJobName"])
+            raise
+        return handle
+
+    def _stopped_meanwhile(self, sm: Any, handle: SageMakerRunHandle) -> bool:
+        """Whether a ``diloco cancel`` from another shell stopped this launch's first job."""
+        try:
+            status = sm.describe_training_job(TrainingJobName=handle.job_names[0])["TrainingJobStatus"]
+        except Exception:  # noqa: BLE001 - cannot tell: go on launching
+            return False
+        return status in ("Stopping", "Stopped")
+
+    def _roll_back(self, sm: Any, handle: SageMakerRunHandle, failing: str) -> None:
+        """Stop what a failed launch created (and the job whose creation failed, in case it exists after all)."""
+        for name in [*handle.job_names, failing]:
+            self._stop(sm, name)
+
+    @staticmethod
+    def _stop(sm: Any, name: str) -> None:
+        """StopTrainingJob, treating "already stopped/finished" and "no such job" as done."""
+        try:
+            sm.stop_training_job(TrainingJobName=name)
+        except Exception as exc:  # noqa: BLE001
+            code, message = _client_error(exc)
+            if not any(s in message for s in _NOT_STOPPABLE) and code not in ("ResourceNotFound",):
+                raise BackendError(f"could not stop SageMaker training job {name}: {code}: {message}",
+                                   hint="stop it in the SageMaker console or with `aws sagemaker "
+                                        f"stop-training-job --training-job-name {name}`") from exc
+
+    def _ship_code(self, spec: LaunchSpec, region: str) -> None:
+        """Upload the wheel, the bootstrap and the source tarball to ``<base>/code/`` (the ``code`` channel)."""
+        source = Path(self.config.source_dir or os.getcwd()).expanduser().resolve()
+        archive = pack_source(source, int(self.config.max_source_mb * 2**20))
+        wheel_name, wheel = build_wheel()
+        bucket, _, key = self.base_uri(spec)[len("s3://"):].partition("/")
+        s3 = self.client("s3", region)
+        for name, data in ((wheel_name, wheel), (BOOTSTRAP_FILE, BOOTSTRAP_SCRIPT.encode()),
+                           (SOURCE_ARCHIVE, archive)):
+            try:
+                s3.put_object(Bucket=bucket, Key=f"{key}/code/{name}", Body=data)
+            except Exception as exc:  # noqa: BLE001
+                code, message = _client_error(exc)
+                raise BackendError(f"could not upload {name} to s3://{bucket}/{key}/code/: {code}: {message}",
+                                   hint="check you can write to the rendezvous bucket (`diloco doctor --backend "
+                                        "sagemaker --s3 <uri>`); no job was created") from exc
+
+    # ------------------------------------------------------------------ describe
+    def describe(self, handle: SageMakerRunHandle) -> RunStatus:
+        """Every replica's state: one ListTrainingJobs call, plus DescribeTrainingJob for jobs that changed."""
+        sm = self.client("sagemaker", handle.region)
+        summaries = self._summaries(sm, handle)
+        replicas = []
+        for rank in range(handle.replicas):
+            if rank >= len(handle.job_names):
+                replicas.append(ReplicaStatus(rank=rank, state=ReplicaState.PENDING,
+                                              detail="not created yet (the launch is still creating jobs)"))
+                continue
+            name = handle.job_names[rank]
+            desc = self._description(sm, name, summaries.get(name))
+            replicas.append(self._replica_status(rank, name, desc, handle.region or self.region()))
+        return RunStatus(run_id=handle.run_id, replicas=replicas)
+
+    def _summaries(self, sm: Any, handle: SageMakerRunHandle) -> dict[str, dict[str, Any]]:
+        """The run's jobs as ListTrainingJobs sees them (every page), by name; {} if listing fails."""
+        if not handle.job_names:
+            return {}
+        prefix = handle.job_names[0].rsplit("-r", 1)[0]
+        found: dict[str, dict[str, Any]] = {}
+        try:
+            for page in sm.get_paginator("list_training_jobs").paginate(NameContains=prefix,
+                                                                         PaginationConfig={"PageSize": 100}):
+                for summary in page.get("TrainingJobSummaries", []):
+                    found[summary["TrainingJobName"]] = summary
+        except Exception:  # noqa: BLE001 - fall back to describing each job
+            return {}
+        return found
+
+    def _description(self, sm: Any, name: str, summary: dict[str, Any] | None) -> dict[str, Any] | None:
+        """DescribeTrainingJob, unless this process already holds the description of the same modification."""
+        cached = self._seen.get(name)
+        if summary is not None and cached is not None and cached[0] == summary.get("LastModifiedTime"):
+            return cached[1]
+        try:
+            desc = sm.describe_training_job(TrainingJobName=name)
+        except Exception as exc:  # noqa: BLE001
+            code, message = _client_error(exc)
+            if "not found" in message.lower() or code == "ResourceNotFound":
+                return None
+            raise BackendError(f"could not describe SageMaker training job {name}: {code}: {message}",
+                               hint="check your AWS credentials and region") from exc
+        self._seen[name] = (desc.get("LastModifiedTime"), desc)
+        return desc
+
+    def native_state(self, desc: Mapping[str, Any]) -> str | None:
+        """The state name to map: the secondary status, the primary when the secondary is new to us, and
+        ``Interrupted`` while SageMaker is bringing an interrupted spot job back."""
+        primary, secondary = desc.get("TrainingJobStatus"), desc.get("SecondaryStatus")
+        native = secondary if secondary in self.STATES else (primary if primary in _PRIMARY_DECIDES else None)
+        history = [t.get("Status") for t in desc.get("SecondaryStatusTransitions") or []]
+        if "Interrupted" in history and native in _COMING_BACK:
+            return "Interrupted"
+        return native
+
+    def _replica_status(self, rank: int, name: str, desc: Mapping[str, Any] | None, region: str) -> ReplicaStatus:
+        if desc is None:
+            return ReplicaStatus(rank=rank, state=ReplicaState.UNKNOWN, job_id=name,
+                                 reason=f"SageMaker has no training job named {name} in {region}")
+        primary, secondary = desc.get("TrainingJobStatus"), desc.get("SecondaryStatus")
+        state = self.map_state(self.native_state(desc))
+        history = desc.get("SecondaryStatusTransitions") or []
+        restarts = sum(1 for t in history if t.get("Status") == "Interrupted")
+        billable = desc.get("BillableTimeInSeconds")
+        training = desc.get("TrainingTimeInSeconds")
+        message = history[-1].get("StatusMessage") if history else None
+        detail = f"{primary}/{secondary}" + (f": {message}" if message else "")
+        if desc.get("EnableManagedSpotTraining") and billable and training:
+            detail += f"; spot savings {100 * (1 - billable / training):.0f}%"
+        usd: float | None = None
+        source: str | None = None
+        if billable:
+            instance_type = (desc.get("ResourceConfig") or {}).get("InstanceType", "")
+            usd, source = estimate_cost_usd(instance_type, billable, region)
+        artifacts = {}
+        if (desc.get("ModelArtifacts") or {}).get("S3ModelArtifacts"):
+            artifacts["model"] = desc["ModelArtifacts"]["S3ModelArtifacts"]
+        return ReplicaStatus(rank=rank, state=state, job_id=name, reason=self._reason(desc, state),
+                             detail=detail, exit_code=self._exit_code(desc), restarts=restarts,
+                             timed_out=secondary in ("MaxRuntimeExceeded", "MaxWaitTimeExceeded"),
+                             started_at=_ts(desc.get("TrainingStartTime")), ended_at=_ts(desc.get("TrainingEndTime")),
+                             artifacts=artifacts, billable_s=float(billable) if billable is not None else None,
+                             cost_usd=usd, cost_source=f"{source}, an estimate" if usd is not None else None)
+
+    @staticmethod
+    def _reason(desc: Mapping[str, Any], state: ReplicaState) -> str | None:
+        secondary = desc.get("SecondaryStatus")
+        limits = desc.get("StoppingCondition") or {}
+        if secondary == "MaxRuntimeExceeded":
+            return f"stopped by SageMaker after MaxRuntimeInSeconds={limits.get('MaxRuntimeInSeconds')} (timeout_s)"
+        if secondary == "MaxWaitTimeExceeded":
+            return (f"stopped by SageMaker after MaxWaitTimeInSeconds={limits.get('MaxWaitTimeInSeconds')}: spot "
+                    "capacity did not let it finish in time")
+        if desc.get("FailureReason"):
+            return str(desc["FailureReason"])
+        if state == ReplicaState.PREEMPTED:
+            return "spot capacity was reclaimed; SageMaker is restarting the job"
+        if state in (ReplicaState.CANCELLED, ReplicaState.CANCELLING):
+            return "stopped (StopTrainingJob)"
+        return None
+
+    @staticmethod
+    def _exit_code(desc: Mapping[str, Any]) -> int | None:
+        """SageMaker reports no exit code; 0 for a completed job, else the one its FailureReason quotes."""
+        if desc.get("TrainingJobStatus") == "Completed":
+            return 0
+        found = _EXIT_CODE_RE.search(str(desc.get("FailureReason") or ""))
+        return int(found.group(1)) if found else None
+
+    # ------------------------------------------------------------------ cancel
+    def cancel(self, handle: SageMakerRunHandle, ranks: Sequence[int] | None = None) -> None:
+        """StopTrainingJob for the (given) replicas; returns at once. A stopped or finished job is not an error."""
+        sm = self.client("sagemaker", handle.region)
+        for rank, name in enumerate(handle.job_names):
+            if ranks is None or rank in ranks:
+                self._stop(sm, name)
+
+    # ------------------------------------------------------------------ logs
+    def replica_logs(self, handle: SageMakerRunHandle, rank: int, *, follow: bool = False,
+                     since: float | None = None) -> Iterator[LogRecord]:
+        """The job's CloudWatch lines in order (stdout and stderr arrive merged, as ``out``); with ``follow``
+        until the job is terminal, then one last read so late lines are not lost."""
+        if rank >= len(handle.job_names):
+            return
+        name = handle.job_names[rank]
+        logs = self.client("logs", handle.region)
+        tokens: dict[str, str | None] = {}
+        while True:
+            terminal = not follow or self.describe(handle).replica(rank).state.is_terminal
+            for stream in self._streams(logs, name):
+                tokens.setdefault(stream, None)
+            for stream in sorted(tokens, key=_stream_order):
+                for event in self._read_stream(logs, stream, tokens):
+                    ts = event["timestamp"] / 1000.0
+                    if since is None or ts >= since:
+                        yield LogRecord(ts, rank, "out", event["message"].rstrip("\n"))
+            if terminal:
+                return
+            time.sleep(self.config.log_poll_interval_s)
+
+    @staticmethod
+    def _streams(logs: Any, name: str) -> list[str]:
+        """The job's log streams (``<job>/algo-1-<epoch>``); none while the group or stream does not exist."""
+        found: list[str] = []
+        try:
+            for page in logs.get_paginator("describe_log_streams").paginate(logGroupName=LOG_GROUP,
+                                                                            logStreamNamePrefix=f"{name}/"):
+                found += [s["logStreamName"] for s in page.get("logStreams", [])]
+        except logs.exceptions.ResourceNotFoundException:
+            return []
+        return found
+
+    @staticmethod
+    def _read_stream(logs: Any, stream: str, tokens: dict[str, str | None]) -> Iterator[dict[str, Any]]:
+        """Events after the stream's saved token, page by page, until ``nextForwardToken`` repeats."""
+        while True:
+            kwargs: dict[str, Any] = {"logGroupName": LOG_GROUP, "logStreamName": stream, "startFromHead": True}
+            if tokens[stream]:
+                kwargs["nextToken"] = tokens[stream]
+            try:
+                page = logs.get_log_events(**kwargs)
+            except logs.exceptions.ResourceNotFoundException:
+                return
+            yield from page.get("events", [])
+            token = page.get("nextForwardToken")
+            if token is None or token == tokens[stream]:
+                return
+            tokens[stream] = token
+
+    def failure_tail(self, handle: SageMakerRunHandle, rank: int, n: int = 10) -> list[str]:
+        """The job's last ``n`` non-empty log lines (CloudWatch merges stderr into them)."""
+        try:
+            lines = (r.text for r in self.replica_logs(handle, rank) if r.text.strip())
+            return list(deque(lines, maxlen=n))
+        except Exception:  # noqa: BLE001 - the tail is a courtesy: a failure report must not fail on it
+            return []
+
+    # ------------------------------------------------------------------ discovery
+    def list_runs(self) -> list[RunListing]:
+        """Runs whose jobs are named ``<run_id>-r<rank>`` in this region (found without the local registry)."""
+        sm = self.client("sagemaker")
+        runs: dict[str, list[dict[str, Any]]] = {}
+        for page in sm.get_paginator("list_training_jobs").paginate(NameContains="-r",
+                                                                     PaginationConfig={"PageSize": 100}):
+            for summary in page.get("TrainingJobSummaries", []):
+                found = re.match(r"^(?P<run>.+)-r(?P<rank>\d+)$", summary["TrainingJobName"])
+                if found:
+                    runs.setdefault(found.group("run"), []).append(summary)
+        out = []
+        for run_id, jobs in sorted(runs.items()):
+            states = [self.map_state(self.native_state(j)) for j in jobs]
+            out.append(RunListing(run_id=run_id, backend=self.name, state=RunState.of(states), replicas=len(jobs),
+                                  created_at=min((_ts(j.get("CreationTime")) or 0.0) for j in jobs)))
+        return out
+
+    # ------------------------------------------------------------------ doctor
+    @classmethod
+    def doctor_checks(cls, ctx: DoctorContext) -> list[Check]:
+        from diloco.doctor import check_image
+
+        checks = [check_role(ctx)]
+        ctx.results[ROLE_CHECK] = checks[0]
+        return [*checks, check_role_bucket(ctx), check_logs(ctx), check_image(ctx, ctx.option("image_uri")),
+                *check_quotas(ctx)]
+
+
+def _stream_order(stream: str) -> tuple[int, str]:
+    """Streams of one job in start order: by the epoch after ``algo-1-``."""
+    tail = stream.rsplit("-", 1)[-1]
+    return (int(tail) if tail.isdigit() else 0, stream)
+
+
+def _role_hint(backend: SageMakerBackend) -> str:
+    """How to fix a missing role: the account's roles SageMaker may assume, when they can be listed."""
+    base = "pass --role arn:aws:iam::<account>:role/<name> or set backend.role_arn"
+    try:
+        iam = backend.client("iam")
+        roles = [r["Arn"] for page in iam.get_paginator("list_roles").paginate() for r in page["Roles"]
+                 if "sagemaker.amazonaws.com" in json.dumps(r.get("AssumeRolePolicyDocument", ""))]
+    except Exception:  # noqa: BLE001 - the hint is best effort
+        return base
+    if not roles:
+        return f"{base}; no role in this account trusts sagemaker.amazonaws.com yet (create one in the IAM console)"
+    return f"{base}; roles SageMaker may assume here: {', '.join(roles[:5])}" + (" ..." if len(roles) > 5 else "")
+
+

@@ -1,0 +1,185 @@
+"""The SageMaker backend's settings, run handle, service limits, instance types and training images."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+from pydantic import Field
+
+from diloco.errors import ConfigError
+from diloco.executors.base import (
+    BackendConfig,
+    RunHandle,
+)
+
+if TYPE_CHECKING:
+    pass
+
+
+
+LOG_GROUP = "/aws/sagemaker/TrainingJobs"
+#: AmazonSageMakerFullAccess grants S3 only on buckets whose name contains one of these (case-sensitive; bucket
+#: names are lower case, so in practice "sagemaker" or "aws-glue").
+SAGEMAKER_BUCKET_MARKERS = ("SageMaker", "Sagemaker", "sagemaker", "aws-glue")
+SAGEMAKER_FULL_ACCESS = "arn:aws:iam::aws:policy/AmazonSageMakerFullAccess"
+S3_ACTIONS_NEEDED = ("s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:ListBucket")
+ROLE_CHECK = "sagemaker execution role"
+
+# ---------------------------------------------------------------------------------------------- service limits
+#: CreateTrainingJob limits the service enforces and botocore does not check (botocore's sagemaker model, and the
+#: API reference for MaxRuntimeInSeconds' 28 days).
+JOB_NAME_RE = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}$")
+JOB_NAME_MAX = 63
+ENV_MAX_ENTRIES = 100
+ENV_KEY_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+ENV_VALUE_MAX = 512
+CONTAINER_ARG_MAX = 256
+CONTAINER_ARGS_MAX_ITEMS = 100
+KEEP_ALIVE_MAX_S = 21600
+MAX_RUNTIME_CEILING_S = 28 * 24 * 3600
+DEFAULT_MAX_RUNTIME_S = 86400
+TAGS_MAX = 50
+
+CONTAINER_MODEL_DIR = "/opt/ml/model"
+CONTAINER_CHECKPOINT_DIR = "/opt/ml/checkpoints"
+CODE_CHANNEL = "code"
+BOOTSTRAP_FILE = "diloco_bootstrap.py"
+SOURCE_ARCHIVE = "source.tar.gz"
+RUN_TAG, RANK_TAG = "diloco:run-id", "diloco:rank"
+DEFAULT_FRAMEWORK_VERSION = "2.8"
+DEFAULT_PY_VERSION = "py312"
+
+#: ``--gpu`` names -> the smallest SageMaker training instance with that accelerator.
+GPU_INSTANCE_TYPES = {
+    "T4": "ml.g4dn.xlarge", "A10G": "ml.g5.xlarge", "L4": "ml.g6.xlarge", "L40S": "ml.g6e.xlarge",
+    "V100": "ml.p3.2xlarge", "A100": "ml.p4d.24xlarge", "H100": "ml.p5.48xlarge", "H200": "ml.p5e.48xlarge",
+    "B200": "ml.p6-b200.48xlarge",
+}
+
+#: Approximate on-demand SageMaker *training* prices in us-east-1, USD per instance-hour, from AWS's public
+#: SageMaker pricing page as of 2024-06. Used only when the Price List API cannot be reached; always labelled an
+#: estimate (prices differ by region and change).
+PRICE_TABLE_DATE = "2024-06"
+PRICE_TABLE_USD_PER_HOUR = {
+    "ml.m5.large": 0.115, "ml.m5.xlarge": 0.23, "ml.m5.2xlarge": 0.461, "ml.m5.4xlarge": 0.922,
+    "ml.c5.xlarge": 0.204, "ml.c5.2xlarge": 0.408, "ml.g4dn.xlarge": 0.736, "ml.g5.xlarge": 1.408,
+    "ml.g5.2xlarge": 1.515, "ml.g6.xlarge": 1.1672, "ml.p3.2xlarge": 3.825, "ml.p4d.24xlarge": 37.688,
+    "ml.p5.48xlarge": 113.07,
+}
+
+
+class SageMakerBackendConfig(BackendConfig):
+    """One single-instance SageMaker Training Job per replica."""
+
+    kind: Literal["sagemaker"] = "sagemaker"
+    region: str | None = None  # default: the AWS SDK's region (AWS_REGION, the profile)
+    role_arn: str | None = None  # execution role; it (not you) needs S3 access to the rendezvous prefix
+    image_uri: str | None = None  # a ready image with diloco and your code; default: AWS's PyTorch image + shipping
+    framework_version: str = DEFAULT_FRAMEWORK_VERSION  # PyTorch version of AWS's image (without image_uri)
+    py_version: str = DEFAULT_PY_VERSION  # Python of AWS's image (without image_uri)
+    source_dir: str | None = None  # your code, shipped to every job (without image_uri); default: the cwd
+    max_source_mb: float = Field(50.0, gt=0)  # refuse to ship a larger source directory
+    instance_type: str = "ml.m5.xlarge"
+    volume_size_gb: int = Field(30, ge=1)
+    output_s3_uri: str | None = None  # where SageMaker uploads $SM_MODEL_DIR; default: <rendezvous>/sagemaker
+    keep_alive_period_s: int = Field(0, ge=0, le=KEEP_ALIVE_MAX_S)  # warm pool; needs a warm-pool quota (default 0)
+    use_spot: bool = False
+    max_wait_s: int | None = Field(None, ge=1)  # spot only; must be >= the job's MaxRuntimeInSeconds
+    log_poll_interval_s: float = Field(5.0, gt=0)  # how often `diloco logs -f` reads CloudWatch
+    tags: dict[str, str] = Field(default_factory=dict)
+
+    flags: ClassVar[dict[str, str]] = {"role": "role_arn", "image": "image_uri", "region": "region",
+                                       "instance_type": "instance_type", "spot": "use_spot",
+                                       "keep_alive": "keep_alive_period_s", "source_dir": "source_dir"}
+
+
+class SageMakerRunHandle(RunHandle):
+    """The run's training jobs, one per rank, in rank order (as far as the launch got)."""
+
+    backend: str = "sagemaker"
+    region: str | None = None
+    job_names: list[str] = Field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------- names and images
+def job_name(run_id: str, rank: int) -> str:
+    """``<run_id>-r<rank>``, the run id shortened if needed so the name fits SageMaker's 63 characters."""
+    suffix = f"-r{rank}"
+    return f"{run_id[: JOB_NAME_MAX - len(suffix)].rstrip('-')}{suffix}"
+
+
+def instance_type_for(config: SageMakerBackendConfig, gpu: str | None) -> str:
+    """The instance type: ``--instance-type``, else the one ``--gpu`` names, else the config's default (CPU)."""
+    if gpu is None:
+        return config.instance_type
+    wanted = GPU_INSTANCE_TYPES.get(gpu.upper())
+    if wanted is None:
+        raise ConfigError(f"gpu: unknown accelerator {gpu!r} for SageMaker (known: {', '.join(GPU_INSTANCE_TYPES)})",
+                          hint="or set backend.instance_type (--instance-type) to an ml.* instance type")
+    if "instance_type" in config.model_fields_set and config.instance_type != wanted:
+        raise ConfigError(f"gpu: {gpu} means {wanted}, but backend.instance_type is {config.instance_type}",
+                          hint="give either --gpu or --instance-type, not both")
+    return wanted
+
+
+def is_gpu_instance(instance_type: str) -> bool:
+    family = instance_type.split(".")[1] if instance_type.count(".") >= 2 else ""
+    return family[:1] in ("g", "p")
+
+
+def _image_table() -> dict[str, Any]:
+    """sagemaker-core's PyTorch image table, read as a data file (importing sagemaker.core would take seconds and
+    pull pandas and scipy in)."""
+    import importlib.metadata
+
+    try:
+        dist = importlib.metadata.distribution("sagemaker-core")
+    except importlib.metadata.PackageNotFoundError:
+        raise ConfigError("backend.image_uri: not set, and AWS's PyTorch training image cannot be looked up "
+                          "without sagemaker-core",
+                          hint="pip install 'diloco[sagemaker]', or pass --image URI (a ready image)") from None
+    path = Path(str(dist.locate_file("sagemaker/core/image_uri_config/pytorch.json")))
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"backend.image_uri: sagemaker-core's image table {path} is unreadable ({exc})",
+                          hint="reinstall sagemaker-core, or pass --image URI") from None
+
+
+def training_image_uri(region: str, instance_type: str, framework_version: str, py_version: str) -> str:
+    """AWS's PyTorch training image for the region, Python and instance type, the way sagemaker-core's
+    ``image_uris.retrieve("pytorch", ..., image_scope="training")`` builds it, from the same table."""
+    table = _image_table()["training"]
+    version = table.get("version_aliases", {}).get(framework_version, framework_version)
+    versions = table["versions"]
+    if version not in versions:
+        known = ", ".join(list(table.get("version_aliases", {}))[-6:])
+        raise ConfigError(f"backend.framework_version: no AWS PyTorch training image for {framework_version!r} "
+                          f"(recent: {known})", hint="pick one of those, or pass --image URI")
+    config = versions[version]
+    if py_version not in config.get("py_versions", [py_version]):
+        raise ConfigError(f"backend.py_version: the PyTorch {version} image has {', '.join(config['py_versions'])}"
+                          f" (got {py_version!r})", hint=f"set backend.py_version to {config['py_versions'][-1]}")
+    registry = config["registries"].get(region)
+    if registry is None:
+        raise ConfigError(f"backend.region: AWS publishes no PyTorch training image in {region!r}",
+                          hint="choose another region, or pass --image URI")
+    processor = "gpu" if is_gpu_instance(instance_type) else "cpu"
+    processors = table.get("processors") or config.get("processors") or ["cpu", "gpu"]
+    if processor not in processors:
+        raise ConfigError(f"backend.instance_type: the PyTorch {version} image has no {processor} build",
+                          hint=f"use an instance with {' or '.join(processors)}")
+    parts = [config.get("tag_prefix", version)]
+    if config.get("processor_in_tag", True):
+        parts.append(processor)
+    parts.append(py_version)
+    container = (config.get("container_version") or {}).get(processor)
+    if container:
+        parts.append(container)
+    domain = "amazonaws.com.cn" if region.startswith("cn-") else "amazonaws.com"
+    return f"{registry}.dkr.ecr.{region}.{domain}/{config['repository']}:{'-'.join(parts)}"
+
+

@@ -1,0 +1,194 @@
+"""``diloco doctor --backend sagemaker``: the execution role and its bucket access, CloudWatch Logs, the image, quotas."""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from diloco.doctor import Check, DoctorContext
+
+from diloco.executors.sagemaker.config import (
+    LOG_GROUP,
+    ROLE_CHECK,
+    S3_ACTIONS_NEEDED,
+    SAGEMAKER_BUCKET_MARKERS,
+    SAGEMAKER_FULL_ACCESS,
+    SageMakerBackendConfig,
+)
+
+
+# ---------------------------------------------------------------------------------------------- doctor checks
+def _role_name(arn: str) -> str:
+    return arn.rsplit("/", 1)[-1]
+
+
+def check_role(ctx: DoctorContext) -> Check:
+    """The execution role exists and SageMaker may assume it."""
+    from urllib.parse import unquote
+
+    from diloco.doctor import Check, Status, fail_check
+
+    role_arn = ctx.option("role_arn")
+    if not role_arn:
+        return Check(name=ROLE_CHECK, status=Status.FAIL, detail="no execution role given",
+                     fix="pass --role arn:aws:iam::<account>:role/<name> or set backend.role_arn in the config")
+    if not re.match(r"^arn:aws[a-z-]*:iam::\d{12}:role/[\w+=,.@/-]+$", role_arn):
+        return Check(name=ROLE_CHECK, status=Status.FAIL, detail=f"not an IAM role ARN: {role_arn!r}",
+                     fix="use the role's full ARN, e.g. arn:aws:iam::<account>:role/service-role/<name>")
+    try:
+        role = ctx.client("iam").get_role(RoleName=_role_name(role_arn))["Role"]
+    except Exception as exc:  # noqa: BLE001
+        from botocore.exceptions import ClientError
+
+        if isinstance(exc, ClientError) and exc.response.get("Error", {}).get("Code") == "NoSuchEntity":
+            return Check(name=ROLE_CHECK, status=Status.FAIL, detail=f"role {_role_name(role_arn)!r} does not exist",
+                         fix="create a SageMaker execution role (IAM console > Roles) or fix the ARN")
+        check = fail_check(ROLE_CHECK, exc, "iam:GetRole")
+        if check.detail.startswith("denied"):
+            check.status = Status.WARN  # you may launch with a role you cannot inspect
+            check.detail += " (cannot inspect the role; the launch may still work)"
+        return check
+    trust = role.get("AssumeRolePolicyDocument", "")
+    trust_text = unquote(trust) if isinstance(trust, str) else json.dumps(trust)
+    if "sagemaker.amazonaws.com" not in trust_text:
+        return Check(name=ROLE_CHECK, status=Status.FAIL,
+                     detail=f"{role['Arn']} does not trust sagemaker.amazonaws.com",
+                     fix="add sagemaker.amazonaws.com as a trusted principal (the role's trust policy)")
+    return Check(name=ROLE_CHECK, status=Status.PASS, detail=f"{role['Arn']} exists and trusts SageMaker")
+
+
+def _as_list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else [value] if value is not None else []
+
+
+def _document(doc: Any) -> dict[str, Any]:
+    from urllib.parse import unquote
+
+    if isinstance(doc, str):
+        return json.loads(unquote(doc))
+    return doc or {}
+
+
+def grants_object_access(document: Any, bucket: str, prefix: str) -> bool:
+    """Whether some Allow statement covers s3:PutObject on ``bucket/prefix/...`` (IAM wildcards; Deny and
+    conditions ignored: it is a hint, which is why a miss is only a warning)."""
+    from diloco.doctor import PROBE_DIR
+
+    target = f"arn:aws:s3:::{bucket}/{prefix + '/' if prefix else ''}{PROBE_DIR}"
+    for st in _as_list(_document(document).get("Statement")):
+        if not isinstance(st, dict) or st.get("Effect") != "Allow":
+            continue
+        actions = [str(a).lower() for a in _as_list(st.get("Action"))]
+        if not any(fnmatch.fnmatchcase("s3:putobject", a) for a in actions):
+            continue
+        if any(fnmatch.fnmatchcase(target, str(r)) for r in _as_list(st.get("Resource"))):
+            return True
+    return False
+
+
+def check_role_bucket(ctx: DoctorContext) -> Check:
+    """The seed's gotcha: AmazonSageMakerFullAccess covers only buckets named like *sagemaker*."""
+    from diloco.doctor import Check, Status, fail_check, skip_check
+
+    name = "role can reach bucket"
+    role_arn = ctx.option("role_arn")
+    if not ctx.s3_uri or not role_arn:
+        return skip_check(name, "needs both an execution role and an S3 URI")
+    if ctx.results.get(ROLE_CHECK, Check(name="", status=Status.FAIL)).status != Status.PASS:
+        return skip_check(name, "execution role not readable (see above)")
+    bucket, role = ctx.bucket or "", _role_name(role_arn)
+    iam = ctx.client("iam")
+    fix = (f"attach an inline policy to {role} allowing {', '.join(S3_ACTIONS_NEEDED)} on arn:aws:s3:::{bucket} "
+           f"and arn:aws:s3:::{bucket}/{ctx.prefix + '/' if ctx.prefix else ''}*, or use a bucket whose name "
+           f"contains 'sagemaker'")
+    try:
+        for policy_name in iam.list_role_policies(RoleName=role).get("PolicyNames", []):
+            doc = iam.get_role_policy(RoleName=role, PolicyName=policy_name)["PolicyDocument"]
+            if grants_object_access(doc, bucket, ctx.prefix):
+                return Check(name=name, status=Status.PASS, detail=f"inline policy {policy_name!r} grants it")
+        attached = iam.list_attached_role_policies(RoleName=role).get("AttachedPolicies", [])
+        for policy in attached:
+            arn = policy["PolicyArn"]
+            if arn == SAGEMAKER_FULL_ACCESS:
+                continue  # judged by the name rule below
+            meta = iam.get_policy(PolicyArn=arn)["Policy"]
+            doc = iam.get_policy_version(PolicyArn=arn, VersionId=meta["DefaultVersionId"])["PolicyVersion"]
+            if grants_object_access(doc["Document"], bucket, ctx.prefix):
+                return Check(name=name, status=Status.PASS, detail=f"policy {policy['PolicyName']!r} grants it")
+    except Exception as exc:  # noqa: BLE001
+        check = fail_check(name, exc, "iam:ListRolePolicies, iam:GetRolePolicy, iam:ListAttachedRolePolicies, "
+                                      "iam:GetPolicy, iam:GetPolicyVersion")
+        check.status, check.detail = Status.WARN, f"cannot read the role's policies: {check.detail}"
+        return check
+    if any(p["PolicyArn"] == SAGEMAKER_FULL_ACCESS for p in attached):
+        if any(m in bucket for m in SAGEMAKER_BUCKET_MARKERS):
+            return Check(name=name, status=Status.PASS,
+                         detail=f"AmazonSageMakerFullAccess covers buckets named like *sagemaker* ({bucket!r})")
+        return Check(name=name, status=Status.WARN,
+                     detail=f"AmazonSageMakerFullAccess grants S3 only on buckets whose name contains "
+                            f"'sagemaker' or 'aws-glue'; {bucket!r} does not, and no other policy of {role} "
+                            f"names it: the jobs' first PUT would be denied and every peer would wait",
+                     fix=fix)
+    return Check(name=name, status=Status.WARN, detail=f"no policy of {role} visibly grants S3 access to {bucket!r}",
+                 fix=fix)
+
+
+def check_logs(ctx: DoctorContext) -> Check:
+    """``diloco logs`` reads the jobs' output from CloudWatch Logs."""
+    from diloco.doctor import Check, Status, fail_check
+
+    name = "cloudwatch logs"
+    try:
+        groups = ctx.client("logs").describe_log_groups(logGroupNamePrefix=LOG_GROUP, limit=1).get("logGroups", [])
+    except Exception as exc:  # noqa: BLE001
+        check = fail_check(name, exc, "logs:DescribeLogGroups, logs:DescribeLogStreams, logs:GetLogEvents")
+        check.status = Status.WARN  # launching works without it; `diloco logs` does not
+        check.detail += " (`diloco logs` will not work)"
+        return check
+    state = "exists" if any(g.get("logGroupName") == LOG_GROUP for g in groups) else \
+        "not created yet (the first training job creates it)"
+    return Check(name=name, status=Status.PASS, detail=f"can read {LOG_GROUP}: {state}")
+
+
+def check_quotas(ctx: DoctorContext) -> list[Check]:
+    """The account's SageMaker quotas for the chosen instance type (Service Quotas): training jobs (spot ones with
+    --spot) and, with a keep-alive, warm pools, whose default quota of 0 makes SageMaker ignore the setting."""
+    from diloco.doctor import Check, Status, fail_check
+
+    instance_type = ctx.option("instance_type") or SageMakerBackendConfig.model_fields["instance_type"].default
+    spot = bool(ctx.option("use_spot"))
+    keep_alive = int(ctx.option("keep_alive_period_s") or 0)
+    wanted = {"training quota": f"{instance_type} for {'spot ' if spot else ''}training job usage"}
+    if keep_alive:
+        wanted["warm pool quota"] = f"{instance_type} for training warm pool usage"
+    try:
+        quotas = {q.get("QuotaName"): q.get("Value") for page in ctx.client("service-quotas").get_paginator(
+            "list_service_quotas").paginate(ServiceCode="sagemaker") for q in page.get("Quotas", [])}
+    except Exception as exc:  # noqa: BLE001
+        check = fail_check("training quota", exc, "servicequotas:ListServiceQuotas")
+        check.status = Status.WARN  # a launch may still work; it just cannot be foreseen
+        check.detail = f"cannot read the SageMaker quotas: {check.detail}"
+        return [check]
+    checks = []
+    for name, quota in wanted.items():
+        value = quotas.get(quota)
+        if value is None:
+            checks.append(Check(name=name, status=Status.WARN, detail=f"no quota named {quota!r} is visible",
+                                fix="check Service Quotas > Amazon SageMaker in the console"))
+        elif value < 1 and name == "warm pool quota":
+            checks.append(Check(name=name, status=Status.WARN,
+                                detail=f"{quota!r} is 0: --keep-alive {keep_alive} would be ignored (no warm pool)",
+                                fix="request a warm-pool quota increase (Service Quotas), or drop --keep-alive"))
+        elif value < 1:
+            checks.append(Check(name=name, status=Status.FAIL,
+                                detail=f"{quota!r} is 0: every job would be refused (ResourceLimitExceeded)",
+                                fix=f"request an increase of {quota!r} in Service Quotas, or pick another "
+                                    "--instance-type"))
+        else:
+            checks.append(Check(name=name, status=Status.PASS,
+                                detail=f"{quota!r} is {value:g}: at most {int(value)} replica(s) of this type at "
+                                       "once, across all your running jobs"))
+    return checks

@@ -1,0 +1,112 @@
+"""Every CreateTrainingJob request is checked before anything is sent: botocore's own validation plus the documented limits botocore does not check."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from diloco.errors import ConfigError
+
+if TYPE_CHECKING:
+    pass
+
+from diloco.executors.sagemaker.config import (
+    CONTAINER_ARG_MAX,
+    CONTAINER_ARGS_MAX_ITEMS,
+    ENV_KEY_RE,
+    ENV_MAX_ENTRIES,
+    ENV_VALUE_MAX,
+    JOB_NAME_MAX,
+    JOB_NAME_RE,
+    KEEP_ALIVE_MAX_S,
+    MAX_RUNTIME_CEILING_S,
+    TAGS_MAX,
+)
+
+
+# ---------------------------------------------------------------------------------------------- request checks
+def _limit_error(rank: int, field: str, what: str, fix: str) -> ConfigError:
+    return ConfigError(f"replica {rank}'s CreateTrainingJob {field}: {what}", hint=fix)
+
+
+def check_request(request: Mapping[str, Any], rank: int) -> None:
+    """The documented limits botocore does not check, then botocore's own validation: a one-line ``ConfigError``
+    naming the field and the fix, before anything is sent."""
+    name = request["TrainingJobName"]
+    if len(name) > JOB_NAME_MAX or not JOB_NAME_RE.match(name):
+        raise _limit_error(rank, "TrainingJobName", f"{name!r} is not a valid job name",
+                           "use letters, digits and single dashes, at most 63 characters")
+    env = request.get("Environment") or {}
+    if len(env) > ENV_MAX_ENTRIES:
+        raise _limit_error(rank, "Environment", f"{len(env)} entries (SageMaker allows {ENV_MAX_ENTRIES})",
+                           "pass fewer environment variables")
+    for key, value in env.items():
+        if not ENV_KEY_RE.match(key) or len(key) > ENV_VALUE_MAX:
+            raise _limit_error(rank, f"Environment[{key!r}]", "not a valid variable name",
+                               "use letters, digits and underscores, not starting with a digit")
+        if len(value) > ENV_VALUE_MAX:
+            raise _limit_error(rank, f"Environment[{key!r}]", f"{len(value)} characters (limit {ENV_VALUE_MAX})",
+                               "shorten the value")
+    algorithm = request["AlgorithmSpecification"]
+    for field in ("ContainerEntrypoint", "ContainerArguments"):
+        items = algorithm.get(field) or []
+        if len(items) > CONTAINER_ARGS_MAX_ITEMS:
+            raise _limit_error(rank, field, f"{len(items)} items (limit {CONTAINER_ARGS_MAX_ITEMS})",
+                               "pass fewer arguments")
+        for i, item in enumerate(items):
+            if len(item) > CONTAINER_ARG_MAX:
+                raise _limit_error(rank, f"{field}[{i}]", f"{len(item)} characters (limit {CONTAINER_ARG_MAX}): "
+                                   f"{item[:40]}...", "shorten it; large trainer kwargs belong in a file in your "
+                                   "source directory")
+            if "\n" in item:
+                raise _limit_error(rank, f"{field}[{i}]", f"contains a line break: {item[:40]!r}",
+                                   "keep every argument on one line")
+    keep_alive = request["ResourceConfig"].get("KeepAlivePeriodInSeconds", 0)
+    if not 0 <= keep_alive <= KEEP_ALIVE_MAX_S:
+        raise _limit_error(rank, "ResourceConfig.KeepAlivePeriodInSeconds", f"{keep_alive} is outside "
+                           f"0..{KEEP_ALIVE_MAX_S}", "set backend.keep_alive_period_s (--keep-alive) within it")
+    _check_stopping(request, rank)
+    if len(request.get("Tags") or []) > TAGS_MAX:
+        raise _limit_error(rank, "Tags", f"{len(request['Tags'])} tags (limit {TAGS_MAX})", "set fewer backend.tags")
+    _botocore_validation(request, rank)
+
+
+def _check_stopping(request: Mapping[str, Any], rank: int) -> None:
+    stopping = request["StoppingCondition"]
+    max_run = stopping["MaxRuntimeInSeconds"]
+    if not 1 <= max_run <= MAX_RUNTIME_CEILING_S:
+        raise _limit_error(rank, "StoppingCondition.MaxRuntimeInSeconds", f"{max_run} is outside "
+                           f"1..{MAX_RUNTIME_CEILING_S} (28 days)", "set timeout_s within it")
+    max_wait = stopping.get("MaxWaitTimeInSeconds")
+    if request.get("EnableManagedSpotTraining"):
+        if max_wait is None or max_wait < max_run:
+            raise _limit_error(rank, "StoppingCondition.MaxWaitTimeInSeconds", f"{max_wait} is less than "
+                               f"MaxRuntimeInSeconds ({max_run})",
+                               "set backend.max_wait_s >= timeout_s (spot waits count towards it)")
+        if request["ResourceConfig"].get("KeepAlivePeriodInSeconds"):
+            raise _limit_error(rank, "ResourceConfig.KeepAlivePeriodInSeconds", "warm pools do not work with "
+                               "managed spot training", "drop --keep-alive or --spot")
+    elif max_wait is not None:
+        raise _limit_error(rank, "StoppingCondition.MaxWaitTimeInSeconds", "only allowed with managed spot "
+                           "training", "unset backend.max_wait_s, or pass --spot")
+
+
+def _botocore_validation(request: Mapping[str, Any], rank: int) -> None:
+    from botocore.validate import ParamValidator
+
+    shape = _sagemaker_model().operation_model("CreateTrainingJob").input_shape
+    report = ParamValidator().validate(dict(request), shape)
+    if report.has_errors():
+        first = report.generate_report().splitlines()[-1].strip()
+        raise ConfigError(f"replica {rank}'s CreateTrainingJob request is invalid: {first}",
+                          hint="this is a bug in the request diloco built; report it with the line above")
+
+
+@functools.cache
+def _sagemaker_model() -> Any:
+    import botocore.session
+
+    return botocore.session.get_session().get_service_model("sagemaker")
+
+
