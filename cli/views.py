@@ -64,14 +64,16 @@ def _table(title: str | None = None) -> Table:
 
 #: The replica table's columns, most important first: narrow terminals drop them from the end of this list.
 COLUMNS = (("replica", "right"), ("state", "left"), ("step", "right"), ("round", "right"), ("eval loss", "right"),
-           ("train loss", "right"), ("tok/s", "right"), ("sync s", "right"), ("exit", "right"))
+           ("train loss", "right"), ("tok/s", "right"), ("sync s", "right"), ("exit", "right"),
+           ("restarts", "right"))
 #: The order columns are shown in (a subset of COLUMNS, in reading order).
-_ORDER = ("replica", "state", "exit", "step", "round", "train loss", "eval loss", "tok/s", "sync s")
+_ORDER = ("replica", "state", "exit", "restarts", "step", "round", "train loss", "eval loss", "tok/s", "sync s")
 
 
 def _cells(rep: ReplicaReport) -> dict[str, str | Text]:
     return {"replica": f"r{rep.rank}", "state": state_text(rep.state.value),
-            "exit": "-" if rep.exit_code is None else str(rep.exit_code), "step": fmt_step(rep),
+            "exit": "-" if rep.exit_code is None else str(rep.exit_code), "restarts": str(rep.restarts),
+            "step": fmt_step(rep),
             "round": "-" if rep.round is None else str(rep.round), "train loss": fmt_loss(rep.train_loss),
             "eval loss": fmt_loss(rep.eval_loss), "tok/s": fmt_num(rep.tokens_per_s),
             "sync s": fmt_num(rep.sync_s, ".1f")}
@@ -129,9 +131,16 @@ def render_run(console: Console, report: RunReport) -> None:
                            f"  ({report.replicas} replicas, {report.backend})")
     console.print(header)
     console.print(replica_table(report, width=console.width if console.is_terminal else None))
+    if report.async_global_version is not None:
+        console.print(async_line(report))
     if report.initial_eval_loss is not None and report.latest_eval_loss is not None:
         console.print(f"eval loss: {report.initial_eval_loss:.3f} -> {report.latest_eval_loss:.3f} "
                       f"(mean over replicas, before training -> latest)")
+    trends = [(rep.rank, rep.eval_trend) for rep in report.ranks if rep.eval_trend]
+    if trends:
+        console.print("eval loss per replica (first, each evaluation, latest):")
+        for rank, trend in trends:
+            console.print(f"  r{rank}  {trend}")
     if report.billable_s is not None:
         cost = ""
         if report.cost_usd is not None:
@@ -152,6 +161,21 @@ def render_run(console: Console, report: RunReport) -> None:
             by_reason.setdefault(why, []).append(f"r{rep.rank}")
     for reason, ranks in by_reason.items():
         console.print(f"{', '.join(ranks)}: {reason}")
+
+
+def async_line(report: RunReport, now: float | None = None) -> str:
+    """Async mode: ``global version 42; r1 uploaded 3s ago (staleness 1), r2 ...``."""
+    import time
+
+    now = time.time() if now is None else now
+    parts = []
+    for rep in report.ranks:
+        if rep.async_last_upload_at is None:
+            parts.append(f"r{rep.rank} no upload yet")
+        else:
+            ago = fmt_duration(max(0.0, now - rep.async_last_upload_at))
+            parts.append(f"r{rep.rank} uploaded {ago} ago (staleness {rep.async_staleness})")
+    return f"async: global version {report.async_global_version}; " + ", ".join(parts)
 
 
 def failure_why(rep: ReplicaReport) -> str:

@@ -35,11 +35,14 @@ Round semantics (what a caller can rely on):
   per rank exist at any time, and after the last round exactly one per rank remains (the run's owner deletes the
   rendezvous prefix).
 
+* **Rejoining.** A restarted rank calls ``resume_at(k)`` before its first round: the counter is the only state.
+  Which k, and why a contribution is never recomputed for a round that already holds one, is
+  ``diloco.manager.ObjectStoreManager.rejoin``'s business.
+* **Relaunch in progress.** Past ``timeout_s``, a peer the launcher is relaunching (``relaunch/rank_RRRR.json``
+  with an ``until`` wall-clock time, see ``diloco.layout``) extends the wait until then instead of timing out.
+
 Seams left for later (not implemented):
 
-* **Rejoining** a run at the current round: a restarted rank would read the last complete round from the store
-  (the object layout is self-describing: round, rank and world size are in each object's metadata) and start its
-  counter there; the counter is the only state, see ``next_round``.
 * **Sharded reduce-scatter / all-gather** (each rank reduces 1/N of every tensor and publishes it; reads drop
   from (N-1)S to 2S(N-1)/N): replace ``_gather_mean``; ``allreduce_async``/``wait`` and the deletion rule stay.
 * **Compressed payloads** (int8/fp8 on the wire, fp32 accumulation on receipt): override ``_encode`` and
@@ -255,6 +258,38 @@ class ObjectStoreAllReduce:
         """The round the next ``allreduce``/``allreduce_async`` call will use (starts at 0, +1 per call)."""
         return self._round
 
+    def resume_at(self, round_: int) -> None:
+        """Start counting at ``round_`` (zero-based) instead of 0: a restarted rank rejoining its peers.
+
+        Only before this instance ran any round (the counter is the only state, so this is the whole rejoin);
+        ``diloco.manager.ObjectStoreManager.rejoin`` decides which round that is from the committed rounds.
+        """
+        if self._pending is not None or self._round != 0:
+            raise RuntimeError(f"resume_at({round_}) after round {number(self._round - 1)} already started here")
+        if round_ < 0:
+            raise ValueError(f"round index must be >= 0, got {round_}")
+        self._round = round_
+
+    def has_own_contribution(self, round_: int) -> bool:
+        """Whether this rank's object for ``round_`` is already in the store (written before a restart)."""
+        return self.store.exists(contribution_key(round_, self.rank))
+
+    def relaunch_deadline(self, peer: int) -> float | None:
+        """The wall-clock time until which the launcher said ``peer`` is being relaunched, if it said so.
+
+        Written by the launcher (``diloco.orchestrate``) at ``relaunch/rank_RRRR.json``; while it lies in the
+        future a missing contribution of ``peer`` is not a timeout yet."""
+        import json
+
+        from diloco.layout import RELAUNCH_KEY
+
+        try:
+            record = json.loads(self.store.get(RELAUNCH_KEY.format(rank=peer)))
+        except (StoreError, OSError, ValueError):
+            return None
+        until = record.get("until") if isinstance(record, dict) else None
+        return float(until) if isinstance(until, (int, float)) else None
+
     @property
     def stats(self) -> AllReduceStats:
         """A consistent snapshot of the cumulative counters."""
@@ -344,6 +379,11 @@ class ObjectStoreAllReduce:
                     last_error = exc
                     logger.debug("polling %s: %s", self.store.url(key), exc)
                 remaining = deadline - time.monotonic()
+                if remaining <= 0 and (extension := self._relaunch_extension(peer)) > 0:
+                    logger.info("round %d: rank %d is being relaunched; waiting %.0fs more", number(round_), peer,
+                                extension)
+                    deadline = time.monotonic() + extension
+                    remaining = extension
                 if remaining <= 0:
                     raise AllReduceTimeout(
                         round_=number(round_),
@@ -354,6 +394,11 @@ class ObjectStoreAllReduce:
                 time.sleep(min(self.poll_interval_s, remaining))
             _accumulate(acc, self._read_peer(round_, peer, own))
         return _finish_mean(acc, self.world_size)
+
+    def _relaunch_extension(self, peer: int) -> float:
+        """Seconds until the relaunch of ``peer`` the launcher recorded runs out (0 when none is recorded)."""
+        until = self.relaunch_deadline(peer)
+        return max(0.0, until - time.time()) if until is not None else 0.0
 
     # ---------------------------------------------------------------- internals
     def _uploader(self) -> ThreadPoolExecutor:

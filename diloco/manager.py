@@ -1,9 +1,10 @@
 """The manager surface the DiLoCo outer loop talks to, modelled on torchft's ``Manager``, over the store all-reduce.
 
 torchft's Manager runs quorums, heals joiners and swallows collective errors into ``report_error`` so a failed
-step is discarded and retried by a smaller quorum. There is no failover here: the replica set is fixed for the whole
-run, and a round that some rank skipped can never be repaired (the ranks' round counters would drift apart). So the
-one rule that differs from torchft is:
+step is discarded and retried by a smaller quorum. Here the replica set is fixed for the whole run, and a round that
+some rank skipped can never be repaired (the ranks' round counters would drift apart). A replica that *dies* is
+different: the launcher relaunches it and it rejoins (``rejoin``: the latest committed round, ``diloco.checkpoint``,
+loaded by the outer loop; its peers just wait a little longer). So the one rule that differs from torchft is:
 
 * **Errors are loud.** A failed all-reduce re-raises from ``Work.wait()`` and the replica fails (the orchestrator
   relaunches or aborts the run). The error is also latched, so ``should_commit()`` returns ``False`` if a caller
@@ -27,14 +28,18 @@ trainer's progress and final weights are recorded whether or not the trainer rep
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from diloco.allreduce import AllReduceStats, AllReduceWork, ObjectStoreAllReduce, Tensors
+from diloco.errors import DilocoError
 from diloco.metrics import DEFAULT_PROGRESS_INTERVAL_S, MetricsWriter
 
 if TYPE_CHECKING:
     import torch
 
+    from diloco.checkpoint import CommittedRound, RoundCheckpoints
     from diloco.store import ObjectStore
 
 logger = logging.getLogger(__name__)
@@ -68,9 +73,12 @@ class ObjectStoreManager:
         *,
         total_steps: int | None = None,
         progress_interval_s: float = DEFAULT_PROGRESS_INTERVAL_S,
+        rounds: RoundCheckpoints | None = None,
     ) -> None:
-        """``total_steps`` (when known) and ``progress_interval_s`` configure the replica's metrics."""
+        """``total_steps`` (when known) and ``progress_interval_s`` configure the replica's metrics; ``rounds``
+        (a ``diloco.checkpoint.RoundCheckpoints``) turns on committing each round and rejoining from them."""
         self._allreduce = allreduce
+        self.rounds = rounds
         self.metrics = MetricsWriter(allreduce.store, allreduce.rank, total_steps=total_steps,
                                      stats=lambda: self.stats, rounds=self.current_step,
                                      progress_interval_s=progress_interval_s)
@@ -164,6 +172,51 @@ class ObjectStoreManager:
         self._round_open = False
         self._commit_decision = decision
         return decision
+
+    # ---------------------------------------------------------------- committed rounds and rejoining
+    def commit_round(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Commit the global state after the round that just committed (no-op without ``rounds``)."""
+        if self.rounds is not None:
+            self.rounds.commit(self._step, tensors)
+
+    def rejoin(self, poll_s: float | None = None) -> CommittedRound | None:
+        """Find where this rank's peers are and set the round counters there; the state to load, or ``None``.
+
+        ``None`` means the run has no committed round yet: a first start (or a restart before round 1), from
+        the common initial weights. Otherwise the latest committed round c: the manager's step becomes c and
+        the all-reduce's next round index c (round c + 1), so this rank contributes to the round its peers
+        wait for. One exception makes it wait first: when this rank's contribution to round c + 1 is already in
+        the store (it died after uploading it), its peers may have read those bytes, so recomputing it would
+        give them different means. It waits for round c + 1 to commit instead (it has all contributions, so it
+        will, within the all-reduce timeout) and looks again. So a rejoined rank never contributes twice to one
+        round, and what it contributes is computed from exactly that round's global weights.
+        """
+        if self.rounds is None:
+            return None
+        if self._step or self._allreduce.next_round:
+            raise RuntimeError("rejoin() must come before the first round")
+        poll = self._allreduce.poll_interval_s if poll_s is None else poll_s
+        deadline = time.monotonic() + self._allreduce.timeout_s
+        while True:
+            latest = self.rounds.latest_round()
+            if not self._allreduce.has_own_contribution(latest):
+                break
+            if time.monotonic() > deadline:
+                raise DilocoError(
+                    f"rank {self.rank} could not rejoin: round {latest + 1} holds its contribution but did not "
+                    f"commit within {self._allreduce.timeout_s:g}s",
+                    hint="a peer is missing too; check every replica's log (diloco logs RUN)")
+            logger.info("rank %d: my contribution to round %d is already in the store; waiting for that round to "
+                        "commit before rejoining", self.rank, latest + 1)
+            time.sleep(poll)
+        if latest == 0:
+            return None
+        state = self.rounds.read(latest)
+        self._step = latest
+        self._allreduce.resume_at(latest)
+        logger.info("rank %d rejoins the run after committed round %d (its next round is %d)", self.rank, latest,
+                    latest + 1)
+        return state
 
     # ---------------------------------------------------------------- checkpointing
     def state_dict(self) -> dict[str, Any]:

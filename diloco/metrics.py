@@ -183,6 +183,21 @@ class MetricsWriter:
         with self._lock:
             return [dict(row) for row in self._history]
 
+    def resume(self, round_: int) -> None:
+        """A replica rejoining after committed round ``round_`` keeps its history: the rows it wrote before it died,
+        up to that round, are read back from the store, so the first write after the restart does not replace
+        them with an empty history. Rows past ``round_`` (work the restart threw away) are dropped."""
+        rows, _ = read_history(self.store, self.rank)
+        kept = [row.model_dump() for row in rows
+                if row.kind == "init" or (row.kind == "round" and row.round is not None and row.round <= round_)]
+        with self._lock:
+            self._history = kept
+            self._logged = len(kept)
+            self._amendable = False
+            self._history_dirty = bool(kept)
+            if kept and kept[-1].get("eval_loss") is not None:
+                self._losses["eval_loss"] = kept[-1]["eval_loss"]
+
     # ------------------------------------------------------------------------------------------ the loop's calls
     def begin(self, step: int) -> None:
         """The outer loop was entered: start the clock and, on the first entry, open the ``init`` row."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 import os
 import time
@@ -46,6 +47,8 @@ from diloco.weights import WeightsCheck, check_final_weights, write_model
 if TYPE_CHECKING:
     from diloco.executors.base import Backend
     from diloco.store import ObjectStore
+
+logger = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------------------------------- reports
@@ -80,6 +83,9 @@ class ReplicaReport(BaseModel):
     diverged: bool = False  # a loss was NaN or infinite (recorded as null): the run diverged
     finished_training: bool = False  # the trainer recorded its "final" metrics
     updated_at: float | None = None  # when the replica last reported progress
+    eval_trend: str | None = None  # `diloco status`: first and latest eval loss around a sparkline
+    async_last_upload_at: float | None = None  # async mode: when the master last received this replica's delta
+    async_staleness: int | None = None  # async mode: global versions its last delta lagged behind
     stderr_tail: list[str] = Field(default_factory=list)  # only for failed replicas
 
 
@@ -105,6 +111,7 @@ class RunReport(BaseModel):
     weights_detail: str | None = None
     model_path: str | None = None  # where collect wrote the agreed model
     warnings: list[str] = Field(default_factory=list)  # e.g. metric rows a trainer wrote that could not be read
+    async_global_version: int | None = None  # async mode: the latest global version the master published
 
     @property
     def failed(self) -> list[ReplicaReport]:
@@ -122,6 +129,25 @@ class RunSummary(BaseModel):
     rendezvous_uri: str
 
 
+def _add_async_status(report: RunReport, store: ObjectStore) -> None:
+    """Async runs (``train.mode: async``): the published global version, each replica's last upload and its
+    staleness, from the master's metadata. A synchronous run has none: one missing object, nothing changes."""
+    from diloco.async_diloco import read_async_status
+
+    try:
+        published = read_async_status(store)
+    except Exception:  # noqa: BLE001 - status must show the run even when this extra read fails
+        return
+    if not published:
+        return
+    report.async_global_version = int(published.get("version", 0))
+    workers = published.get("workers") or {}
+    for rep in report.ranks:
+        worker = workers.get(f"replica-{rep.rank}") or {}
+        rep.async_last_upload_at = worker.get("last_upload_time")
+        rep.async_staleness = worker.get("staleness")
+
+
 # ---------------------------------------------------------------------------------------------- plan/launch
 def rendezvous_for(cfg: RunConfig, run_id: str) -> str:
     """The run's rendezvous URI: the configured one with ``{run_id}`` expanded, else the backend's default."""
@@ -135,12 +161,19 @@ def rendezvous_for(cfg: RunConfig, run_id: str) -> str:
 
 def build_spec(cfg: RunConfig, run_id: str) -> LaunchSpec:
     """The backend-neutral launch spec. The trainer gets ``total_steps``/``sync_every`` from ``train``."""
-    trainer_kwargs = {"total_steps": cfg.train.steps, "sync_every": cfg.train.sync_every, **cfg.train.trainer_kwargs}
+    trainer_kwargs = {"total_steps": cfg.train.steps, "sync_every": cfg.train.sync_every, **_mode_kwarg(cfg),
+                      **cfg.train.trainer_kwargs}
     args = EntrypointArgs(rendezvous_uri=rendezvous_for(cfg, run_id), world_size=cfg.replicas,
                           trainer=cfg.train.trainer, trainer_kwargs=trainer_kwargs, timeout_s=cfg.store.timeout_s,
                           poll_interval_s=cfg.store.poll_interval_s)
     return LaunchSpec(run_id=run_id, replicas=cfg.replicas, entrypoint_args=args, gpu=cfg.gpu,
                       timeout_s=cfg.timeout_s)
+
+
+def _mode_kwarg(cfg: RunConfig) -> dict[str, str]:
+    """``{"mode": "async"}`` for an asynchronous run; nothing for a synchronous one, so a trainer without a
+    ``mode`` argument keeps working in sync mode."""
+    return {"mode": cfg.train.mode} if cfg.train.mode != "sync" else {}
 
 
 def check_trainer(cfg: RunConfig) -> RunConfig:
@@ -188,7 +221,7 @@ def check_trainer(cfg: RunConfig) -> RunConfig:
         raise ConfigError(f"train.trainer: {module_name!r} has no function {fn_name!r}"
                           + (f" (it has: {', '.join(public[:8])})" if public else ""),
                           hint="use --trainer module:function")
-    owned = {"total_steps": cfg.train.steps, "sync_every": cfg.train.sync_every}
+    owned = {"total_steps": cfg.train.steps, "sync_every": cfg.train.sync_every, **_mode_kwarg(cfg)}
     checked = check_trainer_kwargs(fn, {**owned, **cfg.train.trainer_kwargs}, world_size=cfg.replicas,
                                    on_this_machine=not cfg.backend.places_replicas)
     kwargs = {k: v for k, v in checked.items() if k not in owned}
@@ -330,6 +363,16 @@ def _mean(values: list[float | None]) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
+def relaunchable(status: ReplicaStatus) -> bool:
+    """Whether a replica's failure is one a relaunch can cure: it was killed by a signal (SIGKILL, the OOM killer,
+    a spot reclaim's SIGTERM: exit code >= 128) or lost without an exit code. A replica that exited with its own
+    error (1: the trainer raised; 2: bad arguments; 127: could not start) or hit the run's time limit would fail
+    the same way again, so the run fails fast naming it, as without relaunching."""
+    if status.state != ReplicaState.FAILED or status.timed_out:
+        return False
+    return status.exit_code is None or status.exit_code >= 128
+
+
 class RunView:
     """A run being observed: its record, backend and store, described on demand."""
 
@@ -338,6 +381,7 @@ class RunView:
         self.record = record
         self.backend = backend or backend_for(record)
         self.registry = registry
+        self._recovering: dict[int, float] = {}  # rank -> when its relaunch is due (RunView.wait)
 
     @functools.cached_property
     def store(self) -> ObjectStore:
@@ -362,7 +406,8 @@ class RunView:
                 for r in range(self.record.replicas)])
         return self.backend.describe(handle)
 
-    def report(self, status: RunStatus | None = None, *, with_stderr: bool = True) -> RunReport:
+    def report(self, status: RunStatus | None = None, *, with_stderr: bool = True,
+               trends: bool = False) -> RunReport:
         """Describe the run (unless ``status`` is given) and read the metrics; failed replicas' stderr."""
         status = status if status is not None else self.status()
         readout = read_progress(self.store, self.record.replicas)
@@ -382,7 +427,13 @@ class RunView:
                            latest_eval_loss=latest, diverged=any(r.diverged for r in ranks),
                            final_eval_loss=latest if state == RunState.SUCCEEDED else None,
                            warnings=readout.warnings)
+        _add_async_status(report, self.store)
         self._remember(status)
+        if trends:  # one line of eval loss per replica, for `diloco status` (reads each rank's history)
+            from diloco.plot import eval_trends
+
+            for rank, trend in eval_trends(self.store, self.record.replicas).items():
+                report.ranks[rank].eval_trend = trend
         return self._add_stderr(report) if with_stderr else report
 
     def _add_stderr(self, report: RunReport) -> RunReport:
@@ -406,6 +457,8 @@ class RunView:
         ``status`` still knows it once the backend has forgotten the run (files deleted, a Job's TTL). Only then:
         a run is "failed" as soon as one replica fails, while the others may still run."""
         state = status.state
+        if self._recovering:
+            return  # a failed replica is about to be relaunched: the run has not ended
         if status.terminal and state.is_terminal and self.registry is not None and self.record.final_state is None:
             self.record.final_state = state.value
             self.registry.save(self.record)
@@ -425,8 +478,18 @@ class RunView:
         on_update: Callable[[RunReport], None] | None = None,
         on_fail_fast: Callable[[ReplicaReport, list[int]], None] | None = None,
         fail_fast: bool = True,
+        max_restarts: int = 0,
+        restart_backoff_s: float = 2.0,
+        on_relaunch: Callable[[int, int, str], None] | None = None,
     ) -> tuple[RunReport, bool]:
         """Poll until the run's outcome is decided; ``(report, timed_out)``. KeyboardInterrupt propagates.
+
+        With ``max_restarts`` > 0 and a backend that ``supports_relaunch``, a replica that fails ``relaunchable``-ly
+        (killed, lost) is relaunched for
+        its rank (it rejoins the run at its peers' round, see ``diloco.checkpoint``) up to ``max_restarts`` times,
+        after a backoff of ``restart_backoff_s * 2**restarts``; ``on_relaunch(rank, attempt, reason)`` is told
+        first. While a relaunch is pending the failure is not the run's: no fail-fast, and the peers' all-reduce
+        waits past its timeout until the time recorded at ``relaunch/rank_RRRR.json`` (``announce_relaunch``).
 
         Decided means every replica is terminal. With ``fail_fast`` a failure gets the survivors stopped
         (``on_fail_fast(failed, survivors)`` is told first) and the wait goes on until they have ended; without
@@ -435,24 +498,67 @@ class RunView:
         """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         stopping = False
+        relaunch = max_restarts > 0 and getattr(self.backend, "supports_relaunch", False)
+        self._recovering = {}
         while True:
             status = self.status()
+            if relaunch and not stopping:
+                status = self._recover(status, max_restarts, restart_backoff_s, on_relaunch)
             report = self.report(status, with_stderr=False)
             if on_update is not None:
                 on_update(report)
-            if status.terminal:
+            if status.terminal and not self._recovering:
                 return self._add_stderr(report), False
-            if report.failed and not stopping:
+            failed = [r for r in report.failed if r.rank not in self._recovering]
+            if failed and not stopping:
                 if not fail_fast:
                     return self._add_stderr(report), False
                 survivors = [s.rank for s in status.replicas if not s.state.is_terminal]
                 if on_fail_fast is not None:
-                    on_fail_fast(report.failed[0], survivors)
+                    on_fail_fast(failed[0], survivors)
                 self.cancel(survivors)
                 stopping = True
             if deadline is not None and time.monotonic() >= deadline:
                 return self._add_stderr(report), True
             time.sleep(poll_interval_s)
+
+    def _recover(self, status: RunStatus, max_restarts: int, backoff_s: float,
+                 on_relaunch: Callable[[int, int, str], None] | None) -> RunStatus:
+        """Schedule a relaunch for each newly failed replica with restarts left; start the ones that are due.
+        Returns the status to judge the run by (re-described after a relaunch)."""
+        now = time.monotonic()
+        for s in status.replicas:
+            if relaunchable(s) and s.rank not in self._recovering and s.restarts < max_restarts:
+                delay = backoff_s * 2 ** s.restarts
+                self._recovering[s.rank] = now + delay
+                self.announce_relaunch(s.rank, attempt=s.restarts + 1, ready_in_s=delay, reason=s.reason or "failed")
+                if on_relaunch is not None:
+                    on_relaunch(s.rank, s.restarts + 1, s.reason or "failed")
+        due = [rank for rank, at in self._recovering.items() if at <= now]
+        for rank in due:
+            handle = self.handle
+            if handle is None:
+                break
+            handle = self.backend.relaunch(handle, rank)
+            self.record.handle = handle.model_dump(mode="json")
+            if self.registry is not None:
+                self.registry.save(self.record)
+            del self._recovering[rank]
+        return self.status() if due else status
+
+    def announce_relaunch(self, rank: int, *, attempt: int, ready_in_s: float, reason: str) -> None:
+        """Record in the store that ``rank`` is being relaunched, so its peers' all-reduce keeps waiting for it
+        until ``until`` (the backoff plus one more ``store.timeout_s``, time for the new replica to start and
+        contribute) instead of timing out (``diloco.allreduce``)."""
+        from diloco.layout import RELAUNCH_KEY
+
+        grace = float((self.record.config.get("store") or {}).get("timeout_s", 1800.0))
+        record = {"rank": rank, "attempt": attempt, "reason": reason, "at": time.time(),
+                  "until": time.time() + ready_in_s + grace}
+        try:
+            self.store.put(RELAUNCH_KEY.format(rank=rank), json.dumps(record).encode())
+        except DilocoError as exc:  # the relaunch still happens; peers may time out and be relaunched in turn
+            logger.warning("could not record the relaunch of replica %d in the store: %s", rank, exc)
 
     # ------------------------------------------------------------------------------------------ logs
     def log_lines(self, *, ranks: list[int] | None = None, follow: bool = False,
@@ -492,14 +598,16 @@ def add_weights_verdict(view: RunView, report: RunReport) -> WeightsCheck | None
 def collect(view: RunView, *, output: str | None = None, timeout_s: float | None = None,
             fail_fast: bool = True, poll_interval_s: float = 1.0,
             on_update: Callable[[RunReport], None] | None = None,
-            on_fail_fast: Callable[[ReplicaReport, list[int]], None] | None = None) -> tuple[RunReport, bool]:
+            on_fail_fast: Callable[[ReplicaReport, list[int]], None] | None = None,
+            **relaunch: Any) -> tuple[RunReport, bool]:
     """The one collect flow: wait for the run's end, check the final weights agree, write the agreed model.
 
     ``output`` is where the model goes (None: do not write it). Returns ``(report, timed_out)``; the model is
     written only when every replica succeeded and their weights are bitwise identical (``report.model_path``).
+    ``relaunch`` (``max_restarts``, ``restart_backoff_s``, ``on_relaunch``) goes to ``RunView.wait``.
     """
     report, timed_out = view.wait(timeout_s=timeout_s, poll_interval_s=poll_interval_s, on_update=on_update,
-                                  on_fail_fast=on_fail_fast, fail_fast=fail_fast)
+                                  on_fail_fast=on_fail_fast, fail_fast=fail_fast, **relaunch)
     if timed_out:
         return report, True
     check = add_weights_verdict(view, report)

@@ -35,6 +35,11 @@ identical on every replica), named as in ``model`` when it is given, else as in 
 ``"<fragment index>.<name>"``. Buffers are not exported: DiLoCo does not synchronise them, so replicas' buffers
 may legitimately differ.
 
+Committed rounds and rejoining (when the manager keeps them, as the replica entrypoint's does): after every committed
+round the global state (every fragment's global weights and outer momentum) is committed to the store
+(``manager.commit_round``, ``diloco.checkpoint``); entering the loop in a replica restarted mid-run loads the latest
+one (``manager.rejoin``), sets ``inner_step`` to where the run is and calls the trainer's ``on_rejoin`` hook.
+
 Failures are loud: a failed all-reduce raises out of ``inner_optimizer.step()`` (see ``diloco.manager``), and
 so does every later ``step()`` of that outer loop: once a sync failed, this replica's rounds no longer line up
 with its peers', so training on without syncing would silently diverge (torchft asserts the same invariant).
@@ -44,7 +49,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
@@ -167,6 +172,36 @@ class _Fragment:
             "outer_optimizer": copy.deepcopy(self.outer_optimizer.state_dict()),
         }
 
+    def round_tensors(self) -> dict[str, torch.Tensor]:
+        """The fragment's part of a committed round: its global weights and outer momentum, by flat name."""
+        out = {f"fragment{self.index}.global.{name}": t for name, t in self.global_params.items()}
+        for name, t in self.global_params.items():
+            buf = self.outer_optimizer.state.get(t, {}).get("momentum_buffer")
+            if buf is not None:
+                out[f"fragment{self.index}.momentum.{name}"] = buf
+        return out
+
+    def load_round_tensors(self, tensors: Mapping[str, torch.Tensor], source: str) -> None:
+        """Load what ``round_tensors`` wrote (on every rank the same bits); ``ValueError`` naming the tensor
+        when the committed round does not fit this model (another model or fragmentation)."""
+        import torch
+
+        for name, t in self.global_params.items():
+            saved = tensors.get(f"fragment{self.index}.global.{name}")
+            if saved is None or saved.shape != t.shape or saved.dtype != t.dtype:
+                got = "missing" if saved is None else f"{saved.dtype} {tuple(saved.shape)}"
+                raise ValueError(f"{source}: fragment {self.index}'s {name!r} is {got}, this model has "
+                                 f"{t.dtype} {tuple(t.shape)}; the committed round is of another model")
+        with torch.no_grad():
+            for name, t in self.global_params.items():
+                t.copy_(tensors[f"fragment{self.index}.global.{name}"])
+                buf = tensors.get(f"fragment{self.index}.momentum.{name}")
+                if buf is None:
+                    self.outer_optimizer.state.pop(t, None)
+                else:
+                    self.outer_optimizer.state[t]["momentum_buffer"] = buf.clone()
+        self.restore_parameters()
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         import torch
 
@@ -206,6 +241,7 @@ class DiLoCo:
         fragment_update_alpha: float = 0.0,
         model: nn.Module | None = None,
         export_metadata: Mapping[str, str | int] | None = None,
+        on_rejoin: Callable[[int], None] | None = None,
     ) -> None:
         from torch import nn
 
@@ -263,9 +299,12 @@ class DiLoCo:
         self._failed: BaseException | None = None  # the first error raised by a sync; fatal for this loop
         self._hooks: list[RemovableHandle] = []
         self._context = ExitStack()
+        self.on_rejoin = on_rejoin
+        self.rejoined_round: int | None = None  # the committed round this replica rejoined at, if it did
 
     # ---------------------------------------------------------------- context manager
     def __enter__(self) -> DiLoCo:
+        self._rejoin()
         self._hooks.append(self.inner_optimizer.register_step_post_hook(self._step_post_hook))
         if self._metrics is not None:
             from diloco.metrics import reporting_to
@@ -289,6 +328,42 @@ class DiLoCo:
         finally:
             self._context.close()
         return False
+
+    # ---------------------------------------------------------------- committed rounds and rejoining
+    def round_tensors(self) -> dict[str, torch.Tensor]:
+        """The global state a committed round holds: every fragment's global weights and outer momentum."""
+        out: dict[str, torch.Tensor] = {}
+        for fragment in self._fragments:
+            out.update(fragment.round_tensors())
+        return out
+
+    def _rejoin(self) -> None:
+        """When the manager finds this replica restarting in a run past round 0, load the latest committed round
+        and put the schedule where it was then: ``inner_step`` = rounds * ``sync_every // F``, ``local_step`` 0.
+
+        The trainer's own position (its step counter, data order, inner optimizer) is restored through the
+        ``on_rejoin(inner_step)`` hook; without one it restarts with fresh inner state, and the log says so."""
+        rejoin = getattr(self.manager, "rejoin", None)
+        if self.inner_step or not callable(rejoin):
+            return
+        state = rejoin()
+        if state is None:
+            return
+        for fragment in self._fragments:
+            fragment.load_round_tensors(state.tensors, f"committed round {state.round}")
+        if self._metrics is not None:
+            self._metrics.resume(state.round)  # keep the rows written before the restart
+        self.rejoined_round = state.round
+        self.local_step = 0
+        self.inner_step = state.round * self.steps_per_fragment
+        if self.on_rejoin is not None:
+            self.on_rejoin(self.inner_step)
+            logger.info("rejoined after round %d at inner step %d; the trainer restored its position",
+                        state.round, self.inner_step)
+        else:
+            logger.warning("rejoined after round %d at inner step %d with fresh inner state: the trainer passes no "
+                           "on_rejoin hook, so its step count and data order restart (its loop must run only the "
+                           "remaining steps, from DiLoCo.inner_step)", state.round, self.inner_step)
 
     def _record_the_end(self) -> None:
         """Training ended normally: export the global weights (when the manager has a store), then the
@@ -376,6 +451,9 @@ class DiLoCo:
             raise RuntimeError("perform_sync without a prepared fragment")
         self._preparing = None
         committed = self._fragments[fragment].perform_sync(self.manager)
+        commit_round = getattr(self.manager, "commit_round", None)
+        if committed and callable(commit_round):
+            commit_round(self.round_tensors())
         logger.debug("perform_sync fragment=%d committed=%s step=%d", fragment, committed,
                      self.manager.current_step())
         return committed
@@ -433,6 +511,7 @@ def make_diloco_outer_loop(
     fragment_update_alpha: float = 0.0,
     model: nn.Module | None = None,
     export_metadata: Mapping[str, str | int] | None = None,
+    on_rejoin: Callable[[int], None] | None = None,
 ) -> DiLoCo:
     """Build the DiLoCo context manager; use as ``with make_diloco_outer_loop(...): <train as usual>``.
 
@@ -443,6 +522,12 @@ def make_diloco_outer_loop(
     Raises ``ValueError`` naming the argument when a value is out of range (sync_every >= 1 and a multiple of
     the number of fragments; 0 <= fragment_sync_delay < sync_every // fragments; 0 <= fragment_update_alpha <= 1;
     outer_lr > 0; 0 <= outer_momentum < 1). ``nesterov=True`` with ``outer_momentum=0`` is plain SGD.
+
+    ``on_rejoin(inner_step)`` is the trainer's position hook: when this replica restarts in a run already past
+    round 0 (``diloco.manager.ObjectStoreManager.rejoin``), entering the loop loads the latest committed round
+    and calls it with the number of inner steps the run has done, so the trainer can skip to that step and put
+    its data order where it was (the built-in trainer does). Without it the replica still rejoins, with fresh
+    inner state, and logs a warning; its loop must then run only the steps from ``DiLoCo.inner_step`` on.
     """
     return DiLoCo(
         manager=manager,
@@ -456,6 +541,7 @@ def make_diloco_outer_loop(
         fragment_update_alpha=fragment_update_alpha,
         model=model,
         export_metadata=export_metadata,
+        on_rejoin=on_rejoin,
     )
 
 

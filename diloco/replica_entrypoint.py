@@ -14,6 +14,10 @@ Before anything touches the store, the trainer kwargs are checked against the tr
 annotations and its preflight hook (``diloco.trainer_check``), with the replica's own machine as the target; values
 are coerced where that is lossless (``"3e-4"`` to ``0.0003`` for a ``float`` parameter).
 
+Restarts: every committed round's global state is kept in the store (``diloco.checkpoint``); a replica started
+for a rank of a run already past round 0 (a relaunch, a spot restart, a pod retry) rejoins at the round its peers
+are in when its outer loop is entered (``diloco.manager.ObjectStoreManager.rejoin``, ``diloco.outer``).
+
 What it records for every trainer: the manager's ``MetricsWriter`` (``diloco.metrics``) is the target of
 ``diloco.report(...)`` for the whole trainer call; it knows ``total_steps`` (from the kwargs, else the trainer's
 default); the outer loop records progress and the final global weights; after the trainer returns, a trainer
@@ -323,14 +327,16 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         from diloco.allreduce import ObjectStoreAllReduce
+        from diloco.checkpoint import RoundCheckpoints
         from diloco.manager import ObjectStoreManager
         from diloco.metrics import reporting_to
 
         allreduce = ObjectStoreAllReduce(args.rendezvous, args.rank, args.world_size,
                                          timeout_s=args.timeout_s, poll_interval_s=args.poll_interval_s,
                                          run_id=args.run_id)
+        rounds = RoundCheckpoints(allreduce.store, run_id=args.run_id, world_size=args.world_size)
         manager = ObjectStoreManager(allreduce, total_steps=total_steps_of(trainer, kwargs),
-                                     progress_interval_s=args.progress_interval_s)
+                                     progress_interval_s=args.progress_interval_s, rounds=rounds)
         log.info("replica %d/%d, rendezvous %s, trainer %s:%s", args.rank, args.world_size, args.rendezvous,
                  args.trainer_module, args.trainer_fn)
         with reporting_to(manager.metrics):

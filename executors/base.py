@@ -289,6 +289,8 @@ class Backend(Generic[C, H]):
     STATES: ClassVar[Mapping[str, ReplicaState]] = {}
     #: Set (to a phrase such as "is not available in this version yet") while a backend cannot launch.
     unavailable_reason: ClassVar[str | None] = None
+    #: Whether ``relaunch`` works: the launcher restarts a failed replica for its rank (it rejoins the run).
+    supports_relaunch: ClassVar[bool] = False
 
     def __init__(self, config: C) -> None:
         self.config = config
@@ -305,6 +307,12 @@ class Backend(Generic[C, H]):
 
     def cancel(self, handle: H, ranks: Sequence[int] | None = None) -> None:
         raise NotImplementedError(f"{type(self).__name__}.cancel")
+
+    def relaunch(self, handle: H, rank: int) -> H:
+        """Start replica ``rank`` again (same run, argv and environment) after it ended in failure; returns the
+        updated handle, whose ``describe`` counts the restart in ``ReplicaStatus.restarts``. The new replica
+        rejoins the run from its committed rounds (``diloco.checkpoint``). Only when ``supports_relaunch``."""
+        raise NotImplementedError(f"{type(self).__name__}.relaunch")
 
     def replica_logs(self, handle: H, rank: int, *, follow: bool = False,
                      since: float | None = None) -> Iterator[LogRecord]:

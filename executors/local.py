@@ -84,6 +84,7 @@ if TYPE_CHECKING:
 
 SUPERVISOR_MODULE = "diloco.executors.local_supervisor"
 HANDLE_FILE = "handle.json"
+REQUESTS_FILE = "requests.json"  # in the run directory: each rank's spawn request, so a relaunch repeats it
 RUN_CANCEL_MARKER = "cancel_requested"  # in the run directory: a launch in progress stops starting replicas
 
 
@@ -118,6 +119,8 @@ class LocalProcess(BaseModel):
     start_time: int | None = None
     log_dir: str
     launched_at: float
+    restarts: int = 0  # how many times this rank was relaunched (this process is attempt restarts + 1)
+    restart_reasons: list[str] = Field(default_factory=list)  # why each earlier attempt ended
 
 
 class LocalRunHandle(RunHandle):
@@ -139,6 +142,7 @@ class LocalBackend(Backend[LocalBackendConfig, LocalRunHandle]):
     """Replicas as supervised local processes. See the module docstring for the guarantees."""
 
     name: ClassVar[str] = "local"
+    supports_relaunch: ClassVar[bool] = True
     config_type = LocalBackendConfig
     handle_type = LocalRunHandle
     STATES: ClassVar[dict[str, ReplicaState]] = {
@@ -220,6 +224,7 @@ class LocalBackend(Backend[LocalBackendConfig, LocalRunHandle]):
         with terminate_as_interrupt():  # `kill <launcher>` rolls back like Ctrl-C instead of orphaning replicas
             try:
                 os.makedirs(handle.run_dir, exist_ok=True)
+                write_json_atomic(os.path.join(handle.run_dir, REQUESTS_FILE), {"requests": plan.requests})
                 self._progress(handle, on_progress)  # findable before its first replica exists
                 for request in plan.requests:
                     if os.path.exists(os.path.join(handle.run_dir, RUN_CANCEL_MARKER)):
@@ -348,7 +353,8 @@ class LocalBackend(Backend[LocalBackendConfig, LocalRunHandle]):
             except ValueError:
                 latest = handle
             if latest.run_id == handle.run_id and (len(latest.processes) > len(handle.processes)
-                                                   or (latest.complete and not handle.complete)):
+                                                   or (latest.complete and not handle.complete)
+                                                   or _restarts(latest) > _restarts(handle)):
                 handle = latest
         if handle.complete or self._launcher_alive(handle):
             return handle
@@ -389,8 +395,44 @@ class LocalBackend(Backend[LocalBackendConfig, LocalRunHandle]):
     def describe(self, handle: LocalRunHandle) -> RunStatus:
         """Every replica's state, from its ``exit.json`` and its supervisor's liveness (works from any process)."""
         handle = self._current(handle)
-        return RunStatus(run_id=handle.run_id,
-                         replicas=[self._replica_status(handle, rank) for rank in range(handle.replicas)])
+        replicas = []
+        for rank in range(handle.replicas):
+            status = self._replica_status(handle, rank)
+            p = handle.process(rank)
+            if p is not None and p.restarts:
+                status.restarts = p.restarts
+                why = "; ".join(p.restart_reasons)
+                status.detail = f"{status.detail or ''} (relaunched {p.restarts}x: {why})".strip()
+            replicas.append(status)
+        return RunStatus(run_id=handle.run_id, replicas=replicas)
+
+    # ------------------------------------------------------------------ relaunching
+    def relaunch(self, handle: LocalRunHandle, rank: int) -> LocalRunHandle:
+        """Start replica ``rank`` again with the request it was first started with. Its previous attempt's logs
+        move to ``rank_<r>.try<n>`` (kept, so its failure can still be read); the new process gets the rank's
+        log directory, so ``diloco logs`` follows the live attempt. Refused while the old one is alive."""
+        handle = self._current(handle)
+        old = handle.process(rank)
+        if old is not None and self._alive(old):
+            raise BackendError(f"replica {rank} of run {handle.run_id} is still running; it cannot be relaunched",
+                               hint=f"stop it first: diloco cancel {handle.run_id} -r {rank}")
+        requests = (read_json(os.path.join(handle.run_dir, REQUESTS_FILE)) or {}).get("requests") or []
+        request = next((r for r in requests if r.get("rank") == rank), None)
+        if request is None:
+            raise BackendError(f"run {handle.run_id} has no recorded request for replica {rank} "
+                               f"({os.path.join(handle.run_dir, REQUESTS_FILE)}); it cannot be relaunched",
+                               hint="it was launched by an older diloco; launch the run again")
+        reasons = list(old.restart_reasons) if old is not None else []
+        if old is not None:
+            reasons.append(self._replica_status(handle, rank).reason or "ended")
+            if os.path.isdir(old.log_dir):
+                os.replace(old.log_dir, f"{old.log_dir}.try{old.restarts + 1}")
+        with signals_deferred():  # a replica started is a replica recorded
+            fresh = self._spawn(request).model_copy(update={"restarts": len(reasons), "restart_reasons": reasons})
+            processes = sorted([p for p in handle.processes if p.rank != rank] + [fresh], key=lambda p: p.rank)
+            handle = handle.model_copy(update={"processes": processes})
+            write_json_atomic(os.path.join(handle.run_dir, HANDLE_FILE), handle.model_dump(mode="json"))
+        return handle
 
     def _status(self, rank: int, native: str, job_id: str = "", **fields: Any) -> ReplicaStatus:
         return ReplicaStatus(rank=rank, state=self.map_state(native), job_id=job_id, **fields)
@@ -762,6 +804,11 @@ def _read_text(path: str) -> str | None:
 
 def _size(n: int) -> str:
     return f"{n / (1024 * _MIB):.1f} GiB" if n >= 1024 * _MIB else f"{n / _MIB:.0f} MiB"
+
+
+def _restarts(handle: LocalRunHandle) -> int:
+    """Relaunches recorded in ``handle`` (a copy with more is newer: relaunching keeps the number of processes)."""
+    return sum(p.restarts for p in handle.processes)
 
 
 def _pid_alive(pid: int) -> bool:

@@ -232,6 +232,45 @@ def test_timeout_reports_the_last_store_error_seen_while_polling(tmp_path: Any) 
     ar.close()
 
 
+def test_a_peer_being_relaunched_extends_the_wait_past_the_timeout(uri: str) -> None:
+    """The launcher records ``relaunch/rank_0001.json`` with an ``until`` time: rank 0 waits for the new rank 1
+    past its own timeout instead of failing, and gets the mean once rank 1's contribution lands."""
+    import json
+
+    from diloco.layout import RELAUNCH_KEY
+
+    r0 = make(uri, 0, 2, timeout_s=0.2)
+    r0.store.put(RELAUNCH_KEY.format(rank=1), json.dumps({"until": time.time() + 20}).encode())
+    x = [torch.tensor([1.0])]
+    work = r0.allreduce_async(x)
+    late = threading.Timer(0.6, lambda: make(uri, 1, 2).allreduce([torch.tensor([3.0])]))
+    late.start()
+    work.wait()
+    late.join()
+    assert torch.equal(x[0], torch.tensor([2.0]))
+
+
+def test_an_expired_relaunch_record_does_not_extend_the_wait(uri: str) -> None:
+    import json
+
+    from diloco.layout import RELAUNCH_KEY
+
+    r0 = make(uri, 0, 2, timeout_s=0.2)
+    r0.store.put(RELAUNCH_KEY.format(rank=1), json.dumps({"until": time.time() - 1}).encode())
+    with pytest.raises(AllReduceTimeout, match="rank\\(s\\) 1"):
+        r0.allreduce([torch.tensor([1.0])])
+
+
+def test_resume_at_sets_the_next_round_only_before_any_round(uri: str) -> None:
+    r = make(uri, 0, 1)
+    r.resume_at(5)
+    assert r.next_round == 5
+    r.allreduce([torch.tensor([1.0])])
+    assert r.store.exists(contribution_key(5, 0)) and r.has_own_contribution(5)
+    with pytest.raises(RuntimeError, match="already started"):
+        r.resume_at(2)
+
+
 def test_corrupted_and_truncated_peer_objects_are_reported_and_never_averaged(uri: str) -> None:
     store = ObjectStore(uri)
     good = encode_tensors({"g": torch.full((64,), 7.0)}, {"round": 0, "rank": 1, "world_size": 2})

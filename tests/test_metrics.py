@@ -222,3 +222,19 @@ def test_the_final_row_takes_later_reports_and_has_the_whole_run_rate() -> None:
     assert rows[-1].total_steps == 4 and rows[-1].bytes_read == 20 and rows[-1].sync_s == 0.5
     rep, _ = read_replica(store, 0)
     assert rep.finished_training and rep.eval_loss == 1.25
+
+
+def test_a_rejoining_replica_keeps_its_history_up_to_the_committed_round() -> None:
+    """Issue 11: a relaunched replica's writer starts empty; without resume() its first write would replace the
+    rounds it recorded before it died. Rows past the committed round (work thrown away) are dropped."""
+    store = new_store()
+    rows = [{"kind": "init", "time": 1.0, "step": 0, "round": 0, "eval_loss": 5.5}] + [
+        {"kind": "round", "time": 1.0 + r, "step": 10 * r, "round": r, "eval_loss": 5.0 - r} for r in (1, 2, 3)]
+    store.put("metrics/rank_0000.jsonl", "\n".join(json.dumps(r) for r in rows).encode())
+    resumed = writer(store)
+    resumed.resume(2)
+    resumed.begin(20)  # what the outer loop does next: no second init row
+    assert [(r["kind"], r["round"]) for r in resumed.history] == [("init", 0), ("round", 1), ("round", 2)]
+    resumed.on_round(30)
+    history, _ = read_history(store, 0)
+    assert [r.kind for r in history] == ["init", "round", "round", "round"] and history[1].eval_loss == 4.0

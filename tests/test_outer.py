@@ -456,8 +456,10 @@ def test_rounds_rows_and_report_amendments_and_final_weights_for_two_replicas() 
     uri, world = new_uri(), 2
 
     def run(rank: int) -> None:
-        torch.manual_seed(0)
         model = nn.Linear(3, 1)
+        with torch.no_grad():  # identical start on both ranks (threads share torch's global RNG: no seeding race)
+            model.weight.copy_(torch.tensor([[0.1, -0.2, 0.3]]))
+            model.bias.fill_(0.05)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         manager = make_manager(uri, rank=rank, world_size=world, total_steps=6)
         with make_diloco_outer_loop(manager=manager, model_fragments=[model], inner_optimizer=opt, sync_every=3):

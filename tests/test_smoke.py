@@ -63,8 +63,10 @@ def test_smoke_four_replicas_keep(s3_bucket: str, bucket_keys: Callable[[str], l
     assert {f"{prefix}/final/rank_{r:04d}.safetensors" for r in range(4)} <= set(keys)
     assert {f"{prefix}/metrics/rank_{r:04d}.jsonl" for r in range(4)} <= set(keys)
     # Writers delete round k-1 once round k is complete, so only the last round's objects remain.
-    assert sorted(k for k in keys if "/round_" in k) == [
+    assert sorted(k for k in keys if k.startswith(f"{prefix}/round_")) == [
         f"{prefix}/round_{ROUNDS - 1:06d}/rank_{r:04d}.safetensors" for r in range(4)]
+    # Every round's global state is committed once (issue 11: what a restarted replica rejoins from).
+    assert {f"{prefix}/committed/round_{n:06d}/COMMITTED" for n in range(1, ROUNDS + 1)} <= set(keys)
 
 
 def test_smoke_fails_fast_when_the_store_refuses(s3_bucket: str, fault_proxy: FaultProxy) -> None:

@@ -1,0 +1,192 @@
+"""Committed rounds: the global state of a run after each outer step, kept in the rendezvous store for rejoining.
+
+A replica that dies (a killed process, a spot reclaim, an evicted pod) comes back with nothing but the store. What
+it needs to contribute to the round its peers are in is the *global* state after the last completed round: the
+global (outer) weights of every fragment, the outer optimizer's momentum, and the round number (which also fixes
+the fragment schedule: round N syncs fragment ``N % F``). Every rank holds those bits identically after each
+outer step, so any rank may write them, and the first to finish the round does.
+
+Layout (under the rendezvous root, see ``diloco.layout``)::
+
+    committed/round_NNNNNN/state.safetensors   the global state after round NNNNNN (numbered from 1, as in logs)
+    committed/round_NNNNNN/COMMITTED           the marker: JSON naming the run, the world size, the round and
+                                               the SHA-256 of state.safetensors; it is written last
+
+Write protocol (``commit``): the state is created with ``put_if_absent`` (so exactly one writer's bytes land;
+they are every rank's bits), then the marker, naming the SHA-256 of the data bytes that actually landed, is created with ``put_if_absent``
+(exactly once). A round without its marker is not committed and is never read: a writer killed between the two
+leaves only data, which a surviving rank's marker then covers after it checked that those tensors are its own. A rank that finds the
+marker already there skips the upload (one exists() call), so a round costs one upload of the global state in
+the common case, a few when ranks finish at the same moment.
+
+Retention: the rank that created round N's marker deletes round ``N - keep`` (default keep 3). A reader that
+lists the latest round and then finds it gone (it would have to be ``keep`` rounds late) lists again.
+
+Verification on read (``read``): the marker's run id, world size and round; the data's SHA-256 against the
+marker; the safetensors checksum and identity metadata (``diloco.codec``); the tensor layout is checked by the
+caller that loads it (``diloco.outer.DiLoCo.load_round``), against its own model. Tensors are safetensors only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from diloco.codec import decode_tensors, encode_tensors, tensor_digest
+from diloco.errors import CorruptObjectError, ObjectNotFound, StoreError
+from diloco.layout import COMMITTED_DATA_KEY, COMMITTED_MARKER_KEY, COMMITTED_PREFIX
+
+if TYPE_CHECKING:
+    import torch
+
+    from diloco.store import ObjectStore
+
+logger = logging.getLogger(__name__)
+
+#: Committed rounds kept in the store; older ones are deleted by the writer of a newer marker.
+DEFAULT_KEEP = 3
+
+MARKER_FORMAT = "diloco.committed/1"
+_ROUND_DIR = re.compile(r"^committed/round_(\d{6})/COMMITTED$")
+
+
+@dataclass(frozen=True)
+class CommittedRound:
+    """One verified committed round: the round's number (from 1) and its global state tensors by name."""
+
+    round: int
+    tensors: dict[str, torch.Tensor]
+    run_id: str
+
+
+def data_key(round_number: int) -> str:
+    return COMMITTED_DATA_KEY.format(round=round_number)
+
+
+def marker_key(round_number: int) -> str:
+    return COMMITTED_MARKER_KEY.format(round=round_number)
+
+
+class RoundCheckpoints:
+    """Commit and read a run's global state per round in ``store`` (the rendezvous root).
+
+    ``run_id`` and ``world_size`` are written into every marker and checked on every read, so a reused prefix
+    holding another run's rounds is refused instead of being loaded into this one.
+    """
+
+    def __init__(self, store: ObjectStore, *, run_id: str | None, world_size: int, keep: int = DEFAULT_KEEP) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1 (committed rounds kept in the store), got {keep}")
+        self.store = store
+        self.run_id = run_id or ""
+        self.world_size = world_size
+        self.keep = keep
+
+    # ---------------------------------------------------------------- writing
+    def commit(self, round_number: int, tensors: Mapping[str, torch.Tensor]) -> bool:
+        """Commit the global state after round ``round_number``; ``True`` if this call created the marker.
+
+        Idempotent across ranks (they all call it with identical bits). Raises ``CorruptObjectError`` when the
+        data another rank wrote for this round is not what this rank holds: the replicas have diverged.
+        """
+        if round_number < 1:
+            raise ValueError(f"round numbers start at 1, got {round_number}")
+        if self.store.exists(marker_key(round_number)):
+            return False
+        data = encode_tensors(tensors, self._identity(round_number))
+        if not self.store.put_if_absent(data_key(round_number), data):
+            # Another writer's bytes landed (safetensors' header order may differ): its tensors must be ours.
+            data = self.store.get(data_key(round_number))
+            source = self.store.url(data_key(round_number))
+            stored, _ = decode_tensors(data, expect=self._identity(round_number), source=source)
+            if tensor_digest(stored) != tensor_digest(tensors):
+                raise CorruptObjectError(
+                    f"committed round {round_number} at {source} holds other tensors than this replica's global "
+                    f"state: replicas diverged",
+                    hint="the run cannot be trusted from this round on; check every replica's log for an error",
+                )
+        digest = hashlib.sha256(data).hexdigest()
+        won = self.store.put_if_absent(marker_key(round_number), self._marker(round_number, digest, len(data)))
+        if won:
+            logger.debug("committed round %d (%d bytes)", round_number, len(data))
+            self._forget(round_number - self.keep)
+        return won
+
+    def _identity(self, round_number: int) -> dict[str, str | int]:
+        return {"kind": "committed_round", "round": round_number, "world_size": self.world_size,
+                "run_id": self.run_id}
+
+    def _marker(self, round_number: int, digest: str, size: int) -> bytes:
+        return json.dumps({"format": MARKER_FORMAT, "round": round_number, "run_id": self.run_id,
+                           "world_size": self.world_size, "sha256": digest, "bytes": size},
+                          sort_keys=True).encode()
+
+    def _forget(self, round_number: int) -> None:
+        """Delete an old committed round, marker first (so it is never half there and still announced)."""
+        if round_number < 1:
+            return
+        try:
+            self.store.delete(marker_key(round_number))
+            self.store.delete(data_key(round_number))
+        except (StoreError, OSError) as exc:  # costs storage, not correctness
+            logger.warning("could not delete committed round %d: %s", round_number, exc)
+
+    # ---------------------------------------------------------------- reading
+    def committed_rounds(self) -> list[int]:
+        """Round numbers with a marker, ascending."""
+        rounds = []
+        for key in self.store.list(COMMITTED_PREFIX):
+            m = _ROUND_DIR.match(key)
+            if m:
+                rounds.append(int(m.group(1)))
+        return sorted(rounds)
+
+    def latest_round(self) -> int:
+        """The number of the latest committed round, 0 when none is (the run has not finished round 1)."""
+        rounds = self.committed_rounds()
+        return rounds[-1] if rounds else 0
+
+    def latest(self) -> CommittedRound | None:
+        """The latest committed round, verified; ``None`` before round 1 committed. Re-lists (a few times) when
+        the round it listed was deleted under it, which only a reader ``keep`` rounds late can see."""
+        for _ in range(3):
+            number = self.latest_round()
+            if number == 0:
+                return None
+            try:
+                return self.read(number)
+            except ObjectNotFound:
+                continue
+        raise StoreError(f"committed rounds under {self.store.url(COMMITTED_PREFIX)} kept disappearing while read",
+                         hint="the run moves on faster than this replica can read one round; check the store")
+
+    def read(self, round_number: int) -> CommittedRound:
+        """Read and verify committed round ``round_number`` (see the module docstring)."""
+        source = self.store.url(marker_key(round_number))
+        try:
+            marker = json.loads(self.store.get(marker_key(round_number)))
+        except json.JSONDecodeError as exc:
+            raise CorruptObjectError(f"{source} is not JSON: {exc}") from exc
+        self._check_marker(marker, round_number, source)
+        data = self.store.get(data_key(round_number))
+        if hashlib.sha256(data).hexdigest() != marker.get("sha256"):
+            raise CorruptObjectError(f"{self.store.url(data_key(round_number))} does not match the sha256 in {source}")
+        tensors, _ = decode_tensors(data, expect=self._identity(round_number),
+                                    source=self.store.url(data_key(round_number)))
+        return CommittedRound(round=round_number, tensors=tensors, run_id=self.run_id)
+
+    def _check_marker(self, marker: object, round_number: int, source: str) -> None:
+        if not isinstance(marker, dict) or marker.get("format") != MARKER_FORMAT:
+            raise CorruptObjectError(f"{source} is not a {MARKER_FORMAT} marker")
+        if marker.get("run_id") != self.run_id:
+            raise CorruptObjectError(
+                f"{source} belongs to run {marker.get('run_id')!r}, not {self.run_id!r}",
+                hint="another run used this rendezvous prefix; give each run its own (diloco launch does)")
+        for field, want in (("world_size", self.world_size), ("round", round_number)):
+            if marker.get(field) != want:
+                raise CorruptObjectError(f"{source} has {field}={marker.get(field)!r}, expected {want!r}")
