@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, model_validator
 
@@ -26,7 +26,7 @@ DEFAULT_TIMEOUT_S = 86400.0
 #: Trainer keyword arguments the replica entrypoint passes itself.
 INJECTED = ("manager", "rank", "world_size")
 #: Trainer keyword arguments the launcher owns: set by ``train.steps``/``train.sync_every`` or injected.
-RESERVED_TRAINER_KWARGS = {"total_steps": "train.steps", "sync_every": "train.sync_every",
+RESERVED_TRAINER_KWARGS = {"total_steps": "train.steps", "sync_every": "train.sync_every", "mode": "train.mode",
                            **dict.fromkeys(INJECTED)}
 _TRAINER_RE = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
 _PLACEHOLDER_RE = re.compile(r"<[a-z0-9][a-z0-9-]*>")
@@ -53,6 +53,9 @@ class TrainConfig(_Strict):
     steps: int = Field(200, ge=1)  # inner steps per replica (the trainer's total_steps)
     sync_every: int = Field(50, ge=1)  # inner steps between outer rounds (DiLoCo's H)
     trainer_kwargs: dict[str, Any] = Field(default_factory=dict)  # model/data knobs of the trainer
+    #: "sync": DiLoCo rounds; "async": rank 0 is a master applying each replica's delta as it arrives
+    #: (diloco.async_diloco); passed to the trainer as ``mode`` only when "async".
+    mode: Literal["sync", "async"] = "sync"
 
 
 class RunConfig(_Strict):

@@ -30,6 +30,7 @@ import inspect
 import logging
 import os
 import re
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -89,6 +90,11 @@ def diloco_train(
     # execution
     device: str = "auto",
     threads: int = 1,  # torch CPU threads; 1 because several replicas often share one machine's cores
+    # "sync": DiLoCo rounds; "async": rank 0 is the master, the others workers (diloco.async_diloco)
+    mode: str = "sync",
+    # a deliberately slow replica (benchmarks): rank slow_rank sleeps (slow_factor - 1) x its compute per step
+    slow_rank: int = -1,
+    slow_factor: float = 1.0,
 ) -> dict[str, Any]:
     """Train the built-in model on this replica; returns a summary (losses, rounds, the final object's key).
 
@@ -121,11 +127,29 @@ def diloco_train(
     # --- model: the common seed makes every rank's initial weights identical (no broadcast needed)
     model = build_model(config, seed=seed, device=dev)
     inner_opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
+    if mode == "async":
+        return _train_async(manager=manager, rank=rank, world_size=world_size, model=model, inner_opt=inner_opt,
+                            split=split, batches=batches, train_gen=train_gen, dev=dev, config=config,
+                            total_steps=total_steps, sync_every=sync_every, batch_size=batch_size,
+                            block_size=block_size, grad_clip=grad_clip, outer_lr=outer_lr,
+                            outer_momentum=outer_momentum, nesterov=nesterov,
+                            slow_factor=slow_factor if rank == slow_rank else 1.0)
+    done = [0]  # inner steps the run had done when this replica (re)joined it: 0 unless it restarted mid-run
+
+    def on_rejoin(inner_step: int) -> None:
+        """Position hook (a restart rejoining the run): skip the steps done and draw their batches' random
+        numbers, so the data order continues where it was. AdamW's state restarts fresh (it is not committed)."""
+        done[0] = inner_step
+        high = len(split.train) - block_size - 1
+        for _ in range(inner_step):
+            torch.randint(0, high, (batch_size,), generator=train_gen)  # exactly what sample_batch draws
+
     diloco = make_diloco_outer_loop(
         manager=manager, model_fragments=split_fragments(model, fragments), inner_optimizer=inner_opt,
         outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov, sync_every=sync_every,
         fragment_sync_delay=fragment_sync_delay, fragment_update_alpha=0.0, model=model,
         export_metadata={"model": "diloco.model:GPT", "model_config": config.to_json()},
+        on_rejoin=on_rejoin,
     )
     log.info("model %s (%d params) on %s; shard bytes [%d, %d) of %d-byte corpus; %d steps, sync every %d",
              config.to_json(), model.num_params(), dev, *split.train_range, split.eval_range[1],
@@ -137,13 +161,16 @@ def diloco_train(
         init_eval = eval_loss = _evaluate(model, batches, dev)
         report(eval_loss=init_eval, total_steps=total_steps)  # amends the loop's `init` row
         loss_sum = torch.zeros((), device=dev)
-        for step in range(1, total_steps + 1):
+        for step in range(done[0] + 1, total_steps + 1):
+            began = time.perf_counter()
             x, y = sample_batch(split.train, batch_size=batch_size, block_size=block_size, generator=train_gen)
             _, loss = model(x.to(dev), y.to(dev))
             inner_opt.zero_grad(set_to_none=True)
             loss.backward()
             if grad_clip:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+            if rank == slow_rank:
+                _slow_down(began, slow_factor)
             inner_opt.step()  # every sync_every-th call also runs the outer round: blocks on the store
             report(tokens=tokens_per_step)
             loss_sum += loss.detach()
@@ -172,7 +199,7 @@ def diloco_train(
 #: Minimum of every integer knob.
 _INT_MINIMUMS = {"total_steps": 1, "sync_every": 1, "n_layer": 1, "n_head": 1, "n_embd": 1, "block_size": 1,
                  "batch_size": 1, "fragments": 1, "fragment_sync_delay": 0, "eval_batches": 1, "threads": 0,
-                 "max_corpus_bytes": 1, "seed": -(2**63)}
+                 "max_corpus_bytes": 1, "seed": -(2**63), "slow_rank": -1}
 _NON_NEGATIVE = ("lr", "weight_decay", "grad_clip", "outer_lr", "outer_momentum")
 
 
@@ -200,6 +227,13 @@ def check_config(values: Mapping[str, Any], *, world_size: int | None = None, on
     if not isinstance(values.get("nesterov", True), bool):
         raise ConfigError(f"nesterov must be true or false, got {values['nesterov']!r}")
     _check_schedule(values)
+    factor = values.get("slow_factor", 1.0)
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1:
+        raise ConfigError(f"slow_factor must be a number >= 1 (1 = not slowed), got {factor!r}")
+    if values.get("mode", "sync") not in ("sync", "async"):
+        raise ConfigError(f"mode must be 'sync' or 'async', got {values['mode']!r}")
+    if values.get("mode") == "async" and values.get("fragments", 1) != 1:
+        raise ConfigError(f"fragments must be 1 in async mode (whole-model deltas), got {values['fragments']!r}")
     _check_model_shape(values)
     device = values.get("device", "auto")
     if not isinstance(device, str) or not _DEVICE.match(device):
@@ -286,6 +320,45 @@ def _resolve_device(device: str) -> torch.device:
         raise ConfigError(f"device {device!r} was asked for but this machine has no usable CUDA device",
                           hint="use device auto or cpu, or run on a GPU instance")
     return dev
+
+
+def _train_async(*, manager: Any, rank: int, world_size: int, model: GPT, inner_opt: torch.optim.Optimizer,
+                 split: Any, batches: list[tuple[torch.Tensor, torch.Tensor]], train_gen: torch.Generator,
+                 dev: torch.device, config: Any, total_steps: int, sync_every: int, batch_size: int,
+                 block_size: int, grad_clip: float, outer_lr: float, outer_momentum: float, nesterov: bool,
+                 slow_factor: float) -> dict[str, Any]:
+    """``mode="async"``: the same model, data and inner step, coordinated by ``diloco.async_diloco``."""
+    import torch
+
+    from diloco.async_diloco import run_builtin_async
+    from diloco.data import sample_batch
+
+    def train_step() -> float:
+        began = time.perf_counter()
+        x, y = sample_batch(split.train, batch_size=batch_size, block_size=block_size, generator=train_gen)
+        _, loss = model(x.to(dev), y.to(dev))
+        inner_opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        _slow_down(began, slow_factor)
+        inner_opt.step()
+        return float(loss.detach())
+
+    model.train()
+    return run_builtin_async(
+        manager=manager, rank=rank, world_size=world_size, model=model, inner_optimizer=inner_opt,
+        train_step=train_step, evaluate=lambda: _evaluate(model, batches, dev), total_steps=total_steps,
+        sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov,
+        tokens_per_step=batch_size * block_size,
+        export_metadata={"model": "diloco.model:GPT", "model_config": config.to_json()})
+
+
+def _slow_down(began: float, factor: float) -> None:
+    """Sleep ``factor - 1`` times the compute since ``began``: this replica runs ``factor`` times slower (a
+    straggler for benchmarks), whatever the machine."""
+    if factor > 1:
+        time.sleep((factor - 1) * (time.perf_counter() - began))
 
 
 def _evaluate(model: GPT, batches: list[tuple[torch.Tensor, torch.Tensor]], dev: torch.device) -> float:

@@ -63,7 +63,7 @@ def test_backend_flag_switches_kind_and_drops_other_backend_options(tmp_path: Pa
     ({"flags": {"backend": "ec2"}}, "backend: must be one of local, sagemaker, eks (got 'ec2')"),
     ({"sets": ["replicas=four"]}, "replicas: must be an integer (got 'four')"),
     ({"sets": ["train.bogus=1"]},
-     "train.bogus: unknown key (allowed: trainer, steps, sync_every, trainer_kwargs)"),
+     "train.bogus: unknown key (allowed: trainer, steps, sync_every, trainer_kwargs, mode)"),
     ({"sets": ["backend.bogus=1"]},
      "backend.bogus: unknown key for the local backend (allowed: log_root, grace_period_s, python"),
     ({"sets": ["store.timeout_s=0"]}, "store.timeout_s: must be > 0 (got 0)"),
@@ -115,6 +115,9 @@ def test_shipped_local_config_is_the_four_replica_demo() -> None:
     ("sagemaker.yaml", SageMakerBackendConfig, ["backend.role_arn=arn:aws:iam::123456789012:role/r",
                                                 "backend.image_uri=123456789012.dkr.ecr.us-west-2.amazonaws.com/d:1",
                                                 "store.rendezvous=s3://bucket/diloco/{run_id}"]),
+    ("hf-qwen.yaml", SageMakerBackendConfig, ["backend.role_arn=arn:aws:iam::123456789012:role/r",
+                                              "store.rendezvous=s3://bucket/diloco/{run_id}",
+                                              "train.trainer_kwargs.data=s3://bucket/corpus/"]),
     ("eks.yaml", EKSBackendConfig, ["backend.image=registry.example/diloco:1", "backend.service_account=diloco",
                                     "store.rendezvous=s3://bucket/diloco/{run_id}"]),
 ])

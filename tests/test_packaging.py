@@ -33,11 +33,12 @@ def test_torch_range_stays_wide() -> None:
 
 
 def test_backend_names_live_only_in_the_backends_and_the_registry() -> None:
-    """Issue 8's check: the core and the CLI name no backend (they go through diloco.executors)."""
+    """Issue 8's check: the core and the CLI name no backend (they go through diloco.executors). The one other
+    use of the word, async DiLoCo's own "local" state (the seed's vocabulary), is marked ``# not a backend``."""
     offenders = []
     for folder in ("diloco", "cli"):
         for path in (ROOT / folder).rglob("*.py"):
             for n, line in enumerate(path.read_text().splitlines(), 1):
-                if re.search(r'"(local|sagemaker|eks)"', line):
+                if re.search(r'"(local|sagemaker|eks)"', line) and "# not a backend" not in line:
                     offenders.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
     assert offenders == []
