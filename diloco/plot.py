@@ -1,0 +1,209 @@
+"""Training curves as a PNG: train and eval loss per replica against inner step and wall time, outer rounds marked.
+
+``diloco plot`` reads exactly what ``diloco status`` reads (``diloco.metrics``: each rank's history rows and its
+latest progress row), so it works the same for a finished run and for one still training: a running rank simply
+has fewer points, and its progress row adds the newest step. Nothing here needs torch; matplotlib is imported
+inside ``draw_curves`` only (the ``plot`` extra), with the headless Agg canvas, so no display is ever needed and
+pyplot's global state is never touched.
+
+The figure is a 2 x 2 grid: rows train loss and eval loss, columns inner step and wall time (seconds since the
+run's first row, on every rank). One colour per rank; dotted vertical lines mark the outer rounds (rank 0's, or the first rank
+that has any). The eval loss before training (the ``init`` row) is the first point of each eval curve.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel
+
+from diloco.errors import ConfigError
+from diloco.metrics import MetricRow, parse_history, read_history
+from diloco.store import ObjectStore
+
+
+@dataclass
+class RankCurve:
+    """One rank's points, in order: ``(step, seconds since the run's first row, value)`` per loss, and its rounds."""
+
+    rank: int
+    train: list[tuple[int, float, float]] = field(default_factory=list)
+    eval: list[tuple[int, float, float]] = field(default_factory=list)
+    rounds: list[tuple[int, float]] = field(default_factory=list)  # (step, seconds) of each outer round
+    finished: bool = False
+
+
+class PlotReport(BaseModel):
+    """What ``diloco plot`` wrote, for ``-o json``."""
+
+    run_id: str
+    path: str
+    ranks: list[int]
+    train_points: int
+    eval_points: int
+    rounds: int
+    finished_ranks: list[int]
+    warnings: list[str] = []
+
+
+def load_curves(store: ObjectStore, world_size: int) -> tuple[list[RankCurve], list[str]]:
+    """Every rank's curve from its history (and latest progress row); ranks with no rows yet are left out."""
+    rows_by_rank, warnings = {}, []
+    for rank in range(world_size):
+        history, problems = read_history(store, rank)
+        warnings += problems
+        rows = history + _progress_row(store, rank, history)
+        if rows:
+            rows_by_rank[rank] = rows
+    times = [r.time for rows in rows_by_rank.values() for r in rows if r.time is not None]
+    start = min(times) if times else 0.0  # one clock for every rank, so their rounds line up in the plot
+    return [curve_of(rank, rows, start=start) for rank, rows in rows_by_rank.items()], warnings
+
+
+def _progress_row(store: ObjectStore, rank: int, history: list[MetricRow]) -> list[MetricRow]:
+    """The progress row when it is newer than the history (a running rank between rounds), else nothing."""
+    from diloco.errors import ObjectNotFound
+    from diloco.layout import PROGRESS_KEY
+    from diloco.metrics import _Problems
+
+    try:
+        text = store.get(PROGRESS_KEY.format(rank=rank)).decode(errors="replace")
+    except ObjectNotFound:
+        return []
+    rows = parse_history(text.replace("\n", " "), _Problems(rank))
+    if not rows or rows[-1].kind == "final":
+        return []
+    newest = rows[-1]
+    if history and (newest.step or 0) <= (history[-1].step or 0):
+        return []
+    return [newest]
+
+
+def curve_of(rank: int, rows: list[MetricRow], *, start: float | None = None) -> RankCurve:
+    """The points of one rank's rows, wall time in seconds since ``start`` (default: the rank's first row). Train
+    loss is taken from rows after training began (step > 0); a row that repeats the previous row's step and loss
+    (``final`` right after the last round) adds no point."""
+    curve = RankCurve(rank=rank, finished=rows[-1].kind == "final")
+    if start is None:
+        start = next((r.time for r in rows if r.time is not None), 0.0)
+    for row in rows:
+        step, seconds = row.step or 0, (row.time or start) - start
+        if row.kind == "round":
+            curve.rounds.append((step, seconds))
+        if row.train_loss is not None and step > 0:
+            _add(curve.train, (step, seconds, row.train_loss))
+        if row.eval_loss is not None and row.kind != "progress":
+            _add(curve.eval, (step, seconds, row.eval_loss))
+    return curve
+
+
+def _add(points: list[tuple[int, float, float]], point: tuple[int, float, float]) -> None:
+    if points and points[-1][0] == point[0] and points[-1][2] == point[2]:
+        return
+    points.append(point)
+
+
+def output_path(output: str | None, run_id: str) -> str:
+    """Where the PNG goes: ``output`` (a file, or a directory for ``<run_id>-curves.png``), default the current
+    directory. An existing file is replaced: a plot is redrawn as a run goes on."""
+    if output is not None and not output.strip():
+        raise ConfigError("--output: must be a file or directory path (got '')")
+    path = os.path.abspath(os.path.expanduser(output or "."))
+    if os.path.isdir(path):
+        path = os.path.join(path, f"{run_id}-curves.png")
+    if not path.lower().endswith(".png"):
+        raise ConfigError(f"--output: {path} must end in .png (the plot is a PNG image)")
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        raise ConfigError(f"--output: directory {parent} does not exist", hint="create it first")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"--output: cannot write in {parent} (permission denied)", hint="choose a writable path")
+    return path
+
+
+def draw_curves(curves: list[RankCurve], path: str, *, title: str) -> None:
+    """Render the 2 x 2 grid into ``path`` (PNG, written atomically so a viewer never shows half a file)."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise ConfigError("diloco plot needs matplotlib", hint="pip install 'diloco[plot]'") from None
+    from diloco.store import write_file_atomic
+
+    figure = Figure(figsize=(11, 7), dpi=100, layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.subplots(2, 2, sharex="col")
+    marked = next((c for c in curves if c.rounds), None)
+    for row, (label, attr) in enumerate((("train loss", "train"), ("eval loss", "eval"))):
+        for col, xlabel in enumerate(("inner step", "wall time (s)")):
+            ax = axes[row][col]
+            for curve in curves:
+                points = getattr(curve, attr)
+                if points:
+                    xs = [p[col] for p in points]
+                    ax.plot(xs, [p[2] for p in points], marker="o", markersize=3,
+                            label=f"rank {curve.rank}" + ("" if curve.finished else " (running)"))
+            for round_point in marked.rounds if marked is not None else []:
+                ax.axvline(round_point[col], color="grey", linestyle=":", linewidth=0.8)
+            ax.set_ylabel(label)
+            ax.grid(alpha=0.3)
+            if row == 1:
+                ax.set_xlabel(xlabel)
+    axes[0][0].legend(loc="upper right", fontsize="small")
+    figure.suptitle(f"{title}  (dotted: outer rounds)")
+    import io
+
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png")
+    write_file_atomic(path, buffer.getvalue())
+
+
+def plot_run(store: ObjectStore, world_size: int, run_id: str, output: str | None) -> PlotReport:
+    """Read the run's metrics and write the PNG; ``ConfigError`` when no rank has reported anything yet."""
+    path = output_path(output, run_id)
+    curves, warnings = load_curves(store, world_size)
+    if not any(c.train or c.eval for c in curves):
+        raise ConfigError(f"run {run_id} has no losses to plot yet (no rank has reported a train or eval loss)",
+                          hint="wait for the first evaluation, then run diloco plot again")
+    draw_curves(curves, path, title=f"run {run_id}: {len(curves)}/{world_size} replica(s)")
+    return PlotReport(run_id=run_id, path=path, ranks=[c.rank for c in curves],
+                      train_points=sum(len(c.train) for c in curves), eval_points=sum(len(c.eval) for c in curves),
+                      rounds=max((len(c.rounds) for c in curves), default=0),
+                      finished_ranks=[c.rank for c in curves if c.finished], warnings=warnings)
+
+
+# ------------------------------------------------------------------------------------------------ terminal trend
+SPARK = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: list[float], *, width: int = 24) -> str:
+    """``values`` as block characters, low to high (the last ``width`` values; a flat series is all ``▄``)."""
+    shown = values[-width:]
+    if not shown:
+        return ""
+    low, high = min(shown), max(shown)
+    if high == low:
+        return SPARK[3] * len(shown)
+    return "".join(SPARK[round((v - low) / (high - low) * (len(SPARK) - 1))] for v in shown)
+
+
+def eval_trend(rows: list[MetricRow]) -> str | None:
+    """One rank's eval loss as one line, ``5.541 ▇▅▃▁ 4.418 (-20.3%)``: first and latest value around a sparkline
+    of every evaluation (before training, then after each round). ``None`` before the first evaluation."""
+    values = [r.eval_loss for r in rows if r.eval_loss is not None and r.kind != "progress"]
+    if not values:
+        return None
+    change = f" ({(values[-1] - values[0]) / values[0]:+.1%})" if len(values) > 1 and values[0] else ""
+    return f"{values[0]:.3f} {sparkline(values)} {values[-1]:.3f}{change}"
+
+
+def eval_trends(store: ObjectStore, world_size: int) -> dict[int, str]:
+    """``eval_trend`` of every rank that has evaluated, for ``diloco status`` (one line per replica)."""
+    out = {}
+    for rank in range(world_size):
+        rows, _ = read_history(store, rank)
+        trend = eval_trend(rows)
+        if trend is not None:
+            out[rank] = trend
+    return out

@@ -1,0 +1,550 @@
+"""A Hugging Face causal-LM trainer: the user's model, the user's text, DiLoCo across replicas through the store.
+
+``train`` is a ``trainer_fn`` (``diloco launch --trainer diloco.trainers.hf:train -k model=... -k data=...``), with
+``manager``, ``rank`` and ``world_size`` injected by the replica entrypoint. It follows the built-in trainer
+(``diloco.trainer``): flat, commented defaults; build the model and the inner AdamW; enter
+``make_diloco_outer_loop`` (its hook on ``inner_optimizer.step`` runs the outer round every ``sync_every`` steps);
+evaluate after each round with ``diloco.report``. What it adds is what a real model needs:
+
+* **Model**: ``model=`` a hub name or a local ``save_pretrained`` directory (``AutoModelForCausalLM``), or
+  ``model_config=`` a dict with ``model_type`` (e.g. ``{"model_type": "llama", "hidden_size": 64, ...}``) for a
+  fresh model, initialised from ``seed`` so every replica starts from identical weights without a broadcast.
+* **Data**: ``data=`` a local file or directory, or an ``s3://`` prefix (read through ``diloco.store``, so the
+  run's S3 settings apply), holding ``.txt``/``.md`` (one document per file), ``.jsonl`` (one document per line,
+  ``text_field``) and ``.parquet`` (column ``text_field``; needs pyarrow) files, read in key order. Documents are
+  tokenized with the model's tokenizer (or ``tokenizer=``), joined with EOS and packed into ``block_size`` blocks.
+  The last ``eval_fraction`` of the blocks is the held-out split every rank evaluates on; the rest are dealt
+  round-robin, block ``i`` to rank ``i % world_size``: disjoint shards, identical on every machine.
+  Each rank visits its shard in a per-rank, per-epoch permutation; its position (epoch, blocks consumed) is the
+  ``BlockSampler`` state, so a resumed replica continues where it stopped instead of re-reading its shard.
+* **Inner loop**: bf16 (or fp16 with a loss scaler) autocast on GPU, fp32 weights; ``grad_accum`` micro-batches
+  per inner step; gradient clipping; linear warmup then cosine decay to ``min_lr_ratio * lr``.
+* **Export**: the outer loop writes the global weights to ``final/rank_RRRR.safetensors`` as for every trainer;
+  this trainer also writes ``save_pretrained`` (safetensors) plus the tokenizer: rank 0 under ``hf_model/`` in
+  the store, every rank into ``$SM_MODEL_DIR`` on SageMaker, so the result loads with
+  ``AutoModelForCausalLM.from_pretrained``.
+
+``total_steps`` must be a multiple of ``sync_every``: training then ends on an outer sync, and every rank holds
+(and exports) the same global weights, bitwise. ``check_config`` validates every knob, at start and as the
+preflight hook, so ``diloco launch`` rejects a bad value in one line before any replica starts.
+
+Imports of torch, transformers, tokenizers and pyarrow are lazy: the launcher reads this module's signature on a
+machine that may have none of them.
+"""
+
+from __future__ import annotations
+
+import inspect
+import io
+import json
+import logging
+import math
+import os
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from diloco.errors import ConfigError
+from diloco.trainer_check import PreflightContext, preflight
+
+if TYPE_CHECKING:
+    import torch
+
+    from diloco.manager import ObjectStoreManager
+    from diloco.store import ObjectStore
+
+log = logging.getLogger("diloco.trainers.hf")
+
+#: Where rank 0 writes the ``save_pretrained`` directory in the run's store.
+HF_MODEL_PREFIX = "hf_model/"
+#: File suffixes read as data, by format.
+TEXT_SUFFIXES = (".txt", ".text", ".md")
+JSONL_SUFFIXES = (".jsonl", ".json")
+PARQUET_SUFFIXES = (".parquet",)
+Precision = Literal["auto", "bf16", "fp16", "fp32"]
+
+
+def _preflight(kwargs: dict[str, Any], context: PreflightContext) -> None:
+    check_config(kwargs, on_this_machine=context.on_this_machine)
+
+
+@preflight(_preflight)
+def train(
+    *,
+    manager: ObjectStoreManager,
+    rank: int,
+    world_size: int,
+    # schedule: total inner steps, an outer round every sync_every of them
+    total_steps: int = 200,
+    sync_every: int = 50,
+    # model: exactly one of a hub name / local path, or a config dict for a fresh model
+    model: str | None = None,
+    model_config: dict[str, Any] | None = None,
+    tokenizer: str | None = None,  # default: the model's own
+    # data
+    data: str | None = None,  # a local file/directory or an s3:// prefix
+    text_field: str = "text",  # the JSONL key / Parquet column holding the text
+    block_size: int = 128,
+    eval_fraction: float = 0.1,
+    eval_batches: int = 4,
+    # inner optimizer
+    batch_size: int = 8,
+    grad_accum: int = 1,
+    lr: float = 3e-4,
+    weight_decay: float = 0.0,
+    warmup_steps: int = 0,
+    min_lr_ratio: float = 0.1,
+    grad_clip: float = 1.0,  # 0 disables clipping
+    # outer optimizer (DiLoCo paper defaults)
+    outer_lr: float = 0.7,
+    outer_momentum: float = 0.9,
+    nesterov: bool = True,
+    # execution
+    seed: int = 1337,
+    precision: Precision = "auto",  # auto: bf16 on a GPU that has it, else fp32
+    device: str = "auto",
+    threads: int = 1,  # torch CPU threads; 1 because several replicas often share one machine's cores
+) -> dict[str, Any]:
+    """Train a causal LM on this replica's shard with DiLoCo; returns a summary (losses, rounds, where the model is).
+
+    Raises ``ConfigError`` naming the argument for invalid values before any training or store traffic."""
+    import torch
+
+    from diloco import report
+    from diloco.outer import make_diloco_outer_loop
+
+    check_config({k: v for k, v in locals().items() if k in _KNOBS})
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"rank {rank} is outside 0..{world_size - 1} for world_size {world_size}")
+    if threads:
+        torch.set_num_threads(threads)
+    dev = _resolve_device(device)
+    amp_dtype = _resolve_precision(precision, dev)
+
+    tok = load_tokenizer(tokenizer or model)
+    blocks = load_blocks(data, tok, block_size=block_size, text_field=text_field)  # type: ignore[arg-type]
+    split = split_blocks(blocks, rank=rank, world_size=world_size, eval_fraction=eval_fraction)
+    eval_set = split.eval[: eval_batches * batch_size]
+    sampler = BlockSampler(len(split.train), seed=seed + 7919 * (rank + 1))
+
+    net = build_model(model=model, model_config=model_config, vocab_size=len(tok), seed=seed).to(dev)
+    inner_opt = torch.optim.AdamW(net.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        inner_opt, lambda step: lr_factor(step, warmup_steps=warmup_steps, total_steps=total_steps,
+                                          min_ratio=min_lr_ratio))
+    scaler = torch.amp.GradScaler(dev.type) if amp_dtype == torch.float16 else None
+    diloco = make_diloco_outer_loop(
+        manager=manager, model_fragments=[net], inner_optimizer=inner_opt, outer_lr=outer_lr,
+        outer_momentum=outer_momentum, nesterov=nesterov, sync_every=sync_every, model=net,
+        export_metadata={"model": "transformers:AutoModelForCausalLM", "model_config": net.config.to_json_string()},
+    )
+    log.info("%s (%d params) on %s, %s; %d blocks of %d tokens: %d in this shard, %d held out; %d steps of %d x %d",
+             net.config.model_type, sum(p.numel() for p in net.parameters()), dev, precision_name(amp_dtype),
+             len(blocks), block_size, len(split.train), len(split.eval), total_steps, grad_accum, batch_size)
+
+    tokens_per_step = grad_accum * batch_size * block_size
+    net.train()
+    with diloco:
+        init_eval = eval_loss = evaluate(net, eval_set, batch_size=batch_size, device=dev, amp_dtype=amp_dtype)
+        report(eval_loss=init_eval, total_steps=total_steps)  # amends the loop's `init` row
+        loss_sum = torch.zeros((), device=dev)
+        for step in range(1, total_steps + 1):
+            loss = _accumulate(net, split.train, sampler, grad_accum=grad_accum, batch_size=batch_size, device=dev,
+                               amp_dtype=amp_dtype, scaler=scaler)
+            _inner_step(net, inner_opt, scaler, grad_clip=grad_clip)  # every sync_every-th runs the outer round
+            schedule.step()
+            report(tokens=tokens_per_step)
+            loss_sum += loss
+            if step % sync_every:
+                continue
+            eval_loss = evaluate(net, eval_set, batch_size=batch_size, device=dev, amp_dtype=amp_dtype)
+            report(train_loss=(loss_sum / sync_every).item(), eval_loss=eval_loss, lr=schedule.get_last_lr()[0])
+            loss_sum.zero_()
+
+    saved = save_model(net, tok, manager=manager, rank=rank)
+    log.info("done: %d rounds, eval_loss %.4f -> %.4f; save_pretrained at %s", manager.current_step(), init_eval,
+             eval_loss, ", ".join(saved) or "-")
+    return {"rank": rank, "rounds": manager.current_step(), "steps": total_steps, "init_eval_loss": init_eval,
+            "final_eval_loss": eval_loss, "saved": saved, "data_position": sampler.state_dict()}
+
+
+# ------------------------------------------------------------------------------------------------ inner step
+def _accumulate(net: Any, train_blocks: torch.Tensor, sampler: BlockSampler, *, grad_accum: int, batch_size: int,
+                device: torch.device, amp_dtype: torch.dtype | None, scaler: Any) -> torch.Tensor:
+    """Forward and backward ``grad_accum`` micro-batches; returns the mean loss (detached, on the device)."""
+    import torch
+
+    total = torch.zeros((), device=device)
+    for _ in range(grad_accum):
+        x = train_blocks[sampler.take(batch_size)].to(device)
+        with _autocast(device, amp_dtype):
+            loss = net(input_ids=x, labels=x).loss / grad_accum
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        total += loss.detach()
+    return total
+
+
+def _inner_step(net: Any, opt: torch.optim.Optimizer, scaler: Any, *, grad_clip: float) -> None:
+    """Clip, step, zero. Always calls ``opt.step()``: the outer loop counts inner steps by that call, so an fp16
+    step with non-finite gradients steps with zero gradients instead of being skipped (a skipped step would put
+    this replica's rounds out of line with its peers')."""
+    import torch
+
+    if scaler is not None:
+        scaler.unscale_(opt)
+        grads = [p.grad for p in net.parameters() if p.grad is not None]
+        if not all(bool(torch.isfinite(g).all()) for g in grads):
+            for g in grads:
+                g.zero_()
+    if grad_clip:
+        torch.nn.utils.clip_grad_norm_(net.parameters(), grad_clip)
+    opt.step()
+    if scaler is not None:
+        scaler.update()
+    opt.zero_grad(set_to_none=True)
+
+
+def _autocast(device: torch.device, amp_dtype: torch.dtype | None) -> Any:
+    import contextlib
+
+    import torch
+
+    if amp_dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=amp_dtype)
+
+
+def evaluate(net: Any, blocks: torch.Tensor, *, batch_size: int, device: torch.device | str = "cpu",
+             amp_dtype: torch.dtype | None = None) -> float:
+    """Mean next-token loss over ``blocks`` (the same held-out blocks on every rank and every round)."""
+    import torch
+
+    device = torch.device(device)
+    was_training = net.training
+    net.eval()
+    losses = []
+    with torch.no_grad():
+        for start in range(0, len(blocks), batch_size):
+            x = blocks[start:start + batch_size].to(device)
+            with _autocast(device, amp_dtype):
+                losses.append(net(input_ids=x, labels=x).loss.float() * len(x))
+    net.train(was_training)
+    return (torch.stack(losses).sum() / len(blocks)).item()
+
+
+def lr_factor(step: int, *, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
+    """The inner learning rate's multiplier after ``step`` steps: linear warmup from ``1/warmup_steps`` to 1, then
+    cosine decay to ``min_ratio`` at ``total_steps``."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    span = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+# ------------------------------------------------------------------------------------------------ data
+class BlockSampler:
+    """Indices into one rank's shard: a fresh permutation each epoch (seeded by ``seed`` and the epoch), consumed in
+    order. The whole state is ``(epoch, position)``, so resuming it replays nothing and skips nothing."""
+
+    def __init__(self, n: int, *, seed: int) -> None:
+        if n < 1:
+            raise ConfigError("data: this rank's shard has no blocks", hint="use more data or fewer replicas")
+        self.n, self.seed, self.epoch, self.position = n, seed, 0, 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        import torch
+
+        generator = torch.Generator().manual_seed(self.seed + 1_000_003 * epoch)
+        return torch.randperm(self.n, generator=generator).tolist()
+
+    def take(self, count: int) -> list[int]:
+        out = []
+        for _ in range(count):
+            if self.position == self.n:
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._permutation(self.epoch)
+            out.append(self._order[self.position])
+            self.position += 1
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if not 0 <= position <= self.n or epoch < 0:
+            raise ValueError(f"sampler state {dict(state)} does not fit a shard of {self.n} blocks")
+        self.epoch, self.position, self._order = epoch, position, self._permutation(epoch)
+
+
+@dataclass
+class BlockSplit:
+    train: torch.Tensor  # this rank's shard, [n, block_size]
+    eval: torch.Tensor  # the held-out blocks, identical on every rank
+
+
+def split_blocks(blocks: torch.Tensor, *, rank: int, world_size: int, eval_fraction: float) -> BlockSplit:
+    """The last ``eval_fraction`` of the blocks (at least one) held out; the rest dealt round-robin to the ranks."""
+    n_eval = max(1, int(len(blocks) * eval_fraction))
+    n_train = len(blocks) - n_eval
+    if n_train < world_size:
+        raise ConfigError(f"data: {len(blocks)} blocks are too few for {world_size} replica(s) and a held-out "
+                          f"split (each rank needs >= 1 training block)",
+                          hint="add data, lower block_size or eval_fraction, or use fewer replicas")
+    return BlockSplit(train=blocks[:n_train][rank::world_size], eval=blocks[n_train:])
+
+
+def load_blocks(data: str, tokenizer: Any, *, block_size: int, text_field: str = "text") -> torch.Tensor:
+    """Every document under ``data`` tokenized, joined with EOS and packed into ``[n, block_size]`` (the ragged
+    tail dropped). Deterministic: files in key order, documents in file order."""
+    import torch
+
+    eos = tokenizer.eos_token_id
+    ids: list[int] = []
+    for name, payload in data_files(data):
+        docs = parse_documents(name, payload, text_field=text_field)
+        for doc in tokenizer(docs, add_special_tokens=False)["input_ids"] if docs else []:
+            ids += doc + ([eos] if eos is not None else [])
+    n = len(ids) // block_size
+    if n < 2:
+        raise ConfigError(f"data: {data} holds {len(ids)} tokens, fewer than 2 blocks of block_size {block_size}",
+                          hint="add data or lower block_size")
+    return torch.tensor(ids[: n * block_size], dtype=torch.long).view(n, block_size)
+
+
+def data_files(data: str) -> list[tuple[str, bytes]]:
+    """``(name, bytes)`` of every data file under ``data`` (a local file or directory, or a store URI), by name."""
+    suffixes = TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES
+    if "://" not in data or data.startswith("file://"):
+        path = data.removeprefix("file://")
+        if os.path.isfile(path):
+            return [(path, _read(path))]
+        if not os.path.isdir(path):
+            raise ConfigError(f"data: {data} is neither a file nor a directory", hint="pass an existing path or an "
+                              "s3:// prefix")
+        names = sorted(os.path.relpath(os.path.join(d, f), path) for d, _, fs in os.walk(path) for f in fs)
+        found = [(n, _read(os.path.join(path, n))) for n in names if _wanted(n, suffixes)]
+    else:
+        store = _store(data)
+        found = [(key, store.get(key)) for key in store.list() if _wanted(key, suffixes)]
+    if not found:
+        raise ConfigError(f"data: no {'/'.join(suffixes)} files under {data}",
+                          hint="point data at the folder or prefix holding your text files")
+    return found
+
+
+def _wanted(name: str, suffixes: tuple[str, ...]) -> bool:
+    return name.lower().endswith(suffixes) and not os.path.basename(name).startswith(".")
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _store(uri: str) -> ObjectStore:
+    from diloco.store import ObjectStore
+
+    return ObjectStore(uri)
+
+
+def parse_documents(name: str, payload: bytes, *, text_field: str) -> list[str]:
+    """The documents of one file: a text file is one document; a JSONL line or a Parquet row is one each."""
+    lower = name.lower()
+    if lower.endswith(PARQUET_SUFFIXES):
+        return _parquet_documents(name, payload, text_field)
+    text = payload.decode("utf-8", errors="replace")
+    if lower.endswith(TEXT_SUFFIXES):
+        return [text] if text.strip() else []
+    docs = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            raise ConfigError(f"data: {name} line {number} is not JSON", hint="one JSON object per line") from None
+        if not isinstance(row, dict) or not isinstance(row.get(text_field), str):
+            raise ConfigError(f"data: {name} line {number} has no string field {text_field!r}",
+                              hint="set text_field to the key holding the text")
+        docs.append(row[text_field])
+    return docs
+
+
+def _parquet_documents(name: str, payload: bytes, text_field: str) -> list[str]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ConfigError(f"data: {name} is Parquet, which needs pyarrow", hint="pip install pyarrow") from None
+    table = pq.read_table(io.BytesIO(payload))
+    if text_field not in table.column_names:
+        raise ConfigError(f"data: {name} has no column {text_field!r} (columns: {', '.join(table.column_names)})",
+                          hint="set text_field to the column holding the text")
+    return [t for t in table.column(text_field).to_pylist() if isinstance(t, str)]
+
+
+# ------------------------------------------------------------------------------------------------ model
+def load_tokenizer(name_or_path: str | None) -> Any:
+    """``AutoTokenizer.from_pretrained``; a tokenizer without EOS gets none added (documents are then joined
+    without a separator)."""
+    from transformers import AutoTokenizer
+
+    if name_or_path is None:
+        raise ConfigError("tokenizer: required with model_config (a fresh model has no tokenizer of its own)",
+                          hint="pass -k tokenizer=<hub name or directory>")
+    return AutoTokenizer.from_pretrained(name_or_path)
+
+
+def build_model(*, model: str | None, model_config: Mapping[str, Any] | None, vocab_size: int, seed: int) -> Any:
+    """The causal LM in fp32: from ``model`` (name or path), or fresh from ``model_config`` seeded by ``seed``, so
+    every replica builds the same initial weights. ``vocab_size`` fills a config that does not set it."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    if model is not None:
+        net = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    else:
+        assert model_config is not None
+        fields = dict(model_config)
+        fields.setdefault("vocab_size", vocab_size)
+        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+        net = AutoModelForCausalLM.from_config(config)
+    net.config.use_cache = False  # no KV cache while training
+    return net
+
+
+def save_model(net: Any, tokenizer: Any, *, manager: Any, rank: int) -> list[str]:
+    """``save_pretrained`` (safetensors) with the tokenizer: rank 0 into the store under ``hf_model/``, every rank
+    into ``$SM_MODEL_DIR`` (each SageMaker job uploads its own). Returns where it wrote."""
+    from diloco import envvars
+
+    written = []
+    store = getattr(manager, "store", None)
+    if store is not None and rank == 0:
+        with tempfile.TemporaryDirectory(prefix="diloco-hf-") as tmp:
+            _save_pretrained(net, tokenizer, tmp)
+            for name in sorted(os.listdir(tmp)):
+                store.put(HF_MODEL_PREFIX + name, _read(os.path.join(tmp, name)))
+        written.append(store.url(HF_MODEL_PREFIX))
+    model_dir = os.environ.get(envvars.SM_MODEL_DIR)
+    if model_dir:
+        _save_pretrained(net, tokenizer, model_dir)  # replaces the outer loop's model.safetensors with HF's
+        written.append(model_dir)
+    return written
+
+
+def _save_pretrained(net: Any, tokenizer: Any, directory: str) -> None:
+    net.config.use_cache = True  # for whoever generates with it
+    net.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+
+
+# ------------------------------------------------------------------------------------------------ checks
+_INT_MINIMUMS = {"total_steps": 1, "sync_every": 1, "block_size": 2, "eval_batches": 1, "batch_size": 1,
+                 "grad_accum": 1, "warmup_steps": 0, "threads": 0}
+_NON_NEGATIVE = ("lr", "weight_decay", "grad_clip")
+_PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+
+
+def check_config(values: Mapping[str, Any], *, on_this_machine: bool = False) -> None:
+    """Everything ``train`` would reject at start, as one ``ConfigError`` naming the knob. Pure arithmetic unless
+    ``on_this_machine``: then also that a local ``data``/``model``/``tokenizer`` path exists and ``device`` is
+    here."""
+    for name, low in _INT_MINIMUMS.items():
+        v = values.get(name, low)
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ConfigError(f"{name} must be an integer >= {low}, got {v!r}")
+    for name in _NON_NEGATIVE:
+        v = values.get(name, 0)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+            raise ConfigError(f"{name} must be a number >= 0, got {v!r}")
+    _check_ranges(values)
+    _check_sources(values, on_this_machine=on_this_machine)
+    total, every = values.get("total_steps", 200), values.get("sync_every", 50)
+    if total % every:
+        lower, upper = max(every, total - total % every), total - total % every + every
+        raise ConfigError(f"total_steps ({total}) must be a multiple of sync_every ({every}) so training ends on an "
+                          f"outer sync and every rank saves the same global model",
+                          hint=f"use total_steps={lower} or {upper}")
+    precision, device = values.get("precision", "auto"), values.get("device", "auto")
+    if precision not in _PRECISIONS:
+        raise ConfigError(f"precision must be one of {', '.join(_PRECISIONS)}, got {precision!r}")
+    if not isinstance(device, str) or not device:
+        raise ConfigError(f"device must be a torch device string (auto, cpu, cuda, cuda:N), got {device!r}")
+    if on_this_machine and device not in ("auto", "cpu"):
+        _resolve_device(device)
+
+
+def _check_ranges(values: Mapping[str, Any]) -> None:
+    checks: list[tuple[str, Callable[[float], bool], str]] = [
+        ("eval_fraction", lambda v: 0 < v < 1, "in (0, 1)"), ("min_lr_ratio", lambda v: 0 <= v <= 1, "in [0, 1]"),
+        ("outer_lr", lambda v: v > 0, "> 0"), ("outer_momentum", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ]
+    for name, ok, what in checks:
+        v = values.get(name)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(float(v)):
+            raise ConfigError(f"{name} must be a number {what}, got {v!r}")
+    if not isinstance(values.get("nesterov", True), bool):
+        raise ConfigError(f"nesterov must be true or false, got {values['nesterov']!r}")
+
+
+def _check_sources(values: Mapping[str, Any], *, on_this_machine: bool) -> None:
+    model, config, tokenizer, data = (values.get(k) for k in ("model", "model_config", "tokenizer", "data"))
+    if (model is None) == (config is None):
+        raise ConfigError("model: give exactly one of model (a hub name or save_pretrained directory) and "
+                          "model_config (a dict with model_type, for a fresh model)",
+                          hint="e.g. -k model=Qwen/Qwen2.5-0.5B, or -k 'model_config={model_type: llama, ...}'")
+    if config is not None and (not isinstance(config, Mapping) or not isinstance(config.get("model_type"), str)):
+        raise ConfigError(f"model_config must be a mapping with a model_type (e.g. llama), got {config!r}")
+    if config is not None and tokenizer is None:
+        raise ConfigError("tokenizer: required with model_config (a fresh model has no tokenizer of its own)",
+                          hint="pass -k tokenizer=<hub name or directory>")
+    if not isinstance(data, str) or not data:
+        raise ConfigError("data: required: a local file or directory, or an s3:// prefix, holding .txt, .jsonl or "
+                          ".parquet files", hint="pass -k data=s3://bucket/corpus/ or -k data=./corpus")
+    if not isinstance(values.get("text_field", "text"), str):
+        raise ConfigError(f"text_field must be a string, got {values['text_field']!r}")
+    if on_this_machine and "://" not in data and not os.path.exists(data):
+        raise ConfigError(f"data: {data} does not exist on this machine", hint="pass an existing path")
+
+
+def _resolve_device(device: str) -> torch.device:
+    import torch
+
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise ConfigError(f"device {device!r} is not a torch device: {exc}", hint="use auto, cpu, cuda or cuda:N") \
+            from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r} was asked for but this machine has no usable CUDA device",
+                          hint="use device auto or cpu, or run on a GPU instance")
+    return dev
+
+
+def _resolve_precision(precision: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype (``None``: plain fp32). ``auto`` is bf16 on a CUDA device that supports it, else fp32."""
+    import torch
+
+    if precision == "auto":
+        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else None
+    if precision == "fp16" and device.type != "cuda":
+        raise ConfigError(f"precision fp16 needs a CUDA device, this replica runs on {device}",
+                          hint="use precision bf16 or fp32 on CPU")
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[precision]
+
+
+def precision_name(amp_dtype: torch.dtype | None) -> str:
+    return "fp32" if amp_dtype is None else f"{str(amp_dtype).removeprefix('torch.')} autocast"
+
+
+#: The knobs ``check_config`` validates: every parameter except the injected ones.
+_KNOBS = frozenset(inspect.signature(train).parameters) - {"manager", "rank", "world_size"}

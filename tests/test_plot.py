@@ -1,0 +1,143 @@
+"""``diloco plot``: a PNG of the training curves, for a finished run (the built-in trainer, 2 replicas) and for a
+run still training (``cli_trainers:slow``, detached, plotted mid-run, then cancelled). The PNG is opened and
+checked: its size, and that it holds drawn curves, not a blank canvas."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from diloco.cli.main import app
+from diloco.errors import ConfigError
+from diloco.layout import METRICS_KEY
+from diloco.metrics import MetricRow
+from diloco.plot import curve_of, output_path, plot_run
+from diloco.store import ObjectStore
+
+TESTS_DIR = Path(__file__).parent
+runner = CliRunner()
+
+
+def assert_drawn_png(path: Path) -> None:
+    """An 1100 x 700 image (the figure's size) with curves on it: many colours, and a real share of non-white
+    pixels (axes alone are a few thin lines)."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        assert image.format == "PNG" and image.size == (1100, 700)
+        pixels = image.convert("RGB")
+        colours = pixels.getcolors(maxcolors=1 << 20) or []
+    assert len(colours) > 50
+    non_white = sum(count for count, rgb in colours if rgb != (255, 255, 255))
+    assert non_white > 0.02 * 1100 * 700
+    assert any(b > r + 60 and b > g + 20 for _, (r, g, b) in colours)  # matplotlib's first line colour (blue)
+
+
+def test_plot_of_a_finished_run(home: Path, tmp_path: Path) -> None:
+    launched = runner.invoke(app, ["launch", "-n", "2", "-b", "local", "--steps", "12", "--sync-every", "4",
+                                   "-k", "n_layer=1", "-k", "n_embd=16", "-k", "block_size=16", "-k",
+                                   "batch_size=4", "-k", "eval_batches=2", "-k", "max_corpus_bytes=60000",
+                                   "-o", "json"])
+    assert launched.exit_code == 0, launched.output
+    run_id = json.loads(launched.stdout)["run_id"]
+    out = tmp_path / "curves.png"
+    result = runner.invoke(app, ["plot", run_id, "--output", str(out), "-o", "json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["path"] == str(out) and report["ranks"] == [0, 1] and report["finished_ranks"] == [0, 1]
+    assert report["rounds"] == 3 and report["train_points"] == 6 and report["eval_points"] == 8  # init + 3 rounds
+    assert_drawn_png(out)
+
+    default = runner.invoke(app, ["plot", "--output", str(tmp_path)])  # latest run, into a directory
+    assert default.exit_code == 0, default.output
+    assert_drawn_png(tmp_path / f"{run_id}-curves.png")
+
+
+def test_plot_of_a_running_run(home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(TESTS_DIR)  # cli_trainers is importable from the replicas' working directory
+    launched = runner.invoke(app, ["launch", "-n", "2", "-b", "local", "--trainer", "cli_trainers:slow",
+                                   "--steps", "4000", "--sync-every", "10", "-k", "step_s=0.02", "--detach",
+                                   "-o", "json"])
+    assert launched.exit_code == 0, launched.output
+    run_id = json.loads(launched.stdout)["run_id"]
+    try:
+        store = ObjectStore(f"file://{home.resolve()}/runs/{run_id}/store")
+        wait_for_rounds(store, ranks=2, rounds=2)
+        out = tmp_path / "running.png"
+        result = runner.invoke(app, ["plot", run_id, "--output", str(out), "-o", "json"])
+        assert result.exit_code == 0, result.output
+        report = json.loads(result.stdout)
+        assert report["ranks"] == [0, 1] and report["finished_ranks"] == [] and report["rounds"] >= 2
+        assert_drawn_png(out)
+    finally:
+        cancelled = runner.invoke(app, ["cancel", run_id])
+        assert cancelled.exit_code == 0, cancelled.output
+
+
+def wait_for_rounds(store: ObjectStore, *, ranks: int, rounds: int, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        counts = []
+        for rank in range(ranks):
+            try:
+                text = store.get(METRICS_KEY.format(rank=rank)).decode()
+            except FileNotFoundError:
+                break
+            counts.append(text.count('"kind": "round"'))
+        if len(counts) == ranks and min(counts) >= rounds:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"the replicas did not reach {rounds} rounds within {timeout_s:g}s")
+
+
+def test_nothing_to_plot_yet_is_a_clear_error(tmp_path: Path) -> None:
+    store = ObjectStore(f"file://{tmp_path}/store")
+    with pytest.raises(ConfigError, match="no losses to plot yet"):
+        plot_run(store, 2, "run-x", str(tmp_path / "a.png"))
+    assert not (tmp_path / "a.png").exists()
+
+
+def test_the_output_must_be_a_png_in_an_existing_directory(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"must end in \.png"):
+        output_path(str(tmp_path / "curves.jpg"), "r")
+    with pytest.raises(ConfigError, match="does not exist"):
+        output_path(str(tmp_path / "nope" / "c.png"), "r")
+    assert output_path(str(tmp_path), "r") == str(tmp_path / "r-curves.png")
+
+
+def test_curve_points_rounds_and_no_duplicate_final_point() -> None:
+    rows = [MetricRow(kind="init", time=100.0, step=0, round=0, eval_loss=5.0),
+            MetricRow(kind="round", time=101.0, step=4, round=1, train_loss=4.0, eval_loss=4.5),
+            MetricRow(kind="round", time=103.0, step=8, round=2, train_loss=3.0, eval_loss=3.5),
+            MetricRow(kind="final", time=103.5, step=8, round=2, train_loss=3.0, eval_loss=3.5)]
+    curve = curve_of(0, rows)
+    assert curve.finished and curve.rounds == [(4, 1.0), (8, 3.0)]
+    assert curve.train == [(4, 1.0, 4.0), (8, 3.0, 3.0)]
+    assert curve.eval == [(0, 0.0, 5.0), (4, 1.0, 4.5), (8, 3.0, 3.5)]
+
+
+def test_eval_trend_is_one_line_from_first_to_latest() -> None:
+    from diloco.plot import eval_trend, sparkline
+
+    rows = [MetricRow(kind="init", step=0, eval_loss=5.0), MetricRow(kind="round", step=4, eval_loss=4.5),
+            MetricRow(kind="progress", step=6, eval_loss=9.0), MetricRow(kind="round", step=8, eval_loss=4.0)]
+    assert eval_trend(rows) == "5.000 █▅▁ 4.000 (-20.0%)"
+    assert eval_trend([MetricRow(kind="init", step=0)]) is None
+    assert sparkline([2.0, 2.0]) == "▄▄" and len(sparkline(list(map(float, range(100))))) == 24
+
+
+def test_the_cli_and_the_hf_trainer_module_import_nothing_heavy() -> None:
+    """`diloco --help` and the launcher's look at the hf trainer's signature need neither matplotlib, torch nor
+    transformers."""
+    import subprocess
+    import sys
+
+    code = ("import sys, diloco.cli.main, diloco.cli.plot, diloco.plot, diloco.trainers.hf\n"
+            "print(sorted(m for m in ('torch', 'matplotlib', 'transformers', 'tokenizers', 'pyarrow') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "[]"
