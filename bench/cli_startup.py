@@ -16,7 +16,6 @@ import tempfile
 import time
 from pathlib import Path
 
-
 #: The floor: a Typer app with one command and nothing else imported.
 MINIMAL_TYPER_APP = """import typer
 

@@ -134,7 +134,7 @@ def _explain_failures(report: Any) -> None:
 
 
 def _wait(view: Any, *, timeout_s: float | None, fail_fast: bool, output: str | None = None,
-          collect: bool = False) -> Any:
+          collect: bool = False, max_restarts: int = 0) -> Any:
     """Wait on the run with progress on stderr (and, with ``collect``, check and write the model the one way
     ``diloco.orchestrate.collect`` does); returns ``(report, timed_out)``."""
     from diloco.cli.progress import RunProgress
@@ -154,8 +154,12 @@ def _wait(view: Any, *, timeout_s: float | None, fail_fast: bool, output: str | 
                     progress.note(f"warning: {warning}")
             progress.update(report)
 
+        def relaunching(rank: int, attempt: int, reason: str) -> None:
+            progress.note(f"replica {rank} failed ({reason}); relaunching it (restart {attempt} of {max_restarts})")
+
         options = {"timeout_s": timeout_s, "poll_interval_s": min(max(interval, 0.2), 2.0),
-                   "on_update": update, "on_fail_fast": stopping, "fail_fast": fail_fast}
+                   "on_update": update, "on_fail_fast": stopping, "fail_fast": fail_fast,
+                   "max_restarts": max_restarts, "on_relaunch": relaunching}
         if collect:
             return collect_run(view, output=output, **options)
         return view.wait(**options)
@@ -202,6 +206,9 @@ def launch(
                                                  metavar="N", show_default=False)] = None,
     sync_every: Annotated[int | None, typer.Option(help="Inner steps per outer round (train.sync_every).",
                                                       metavar="H", show_default=False)] = None,
+    mode: Annotated[str | None, typer.Option(help="sync (DiLoCo rounds) or async (rank 0 is a master applying "
+                                                  "deltas as they arrive) (train.mode).", metavar="MODE",
+                                             show_default=False)] = None,
     trainer: Annotated[str | None, typer.Option(help="Trainer function, module:fn (train.trainer).",
                                                    metavar="MODULE:FN", show_default=False)] = None,
     trainer_kwargs: Annotated[list[str] | None, typer.Option(
@@ -248,6 +255,9 @@ def launch(
     cancel_on_interrupt: Annotated[bool, typer.Option(help="Ctrl-C cancels the run instead of only detaching.")
                                    ] = False,
     fail_fast: Annotated[bool, typer.Option(help="Stop the other replicas as soon as one fails.")] = True,
+    max_restarts: Annotated[int, typer.Option("--max-restarts", min=0, help="Relaunch a failed replica up to N "
+                                              "times while waiting (it rejoins at its peers' round); 0 never.",
+                                              metavar="N")] = 3,
     fmt: FormatOpt = OutputFormat.table,
 ) -> None:
     """Launch a DiLoCo run and (unless --detach) wait for it with live progress, then print the summary.
@@ -269,7 +279,7 @@ def launch(
     from diloco.orchestrate import launch as launch_run
 
     flags = {"replicas": replicas, "backend": backend, "train.steps": steps, "train.sync_every": sync_every,
-             "train.trainer": trainer, "store.rendezvous": rendezvous, "gpu": gpu, "timeout_s": timeout}
+             "train.mode": mode, "train.trainer": trainer, "store.rendezvous": rendezvous, "gpu": gpu, "timeout_s": timeout}
     backend_flags = {"image": image, "role": role, "region": region, "instance_type": instance_type,
                      "namespace": namespace, "context": context, "spot": spot, "keep_alive": keep_alive,
                      "source_dir": str(source_dir) if source_dir is not None else None}
@@ -304,7 +314,7 @@ def launch(
     on_ctrl_c = "cancels the run" if cancel_on_interrupt else "stops waiting, the run keeps going"
     say(f"waiting (Ctrl-C {on_ctrl_c}); logs: diloco logs {run_id} -f")
     try:
-        report, timed_out = _wait(view, timeout_s=None, fail_fast=fail_fast, collect=True)
+        report, timed_out = _wait(view, timeout_s=None, fail_fast=fail_fast, collect=True, max_restarts=max_restarts)
     except KeyboardInterrupt:
         _interrupted(view, cancel_on_interrupt)
     _print_run(report, fmt)
@@ -336,7 +346,7 @@ def status(
     """
     view = _view(run)
     if not watch:
-        _print_run(view.report(), fmt)
+        _print_run(view.report(trends=True), fmt)
         return
     try:
         report, _ = _wait(view, timeout_s=None, fail_fast=False)
@@ -534,6 +544,10 @@ s3_commands.register(app, EPILOG)
 from diloco.cli import housekeeping as housekeeping_commands  # noqa: E402 - registers `rm` and `prune`
 
 housekeeping_commands.register(app, EPILOG)
+
+from diloco.cli import plot as plot_commands  # noqa: E402 - registers `plot`
+
+plot_commands.register(app, EPILOG)
 
 
 # ------------------------------------------------------------------------------------------------ entry

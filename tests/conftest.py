@@ -6,6 +6,7 @@ config and credential files are hidden so a developer's real profile can never b
 
 Fixtures (all opt-in, none autouse):
 
+* ``home``: a fresh ``DILOCO_HOME`` for the test (set in the environment).
 * ``moto_server`` (session): the server's base URL.
 * ``aws_env``: resets moto (``POST /moto-api/reset``) and points the AWS environment at it.
 * ``s3_bucket``: a fresh bucket on the clean server; ``s3_uri`` a unique prefix in it.
@@ -35,6 +36,14 @@ _CLEARED = (
     "AWS_CONTAINER_CREDENTIALS_FULL_URI", "AWS_MAX_ATTEMPTS", "AWS_RETRY_MODE", "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS",
     "DILOCO_S3_URI",
 )
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh DILOCO_HOME (run registry and local runs) for this test, set in the environment."""
+    path = tmp_path / "home"
+    monkeypatch.setenv("DILOCO_HOME", str(path))
+    return path
 
 
 @pytest.fixture(scope="session")

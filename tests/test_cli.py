@@ -24,13 +24,6 @@ TESTS_DIR = str(Path(__file__).parent)
 runner = CliRunner()
 
 
-@pytest.fixture
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    path = tmp_path / "home"
-    monkeypatch.setenv("DILOCO_HOME", str(path))
-    return path
-
-
 def run_cli(*args: str, home: Path, cwd: str | None = None) -> subprocess.CompletedProcess[str]:
     """The installed console script, as a user runs it."""
     env = {**os.environ, "DILOCO_HOME": str(home)}

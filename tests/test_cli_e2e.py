@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from diloco.codec import decode_tensors
+from diloco.executors.local_supervisor import processes_with_env
 from diloco.runs import RunRegistry
 
 pytestmark = pytest.mark.slow
@@ -40,20 +41,7 @@ def start(*args: str, home: Path, cwd: str | Path) -> subprocess.Popen[str]:
 
 def processes_of(run_id: str) -> list[int]:
     """Pids whose environment names the run (every replica and supervisor has DILOCO_RUN_ID)."""
-    needle = f"DILOCO_RUN_ID={run_id}".encode()
-    found = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/environ", "rb") as f:
-                    env = f.read()
-                with open(f"/proc/{name}/stat", "rb") as f:
-                    zombie = f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
-            except OSError:
-                continue
-            if needle in env and not zombie:
-                found.append(int(name))
-    return found
+    return sorted(processes_with_env("DILOCO_RUN_ID", run_id))
 
 
 def wait_until_running(home: Path, n: int, timeout: float = 60) -> str:
@@ -99,6 +87,10 @@ def test_four_replicas_train_agree_and_report(tmp_path: Path) -> None:
     final0, _ = decode_tensors((home / "runs" / run_id / "store" / "final" / "rank_0000.safetensors").read_bytes())
     assert meta["run_id"] == run_id and set(model) == set(final0)
     assert all(model[k].equal(final0[k]) for k in model)
+
+    shown = cli("status", run_id, home=home, cwd=tmp_path).stdout  # a one-line eval-loss trend per replica
+    trends = [line.split() for line in shown.splitlines() if line.rstrip().endswith("%)")]
+    assert [t[0] for t in trends] == ["r0", "r1", "r2", "r3"], shown
 
     logs = cli("logs", run_id, home=home, cwd=tmp_path)
     assert logs.returncode == 0

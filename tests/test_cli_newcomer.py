@@ -18,13 +18,6 @@ TESTS_DIR = str(Path(__file__).parent)
 runner = CliRunner()
 
 
-@pytest.fixture
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    path = tmp_path / "home"
-    monkeypatch.setenv("DILOCO_HOME", str(path))
-    return path
-
-
 def run_cli(*args: str, home: Path, cwd: str = TESTS_DIR, **env: str) -> subprocess.CompletedProcess[str]:
     full = {**os.environ, "DILOCO_HOME": str(home), "NO_COLOR": "1", **env}
     full.pop("DILOCO_DEBUG", None)

@@ -33,13 +33,6 @@ runner = CliRunner()
 DAY = 86400.0
 
 
-@pytest.fixture
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    path = tmp_path / "home"
-    monkeypatch.setenv("DILOCO_HOME", str(path))
-    return path
-
-
 # ---------------------------------------------------------------------------------------------- helpers
 def start_run(home: Path, rendezvous: str, *, n: int = 2, suffix: str = "0001", age_s: float = 0.0,
               **behaviour: Any) -> RunRecord:

@@ -22,6 +22,8 @@ from typing import Any
 import pytest
 from emulators.kubernetes import KubernetesEmulator
 
+from diloco.executors.local_supervisor import processes_with_env
+
 pytestmark = pytest.mark.slow
 
 DILOCO = [sys.executable, "-m", "diloco.cli.main"]
@@ -124,20 +126,7 @@ def running(kube: KubernetesEmulator, job: str, count: int) -> dict[int, dict[st
 
 def processes_of(run_id: str) -> list[int]:
     """Live processes whose environment names the run (every replica's process tree has DILOCO_RUN_ID)."""
-    needle = f"DILOCO_RUN_ID={run_id}".encode()
-    found = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/environ", "rb") as f:
-                    env = f.read()
-                with open(f"/proc/{name}/stat", "rb") as f:
-                    zombie = f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
-            except OSError:
-                continue
-            if needle in env and not zombie:
-                found.append(int(name))
-    return found
+    return sorted(processes_with_env("DILOCO_RUN_ID", run_id))
 
 
 # ---------------------------------------------------------------------------------------------------- tests

@@ -17,25 +17,12 @@ from conformance import BackendCase, BackendConformance
 
 from diloco.executors.base import Backend, LaunchPlan
 from diloco.executors.local import LocalBackend, LocalBackendConfig
+from diloco.executors.local_supervisor import processes_with_env
 
 
 def processes_of_run(run_id: str) -> list[str]:
     """Live processes whose environment carries ``DILOCO_RUN_ID=run_id`` (replicas and their children)."""
-    found = []
-    needle = f"DILOCO_RUN_ID={run_id}".encode()
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/environ", "rb") as f:
-                env = f.read().split(b"\0")
-            with open(f"/proc/{name}/stat", "rb") as f:
-                state = f.read().rsplit(b")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if needle in env and state != b"Z":
-            found.append(name)
-    return found
+    return [str(pid) for pid in sorted(processes_with_env("DILOCO_RUN_ID", run_id))]
 
 
 class LocalCase(BackendCase):
@@ -67,6 +54,7 @@ TOY_BACKEND = '''
 from typing import ClassVar, Literal
 
 from diloco.executors.local import LocalBackend, LocalBackendConfig
+from diloco.executors.local_supervisor import processes_with_env
 
 
 class ToyConfig(LocalBackendConfig):
