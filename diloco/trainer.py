@@ -31,7 +31,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from diloco.data import DEFAULT_MAX_CORPUS_BYTES
@@ -105,7 +105,7 @@ def diloco_train(
 
     from diloco import report
     from diloco.data import eval_batches as make_eval_batches
-    from diloco.data import load_corpus, sample_batch, split_corpus
+    from diloco.data import load_corpus, split_corpus
     from diloco.layout import FINAL_KEY
     from diloco.model import GPTConfig, build_model, split_fragments
     from diloco.outer import make_diloco_outer_loop
@@ -127,13 +127,15 @@ def diloco_train(
     # --- model: the common seed makes every rank's initial weights identical (no broadcast needed)
     model = build_model(config, seed=seed, device=dev)
     inner_opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
+    inner_step = _inner_step(model, inner_opt, split.train, train_gen, dev, batch_size=batch_size,
+                             block_size=block_size, grad_clip=grad_clip,
+                             slow_factor=slow_factor if rank == slow_rank else 1.0)
     if mode == "async":
         return _train_async(manager=manager, rank=rank, world_size=world_size, model=model, inner_opt=inner_opt,
-                            split=split, batches=batches, train_gen=train_gen, dev=dev, config=config,
-                            total_steps=total_steps, sync_every=sync_every, batch_size=batch_size,
-                            block_size=block_size, grad_clip=grad_clip, outer_lr=outer_lr,
-                            outer_momentum=outer_momentum, nesterov=nesterov,
-                            slow_factor=slow_factor if rank == slow_rank else 1.0)
+                            inner_step=inner_step, batches=batches, dev=dev, config=config,
+                            total_steps=total_steps, sync_every=sync_every,
+                            tokens_per_step=batch_size * block_size, outer_lr=outer_lr,
+                            outer_momentum=outer_momentum, nesterov=nesterov)
     done = [0]  # inner steps the run had done when this replica (re)joined it: 0 unless it restarted mid-run
 
     def on_rejoin(inner_step: int) -> None:
@@ -162,16 +164,7 @@ def diloco_train(
         report(eval_loss=init_eval, total_steps=total_steps)  # amends the loop's `init` row
         loss_sum = torch.zeros((), device=dev)
         for step in range(done[0] + 1, total_steps + 1):
-            began = time.perf_counter()
-            x, y = sample_batch(split.train, batch_size=batch_size, block_size=block_size, generator=train_gen)
-            _, loss = model(x.to(dev), y.to(dev))
-            inner_opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if grad_clip:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-            if rank == slow_rank:
-                _slow_down(began, slow_factor)
-            inner_opt.step()  # every sync_every-th call also runs the outer round: blocks on the store
+            loss = inner_step()  # every sync_every-th step also runs the outer round: blocks on the store
             report(tokens=tokens_per_step)
             loss_sum += loss.detach()
             if step % sync_every:
@@ -322,20 +315,18 @@ def _resolve_device(device: str) -> torch.device:
     return dev
 
 
-def _train_async(*, manager: Any, rank: int, world_size: int, model: GPT, inner_opt: torch.optim.Optimizer,
-                 split: Any, batches: list[tuple[torch.Tensor, torch.Tensor]], train_gen: torch.Generator,
-                 dev: torch.device, config: Any, total_steps: int, sync_every: int, batch_size: int,
-                 block_size: int, grad_clip: float, outer_lr: float, outer_momentum: float, nesterov: bool,
-                 slow_factor: float) -> dict[str, Any]:
-    """``mode="async"``: the same model, data and inner step, coordinated by ``diloco.async_diloco``."""
+def _inner_step(model: GPT, inner_opt: torch.optim.Optimizer, data: Any, train_gen: torch.Generator,
+                dev: torch.device, *, batch_size: int, block_size: int, grad_clip: float,
+                slow_factor: float) -> Callable[[], torch.Tensor]:
+    """One inner AdamW step on this rank's next batch, as a function of no arguments returning the loss: the
+    same step in both modes (the outer loop's optimizer hook runs the outer round inside ``inner_opt.step()``)."""
     import torch
 
-    from diloco.async_diloco import run_builtin_async
     from diloco.data import sample_batch
 
-    def train_step() -> float:
+    def step() -> torch.Tensor:
         began = time.perf_counter()
-        x, y = sample_batch(split.train, batch_size=batch_size, block_size=block_size, generator=train_gen)
+        x, y = sample_batch(data, batch_size=batch_size, block_size=block_size, generator=train_gen)
         _, loss = model(x.to(dev), y.to(dev))
         inner_opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -343,14 +334,24 @@ def _train_async(*, manager: Any, rank: int, world_size: int, model: GPT, inner_
             torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         _slow_down(began, slow_factor)
         inner_opt.step()
-        return float(loss.detach())
+        return loss
+
+    return step
+
+
+def _train_async(*, manager: Any, rank: int, world_size: int, model: GPT, inner_opt: torch.optim.Optimizer,
+                 inner_step: Callable[[], torch.Tensor], batches: list[tuple[torch.Tensor, torch.Tensor]],
+                 dev: torch.device, config: Any, total_steps: int, sync_every: int, tokens_per_step: int,
+                 outer_lr: float, outer_momentum: float, nesterov: bool) -> dict[str, Any]:
+    """``mode="async"``: the same model, data and inner step, coordinated by ``diloco.async_diloco``."""
+    from diloco.async_diloco import run_builtin_async
 
     model.train()
     return run_builtin_async(
         manager=manager, rank=rank, world_size=world_size, model=model, inner_optimizer=inner_opt,
-        train_step=train_step, evaluate=lambda: _evaluate(model, batches, dev), total_steps=total_steps,
-        sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov,
-        tokens_per_step=batch_size * block_size,
+        train_step=lambda: float(inner_step().detach()), evaluate=lambda: _evaluate(model, batches, dev),
+        total_steps=total_steps, sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum,
+        nesterov=nesterov, tokens_per_step=tokens_per_step,
         export_metadata={"model": "diloco.model:GPT", "model_config": config.to_json()})
 
 
