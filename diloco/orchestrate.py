@@ -484,9 +484,9 @@ class RunView:
     ) -> tuple[RunReport, bool]:
         """Poll until the run's outcome is decided; ``(report, timed_out)``. KeyboardInterrupt propagates.
 
-        With ``max_restarts`` > 0 and a backend that ``supports_relaunch``, a replica that fails ``relaunchable``-ly
-        (killed, lost) is relaunched for
-        its rank (it rejoins the run at its peers' round, see ``diloco.checkpoint``) up to ``max_restarts`` times,
+        With ``max_restarts`` > 0 and a backend that ``supports_relaunch``, a replica that failed in a way a restart
+        can fix (``relaunchable``: killed, lost) is relaunched for its rank (it rejoins the run at its peers'
+        round, see ``diloco.checkpoint``) up to ``max_restarts`` times,
         after a backoff of ``restart_backoff_s * 2**restarts``; ``on_relaunch(rank, attempt, reason)`` is told
         first. While a relaunch is pending the failure is not the run's: no fail-fast, and the peers' all-reduce
         waits past its timeout until the time recorded at ``relaunch/rank_RRRR.json`` (``announce_relaunch``).
@@ -498,7 +498,7 @@ class RunView:
         """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         stopping = False
-        relaunch = max_restarts > 0 and getattr(self.backend, "supports_relaunch", False)
+        relaunch = max_restarts > 0 and self.backend.supports_relaunch
         self._recovering = {}
         while True:
             status = self.status()
