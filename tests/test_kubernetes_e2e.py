@@ -50,6 +50,34 @@ def gated(*, gate, **kwargs):
     return diloco_train(**kwargs)
 
 
+def paced(*, manager, rank, world_size, total_steps=40, sync_every=5, step_s=0.1):
+    """A paced trainer on the real outer loop: data depends only on (rank, step); on_rejoin puts a retried pod
+    at its peers' step."""
+    import torch
+
+    from diloco.outer import make_diloco_outer_loop
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    start = [0]
+
+    def on_rejoin(inner_step):
+        start[0] = inner_step
+        print(f"rank {rank} rejoined at step {inner_step}", flush=True)
+
+    with make_diloco_outer_loop(manager=manager, model_fragments=[model], inner_optimizer=opt,
+                                sync_every=sync_every, outer_lr=0.7, outer_momentum=0.9, on_rejoin=on_rejoin):
+        for step in range(start[0] + 1, total_steps + 1):
+            g = torch.Generator().manual_seed(1000 * rank + step)
+            x = torch.randn(8, 4, generator=g)
+            loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            time.sleep(step_s)
+
+
 def bad_config_on(*, manager, rank, world_size, total_steps, sync_every, bad_rank=1):
     """Rank ``bad_rank`` finds its configuration invalid (the entrypoint exits 2); the others wait for it."""
     if rank == bad_rank:
@@ -189,6 +217,33 @@ def test_three_replicas_train_through_s3_survive_an_eviction_and_agree(
     assert result["weights_identical"] is True, result["weights_detail"]
     assert Path(result["model_path"]).is_file()
     assert kube.job(run_id)["status"].get("failed") is None, "an eviction is not a failure"
+
+
+def test_an_eviction_after_round_1_is_retried_and_rejoins_with_identical_weights(
+        kube: KubernetesEmulator, s3_bucket: str, home: Path, tmp_path: Path) -> None:
+    """Issue 11 through Kubernetes: the Job retries the evicted index (not counted); the new pod rejoins from the
+    latest committed round and the run ends as if nothing happened."""
+    import boto3
+
+    launch = cli(*launch_args(s3_bucket, "--replicas", "2", "--trainer", "k8s_trainers:paced", "--steps", "40",
+                              "--sync-every", "5", "--detach", "-o", "json"), home=home, cwd=tmp_path)
+    assert launch.returncode == 0, launch.stderr[-3000:]
+    run_id = json.loads(launch.stdout)["run_id"]
+    committed = f"e2e/{run_id}/committed/round_000001/COMMITTED"
+    s3 = boto3.client("s3")
+    kube.wait_for(lambda: s3.list_objects_v2(Bucket=s3_bucket, Prefix=committed).get("KeyCount", 0) > 0,
+                  timeout=120)
+    victim = running(kube, run_id, 2)[1]["metadata"]["name"]
+    kube.evict(victim)
+
+    collect = cli("collect", run_id, "--output", str(tmp_path / "model.safetensors"), "-o", "json", home=home,
+                  cwd=tmp_path)
+    assert collect.returncode == 0, collect.stderr[-3000:]
+    report = json.loads(collect.stdout)
+    assert report["weights_identical"] is True, report["weights_detail"]
+    assert [r["restarts"] for r in report["ranks"]] == [0, 1]
+    retried = [p for p in by_index(kube, run_id).get(1, []) if p["metadata"]["name"] != victim]
+    assert retried and "rank 1 rejoined at step" in kube.pod_log(retried[-1]["metadata"]["name"])
 
 
 def test_cancel_mid_run_deletes_the_job_and_leaves_no_process(kube: KubernetesEmulator, s3_bucket: str,

@@ -42,6 +42,38 @@ def train(**kwargs):
     return diloco_train(**kwargs)
 '''
 
+#: A paced trainer on the real outer loop: each step's data depends only on (rank, step), and ``on_rejoin`` puts a
+#: restarted replica at its peers' step, so an interrupted run must still end with identical weights.
+PACED_TRAINER = '''
+import time
+
+import torch
+
+from diloco.outer import make_diloco_outer_loop
+
+
+def train(*, manager, rank, world_size, total_steps=40, sync_every=5, step_s=0.1):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    start = [0]
+
+    def on_rejoin(inner_step):
+        start[0] = inner_step
+        print(f"rank {rank} rejoined at step {inner_step}", flush=True)
+
+    with make_diloco_outer_loop(manager=manager, model_fragments=[model], inner_optimizer=opt,
+                                sync_every=sync_every, outer_lr=0.7, outer_momentum=0.9, on_rejoin=on_rejoin):
+        for step in range(start[0] + 1, total_steps + 1):
+            g = torch.Generator().manual_seed(1000 * rank + step)
+            x = torch.randn(8, 4, generator=g)
+            loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            time.sleep(step_s)
+'''
+
 SLOW_TRAINER = '''
 import time
 
@@ -71,6 +103,7 @@ def source(tmp_path: Path) -> Path:
     src.mkdir()
     (src / "shipped.py").write_text(SHIPPED_TRAINER)
     (src / "slowtrain.py").write_text(SLOW_TRAINER)
+    (src / "pacedtrain.py").write_text(PACED_TRAINER)
     (src / "data").mkdir()
     (src / "data" / "huge.bin").write_bytes(b"x" * 1024)
     (src / ".dilocoignore").write_text("data/\n")
@@ -322,6 +355,33 @@ def test_an_interrupted_spot_job_shows_preempted_and_comes_back(
     assert (back["TrainingJobStatus"], back["SecondaryStatus"]) == ("InProgress", "Training")
     assert [t["Status"] for t in back["SecondaryStatusTransitions"]][-3:] == ["Restarting", "Downloading",
                                                                              "Training"]
+
+
+def test_a_spot_interruption_after_round_1_rejoins_and_the_run_ends_with_identical_weights(
+    emulator: SageMakerEmulator, s3_bucket: str, source: Path, home: Path, tmp_path: Path
+) -> None:
+    """Issue 11 through SageMaker: managed spot restarts the job itself; the replica rejoins from the latest
+    committed round in the store and the run completes as if nothing happened (weights bitwise identical)."""
+    import boto3
+
+    launch = cli(*launch_args(emulator, s3_bucket, source, "--replicas", "2", "--trainer", "pacedtrain:train",
+                              "--steps", "40", "--sync-every", "5", "--spot", "--detach", "-o", "json"),
+                 home=home, cwd=tmp_path)
+    assert launch.returncode == 0, launch.stderr[-3000:]
+    run_id = json.loads(launch.stdout)["run_id"]
+    committed = f"e2e/{run_id}/committed/round_000001/COMMITTED"
+    s3 = boto3.client("s3")
+    wait_for(lambda: s3.list_objects_v2(Bucket=s3_bucket, Prefix=committed).get("KeyCount", 0) > 0,
+             "round 1 to commit")
+    emulator.interrupt(f"{run_id}-r1")  # SIGKILL mid-run; SageMaker brings the job back on its own
+
+    collect = cli("collect", run_id, "--output", str(tmp_path / "model.safetensors"), "-o", "json",
+                  home=home, cwd=tmp_path, timeout=240)
+    assert collect.returncode == 0, collect.stderr[-3000:]
+    report = json.loads(collect.stdout)
+    assert report["weights_identical"] is True, report["weights_detail"]
+    assert [r["restarts"] for r in report["ranks"]] == [0, 1]
+    assert any("rank 1 rejoined at step" in line for line in log_lines(f"{run_id}-r1"))
 
 
 def test_logs_read_every_page_of_a_long_stream(emulator: SageMakerEmulator, s3_bucket: str) -> None:
