@@ -50,34 +50,6 @@ def gated(*, gate, **kwargs):
     return diloco_train(**kwargs)
 
 
-def paced(*, manager, rank, world_size, total_steps=40, sync_every=5, step_s=0.1):
-    """A paced trainer on the real outer loop: data depends only on (rank, step); on_rejoin puts a retried pod
-    at its peers' step."""
-    import torch
-
-    from diloco.outer import make_diloco_outer_loop
-
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    start = [0]
-
-    def on_rejoin(inner_step):
-        start[0] = inner_step
-        print(f"rank {rank} rejoined at step {inner_step}", flush=True)
-
-    with make_diloco_outer_loop(manager=manager, model_fragments=[model], inner_optimizer=opt,
-                                sync_every=sync_every, outer_lr=0.7, outer_momentum=0.9, on_rejoin=on_rejoin):
-        for step in range(start[0] + 1, total_steps + 1):
-            g = torch.Generator().manual_seed(1000 * rank + step)
-            x = torch.randn(8, 4, generator=g)
-            loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            time.sleep(step_s)
-
-
 def bad_config_on(*, manager, rank, world_size, total_steps, sync_every, bad_rank=1):
     """Rank ``bad_rank`` finds its configuration invalid (the entrypoint exits 2); the others wait for it."""
     if rank == bad_rank:
@@ -92,6 +64,7 @@ def image_dir(tmp_path: Path) -> Path:
     folder = tmp_path / "image"
     folder.mkdir()
     (folder / "k8s_trainers.py").write_text(TRAINERS)
+    (folder / "paced_trainer.py").write_text((Path(__file__).resolve().parent / "paced_trainer.py").read_text())
     return folder
 
 
@@ -225,7 +198,7 @@ def test_an_eviction_after_round_1_is_retried_and_rejoins_with_identical_weights
     latest committed round and the run ends as if nothing happened."""
     import boto3
 
-    launch = cli(*launch_args(s3_bucket, "--replicas", "2", "--trainer", "k8s_trainers:paced", "--steps", "40",
+    launch = cli(*launch_args(s3_bucket, "--replicas", "2", "--trainer", "paced_trainer:train", "--steps", "40",
                               "--sync-every", "5", "--detach", "-o", "json"), home=home, cwd=tmp_path)
     assert launch.returncode == 0, launch.stderr[-3000:]
     run_id = json.loads(launch.stdout)["run_id"]

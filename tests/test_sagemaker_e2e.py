@@ -42,37 +42,8 @@ def train(**kwargs):
     return diloco_train(**kwargs)
 '''
 
-#: A paced trainer on the real outer loop: each step's data depends only on (rank, step), and ``on_rejoin`` puts a
-#: restarted replica at its peers' step, so an interrupted run must still end with identical weights.
-PACED_TRAINER = '''
-import time
-
-import torch
-
-from diloco.outer import make_diloco_outer_loop
-
-
-def train(*, manager, rank, world_size, total_steps=40, sync_every=5, step_s=0.1):
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    start = [0]
-
-    def on_rejoin(inner_step):
-        start[0] = inner_step
-        print(f"rank {rank} rejoined at step {inner_step}", flush=True)
-
-    with make_diloco_outer_loop(manager=manager, model_fragments=[model], inner_optimizer=opt,
-                                sync_every=sync_every, outer_lr=0.7, outer_momentum=0.9, on_rejoin=on_rejoin):
-        for step in range(start[0] + 1, total_steps + 1):
-            g = torch.Generator().manual_seed(1000 * rank + step)
-            x = torch.randn(8, 4, generator=g)
-            loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            time.sleep(step_s)
-'''
+#: A paced trainer on the real outer loop (tests/paced_trainer.py), shipped in the user's source directory.
+PACED_TRAINER = (Path(__file__).resolve().parent / "paced_trainer.py").read_text()
 
 SLOW_TRAINER = '''
 import time
