@@ -6,6 +6,7 @@ config and credential files are hidden so a developer's real profile can never b
 
 Fixtures (all opt-in, none autouse):
 
+* ``emulator``: the SageMaker API emulator (tests/emulators/sagemaker.py) on that moto, endpoint exported.
 * ``home``: a fresh ``DILOCO_HOME`` for the test (set in the environment).
 * ``moto_server`` (session): the server's base URL.
 * ``aws_env``: resets moto (``POST /moto-api/reset``) and points the AWS environment at it.
@@ -21,6 +22,7 @@ import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from faultproxy import FaultProxy  # tests/ is on sys.path (pytest's default rootdir-relative import)
@@ -44,6 +46,18 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     path = tmp_path / "home"
     monkeypatch.setenv("DILOCO_HOME", str(path))
     return path
+
+
+@pytest.fixture
+def emulator(aws_env: str, s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """The SageMaker emulator on the test's clean moto, as the CLI meets it: a subprocess finds it through
+    ``AWS_ENDPOINT_URL_SAGEMAKER`` (tests/test_emulator_sagemaker.py overrides it with its own settings)."""
+    from emulators.sagemaker import SageMakerEmulator
+
+    with SageMakerEmulator(aws_endpoint=aws_env, root_dir=tmp_path / "sagemaker", stop_grace_s=2.0,
+                           log_flush_s=0.1, restart_delay_s=0.2) as emu:
+        monkeypatch.setenv("AWS_ENDPOINT_URL_SAGEMAKER", emu.url)
+        yield emu
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,6 @@ import subprocess
 import sys
 import tarfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -57,16 +56,6 @@ def train(*, manager, rank, world_size, total_steps=1, sync_every=1, seconds=120
 
 
 # ---------------------------------------------------------------------------------------------------- fixtures
-@pytest.fixture
-def emulator(aws_env: str, s3_bucket: str, tmp_path: Path,
-             monkeypatch: pytest.MonkeyPatch) -> Iterator[SageMakerEmulator]:
-    """The emulator on the test's clean moto; the CLI (a subprocess) inherits the endpoint variable."""
-    with SageMakerEmulator(aws_endpoint=aws_env, root_dir=tmp_path / "sagemaker", stop_grace_s=2.0,
-                           log_flush_s=0.1, restart_delay_s=0.2) as emu:
-        monkeypatch.setenv("AWS_ENDPOINT_URL_SAGEMAKER", emu.url)
-        yield emu
-
-
 @pytest.fixture
 def source(tmp_path: Path) -> Path:
     """The user's source directory: two trainers, and something the ignore file keeps out."""

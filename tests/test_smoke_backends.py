@@ -14,7 +14,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -28,16 +28,6 @@ from diloco.smoke import EXPECTED_WORK_S, ROUNDS, SmokeReport, format_usd
 
 DILOCO = [sys.executable, "-m", "diloco.cli.main"]
 INSTANCE = "ml.m5.xlarge"
-
-
-@pytest.fixture
-def emulator(aws_env: str, s3_bucket: str, tmp_path: Path,
-             monkeypatch: pytest.MonkeyPatch) -> Iterator[SageMakerEmulator]:
-    """The emulator on the test's clean moto; the CLI (a subprocess) finds it through the endpoint variable."""
-    with SageMakerEmulator(aws_endpoint=aws_env, root_dir=tmp_path / "sagemaker", stop_grace_s=2.0,
-                           log_flush_s=0.1, restart_delay_s=0.2) as emu:
-        monkeypatch.setenv("AWS_ENDPOINT_URL_SAGEMAKER", emu.url)
-        yield emu
 
 
 def smoke_cli(emulator: SageMakerEmulator, bucket: str, tmp_path: Path, *extra: str,
