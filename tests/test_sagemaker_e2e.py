@@ -159,7 +159,7 @@ def test_four_replicas_on_sagemaker_train_agree_log_and_collect(
                for line in r0_lines)
     code = boto3.client("s3").get_object(Bucket=s3_bucket, Key=f"e2e/{run_id}/sagemaker/code/source.tar.gz")
     with tarfile.open(fileobj=io.BytesIO(code["Body"].read())) as tar:
-        assert sorted(tar.getnames()) == [".dilocoignore", "shipped.py", "slowtrain.py"]  # data/ ignored
+        assert sorted(tar.getnames()) == [".dilocoignore", "pacedtrain.py", "shipped.py", "slowtrain.py"]  # data/ ignored
 
     logs = cli("logs", run_id, home=home, cwd=tmp_path)
     assert logs.returncode == 0, logs.stderr
