@@ -219,6 +219,23 @@ def launch(
     timeout: Annotated[float | None, typer.Option("--timeout", help="Wall-clock limit per replica, seconds "
                                                    "(timeout_s; default 86400 = one day).", metavar="SECONDS",
                                                    show_default=False)] = None,
+    allreduce: Annotated[str | None, typer.Option(help="How rounds are averaged: gather or sharded "
+                                                       "(store.allreduce).", metavar="STRATEGY",
+                                                  show_default=False)] = None,
+    compression: Annotated[str | None, typer.Option(help="Pseudo-gradient wire format: none, bf16, int8 or int4 "
+                                                         "(store.compression).", metavar="FORMAT",
+                                                    show_default=False)] = None,
+    min_replicas: Annotated[int | None, typer.Option("--min-replicas", help="Commit a round whose deadline passed "
+                                                     "with at least K contributions (min_replicas; default: "
+                                                     "every round needs every replica).", metavar="K",
+                                                     show_default=False)] = None,
+    procs_per_replica: Annotated[int | None, typer.Option("--procs-per-replica", help="Local processes per "
+                                                          "replica, data-parallel over its devices "
+                                                          "(train.procs_per_replica; default: every GPU, 1 on "
+                                                          "CPU).", metavar="K", show_default=False)] = None,
+    tensorboard: Annotated[str | None, typer.Option(help="Also write metrics as TensorBoard events to DIR "
+                                                         "(metrics.tensorboard).", metavar="DIR",
+                                                    show_default=False)] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="dotted.key=value config override "
                                                       "(repeatable; applied last).", metavar="KEY=VALUE",
                                                       show_default=False)] = None,
@@ -279,7 +296,9 @@ def launch(
     from diloco.orchestrate import launch as launch_run
 
     flags = {"replicas": replicas, "backend": backend, "train.steps": steps, "train.sync_every": sync_every,
-             "train.mode": mode, "train.trainer": trainer, "store.rendezvous": rendezvous, "gpu": gpu, "timeout_s": timeout}
+             "train.mode": mode, "train.trainer": trainer, "store.rendezvous": rendezvous, "gpu": gpu, "timeout_s": timeout,
+             "store.allreduce": allreduce, "store.compression": compression, "min_replicas": min_replicas,
+             "train.procs_per_replica": procs_per_replica, "metrics.tensorboard": tensorboard}
     backend_flags = {"image": image, "role": role, "region": region, "instance_type": instance_type,
                      "namespace": namespace, "context": context, "spot": spot, "keep_alive": keep_alive,
                      "source_dir": str(source_dir) if source_dir is not None else None}

@@ -503,6 +503,34 @@ class ObjectStoreAllReduce:
             logger.warning("could not delete %s (the store keeps growing): %s", self.store.url(key), exc)
 
 
+def create_allreduce(
+    uri: str,
+    rank: int,
+    world_size: int,
+    *,
+    strategy: str = "gather",
+    compression: str = "none",
+    error_feedback: bool = True,
+    min_replicas: int | None = None,
+    timeout_s: float = 1800,
+    poll_interval_s: float = 1.0,
+    run_id: str | None = None,
+) -> ObjectStoreAllReduce:
+    """The collective a replica's manager talks to, as the run config asks for it (``store.allreduce``,
+    ``store.compression``, ``store.error_feedback``, ``min_replicas``).
+
+    ``ConfigError`` naming the setting when this build cannot do what was asked."""
+    if strategy != "gather":
+        raise ConfigError(f"store.allreduce: {strategy!r} is not available in this build", hint="use gather")
+    if compression != "none":
+        raise ConfigError(f"store.compression: {compression!r} is not available in this build", hint="use none")
+    if min_replicas is not None and min_replicas != world_size:
+        raise ConfigError("min_replicas: partial participation is not available in this build",
+                          hint="leave min_replicas unset")
+    return ObjectStoreAllReduce(uri, rank, world_size, timeout_s=timeout_s, poll_interval_s=poll_interval_s,
+                                run_id=run_id)
+
+
 def _check_same_layout(
     tensors: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor], round_: int, peer: int
 ) -> None:

@@ -44,6 +44,13 @@ class StoreConfig(_Strict):
     rendezvous: str | None = None  # URI; "{run_id}" expands; local default: file://$DILOCO_HOME/runs/<id>/store
     timeout_s: float = Field(1800.0, gt=0)  # how long a replica waits for its peers in one round
     poll_interval_s: float = Field(1.0, gt=0)  # how often a waiting replica looks for its peers' uploads
+    #: How a round's pseudo-gradients are averaged (diloco.allreduce): "gather" (every rank reads every peer's
+    #: object, (N-1)*S bytes) or "sharded" (reduce-scatter + all-gather through the store, under 2*S bytes).
+    allreduce: Literal["gather", "sharded"] = "gather"
+    #: The pseudo-gradient's format on the wire; fp32 accumulation after decode, per-block scales for integers.
+    compression: Literal["none", "bf16", "int8", "int4"] = "none"
+    #: Keep what a lossy format dropped and add it to the next round's contribution (error feedback).
+    error_feedback: bool = True
 
 
 class TrainConfig(_Strict):
@@ -56,6 +63,15 @@ class TrainConfig(_Strict):
     #: "sync": DiLoCo rounds; "async": rank 0 is a master applying each replica's delta as it arrives
     #: (diloco.async_diloco); passed to the trainer as ``mode`` only when "async".
     mode: Literal["sync", "async"] = "sync"
+    #: Local processes per replica (inner data parallelism over the instance's devices); ``null``: every GPU of
+    #: the instance, 1 on a CPU-only machine.
+    procs_per_replica: int | None = Field(None, ge=1)
+
+
+class MetricsConfig(_Strict):
+    """Where metrics go besides the store (which always holds them)."""
+
+    tensorboard: str | None = None  # a directory (or URI) the replicas also write TensorBoard events to
 
 
 class RunConfig(_Strict):
@@ -65,7 +81,11 @@ class RunConfig(_Strict):
     backend: SerializeAsAny[BackendConfig] = Field(default_factory=lambda: _backend_section({}))
     store: StoreConfig = Field(default_factory=StoreConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     gpu: str | None = None  # accelerator per replica (sagemaker/eks)
+    #: Partial participation: a round whose deadline passed with at least this many contributions commits with
+    #: those (``null``: every round waits for every replica).
+    min_replicas: int | None = Field(None, ge=1)
     #: Wall-clock limit per replica job (default one day, SageMaker's own default MaxRuntimeInSeconds), so a trainer
     #: that hangs before its first sync cannot run for ever; ``null`` in YAML removes the limit.
     timeout_s: float | None = Field(DEFAULT_TIMEOUT_S, gt=0)
@@ -93,6 +113,8 @@ class RunConfig(_Strict):
         if t.steps % t.sync_every:
             raise ValueError(f"train.steps: must be a multiple of train.sync_every ({t.sync_every}) so the run "
                              f"ends on an outer sync (got {t.steps})")
+        if self.min_replicas is not None and self.min_replicas > self.replicas:
+            raise ValueError(f"min_replicas: must be at most replicas ({self.replicas}) (got {self.min_replicas})")
         uri = self.store.rendezvous
         kind, reachable = self.backend.kind, self.backend.rendezvous_schemes
         if uri is not None:

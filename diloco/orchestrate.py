@@ -165,7 +165,10 @@ def build_spec(cfg: RunConfig, run_id: str) -> LaunchSpec:
                       **cfg.train.trainer_kwargs}
     args = EntrypointArgs(rendezvous_uri=rendezvous_for(cfg, run_id), world_size=cfg.replicas,
                           trainer=cfg.train.trainer, trainer_kwargs=trainer_kwargs, timeout_s=cfg.store.timeout_s,
-                          poll_interval_s=cfg.store.poll_interval_s)
+                          poll_interval_s=cfg.store.poll_interval_s, allreduce=cfg.store.allreduce,
+                          compression=cfg.store.compression, error_feedback=cfg.store.error_feedback,
+                          min_replicas=cfg.min_replicas, procs_per_replica=cfg.train.procs_per_replica,
+                          tensorboard=cfg.metrics.tensorboard)
     return LaunchSpec(run_id=run_id, replicas=cfg.replicas, entrypoint_args=args, gpu=cfg.gpu,
                       timeout_s=cfg.timeout_s)
 

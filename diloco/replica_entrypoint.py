@@ -84,6 +84,12 @@ class ReplicaArgs:
     poll_interval_s: float = 1.0
     run_id: str | None = None  # from DILOCO_RUN_ID; tags every contribution so runs never mix in one prefix
     progress_interval_s: float = DEFAULT_PROGRESS_INTERVAL_S
+    allreduce: str = "gather"  # the collective: "gather" or "sharded" (diloco.allreduce.create_allreduce)
+    compression: str = "none"  # the pseudo-gradient's wire format
+    error_feedback: bool = True  # keep a lossy format's residual for the next round
+    min_replicas: int | None = None  # partial participation; None: every round needs every replica
+    procs_per_replica: int | None = None  # local processes in this replica (None: every GPU, else 1)
+    tensorboard: str | None = None  # also write TensorBoard events here
 
     @property
     def launched(self) -> bool:
@@ -126,6 +132,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--poll-interval", metavar="S", default="1.0", help="all-reduce poll interval, seconds")
     p.add_argument("--progress-interval", metavar="S", default=str(DEFAULT_PROGRESS_INTERVAL_S),
                    help="seconds between progress rows written between outer rounds")
+    p.add_argument("--allreduce", choices=["gather", "sharded"], default="gather",
+                   help="how a round is averaged: every rank reads every peer (gather) or reduce-scatter + "
+                        "all-gather through the store (sharded)")
+    p.add_argument("--compression", choices=["none", "bf16", "int8", "int4"], default="none",
+                   help="the pseudo-gradient's format on the wire")
+    p.add_argument("--no-error-feedback", dest="error_feedback", action="store_false",
+                   help="drop what a lossy format loses instead of adding it to the next round")
+    p.add_argument("--min-replicas", metavar="K", help="commit a late round with at least K contributions")
+    p.add_argument("--procs-per-replica", metavar="K", help="local processes in this replica (default: every "
+                                                              "GPU, 1 without one)")
+    p.add_argument("--tensorboard", metavar="DIR", help="also write metrics as TensorBoard events to DIR")
     return p
 
 
@@ -153,9 +170,17 @@ def resolve_args(argv: list[str], env: Mapping[str, str]) -> ReplicaArgs:
     timeout_s = _positive_float("--timeout", ns.timeout)
     poll_s = _positive_float("--poll-interval", ns.poll_interval)
     progress_s = _positive_float("--progress-interval", ns.progress_interval)
+    min_replicas = _int_from("--min-replicas", ns.min_replicas, env, [])
+    if min_replicas is not None and not 1 <= min_replicas <= world_size:
+        raise UsageError(f"--min-replicas is {min_replicas}", f"it must be in 1..{world_size} (the world size)")
+    procs = _int_from("--procs-per-replica", ns.procs_per_replica, env, [])
+    if procs is not None and procs < 1:
+        raise UsageError(f"--procs-per-replica is {procs}", "it must be >= 1")
     return ReplicaArgs(rendezvous=rendezvous, world_size=world_size, rank=rank, trainer_module=module,
                        trainer_fn=fn, trainer_kwargs=kwargs, timeout_s=timeout_s, poll_interval_s=poll_s,
-                       run_id=env.get(envvars.RUN_ID) or None, progress_interval_s=progress_s)
+                       run_id=env.get(envvars.RUN_ID) or None, progress_interval_s=progress_s,
+                       allreduce=ns.allreduce, compression=ns.compression, error_feedback=ns.error_feedback,
+                       min_replicas=min_replicas, procs_per_replica=procs, tensorboard=ns.tensorboard)
 
 
 def _int_from(flag: str, value: str | None, env: Mapping[str, str], names: list[str]) -> int | None:
@@ -326,14 +351,15 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
     if _in_main_thread():
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        from diloco.allreduce import ObjectStoreAllReduce
+        from diloco.allreduce import create_allreduce
         from diloco.checkpoint import RoundCheckpoints
         from diloco.manager import ObjectStoreManager
         from diloco.metrics import reporting_to
 
-        allreduce = ObjectStoreAllReduce(args.rendezvous, args.rank, args.world_size,
-                                         timeout_s=args.timeout_s, poll_interval_s=args.poll_interval_s,
-                                         run_id=args.run_id)
+        allreduce = create_allreduce(args.rendezvous, args.rank, args.world_size, strategy=args.allreduce,
+                                     compression=args.compression, error_feedback=args.error_feedback,
+                                     min_replicas=args.min_replicas, timeout_s=args.timeout_s,
+                                     poll_interval_s=args.poll_interval_s, run_id=args.run_id)
         rounds = RoundCheckpoints(allreduce.store, run_id=args.run_id, world_size=args.world_size)
         manager = ObjectStoreManager(allreduce, total_steps=total_steps_of(trainer, kwargs),
                                      progress_interval_s=args.progress_interval_s, rounds=rounds)

@@ -126,6 +126,12 @@ class EntrypointArgs(BaseModel):
     trainer_kwargs: dict[str, Any] = Field(default_factory=dict)
     timeout_s: float | None = None  # all-reduce poll timeout inside the replica
     poll_interval_s: float | None = None  # how often a waiting replica polls the store (entrypoint default: 1 s)
+    allreduce: str = "gather"  # store.allreduce
+    compression: str = "none"  # store.compression
+    error_feedback: bool = True  # store.error_feedback
+    min_replicas: int | None = None  # partial participation (None: every round needs every replica)
+    procs_per_replica: int | None = None  # local processes per replica (None: the replica's own default)
+    tensorboard: str | None = None  # metrics.tensorboard
 
     def to_argv(self) -> list[str]:
         """The entrypoint's arguments, one token per list element (as SageMaker's ContainerArguments wants)."""
@@ -141,6 +147,19 @@ class EntrypointArgs(BaseModel):
             argv += ["--timeout", f"{self.timeout_s:g}"]
         if self.poll_interval_s is not None:
             argv += ["--poll-interval", f"{self.poll_interval_s:g}"]
+        # Only settings that differ from the entrypoint's defaults, so a plain run's command stays short.
+        if self.allreduce != "gather":
+            argv += ["--allreduce", self.allreduce]
+        if self.compression != "none":
+            argv += ["--compression", self.compression]
+        if not self.error_feedback:
+            argv += ["--no-error-feedback"]
+        if self.min_replicas is not None:
+            argv += ["--min-replicas", str(self.min_replicas)]
+        if self.procs_per_replica is not None:
+            argv += ["--procs-per-replica", str(self.procs_per_replica)]
+        if self.tensorboard is not None:
+            argv += ["--tensorboard", self.tensorboard]
         return argv
 
 
