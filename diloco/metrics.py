@@ -30,6 +30,9 @@ tokens_per_s, sync_s, bytes_written, bytes_read, diverged, extra``. ``round`` co
 before the first; see "round numbering" in ``diloco.outer``). ``tokens_per_s`` is measured over the window since
 the previous row (sync included), and over the whole run in the ``final`` row.
 
+**Listeners** (``MetricsWriter.add_listener``): each history row is also handed, once its values are final, to
+the listeners, and so is each progress snapshot; ``diloco.tensorboard`` writes them as TensorBoard events.
+
 **For readers** (``read_progress``): every row is validated field by field. A bad field (``"train_loss": "abc"``)
 or an unreadable line is skipped, and each (rank, field) problem becomes exactly one warning string, returned to
 the caller so the CLI can print it once. Non-finite losses are reported as divergence (``diverged: true``, value
@@ -166,6 +169,22 @@ class MetricsWriter:
         self._diverged = False
         self._last_flush: float | None = None
         self._warned: set[str] = set()
+        self._listeners: list[Callable[[dict[str, Any]], None]] = []
+
+    def add_listener(self, listener: Callable[[dict[str, Any]], None]) -> None:
+        """Also give every row to ``listener`` (e.g. ``diloco.tensorboard.TensorBoardWriter.on_row``): each history
+        row once, when it is closed (its losses final), and each progress snapshot when it is written. A listener
+        that raises is logged once and kept: metrics never fail a training run."""
+        with self._lock:
+            self._listeners.append(listener)
+
+    def _tell_listeners(self, row: Mapping[str, Any]) -> None:
+        for listener in self._listeners:
+            try:
+                listener(dict(row))
+            except Exception as exc:  # noqa: BLE001 - metrics must never fail a training run
+                self._warn_once(f"listener:{id(listener)}", f"rank {self.rank}: a metrics listener failed "
+                                f"({type(exc).__name__}: {exc}); training goes on")
 
     # ------------------------------------------------------------------------------------------ state
     @property
@@ -343,6 +362,7 @@ class MetricsWriter:
         self._amendable = False
         while self._logged < len(self._history):
             log.info("%s", describe_row(self._history[self._logged]))
+            self._tell_listeners(self._history[self._logged])
             self._logged += 1
 
     # ------------------------------------------------------------------------------------------ writes
@@ -359,6 +379,8 @@ class MetricsWriter:
                 self._history_dirty = False
         progress = dict(self._history[-1]) if self.finished else self._snapshot("progress")
         self._put(PROGRESS_KEY.format(rank=self.rank), json.dumps(progress, allow_nan=False).encode())
+        if not self.finished:
+            self._tell_listeners(progress)
 
     def _put(self, key: str, data: bytes) -> bool:
         try:

@@ -23,6 +23,17 @@ What it records for every trainer: the manager's ``MetricsWriter`` (``diloco.met
 default); the outer loop records progress and the final global weights; after the trainer returns, a trainer
 that recorded anything but never left an outer loop gets its ``final`` row here.
 
+Several local processes (``--procs-per-replica K``, default one per visible GPU for a trainer marked
+``@diloco.local_group.supports_local_processes``, else 1): this process checks everything above, then starts K
+copies of itself with torch's elastic launcher and waits (``diloco.local_group``). Each child joins the replica's
+local process group (NCCL on GPUs, gloo on CPU); local rank 0 alone builds the store all-reduce, the manager, the
+metrics and the TensorBoard writer, and the others receive each round's result by broadcast. The replica exits with
+the root cause's code and its ``diloco: error:`` line comes last; its log holds every child's lines, prefixed
+``[rank R.L]``.
+
+TensorBoard (``--tensorboard DIR``): the metrics rows are also written as TensorBoard events under
+``DIR/rank_RRRR`` (``diloco.tensorboard``); without the ``tensorboard`` package the replica exits 2 before training.
+
 Exit codes: 0 success; 1 the training failed (the full traceback of the exception on stderr, then one last line
 ``diloco: error: ...``, which is what the CLI quotes; an all-reduce timeout is the one line alone and names the
 round and the missing ranks); 2 bad arguments, environment or trainer kwargs (one line naming the value and the
@@ -34,6 +45,7 @@ started the replica (``DILOCO_RUN_ID`` is set), this entrypoint's own flags othe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import inspect
 import json
@@ -282,15 +294,18 @@ def total_steps_of(trainer: Callable[..., Any], kwargs: Mapping[str, Any]) -> in
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
-def setup_logging(rank: int) -> Callable[[], None]:
+def setup_logging(rank: int, local_rank: str | None = None) -> Callable[[], None]:
     """``[rank R]``-prefixed, line-buffered logs: info on stdout, warnings and errors on stderr.
 
-    Returns a function that puts the ``diloco`` logger back as it was (``main`` may run inside a test process).
+    ``local_rank``: in a multi-process replica, the prefix is ``[rank R.L]``, so the K processes' lines, which
+    share the replica's log, can be told apart. Returns a function that puts the ``diloco`` logger back as it was
+    (``main`` may run inside a test process).
     """
     for stream in (sys.stdout, sys.stderr):
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(line_buffering=True)
-    fmt = logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
+    who = f"rank {rank}" if local_rank is None else f"rank {rank}.{local_rank}"
+    fmt = logging.Formatter(f"%(asctime)s [{who}] %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
     out = logging.StreamHandler(sys.stdout)
     out.addFilter(lambda record: record.levelno < logging.WARNING)
     err = logging.StreamHandler(sys.stderr)
@@ -332,56 +347,168 @@ def _find_timeout(exc: BaseException) -> AllReduceTimeout | None:
 
 
 def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) -> int:
-    """Run one replica; returns the exit code (see the module docstring)."""
+    """Run one replica; returns the exit code (see the module docstring).
+
+    A replica of K > 1 local processes (``--procs-per-replica``) is this function twice over: the process the
+    backend started checks everything, then launches K children with torch's elastic launcher and waits
+    (``run_local_processes``); each child (``diloco.local_group.is_child``) trains as one process of the replica's
+    local group (``run_replica``)."""
+    from diloco.local_group import is_child
+
     env = os.environ if env is None else env
-    debug = env.get(envvars.DILOCO_DEBUG, "") not in ("", "0")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    child = is_child(env)
     try:
-        args = resolve_args(sys.argv[1:] if argv is None else argv, env)
+        args = resolve_args(argv, env)
         trainer = load_trainer(args)
         kwargs = checked_kwargs(trainer, args)
+        if args.tensorboard is not None:
+            check_tensorboard_flag(args.tensorboard)
+        procs = 1 if child else procs_per_replica(args, trainer)
     except UsageError as exc:
-        error_line(str(exc))
+        _fail(env, str(exc))
         return EXIT_USAGE
     except SystemExit as exc:  # --help
         return exc.code if isinstance(exc.code, int) else EXIT_OK
+    if procs > 1:
+        return run_local_processes(args, procs, argv)
+    return run_replica(args, trainer, kwargs, env)
+
+
+def check_tensorboard_flag(directory: str) -> None:
+    """``--tensorboard DIR`` usable here (the package importable, DIR a kind we write), before any store traffic."""
+    from diloco.tensorboard import check_tensorboard
+
+    try:
+        check_tensorboard(directory)
+    except ConfigError as exc:
+        raise UsageError(str(exc), exc.hint or "fix --tensorboard") from None
+
+
+def procs_per_replica(args: ReplicaArgs, trainer: Callable[..., Any]) -> int:
+    """Local processes for this replica (``diloco.local_group.resolve_procs_per_replica``); ``UsageError`` when the
+    trainer or the machine cannot run the number asked for."""
+    from diloco.local_group import resolve_procs_per_replica
+
+    if args.procs_per_replica == 1:
+        return 1  # no torch import for the common case
+    try:
+        return resolve_procs_per_replica(args.procs_per_replica, trainer,
+                                         f"{args.trainer_module}:{args.trainer_fn}")
+    except ConfigError as exc:
+        raise UsageError(str(exc), exc.hint or "see diloco launch --help") from None
+
+
+def run_local_processes(args: ReplicaArgs, procs: int, argv: list[str]) -> int:
+    """Start ``procs`` copies of this entrypoint as the replica's local process group and wait for them; the exit
+    code (and the last ``diloco: error:`` line) is the root cause's. SIGTERM stops them all (the elastic launcher
+    forwards it), and exits 143."""
+    from diloco.local_group import launch_local_processes
 
     restore_logging = setup_logging(args.rank)
+    saved = _signal_handlers()
+    child_argv = [*argv, "--rank", str(args.rank), "--world-size", str(args.world_size),
+                  "--rendezvous", args.rendezvous]
+    log.info("replica %d/%d: %d local processes (torch elastic launch), trainer %s:%s", args.rank, args.world_size,
+             procs, args.trainer_module, args.trainer_fn)
+    try:
+        failure = launch_local_processes(procs, child_argv, timeout_s=args.timeout_s)
+        if failure is None:
+            log.info("replica %d finished (%d local processes)", args.rank, procs)
+            return EXIT_OK
+    except Exception as exc:  # noqa: BLE001 - torch's SignalException, or the launcher itself failing
+        sigval = getattr(exc, "sigval", None)
+        if sigval is not None:
+            error_line(f"rank {args.rank}: stopped by {signal.Signals(sigval).name}")
+            return EXIT_SIGINT if sigval == signal.SIGINT else EXIT_SIGTERM
+        traceback.print_exc(file=sys.stderr)
+        error_line(f"rank {args.rank}: starting {procs} local processes failed: {type(exc).__name__}: {exc} "
+                   f"({_traceback_hint(args)})")
+        return EXIT_FAILED
+    finally:
+        _restore_signal_handlers(saved)
+        restore_logging()
+    error_line(failure.message or f"rank {args.rank}: a local process exited with code {failure.exit_code} "
+                                  f"({_traceback_hint(args)})")
+    return failure.exit_code or EXIT_FAILED
+
+
+_HANDLED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+
+
+def _signal_handlers() -> dict[int, Any]:
+    """The handlers torch's launcher replaces, to put back afterwards (``main`` may run inside a test)."""
+    if not _in_main_thread():
+        return {}
+    return {int(sig): signal.getsignal(sig) for sig in (getattr(signal, n, None) for n in _HANDLED_SIGNALS)
+            if sig is not None}
+
+
+def _restore_signal_handlers(saved: Mapping[int, Any]) -> None:
+    for sig, handler in saved.items():
+        signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+def run_replica(args: ReplicaArgs, trainer: Callable[..., Any], kwargs: dict[str, Any],
+                env: Mapping[str, str]) -> int:
+    """Train as this replica (or, in a multi-process replica, as one of its local processes); the exit code."""
+    from diloco.local_group import is_child
+
+    debug = env.get(envvars.DILOCO_DEBUG, "") not in ("", "0")
+    child = is_child(env)
+    restore_logging = setup_logging(args.rank, local_rank=env.get("LOCAL_RANK") if child else None)
     allreduce = None
+    board = None
     previous = None
     if _in_main_thread():
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        from diloco.allreduce import create_allreduce
-        from diloco.checkpoint import RoundCheckpoints
-        from diloco.manager import ObjectStoreManager
         from diloco.metrics import reporting_to
 
-        allreduce = create_allreduce(args.rendezvous, args.rank, args.world_size, strategy=args.allreduce,
-                                     compression=args.compression, error_feedback=args.error_feedback,
-                                     min_replicas=args.min_replicas, timeout_s=args.timeout_s,
-                                     poll_interval_s=args.poll_interval_s, run_id=args.run_id)
-        rounds = RoundCheckpoints(allreduce.store, run_id=args.run_id, world_size=args.world_size)
-        manager = ObjectStoreManager(allreduce, total_steps=total_steps_of(trainer, kwargs),
-                                     progress_interval_s=args.progress_interval_s, rounds=rounds)
-        log.info("replica %d/%d, rendezvous %s, trainer %s:%s", args.rank, args.world_size, args.rendezvous,
-                 args.trainer_module, args.trainer_fn)
-        with reporting_to(manager.metrics):
+        group = None
+        if child:
+            from diloco.local_group import init_local_group
+
+            group = init_local_group(env, timeout_s=args.timeout_s)
+        manager: Any = None
+        if group is None or group.is_leader:
+            allreduce, manager = _store_manager(args, trainer, kwargs)
+            if args.tensorboard is not None:
+                from diloco.tensorboard import TensorBoardWriter
+
+                board = TensorBoardWriter(args.tensorboard, args.rank)
+                manager.metrics.add_listener(board.on_row)
+        if group is not None:
+            from diloco.local_group import LocalGroupManager
+
+            manager = LocalGroupManager(manager, group, rank=args.rank, world_size=args.world_size)
+            log.info("replica %d/%d, local process %d/%d (%s on %s), trainer %s:%s", args.rank, args.world_size,
+                     group.rank, group.size, group.backend, group.device, args.trainer_module, args.trainer_fn)
+        else:
+            log.info("replica %d/%d, rendezvous %s, trainer %s:%s", args.rank, args.world_size, args.rendezvous,
+                     args.trainer_module, args.trainer_fn)
+        metrics = manager.metrics
+        with reporting_to(metrics) if metrics is not None else contextlib.nullcontext():
             trainer(manager=manager, rank=args.rank, world_size=args.world_size, **kwargs)
-        manager.metrics.close()  # a `final` row for a trainer that recorded progress outside an outer loop
-        allreduce.close()  # lets an upload the trainer left in flight land (a SIGTERM here still exits 143)
+        if metrics is not None:
+            metrics.close()  # a `final` row for a trainer that recorded progress outside an outer loop
+        if board is not None:
+            board.close()
+        if allreduce is not None:
+            allreduce.close()  # lets an upload the trainer left in flight land (a SIGTERM here still exits 143)
         log.info("replica %d finished", args.rank)
     except Terminated:
-        error_line(f"rank {args.rank}: stopped by SIGTERM")
+        _fail(env, f"rank {args.rank}: stopped by SIGTERM")
         return EXIT_SIGTERM
     except KeyboardInterrupt:
-        error_line(f"rank {args.rank}: interrupted")
+        _fail(env, f"rank {args.rank}: interrupted")
         return EXIT_SIGINT
     except ConfigError as exc:
         if debug:
             traceback.print_exc(file=sys.stderr)
         fix = (f"fix it with {args.flag('--trainer-kwargs-json')} KEY=VALUE and relaunch" if args.launched
                else "fix the value named above and relaunch")
-        error_line(f"{exc} ({exc.hint or fix})")
+        _fail(env, f"{exc} ({exc.hint or fix})")
         return EXIT_USAGE
     except Exception as exc:  # noqa: BLE001 - the one place a replica's failure becomes an exit code
         timeout = _find_timeout(exc)
@@ -391,18 +518,63 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
             # the last line of stderr is the one-line `diloco: error:` the CLI quotes.
             traceback.print_exc(file=sys.stderr)
         if timeout is not None:
-            error_line(f"rank {args.rank}: {timeout} ({timeout.hint})")
+            _fail(env, f"rank {args.rank}: {timeout} ({timeout.hint})")
         else:
             hint = getattr(exc, "hint", None) or _traceback_hint(args)
-            error_line(f"rank {args.rank}: {type(exc).__name__}: {exc} ({hint})")
+            _fail(env, f"rank {args.rank}: {type(exc).__name__}: {exc} ({hint})", derived=_relayed(exc))
         return EXIT_FAILED
     finally:
+        if board is not None:
+            board.close()
         if allreduce is not None:
             allreduce.close(wait=False)  # failed or stopped: never wait for an upload (no-op after success)
+        if child:
+            from diloco.local_group import leave_local_group
+
+            leave_local_group()
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
         restore_logging()
     return EXIT_OK
+
+
+def _store_manager(args: ReplicaArgs, trainer: Callable[..., Any], kwargs: Mapping[str, Any]) -> tuple[Any, Any]:
+    """The replica's object-store all-reduce and the manager over it (in a multi-process replica: local rank 0's)."""
+    from diloco.allreduce import create_allreduce
+    from diloco.checkpoint import RoundCheckpoints
+    from diloco.manager import ObjectStoreManager
+
+    allreduce = create_allreduce(args.rendezvous, args.rank, args.world_size, strategy=args.allreduce,
+                                 compression=args.compression, error_feedback=args.error_feedback,
+                                 min_replicas=args.min_replicas, timeout_s=args.timeout_s,
+                                 poll_interval_s=args.poll_interval_s, run_id=args.run_id)
+    rounds = RoundCheckpoints(allreduce.store, run_id=args.run_id, world_size=args.world_size)
+    manager = ObjectStoreManager(allreduce, total_steps=total_steps_of(trainer, kwargs),
+                                 progress_interval_s=args.progress_interval_s, rounds=rounds)
+    return allreduce, manager
+
+
+def _fail(env: Mapping[str, str], message: str, *, derived: bool = False) -> None:
+    """The one ``diloco: error:`` line; in a local process of a multi-process replica also kept for the launching
+    process, which repeats the root cause's line last (``derived``: this error relays another process's)."""
+    from diloco.local_group import write_child_error
+
+    error_line(message)
+    write_child_error(env, message, derived=derived)
+
+
+def _relayed(exc: BaseException) -> bool:
+    """Whether ``exc`` only relays local rank 0's failure to another local process (``LocalRoundFailed``)."""
+    from diloco.local_group import LocalRoundFailed
+
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, LocalRoundFailed):
+            return True
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return False
 
 
 def _traceback_hint(args: ReplicaArgs) -> str:

@@ -22,11 +22,12 @@ Why it looks the way it does:
   their environment, and adopted into the handle so ``status`` and ``cancel`` see them.
 * A launch this machine cannot hold (more replicas than ``REPLICAS_PER_CORE`` per CPU core, or than its available
   memory at the replica size estimated for the trainer) is refused before any process starts, with the numbers and
-  the fix, unless forced (``check_capacity``; ``backend.oversubscribe: true``).
+  the fix, unless forced (``check_capacity``; ``backend.oversubscribe: true``). With ``--procs-per-replica K`` the
+  limits count every training process: replicas times K, each of the replica's size.
 * ``plan`` is pure: it computes argv, the added environment, cwd and the log directory and creates nothing.
 * Every replica inherits this process's environment plus ``DILOCO_RUN_ID``, ``REPLICA_RANK``, ``WORLD_SIZE``,
   ``RENDEZVOUS_URI``, ``PYTHONUNBUFFERED=1`` and, unless already set, an ``OMP_NUM_THREADS`` that shares the CPU
-  cores between replicas instead of oversubscribing them.
+  cores between the replicas' processes instead of oversubscribing them.
 """
 
 from __future__ import annotations
@@ -184,7 +185,10 @@ class LocalBackend(Backend[LocalBackendConfig, LocalRunHandle]):
         """The exact argv, added environment, cwd and log dir of every replica. Creates nothing."""
         added: dict[str, str] = {"PYTHONUNBUFFERED": "1"}
         if "OMP_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in spec.env:
-            added["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // spec.replicas))
+            added["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // processes_of(spec)))
+        if envvars.CHECKPOINT_DIR not in os.environ and envvars.CHECKPOINT_DIR not in spec.env:
+            # Each rank keeps its inner optimizer state here (rank_RRRR/), so a relaunched replica resumes it.
+            added[envvars.CHECKPOINT_DIR] = os.path.join(self.run_dir(spec.run_id), "checkpoints")
         cwd = os.getcwd()
         requests = [
             {"rank": rank, "argv": spec.argv(self.python), "env": {**added, **spec.replica_env(rank)}, "cwd": cwd,
@@ -675,9 +679,13 @@ class MachineCapacity(BaseModel):
 
 
 class CapacityEstimate(BaseModel):
-    """A local run against this machine: how many replicas it holds and, if the run needs more, why not."""
+    """A local run against this machine: how many replicas it holds and, if the run needs more, why not.
+
+    With several processes per replica (``--procs-per-replica K``) the cores and the memory are counted per
+    process: ``max_replicas`` is how many replicas of K processes fit."""
 
     replicas: int
+    procs_per_replica: int = 1
     per_replica_bytes: int
     basis: str  # where per_replica_bytes comes from
     machine: MachineCapacity
@@ -691,7 +699,10 @@ def estimate_capacity(spec: LaunchSpec, memory_per_replica_mb: int | None = None
     """Replicas of ``spec`` against ``machine`` (default: this one, read now)."""
     machine = machine or machine_capacity()
     per_replica, basis = replica_memory(spec, memory_per_replica_mb)
+    procs = spec.entrypoint_args.procs_per_replica or 1
     limit = max(0, min(machine.max_by_cores, machine.max_by_memory(per_replica)))
+    if procs > 1:
+        return _estimate_processes(spec, procs, per_replica, basis, machine, limit)
     estimate = CapacityEstimate(replicas=spec.replicas, per_replica_bytes=per_replica, basis=basis, machine=machine,
                                 max_replicas=limit)
     if spec.replicas <= limit:
@@ -703,6 +714,32 @@ def estimate_capacity(spec: LaunchSpec, memory_per_replica_mb: int | None = None
         f"{_size(per_replica)} each ({basis})")
     estimate.fix = (f"launch at most {limit} (--replicas {limit})" if limit else "free some memory") + \
         ", use smaller replicas, or pass --force (or --set backend.oversubscribe=true) to launch anyway"
+    return estimate
+
+
+def processes_of(spec: LaunchSpec) -> int:
+    """The training processes a local run starts: replicas times ``--procs-per-replica`` (1 when not set: without
+    GPUs a replica runs one process)."""
+    return spec.replicas * (spec.entrypoint_args.procs_per_replica or 1)
+
+
+def _estimate_processes(spec: LaunchSpec, procs: int, per_process: int, basis: str, machine: MachineCapacity,
+                        process_limit: int) -> CapacityEstimate:
+    """``estimate_capacity`` for replicas of ``procs`` processes each: the limits count processes."""
+    wanted = processes_of(spec)
+    estimate = CapacityEstimate(replicas=spec.replicas, procs_per_replica=procs, per_replica_bytes=per_process * procs,
+                                basis=basis, machine=machine, max_replicas=process_limit // procs)
+    if wanted <= process_limit:
+        return estimate
+    estimate.problem = (
+        f"procs_per_replica: this machine can hold {process_limit} local training process(es) of this run, not "
+        f"{spec.replicas} replica(s) x {procs} (--procs-per-replica): {machine.cores} CPU core(s) take at most "
+        f"{machine.max_by_cores} ({REPLICAS_PER_CORE} per core) and {_size(machine.memory_bytes)} of available "
+        f"memory holds {machine.max_by_memory(per_process)} at about {_size(per_process)} each ({basis})")
+    fewer = process_limit // procs
+    estimate.fix = (f"launch at most {fewer} replica(s) (--replicas {fewer}) or lower --procs-per-replica"
+                    if fewer else "lower --procs-per-replica or free some memory") + \
+        ", or pass --force (or --set backend.oversubscribe=true) to launch anyway"
     return estimate
 
 

@@ -146,6 +146,40 @@ def test_the_sampler_resumes_exactly_where_it_stopped() -> None:
     assert a.take(9) == b.take(9) and sorted(first[:7]) == list(range(7))
 
 
+@pytest.mark.parametrize("count", [0, 3, 7, 10, 23])
+def test_a_rejoining_sampler_skips_exactly_what_the_steps_done_took(count: int) -> None:
+    taken, skipped = hf.BlockSampler(7, seed=5), hf.BlockSampler(7, seed=5)
+    taken.take(count)
+    skipped.advance(count)
+    assert skipped.take(12) == taken.take(12)
+
+
+def test_a_restarted_replica_rejoins_and_trains_only_the_remaining_steps(tokenizer_dir: Path, tmp_path: Path) -> None:
+    """Started again in a run whose round 2 is committed, the trainer runs steps 5..6 (round 3) from round 2's
+    weights, its data position and inner schedule moved on by the 4 steps done, instead of 6 more steps."""
+    from diloco.allreduce import ObjectStoreAllReduce
+    from diloco.checkpoint import RoundCheckpoints
+    from diloco.manager import ObjectStoreManager
+
+    uri = f"file://{tmp_path}/store"
+
+    def manager() -> ObjectStoreManager:
+        allreduce = ObjectStoreAllReduce(uri, 0, 1, timeout_s=10, poll_interval_s=0.05)
+        return ObjectStoreManager(allreduce, rounds=RoundCheckpoints(allreduce.store, run_id="r", world_size=1))
+
+    kwargs = {"model_config": MODEL_CONFIG, "tokenizer": str(tokenizer_dir), "block_size": BLOCK, "batch_size": 4,
+              "grad_accum": 2, "sync_every": 2, "eval_batches": 1, "seed": SEED,
+              "data": str(write_jsonl(tmp_path / "corpus"))}
+    first = hf.train(manager=manager(), rank=0, world_size=1, total_steps=4, **kwargs)
+    second = hf.train(manager=manager(), rank=0, world_size=1, total_steps=6, **kwargs)
+    assert first["rounds"] == 2 and second["rounds"] == 3
+    shard = len(hf.split_blocks(hf.load_blocks(kwargs["data"], hf.load_tokenizer(str(tokenizer_dir)),
+                                               block_size=BLOCK), rank=0, world_size=1, eval_fraction=0.1).train)
+    expected = hf.BlockSampler(shard, seed=SEED + 7919)
+    expected.advance(6 * 2 * 4)  # 6 steps of 2 micro-batches of 4 blocks: nothing replayed, nothing skipped
+    assert second["data_position"] == expected.state_dict()
+
+
 def test_parquet_and_text_files_are_documents(tmp_path: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq

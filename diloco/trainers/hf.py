@@ -16,9 +16,18 @@ evaluate after each round with ``diloco.report``. What it adds is what a real mo
   The last ``eval_fraction`` of the blocks is the held-out split every rank evaluates on; the rest are dealt
   round-robin, block ``i`` to rank ``i % world_size``: disjoint shards, identical on every machine.
   Each rank visits its shard in a per-rank, per-epoch permutation; its position (epoch, blocks consumed) is the
-  ``BlockSampler`` state, so a resumed replica continues where it stopped instead of re-reading its shard.
+  ``BlockSampler`` state, so a resumed replica continues where it stopped instead of re-reading its shard: a
+  replica restarted mid-run rejoins at the last committed round (``on_rejoin``) and trains only the remaining
+  steps, its sampler and inner schedule moved on by the steps done.
 * **Inner loop**: bf16 (or fp16 with a loss scaler) autocast on GPU, fp32 weights; ``grad_accum`` micro-batches
   per inner step; gradient clipping; linear warmup then cosine decay to ``min_lr_ratio * lr``.
+* **Several processes per replica** (``--procs-per-replica K``, default one per GPU): the replica entrypoint
+  starts K processes with torch's elastic launcher (``diloco.local_group``); each wraps the model in DDP and
+  reads every K-th block of the replica's shard (a disjoint sub-shard), so ``batch_size`` is per process and a
+  replica steps on ``K * batch_size * grad_accum`` blocks. Only local rank 0 talks to the store, evaluates,
+  reports and saves; the round's mean reaches the others by broadcast, so every process ends on the same
+  weights, bitwise (each logs their sha256 at the end). FSDP2, for a model that does not fit one GPU, is not
+  built in yet: a trainer can shard with ``torch.distributed.fsdp.fully_shard`` inside the same local group.
 * **Export**: the outer loop writes the global weights to ``final/rank_RRRR.safetensors`` as for every trainer;
   this trainer also writes ``save_pretrained`` (safetensors) plus the tokenizer: rank 0 under ``hf_model/`` in
   the store, every rank into ``$SM_MODEL_DIR`` on SageMaker, so the result loads with
@@ -46,11 +55,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from diloco.errors import ConfigError
+from diloco.local_group import supports_local_processes
 from diloco.trainer_check import PreflightContext, preflight
 
 if TYPE_CHECKING:
     import torch
 
+    from diloco.local_group import LocalGroup
     from diloco.manager import ObjectStoreManager
     from diloco.store import ObjectStore
 
@@ -69,6 +80,7 @@ def _preflight(kwargs: dict[str, Any], context: PreflightContext) -> None:
     check_config(kwargs, on_this_machine=context.on_this_machine)
 
 
+@supports_local_processes
 @preflight(_preflight)
 def train(
     *,
@@ -89,7 +101,7 @@ def train(
     eval_fraction: float = 0.1,
     eval_batches: int = 4,
     # inner optimizer
-    batch_size: int = 8,
+    batch_size: int = 8,  # per process: a replica of K local processes steps on K * batch_size * grad_accum blocks
     grad_accum: int = 1,
     lr: float = 3e-4,
     weight_decay: float = 0.0,
@@ -112,6 +124,7 @@ def train(
     import torch
 
     from diloco import report
+    from diloco.local_group import current_local_group
     from diloco.outer import make_diloco_outer_loop
 
     check_config({k: v for k, v in locals().items() if k in _KNOBS})
@@ -119,68 +132,164 @@ def train(
         raise ConfigError(f"rank {rank} is outside 0..{world_size - 1} for world_size {world_size}")
     if threads:
         torch.set_num_threads(threads)
-    dev = _resolve_device(device)
+    group = current_local_group()
+    local_rank, local_size = (group.rank, group.size) if group is not None else (0, 1)
+    leader = local_rank == 0  # the one process of the replica that evaluates, reports and saves
+    dev = _replica_device(device, group)
     amp_dtype = _resolve_precision(precision, dev)
 
     tok = load_tokenizer(tokenizer or model)
     blocks = load_blocks(data, tok, block_size=block_size, text_field=text_field)  # type: ignore[arg-type]
     split = split_blocks(blocks, rank=rank, world_size=world_size, eval_fraction=eval_fraction)
     eval_set = split.eval[: eval_batches * batch_size]
-    sampler = BlockSampler(len(split.train), seed=seed + 7919 * (rank + 1))
+    shard = local_shard(split.train, local_rank=local_rank, local_size=local_size)
+    sampler = BlockSampler(len(shard), seed=seed + 7919 * (rank + 1) + 104729 * local_rank)
 
     net = build_model(model=model, model_config=model_config, vocab_size=len(tok), seed=seed).to(dev)
+    ddp = _data_parallel(net, group)  # before the outer loop copies the weights: DDP starts from rank 0's
     inner_opt = torch.optim.AdamW(net.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         inner_opt, lambda step: lr_factor(step, warmup_steps=warmup_steps, total_steps=total_steps,
                                           min_ratio=min_lr_ratio))
     scaler = torch.amp.GradScaler(dev.type) if amp_dtype == torch.float16 else None
+    done = [0]  # inner steps the run had done when this replica (re)joined it: 0 unless it restarted mid-run
+
+    def on_rejoin(inner_step: int) -> None:
+        """Position hook (a restart rejoining the run): skip the steps done, so the data order (each process's
+        sampler) and the inner schedule continue where they were."""
+        done[0] = inner_step
+        sampler.advance(inner_step * grad_accum * batch_size)
+        schedule.last_epoch = inner_step
+        for group_, base in zip(inner_opt.param_groups, schedule.base_lrs, strict=True):
+            group_["lr"] = base * lr_factor(inner_step, warmup_steps=warmup_steps, total_steps=total_steps,
+                                            min_ratio=min_lr_ratio)
+
     diloco = make_diloco_outer_loop(
         manager=manager, model_fragments=[net], inner_optimizer=inner_opt, outer_lr=outer_lr,
         outer_momentum=outer_momentum, nesterov=nesterov, sync_every=sync_every, model=net,
         export_metadata={"model": "transformers:AutoModelForCausalLM", "model_config": net.config.to_json_string()},
+        on_rejoin=on_rejoin,
     )
-    log.info("%s (%d params) on %s, %s; %d blocks of %d tokens: %d in this shard, %d held out; %d steps of %d x %d",
+    log.info("%s (%d params) on %s, %s; %d blocks of %d tokens: %d in this %s, %d held out; %d steps of %d x %d%s",
              net.config.model_type, sum(p.numel() for p in net.parameters()), dev, precision_name(amp_dtype),
-             len(blocks), block_size, len(split.train), len(split.eval), total_steps, grad_accum, batch_size)
+             len(blocks), block_size, len(shard), "sub-shard" if group is not None else "shard", len(split.eval),
+             total_steps, grad_accum, batch_size, f" x {local_size} processes" if group is not None else "")
 
-    tokens_per_step = grad_accum * batch_size * block_size
+    tokens_per_step = grad_accum * batch_size * block_size * local_size
     net.train()
+    init_eval = eval_loss = None
     with diloco:
-        init_eval = eval_loss = evaluate(net, eval_set, batch_size=batch_size, device=dev, amp_dtype=amp_dtype)
-        report(eval_loss=init_eval, total_steps=total_steps)  # amends the loop's `init` row
+        if leader:
+            init_eval = eval_loss = evaluate(net, eval_set, batch_size=batch_size, device=dev, amp_dtype=amp_dtype)
+            report(eval_loss=init_eval, total_steps=total_steps)  # amends the loop's `init` row
         loss_sum = torch.zeros((), device=dev)
-        for step in range(1, total_steps + 1):
-            loss = _accumulate(net, split.train, sampler, grad_accum=grad_accum, batch_size=batch_size, device=dev,
-                               amp_dtype=amp_dtype, scaler=scaler)
+        for step in range(done[0] + 1, total_steps + 1):
+            loss = _accumulate(net, shard, sampler, grad_accum=grad_accum, batch_size=batch_size, device=dev,
+                               amp_dtype=amp_dtype, scaler=scaler, ddp=ddp)
             _inner_step(net, inner_opt, scaler, grad_clip=grad_clip)  # every sync_every-th runs the outer round
             schedule.step()
             report(tokens=tokens_per_step)
             loss_sum += loss
             if step % sync_every:
                 continue
-            eval_loss = evaluate(net, eval_set, batch_size=batch_size, device=dev, amp_dtype=amp_dtype)
-            report(train_loss=(loss_sum / sync_every).item(), eval_loss=eval_loss, lr=schedule.get_last_lr()[0])
+            train_loss = (group.mean(loss_sum) if group is not None else loss_sum).item() / sync_every
+            if leader:
+                eval_loss = evaluate(net, eval_set, batch_size=batch_size, device=dev, amp_dtype=amp_dtype)
+                report(train_loss=train_loss, eval_loss=eval_loss, lr=schedule.get_last_lr()[0])
             loss_sum.zero_()
 
-    saved = save_model(net, tok, manager=manager, rank=rank)
-    log.info("done: %d rounds, eval_loss %.4f -> %.4f; save_pretrained at %s", manager.current_step(), init_eval,
-             eval_loss, ", ".join(saved) or "-")
-    return {"rank": rank, "rounds": manager.current_step(), "steps": total_steps, "init_eval_loss": init_eval,
-            "final_eval_loss": eval_loss, "saved": saved, "data_position": sampler.state_dict()}
+    saved = save_model(net, tok, manager=manager, rank=rank) if leader else []
+    digest = weights_digest(net)
+    if leader:
+        log.info("done: %d rounds, eval_loss %s -> %s; save_pretrained at %s; final weights sha256 %s",
+                 manager.current_step(), _loss(init_eval), _loss(eval_loss), ", ".join(saved) or "-", digest)
+    else:
+        log.info("done: %d rounds as local process %d/%d; final weights sha256 %s", manager.current_step(),
+                 local_rank, local_size, digest)
+    return {"rank": rank, "local_rank": local_rank, "local_processes": local_size, "rounds": manager.current_step(),
+            "steps": total_steps, "init_eval_loss": init_eval, "final_eval_loss": eval_loss, "saved": saved,
+            "data_position": sampler.state_dict(), "weights_sha256": digest}
+
+
+def _loss(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
+def weights_digest(net: Any) -> str:
+    """sha256 of the model's parameters (``tensors_digest``). Logged by every process at the end, so that a
+    multi-process replica's agreement can be checked from its log."""
+    return tensors_digest(dict(net.named_parameters()))
+
+
+def tensors_digest(tensors: Mapping[str, torch.Tensor]) -> str:
+    """sha256 over names and raw bytes, in name order: equal digests mean bitwise equal weights (the exported
+    ``final/rank_RRRR.safetensors`` of a model has its parameters' digest)."""
+    import hashlib
+
+    import torch
+
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        digest.update(name.encode())
+        digest.update(tensors[name].detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+# ------------------------------------------------------------------------------------------------ local processes
+def local_shard(blocks: torch.Tensor, *, local_rank: int, local_size: int) -> torch.Tensor:
+    """This process's part of the replica's shard: every ``local_size``-th block from ``local_rank`` (disjoint
+    between the replica's processes, together the whole shard)."""
+    shard = blocks[local_rank::local_size]
+    if len(shard) < 1:
+        raise ConfigError(f"data: this replica's shard has {len(blocks)} block(s), too few for {local_size} local "
+                          f"processes (each needs >= 1)",
+                          hint="add data, lower block_size, or lower --procs-per-replica")
+    return shard
+
+
+def _replica_device(device: str, group: LocalGroup | None) -> torch.device:
+    """``device`` resolved; in a multi-process replica each process's own device (``cuda:<local rank>`` or the
+    CPU), and a ``device`` that contradicts it is refused."""
+    import torch
+
+    if group is None:
+        return _resolve_device(device)
+    if device != "auto" and torch.device(device).type != group.device.type:
+        raise ConfigError(f"device {device!r} with {group.size} local processes: each process runs on "
+                          f"{group.device.type} (one GPU per process where CUDA is available)",
+                          hint="use device auto, or --procs-per-replica 1")
+    return group.device
+
+
+def _data_parallel(net: Any, group: LocalGroup | None) -> Any:
+    """The model wrapped in DDP over the replica's local processes (``None`` in a one-process replica)."""
+    if group is None:
+        return None
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(net, device_ids=[group.device.index] if group.device.type == "cuda" else None)
 
 
 # ------------------------------------------------------------------------------------------------ inner step
 def _accumulate(net: Any, train_blocks: torch.Tensor, sampler: BlockSampler, *, grad_accum: int, batch_size: int,
-                device: torch.device, amp_dtype: torch.dtype | None, scaler: Any) -> torch.Tensor:
-    """Forward and backward ``grad_accum`` micro-batches; returns the mean loss (detached, on the device)."""
+                device: torch.device, amp_dtype: torch.dtype | None, scaler: Any, ddp: Any = None) -> torch.Tensor:
+    """Forward and backward ``grad_accum`` micro-batches; returns the mean loss (detached, on the device).
+
+    With ``ddp`` (several local processes) the forward goes through it and the gradients are averaged across the
+    processes once, on the last micro-batch (``no_sync`` before it)."""
+    import contextlib
+
     import torch
 
+    model = ddp if ddp is not None else net
     total = torch.zeros((), device=device)
-    for _ in range(grad_accum):
+    for i in range(grad_accum):
         x = train_blocks[sampler.take(batch_size)].to(device)
-        with _autocast(device, amp_dtype):
-            loss = net(input_ids=x, labels=x).loss / grad_accum
-        (scaler.scale(loss) if scaler is not None else loss).backward()
+        last = i == grad_accum - 1
+        with contextlib.nullcontext() if ddp is None or last else ddp.no_sync():
+            with _autocast(device, amp_dtype):
+                loss = model(input_ids=x, labels=x).loss / grad_accum
+            (scaler.scale(loss) if scaler is not None else loss).backward()
         total += loss.detach()
     return total
 
@@ -269,6 +378,15 @@ class BlockSampler:
             out.append(self._order[self.position])
             self.position += 1
         return out
+
+    def advance(self, count: int) -> None:
+        """Skip ``count`` indices, exactly as ``take(count)`` would (a rejoining replica skips the steps done)."""
+        full, rest = divmod(self.position + count, self.n)
+        if full:
+            self.epoch, self.position = self.epoch + full, rest
+            self._order = self._permutation(self.epoch)
+        else:
+            self.position = rest
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position}

@@ -60,7 +60,7 @@ from diloco.executors.kubernetes.pods import (
     failure_reason,
     job_name_for,
     label_value,
-    parse_gpu,
+    replica_gpus,
     parse_intervals,
     parse_time,
     pending_reason,
@@ -137,7 +137,7 @@ class KubernetesBackend(Backend[KubernetesBackendConfig, KubernetesRunHandle]):
     def _pod_spec(self, spec: LaunchSpec) -> dict[str, Any]:
         """One replica's pod: the container, its identity, and where it may be scheduled."""
         cfg = self.config
-        gpus, product = parse_gpu(spec.gpu)
+        gpus, product = replica_gpus(spec.gpu, spec.entrypoint_args.procs_per_replica)
         pod: dict[str, Any] = {"restartPolicy": "Never", "terminationGracePeriodSeconds": cfg.grace_period_s,
                                "containers": [self._container(spec, gpus)]}
         if cfg.service_account:

@@ -59,6 +59,25 @@ def parse_gpu(gpu: str | None) -> tuple[int, str | None]:
     return int(count), product or None
 
 
+def replica_gpus(gpu: str | None, procs_per_replica: int | None) -> tuple[int, str | None]:
+    """The GPUs one replica pod requests (``nvidia.com/gpu``) and their product: ``parse_gpu``, with one GPU per
+    local process when ``--procs-per-replica K`` is given. ``--gpu TYPE`` alone then means K GPUs of that product;
+    an explicit count must be at least K (each process drives its own GPU), else a ``ConfigError`` naming both.
+    Without ``--gpu`` the pod asks for none and the K processes run on its CPUs (gloo)."""
+    count, product = parse_gpu(gpu)
+    if not count or procs_per_replica is None or procs_per_replica <= 1:
+        return count, product
+    explicit = ":" in str(gpu) or str(gpu).strip().isdigit()
+    if not explicit:
+        return procs_per_replica, product
+    if count < procs_per_replica:
+        raise ConfigError(f"gpu: {gpu} asks for {count} GPU(s) per replica, but --procs-per-replica "
+                          f"{procs_per_replica} runs one process per GPU",
+                          hint=f"ask for {product + ':' if product else ''}{procs_per_replica} GPUs or lower "
+                               f"--procs-per-replica to {count}")
+    return count, product
+
+
 def parse_intervals(text: str | None) -> set[int]:
     """``completedIndexes`` / ``failedIndexes``: ``"0-2,4"`` -> {0, 1, 2, 4}."""
     found: set[int] = set()

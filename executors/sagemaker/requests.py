@@ -1,4 +1,4 @@
-"""Every CreateTrainingJob request is checked before anything is sent: botocore's own validation plus the documented limits botocore does not check."""
+"""Every CreateTrainingJob request is checked before anything is sent: botocore's own validation plus the documented limits botocore does not check, and that the instance has a GPU for each of the replica's local processes (``--procs-per-replica``)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,86 @@ from diloco.executors.sagemaker.config import (
     MAX_RUNTIME_CEILING_S,
     TAGS_MAX,
 )
+
+#: GPUs per SageMaker training instance, by family and size (AWS's instance pages). A family not listed whose name
+#: starts with g or p is a GPU family of a size this table does not know (``instance_gpus`` returns None: not
+#: checked); any other family is a CPU one (0 GPUs: local processes run on its CPUs).
+_GPUS_BY_FAMILY: dict[str, dict[str, int]] = {
+    "g4dn": {"xlarge": 1, "2xlarge": 1, "4xlarge": 1, "8xlarge": 1, "16xlarge": 1, "12xlarge": 4, "metal": 8},
+    "g5": {"xlarge": 1, "2xlarge": 1, "4xlarge": 1, "8xlarge": 1, "16xlarge": 1, "12xlarge": 4, "24xlarge": 4,
+           "48xlarge": 8},
+    "g6": {"xlarge": 1, "2xlarge": 1, "4xlarge": 1, "8xlarge": 1, "16xlarge": 1, "12xlarge": 4, "24xlarge": 4,
+           "48xlarge": 8},
+    "g6e": {"xlarge": 1, "2xlarge": 1, "4xlarge": 1, "8xlarge": 1, "16xlarge": 1, "12xlarge": 4, "24xlarge": 4,
+            "48xlarge": 8},
+    "p3": {"2xlarge": 1, "8xlarge": 4, "16xlarge": 8},
+    "p3dn": {"24xlarge": 8},
+    "p4d": {"24xlarge": 8},
+    "p4de": {"24xlarge": 8},
+    "p5": {"48xlarge": 8},
+    "p5e": {"48xlarge": 8},
+    "p5en": {"48xlarge": 8},
+    "p6-b200": {"48xlarge": 8},
+}
+
+
+def instance_gpus(instance_type: str) -> int | None:
+    """GPUs of an ``ml.<family>.<size>`` training instance: 0 for a CPU family, ``None`` for a GPU size this
+    table does not know."""
+    parts = instance_type.split(".")
+    if len(parts) != 3:
+        return None
+    family, size = parts[1], parts[2]
+    if family in _GPUS_BY_FAMILY:
+        return _GPUS_BY_FAMILY[family].get(size)
+    return None if family[:1] in ("g", "p") else 0
+
+
+def instance_with_gpus(instance_type: str, gpus: int) -> str | None:
+    """The smallest instance of ``instance_type``'s family with at least ``gpus`` GPUs (``ml.g5.xlarge``, 4 ->
+    ``ml.g5.12xlarge``): what ``--gpu A10G --procs-per-replica 4`` should run on. ``None`` if the family has none
+    that large, or is not a GPU family this table knows."""
+    parts = instance_type.split(".")
+    if len(parts) != 3 or parts[1] not in _GPUS_BY_FAMILY:
+        return None
+    sizes = _GPUS_BY_FAMILY[parts[1]]
+    fitting = [size for size, n in sizes.items() if n >= gpus]
+    if not fitting:
+        return None
+    return f"ml.{parts[1]}.{min(fitting, key=lambda size: (sizes[size], _size_rank(size)))}"
+
+
+def _size_rank(size: str) -> float:
+    """``xlarge`` < ``2xlarge`` < ... < ``48xlarge`` < ``metal``: the cheaper size first among equal GPU counts."""
+    number = size.removesuffix("xlarge")
+    return float(number or 1) if number.isdigit() or not number else float("inf")
+
+
+def _procs_argument(request: Mapping[str, Any]) -> int | None:
+    """``--procs-per-replica K`` as the request passes it to the replica entrypoint, if it does."""
+    args = list(request["AlgorithmSpecification"].get("ContainerArguments") or [])
+    for flag, value in zip(args, args[1:], strict=False):
+        if flag == "--procs-per-replica" and value.isdigit():
+            return int(value)
+    return None
+
+
+def check_procs_per_replica(request: Mapping[str, Any], rank: int) -> None:
+    """A GPU instance must have a GPU for each of the replica's local processes (``--procs-per-replica``); a CPU
+    instance runs them on its CPUs (gloo). ``ConfigError`` at plan time, naming the flag, the instance and one
+    that fits."""
+    procs = _procs_argument(request)
+    instance_type = request["ResourceConfig"]["InstanceType"]
+    gpus = instance_gpus(instance_type)
+    if procs is None or procs <= 1 or not gpus or procs <= gpus:
+        return
+    family = instance_type.split(".")[1]
+    bigger = instance_with_gpus(instance_type, procs)
+    fits = f"{bigger} has {instance_gpus(bigger)}" if bigger else f"no {family} size has {procs}"
+    raise ConfigError(f"replica {rank}: --procs-per-replica {procs} needs {procs} GPUs, but {instance_type} has "
+                      f"{gpus} GPU{'s' if gpus > 1 else ''}",
+                      hint=f"lower --procs-per-replica to {gpus}, or pick a larger instance with --instance-type "
+                           f"({fits})")
 
 
 # ---------------------------------------------------------------------------------------------- request checks
@@ -67,6 +147,7 @@ def check_request(request: Mapping[str, Any], rank: int) -> None:
         raise _limit_error(rank, "ResourceConfig.KeepAlivePeriodInSeconds", f"{keep_alive} is outside "
                            f"0..{KEEP_ALIVE_MAX_S}", "set backend.keep_alive_period_s (--keep-alive) within it")
     _check_stopping(request, rank)
+    check_procs_per_replica(request, rank)
     if len(request.get("Tags") or []) > TAGS_MAX:
         raise _limit_error(rank, "Tags", f"{len(request['Tags'])} tags (limit {TAGS_MAX})", "set fewer backend.tags")
     _botocore_validation(request, rank)
