@@ -172,7 +172,7 @@ def _interrupted(view: Any, cancel: bool) -> NoReturn:
         view.cancel()
         say(f"run {run_id} cancelled")
     else:
-        say(f"stopped waiting; run {run_id} keeps running.\n  watch it: diloco status {run_id} --watch\n"
+        say(f"stopped waiting; run {run_id} keeps running.\n  watch it (and relaunch failed replicas): diloco watch {run_id}\n"
             f"  stop it:  diloco cancel {run_id}")
     raise typer.Exit(exit_codes.INTERRUPTED)
 
@@ -325,24 +325,18 @@ def launch(
         f"{record.rendezvous_uri}")
     view = RunView(record, backend_impl, registry=registry)
     if detach:
-        say(f"  status:  diloco status {run_id} --watch\n  logs:    diloco logs {run_id} -f\n"
+        say(f"  watch:   diloco watch {run_id}   (waits, relaunching failed replicas)\n"
+            f"  status:  diloco status {run_id}\n  logs:    diloco logs {run_id} -f\n"
             f"  collect: diloco collect {run_id}\n  cancel:  diloco cancel {run_id}")
         emit(view.report(with_stderr=False), fmt, lambda console: console.print(run_id))
         return
 
     on_ctrl_c = "cancels the run" if cancel_on_interrupt else "stops waiting, the run keeps going"
     say(f"waiting (Ctrl-C {on_ctrl_c}); logs: diloco logs {run_id} -f")
-    try:
-        report, timed_out = _wait(view, timeout_s=None, fail_fast=fail_fast, collect=True, max_restarts=max_restarts)
-    except KeyboardInterrupt:
-        _interrupted(view, cancel_on_interrupt)
-    _print_run(report, fmt)
-    _explain_failures(report)
-    if report.state.value == "succeeded" and report.weights_identical:
-        say(f"write the model with: diloco collect {run_id}")
-    elif report.state.value == "succeeded" and report.weights_identical is None:
-        say(f"the final weights could not be checked: {report.weights_detail}")
-    raise typer.Exit(_outcome_code(report, timed_out))
+    from diloco.cli.watch import wait_and_summarize
+
+    wait_and_summarize(view, fmt=fmt, fail_fast=fail_fast, max_restarts=max_restarts,
+                       cancel_on_interrupt=cancel_on_interrupt)
 
 
 @app.command(epilog=EPILOG)
@@ -567,6 +561,10 @@ housekeeping_commands.register(app, EPILOG)
 from diloco.cli import plot as plot_commands  # noqa: E402 - registers `plot`
 
 plot_commands.register(app, EPILOG)
+
+from diloco.cli import watch as watch_commands  # noqa: E402 - registers `watch` (launch's waiting, for a detached run)
+
+watch_commands.register(app, EPILOG, sys.modules[__name__])
 
 
 # ------------------------------------------------------------------------------------------------ entry

@@ -36,7 +36,7 @@ def output_schema() -> dict[str, Any]:
 
     runs_list: type[BaseModel] = create_model("RunList", runs=(list[RunSummary], ...))
     outputs = {
-        "run": (RunReport, "launch (with or without --detach), status, collect, cancel"),
+        "run": (RunReport, "launch (with or without --detach), watch, status, collect, cancel"),
         "runs": (runs_list, "runs"),
         "plan": (LaunchPlan, "launch --dry-run"),
         "doctor": (DoctorReport, "doctor"),

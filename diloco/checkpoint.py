@@ -190,3 +190,145 @@ class RoundCheckpoints:
         for field, want in (("world_size", self.world_size), ("round", round_number)):
             if marker.get(field) != want:
                 raise CorruptObjectError(f"{source} has {field}={marker.get(field)!r}, expected {want!r}")
+
+
+# ---------------------------------------------------------------------------------------------- inner optimizer state
+#: The inner optimizer's state kept in a backend's local checkpoint directory (``$DILOCO_CHECKPOINT_DIR``).
+INNER_FORMAT = "diloco.inner-optimizer/1"
+INNER_MARKER = "inner_optimizer.json"
+_INNER_DATA = "inner_optimizer.round_{round:06d}.safetensors"
+_INNER_DATA_RE = re.compile(r"^inner_optimizer\.round_(\d{6})\.safetensors$")
+
+
+@dataclass(frozen=True)
+class InnerStateLoad:
+    """What ``InnerOptimizerState.load`` found: the optimizer's ``state_dict`` when it matches, else why not."""
+
+    state: dict[str, object] | None
+    reason: str
+
+
+class InnerOptimizerState:
+    """The inner optimizer's state after each committed round, in a directory that outlives the replica's process.
+
+    Why: a committed round (``RoundCheckpoints``) holds the global state every rank shares; the inner optimizer's
+    state (AdamW's moments and step count) is each rank's own, too big to put in the shared store every round, and
+    lost with the process. Where the backend offers a local directory that survives a restart (SageMaker's
+    ``/opt/ml/checkpoints``, synced to S3 by ``CheckpointConfig`` and restored into a spot restart or a relaunched
+    job; a directory in the run directory on the local backend), the outer loop saves it there after each
+    committed round and a rejoining replica reloads it when it belongs to the committed round it resumes from, so
+    its inner trajectory continues as if it had not died. Any other round's state is ignored (fresh inner state,
+    logged): pairing round N's weights with another round's moments is a different trajectory.
+
+    Layout under ``<dir>/rank_RRRR/``: ``inner_optimizer.round_NNNNNN.safetensors`` (the state's tensors) and
+    ``inner_optimizer.json`` (written last, atomically: the round, run id, rank, the data file's name and SHA-256,
+    the param groups and the non-tensor state). No pickle: tensors in safetensors, everything else JSON.
+    """
+
+    def __init__(self, directory: str, *, run_id: str | None, rank: int) -> None:
+        import os
+
+        self.directory = os.path.join(directory, f"rank_{rank:04d}")
+        self.run_id = run_id or ""
+        self.rank = rank
+
+    # ---------------------------------------------------------------- writing
+    def save(self, round_number: int, state_dict: Mapping[str, object]) -> None:
+        """Save ``optimizer.state_dict()`` as the state after committed round ``round_number``: the data file
+        first, the marker naming it last (both atomically), then the older data files go."""
+        import os
+
+        from safetensors.torch import save
+
+        tensors, scalars = _split_state(state_dict.get("state") or {})  # type: ignore[arg-type]
+        os.makedirs(self.directory, exist_ok=True)
+        name = _INNER_DATA.format(round=round_number)
+        data = save(tensors) if tensors else b""
+        _write_atomically(os.path.join(self.directory, name), data)
+        marker = {"format": INNER_FORMAT, "round": round_number, "run_id": self.run_id, "rank": self.rank,
+                  "data": name, "sha256": hashlib.sha256(data).hexdigest(), "scalars": scalars,
+                  "param_groups": state_dict.get("param_groups") or []}
+        _write_atomically(os.path.join(self.directory, INNER_MARKER), json.dumps(marker, sort_keys=True).encode())
+        for other in os.listdir(self.directory):
+            if _INNER_DATA_RE.match(other) and other != name:
+                try:
+                    os.remove(os.path.join(self.directory, other))
+                except OSError:  # costs disk, not correctness
+                    pass
+
+    # ---------------------------------------------------------------- reading
+    def load(self, round_number: int) -> InnerStateLoad:
+        """The saved state when it is this run's and rank's state after ``round_number``; else ``None`` and why."""
+        import os
+
+        from safetensors.torch import load
+
+        where = os.path.join(self.directory, INNER_MARKER)
+        try:
+            with open(where, "rb") as f:
+                marker = json.loads(f.read())
+        except FileNotFoundError:
+            return InnerStateLoad(None, f"no inner optimizer state was saved in {self.directory}")
+        except (OSError, ValueError) as exc:
+            return InnerStateLoad(None, f"{where} is unreadable: {exc}")
+        if not isinstance(marker, dict) or marker.get("format") != INNER_FORMAT:
+            return InnerStateLoad(None, f"{where} is not a {INNER_FORMAT} marker")
+        for field, want in (("run_id", self.run_id), ("rank", self.rank)):
+            if marker.get(field) != want:
+                return InnerStateLoad(None, f"{where} is for {field} {marker.get(field)!r}, not {want!r}")
+        if marker.get("round") != round_number:
+            return InnerStateLoad(None, f"the saved inner optimizer state is from round {marker.get('round')}, not "
+                                        f"the committed round {round_number} this replica resumes from")
+        data_path = os.path.join(self.directory, str(marker.get("data")))
+        try:
+            with open(data_path, "rb") as f:
+                data = f.read()
+        except OSError as exc:
+            return InnerStateLoad(None, f"{data_path} is unreadable: {exc}")
+        if hashlib.sha256(data).hexdigest() != marker.get("sha256"):
+            return InnerStateLoad(None, f"{data_path} does not match the sha256 in {where}")
+        tensors = load(data) if data else {}
+        return InnerStateLoad({"state": _join_state(tensors, marker.get("scalars") or {}),
+                               "param_groups": marker.get("param_groups") or []},
+                              f"the inner optimizer state of round {round_number} from {self.directory}")
+
+
+def _split_state(state: Mapping[object, Mapping[str, object]]) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
+    """An optimizer's per-parameter state as safetensors tensors (``<param>/<name>``, contiguous CPU copies) and
+    JSON scalars (``{"<param>/<name>": value}``). ``ValueError`` for a value that is neither."""
+    import torch
+
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, object] = {}
+    for param, entries in state.items():
+        for name, value in entries.items():
+            key = f"{param}/{name}"
+            if isinstance(value, torch.Tensor):
+                tensors[key] = value.detach().to("cpu", copy=True).contiguous()
+            elif value is None or isinstance(value, (bool, int, float, str)):
+                scalars[key] = value
+            else:
+                raise ValueError(f"inner optimizer state {key!r} is a {type(value).__name__}: only tensors and "
+                                 f"numbers can be saved without pickle")
+    return tensors, scalars
+
+
+def _join_state(tensors: Mapping[str, object], scalars: Mapping[str, object]) -> dict[int, dict[str, object]]:
+    """``_split_state`` undone: the per-parameter state keyed by parameter index, as ``load_state_dict`` takes it."""
+    state: dict[int, dict[str, object]] = {}
+    for key, value in [*tensors.items(), *scalars.items()]:
+        param, _, name = key.partition("/")
+        state.setdefault(int(param), {})[name] = value
+    return state
+
+
+def _write_atomically(path: str, data: bytes) -> None:
+    """Write ``path`` so a reader (or SageMaker's sync) sees the old file or the new one, never half of one."""
+    import os
+
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

@@ -13,3 +13,8 @@ SM_MODEL_DIR = "SM_MODEL_DIR"  # set by SageMaker; the trainer also writes final
 DILOCO_HOME = "DILOCO_HOME"  # local run registry root, default ~/.diloco
 DILOCO_DEBUG = "DILOCO_DEBUG"  # show tracebacks in the CLI
 DILOCO_S3_URI = "DILOCO_S3_URI"  # default S3 prefix for `diloco smoke` / `doctor`
+RESTART_BACKOFF_S = "DILOCO_RESTART_BACKOFF_S"  # seconds before a failed replica's first relaunch (default 2)
+#: A directory on the replica's own disk that outlives its process (SageMaker: /opt/ml/checkpoints, synced to S3 by
+#: CheckpointConfig; local: a per-rank directory in the run directory). The outer loop keeps the inner optimizer's
+#: state there after each committed round, and a rejoining replica reloads it when it matches (diloco.checkpoint).
+CHECKPOINT_DIR = "DILOCO_CHECKPOINT_DIR"

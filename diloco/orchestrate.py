@@ -5,8 +5,8 @@ renders as a table or JSON; none of them prints, and none names a backend: the b
 (``diloco.executors``) by the config's ``backend.kind``. The replicas' progress comes from the metrics they write to
 the store (``metrics/rank_RRRR.jsonl``), their fate from the backend (``describe``).
 
-There is one wait loop (``RunView.wait``: ``launch``, ``collect``, ``status --watch`` and ``smoke`` use it) and one
-collect flow (``collect``). Fail-fast: replicas meet at every outer round, so once one replica has *failed* the
+There is one wait loop (``RunView.wait``: ``launch``, ``watch``, ``collect``, ``status --watch`` and ``smoke`` use
+it) and one collect flow (``collect``). Fail-fast: replicas meet at every outer round, so once one replica has *failed* the
 others can only wait for it until ``store.timeout_s`` and then fail too; commands that wait on a run therefore stop
 the surviving replicas as soon as one fails, unless told not to.
 """
@@ -224,6 +224,9 @@ def check_trainer(cfg: RunConfig) -> RunConfig:
         raise ConfigError(f"train.trainer: {module_name!r} has no function {fn_name!r}"
                           + (f" (it has: {', '.join(public[:8])})" if public else ""),
                           hint="use --trainer module:function")
+    from diloco.local_group import check_procs_per_replica
+
+    check_procs_per_replica(cfg.train.procs_per_replica, fn, cfg.train.trainer)
     owned = {"total_steps": cfg.train.steps, "sync_every": cfg.train.sync_every, **_mode_kwarg(cfg)}
     checked = check_trainer_kwargs(fn, {**owned, **cfg.train.trainer_kwargs}, world_size=cfg.replicas,
                                    on_this_machine=not cfg.backend.places_replicas)
@@ -286,6 +289,10 @@ def preflight(cfg: RunConfig) -> RunConfig:
     runs it too); returns the config with the trainer's kwargs coerced."""
     cfg = check_trainer(cfg)
     check_rendezvous(rendezvous_for(cfg, "{run_id}"), probe=False)
+    if cfg.metrics.tensorboard is not None:
+        from diloco.tensorboard import check_tensorboard
+
+        check_tensorboard(cfg.metrics.tensorboard, on_this_machine=not cfg.backend.places_replicas)
     return cfg
 
 
@@ -374,6 +381,29 @@ def relaunchable(status: ReplicaStatus) -> bool:
     if status.state != ReplicaState.FAILED or status.timed_out:
         return False
     return status.exit_code is None or status.exit_code >= 128
+
+
+#: The first relaunch's backoff when neither the caller nor ``$DILOCO_RESTART_BACKOFF_S`` says otherwise.
+DEFAULT_RESTART_BACKOFF_S = 2.0
+
+
+def restart_backoff() -> float:
+    """Seconds before a replica's first relaunch (doubled for each further one): ``$DILOCO_RESTART_BACKOFF_S``,
+    else 2 s. A short pause lets a node that is going away finish going; tests and the kill harness set 0."""
+    from diloco.envvars import RESTART_BACKOFF_S
+
+    raw = os.environ.get(RESTART_BACKOFF_S, "").strip()
+    if not raw:
+        return DEFAULT_RESTART_BACKOFF_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{RESTART_BACKOFF_S}: must be a number of seconds (got {raw!r})",
+                          hint=f"e.g. {RESTART_BACKOFF_S}=2, or unset it") from None
+    if not math.isfinite(value) or value < 0:
+        raise ConfigError(f"{RESTART_BACKOFF_S}: must be >= 0 seconds (got {raw!r})",
+                          hint=f"e.g. {RESTART_BACKOFF_S}=2, or unset it")
+    return value
 
 
 class RunView:
@@ -482,16 +512,16 @@ class RunView:
         on_fail_fast: Callable[[ReplicaReport, list[int]], None] | None = None,
         fail_fast: bool = True,
         max_restarts: int = 0,
-        restart_backoff_s: float = 2.0,
+        restart_backoff_s: float | None = None,
         on_relaunch: Callable[[int, int, str], None] | None = None,
     ) -> tuple[RunReport, bool]:
         """Poll until the run's outcome is decided; ``(report, timed_out)``. KeyboardInterrupt propagates.
 
         With ``max_restarts`` > 0 and a backend that ``supports_relaunch``, a replica that failed in a way a restart
         can fix (``relaunchable``: killed, lost) is relaunched for its rank (it rejoins the run at its peers'
-        round, see ``diloco.checkpoint``) up to ``max_restarts`` times,
-        after a backoff of ``restart_backoff_s * 2**restarts``; ``on_relaunch(rank, attempt, reason)`` is told
-        first. While a relaunch is pending the failure is not the run's: no fail-fast, and the peers' all-reduce
+        round, see ``diloco.checkpoint``) up to ``max_restarts`` times, after a backoff of
+        ``restart_backoff_s * 2**restarts`` (default ``restart_backoff()``); ``on_relaunch(rank, attempt, reason)``
+        is told first. While a relaunch is pending the failure is not the run's: no fail-fast, and the peers' all-reduce
         waits past its timeout until the time recorded at ``relaunch/rank_RRRR.json`` (``announce_relaunch``).
 
         Decided means every replica is terminal. With ``fail_fast`` a failure gets the survivors stopped
@@ -501,6 +531,8 @@ class RunView:
         """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         stopping = False
+        if restart_backoff_s is None:
+            restart_backoff_s = restart_backoff()
         relaunch = max_restarts > 0 and self.backend.supports_relaunch
         self._recovering = {}
         while True:

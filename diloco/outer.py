@@ -38,7 +38,9 @@ may legitimately differ.
 Committed rounds and rejoining (when the manager keeps them, as the replica entrypoint's does): after every committed
 round the global state (every fragment's global weights and outer momentum) is committed to the store
 (``manager.commit_round``, ``diloco.checkpoint``); entering the loop in a replica restarted mid-run loads the latest
-one (``manager.rejoin``), sets ``inner_step`` to where the run is and calls the trainer's ``on_rejoin`` hook.
+one (``manager.rejoin``), sets ``inner_step`` to where the run is and calls the trainer's ``on_rejoin`` hook. Where
+the backend offers a checkpoint directory that outlives the process (``$DILOCO_CHECKPOINT_DIR``), the inner
+optimizer's state is saved there after every committed round and restored when it matches the round rejoined at.
 
 Failures are loud: a failed all-reduce raises out of ``inner_optimizer.step()`` (see ``diloco.manager``), and
 so does every later ``step()`` of that outer loop: once a sync failed, this replica's rounds no longer line up
@@ -58,6 +60,8 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
     from torch.utils.hooks import RemovableHandle
+
+    from diloco.checkpoint import InnerOptimizerState
 
 logger = logging.getLogger(__name__)
 
@@ -242,6 +246,7 @@ class DiLoCo:
         model: nn.Module | None = None,
         export_metadata: Mapping[str, str | int] | None = None,
         on_rejoin: Callable[[int], None] | None = None,
+        checkpoint_dir: str | None = None,
     ) -> None:
         from torch import nn
 
@@ -301,6 +306,8 @@ class DiLoCo:
         self._context = ExitStack()
         self.on_rejoin = on_rejoin
         self.rejoined_round: int | None = None  # the committed round this replica rejoined at, if it did
+        self.inner_state_restored = False  # the rejoin also restored the inner optimizer's state of that round
+        self._inner_state = _inner_state_for(manager, checkpoint_dir)
 
     # ---------------------------------------------------------------- context manager
     def __enter__(self) -> DiLoCo:
@@ -356,6 +363,7 @@ class DiLoCo:
         self.rejoined_round = state.round
         self.local_step = 0
         self.inner_step = state.round * self.steps_per_fragment
+        self._restore_inner_state(state.round)
         if self.on_rejoin is not None:
             self.on_rejoin(self.inner_step)
             logger.info("rejoined after round %d at inner step %d; the trainer restored its position",
@@ -364,6 +372,37 @@ class DiLoCo:
             logger.warning("rejoined after round %d at inner step %d with fresh inner state: the trainer passes no "
                            "on_rejoin hook, so its step count and data order restart (its loop must run only the "
                            "remaining steps, from DiLoCo.inner_step)", state.round, self.inner_step)
+
+    def _restore_inner_state(self, round_number: int) -> None:
+        """Load the inner optimizer's state saved after ``round_number`` from the checkpoint directory, when there
+        is one and it matches; otherwise the inner optimizer starts fresh and the log says why."""
+        if self._inner_state is None:
+            return
+        found = self._inner_state.load(round_number)
+        if found.state is None:
+            logger.warning("rejoining after round %d with a fresh inner optimizer state: %s", round_number,
+                           found.reason)
+            return
+        try:
+            self.inner_optimizer.load_state_dict(found.state)
+        except (ValueError, KeyError, RuntimeError) as exc:  # e.g. the trainer's parameter groups changed
+            logger.warning("rejoining after round %d with a fresh inner optimizer state: %s does not fit this "
+                           "optimizer (%s)", round_number, found.reason, exc)
+            return
+        self.inner_state_restored = True
+        logger.info("restored %s", found.reason)
+
+    def _save_inner_state(self) -> None:
+        """After a committed round: keep the inner optimizer's state for a restart of this replica. A failure
+        costs only that (a rejoin then starts the inner optimizer fresh), so it is logged, never raised."""
+        if self._inner_state is None:
+            return
+        round_number = self.manager.current_step()
+        try:
+            self._inner_state.save(round_number, self.inner_optimizer.state_dict())
+        except (OSError, ValueError, TypeError) as exc:
+            logger.warning("could not save the inner optimizer state of round %d in %s: %s", round_number,
+                           self._inner_state.directory, exc)
 
     def _record_the_end(self) -> None:
         """Training ended normally: export the global weights (when the manager has a store), then the
@@ -454,6 +493,7 @@ class DiLoCo:
         commit_round = getattr(self.manager, "commit_round", None)
         if committed and callable(commit_round):
             commit_round(self.round_tensors())
+            self._save_inner_state()
         logger.debug("perform_sync fragment=%d committed=%s step=%d", fragment, committed,
                      self.manager.current_step())
         return committed
@@ -512,6 +552,7 @@ def make_diloco_outer_loop(
     model: nn.Module | None = None,
     export_metadata: Mapping[str, str | int] | None = None,
     on_rejoin: Callable[[int], None] | None = None,
+    checkpoint_dir: str | None = None,
 ) -> DiLoCo:
     """Build the DiLoCo context manager; use as ``with make_diloco_outer_loop(...): <train as usual>``.
 
@@ -528,6 +569,11 @@ def make_diloco_outer_loop(
     and calls it with the number of inner steps the run has done, so the trainer can skip to that step and put
     its data order where it was (the built-in trainer does). Without it the replica still rejoins, with fresh
     inner state, and logs a warning; its loop must then run only the steps from ``DiLoCo.inner_step`` on.
+
+    ``checkpoint_dir`` (default ``$DILOCO_CHECKPOINT_DIR``, which a backend sets where it offers a directory that
+    outlives the process, e.g. SageMaker's ``/opt/ml/checkpoints``): with committed rounds on, the inner
+    optimizer's state is saved there after every committed round and restored on rejoin when it belongs to the
+    round rejoined at (``diloco.checkpoint.InnerOptimizerState``); otherwise the rejoin starts it fresh and logs why.
     """
     return DiLoCo(
         manager=manager,
@@ -542,7 +588,24 @@ def make_diloco_outer_loop(
         model=model,
         export_metadata=export_metadata,
         on_rejoin=on_rejoin,
+        checkpoint_dir=checkpoint_dir,
     )
+
+
+def _inner_state_for(manager: Manager, checkpoint_dir: str | None) -> InnerOptimizerState | None:
+    """Where this replica keeps its inner optimizer's state: only with committed rounds (a manager that commits
+    and rejoins) and a checkpoint directory (the argument, else ``$DILOCO_CHECKPOINT_DIR``)."""
+    import os
+
+    from diloco.envvars import CHECKPOINT_DIR
+
+    directory = checkpoint_dir or os.environ.get(CHECKPOINT_DIR) or None
+    rounds = getattr(manager, "rounds", None)
+    if directory is None or rounds is None or not callable(getattr(manager, "commit_round", None)):
+        return None
+    from diloco.checkpoint import InnerOptimizerState
+
+    return InnerOptimizerState(directory, run_id=getattr(rounds, "run_id", None), rank=getattr(manager, "rank", 0))
 
 
 def _export_names(fragments: Sequence[_Fragment], model: nn.Module | None) -> dict[str, tuple[_Fragment, str]]:

@@ -88,7 +88,7 @@ def test_help_lists_commands_and_exit_codes(home: Path) -> None:
     assert run_cli(home=home).returncode == 0  # bare `diloco` prints the help too
 
 
-@pytest.mark.parametrize("command", ["launch", "status", "logs", "collect", "cancel", "runs", "smoke", "doctor"])
+@pytest.mark.parametrize("command", ["launch", "status", "logs", "collect", "cancel", "runs", "smoke", "doctor", "watch", "plot"])
 def test_every_command_help_has_examples_and_exit_codes(command: str) -> None:
     result = runner.invoke(app, [command, "--help"])
     assert result.exit_code == 0

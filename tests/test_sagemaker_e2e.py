@@ -344,6 +344,39 @@ def test_a_spot_interruption_after_round_1_rejoins_and_the_run_ends_with_identic
     assert any("rank 1 rejoined at step" in line for line in log_lines(f"{run_id}-r1"))
 
 
+def test_a_job_that_fails_after_round_1_is_relaunched_as_a_new_job_and_the_run_ends_with_identical_weights(
+    emulator: SageMakerEmulator, s3_bucket: str, source: Path, home: Path, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 11 through SageMaker, without spot: replica 1's job dies for good (SIGKILL, exit 137: an OOM kill, a lost
+    instance); `diloco watch` creates a new training job for rank 1, which rejoins from the latest committed round,
+    and the run completes with bitwise-identical weights."""
+    import boto3
+
+    monkeypatch.setenv("DILOCO_RESTART_BACKOFF_S", "0")
+    launch = cli(*launch_args(emulator, s3_bucket, source, "--replicas", "2", "--trainer", "pacedtrain:train",
+                              "--steps", "40", "--sync-every", "5", "--detach", "-o", "json"),
+                 home=home, cwd=tmp_path)
+    assert launch.returncode == 0, launch.stderr[-3000:]
+    run_id = json.loads(launch.stdout)["run_id"]
+    committed = f"e2e/{run_id}/committed/round_000001/COMMITTED"
+    s3 = boto3.client("s3")
+    wait_for(lambda: s3.list_objects_v2(Bucket=s3_bucket, Prefix=committed).get("KeyCount", 0) > 0,
+             "round 1 to commit")
+    emulator.crash(f"{run_id}-r1")
+
+    watch = cli("watch", run_id, "-o", "json", home=home, cwd=tmp_path, timeout=240)
+    assert watch.returncode == 0, watch.stderr[-3000:]
+    report = json.loads(watch.stdout)
+    assert report["weights_identical"] is True, report["weights_detail"]
+    assert [r["restarts"] for r in report["ranks"]] == [0, 1]
+    assert [r["job_id"] for r in report["ranks"]] == [f"{run_id}-r0", f"{run_id}-r1-1"]
+    assert "relaunching it (restart 1 of 3)" in watch.stderr, watch.stderr[-3000:]
+    assert describe(f"{run_id}-r1")["FailureReason"].endswith("exit code: 137")
+    assert any("rank 1 rejoined at step" in line for line in log_lines(f"{run_id}-r1-1"))
+    assert processes_of(run_id) == []
+
+
 def test_logs_read_every_page_of_a_long_stream(emulator: SageMakerEmulator, s3_bucket: str) -> None:
     from diloco.executors.base import EntrypointArgs, LaunchSpec
     from diloco.executors.sagemaker import SageMakerBackend, SageMakerBackendConfig

@@ -25,7 +25,8 @@ How a run maps onto SageMaker, and why:
   ``/opt/ml/code`` and execs the entrypoint there. With ``image_uri`` (``--image``) the image must hold diloco
   and the user's code already.
 * **Where things go.** ``<base>`` is ``<rendezvous>/sagemaker`` (or ``<output_s3_uri>/<run_id>``): ``code/``,
-  ``output/`` (``S3OutputPath``: ``output/<job>/output/model.tar.gz``) and, with spot, ``checkpoints/rank_K/``.
+  ``output/`` (``S3OutputPath``: ``output/<job>/output/model.tar.gz``) and ``checkpoints/rank_K/`` (every job:
+  the inner optimizer state a relaunched or restarted job of rank K finds again).
 * **Validated before anything is sent**: botocore's own parameter validation plus the documented limits botocore
   does not check (name pattern and length, at most 100 environment entries of <= 512 characters, container
   arguments of <= 256 characters, ``KeepAlivePeriodInSeconds`` 0..21600, spot's ``MaxWaitTimeInSeconds >=

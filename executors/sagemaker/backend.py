@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from diloco.envvars import CHECKPOINT_DIR
 from diloco.errors import BackendError, ConfigError
 from diloco.executors.base import (
     Backend,
@@ -35,6 +36,7 @@ from diloco.executors.sagemaker.config import (
     CONTAINER_CHECKPOINT_DIR,
     CONTAINER_MODEL_DIR,
     DEFAULT_MAX_RUNTIME_S,
+    JOB_NAME_MAX,
     LOG_GROUP,
     RANK_TAG,
     ROLE_CHECK,
@@ -48,7 +50,7 @@ from diloco.executors.sagemaker.config import (
 )
 from diloco.executors.sagemaker.cost import BOOTSTRAP_S, IMAGE_START_S, estimate_cost_usd, price_per_hour
 from diloco.executors.sagemaker.doctor import check_logs, check_quotas, check_role, check_role_bucket
-from diloco.executors.sagemaker.requests import check_request
+from diloco.executors.sagemaker.requests import check_request, instance_with_gpus
 
 # ---------------------------------------------------------------------------------------------- the backend
 #: SageMaker's primary statuses that decide a job's fate even when its secondary status is one we do not know.
@@ -58,6 +60,32 @@ _COMING_BACK = ("Starting", "Pending", "Downloading", "Restarting", "LaunchingML
                 "PreparingTrainingStack", "DownloadingTrainingImage")
 _EXIT_CODE_RE = re.compile(r"exit code:?\s*(-?\d+)", re.IGNORECASE)
 _NOT_STOPPABLE = ("in status", "not found", "does not exist")
+#: CreateTrainingJob fields a relaunch copies from the failed job's description: the request, minus its name.
+_REQUEST_FIELDS = ("RoleArn", "AlgorithmSpecification", "ResourceConfig", "StoppingCondition", "OutputDataConfig",
+                   "InputDataConfig", "CheckpointConfig", "EnableManagedSpotTraining", "EnableNetworkIsolation",
+                   "EnableInterContainerTrafficEncryption", "Environment", "HyperParameters", "VpcConfig",
+                   "RetryStrategy")
+#: The AlgorithmSpecification fields a request may carry (a description adds e.g. ``EnableSageMakerMetricsTimeSeries``
+#: defaults; only what the request had is sent back).
+_ALGORITHM_FIELDS = ("TrainingImage", "TrainingInputMode", "ContainerEntrypoint", "ContainerArguments",
+                     "AlgorithmName", "MetricDefinitions", "EnableSageMakerMetricsTimeSeries",
+                     "TrainingImageConfig")
+
+
+def attempt_job_name(run_id: str, rank: int, attempt: int) -> str:
+    """The training job of ``rank``'s ``attempt``-th relaunch: ``<run_id>-r<rank>`` first (``job_name``), then
+    ``<run_id>-r<rank>-<attempt>``. SageMaker never reuses a job name, so a relaunch needs a new one; the run id is
+    shortened when needed so the name fits SageMaker's 63 characters and its pattern."""
+    if attempt == 0:
+        return job_name(run_id, rank)
+    suffix = f"-r{rank}-{attempt}"
+    return f"{run_id[: JOB_NAME_MAX - len(suffix)].rstrip('-')}{suffix}"
+
+
+def job_attempt(name: str, rank: int) -> int:
+    """Which attempt of ``rank`` a job name is (0: the job the launch created)."""
+    found = re.search(rf"-r{rank}-(\d+)$", name)
+    return int(found.group(1)) if found else 0
 
 
 def _client_error(exc: BaseException) -> tuple[str, str]:
@@ -78,6 +106,9 @@ class SageMakerBackend(Backend[SageMakerBackendConfig, SageMakerRunHandle]):
     """Replicas as single-instance SageMaker Training Jobs (see the module docstring for the design)."""
 
     name: ClassVar[str] = "sagemaker"
+    #: A replica whose job failed (killed, its instance lost) is relaunched as a new training job for its rank;
+    #: a spot interruption is managed spot's own restart of the same job, never a relaunch.
+    supports_relaunch: ClassVar[bool] = True
     config_type = SageMakerBackendConfig
     handle_type = SageMakerRunHandle
     install_hint = "pip install 'diloco[sagemaker]'"
@@ -160,6 +191,10 @@ class SageMakerBackend(Backend[SageMakerBackendConfig, SageMakerRunHandle]):
                               hint="pass --rendezvous s3://<bucket>/<prefix>/{run_id}")
         region = self.region()
         instance_type = instance_type_for(self.config, spec.gpu)
+        procs = spec.entrypoint_args.procs_per_replica
+        if spec.gpu is not None and procs and procs > 1 and "instance_type" not in self.config.model_fields_set:
+            # --gpu A10G --procs-per-replica 4: the same GPU family, with one GPU per local process.
+            instance_type = instance_with_gpus(instance_type, procs) or instance_type
         image = self.config.image_uri or training_image_uri(region, instance_type, self.config.framework_version,
                                                             self.config.py_version)
         requests = [self._request(spec, rank, region, instance_type, image) for rank in range(spec.replicas)]
@@ -200,12 +235,13 @@ class SageMakerBackend(Backend[SageMakerBackendConfig, SageMakerRunHandle]):
             request["InputDataConfig"] = [{"ChannelName": CODE_CHANNEL, "InputMode": "File", "DataSource": {
                 "S3DataSource": {"S3DataType": "S3Prefix", "S3Uri": f"{base}/code/",
                                  "S3DataDistributionType": "FullyReplicated"}}}]
+        # Every job (spot or not) gets the rank's checkpoint directory, synced to S3 by SageMaker and restored into
+        # a spot restart or a relaunched job: the outer loop keeps the inner optimizer's state there.
+        request["CheckpointConfig"] = {"S3Uri": f"{base}/checkpoints/rank_{rank}", "LocalPath": CONTAINER_CHECKPOINT_DIR}
+        env[CHECKPOINT_DIR] = CONTAINER_CHECKPOINT_DIR
         if self.config.use_spot:
             request["EnableManagedSpotTraining"] = True
             stopping["MaxWaitTimeInSeconds"] = self.config.max_wait_s or max_run
-            request["CheckpointConfig"] = {"S3Uri": f"{base}/checkpoints/rank_{rank}",
-                                           "LocalPath": CONTAINER_CHECKPOINT_DIR}
-            env["DILOCO_CHECKPOINT_DIR"] = CONTAINER_CHECKPOINT_DIR
         elif self.config.max_wait_s is not None:
             stopping["MaxWaitTimeInSeconds"] = self.config.max_wait_s  # check_request explains why not
         return request
@@ -334,14 +370,28 @@ class SageMakerBackend(Backend[SageMakerBackendConfig, SageMakerRunHandle]):
                 continue
             name = handle.job_names[rank]
             desc = self._description(sm, name, summaries.get(name))
-            replicas.append(self._replica_status(rank, name, desc, handle.region or self.region()))
+            earlier = self._earlier_billable_s(sm, handle, rank, summaries)
+            replicas.append(self._replica_status(rank, name, desc, handle.region or self.region(), earlier))
         return RunStatus(run_id=handle.run_id, replicas=replicas)
+
+    def _earlier_billable_s(self, sm: Any, handle: SageMakerRunHandle, rank: int,
+                            summaries: dict[str, dict[str, Any]]) -> float:
+        """The seconds SageMaker billed for the rank's failed jobs before a relaunch: they cost money too, so the
+        replica's billable time and cost include them (each is described once: an ended job does not change)."""
+        total = 0.0
+        for name in self.rank_jobs(handle, rank)[:-1]:
+            try:
+                desc = self._description(sm, name, summaries.get(name))
+            except BackendError:
+                continue
+            total += float((desc or {}).get("BillableTimeInSeconds") or 0)
+        return total
 
     def _summaries(self, sm: Any, handle: SageMakerRunHandle) -> dict[str, dict[str, Any]]:
         """The run's jobs as ListTrainingJobs sees them (every page), by name; {} if listing fails."""
         if not handle.job_names:
             return {}
-        prefix = handle.job_names[0].rsplit("-r", 1)[0]
+        prefix = os.path.commonprefix([n.rsplit("-r", 1)[0] for n in handle.job_names])  # every attempt's
         found: dict[str, dict[str, Any]] = {}
         try:
             for page in sm.get_paginator("list_training_jobs").paginate(NameContains=prefix,
@@ -378,20 +428,26 @@ class SageMakerBackend(Backend[SageMakerBackendConfig, SageMakerRunHandle]):
             return "Interrupted"
         return native
 
-    def _replica_status(self, rank: int, name: str, desc: Mapping[str, Any] | None, region: str) -> ReplicaStatus:
+    def _replica_status(self, rank: int, name: str, desc: Mapping[str, Any] | None, region: str,
+                        earlier_billable_s: float = 0.0) -> ReplicaStatus:
         if desc is None:
             return ReplicaStatus(rank=rank, state=ReplicaState.UNKNOWN, job_id=name,
                                  reason=f"SageMaker has no training job named {name} in {region}")
         primary, secondary = desc.get("TrainingJobStatus"), desc.get("SecondaryStatus")
         state = self.map_state(self.native_state(desc))
         history = desc.get("SecondaryStatusTransitions") or []
-        restarts = sum(1 for t in history if t.get("Status") == "Interrupted")
-        billable = desc.get("BillableTimeInSeconds")
+        relaunches = job_attempt(name, rank)
+        restarts = relaunches + sum(1 for t in history if t.get("Status") == "Interrupted")
         training = desc.get("TrainingTimeInSeconds")
+        own_billable = billable = desc.get("BillableTimeInSeconds")
+        if earlier_billable_s:  # a relaunched rank: its failed jobs were billed too
+            billable = (billable or 0) + earlier_billable_s
         message = history[-1].get("StatusMessage") if history else None
         detail = f"{primary}/{secondary}" + (f": {message}" if message else "")
-        if desc.get("EnableManagedSpotTraining") and billable and training:
-            detail += f"; spot savings {100 * (1 - billable / training):.0f}%"
+        if desc.get("EnableManagedSpotTraining") and own_billable and training:
+            detail += f"; spot savings {100 * (1 - own_billable / training):.0f}%"
+        if relaunches:
+            detail += f"; relaunch {relaunches} (a new job after {relaunches} failed one(s))"
         usd: float | None = None
         source: str | None = None
         if billable:
@@ -436,9 +492,65 @@ class SageMakerBackend(Backend[SageMakerBackendConfig, SageMakerRunHandle]):
     def cancel(self, handle: SageMakerRunHandle, ranks: Sequence[int] | None = None) -> None:
         """StopTrainingJob for the (given) replicas; returns at once. A stopped or finished job is not an error."""
         sm = self.client("sagemaker", handle.region)
-        for rank, name in enumerate(handle.job_names):
+        for rank in range(len(handle.job_names)):
             if ranks is None or rank in ranks:
-                self._stop(sm, name)
+                for name in reversed(self.rank_jobs(handle, rank)):  # the live attempt first
+                    self._stop(sm, name)
+
+    def rank_jobs(self, handle: SageMakerRunHandle, rank: int) -> list[str]:
+        """Every training job ``rank`` has had, oldest first: the launch's, then one per relaunch (the names are
+        derived, so the handle keeps only the current one)."""
+        if rank >= len(handle.job_names):
+            return []
+        current = handle.job_names[rank]
+        return [attempt_job_name(handle.run_id, rank, a) for a in range(job_attempt(current, rank))] + [current]
+
+    # ------------------------------------------------------------------ relaunch
+    def relaunch(self, handle: SageMakerRunHandle, rank: int) -> SageMakerRunHandle:
+        """Create a new training job for ``rank`` after its job failed: the failed job's request (read back with
+        DescribeTrainingJob and ListTags) under the next attempt's name (``attempt_job_name``). The new job gets
+        the same CheckpointConfig, so SageMaker restores the rank's checkpoint directory into it; the replica
+        rejoins from the run's committed rounds. Returns the handle naming the new job, which ``describe``,
+        ``logs`` and ``cancel`` then follow (``cancel`` stops every job the rank has had)."""
+        if rank >= len(handle.job_names):
+            raise BackendError(f"replica {rank} of run {handle.run_id} has no training job to relaunch",
+                               hint="the launch did not get that far; launch the run again")
+        sm = self.client("sagemaker", handle.region)
+        current = handle.job_names[rank]
+        try:
+            desc = sm.describe_training_job(TrainingJobName=current)
+        except Exception as exc:  # noqa: BLE001 - the failed job's request cannot be read back: nothing is created
+            code, message = _client_error(exc)
+            raise BackendError(f"could not read back SageMaker training job {current} to relaunch replica {rank}: "
+                               f"{code}: {message}", hint="check your AWS credentials and region") from exc
+        if desc.get("TrainingJobStatus") in ("InProgress", "Stopping"):
+            raise BackendError(f"replica {rank} of run {handle.run_id} is still running ({current}); it cannot be "
+                               f"relaunched", hint=f"stop it first: diloco cancel {handle.run_id}")
+        request = self._request_of(sm, desc)
+        request["TrainingJobName"] = attempt_job_name(handle.run_id, rank, job_attempt(current, rank) + 1)
+        try:
+            sm.create_training_job(**request)
+        except Exception as exc:  # noqa: BLE001 - every cause is reported the same way, with its code
+            code, message = _client_error(exc)
+            raise BackendError(f"could not relaunch replica {rank} as SageMaker training job "
+                               f"{request['TrainingJobName']}: {code}: {message}",
+                               hint="fix the cause (quota, permissions) and relaunch with `diloco watch "
+                                    f"{handle.run_id}`") from exc
+        names = list(handle.job_names)
+        names[rank] = request["TrainingJobName"]
+        return handle.model_copy(update={"job_names": names})
+
+    @staticmethod
+    def _request_of(sm: Any, desc: Mapping[str, Any]) -> dict[str, Any]:
+        """The CreateTrainingJob request a job was created with, from its description and tags."""
+        # A description spells out every default (False flags, empty maps); the request leaves them out.
+        request = {k: desc[k] for k in _REQUEST_FIELDS if desc.get(k) is not False and desc.get(k) not in (None, {}, [])}
+        algorithm = desc.get("AlgorithmSpecification") or {}
+        request["AlgorithmSpecification"] = {k: algorithm[k] for k in _ALGORITHM_FIELDS if k in algorithm}
+        tags = sm.list_tags(ResourceArn=desc["TrainingJobArn"]).get("Tags") or []
+        if tags:
+            request["Tags"] = tags
+        return request
 
     # ------------------------------------------------------------------ logs
     def replica_logs(self, handle: SageMakerRunHandle, rank: int, *, follow: bool = False,
@@ -447,9 +559,16 @@ class SageMakerBackend(Backend[SageMakerBackendConfig, SageMakerRunHandle]):
         until the job is terminal, then one last read so late lines are not lost."""
         if rank >= len(handle.job_names):
             return
-        name = handle.job_names[rank]
         logs = self.client("logs", handle.region)
-        tokens: dict[str, str | None] = {}
+        *earlier, name = self.rank_jobs(handle, rank)
+        for old in earlier:  # a relaunched rank: its failed jobs' lines first (they say why it was relaunched)
+            tokens: dict[str, str | None] = {stream: None for stream in self._streams(logs, old)}
+            for stream in sorted(tokens, key=_stream_order):
+                for event in self._read_stream(logs, stream, tokens):
+                    ts = event["timestamp"] / 1000.0
+                    if since is None or ts >= since:
+                        yield LogRecord(ts, rank, "out", event["message"].rstrip("\n"))
+        tokens = {}
         while True:
             terminal = not follow or self.describe(handle).replica(rank).state.is_terminal
             for stream in self._streams(logs, name):
@@ -508,11 +627,12 @@ class SageMakerBackend(Backend[SageMakerBackendConfig, SageMakerRunHandle]):
         for page in sm.get_paginator("list_training_jobs").paginate(NameContains="-r",
                                                                      PaginationConfig={"PageSize": 100}):
             for summary in page.get("TrainingJobSummaries", []):
-                found = re.match(r"^(?P<run>.+)-r(?P<rank>\d+)$", summary["TrainingJobName"])
+                found = re.match(r"^(?P<run>.+)-r(?P<rank>\d+)(?:-(?P<attempt>\d+))?$", summary["TrainingJobName"])
                 if found:
                     runs.setdefault(found.group("run"), []).append(summary)
         out = []
-        for run_id, jobs in sorted(runs.items()):
+        for run_id, every in sorted(runs.items()):
+            jobs = _latest_attempts(every)
             states = [self.map_state(self.native_state(j)) for j in jobs]
             out.append(RunListing(run_id=run_id, backend=self.name, state=RunState.of(states), replicas=len(jobs),
                                   created_at=min((_ts(j.get("CreationTime")) or 0.0) for j in jobs)))
@@ -527,6 +647,19 @@ class SageMakerBackend(Backend[SageMakerBackendConfig, SageMakerRunHandle]):
         ctx.results[ROLE_CHECK] = checks[0]
         return [*checks, check_role_bucket(ctx), check_logs(ctx), check_image(ctx, ctx.option("image_uri")),
                 *check_quotas(ctx)]
+
+
+def _latest_attempts(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One job per rank, its latest attempt (a relaunched rank has several jobs; the newest decides its state)."""
+    latest: dict[str, tuple[int, dict[str, Any]]] = {}
+    for summary in summaries:
+        found = re.search(r"-r(\d+)(?:-(\d+))?$", summary["TrainingJobName"])
+        if found is None:
+            continue
+        attempt = int(found.group(2) or 0)
+        if found.group(1) not in latest or attempt > latest[found.group(1)][0]:
+            latest[found.group(1)] = (attempt, summary)
+    return [summary for _, summary in latest.values()]
 
 
 def _stream_order(stream: str) -> tuple[int, str]:

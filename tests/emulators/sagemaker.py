@@ -16,7 +16,8 @@ credential scope, the signature itself is not checked) and answers with the serv
 
 Each job runs as a local process (``sagemaker_job.TrainingJob`` documents exactly what it gets and does), with
 S3 input channels, checkpoints, artifacts and CloudWatch Logs on an S3/Logs endpoint (the tests' moto server, or
-an embedded one). Fault knobs for tests: ``throttle``, ``refuse_create``, ``set_instance_limit``, ``interrupt``.
+an embedded one). Fault knobs for tests: ``throttle``, ``refuse_create``, ``set_instance_limit``, ``interrupt`` (a spot
+reclaim: the job comes back), ``crash`` (the job fails for good).
 
 Use from tests::
 
@@ -201,6 +202,10 @@ class SageMakerEmulator:
         """Reclaim the spot instance under a training job: SIGKILL, ``Interrupted``, then a restart after
         ``restart_delay_s`` (with ``hold``, only once ``resume(name)`` is called)."""
         self.job(name).interrupt(hold=hold)
+
+    def crash(self, name: str) -> None:
+        """Fail a training job for good while it trains (SIGKILL: exit code 137, ``Failed``; not restarted)."""
+        self.job(name).crash()
 
     def resume(self, name: str) -> None:
         """Let a job held in ``Interrupted`` come back."""

@@ -25,6 +25,8 @@ goes through the service's life cycle on a thread of its own and does for real w
   real service) and end ``Stopped`` (secondary ``Stopped`` / ``MaxRuntimeExceeded``); ``MaxWaitTimeInSeconds``
   (spot) ends ``Stopped`` / ``MaxWaitTimeExceeded``. When the main process ends, the rest of its process group is
   killed, as everything in a container dies with it.
+* Crash (a fault knob, ``crash``): the container's processes are SIGKILLed (an OOM kill, a lost instance); the
+  job ends ``Failed`` with exit code 137 and is not restarted: a new job is the launcher's business.
 * Spot interruption (a fault knob): SIGKILL, the checkpoint directory's last state synced, secondary status
   ``Interrupted``, then a new "instance": ``Restarting`` -> ``Downloading`` (checkpoints restored into a fresh
   ``/opt/ml``) -> ``Training``. (The developer guide's older text shows ``Starting`` where this shows
@@ -210,6 +212,15 @@ class TrainingJob:
             else:
                 self._resume.set()
             self._interrupt.set()
+
+    def crash(self) -> None:
+        """Fault knob: the job fails for good while training, as when the OOM killer or a lost instance takes the
+        container: its processes get SIGKILL and the job ends ``Failed`` with "AlgorithmError: , exit code: 137".
+        Unlike a spot interruption, SageMaker does not bring it back (with managed spot or without)."""
+        with self._lock:
+            if self.status != "InProgress" or self.secondary != "Training" or self.process is None:
+                raise ValueError(f"{self.name} is not training (status {self.status}/{self.secondary})")
+        self._kill_group(signal.SIGKILL)
 
     def resume(self) -> None:
         """Let a job held in ``Interrupted`` (``interrupt(hold=True)``) restart."""
@@ -609,9 +620,12 @@ class TrainingJob:
     def _local_state(directory: Path) -> dict[str, tuple[int, int]]:
         state: dict[str, tuple[int, int]] = {}
         for path in directory.rglob("*"):
-            if path.is_file():
-                st = path.stat()
-                state[path.relative_to(directory).as_posix()] = (st.st_mtime_ns, st.st_size)
+            try:
+                if path.is_file():
+                    st = path.stat()
+                    state[path.relative_to(directory).as_posix()] = (st.st_mtime_ns, st.st_size)
+            except FileNotFoundError:  # renamed or deleted while listed: the next sync sees what replaced it
+                continue
         return state
 
     def _sync_checkpoints(self, opt_ml: Path) -> None:
@@ -622,9 +636,12 @@ class TrainingJob:
         bucket, prefix = split_s3_uri(self.request["CheckpointConfig"]["S3Uri"])
         prefix = prefix.rstrip("/")
         current = self._local_state(local)
-        for rel, stamp in current.items():
+        for rel, stamp in list(current.items()):
             if self._checkpoint_state.get(rel) != stamp:
-                self.rt.s3.upload_file(str(local / rel), bucket, f"{prefix}/{rel}" if prefix else rel)
+                try:
+                    self.rt.s3.upload_file(str(local / rel), bucket, f"{prefix}/{rel}" if prefix else rel)
+                except FileNotFoundError:  # written and renamed away since the listing (a temporary file): the
+                    del current[rel]       # training process owns the directory; the sync only follows it
         for rel in set(self._checkpoint_state) - set(current):
             self.rt.s3.delete_object(Bucket=bucket, Key=f"{prefix}/{rel}" if prefix else rel)
         self._checkpoint_state = current

@@ -1,0 +1,94 @@
+"""``diloco watch RUN``: wait on a detached run exactly as ``launch`` waits on the run it starts.
+
+Why a command of its own: ``launch --detach`` returns at once, and nothing then relaunches a replica that is killed or
+preempted; ``status --watch`` only observes. ``watch`` is the launcher's waiting half for a run started elsewhere (or
+by a ``launch`` whose terminal went away): the same live progress, the same relaunch of failed replicas with
+``--max-restarts`` and backoff (``diloco.orchestrate.RunView.wait``), the same summary, weights check and exit
+code. Ctrl-C stops watching and never the run.
+
+``wait_and_summarize`` is the one function that waits on a run and ends the command the way ``launch`` does; a
+``launch`` that does not detach is the same thing after submitting.
+"""
+
+from types import ModuleType
+from typing import Annotated, Any, NoReturn
+
+import typer
+
+from diloco.cli.errors import command
+from diloco.cli.render import FormatOpt, OutputFormat, say
+
+#: The same default as ``launch --max-restarts``: a replica is relaunched up to three times.
+DEFAULT_MAX_RESTARTS = 3
+
+#: The CLI's main module (``diloco.cli.main``, or ``__main__`` under ``python -m diloco.cli.main``), set by
+#: ``register``: its ``_wait``, ``_print_run`` ... are launch's own, reused here rather than copied.
+_main: ModuleType | None = None
+
+
+def wait_and_summarize(view: Any, *, fmt: OutputFormat, fail_fast: bool, max_restarts: int,
+                       cancel_on_interrupt: bool = False) -> NoReturn:
+    """Wait on the run with live progress, relaunching failed replicas (up to ``max_restarts`` each), then print
+    the summary and exit with ``launch``'s code: 0 only when every replica succeeded and the final weights agree.
+
+    Ctrl-C stops waiting (``launch --cancel-on-interrupt`` cancels instead) and exits 130.
+    """
+    main = _cli_main()
+    try:
+        report, timed_out = main._wait(view, timeout_s=None, fail_fast=fail_fast, collect=True, max_restarts=max_restarts)
+    except KeyboardInterrupt:
+        main._interrupted(view, cancel_on_interrupt)
+    run_id = view.record.run_id
+    main._print_run(report, fmt)
+    main._explain_failures(report)
+    if report.state.value == "succeeded" and report.weights_identical:
+        say(f"write the model with: diloco collect {run_id}")
+    elif report.state.value == "succeeded" and report.weights_identical is None:
+        say(f"the final weights could not be checked: {report.weights_detail}")
+    raise typer.Exit(main._outcome_code(report, timed_out))
+
+
+def _cli_main() -> ModuleType:
+    if _main is None:
+        import diloco.cli.main as main
+
+        return main
+    return _main
+
+
+def watch(
+    run: Annotated[str | None, typer.Argument(help="Run id, a unique part of one (e.g. its 4-hex suffix), or "
+                                                   "'latest' (default).", metavar="RUN", show_default=False)] = None,
+    max_restarts: Annotated[int, typer.Option("--max-restarts", min=0, help="Relaunch a failed replica up to N "
+                                              "times while watching (it rejoins at its peers' round); 0 never.",
+                                              metavar="N")] = DEFAULT_MAX_RESTARTS,
+    fail_fast: Annotated[bool, typer.Option(help="Stop the other replicas as soon as one fails for good.")] = True,
+    fmt: FormatOpt = OutputFormat.table,
+) -> None:
+    """Wait on a run (e.g. one launched with --detach) as launch does: live progress, relaunch of failed or
+    preempted replicas, then the summary and launch's exit code. Ctrl-C stops watching, never the run.
+
+    \b
+    Examples:
+      diloco watch                      # the latest run; relaunches a killed replica up to 3 times
+      diloco watch 7c98 --max-restarts 5 -o json
+      diloco launch -c configs/local.yaml --detach && diloco watch
+    """
+    main = _cli_main()
+    view = main._view(run)
+    run_id = view.record.run_id
+    try:  # from here on, Ctrl-C at any moment only stops watching
+        if view.final_state is not None:
+            say(f"run {run_id} has already ended ({view.final_state.value}); its summary:")
+        else:
+            say(f"watching {run_id} (Ctrl-C stops watching, the run keeps going); logs: diloco logs {run_id} -f")
+        wait_and_summarize(view, fmt=fmt, fail_fast=fail_fast, max_restarts=max_restarts)
+    except KeyboardInterrupt:
+        main._interrupted(view, False)
+
+
+def register(app: typer.Typer, epilog: str, main: ModuleType) -> None:
+    """Add ``watch`` to the CLI; ``main`` is the CLI's main module, whose waiting helpers ``watch`` shares."""
+    global _main
+    _main = main
+    app.command(epilog=epilog)(command(watch))
