@@ -11,6 +11,14 @@ Two readers, on purpose:
 * ``decode`` also accepts plain safetensors (``safetensors.torch.save_file``, ``save_pretrained``: no checksum,
   perhaps ``format: pt``), which is what a trainer that exports its own final weights writes. Our checksum is
   still verified whenever it is present, so a corrupted object of ours is a ``CorruptObjectError`` either way.
+
+Streamed, range-verifiable objects (``encode_stream``): the same safetensors file, produced as a header plus views
+of the tensors' memory (never one joined buffer), whose metadata also carries a SHA-256 per ``chunk_bytes`` of the
+data section and a digest of the tensor table. A reader can then fetch the header (``read_header``, 1-2 ranged
+GETs) and any byte range of the data (``read_data``, one ranged GET widened to whole chunks and verified), and view
+the tensors it covers in place (``tensors_from_data``): a shard of a multi-GB contribution is read, verified and
+accumulated without ever materialising the whole object. ``decode_tensors``/``decode`` read a streamed object like
+any other, verifying its chunk digests in place of the whole-object checksum.
 """
 
 from __future__ import annotations
@@ -18,7 +26,9 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import json
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from diloco.errors import CorruptObjectError
@@ -26,9 +36,27 @@ from diloco.errors import CorruptObjectError
 if TYPE_CHECKING:
     import torch
 
+    from diloco.store import ObjectStore
+
 FORMAT = "diloco.tensors/1"
 _CHECKSUM_KEY = "sha256"
 _FORMAT_KEY = "format"
+_CHUNK_BYTES_KEY = "chunk_bytes"
+_CHUNK_DIGESTS_KEY = "chunk_sha256"  # comma-separated hex digests, one per chunk of the data section
+_LAYOUT_KEY = "layout_sha256"  # digest of the tensor table and the chunk digests: a flipped header bit is caught
+
+#: Default verification granularity of streamed objects: a ranged read fetches at most one extra chunk at each
+#: end, and the header holds 64 hex characters per chunk (16 KiB of header per GiB of data).
+CHUNK_BYTES = 4 * 2**20
+#: The first ranged GET of ``read_header``; a header larger than this costs one more.
+HEADER_PROBE_BYTES = 64 * 2**10
+
+#: safetensors dtype names (only those torch and safetensors share).
+_DTYPE_NAMES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
+    "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "U16": "uint16", "U32": "uint32",
+    "U64": "uint64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+}
 
 
 def tensor_digest(tensors: Mapping[str, torch.Tensor]) -> str:
@@ -75,9 +103,7 @@ def decode_tensors(
         raise CorruptObjectError(f"{source} is not a readable safetensors object ({len(data)} bytes): {exc}") from exc
     if meta.get(_FORMAT_KEY) != FORMAT:
         raise CorruptObjectError(f"{source} has format {meta.get(_FORMAT_KEY)!r}, expected {FORMAT!r}")
-    digest = tensor_digest(tensors)
-    if meta.get(_CHECKSUM_KEY) != digest:
-        raise CorruptObjectError(f"{source} failed its checksum (stored {meta.get(_CHECKSUM_KEY)}, computed {digest})")
+    _verify_checksum(data, tensors, meta, source)
     for key, want in (expect or {}).items():
         if meta.get(key) != str(want):
             raise CorruptObjectError(f"{source} has {key}={meta.get(key)!r}, expected {str(want)!r}")
@@ -101,19 +127,32 @@ def decode(
     except Exception as exc:  # safetensors raises its own error types for malformed bytes
         raise CorruptObjectError(f"{source} is not a readable safetensors object ({len(data)} bytes): {exc}") from exc
     if _CHECKSUM_KEY in meta or meta.get(_FORMAT_KEY) == FORMAT:  # ours: the checksum must be there and match
-        digest = tensor_digest(tensors)
-        if meta.get(_CHECKSUM_KEY) != digest:
-            raise CorruptObjectError(
-                f"{source} failed its checksum (stored {meta.get(_CHECKSUM_KEY)}, computed {digest})")
+        _verify_checksum(data, tensors, meta, source)
     for key, want in (expect or {}).items():
         if meta.get(key) != str(want):
             raise CorruptObjectError(f"{source} has {key}={meta.get(key)!r}, expected {str(want)!r}")
     return tensors, meta
 
 
+def _verify_checksum(data: bytes, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str], source: str) -> None:
+    """Our object's integrity: the whole-object SHA-256 (``encode_tensors``) or, for a streamed object
+    (``encode_stream``), its layout digest and every chunk digest over the raw data section."""
+    if _CHECKSUM_KEY not in meta and _CHUNK_DIGESTS_KEY in meta:
+        n = int.from_bytes(data[:8], "little")
+        header = _parse_header(json.loads(data[8 : 8 + n]), key=source, data_offset=8 + n)
+        if len(data) != header.data_offset + header.data_size:
+            raise CorruptObjectError(f"{source} has {len(data)} bytes, its header says "
+                                     f"{header.data_offset + header.data_size}")
+        _verify_chunks(header, memoryview(data)[header.data_offset :], 0)
+        return
+    digest = tensor_digest(tensors)
+    if meta.get(_CHECKSUM_KEY) != digest:
+        raise CorruptObjectError(f"{source} failed its checksum (stored {meta.get(_CHECKSUM_KEY)}, computed {digest})")
+
+
 def has_checksum(metadata: Mapping[str, str]) -> bool:
     """Whether an object's metadata carries our checksum (so ``decode`` verified its tensors bit for bit)."""
-    return _CHECKSUM_KEY in metadata
+    return _CHECKSUM_KEY in metadata or _CHUNK_DIGESTS_KEY in metadata
 
 
 def _read_metadata(data: bytes) -> dict[str, str]:
@@ -125,3 +164,278 @@ def _read_metadata(data: bytes) -> dict[str, str]:
         raise ValueError(f"header of {n} bytes runs past the end")
     header = json.loads(data[8 : 8 + n])
     return dict(header.get("__metadata__") or {})
+
+
+# ---------------------------------------------------------------------------------------------- streamed objects
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor lives in an object's data section: bytes ``[begin, end)``."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class ObjectHeader:
+    """The parsed, verified header of a streamed object (``encode_stream``)."""
+
+    key: str  # where it was read from, for messages
+    data_offset: int  # where the data section starts in the object
+    tensors: dict[str, TensorEntry]  # in data-section order
+    metadata: dict[str, str]
+    chunk_bytes: int
+    digests: tuple[str, ...]  # SHA-256 of each chunk of the data section
+
+    @property
+    def data_size(self) -> int:
+        """Bytes in the data section (the object is ``data_offset + data_size`` bytes)."""
+        return max((e.end for e in self.tensors.values()), default=0)
+
+    def chunk_aligned(self, begin: int, end: int) -> tuple[int, int]:
+        """``[begin, end)`` widened to whole chunks (the last chunk may be short), so it can be verified."""
+        if not 0 <= begin <= end <= self.data_size:
+            raise ValueError(f"range [{begin}, {end}) is outside the data section [0, {self.data_size})")
+        c = self.chunk_bytes
+        return (begin // c) * c, min(-(-end // c) * c, self.data_size)
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    if name not in _DTYPE_NAMES or not hasattr(torch, _DTYPE_NAMES[name]):
+        raise ValueError(f"unsupported dtype {name!r}")
+    return getattr(torch, _DTYPE_NAMES[name])
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    for name, torch_name in _DTYPE_NAMES.items():
+        if str(dtype) == f"torch.{torch_name}":
+            return name
+    raise TypeError(f"dtype {dtype} cannot be stored in safetensors")
+
+
+def _raw_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy (valid while ``t`` is alive)."""
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B")
+
+
+def _layout_digest(table: Mapping[str, object], digests: str, chunk_bytes: int) -> str:
+    text = json.dumps([sorted((k, v) for k, v in table.items()), digests, chunk_bytes], sort_keys=True,
+                      default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def encode_stream(
+    tensors: Mapping[str, torch.Tensor],
+    metadata: Mapping[str, str | int] | None = None,
+    *,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> tuple[int, Iterator[memoryview | bytes]]:
+    """``(total size, chunks)`` of a safetensors object whose data is never copied into one buffer.
+
+    The header (our format tag, the caller's metadata, a SHA-256 per ``chunk_bytes`` of the data section and a
+    digest of the tensor table, which together replace the whole-object checksum: ``decode_tensors`` verifies
+    them instead) comes first, then each tensor's bytes as views of at most ``chunk_bytes``. Tensors are laid
+    out by element size, largest first (as safetensors does), so each starts aligned to its element size. CPU
+    contiguous tensors are not copied; others are copied once to the CPU. The data is hashed once, before the
+    first byte is produced; the caller's tensors must not change until the iterator is exhausted."""
+    if chunk_bytes <= 0 or chunk_bytes % 8:
+        raise ValueError(f"chunk_bytes must be a positive multiple of 8, got {chunk_bytes}")
+    cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
+    order = sorted(cpu, key=lambda n: (-cpu[n].element_size(), n))
+    table: dict[str, object] = {}
+    offset = 0
+    for name in order:
+        t = cpu[name]
+        nbytes = t.numel() * t.element_size()
+        table[name] = {"dtype": _dtype_name(t.dtype), "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    views = [_raw_view(cpu[name]) for name in order]
+    digests = ",".join(_chunk_digests(views, chunk_bytes))
+    meta = {k: str(v) for k, v in (metadata or {}).items()}
+    meta[_FORMAT_KEY] = FORMAT
+    meta[_CHUNK_BYTES_KEY] = str(chunk_bytes)
+    meta[_CHUNK_DIGESTS_KEY] = digests
+    meta[_LAYOUT_KEY] = _layout_digest(table, digests, chunk_bytes)
+    header = json.dumps({**table, "__metadata__": meta}, separators=(",", ":")).encode()
+    header += b" " * (-(8 + len(header)) % 8)  # the data section starts 8-aligned, as safetensors writes it
+    prefix = len(header).to_bytes(8, "little") + header
+    total = len(prefix) + offset
+
+    def chunks() -> Iterator[memoryview | bytes]:
+        keep_alive = cpu  # the views point into these tensors' memory
+        yield prefix
+        for view in views:
+            for i in range(0, len(view), chunk_bytes):
+                yield view[i : i + chunk_bytes]
+        del keep_alive
+
+    return total, chunks()
+
+
+def _chunk_digests(views: list[memoryview], chunk_bytes: int) -> list[str]:
+    """SHA-256 of each ``chunk_bytes`` piece of the concatenation of ``views`` (never concatenated)."""
+    digests: list[str] = []
+    h = hashlib.sha256()
+    filled = 0
+    for view in views:
+        pos = 0
+        while pos < len(view):
+            n = min(len(view) - pos, chunk_bytes - filled)
+            h.update(view[pos : pos + n])
+            pos += n
+            filled += n
+            if filled == chunk_bytes:
+                digests.append(h.hexdigest())
+                h, filled = hashlib.sha256(), 0
+    if filled:
+        digests.append(h.hexdigest())
+    return digests
+
+
+def read_header(store: ObjectStore, key: str) -> ObjectHeader:
+    """The verified header of the streamed object at ``key`` (1 ranged GET, 2 when the header is large).
+
+    ``CorruptObjectError`` naming the key when it is not a streamed object of ours or its header does not add up;
+    ``ObjectNotFound`` when it does not exist."""
+    return _header_from_prefix(store, key, store.get_range(key, 0, HEADER_PROBE_BYTES), HEADER_PROBE_BYTES)
+
+
+def _header_from_prefix(store: ObjectStore, key: str, prefix: bytearray, asked: int) -> ObjectHeader:
+    """Parse the header from the object's first bytes (``asked`` were asked for; fewer mean the object ended);
+    one more ranged GET when the header runs past them."""
+    source = store.url(key)
+    if len(prefix) < 8:
+        raise CorruptObjectError(f"{source} is too short for a safetensors header ({len(prefix)} bytes)")
+    n = int.from_bytes(prefix[:8], "little")
+    if n > 100 * 2**20:
+        raise CorruptObjectError(f"{source} claims a header of {n} bytes")
+    raw = prefix[8 : 8 + n]
+    if len(raw) < n and len(prefix) == asked:
+        raw += store.get_range(key, asked, 8 + n)
+    if len(raw) != n:
+        raise CorruptObjectError(f"{source} ends inside its header ({8 + len(raw)} of {8 + n} bytes)")
+    try:
+        return _parse_header(json.loads(bytes(raw)), key=source, data_offset=8 + n)
+    except CorruptObjectError:
+        raise
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise CorruptObjectError(f"{source} has an unreadable header: {exc}") from exc
+
+
+def read_object(store: ObjectStore, key: str, *, data_bytes_hint: int = 0) -> tuple[ObjectHeader, memoryview]:
+    """A whole streamed object, verified, in ONE ranged GET when ``data_bytes_hint`` is at least its data size
+    (the header's size need not be known: the first ``HEADER_PROBE_BYTES`` beyond the hint cover it); a second
+    GET fetches what the hint left out. -> (header, the data section as a view of the one buffer it was read
+    into: no copy, writable). For small objects read whole (a reduced shard, a checkpoint), where ``get`` +
+    ``decode_tensors`` would hold the object two or three times. ``CorruptObjectError`` naming the key when a
+    chunk fails its digest or the object is truncated."""
+    asked = data_bytes_hint + HEADER_PROBE_BYTES
+    raw = store.get_range(key, 0, asked)
+    header = _header_from_prefix(store, key, raw, asked)
+    end = header.data_offset + header.data_size
+    if len(raw) < end and len(raw) == asked:  # the hint was short: fetch the rest, once
+        raw += store.get_range(key, asked, end)
+    if len(raw) < end:
+        raise CorruptObjectError(f"{header.key} is truncated: {len(raw)} of {end} bytes")
+    data = memoryview(raw)[header.data_offset : end]
+    _verify_chunks(header, data, 0)
+    return header, data
+
+
+def _parse_header(header: dict[str, object], *, key: str, data_offset: int) -> ObjectHeader:
+    meta = {str(k): str(v) for k, v in dict(header.pop("__metadata__", None) or {}).items()}  # type: ignore[call-overload]
+    if meta.get(_FORMAT_KEY) != FORMAT:
+        raise CorruptObjectError(f"{key} has format {meta.get(_FORMAT_KEY)!r}, expected {FORMAT!r}")
+    if _CHUNK_DIGESTS_KEY not in meta or _CHUNK_BYTES_KEY not in meta:
+        raise CorruptObjectError(f"{key} carries no chunk digests: it was not written by encode_stream")
+    digests = meta[_CHUNK_DIGESTS_KEY]
+    chunk_bytes = int(meta[_CHUNK_BYTES_KEY])
+    if meta.get(_LAYOUT_KEY) != _layout_digest(header, digests, chunk_bytes):
+        raise CorruptObjectError(f"{key} failed its header checksum ({_LAYOUT_KEY})")
+    entries: dict[str, TensorEntry] = {}
+    expected_begin = 0
+    for name, spec in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):  # type: ignore[index]
+        begin, end = (int(x) for x in spec["data_offsets"])  # type: ignore[index]
+        entry = TensorEntry(_torch_dtype(spec["dtype"]), tuple(int(d) for d in spec["shape"]), begin, end)  # type: ignore[index]
+        if begin != expected_begin or end - begin != entry.numel * _itemsize(entry.dtype):
+            raise CorruptObjectError(f"{key}: tensor {name!r} has inconsistent offsets [{begin}, {end})")
+        entries[name] = entry
+        expected_begin = end
+    digest_list = tuple(digests.split(",")) if digests else ()
+    if len(digest_list) != -(-expected_begin // chunk_bytes):
+        raise CorruptObjectError(f"{key} has {len(digest_list)} chunk digests for {expected_begin} data bytes")
+    return ObjectHeader(key=key, data_offset=data_offset, tensors=entries, metadata=meta, chunk_bytes=chunk_bytes,
+                        digests=digest_list)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return dtype.itemsize
+
+
+def read_data(store: ObjectStore, key: str, header: ObjectHeader, begin: int, end: int) -> bytearray | memoryview:
+    """Bytes ``[begin, end)`` of the data section in one ranged GET, verified against the chunk digests.
+
+    The range is widened to whole chunks to verify it, then trimmed: the result is the fetched buffer itself
+    when ``[begin, end)`` is chunk-aligned, else a memoryview of it (no copy either way). ``CorruptObjectError``
+    naming the key when a chunk does not match its digest or the object ends early."""
+    lo, hi = header.chunk_aligned(begin, end)
+    if lo == hi:
+        return bytearray()
+    raw = store.get_range(key, header.data_offset + lo, header.data_offset + hi)
+    if len(raw) != hi - lo:
+        raise CorruptObjectError(f"{header.key} is truncated: data bytes [{lo}, {hi}) returned {len(raw)} bytes")
+    _verify_chunks(header, memoryview(raw), lo)
+    if lo == begin and hi == end:
+        return raw
+    return memoryview(raw)[begin - lo : end - lo]
+
+
+def _verify_chunks(header: ObjectHeader, data: memoryview, lo: int) -> None:
+    """Check the whole chunks held in ``data`` (data-section bytes from ``lo``, a chunk boundary)."""
+    c = header.chunk_bytes
+    hi = lo + len(data)
+    for i in range(lo // c, -(-hi // c)):
+        piece = data[i * c - lo : min((i + 1) * c, hi) - lo]
+        if hashlib.sha256(piece).hexdigest() != header.digests[i]:
+            raise CorruptObjectError(f"{header.key} failed the checksum of data chunk {i} (bytes [{i * c}, "
+                                     f"{min((i + 1) * c, hi)}))")
+
+
+def tensors_from_data(
+    header: ObjectHeader, data: bytes | bytearray | memoryview, begin: int, end: int
+) -> dict[str, tuple[int, torch.Tensor]]:
+    """The (possibly partial) tensors that data-section bytes ``[begin, end)`` (held in ``data``) cover.
+
+    ``name -> (element offset inside the tensor, flat 1-D view of those elements)``, without a copy: the views
+    share ``data``'s memory (read-only when ``data`` is ``bytes``: do not write into them). Tensors with no
+    element in the range are left out. ``ValueError`` when the range splits an element."""
+    import torch
+
+    if len(data) != end - begin:
+        raise ValueError(f"data holds {len(data)} bytes for the range [{begin}, {end})")
+    out: dict[str, tuple[int, torch.Tensor]] = {}
+    for name, entry in header.tensors.items():
+        lo, hi = max(begin, entry.begin), min(end, entry.end)
+        if hi <= lo:
+            continue
+        size = _itemsize(entry.dtype)
+        if (lo - entry.begin) % size or (hi - lo) % size:
+            raise ValueError(f"range [{begin}, {end}) splits an element of {name!r} ({entry.dtype})")
+        with warnings.catch_warnings():  # bytes are read-only; the caller was told not to write
+            warnings.simplefilter("ignore", UserWarning)
+            view = torch.frombuffer(data, dtype=entry.dtype, count=(hi - lo) // size, offset=lo - begin)
+        out[name] = ((lo - entry.begin) // size, view)
+    return out

@@ -21,16 +21,40 @@ s3fs's own retry loop is switched off (``retries=1`` means one try): left on, it
 Uploads: s3fs's ``pipe_file`` sends one ``PutObject`` below ``2 * chunksize`` (100 MiB by default) and a multipart
 upload above it; either way the object becomes visible atomically, when the PUT or the ``CompleteMultipartUpload``
 finishes. Conditional create sends ``If-None-Match: *`` on that same request (needs s3fs >= 2025.7).
+Above that threshold ``ObjectStore.put`` and every ``put_stream`` use ``put_stream`` below instead: the same
+CreateMultipartUpload / UploadPart / CompleteMultipartUpload sequence, but parts sent as views of the caller's
+bytes (a file-like body botocore streams: no copy of the part, where a ``bytes`` body costs one and s3fs slices
+up to 10 parts at once), ``PARTS_IN_FLIGHT`` at a time, each part retried on its own, a completion whose response
+was lost recognised by the object's ETag, and a failed upload aborted so no invisible parts are left to bill.
+
+Ranged reads (``read_range``) issue one GET with a ``Range`` header and read the body into one preallocated
+buffer: reading the whole body at once (what s3fs does) joins a list of network chunks and briefly holds the
+range twice.
 """
 
 from __future__ import annotations
 
+import bisect
+import errno
+import io
 import os
 import re
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import TYPE_CHECKING, Any
 
 from diloco.errors import ConfigError, StoreError
+
+if TYPE_CHECKING:
+    from diloco.store import Chunk, ObjectStore
+
+#: S3 allows at most this many parts in one multipart upload.
+MAX_PARTS = 10_000
+#: Parts of one multipart upload sent at once. They are views of the caller's memory, so parts in flight cost no
+#: copy (a stream whose chunks are fresh buffers keeps up to this many parts' worth of them alive).
+PARTS_IN_FLIGHT = 4
+#: How much of a GET body is read at once into the destination buffer.
+_READ_PIECE = 4 * 2**20
 
 #: s3fs sends a single PutObject below ``2 * MULTIPART_CHUNKSIZE`` bytes, a multipart upload above.
 MULTIPART_CHUNKSIZE = 50 * 2**20
@@ -196,3 +220,252 @@ def resolve_s3_uri(explicit: str | None, config_rendezvous: str | None = None,
             bucket, prefix = parse_s3_uri(uri, field=source)
             return f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
     return None
+
+
+# ---------------------------------------------------------------------------------------------- streaming I/O
+def put_stream(store: ObjectStore, key: str, chunks: Iterable[Chunk], *, expected_size: int | None = None,
+               single_put_max: int | None = None) -> int:
+    """Upload the concatenation of ``chunks`` to ``key`` on ``store`` (an s3:// ``ObjectStore``); -> bytes.
+
+    One PutObject when the whole stream fits in ``single_put_max`` bytes (default: one part), else a multipart
+    upload with parts of the store's ``multipart_chunksize``, each sent as soon as it is full (``PARTS_IN_FLIGHT``
+    at a time, so the stream keeps being produced while parts go up). Nothing is copied: a part is a list of
+    views of the chunks themselves, handed to botocore as a file-like body (a ``bytes`` body costs botocore one
+    more copy of the part, a ``bytearray`` three), so the caller's chunks must not change until the part holding
+    them was sent. Atomic: nothing is visible before CompleteMultipartUpload, and a failed upload is aborted."""
+    part_size = int(store._put_kwargs["chunksize"])
+    limit = part_size if single_put_max is None else single_put_max
+    upload = _MultipartUpload(store, key, part_size)
+    pending: list[memoryview] = []
+    filled = 0
+    total = 0
+    try:
+        for chunk in chunks:
+            view = memoryview(chunk).cast("B")
+            while len(view):
+                if filled == part_size:  # more data follows a full part: send it
+                    upload.send(pending)
+                    pending, filled = [], 0
+                n = min(len(view), part_size - filled)
+                pending.append(view[:n])
+                filled += n
+                total += n
+                view = view[n:]
+        if expected_size is not None and total != expected_size:
+            raise ValueError(f"put_stream {store.url(key)}: the chunks held {total} bytes, but size={expected_size} "
+                             f"was promised")
+        if upload.upload_id is None and total <= limit:
+            _put_object(store, key, pending)
+        else:
+            if filled or not upload.part_count:
+                upload.send(pending)
+            upload.complete()
+    except BaseException:
+        upload.abort()
+        raise
+    store._traffic.wrote(total)
+    return total
+
+
+class ViewsReader(io.RawIOBase):
+    """A seekable, read-only file over a list of byte views, without joining them: botocore streams a file-like
+    body (hashing it, then sending it) in small reads, where a ``bytes`` body would be copied whole."""
+
+    def __init__(self, views: list[memoryview]) -> None:
+        super().__init__()
+        self._views = views
+        self._starts: list[int] = []
+        size = 0
+        for v in views:
+            self._starts.append(size)
+            size += len(v)
+        self._size = size
+        self._pos = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        out = memoryview(buffer).cast("B")
+        written = 0
+        while written < len(out) and self._pos < self._size:
+            i = bisect.bisect_right(self._starts, self._pos) - 1
+            view = self._views[i]
+            inner = self._pos - self._starts[i]
+            n = min(len(out) - written, len(view) - inner)
+            out[written : written + n] = view[inner : inner + n]
+            written += n
+            self._pos += n
+        return written
+
+    def read(self, size: int | None = -1) -> bytes:
+        if size is None or size < 0:
+            size = self._size - self._pos
+        buf = bytearray(max(0, min(size, self._size - self._pos)))
+        n = self.readinto(buf)
+        return bytes(buf[:n])
+
+
+def _put_object(store: ObjectStore, key: str, views: list[memoryview]) -> None:
+    bucket, s3_key, _ = store.fs.split_path(store.path(key))
+    store._retry("put", key, lambda: store.fs.call_s3("put_object", Bucket=bucket, Key=s3_key,
+                                                      Body=ViewsReader(views)))
+    store._invalidate(store.path(key))
+
+
+def multipart_etag(part_etags: list[str]) -> str:
+    """The ETag S3 gives a completed multipart upload: MD5 of the parts' binary MD5s, ``-`` the part count."""
+    import hashlib
+
+    digest = hashlib.md5(b"".join(bytes.fromhex(e.strip('"')) for e in part_etags), usedforsecurity=False)
+    return f"{digest.hexdigest()}-{len(part_etags)}"
+
+
+class _MultipartUpload:
+    """One multipart upload, started lazily by its first part; parts go up ``PARTS_IN_FLIGHT`` at a time (S3's
+    throughput per connection is limited); every call retried and counted by the store."""
+
+    def __init__(self, store: ObjectStore, key: str, part_size: int) -> None:
+        self.store = store
+        self.key = key
+        self.part_size = part_size
+        self.bucket, self.s3_key, _ = store.fs.split_path(store.path(key))
+        self.upload_id: str | None = None
+        self.parts: list[dict[str, Any]] = []  # PartNumber + ETag of every part, in order, once all were sent
+        self.part_count = 0
+        self._sending: list[Future[dict[str, Any]]] = []
+        self._pool: ThreadPoolExecutor | None = None
+
+    def send(self, views: list[memoryview]) -> None:
+        """Start uploading ``views`` (joined) as the next part, starting the upload first if needed; waits while
+        ``PARTS_IN_FLIGHT`` parts are already on their way, and raises the first failed part's error."""
+        if self.upload_id is None:
+            created = self.store._retry("create_multipart", self.key, lambda: self.store.fs.call_s3(
+                "create_multipart_upload", Bucket=self.bucket, Key=self.s3_key))
+            self.upload_id = created["UploadId"]
+        if self.part_count >= MAX_PARTS:
+            raise StoreError(f"put {self.store.url(self.key)}: more than {MAX_PARTS} parts of {self.part_size} bytes",
+                             hint=f"raise {CHUNKSIZE_OPTION}")
+        in_flight = [f for f in self._sending if not f.done()]
+        while len(in_flight) >= PARTS_IN_FLIGHT:
+            wait(in_flight, return_when=FIRST_COMPLETED)
+            in_flight = [f for f in in_flight if not f.done()]
+        for done in self._sending:
+            if done.done() and done.exception() is not None:
+                raise done.exception()  # type: ignore[misc]
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(PARTS_IN_FLIGHT, thread_name_prefix="diloco-s3-part")
+        self.part_count += 1
+        self._sending.append(self._pool.submit(self._upload_part, self.part_count, views))
+
+    def _upload_part(self, number: int, views: list[memoryview]) -> dict[str, Any]:
+        out = self.store._retry("put_part", self.key, lambda: self.store.fs.call_s3(
+            "upload_part", Bucket=self.bucket, Key=self.s3_key, UploadId=self.upload_id, PartNumber=number,
+            Body=ViewsReader(views)))
+        return {"PartNumber": number, "ETag": out["ETag"]}
+
+    def _finish_parts(self) -> None:
+        """Wait for every part; the first failure is raised."""
+        self.parts = [f.result() for f in self._sending]
+        self._close_pool()
+
+    def _close_pool(self) -> None:
+        for f in self._sending:
+            f.cancel()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def complete(self) -> None:
+        """CompleteMultipartUpload, idempotent: when an attempt fails after an earlier one (whose response was
+        lost, e.g. a read timeout on a large upload) already completed it, S3 answers ``NoSuchUpload``; the
+        object's ETag then tells whether it is exactly ours (the multipart ETag is derived from the parts')."""
+
+        self._finish_parts()
+
+        def attempt() -> None:
+            try:
+                self.store.fs.call_s3("complete_multipart_upload", Bucket=self.bucket, Key=self.s3_key,
+                                      UploadId=self.upload_id, MultipartUpload={"Parts": self.parts})
+            except Exception:
+                if not self._landed():
+                    raise
+
+        self.store._retry("complete_multipart", self.key, attempt)
+        self.upload_id = None  # completed: nothing to abort
+        self.store._invalidate(self.store.path(self.key))
+
+    def _landed(self) -> bool:
+        """Whether the object at our key is the one this upload's parts make (its multipart ETag matches)."""
+        try:
+            head = self.store.fs.call_s3("head_object", Bucket=self.bucket, Key=self.s3_key)
+        except Exception:  # noqa: BLE001 - unknown counts as "not ours": the caller re-raises its own error
+            return False
+        return str(head.get("ETag", "")).strip('"') == multipart_etag([p["ETag"] for p in self.parts])
+
+    def abort(self) -> None:
+        """Best effort: parts of an aborted upload are never visible, only billed until S3's lifecycle rules."""
+        self._close_pool()  # parts still queued are dropped; those being sent finish first
+        if self.upload_id is None:
+            return
+        try:
+            self.store._traffic.request("abort_multipart")
+            self.store.fs.call_s3("abort_multipart_upload", Bucket=self.bucket, Key=self.s3_key,
+                                  UploadId=self.upload_id)
+        except Exception:  # noqa: BLE001 - the original error is the one worth raising
+            pass
+        self.upload_id = None
+
+
+def read_range(fs: Any, path: str, start: int, end: int) -> bytearray:
+    """Bytes ``[start, end)`` of the object at ``path`` (``bucket/key``) in one ranged GET, read into a
+    preallocated buffer; shorter if the object ends first, empty at or past its end. A body cut short raises
+    botocore's ``IncompleteReadError`` (transient: the store retries it)."""
+    from fsspec.asyn import sync
+
+    if end <= start:
+        return bytearray()
+    bucket, key, _ = fs.split_path(path)
+
+    async def read() -> bytearray:
+        try:
+            resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}")
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:  # 416 InvalidRange: the range starts at or past the end
+                return bytearray()
+            raise
+        body = resp["Body"]
+        try:
+            length = int(resp.get("ContentLength", end - start))
+            buf = bytearray(length)
+            view = memoryview(buf)
+            pos = 0
+            while pos < length:
+                n = await body.readinto(view[pos : pos + _READ_PIECE])
+                if not n:
+                    break
+                pos += n
+            del view
+        finally:
+            body.close()
+        if pos != length:
+            from botocore.exceptions import IncompleteReadError
+
+            raise IncompleteReadError(actual_bytes=pos, expected_bytes=length)
+        return buf
+
+    return sync(fs.loop, read)

@@ -9,6 +9,13 @@ Replicas never talk to each other; everything they share goes through here. The 
 * ``exists``/``list`` never answer from a stale listing cache: polling for a peer's object must see it as soon as
   the store does. ``exists`` treats only "not found" as missing; a denied request or a dead endpoint raises, so an
   authentication failure never looks like a slow peer.
+* ``put_stream`` is atomic like ``put`` but never joins the object into one buffer: a temp file + rename on local
+  disks, and on S3 one PUT when the object fits in one part, else a multipart upload whose parts are sent as they
+  fill (the object appears at ``CompleteMultipartUpload``). ``get_range`` reads a byte range (one ranged GET) into one
+  preallocated buffer, so reading a range never costs twice its size in memory.
+* Every store instance counts its own traffic (``traffic``: bytes written and read, requests per operation, every
+  attempt and every multipart part counted where it is made), so a benchmark can subtract two snapshots and see
+  exactly what one round cost, without trusting a formula.
 * Transient failures (throttling, dropped connections, timeouts) are retried a bounded number of times with
   exponential backoff and jitter; then a ``StoreError`` naming the key and the operation is raised. (On S3 this
   loop sits on top of botocore's per-request retries; ``diloco/s3.py`` documents the total bound.)
@@ -25,7 +32,8 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, NoReturn, TypeVar
 
 import fsspec
@@ -51,6 +59,65 @@ _PERMANENT: tuple[type[BaseException], ...] = (
     ValueError,
     TypeError,
 )
+
+
+#: The pieces a local read is done in (``readinto``): bounded, so a huge range never needs a second buffer.
+_READ_PIECE = 8 * 2**20
+
+#: A chunk as ``put_stream`` accepts it: anything with the buffer protocol (bytes, bytearray, memoryview).
+Chunk = bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True)
+class StoreTraffic:
+    """What one ``ObjectStore`` instance sent and received: bytes of object data and requests per operation.
+
+    Counted where each request is made (every retry attempt and every multipart part is a request), so a round's
+    cost is measured, not computed. Subtract two snapshots (``after - before``) for the cost of what happened
+    between them. Operation names: ``put``, ``put_if_absent``, ``get``, ``get_range``, ``size``, ``exists``,
+    ``list``, ``delete``, and for streamed S3 uploads ``create_multipart``, ``put_part``, ``complete_multipart``,
+    ``abort_multipart``."""
+
+    bytes_written: int = 0
+    bytes_read: int = 0
+    requests: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def total_requests(self) -> int:
+        """All requests, whatever the operation."""
+        return sum(self.requests.values())
+
+    def __sub__(self, other: StoreTraffic) -> StoreTraffic:
+        names = set(self.requests) | set(other.requests)
+        diff = {n: self.requests.get(n, 0) - other.requests.get(n, 0) for n in sorted(names)}
+        return StoreTraffic(self.bytes_written - other.bytes_written, self.bytes_read - other.bytes_read,
+                            {n: v for n, v in diff.items() if v})
+
+
+class _TrafficCounter:
+    """The mutable, thread-safe tally behind ``ObjectStore.traffic`` (uploads run on background threads)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._written = 0
+        self._read = 0
+        self._requests: dict[str, int] = {}
+
+    def request(self, op: str, n: int = 1) -> None:
+        with self._lock:
+            self._requests[op] = self._requests.get(op, 0) + n
+
+    def wrote(self, nbytes: int) -> None:
+        with self._lock:
+            self._written += nbytes
+
+    def read(self, nbytes: int) -> None:
+        with self._lock:
+            self._read += nbytes
+
+    def snapshot(self) -> StoreTraffic:
+        with self._lock:
+            return StoreTraffic(self._written, self._read, dict(sorted(self._requests.items())))
 
 
 def split_uri(uri: str) -> tuple[str, str]:
@@ -121,6 +188,12 @@ class ObjectStore:
             self._put_kwargs = s3.pop_put_kwargs(options)
         self.fs = _filesystem(self.protocol, options)
         self._local = isinstance(self.fs, LocalFileSystem)
+        self._traffic = _TrafficCounter()
+
+    @property
+    def traffic(self) -> StoreTraffic:
+        """A snapshot of this instance's traffic so far (see ``StoreTraffic``)."""
+        return self._traffic.snapshot()
 
     # ---------------------------------------------------------------- paths
     def path(self, key: str) -> str:
@@ -144,6 +217,7 @@ class ObjectStore:
         attempt = 0
         while True:
             try:
+                self._traffic.request(op)
                 return fn()
             except _PERMANENT as exc:
                 self._raise_explained(op, key, exc)
@@ -193,8 +267,52 @@ class ObjectStore:
         path = self.path(key)
         if self._local:
             self._retry("put", key, lambda: write_file_atomic(path, data))
+        elif self.protocol == "s3" and len(data) >= 2 * self._put_kwargs["chunksize"]:
+            # Above s3fs's own threshold: the same multipart sequence, but the parts are views of ``data`` (s3fs
+            # copies up to 10 parts at once, and botocore copies a bytes body again), and every part is counted.
+            from diloco import s3
+
+            s3.put_stream(self, key, [data], single_put_max=0)
+            return
         else:
             self._retry("put", key, lambda: self.fs.pipe_file(path, data, **self._put_kwargs))
+        self._traffic.wrote(len(data))
+
+    def put_stream(self, key: str, chunks: Iterable[Chunk], size: int | None = None) -> int:
+        """Write the concatenation of ``chunks`` at ``key`` atomically, without ever holding all of it; -> bytes.
+
+        Local disks: a temp file (fsync) renamed into place. S3: one PUT if everything fits in one part, else a
+        multipart upload whose parts (``multipart_chunksize`` bytes) are sent as they fill, a few at a time, as
+        views of the chunks themselves (no copy: a producer must not reuse a buffer it yielded), and the object
+        becomes visible only when the upload completes (an upload that fails is aborted). ``size``, when given,
+        is checked against what ``chunks`` held (a mismatch is a ``ValueError`` and nothing is published).
+        ``chunks`` is consumed once, so a failure half way is raised, not retried from the start (S3 parts are
+        retried individually)."""
+        if self._local:
+            written = self._write_local_stream(key, _size_checked(chunks, size, self.url(key)))
+        elif self.protocol == "s3":
+            from diloco import s3
+
+            written = s3.put_stream(self, key, chunks, expected_size=size)
+            return written
+        else:  # memory:// holds whole objects anyway
+            data = b"".join(bytes(c) for c in chunks)
+            _checked_size(len(data), size, self.url(key))
+            self._retry("put", key, lambda: self.fs.pipe_file(self.path(key), data))
+            written = len(data)
+        self._traffic.wrote(written)
+        return written
+
+    def _write_local_stream(self, key: str, chunks: Iterable[Chunk]) -> int:
+        """One attempt (an iterator cannot be replayed): temp file, fsync, then rename (``write_file_atomic``)."""
+        path = self.path(key)
+        self._traffic.request("put")
+        try:
+            return write_file_atomic(path, chunks)
+        except _PERMANENT as exc:
+            self._raise_explained("put", key, exc)
+        except OSError as exc:
+            raise StoreError(f"put {self.url(key)} failed: {self._describe(exc)}") from exc
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         """Create ``key`` only if no writer created it before; ``True`` if this call created it.
@@ -222,14 +340,61 @@ class ObjectStore:
                         and self.fs.cat_file(path) == data)
             return True
 
-        return self._retry("put_if_absent", key, create)
+        created = self._retry("put_if_absent", key, create)
+        if created:
+            self._traffic.wrote(len(data))
+        return created
 
     def get(self, key: str) -> bytes:
         """The bytes of ``key``; ``ObjectNotFound`` if it does not exist."""
         path = self.path(key)
         try:
-            return self._retry("get", key, lambda: self.fs.cat_file(path))
+            data = self._retry("get", key, lambda: self.fs.cat_file(path))
         except FileNotFoundError as exc:
+            raise ObjectNotFound(f"no object at {self.url(key)}") from exc
+        self._traffic.read(len(data))
+        return data
+
+    def get_range(self, key: str, start: int, end: int) -> bytearray:
+        """Bytes ``[start, end)`` of ``key`` in one request (shorter if the object ends first; empty past its
+        end), read into one preallocated, writable buffer; ``ObjectNotFound`` if ``key`` does not exist.
+
+        A ``bytearray`` rather than ``bytes``: it compares equal to bytes and is writable, so
+        ``torch.frombuffer`` can view it without a copy or a warning."""
+        if start < 0 or end < start:
+            raise ValueError(f"get_range {self.url(key)}: invalid range [{start}, {end})")
+        path = self.path(key)
+        if self._local:
+            read: Callable[[], bytearray] = lambda: _read_local_range(path, start, end)  # noqa: E731
+        elif self.protocol == "s3":
+            from diloco import s3
+
+            read = lambda: s3.read_range(self.fs, path, start, end)  # noqa: E731
+        else:
+            read = lambda: bytearray(self.fs.cat_file(path, start=start, end=end) if end > start else b"")  # noqa: E731
+        try:
+            data = self._retry("get_range", key, read)
+        except FileNotFoundError as exc:
+            raise ObjectNotFound(f"no object at {self.url(key)}") from exc
+        self._traffic.read(len(data))
+        return data
+
+    def size(self, key: str) -> int:
+        """The size of ``key`` in bytes (one HEAD on S3); ``ObjectNotFound`` if it does not exist."""
+        path = self.path(key)
+
+        def info() -> int:
+            self._invalidate(path)
+            found = self.fs.info(path)
+            if found.get("type") == "directory":
+                raise FileNotFoundError(path)
+            return int(found["size"])
+
+        try:
+            return self._retry("size", key, info)
+        except FileNotFoundError as exc:
+            if (better := self._explain("size", key, exc)) is not None:
+                raise better from exc
             raise ObjectNotFound(f"no object at {self.url(key)}") from exc
 
     def exists(self, key: str) -> bool:
@@ -296,17 +461,61 @@ class ObjectStore:
                 shutil.rmtree(path, ignore_errors=True)
 
 
-def write_file_atomic(path: str, data: bytes, *, exclusive: bool = False) -> None:
+def _checked_size(written: int, expected: int | None, url: str) -> int:
+    if expected is not None and written != expected:
+        raise ValueError(f"put_stream {url}: the chunks held {written} bytes, but size={expected} was promised")
+    return written
+
+
+def _size_checked(chunks: Iterable[Chunk], expected: int | None, url: str) -> Iterable[Chunk]:
+    """``chunks``, raising at their end (before anything is published) when they did not hold ``expected`` bytes."""
+    total = 0
+    for chunk in chunks:
+        total += memoryview(chunk).nbytes
+        yield chunk
+    _checked_size(total, expected, url)
+
+
+def _read_local_range(path: str, start: int, end: int) -> bytearray:
+    """``[start, end)`` of a local file into one buffer, in bounded ``readinto`` pieces."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        end = min(end, size)
+        buf = bytearray(max(0, end - start))
+        if not buf:
+            return buf
+        f.seek(start)
+        view = memoryview(buf)
+        pos = 0
+        while pos < len(buf):
+            n = f.readinto(view[pos : pos + _READ_PIECE])
+            if not n:  # the file shrank under us (it never does: objects are replaced by rename)
+                del view
+                del buf[pos:]
+                break
+            pos += n
+        return buf
+
+
+def write_file_atomic(path: str, data: bytes | Iterable[Chunk], *, exclusive: bool = False) -> int:
     """Write a local file so a reader sees all of it or nothing: a temp file in the same directory (created with
     its parents), fsync, then rename; ``exclusive`` hard-links instead and raises ``FileExistsError`` if ``path``
-    exists."""
+    exists. ``data`` may be bytes or an iterable of chunks (written one by one, never joined). -> bytes written."""
     directory = os.path.dirname(path)
     os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    written = 0
+    try:
+        with open(tmp, "wb") as f:
+            pieces: Iterable[Chunk] = [data] if isinstance(data, (bytes, bytearray, memoryview)) else data
+            for piece in pieces:
+                written += f.write(piece)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
     try:
         if exclusive:
             try:
@@ -320,3 +529,4 @@ def write_file_atomic(path: str, data: bytes, *, exclusive: bool = False) -> Non
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    return written

@@ -7,6 +7,8 @@ bounded number of times, a 403 or a missing bucket fails at once and is never mi
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from faultproxy import FaultProxy
 
@@ -194,3 +196,132 @@ def test_storage_options_and_uri_parsing() -> None:
             parse_s3_uri(bad)
     with pytest.raises(ConfigError, match="multipart_chunksize"):
         ObjectStore("s3://my-bucket/x", storage_options={"multipart_chunksize": 1024})
+
+
+# ---------------------------------------------------------------------------------------------- streaming, traffic
+def test_put_stream_small_is_one_put_large_is_multipart_sent_as_parts_fill(
+    s3_uri: str, fault_proxy: FaultProxy
+) -> None:
+    store = ObjectStore(s3_uri, storage_options={"multipart_chunksize": 5 * MiB})
+    assert store.put_stream("small.bin", [b"a" * MiB, memoryview(b"b" * MiB)], size=2 * MiB) == 2 * MiB
+    assert [r.method for r in fault_proxy.requests(path=r"/small\.bin")] == ["PUT"]
+
+    piece = bytes(range(256)) * (MiB // 256)
+    observer = ObjectStore(s3_uri)
+
+    def parts_sent() -> int:
+        return len(fault_proxy.requests("PUT", r"/big\.bin\?.*partNumber"))
+
+    def chunks() -> object:
+        for i in range(12):  # 12 MiB in 1 MiB pieces: parts of 5, 5 and 2 MiB
+            if i == 5:
+                assert parts_sent() == 0  # part 1 is full but only sent once more data arrives
+            if i == 7:  # part 1 was handed off with piece 5: it goes up while the stream goes on
+                deadline = time.monotonic() + 30
+                while parts_sent() == 0 and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                assert parts_sent() == 1
+            assert not observer.exists("big.bin"), "the object became visible before the upload completed"
+            yield piece
+
+    assert store.put_stream("big.bin", chunks()) == 12 * MiB
+    reqs = fault_proxy.requests(path=r"/big\.bin")
+    assert [r.method for r in reqs if r.method != "HEAD"] == ["POST", "PUT", "PUT", "PUT", "POST"]
+    assert ObjectStore(s3_uri).get("big.bin") == piece * 12
+    traffic = store.traffic
+    assert traffic.bytes_written == 14 * MiB
+    assert traffic.requests == {"complete_multipart": 1, "create_multipart": 1, "put": 1, "put_part": 3}
+
+
+def test_failed_stream_is_aborted_and_never_visible(s3_uri: str, fault_proxy: FaultProxy, s3_bucket: str) -> None:
+    import boto3
+
+    store = ObjectStore(s3_uri, storage_options={"multipart_chunksize": 5 * MiB})
+
+    def chunks() -> object:
+        yield b"x" * (6 * MiB)
+        raise RuntimeError("encoder died")
+
+    with pytest.raises(RuntimeError, match="encoder died"):
+        store.put_stream("obj", chunks())
+    assert not store.exists("obj")
+    assert fault_proxy.count(method="DELETE") == 1  # AbortMultipartUpload
+    uploads = boto3.client("s3").list_multipart_uploads(Bucket=s3_bucket).get("Uploads", [])
+    assert uploads == []
+    assert store.traffic.requests["abort_multipart"] == 1
+
+
+def test_a_throttled_part_is_retried_alone(s3_uri: str, fault_proxy: FaultProxy) -> None:
+    store = ObjectStore(s3_uri, backoff_s=0.01, storage_options={"multipart_chunksize": 5 * MiB})
+    throttle = fault_proxy.add("status", method="PUT", path=r"partNumber=2", status=503, code="SlowDown", times=1)
+    data = bytes(reversed(range(256))) * (11 * MiB // 256)
+    store.put("big.bin", data)  # >= 2 parts: the streaming multipart path, fed one view per part
+    assert throttle.fired == 1
+    assert ObjectStore(s3_uri).get("big.bin") == data
+    assert fault_proxy.count("forward", "PUT") == 3 and fault_proxy.count("forward", "POST") == 2
+
+
+def test_get_range_is_one_ranged_get_and_size_one_head(s3_uri: str, fault_proxy: FaultProxy) -> None:
+    store = ObjectStore(s3_uri)
+    data = bytes(range(256)) * 4096
+    store.put("obj", data)
+    assert store.get_range("obj", 1000, 300_000) == data[1000:300_000]
+    gets = fault_proxy.requests("GET", r"/obj")
+    assert len(gets) == 1 and gets[0].headers.get("range") == "bytes=1000-299999"
+    assert store.get_range("obj", len(data) - 5, len(data) + 100) == data[-5:]
+    assert store.get_range("obj", len(data), len(data) + 100) == b""  # 416 is "nothing there", not retried
+    assert store.size("obj") == len(data)
+    with pytest.raises(ObjectNotFound, match="absent"):
+        store.get_range("absent", 0, 10)
+    with pytest.raises(ObjectNotFound, match="absent"):
+        store.size("absent")
+    assert store.traffic.requests["get_range"] == 4 and store.traffic.bytes_read == 299_000 + 5
+
+
+def test_streamed_object_ranges_verify_over_s3(s3_uri: str, fault_proxy: FaultProxy) -> None:
+    import torch
+
+    from diloco.codec import encode_stream, read_data, read_header, tensors_from_data
+
+    store = ObjectStore(s3_uri, storage_options={"multipart_chunksize": 5 * MiB})
+    w = torch.arange(3 * MiB, dtype=torch.float32)  # 12 MiB: a multipart upload of streamed views
+    size, chunks = encode_stream({"w": w}, {"rank": 0}, chunk_bytes=MiB)
+    assert store.put_stream("c.safetensors", chunks, size=size) == size
+    header = read_header(store, "c.safetensors")
+    begin, end = 4 * MiB, 8 * MiB
+    data = read_data(store, "c.safetensors", header, begin, end)
+    offset, view = tensors_from_data(header, data, begin, end)["w"]
+    assert offset == MiB and torch.equal(view, w[MiB : 2 * MiB])
+    cut = fault_proxy.add("truncate", method="GET", times=1)  # an honest, short body
+    with pytest.raises(CorruptObjectError, match="c.safetensors is truncated"):
+        read_data(store, "c.safetensors", header, begin, end)
+    assert cut.fired == 1
+    assert len(read_data(store, "c.safetensors", header, begin, end)) == end - begin  # the reread is whole
+
+
+def test_a_completed_upload_whose_response_was_lost_counts_as_done(s3_uri: str, fault_proxy: FaultProxy) -> None:
+    """The retry of CompleteMultipartUpload meets NoSuchUpload: the object's multipart ETag proves it is ours."""
+    store = ObjectStore(s3_uri, backoff_s=0.01, storage_options={"multipart_chunksize": 5 * MiB})
+    lost = fault_proxy.add("drop_response", method="POST", path=r"/big\.bin\?uploadId=", times=1)
+    data = bytes(range(256)) * (11 * MiB // 256)
+    store.put("big.bin", data)
+    assert lost.fired == 1
+    assert ObjectStore(s3_uri).get("big.bin") == data
+    # A different object at the key is not mistaken for ours: its ETag differs, so the error stands.
+    other = ObjectStore(s3_uri, retries=0, storage_options={"multipart_chunksize": 5 * MiB})
+    fault_proxy.add("status", method="POST", path=r"/big\.bin\?uploadId=", status=404, code="NoSuchUpload")
+    with pytest.raises((StoreError, OSError)):
+        other.put("big.bin", bytes(reversed(data)))
+    assert ObjectStore(s3_uri).get("big.bin") == data
+
+
+def test_a_denied_part_fails_the_upload_and_aborts_it(s3_uri: str, fault_proxy: FaultProxy, s3_bucket: str) -> None:
+    import boto3
+
+    store = ObjectStore(s3_uri, storage_options={"multipart_chunksize": 5 * MiB})
+    fault_proxy.add("status", method="PUT", path=r"partNumber=2", status=403, code="AccessDenied")
+    with pytest.raises(S3AccessDenied, match="denied by S3"):
+        store.put_stream("obj", (bytes([i]) * MiB for i in range(16)))
+    assert not ObjectStore(s3_uri).exists("obj")
+    assert boto3.client("s3").list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []) == []
+    assert store.traffic.requests["abort_multipart"] == 1 and store.traffic.bytes_written == 0

@@ -143,3 +143,95 @@ def test_split_uri() -> None:
     assert split_uri("memory://x/y") == ("memory", "x/y")
     proto, path = split_uri("relative/dir")
     assert proto == "file" and os.path.isabs(path)
+
+
+# ---------------------------------------------------------------------------------------------- streaming, traffic
+def test_traffic_counts_bytes_and_requests_per_operation(store: ObjectStore) -> None:
+    from diloco.store import StoreTraffic
+
+    assert store.traffic == StoreTraffic(0, 0, {})
+    store.put("a", b"12345")
+    before = store.traffic
+    assert store.get("a") == b"12345"
+    assert store.get_range("a", 1, 3) == b"23"
+    store.exists("a")
+    store.exists("nope")
+    store.list()
+    store.delete("a")
+    assert store.put_if_absent("b", b"xy") and not store.put_if_absent("b", b"zz")
+    round_ = store.traffic - before
+    assert round_.bytes_read == 5 + 2 and round_.bytes_written == 2  # only the create that won wrote
+    assert round_.requests == {"delete": 1, "exists": 2, "get": 1, "get_range": 1, "list": 1, "put_if_absent": 2}
+    assert round_.total_requests == 8
+    assert store.traffic.bytes_written == 7 and store.traffic.requests["put"] == 1
+
+
+def test_traffic_counter_is_exact_under_concurrent_threads(store: ObjectStore) -> None:
+    store.put("k", b"v" * 100)
+
+    def worker() -> None:
+        for _ in range(50):
+            store.get("k")
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert store.traffic.requests["get"] == 200 and store.traffic.bytes_read == 200 * 100
+
+
+def test_put_stream_writes_the_concatenation_and_returns_its_size(store: ObjectStore) -> None:
+    pieces = [b"head", memoryview(b"-middle-"), bytearray(b"tail"), b""]
+    assert store.put_stream("s/obj", iter(pieces), size=16) == 16
+    assert store.get("s/obj") == b"head-middle-tail"
+    assert store.size("s/obj") == 16
+    assert store.traffic.bytes_written == 16 and store.traffic.requests["put"] == 1
+    assert store.put_stream("s/empty", []) == 0 and store.get("s/empty") == b""
+
+
+def test_put_stream_publishes_nothing_when_the_stream_fails_or_lies(store: ObjectStore) -> None:
+    def failing() -> Any:
+        yield b"partial"
+        raise RuntimeError("encoder died")
+
+    with pytest.raises(RuntimeError, match="encoder died"):
+        store.put_stream("s/obj", failing())
+    with pytest.raises(ValueError, match="size=99"):
+        store.put_stream("s/obj", [b"abc"], size=99)
+    assert store.list() == [] and not store.exists("s/obj")
+
+
+def test_local_put_stream_is_invisible_until_renamed(tmp_path: Any) -> None:
+    store = ObjectStore(f"file://{tmp_path}/run")
+    seen: list[bool] = []
+
+    def chunks(key: str) -> Any:
+        yield b"A" * 1000
+        seen.append(store.exists(key))  # mid-stream: the object must not be visible yet
+        yield b"B" * 1000
+
+    store.put("r/obj", b"old")
+    store.put_stream("r/obj", chunks("r/obj"))
+    assert seen == [True] and store.get("r/obj") == b"A" * 1000 + b"B" * 1000  # the old one stayed until done
+    store.put_stream("r/new", chunks("r/new"))
+    assert seen == [True, False]
+    assert sorted(os.listdir(tmp_path / "run" / "r")) == ["new", "obj"]  # no temporary left behind
+
+
+def test_get_range_and_size(store: ObjectStore) -> None:
+    data = bytes(range(256)) * 40
+    store.put("obj", data)
+    assert store.size("obj") == len(data)
+    assert store.get_range("obj", 0, 10) == data[:10]
+    assert store.get_range("obj", 5000, 10_240) == data[5000:]
+    assert store.get_range("obj", 10_000, 20_000) == data[10_000:]  # shorter when the object ends first
+    assert store.get_range("obj", 20_000, 20_010) == b""
+    assert store.get_range("obj", 7, 7) == b""
+    assert isinstance(store.get_range("obj", 0, 4), bytearray)
+    with pytest.raises(ObjectNotFound, match="missing"):
+        store.get_range("missing", 0, 4)
+    with pytest.raises(ObjectNotFound, match="missing"):
+        store.size("missing")
+    with pytest.raises(ValueError, match="invalid range"):
+        store.get_range("obj", 5, 4)
