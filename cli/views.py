@@ -192,6 +192,11 @@ def failure_why(rep: ReplicaReport) -> str:
 def failure_lines(report: RunReport, run_ref: str) -> list[str]:
     """Which replica failed and why (exit code, last lines of its stderr), then what to do next."""
     lines: list[str] = []
+    if report.left_behind:
+        done = report.replicas - len(report.left_behind)
+        lines.append(f"finished on {done} of {report.replicas} replicas (min_replicas): replica(s) "
+                     f"{', '.join(map(str, report.left_behind))} failed for good and the others committed the "
+                     f"remaining rounds without them")
     for rep in report.failed:
         code = "" if rep.exit_code is None else f" with exit code {rep.exit_code}"
         why = failure_why(rep)

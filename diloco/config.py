@@ -51,6 +51,9 @@ class StoreConfig(_Strict):
     compression: Literal["none", "bf16", "int8", "int4"] = "none"
     #: Keep what a lossy format dropped and add it to the next round's contribution (error feedback).
     error_feedback: bool = True
+    #: Spread a round's keys over this many prefixes (``p{i mod P}/``): at large N, S3's per-prefix request rate,
+    #: not bandwidth, limits a round first (diloco.layout).
+    spread: int = Field(1, ge=1, le=4096)
 
 
 class TrainConfig(_Strict):

@@ -57,9 +57,9 @@ KEPT_RANK = 0
 
 #: Keys the replicas and the launcher write (``diloco.layout``, ``diloco.allreduce``): the only ones removed from
 #: a prefix whose ``run.json`` does not prove it belongs to the run.
-_LAYOUT_KEY = re.compile(r"(round_\d{6}/rank_\d{4}\.safetensors|metrics/rank_\d{4}\.jsonl|progress/rank_\d{4}\.json"
+_LAYOUT_KEY = re.compile(r"((p\d+/)?round_\d{6}/(rank|shard)_\d{4}\.safetensors|round_\d{6}/manifest\.json|metrics/rank_\d{4}\.jsonl|progress/rank_\d{4}\.json"
                          r"|final/rank_\d{4}\.safetensors|final/compacted\.json)")
-_CONTRIBUTION_KEY = re.compile(r"round_\d{6}/rank_\d{4}\.safetensors")
+_CONTRIBUTION_KEY = re.compile(r"(p\d+/)?round_\d{6}/(rank|shard)_\d{4}\.safetensors|round_\d{6}/manifest\.json")
 _FINAL_RANK_KEY = re.compile(r"final/rank_(\d{4})\.safetensors")
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw])")
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}

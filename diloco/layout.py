@@ -2,6 +2,10 @@
 
     round_NNNNNN/rank_RRRR.safetensors   each rank's contribution to one all-reduce round (see diloco.allreduce);
                                          NNNNNN is the round's zero-based index: round 1 is round_000000
+    round_NNNNNN/manifest.json           with min_replicas only: the ranks whose contributions that round averages,
+                                         created exactly once (diloco.collectives.gather)
+    round_NNNNNN/shard_SSSS.safetensors  sharded all-reduce only: the mean of shard SSSS of that round, published by
+                                         its owner (rank SSSS) for the others to read (diloco.collectives.sharded)
     metrics/rank_RRRR.jsonl              each rank's history: init, one row per outer round, final (diloco.metrics)
     progress/rank_RRRR.json              each rank's latest progress row, overwritten every few seconds
     final/rank_RRRR.safetensors          each rank's final global weights (identical across ranks)
@@ -11,6 +15,19 @@
     relaunch/rank_RRRR.json              a relaunch of rank RRRR in progress: peers extend their wait (launcher)
     run.json                             the launcher's record of the run (id and resolved config)
     sagemaker/{code,output,checkpoints}/ the SageMaker backend's code channel, job outputs and spot checkpoints
+
+Request layout of the all-reduce (``spread``). S3 serves a few thousand GETs (5,500/s) and PUTs (3,500/s) per
+second *per prefix*; at large N a round's GETs hit that limit before its bytes hit the bandwidth (the sharded
+all-reduce makes about 3N(N-1) GETs per round, 48,000 at N = 128). With ``spread = P > 1`` the round keys of rank
+or shard ``i`` move under ``p{i mod P}/``:
+
+    p{K}/round_NNNNNN/rank_RRRR.safetensors    K = RRRR mod P
+    p{K}/round_NNNNNN/shard_SSSS.safetensors   K = SSSS mod P
+
+so a round's requests are split evenly over P prefixes that S3 can partition independently (``i mod P`` is the
+perfect hash for consecutive integers; S3 partitions on the leading characters, which is why the spread prefix
+comes first). ``spread = 1`` (the default) is the flat layout above, so ``contribution_key(round, rank)`` keeps
+naming every contribution of a run that does not spread. Every rank must use the same ``spread``.
 """
 
 METRICS_KEY = "metrics/rank_{rank:04d}.jsonl"
@@ -24,3 +41,36 @@ COMMITTED_DATA_KEY = "committed/round_{round:06d}/state.safetensors"
 COMMITTED_MARKER_KEY = "committed/round_{round:06d}/COMMITTED"
 # Relaunches in progress (written by the launcher, read by peers' all-reduce to extend their wait).
 RELAUNCH_KEY = "relaunch/rank_{rank:04d}.json"
+
+# All-reduce rounds (diloco.collectives): a rank's contribution and, sharded, the mean of one shard.
+CONTRIBUTION_KEY = "round_{round:06d}/rank_{rank:04d}.safetensors"
+REDUCED_SHARD_KEY = "round_{round:06d}/shard_{shard:04d}.safetensors"
+#: Partial participation (min_replicas): the round's member set, created exactly once (never spread: one per round).
+ROUND_MANIFEST_KEY = "round_{round:06d}/manifest.json"
+#: The most prefixes a round may be spread over (S3 partitions far fewer in practice; more only adds listings).
+MAX_SPREAD = 4096
+
+
+def spread_prefix(index: int, spread: int) -> str:
+    """The prefix (``""`` or ``"p{K}/"``) of rank or shard ``index``'s round keys when spread over ``spread``."""
+    return "" if spread == 1 else f"p{index % spread}/"
+
+
+def contribution_key(round_: int, rank: int, spread: int = 1) -> str:
+    """Where ``rank`` publishes its contribution to the round of zero-based index ``round_``."""
+    return spread_prefix(rank, spread) + CONTRIBUTION_KEY.format(round=round_, rank=rank)
+
+
+def reduced_shard_key(round_: int, shard: int, spread: int = 1) -> str:
+    """Where the owner of ``shard`` publishes that shard's mean for the round of zero-based index ``round_``."""
+    return spread_prefix(shard, spread) + REDUCED_SHARD_KEY.format(round=round_, shard=shard)
+
+
+def check_spread(spread: object) -> int:
+    """``spread`` as an int, or a ``ConfigError`` naming the field and the allowed range."""
+    from diloco.errors import ConfigError
+
+    if isinstance(spread, bool) or not isinstance(spread, int) or not 1 <= spread <= MAX_SPREAD:
+        raise ConfigError(f"store.spread must be an integer in [1, {MAX_SPREAD}], got {spread!r}",
+                          hint="1 keeps every round under one prefix; use about N/8 prefixes for N replicas on S3")
+    return spread

@@ -32,7 +32,7 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from diloco.allreduce import AllReduceStats, AllReduceWork, ObjectStoreAllReduce, Tensors
+from diloco.allreduce import AllReduceStats, AllReduceWork, Collective, Tensors
 from diloco.errors import DilocoError
 from diloco.metrics import DEFAULT_PROGRESS_INTERVAL_S, MetricsWriter
 
@@ -65,11 +65,12 @@ class ManagedWork:
 
 
 class ObjectStoreManager:
-    """torchft-style ``Manager`` for a fixed set of replicas meeting through an ``ObjectStoreAllReduce``."""
+    """torchft-style ``Manager`` for a fixed set of replicas meeting through a store collective
+    (``diloco.collectives.Collective``: gather or sharded, as ``diloco.allreduce.create_allreduce`` built it)."""
 
     def __init__(
         self,
-        allreduce: ObjectStoreAllReduce,
+        allreduce: Collective,
         *,
         total_steps: int | None = None,
         progress_interval_s: float = DEFAULT_PROGRESS_INTERVAL_S,

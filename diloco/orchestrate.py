@@ -112,6 +112,9 @@ class RunReport(BaseModel):
     model_path: str | None = None  # where collect wrote the agreed model
     warnings: list[str] = Field(default_factory=list)  # e.g. metric rows a trainer wrote that could not be read
     async_global_version: int | None = None  # async mode: the latest global version the master published
+    #: ``min_replicas`` runs only: ranks that failed for good while the run went on without them (their rounds
+    #: were committed by the others; they hold no final weights). Empty when every replica took part to the end.
+    left_behind: list[int] = Field(default_factory=list)
 
     @property
     def failed(self) -> list[ReplicaReport]:
@@ -167,6 +170,7 @@ def build_spec(cfg: RunConfig, run_id: str) -> LaunchSpec:
                           trainer=cfg.train.trainer, trainer_kwargs=trainer_kwargs, timeout_s=cfg.store.timeout_s,
                           poll_interval_s=cfg.store.poll_interval_s, allreduce=cfg.store.allreduce,
                           compression=cfg.store.compression, error_feedback=cfg.store.error_feedback,
+                          spread=cfg.store.spread,
                           min_replicas=cfg.min_replicas, procs_per_replica=cfg.train.procs_per_replica,
                           tensorboard=cfg.metrics.tensorboard)
     return LaunchSpec(run_id=run_id, replicas=cfg.replicas, entrypoint_args=args, gpu=cfg.gpu,
@@ -446,7 +450,8 @@ class RunView:
         readout = read_progress(self.store, self.record.replicas)
         progress = {p.rank: p for p in readout.replicas}
         ranks = [_replica_report(s, progress.get(s.rank)) for s in sorted(status.replicas, key=lambda s: s.rank)]
-        state = self.final_state or status.state  # a run that ended cannot resume: what was seen then holds
+        state = self.final_state or self.judge(status)  # a run that ended cannot resume: what was seen then holds
+        left_behind = self.left_behind(status) if state == RunState.SUCCEEDED else []
         ended = [r.ended_at for r in ranks if r.ended_at is not None]
         latest = _mean([r.eval_loss for r in ranks if r.step])
         report = RunReport(run_id=self.record.run_id, backend=self.record.backend, state=state,
@@ -459,7 +464,7 @@ class RunView:
                            initial_eval_loss=_mean([r.initial_eval_loss for r in ranks]),
                            latest_eval_loss=latest, diverged=any(r.diverged for r in ranks),
                            final_eval_loss=latest if state == RunState.SUCCEEDED else None,
-                           warnings=readout.warnings)
+                           warnings=readout.warnings, left_behind=left_behind)
         _add_async_status(report, self.store)
         self._remember(status)
         if trends:  # one line of eval loss per replica, for `diloco status` (reads each rank's history)
@@ -485,11 +490,48 @@ class RunView:
         cached = self.record.final_state
         return RunState(cached) if cached is not None and RunState(cached).is_terminal else None
 
+    @property
+    def min_replicas(self) -> int | None:
+        """The run's ``min_replicas`` (partial participation), as recorded at launch; ``None`` when every round
+        needs every replica."""
+        value = self.record.config.get("min_replicas")
+        return int(value) if isinstance(value, int) else None
+
+    def left_behind(self, status: RunStatus) -> list[int]:
+        """Ranks that failed for good (not being relaunched) in a ``min_replicas`` run."""
+        if self.min_replicas is None:
+            return []
+        return sorted(s.rank for s in status.replicas
+                      if s.state == ReplicaState.FAILED and s.rank not in self._recovering)
+
+    def can_go_on_without(self, status: RunStatus) -> bool:
+        """Whether the run can still finish though some replicas failed for good: only with ``min_replicas``, and
+        only while at least that many replicas have not failed (they commit each round without the others)."""
+        k = self.min_replicas
+        if k is None:
+            return False
+        alive = sum(1 for s in status.replicas if s.state != ReplicaState.FAILED
+                    or s.rank in self._recovering)
+        return alive >= k
+
+    def judge(self, status: RunStatus) -> RunState:
+        """The run's state: the backend's aggregate, except that a ``min_replicas`` run whose replicas have all
+        ended, at least ``min_replicas`` of them successfully and the rest failed, has succeeded."""
+        state = status.state
+        k = self.min_replicas
+        if k is None or not status.terminal or state != RunState.FAILED:
+            return state
+        states = [s.state for s in status.replicas]
+        succeeded = states.count(ReplicaState.SUCCEEDED)
+        if succeeded >= k and all(x in (ReplicaState.SUCCEEDED, ReplicaState.FAILED) for x in states):
+            return RunState.SUCCEEDED
+        return state
+
     def _remember(self, status: RunStatus) -> None:
         """Cache the state of a run whose replicas have all ended, so ``diloco runs`` need not poll it and a later
         ``status`` still knows it once the backend has forgotten the run (files deleted, a Job's TTL). Only then:
         a run is "failed" as soon as one replica fails, while the others may still run."""
-        state = status.state
+        state = self.judge(status)
         if self._recovering:
             return  # a failed replica is about to be relaunched: the run has not ended
         if status.terminal and state.is_terminal and self.registry is not None and self.record.final_state is None:
@@ -545,7 +587,7 @@ class RunView:
             if status.terminal and not self._recovering:
                 return self._add_stderr(report), False
             failed = [r for r in report.failed if r.rank not in self._recovering]
-            if failed and not stopping:
+            if failed and not stopping and not self.can_go_on_without(status):
                 if not fail_fast:
                     return self._add_stderr(report), False
                 survivors = [s.rank for s in status.replicas if not s.state.is_terminal]
@@ -625,7 +667,8 @@ def add_weights_verdict(view: RunView, report: RunReport) -> WeightsCheck | None
     """Fill ``report.weights_*`` for a succeeded run; returns the check (with rank 0's tensors when identical)."""
     if report.state != RunState.SUCCEEDED:
         return None
-    check = check_final_weights(view.store, view.record.replicas)
+    ranks = [r.rank for r in report.ranks if r.state == ReplicaState.SUCCEEDED] if report.left_behind else None
+    check = check_final_weights(view.store, view.record.replicas, ranks=ranks)
     report.weights_identical, report.weights_detail = check.identical, check.detail
     return check
 
@@ -648,7 +691,7 @@ def collect(view: RunView, *, output: str | None = None, timeout_s: float | None
     check = add_weights_verdict(view, report)
     if output is not None and check is not None and check.identical and check.tensors is not None:
         report.model_path = write_model(output, check.tensors, check.metadata, view.record.run_id)
-    if check is not None and check.identical:  # one copy of the agreed model is enough (idempotent)
+    if check is not None and check.identical and not report.left_behind:  # one copy of the agreed model is enough
         from diloco.housekeeping import compact_store
 
         try:

@@ -99,6 +99,7 @@ class ReplicaArgs:
     allreduce: str = "gather"  # the collective: "gather" or "sharded" (diloco.allreduce.create_allreduce)
     compression: str = "none"  # the pseudo-gradient's wire format
     error_feedback: bool = True  # keep a lossy format's residual for the next round
+    spread: int = 1  # prefixes a round's keys are spread over (diloco.layout)
     min_replicas: int | None = None  # partial participation; None: every round needs every replica
     procs_per_replica: int | None = None  # local processes in this replica (None: every GPU, else 1)
     tensorboard: str | None = None  # also write TensorBoard events here
@@ -151,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the pseudo-gradient's format on the wire")
     p.add_argument("--no-error-feedback", dest="error_feedback", action="store_false",
                    help="drop what a lossy format loses instead of adding it to the next round")
+    p.add_argument("--spread", metavar="P", help="spread a round's keys over P prefixes (default 1)")
     p.add_argument("--min-replicas", metavar="K", help="commit a late round with at least K contributions")
     p.add_argument("--procs-per-replica", metavar="K", help="local processes in this replica (default: every "
                                                               "GPU, 1 without one)")
@@ -185,13 +187,16 @@ def resolve_args(argv: list[str], env: Mapping[str, str]) -> ReplicaArgs:
     min_replicas = _int_from("--min-replicas", ns.min_replicas, env, [])
     if min_replicas is not None and not 1 <= min_replicas <= world_size:
         raise UsageError(f"--min-replicas is {min_replicas}", f"it must be in 1..{world_size} (the world size)")
+    spread = _int_from("--spread", ns.spread, env, [])
+    if spread is not None and spread < 1:
+        raise UsageError(f"--spread is {spread}", "it must be >= 1")
     procs = _int_from("--procs-per-replica", ns.procs_per_replica, env, [])
     if procs is not None and procs < 1:
         raise UsageError(f"--procs-per-replica is {procs}", "it must be >= 1")
     return ReplicaArgs(rendezvous=rendezvous, world_size=world_size, rank=rank, trainer_module=module,
                        trainer_fn=fn, trainer_kwargs=kwargs, timeout_s=timeout_s, poll_interval_s=poll_s,
                        run_id=env.get(envvars.RUN_ID) or None, progress_interval_s=progress_s,
-                       allreduce=ns.allreduce, compression=ns.compression, error_feedback=ns.error_feedback,
+                       allreduce=ns.allreduce, compression=ns.compression, error_feedback=ns.error_feedback, spread=spread or 1,
                        min_replicas=min_replicas, procs_per_replica=procs, tensorboard=ns.tensorboard)
 
 
@@ -547,7 +552,7 @@ def _store_manager(args: ReplicaArgs, trainer: Callable[..., Any], kwargs: Mappi
     allreduce = create_allreduce(args.rendezvous, args.rank, args.world_size, strategy=args.allreduce,
                                  compression=args.compression, error_feedback=args.error_feedback,
                                  min_replicas=args.min_replicas, timeout_s=args.timeout_s,
-                                 poll_interval_s=args.poll_interval_s, run_id=args.run_id)
+                                 poll_interval_s=args.poll_interval_s, run_id=args.run_id, spread=args.spread)
     rounds = RoundCheckpoints(allreduce.store, run_id=args.run_id, world_size=args.world_size)
     manager = ObjectStoreManager(allreduce, total_steps=total_steps_of(trainer, kwargs),
                                  progress_interval_s=args.progress_interval_s, rounds=rounds)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -74,28 +74,34 @@ def write_final_weights(store: ObjectStore, rank: int, tensors: Mapping[str, tor
 
 
 # ---------------------------------------------------------------------------------------------- check
-def check_final_weights(store: ObjectStore, world_size: int) -> WeightsCheck:
-    """Compare every rank's final weights with rank 0's, bit for bit (see the module docstring).
+def check_final_weights(store: ObjectStore, world_size: int, ranks: Sequence[int] | None = None) -> WeightsCheck:
+    """Compare every rank's final weights with the first one's, bit for bit (see the module docstring).
 
-    Holds at most two ranks' tensors in memory at a time. A missing object gives ``identical=None``; an
-    unreadable one (corrupt, checksum mismatch) gives ``identical=False`` naming it.
+    ``ranks`` limits the check to those ranks (a ``min_replicas`` run that finished without some replicas: they
+    hold no final weights). Holds at most two ranks' tensors in memory at a time. A missing object gives
+    ``identical=None``; an unreadable one (corrupt, checksum mismatch) gives ``identical=False`` naming it.
     """
     from diloco.codec import decode
     from diloco.housekeeping import compacted_verdict
 
-    compacted = compacted_verdict(store, world_size)  # checked before: the store kept one copy (compact_store)
-    if compacted is not None:
-        return compacted
+    if ranks is None:
+        compacted = compacted_verdict(store, world_size)  # checked before: the store kept one copy (compact_store)
+        if compacted is not None:
+            return compacted
+    checked = list(range(world_size)) if ranks is None else sorted(ranks)
+    if not checked:
+        return WeightsCheck(identical=None, world_size=world_size, detail="no replica finished, so no final weights")
+    first_rank = checked[0]
     reference: dict[str, torch.Tensor] | None = None
     ref_meta: dict[str, str] = {}
-    missing = [r for r in range(world_size) if not store.exists(FINAL_KEY.format(rank=r))]
+    missing = [r for r in checked if not store.exists(FINAL_KEY.format(rank=r))]
     if missing:
         first = FINAL_KEY.format(rank=missing[0])
         who = "replica" if len(missing) == 1 else "replicas"
         return WeightsCheck(identical=None, world_size=world_size, missing_ranks=missing,
                             detail=f"{who} {', '.join(map(str, missing))} wrote no final weights "
                                    f"({store.url(first)} is missing)")
-    for rank in range(world_size):
+    for rank in checked:
         key = FINAL_KEY.format(rank=rank)
         try:
             tensors, meta = decode(store.get(key), source=store.url(key))
@@ -111,13 +117,15 @@ def check_final_weights(store: ObjectStore, world_size: int) -> WeightsCheck:
         if difference is not None:
             return WeightsCheck(identical=False, world_size=world_size, differing_rank=rank,
                                 differing_tensor=difference.tensor, max_abs_diff=difference.max_abs_diff,
-                                detail=f"replica {rank}'s final weights differ from replica 0's {difference.detail}")
-    assert reference is not None  # world_size >= 1
+                                detail=f"replica {rank}'s final weights differ from replica {first_rank}'s "
+                                       f"{difference.detail}")
+    assert reference is not None  # at least one rank checked
     n = sum(t.numel() for t in reference.values())
+    who = (f"{world_size} replica(s)" if len(checked) == world_size
+           else f"the {len(checked)} replicas that finished ({', '.join(map(str, checked))} of {world_size})")
     return WeightsCheck(identical=True, world_size=world_size, tensor_count=len(reference), value_count=n,
                         tensors=reference, metadata=ref_meta,
-                        detail=f"{world_size} replica(s) hold identical final weights ({len(reference)} tensors, "
-                               f"{n} values)")
+                        detail=f"{who} hold identical final weights ({len(reference)} tensors, {n} values)")
 
 
 @dataclass(frozen=True)

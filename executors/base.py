@@ -129,6 +129,7 @@ class EntrypointArgs(BaseModel):
     allreduce: str = "gather"  # store.allreduce
     compression: str = "none"  # store.compression
     error_feedback: bool = True  # store.error_feedback
+    spread: int = 1  # store.spread
     min_replicas: int | None = None  # partial participation (None: every round needs every replica)
     procs_per_replica: int | None = None  # local processes per replica (None: the replica's own default)
     tensorboard: str | None = None  # metrics.tensorboard
@@ -154,6 +155,8 @@ class EntrypointArgs(BaseModel):
             argv += ["--compression", self.compression]
         if not self.error_feedback:
             argv += ["--no-error-feedback"]
+        if self.spread != 1:
+            argv += ["--spread", str(self.spread)]
         if self.min_replicas is not None:
             argv += ["--min-replicas", str(self.min_replicas)]
         if self.procs_per_replica is not None:

@@ -3,6 +3,8 @@
 Each step's data depends only on (rank, step), and ``on_rejoin`` puts a restarted replica at its peers' step, so a
 run interrupted after a committed round must still end with bitwise-identical weights.
 """
+import os
+import sys
 import time
 
 import torch
@@ -10,7 +12,9 @@ import torch
 from diloco.outer import make_diloco_outer_loop
 
 
-def train(*, manager, rank, world_size, total_steps=40, sync_every=5, step_s=0.1):
+def train(*, manager, rank, world_size, total_steps=40, sync_every=5, step_s=0.1, exit_rank=-1, exit_at_step=0):
+    """``exit_rank``/``exit_at_step``: that rank exits with its own error (code 1, not relaunched) after that
+    inner step, a replica dead for good."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -30,3 +34,7 @@ def train(*, manager, rank, world_size, total_steps=40, sync_every=5, step_s=0.1
             loss.backward()
             opt.step()
             time.sleep(step_s)
+            if rank == exit_rank and step == exit_at_step:
+                print(f"diloco: error: rank {rank}: dies for good after step {step} (test)", file=sys.stderr,
+                      flush=True)
+                os._exit(1)

@@ -13,7 +13,7 @@ import torch
 from ranks import run_ranks  # tests/ is on sys.path
 
 from diloco.allreduce import AllReduceStats, ObjectStoreAllReduce, average, contribution_key
-from diloco.codec import decode_tensors, encode_tensors
+from diloco.codec import decode_tensors, encode_stream, encode_tensors
 from diloco.errors import AllReduceTimeout, ConfigError, CorruptObjectError, DilocoError, StoreError
 from diloco.store import ObjectStore
 
@@ -25,6 +25,11 @@ def uri(request: pytest.FixtureRequest, tmp_path: Any) -> str:
     if request.param == "memory":
         return f"memory://rdv-{uuid.uuid4().hex[:8]}"
     return f"file://{tmp_path}/rdv"
+
+
+def streamed(tensors: dict[str, torch.Tensor], metadata: dict[str, str | int]) -> bytes:
+    """An object exactly as a rank publishes it (``codec.encode_stream``, verifiable by ranges)."""
+    return b"".join(bytes(chunk) for chunk in encode_stream(tensors, metadata)[1])
 
 
 def make(uri: str, rank: int, world_size: int, **kw: Any) -> ObjectStoreAllReduce:
@@ -168,8 +173,9 @@ def test_wait_reraises_upload_errors_and_the_instance_refuses_later_rounds(tmp_p
 def test_a_stuck_upload_fails_the_round_instead_of_hanging(uri: str) -> None:
     ar = make(uri, 0, 1, timeout_s=0.3)
     release = threading.Event()
-    real_put = ar.store.put
-    ar.store.put = lambda key, data: (release.wait(30), real_put(key, data))  # type: ignore[method-assign]
+    real_put = ar.store.put_stream
+    ar.store.put_stream = lambda key, chunks, size=None: (release.wait(30),  # type: ignore[method-assign]
+                                                          real_put(key, chunks, size))[1]
     try:
         work = ar.allreduce_async({"g": torch.ones(2)})
         started = time.monotonic()
@@ -273,16 +279,22 @@ def test_resume_at_sets_the_next_round_only_before_any_round(uri: str) -> None:
 
 def test_corrupted_and_truncated_peer_objects_are_reported_and_never_averaged(uri: str) -> None:
     store = ObjectStore(uri)
-    good = encode_tensors({"g": torch.full((64,), 7.0)}, {"round": 0, "rank": 1, "world_size": 2})
+    good = streamed({"g": torch.full((64,), 7.0)}, {"round": 0, "rank": 1, "world_size": 2})
     flipped = bytearray(good)
     flipped[-10] ^= 0xFF  # inside the tensor data: only the checksum can tell
+    header_flipped = bytearray(good)
+    header_flipped[20] ^= 0x01  # inside the header's JSON: its own digest must catch it
     cases = {
         "flipped byte": bytes(flipped),
+        "flipped header": bytes(header_flipped),
         "truncated": good[: len(good) // 2],
-        "wrong round": encode_tensors({"g": torch.full((64,), 7.0)}, {"round": 5, "rank": 1, "world_size": 2}),
-        "wrong shape": encode_tensors({"g": torch.full((3,), 7.0)}, {"round": 0, "rank": 1, "world_size": 2}),
-        "wrong dtype": encode_tensors({"g": torch.full((64,), 7.0, dtype=torch.float64)},
-                                      {"round": 0, "rank": 1, "world_size": 2}),
+        "not streamed": encode_tensors({"g": torch.full((64,), 7.0)}, {"round": 0, "rank": 1, "world_size": 2}),
+        "wrong round": streamed({"g": torch.full((64,), 7.0)}, {"round": 5, "rank": 1, "world_size": 2}),
+        "wrong shape": streamed({"g": torch.full((3,), 7.0)}, {"round": 0, "rank": 1, "world_size": 2}),
+        "wrong dtype": streamed({"g": torch.full((64,), 7.0, dtype=torch.float64)},
+                                {"round": 0, "rank": 1, "world_size": 2}),
+        "compressed": streamed({"g": torch.full((64,), 7.0, dtype=torch.bfloat16)},
+                               {"round": 0, "rank": 1, "world_size": 2, "compression": "bf16", "block": 256}),
     }
     for what, data in cases.items():
         store.delete_prefix("")
@@ -301,13 +313,13 @@ def test_corrupted_and_truncated_peer_objects_are_reported_and_never_averaged(ur
 def test_a_leftover_of_another_run_in_a_reused_prefix_is_rejected_not_averaged(uri: str) -> None:
     store = ObjectStore(uri)
     identity = {"round": 0, "rank": 1, "world_size": 2}
-    store.put(contribution_key(0, 1), encode_tensors({"g": torch.full((4,), 7.0)}, {**identity, "run_id": "old"}))
+    store.put(contribution_key(0, 1), streamed({"g": torch.full((4,), 7.0)}, {**identity, "run_id": "old"}))
     mine = torch.full((4,), 1.0)
     with make(uri, 0, 2, run_id="new") as ar, pytest.raises(CorruptObjectError, match="run_id='old'"):
         ar.allreduce({"g": mine})
     assert torch.equal(mine, torch.full((4,), 1.0))
     # The same run's contribution is accepted: the tag is what tells them apart.
-    store.put(contribution_key(0, 1), encode_tensors({"g": torch.full((4,), 7.0)}, {**identity, "run_id": "new"}))
+    store.put(contribution_key(0, 1), streamed({"g": torch.full((4,), 7.0)}, {**identity, "run_id": "new"}))
     with make(uri, 0, 2, run_id="new") as ar:
         ar.allreduce({"g": mine})
     assert torch.equal(mine, torch.full((4,), 4.0))
@@ -348,3 +360,31 @@ def test_rounds_over_a_real_s3_api(s3_uri: str, bucket_keys: Callable[[str], lis
         assert torch.equal(results[1][k], results[0][k])
     bucket, prefix = s3_uri[len("s3://"):].split("/", 1)
     assert sorted(bucket_keys(bucket)) == [f"{prefix}/{contribution_key(rounds - 1, r)}" for r in range(world)]
+
+
+def test_a_peer_object_larger_than_one_read_window_is_accumulated_window_by_window(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tensors straddling the ranged-read windows (one 4 MiB chunk each here) are added at the right offsets."""
+    from diloco import codec
+    from diloco.collectives import gather
+
+    monkeypatch.setattr(gather, "WINDOW_BYTES", codec.CHUNK_BYTES)
+    uri = f"file://{tmp_path}/rdv"
+
+    def inputs(rank: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(rank)
+        return {"a": torch.randn(1_500_000, generator=g), "b": torch.randn(1000, 1001, generator=g),
+                "c": torch.randn(7, generator=g).to(torch.bfloat16)}
+
+    def rank_fn(rank: int) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+        tensors = inputs(rank)
+        with make(uri, rank, 2) as ar:
+            before = ar.store.traffic
+            ar.allreduce(tensors)
+            return tensors, dict((ar.store.traffic - before).requests)
+
+    want = average([inputs(0), inputs(1)])
+    for tensors, requests in run_ranks(2, rank_fn, timeout=60):
+        for name, t in tensors.items():
+            assert torch.equal(t, want[name].to(t.dtype)), name
+        assert requests.get("get_range", 0) >= 1 + 3  # the header probe, then one GET per 4 MiB window

@@ -95,7 +95,9 @@ def test_plan_is_pure_and_lists_only_added_env(tmp_path: Path, backend: LocalBac
     assert env["RENDEZVOUS_URI"] == f"file://{tmp_path}/store"
     assert env["PYTHONUNBUFFERED"] == "1"
     assert set(env) <= {"DILOCO_RUN_ID", "REPLICA_RANK", "WORLD_SIZE", "RENDEZVOUS_URI", "PYTHONUNBUFFERED",
-                        "OMP_NUM_THREADS", "PYTHONPATH"}
+                        "OMP_NUM_THREADS", "PYTHONPATH", "DILOCO_CHECKPOINT_DIR"}
+    if "DILOCO_CHECKPOINT_DIR" not in os.environ:  # each rank's inner optimizer state, under the run directory
+        assert env["DILOCO_CHECKPOINT_DIR"] == str(tmp_path / "logs" / RUN_ID / "checkpoints")
     assert req["cwd"] == os.getcwd()
     assert req["log_dir"] == str(tmp_path / "logs" / RUN_ID / "logs" / "rank_2")
 

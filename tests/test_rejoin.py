@@ -88,7 +88,7 @@ def train(uri: str, rank: int, *, die_after_step: int | None = None, fragments: 
                 if step == die_after_step:
                     pending = manager._allreduce._pending
                     if pending is not None and not pending.is_completed():
-                        pending._upload.result()  # it dies *after* its upload of the round in flight landed
+                        pending.wait_for_upload()  # it dies *after* its upload of the round in flight landed
                     raise Died(f"rank {rank} after step {step}")
             if fragments > 1:
                 loop.restore_global_parameters()

@@ -74,7 +74,7 @@ def test_watch_help_has_examples_and_exit_codes() -> None:
     result = CliRunner().invoke(app, ["watch", "--help"])
     assert result.exit_code == 0
     text = " ".join(result.stdout.split())
-    assert "Examples: diloco launch" in text and "diloco watch 7c98 --max-restarts 5" in text
+    assert "Examples: diloco watch" in text and "diloco watch 7c98 --max-restarts 5" in text
     assert "124 timeout, 130 interrupted" in text and "[default: 3; x>=0]" in text
 
 

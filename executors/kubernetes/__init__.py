@@ -71,10 +71,10 @@ from diloco.executors.kubernetes.pods import (  # noqa: F401
     job_name_for,
     label_value,
     parse_gpu,
-    replica_gpus,
     parse_intervals,
     parse_time,
     pending_reason,
+    replica_gpus,
     split_log_line,
 )
 

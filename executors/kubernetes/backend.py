@@ -60,10 +60,10 @@ from diloco.executors.kubernetes.pods import (
     failure_reason,
     job_name_for,
     label_value,
-    replica_gpus,
     parse_intervals,
     parse_time,
     pending_reason,
+    replica_gpus,
     split_log_line,
 )
 

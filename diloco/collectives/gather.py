@@ -1,0 +1,253 @@
+"""Gather: every rank publishes its whole contribution as one object and reads every peer's.
+
+Per rank per round, for a payload of S bytes on the wire and N ranks: written S (1 PUT; a multipart upload above
+the store's threshold), read (N-1)·S, plus the polling (one HEAD per peer per ``poll_interval_s`` until it
+appears). Uncompressed, each peer's object is read as a header probe (64 KiB, ``codec.HEADER_PROBE_BYTES``) and
+verified ranged GETs of ``WINDOW_BYTES`` (32 MiB) that are accumulated as they arrive, so memory stays at the
+snapshot plus the accumulator plus one window: (N-1)·(1 + ceil(S / 32 MiB)) GETs. Compressed payloads (S/4 or
+less) are read whole: N-1 GETs. Fewest requests and a single phase, so the lowest latency for small payloads or small N; reads
+grow with N (the sharded strategy reads under 2·S whatever N is).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from diloco import codec
+from diloco.codec import decode_tensors
+from diloco.collectives.driver import Deadline, RoundDriver, RoundIO
+from diloco.collectives.reduce import accumulate, accumulation_dtype, finish_mean, layout_of, number
+from diloco.collectives.wire import PayloadCodec
+from diloco.errors import ConfigError, CorruptObjectError, DilocoError
+from diloco.layout import ROUND_MANIFEST_KEY, check_spread, contribution_key
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+#: Bytes of a peer's object read (and verified) per ranged GET when accumulating it: what a round holds in flight
+#: on top of the snapshot and the accumulator (a multiple of ``codec.CHUNK_BYTES``, so reads need no widening).
+WINDOW_BYTES = 8 * codec.CHUNK_BYTES
+
+
+@dataclass
+class _Published:
+    """What the reduce step needs of our own contribution: what peers will decode from it, and its layout."""
+
+    decoded: dict[str, torch.Tensor]
+    reference: dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+class GatherExchange:
+    """The gather strategy's round: one object per rank, all of them read by everyone."""
+
+    def __init__(self, codec: PayloadCodec, *, spread: int = 1, min_replicas: int | None = None) -> None:
+        self.codec = codec
+        self.spread = check_spread(spread)
+        self.min_replicas = min_replicas
+
+    def snapshot(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {name: t.detach().to("cpu", copy=True) for name, t in tensors.items()}
+
+    def publish(self, io: RoundIO, round_: int, snapshot: dict[str, torch.Tensor]) -> _Published:
+        """Stream our contribution to the store (``codec.encode_stream`` + ``put_stream``: never one joined copy
+        of the payload in memory), tagged with our identity and, compressed, the format."""
+        reference = layout_of(snapshot)
+        wire, meta, decoded = self.codec.encode_contribution(tuple(reference.items()), snapshot)
+        size, chunks = codec.encode_stream(wire, {**meta, **io.identity(round_, io.rank)})
+        io.wrote(io.store.put_stream(self._key(round_, io.rank), chunks, size))
+        return _Published(decoded, reference)
+
+    def reduce(self, io: RoundIO, round_: int, published: _Published) -> dict[str, torch.Tensor]:
+        """Accumulate every rank's contribution in rank order 0..N-1 (our own as peers decode it)."""
+        deadline = io.deadline()
+        members = range(io.world_size) if self.min_replicas is None else self._agree_on_members(io, round_, deadline)
+        acc: dict[str, torch.Tensor] = {}
+        for peer in members:
+            if peer == io.rank:
+                accumulate(acc, published.decoded)
+                continue
+            io.await_object(round_, peer, lambda r: self._key(round_, r), deadline)
+            key = self._key(round_, peer)
+            if self.codec.compressed:  # a quarter of the payload or less: read whole, decode, accumulate
+                accumulate(acc, io.read_verified(
+                    round_, peer, "contribution", io.store.url(key),
+                    lambda peer=peer, key=key: self._read(io, round_, peer, key, published.reference)))
+            else:
+                self._accumulate_streamed(io, round_, peer, key, published.reference, acc)
+        return finish_mean(acc, len(members))
+
+    def _agree_on_members(self, io: RoundIO, round_: int, deadline: Deadline) -> list[int]:
+        """Partial participation (``min_replicas``): the ranks this round averages, the same on every rank.
+
+        Wait until every rank's contribution exists, or until the deadline (extended while a peer is being
+        relaunched) has passed with at least ``min_replicas`` of them; propose the ranks present as the round's
+        manifest, created exactly once (``put_if_absent``: a conditional create on S3, a hard link on
+        ``file://``), and adopt whichever proposal won. A contribution that lands after the manifest is not
+        averaged: its rank gets ``DroppedFromRound`` and rejoins at the next round (a relaunch). Fewer than
+        ``min_replicas`` past the deadline is an ``AllReduceTimeout`` naming the missing ranks."""
+        import json
+
+        assert self.min_replicas is not None
+        key_of = lambda r: self._key(round_, r)  # noqa: E731
+        manifest_key = ROUND_MANIFEST_KEY.format(round=round_)
+        while True:
+            if io.store.exists(manifest_key):
+                break
+            present = [r for r in range(io.world_size) if r == io.rank or io.store.exists(key_of(r))]
+            missing = [r for r in range(io.world_size) if r not in present]
+            if not missing or (deadline.remaining(missing[0], round_) <= 0 and len(present) >= self.min_replicas):
+                proposal = {"round": round_, "members": present, "proposed_by": io.rank, "run_id": io.run_id or ""}
+                io.store.put_if_absent(manifest_key, json.dumps(proposal).encode())
+                break
+            if len(present) < self.min_replicas:
+                io.await_object(round_, missing[0], key_of, deadline)  # times out naming every missing rank
+            else:
+                io.wait_a_poll(round_)
+        manifest = json.loads(io.store.get(manifest_key))
+        members = [int(r) for r in manifest.get("members", [])]
+        if manifest.get("round") != round_ or manifest.get("run_id", "") != (io.run_id or "") or \
+                len(members) < self.min_replicas:
+            raise CorruptObjectError(f"all-reduce round {number(round_)}: the manifest at "
+                                     f"{io.store.url(manifest_key)} is not this round's: {manifest}")
+        if io.rank not in members:
+            raise DroppedFromRound(
+                f"all-reduce round {number(round_)}: rank {io.rank}'s contribution arrived after the round "
+                f"committed with ranks {members} (min_replicas {self.min_replicas}), so it was not averaged",
+                hint="the replica is restarted and rejoins at the next round (diloco launch does this)")
+        if len(members) < io.world_size:
+            logger.warning("round %d averages %d of %d replicas: %s (min_replicas %d)", number(round_),
+                           len(members), io.world_size, members, self.min_replicas)
+        return members
+
+    def own_keys(self, round_: int, rank: int) -> list[str]:
+        return [self._key(round_, rank)]
+
+    # ---------------------------------------------------------------- internals
+    def _key(self, round_: int, rank: int) -> str:
+        return contribution_key(round_, rank, self.spread)
+
+    def _accumulate_streamed(self, io: RoundIO, round_: int, peer: int, key: str,
+                             reference: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+                             acc: dict[str, torch.Tensor]) -> None:
+        """Add ``peer``'s uncompressed contribution into ``acc`` window by window (``WINDOW_BYTES`` verified
+        ranged GETs), so a round holds the snapshot, the accumulator and one window, never a whole peer object.
+
+        Each window is verified against its chunk digests *before* it is added, and a failed read is retried
+        window by window, so nothing unverified is ever accumulated and a retry never adds a window twice. The
+        first contribution (rank 0, unless it is ours) is copied, not added to zeros, so a -0.0 stays -0.0 as in
+        ``accumulate`` (the same bits whichever rank's view)."""
+        import torch
+
+        url = io.store.url(key)
+        header = io.read_verified(round_, peer, "contribution", url, lambda: codec.read_header(io.store, key))
+        io.read(header.data_offset)
+        check_header(header.metadata, header.tensors, io.identity(round_, peer), reference, round_, peer, url)
+        first = not acc
+        if first:
+            for name, (shape, dtype) in reference.items():
+                acc[name] = torch.empty(shape, dtype=accumulation_dtype(dtype))
+        flat = {name: t.view(-1) for name, t in acc.items()}
+        for begin in range(0, header.data_size, WINDOW_BYTES):
+            end = min(begin + WINDOW_BYTES, header.data_size)
+            data = io.read_verified(round_, peer, "contribution", url,
+                                    lambda b=begin, e=end: codec.read_data(io.store, key, header, b, e))
+            io.read(len(data))
+            _add_window(flat, codec.tensors_from_data(header, data, begin, end), first)
+            del data  # with the views gone (they lived in _add_window), the window's buffer is freed now
+
+    def _read(self, io: RoundIO, round_: int, peer: int, key: str,
+              reference: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, torch.Tensor]:
+        """Fetch and verify ``peer``'s object: checksum, identity, format, then the exact tensor layout."""
+        data = io.store.get(key)
+        io.read(len(data))
+        source = io.store.url(key)
+        wire, meta = decode_tensors(data, expect=io.identity(round_, peer), source=source)
+        tensors = self.codec.decode(wire, meta, reference, source)
+        check_same_layout(tensors, reference, round_, peer, compressed=self.codec.compressed)
+        return tensors
+
+
+class DroppedFromRound(DilocoError):
+    """With ``min_replicas``, this rank's contribution came too late for a round that committed without it."""
+
+
+def _add_window(flat: Mapping[str, torch.Tensor], views: Mapping[str, tuple[int, torch.Tensor]], first: bool) -> None:
+    """Copy (first contribution) or add one window's tensor views into the flat accumulators. A function of its
+    own so the views, which keep the window's buffer alive, are gone before the next window is read."""
+    for name, (offset, view) in views.items():
+        target = flat[name][offset:offset + view.numel()]
+        if first:
+            target.copy_(view)
+        else:
+            target.add_(view.to(target.dtype))
+
+
+def check_header(meta: Mapping[str, str], tensors: Mapping[str, codec.TensorEntry],
+                 identity: Mapping[str, str | int], reference: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+                 round_: int, peer: int, source: str) -> None:
+    """A streamed peer object must be that peer's, this round's, uncompressed, and shaped exactly like ours."""
+    from diloco.collectives.reduce import number
+
+    for key, want in identity.items():
+        if meta.get(key) != str(want):
+            raise CorruptObjectError(f"round {number(round_)}: rank {peer}'s object {source} has "
+                                     f"{key}={meta.get(key)!r}, expected {str(want)!r}")
+    sent = meta.get("compression", "none")
+    if sent != "none":
+        raise CorruptObjectError(f"round {number(round_)}: rank {peer}'s object {source} is compressed as "
+                                 f"{sent!r}, but this run uses store.compression 'none'")
+    check_same_layout({n: _Shaped(e.shape, e.dtype) for n, e in tensors.items()}, reference, round_, peer)
+
+
+@dataclass(frozen=True)
+class _Shaped:
+    """A tensor's shape and dtype without its data (what a header says), for ``check_same_layout``."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def check_same_layout(tensors: Mapping[str, torch.Tensor | _Shaped],
+                      reference: Mapping[str, tuple[tuple[int, ...], torch.dtype]], round_: int, peer: int,
+                      *, compressed: bool = False) -> None:
+    """A peer must contribute the same tensor names, shapes and dtypes as we do, or averaging is meaningless
+    (compressed payloads decode to fp32, so only names and shapes are compared then)."""
+    from diloco.collectives.reduce import number
+
+    if set(tensors) != set(reference):
+        extra = sorted(set(tensors) - set(reference))
+        lacking = sorted(set(reference) - set(tensors))
+        raise CorruptObjectError(
+            f"round {number(round_)}: rank {peer} contributed different tensors (extra {extra}, missing {lacking})"
+        )
+    for name, (shape, dtype) in reference.items():
+        got = tensors[name]
+        if tuple(got.shape) != shape or (not compressed and got.dtype != dtype):
+            raise CorruptObjectError(
+                f"round {number(round_)}: rank {peer}'s {name!r} is {got.dtype} {tuple(got.shape)}, "
+                f"expected {dtype} {shape}"
+            )
+
+
+class ObjectStoreAllReduce(RoundDriver[dict, _Published]):
+    """The gather all-reduce (see the module docstring). Only the constructor is its own: the round machinery
+    is ``RoundDriver``'s, the wire format ``GatherExchange``'s."""
+
+    strategy = "gather"
+
+    def __init__(self, uri: str, rank: int, world_size: int, timeout_s: float = 1800, poll_interval_s: float = 1.0,
+                 run_id: str | None = None, *, compression: str = "none", error_feedback: bool = True,
+                 spread: int = 1, min_replicas: int | None = None) -> None:
+        if min_replicas is not None and (isinstance(min_replicas, bool) or not isinstance(min_replicas, int)
+                                         or not 1 <= min_replicas <= world_size):
+            raise ConfigError(f"min_replicas must be an integer in [1, {world_size}] (the replicas), got "
+                              f"{min_replicas!r}", hint="leave it unset to average every round over all replicas")
+        exchange = GatherExchange(PayloadCodec(compression, error_feedback=error_feedback), spread=spread,
+                                  min_replicas=None if min_replicas == world_size else min_replicas)
+        super().__init__(uri, rank, world_size, exchange=exchange, timeout_s=timeout_s,
+                         poll_interval_s=poll_interval_s, run_id=run_id, spread=spread)

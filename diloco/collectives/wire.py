@@ -1,0 +1,87 @@
+"""What a contribution looks like on the wire: the run's compression format, with error feedback, per rank.
+
+``store.compression: none`` sends the tensors as they are; any other format goes through ``diloco.compression``:
+the rank encodes ``x + residual`` and keeps what the format lost for the next round (error feedback), and it
+averages the *decoded* version of its own contribution, exactly what its peers decode from its object, so every
+rank sums identical values and the means stay bitwise identical.
+
+Error-feedback memory is keyed by the payload's layout (names, shapes, dtypes; plus the shard for the sharded
+strategy): Streaming DiLoCo's fragments each get their own residual as long as their layouts differ. Two fragments
+with identical layouts share one (a documented approximation); a rejoining rank starts with empty residuals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from diloco import compression
+from diloco.errors import CorruptObjectError
+
+if TYPE_CHECKING:
+    import torch
+
+NONE = "none"
+
+Layout = Mapping[str, tuple[tuple[int, ...], "torch.dtype"]]
+Wire = tuple[dict[str, "torch.Tensor"], dict[str, str], dict[str, "torch.Tensor"]]
+
+
+class PayloadCodec:
+    """One rank's wire format: encode its contributions (with error feedback) and decode its peers'."""
+
+    def __init__(self, fmt: str = NONE, *, error_feedback: bool = True,
+                 block: int = compression.DEFAULT_BLOCK) -> None:
+        self.fmt = compression.check_format(fmt)
+        self.block = compression.check_block(block)
+        self.error_feedback = error_feedback
+        self._feedback: dict[Hashable, Any] = {}  # layout key -> compression.ErrorFeedback
+
+    @property
+    def compressed(self) -> bool:
+        return self.fmt != NONE
+
+    def encode_contribution(self, key: Hashable, tensors: Mapping[str, torch.Tensor]) -> Wire:
+        """``(wire tensors, metadata, decoded)`` of this rank's contribution; ``decoded`` is what peers will see.
+
+        Uncompressed, all three are the tensors themselves (no copy, no tag: the objects of a run without
+        compression are what they always were). Compressed, the residual of the payload layout ``key`` is added
+        before encoding and updated after (unless error feedback is off)."""
+        if not self.compressed:
+            return dict(tensors), {}, dict(tensors)
+        feedback = self._feedback.get(key)
+        if feedback is None:
+            feedback = self._feedback[key] = compression.ErrorFeedback(self.fmt, block=self.block,
+                                                                       enabled=self.error_feedback)
+        return feedback.compress(as_fp32(tensors))
+
+    def encode_plain(self, tensors: Mapping[str, torch.Tensor]) -> Wire:
+        """Like ``encode_contribution`` but without error feedback: for a value sent once (a reduced shard)."""
+        if not self.compressed:
+            return dict(tensors), {}, dict(tensors)
+        fp32 = as_fp32(tensors)
+        wire, meta = compression.encode(fp32, self.fmt, block=self.block)
+        layout = compression.layout_of(fp32)
+        return wire, meta, compression.decode(wire, meta, layout, fmt=self.fmt, block=self.block)
+
+    def decode(self, wire: Mapping[str, torch.Tensor], meta: Mapping[str, str], layout: Layout,
+               source: str) -> dict[str, torch.Tensor]:
+        """A peer's tensors as named in ``layout``; ``CorruptObjectError`` naming ``source`` when its format is
+        not this run's (a peer of another configuration is corrupt, never silently decoded)."""
+        sent = meta.get(compression.FORMAT_KEY, NONE)
+        if sent != self.fmt:
+            raise CorruptObjectError(f"{source} is compressed as {sent!r}, but this run uses store.compression "
+                                     f"{self.fmt!r}")
+        if not self.compressed:
+            return dict(wire)
+        try:
+            return compression.decode(wire, meta, layout, fmt=self.fmt, block=self.block)
+        except CorruptObjectError as exc:
+            raise CorruptObjectError(f"{source}: {exc}") from exc
+
+
+def as_fp32(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """fp32 CPU versions (no copy when already fp32 on the CPU): what the compression formats take."""
+    import torch
+
+    return {name: t.detach().to("cpu", torch.float32) for name, t in tensors.items()}
