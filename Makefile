@@ -27,8 +27,10 @@ demo: setup
 lint: setup
 	$(BIN)/ruff check diloco executors cli tests bench
 
+# Every bench script with --quick sizes (under 15 minutes on 2 cores); tables and plots go to bench/results/.
+# BENCH_ARGS=--full runs the full sizes; BENCH_ARGS="--only convergence" one script.
 bench: setup
-	$(BIN)/python bench/cli_startup.py
+	MPLBACKEND=Agg $(BIN)/python bench/run_all.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

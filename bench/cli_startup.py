@@ -8,6 +8,7 @@ best of N runs of each command, in a small table. ``diloco status`` runs against
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -49,8 +50,12 @@ def time_command(argv: list[str], runs: int, env: dict[str, str]) -> list[float]
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("-n", "--runs", type=int, default=10, help="runs per command (default 10)")
+    parser.add_argument("-n", "--runs", type=int, default=None, help="runs per command (default 10; --quick 3)")
+    parser.add_argument("--quick", action="store_true", help="3 runs per command (make bench)")
+    parser.add_argument("--full", action="store_true", help="10 runs per command (the default)")
+    parser.add_argument("--json", metavar="OUT", help="also write the table as JSON (bench/run_all.py reads it)")
     args = parser.parse_args()
+    args.runs = args.runs or (3 if args.quick else 10)
     diloco = str(Path(sys.executable).with_name("diloco"))
     with tempfile.TemporaryDirectory() as home:
         env = {**os.environ, "DILOCO_HOME": home}
@@ -72,7 +77,22 @@ def main() -> int:
     medians = {name: statistics.median(samples) for name, samples in rows}
     ratio = medians["diloco --help"] / medians["minimal Typer app --help"]
     print(f"diloco --help / minimal Typer app --help: {ratio:.2f}x (target: under 1.15x)")
+    if args.json:
+        write_json(args.json, rows, base, ratio, args.runs)
     return 0
+
+
+def write_json(path: str, rows: list[tuple[str, list[float]]], base: float, ratio: float, runs: int) -> None:
+    """The table in the bench JSON contract (``{"title", "columns", "rows", "notes"}``, see bench/run_all.py)."""
+    table = [{"command": name, "median s": round(statistics.median(samples), 3), "best s": round(min(samples), 3),
+              "over python s": round(statistics.median(samples) - base, 3)} for name, samples in rows]
+    Path(path).write_text(json.dumps({
+        "title": "CLI start-up time",
+        "columns": ["command", "median s", "best s", "over python s"],
+        "rows": table,
+        "notes": [f"{runs} runs per command after one warm-up run; `diloco status` on an empty DILOCO_HOME.",
+                  f"diloco --help / minimal Typer app --help: {ratio:.2f}x (target: under 1.15x)."],
+    }, indent=2))
 
 
 if __name__ == "__main__":

@@ -66,7 +66,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--sync-every", type=int, default=10)
     parser.add_argument("--kill-after-round", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="a shorter run (60 steps), for make bench")
+    parser.add_argument("--full", action="store_true", help="(the default) 120 steps")
+    parser.add_argument("--json", metavar="OUT", help="also write the result as a bench/run_all.py table")
     args = parser.parse_args()
+    if args.quick:
+        args.steps = 60
     kwargs = {**TINY, "total_steps": args.steps, "sync_every": args.sync_every}
     world, victim = args.replicas, args.replicas - 1
     with tempfile.TemporaryDirectory(prefix="diloco-bench-rejoin-") as tmp:
@@ -91,13 +96,23 @@ def main() -> None:
         rounds = sorted(times)
         gaps = [times[b] - times[a] for a, b in zip(rounds, rounds[1:], strict=False) if b == a + 1]
         state = store / "committed" / f"round_{rounds[-1]:06d}" / "state.safetensors"
-        print(json.dumps({
+        row = {
             "replicas": world, "sync_every": args.sync_every, "rejoined_after_round": rejoined,
             "restart_to_first_contribution_s": round(first_contribution, 3), "startup_s": round(startup, 3),
             "round_s": round(statistics.median(gaps), 3) if gaps else None,
             "committed_round_bytes": state.stat().st_size if state.exists() else None,
             "exit_codes": [p.returncode for p in procs.values()],
-        }, indent=2))
+        }
+        print(json.dumps(row, indent=2))
+        if args.json:
+            import platform
+
+            table = {"title": "Rejoining: restart to first contribution vs one round",
+                     "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+                     "columns": list(row), "rows": [row],
+                     "notes": ["a replica SIGKILLed after a committed round and restarted at once; startup_s is "
+                               "Python and torch start-up plus one committed-round read (file:// store)"]}
+            Path(args.json).write_text(json.dumps(table, indent=2))
 
 
 if __name__ == "__main__":

@@ -104,11 +104,14 @@ class _Fragment:
 
     def __init__(
         self, index: int, module: nn.Module, *, outer_lr: float, outer_momentum: float, nesterov: bool,
-        alpha: float,
+        alpha: float, momentum_warmup: int = 0, n_fragments: int = 1,
     ) -> None:
         import torch
 
         self.index = index
+        self.momentum = outer_momentum
+        self.momentum_warmup = momentum_warmup
+        self.n_fragments = n_fragments
         self.params: dict[str, torch.nn.Parameter] = dict(module.named_parameters())
         if not self.params:
             raise ValueError(f"model_fragments[{index}] has no parameters; every fragment must own at least one")
@@ -159,6 +162,8 @@ class _Fragment:
         if committed:
             for name, g in self.global_params.items():
                 g.grad = grads[name]
+            if self.momentum_warmup:
+                self.outer_optimizer.param_groups[0]["momentum"] = self.ramped_momentum(manager.current_step())
             self.outer_optimizer.step()  # updates the global copy in place: it *is* the new global
             self.restore_parameters()
             if self.alpha > 0:
@@ -167,6 +172,14 @@ class _Fragment:
                         p.lerp_(local[name], self.alpha)
         self.outer_optimizer.zero_grad(set_to_none=True)
         return committed
+
+    def ramped_momentum(self, committed_rounds: int) -> float:
+        """The outer momentum of this fragment's next outer step under a warm-up of ``momentum_warmup`` of its
+        own steps: 0 on its first (plain averaging), rising linearly to ``outer_momentum``. Computed from the
+        number of committed rounds (identical on every rank, and right after a rejoin), never from local state:
+        this fragment's earlier steps are the rounds before this one that synced it."""
+        earlier = (committed_rounds - 1) // self.n_fragments
+        return self.momentum * min(1.0, earlier / self.momentum_warmup)
 
     def state_dict(self) -> dict[str, Any]:
         # Copies, not references (torch's state_dict() shares the momentum buffers): the next outer step must
@@ -247,6 +260,7 @@ class DiLoCo:
         export_metadata: Mapping[str, str | int] | None = None,
         on_rejoin: Callable[[int], None] | None = None,
         checkpoint_dir: str | None = None,
+        outer_momentum_warmup: int = 0,
     ) -> None:
         from torch import nn
 
@@ -273,6 +287,10 @@ class DiLoCo:
             raise ValueError(f"outer_lr must be > 0, got {outer_lr}")
         if not 0.0 <= outer_momentum < 1.0:
             raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum}")
+        if isinstance(outer_momentum_warmup, bool) or not isinstance(outer_momentum_warmup, int) \
+                or outer_momentum_warmup < 0:
+            raise ValueError(f"outer_momentum_warmup must be an integer >= 0 (outer steps), got "
+                             f"{outer_momentum_warmup!r}")
         if not callable(getattr(inner_optimizer, "register_step_post_hook", None)):
             raise ValueError("inner_optimizer must be a torch.optim.Optimizer (it needs register_step_post_hook)")
         seen: set[int] = set()
@@ -291,7 +309,7 @@ class DiLoCo:
         self.inner_step = 0  # inner optimizer steps taken inside this loop (what the metrics call "step")
         self._fragments = [
             _Fragment(i, m, outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov,
-                      alpha=self.fragment_update_alpha)
+                      alpha=self.fragment_update_alpha, momentum_warmup=outer_momentum_warmup, n_fragments=n)
             for i, m in enumerate(fragments)
         ]
         if model is not None and not isinstance(model, nn.Module):
@@ -553,6 +571,7 @@ def make_diloco_outer_loop(
     export_metadata: Mapping[str, str | int] | None = None,
     on_rejoin: Callable[[int], None] | None = None,
     checkpoint_dir: str | None = None,
+    outer_momentum_warmup: int = 0,
 ) -> DiLoCo:
     """Build the DiLoCo context manager; use as ``with make_diloco_outer_loop(...): <train as usual>``.
 
@@ -574,6 +593,11 @@ def make_diloco_outer_loop(
     outlives the process, e.g. SageMaker's ``/opt/ml/checkpoints``): with committed rounds on, the inner
     optimizer's state is saved there after every committed round and restored on rejoin when it belongs to the
     round rejoined at (``diloco.checkpoint.InnerOptimizerState``); otherwise the rejoin starts it fresh and logs why.
+
+    ``outer_momentum_warmup`` (default 0: off, torchft's behaviour) ramps each fragment's outer momentum from 0 on
+    its first outer step to ``outer_momentum`` over that many of its steps. Not in torchft: for short runs from a
+    random initialisation, where the first rounds' pseudo-gradients are large and the momentum would carry the first
+    step's overshoot for many rounds (``bench/convergence.py`` measured it on the built-in model).
     """
     return DiLoCo(
         manager=manager,
@@ -589,6 +613,7 @@ def make_diloco_outer_loop(
         export_metadata=export_metadata,
         on_rejoin=on_rejoin,
         checkpoint_dir=checkpoint_dir,
+        outer_momentum_warmup=outer_momentum_warmup,
     )
 
 

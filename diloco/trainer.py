@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import os
 import re
 import time
@@ -71,12 +72,19 @@ def diloco_train(
     # inner optimizer: AdamW on each replica's own shard
     batch_size: int = 16,
     lr: float = 3e-3,
+    # inner schedule over the run's global step (never restarted per round): linear warm-up, then cosine decay
+    # to lr * min_lr_ratio at total_steps (1 = constant)
+    warmup_steps: int = 0,
+    min_lr_ratio: float = 1.0,
     weight_decay: float = 0.0,
     grad_clip: float = 1.0,  # 0 disables clipping
-    # outer optimizer: Nesterov SGD on the averaged pseudo-gradient (DiLoCo paper defaults)
-    outer_lr: float = 0.7,
-    outer_momentum: float = 0.9,
+    # outer optimizer: Nesterov SGD on the averaged pseudo-gradient. Tuned for short runs of this model
+    # (bench/convergence.py): the paper's lr 0.7 / momentum 0.9 is made for hundreds of rounds and here overshoots
+    # in the first rounds and never recovers within ~12; plain averaging (1, 0) under-steps.
+    outer_lr: float = 1.0,
+    outer_momentum: float = 0.8,
     nesterov: bool = True,
+    outer_momentum_warmup: int = 4,  # ramp the outer momentum in over this many outer steps (0: off)
     # Streaming DiLoCo: the model in `fragments` parts synced in turn; the all-reduce of a part starts
     # fragment_sync_delay inner steps before its outer step (overlap)
     fragments: int = 1,
@@ -84,6 +92,7 @@ def diloco_train(
     # data and evaluation
     seed: int = 1337,
     eval_batches: int = 8,
+    eval_batch_size: int = 0,  # 0: batch_size. Fix it to compare runs of different batch sizes on the same data
     eval_fraction: float = 0.1,
     corpus: str | None = None,
     max_corpus_bytes: int = DEFAULT_MAX_CORPUS_BYTES,
@@ -120,16 +129,19 @@ def diloco_train(
     # --- data: this rank's disjoint shard; the held-out tail is shared by all ranks
     split = split_corpus(load_corpus(corpus, max_corpus_bytes), rank=rank, world_size=world_size,
                          block_size=block_size, eval_fraction=eval_fraction)
-    batches = make_eval_batches(split.eval, n_batches=eval_batches, batch_size=batch_size,
+    batches = make_eval_batches(split.eval, n_batches=eval_batches, batch_size=eval_batch_size or batch_size,
                                 block_size=block_size, seed=seed)
     train_gen = torch.Generator().manual_seed(seed + 7919 * (rank + 1))  # per-rank batch order
 
     # --- model: the common seed makes every rank's initial weights identical (no broadcast needed)
     model = build_model(config, seed=seed, device=dev)
     inner_opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
+    position = [0]  # inner steps taken in the run so far (a rejoining replica starts where the run is)
     inner_step = _inner_step(model, inner_opt, split.train, train_gen, dev, batch_size=batch_size,
                              block_size=block_size, grad_clip=grad_clip,
-                             slow_factor=slow_factor if rank == slow_rank else 1.0)
+                             slow_factor=slow_factor if rank == slow_rank else 1.0, position=position,
+                             lr_at=lambda step: inner_lr_at(step, lr=lr, warmup_steps=warmup_steps,
+                                                            total_steps=total_steps, min_lr_ratio=min_lr_ratio))
     if mode == "async":
         return _train_async(manager=manager, rank=rank, world_size=world_size, model=model, inner_opt=inner_opt,
                             inner_step=inner_step, batches=batches, dev=dev, config=config,
@@ -140,8 +152,9 @@ def diloco_train(
 
     def on_rejoin(inner_step: int) -> None:
         """Position hook (a restart rejoining the run): skip the steps done and draw their batches' random
-        numbers, so the data order continues where it was. AdamW's state restarts fresh (it is not committed)."""
-        done[0] = inner_step
+        numbers, so the data order and the inner schedule continue where they were. AdamW's state restarts fresh
+        (it is not committed)."""
+        done[0] = position[0] = inner_step
         high = len(split.train) - block_size - 1
         for _ in range(inner_step):
             torch.randint(0, high, (batch_size,), generator=train_gen)  # exactly what sample_batch draws
@@ -151,7 +164,7 @@ def diloco_train(
         outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov, sync_every=sync_every,
         fragment_sync_delay=fragment_sync_delay, fragment_update_alpha=0.0, model=model,
         export_metadata={"model": "diloco.model:GPT", "model_config": config.to_json()},
-        on_rejoin=on_rejoin,
+        on_rejoin=on_rejoin, outer_momentum_warmup=outer_momentum_warmup,
     )
     log.info("model %s (%d params) on %s; shard bytes [%d, %d) of %d-byte corpus; %d steps, sync every %d",
              config.to_json(), model.num_params(), dev, *split.train_range, split.eval_range[1],
@@ -192,6 +205,7 @@ def diloco_train(
 #: Minimum of every integer knob.
 _INT_MINIMUMS = {"total_steps": 1, "sync_every": 1, "n_layer": 1, "n_head": 1, "n_embd": 1, "block_size": 1,
                  "batch_size": 1, "fragments": 1, "fragment_sync_delay": 0, "eval_batches": 1, "threads": 0,
+                 "warmup_steps": 0, "eval_batch_size": 0, "outer_momentum_warmup": 0,
                  "max_corpus_bytes": 1, "seed": -(2**63), "slow_rank": -1}
 _NON_NEGATIVE = ("lr", "weight_decay", "grad_clip", "outer_lr", "outer_momentum")
 
@@ -214,6 +228,9 @@ def check_config(values: Mapping[str, Any], *, world_size: int | None = None, on
         raise ConfigError(f"outer_lr must be > 0, got {values['outer_lr']!r}")
     if not values.get("outer_momentum", 0) < 1:
         raise ConfigError(f"outer_momentum must be in [0, 1), got {values['outer_momentum']!r}")
+    ratio = values.get("min_lr_ratio", 1.0)
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
+        raise ConfigError(f"min_lr_ratio must be in [0, 1] (1 = no decay), got {ratio!r}")
     fraction = values.get("eval_fraction", 0.1)
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
         raise ConfigError(f"eval_fraction must be in (0, 1), got {fraction!r}")
@@ -317,9 +334,13 @@ def _resolve_device(device: str) -> torch.device:
 
 def _inner_step(model: GPT, inner_opt: torch.optim.Optimizer, data: Any, train_gen: torch.Generator,
                 dev: torch.device, *, batch_size: int, block_size: int, grad_clip: float,
-                slow_factor: float) -> Callable[[], torch.Tensor]:
+                slow_factor: float, position: list[int],
+                lr_at: Callable[[int], float]) -> Callable[[], torch.Tensor]:
     """One inner AdamW step on this rank's next batch, as a function of no arguments returning the loss: the
-    same step in both modes (the outer loop's optimizer hook runs the outer round inside ``inner_opt.step()``)."""
+    same step in both modes (the outer loop's optimizer hook runs the outer round inside ``inner_opt.step()``).
+
+    ``position[0]`` counts the run's inner steps (the rejoin hook moves it); the step sets AdamW's lr to
+    ``lr_at(step)`` for the step it is about to take."""
     import torch
 
     from diloco.data import sample_batch
@@ -333,6 +354,9 @@ def _inner_step(model: GPT, inner_opt: torch.optim.Optimizer, data: Any, train_g
         if grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         _slow_down(began, slow_factor)
+        position[0] += 1
+        for group in inner_opt.param_groups:
+            group["lr"] = lr_at(position[0])
         inner_opt.step()
         return loss
 
@@ -353,6 +377,20 @@ def _train_async(*, manager: Any, rank: int, world_size: int, model: GPT, inner_
         total_steps=total_steps, sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum,
         nesterov=nesterov, tokens_per_step=tokens_per_step,
         export_metadata={"model": "diloco.model:GPT", "model_config": config.to_json()})
+
+
+def inner_lr_at(step: int, *, lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+    """The inner learning rate of the ``step``-th inner step (1-based, counted over the whole run).
+
+    Linear warm-up over ``warmup_steps``, then cosine decay to ``lr * min_lr_ratio`` at ``total_steps``
+    (``min_lr_ratio = 1``: constant). The schedule follows the run's global step, never the round: restarting it
+    every outer round would re-warm the replicas away from the global model each time."""
+    if warmup_steps and step <= warmup_steps:
+        return lr * step / warmup_steps
+    if min_lr_ratio >= 1:
+        return lr
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def _slow_down(began: float, factor: float) -> None:

@@ -135,6 +135,34 @@ def test_single_replica_is_lookahead() -> None:
     assert seen == [0.75, 0.5, 0.25, 0.5, 0.25, 0.0, -0.25, 0.0]
 
 
+def test_outer_momentum_warmup_starts_as_plain_averaging_and_ramps_to_the_momentum() -> None:
+    # One replica, inner lr 0.25, grad 1, H 2: every round's pseudo-gradient is 0.5. Outer lr 1, heavy-ball
+    # momentum 0.8 ramped over 2 outer steps: momenta 0, 0.4, 0.8 (torch SGD: buf = m * buf + g).
+    # round 1 (m 0): plain averaging, no momentum buffer kept: w = 1.0 - 0.5 = 0.5
+    # round 2 (m 0.4): the first step with momentum starts the buffer at g: buf = 0.5, w = 0.5 - 0.5 = 0.0
+    # round 3 (m 0.8): buf = 0.8 * 0.5 + 0.5 = 0.9, w = 0.0 - 0.9 = -0.9
+    frag = Scalar(1.0)
+    opt = torch.optim.SGD(frag.parameters(), lr=0.25)
+    manager = make_manager(new_uri())
+    after_round = []
+    with make_diloco_outer_loop(manager=manager, model_fragments=[frag], inner_optimizer=opt, outer_lr=1.0,
+                                outer_momentum=0.8, nesterov=False, sync_every=2, outer_momentum_warmup=2):
+        for step in range(1, 7):
+            constant_grad_step(opt, [frag.w], 1.0)
+            if step % 2 == 0:
+                after_round.append(round(frag.w.item(), 6))
+    assert after_round == [0.5, 0.0, -0.9]
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True])
+def test_outer_momentum_warmup_must_be_a_whole_number_of_steps(bad: Any) -> None:
+    frag = Scalar(1.0)
+    with pytest.raises(ValueError, match="outer_momentum_warmup must be an integer >= 0"):
+        make_diloco_outer_loop(manager=make_manager(new_uri()), model_fragments=[frag],
+                               inner_optimizer=torch.optim.SGD(frag.parameters(), lr=0.1), sync_every=2,
+                               outer_momentum_warmup=bad)
+
+
 def test_hand_computed_two_fragment_schedule() -> None:
     # torchft regression setup: inner lr 1, outer lr 2, const grad 2, sync_every 6, F=2 (H=3), tau=0, alpha=0.
     # Fragment 0 syncs at steps 3, 9, ...; fragment 1 at 6, 12, ...; pseudo-gradient = global - local.

@@ -22,7 +22,7 @@ from diloco.errors import ConfigError
 from diloco.manager import ObjectStoreManager
 from diloco.metrics import read_progress
 from diloco.model import GPT, GPTConfig, build_model, split_fragments
-from diloco.trainer import diloco_train
+from diloco.trainer import diloco_train, inner_lr_at
 from diloco.weights import check_final_weights
 
 TINY = dict(n_layer=1, n_head=2, n_embd=32, block_size=32, batch_size=8, eval_batches=2,
@@ -159,6 +159,9 @@ def test_total_steps_must_be_a_multiple_of_sync_every_and_nothing_is_written() -
     (dict(fragments=2, fragment_sync_delay=10), "fragment_sync_delay"),
     (dict(fragments=4), "fragments must be between 1 and 3"),  # TINY has n_layer + 2 = 3 units to split
     (dict(outer_momentum=1.0), "outer_momentum"),
+    (dict(min_lr_ratio=1.5), "min_lr_ratio"),
+    (dict(warmup_steps=-1), "warmup_steps"),
+    (dict(eval_batch_size=-2), "eval_batch_size"),
     (dict(batch_size=2.5), "batch_size"),
     (dict(n_embd=30, n_head=4), "n_embd"),
     (dict(device="gpu-please"), "device"),
@@ -215,13 +218,13 @@ def test_single_replica_run_writes_metrics_and_a_rebuildable_final_model(tmp_pat
 
 
 def test_a_diverged_run_is_reported_as_divergence_with_valid_json_and_agreeing_weights() -> None:
-    """Issue 7 item 4 (``-k lr=1000 -k outer_lr=100``): losses go non-finite. The metrics say "diverged" with
+    """Issue 7 item 4 (``-k lr=1000 -k outer_lr=100``, with the momentum 0.9 and no warm-up of that time): losses go non-finite. The metrics say "diverged" with
     nulls (strict JSON), and the replicas, which still computed identical global weights, are found to agree."""
     uri, world = f"memory://diverge-{uuid.uuid4().hex}", 2
 
     def run(rank: int) -> dict:
         return diloco_train(manager=_manager(uri, rank, world), rank=rank, world_size=world, total_steps=20,
-                            sync_every=10, lr=1000.0, outer_lr=100.0, **TINY)
+                            sync_every=10, lr=1000.0, outer_lr=100.0, outer_momentum=0.9, outer_momentum_warmup=0, **TINY)
 
     summaries = run_ranks(world, run, timeout=120)
     assert not any(math.isfinite(s["final_eval_loss"]) for s in summaries)  # it really diverged
@@ -240,3 +243,32 @@ def test_a_diverged_run_is_reported_as_divergence_with_valid_json_and_agreeing_w
             json.loads(line, parse_constant=refuse)
     check = check_final_weights(store, world)
     assert check.identical is True, check.detail
+
+
+# ---------------------------------------------------------------------------------------------- inner schedule
+def test_inner_schedule_warms_up_then_decays_over_the_whole_run_without_restarting_per_round() -> None:
+    def lr(step: int, **kw: float) -> float:
+        return inner_lr_at(step, **{"lr": 1e-2, "warmup_steps": 10, "total_steps": 110, "min_lr_ratio": 0.1, **kw})
+
+    assert [lr(s) for s in (1, 5, 10)] == pytest.approx([1e-3, 5e-3, 1e-2])  # linear warm-up to the peak
+    assert lr(60) == pytest.approx(1e-2 * (0.1 + 0.9 * 0.5))  # half-way through the decay: the cosine's midpoint
+    assert lr(110) == pytest.approx(1e-3)  # ends at lr * min_lr_ratio
+    decay = [lr(s) for s in range(10, 111)]
+    assert all(a > b for a, b in zip(decay, decay[1:], strict=False))  # falls at every step, rounds or not
+    assert inner_lr_at(500, lr=1e-2, warmup_steps=0, total_steps=110, min_lr_ratio=0.1) == pytest.approx(1e-3)
+    assert {inner_lr_at(s, lr=3e-3, warmup_steps=0, total_steps=100, min_lr_ratio=1.0) for s in (1, 50, 100)} == {3e-3}
+
+
+def test_the_schedule_changes_training_and_a_fixed_eval_batch_size_compares_batch_sizes_on_the_same_data() -> None:
+    """Same seed and data: a decayed schedule trains a different model than a constant one (the knob is wired);
+    eval_batch_size fixes the held-out batches whatever batch_size is (an untrained model scores them the same)."""
+    def run(**kw: object) -> dict:
+        manager = _manager(f"memory://trainer-{uuid.uuid4().hex}")
+        return diloco_train(manager=manager, rank=0, world_size=1, total_steps=10, sync_every=10,
+                            **{**TINY, **kw})
+
+    constant, decayed = run(min_lr_ratio=1.0), run(warmup_steps=3, min_lr_ratio=0.0)
+    assert constant["init_eval_loss"] == decayed["init_eval_loss"]
+    assert constant["final_eval_loss"] != decayed["final_eval_loss"]
+    small, large = run(batch_size=4, eval_batch_size=8), run(batch_size=16, eval_batch_size=8)
+    assert small["init_eval_loss"] == large["init_eval_loss"] == constant["init_eval_loss"]  # TINY: batch 8
