@@ -4,7 +4,7 @@ Nothing is patched: code under test finds the server the way it finds any S3-com
 ``AWS_ENDPOINT_URL``, which subprocesses (replicas) inherit. Credentials are moto's fake ones; the user's AWS
 config and credential files are hidden so a developer's real profile can never be picked up.
 
-Fixtures (all opt-in, none autouse):
+Fixtures (opt-in, except the two autouse ones at the end: an empty memory:// and no inherited terminal size):
 
 * ``emulator``: the SageMaker API emulator (tests/emulators/sagemaker.py) on that moto, endpoint exported.
 * ``home``: a fresh ``DILOCO_HOME`` for the test (set in the environment).
@@ -144,6 +144,14 @@ def managed_policies(aws_env: str, monkeypatch: pytest.MonkeyPatch) -> str:
     monkeypatch.setenv("MOTO_IAM_LOAD_MANAGED_POLICIES", "true")
     reset_moto(aws_env)
     return aws_env
+
+
+@pytest.fixture(autouse=True)
+def _no_inherited_terminal_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CLI honours ``COLUMNS``/``LINES`` (a user's narrow terminal); pytest-xdist workers inherit 80x24 in
+    them, so tests start without them and the ones about narrow terminals set them."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.delenv("LINES", raising=False)
 
 
 @pytest.fixture(autouse=True)
