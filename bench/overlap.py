@@ -42,7 +42,7 @@ from allreduce_round import store_root  # noqa: E402 - sibling bench script: mot
 
 COLUMNS = ["mode", "fragment_sync_delay", "replicas", "rounds", "wall s", "blocked s", "blocked %",
            "per round ms"]
-MODEL = {"n_layer": 3, "n_head": 4, "n_embd": 96, "block_size": 128, "batch_size": 16, "eval_batches": 1,
+MODEL = {"n_layer": 3, "n_head": 4, "n_embd": 96, "block_size": 128, "batch_size": 64, "eval_batches": 1,
          "threads": 1, "device": "cpu"}
 
 
