@@ -439,9 +439,10 @@ def fake_aws_environment(endpoint: str, workdir: str) -> Iterator[None]:
 
 @contextlib.contextmanager
 def store_root(store: str, workdir: str) -> Iterator[str]:
-    """The rendezvous root of one store: a folder under ``workdir``, or a bucket on a loopback moto server."""
+    """A fresh rendezvous root of one store: a folder under ``workdir``, or a bucket on a loopback moto server
+    (shared by every bench script that needs one: allreduce_traffic, overlap, round_memory)."""
     if store == "file":
-        root = os.path.join(workdir, "file-store")
+        root = os.path.join(workdir, f"file-store-{uuid.uuid4().hex[:8]}")
         os.makedirs(root)
         try:
             yield f"file://{root}"
@@ -450,7 +451,10 @@ def store_root(store: str, workdir: str) -> Iterator[str]:
         return
     from moto.server import ThreadedMotoServer
 
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request (and no time spent writing it)
+    # No line per request (and no time spent writing it), and no traceback per failed request: a retried
+    # CompleteMultipartUpload of a large object (its first attempt outlived the client's read timeout) fails there
+    # by design and is resolved client-side (diloco.s3).
+    logging.getLogger("werkzeug").setLevel(logging.CRITICAL)
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()  # a thread of this process: it outlives every rank process of every world
     try:

@@ -36,25 +36,21 @@ import gc
 import json
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from allreduce_round import store_root  # noqa: E402 - sibling bench script: a file:// folder or moto on loopback
+
 MiB = 2**20
-BUCKET = "diloco-bench-memory"
-REGION = "us-east-1"
 TARGET = 2.5
 WORLD = 2
-AWS_VARIABLES_TO_CLEAR = (
-    "AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ENDPOINT_URL_S3", "AWS_ROLE_ARN", "AWS_WEB_IDENTITY_TOKEN_FILE",
-    "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI", "AWS_MAX_ATTEMPTS",
-    "AWS_RETRY_MODE", "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "DILOCO_S3_URI",
-)
 COLUMNS = ["payload MiB", "strategy", "store", "peak extra MiB", "x payload", f"<= {TARGET}x", "round s"]
 
 
@@ -217,58 +213,6 @@ def breakdown_main(args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- the parent
-@contextlib.contextmanager
-def fake_aws_environment(endpoint: str, workdir: str) -> Iterator[None]:
-    """Point this process (and so the ranks it spawns) at ``endpoint`` with fake credentials; restore afterwards."""
-    saved = dict(os.environ)
-    for name in AWS_VARIABLES_TO_CLEAR:
-        os.environ.pop(name, None)
-    os.environ.update({
-        "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_SESSION_TOKEN": "testing",
-        "AWS_DEFAULT_REGION": REGION, "AWS_REGION": REGION, "AWS_ENDPOINT_URL": endpoint,
-        "AWS_CONFIG_FILE": os.path.join(workdir, "no-aws-config"),
-        "AWS_SHARED_CREDENTIALS_FILE": os.path.join(workdir, "no-aws-credentials"),
-        "AWS_EC2_METADATA_DISABLED": "true",
-    })
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-
-
-@contextlib.contextmanager
-def store_root(store: str, workdir: str) -> Iterator[str]:
-    """A fresh rendezvous root: a folder under ``workdir``, or a bucket on a loopback moto server."""
-    if store == "file":
-        root = os.path.join(workdir, f"file-store-{uuid.uuid4().hex[:8]}")
-        os.makedirs(root)
-        try:
-            yield f"file://{root}"
-        finally:
-            shutil.rmtree(root, ignore_errors=True)
-        return
-    import logging
-
-    from moto.server import ThreadedMotoServer
-
-    # moto logs a traceback per failed request; a retried CompleteMultipartUpload of a large object (its first
-    # attempt outlived the client's read timeout) fails there by design and is resolved client-side (diloco.s3).
-    logging.getLogger("werkzeug").setLevel(logging.CRITICAL)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    try:
-        host, port = server.get_host_and_port()
-        endpoint = f"http://{host}:{port}"
-        with fake_aws_environment(endpoint, workdir):
-            import boto3
-
-            boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=BUCKET)
-            yield f"s3://{BUCKET}/round-memory-{uuid.uuid4().hex[:8]}"
-    finally:
-        server.stop()  # moto keeps objects in memory or spooled files: stopping it frees them
-
-
 def child_argv(*extra: str) -> list[str]:
     return [sys.executable, os.path.abspath(__file__), *extra]
 
