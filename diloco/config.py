@@ -118,6 +118,9 @@ class RunConfig(_Strict):
                              f"ends on an outer sync (got {t.steps})")
         if self.min_replicas is not None and self.min_replicas > self.replicas:
             raise ValueError(f"min_replicas: must be at most replicas ({self.replicas}) (got {self.min_replicas})")
+        if self.min_replicas is not None and self.store.allreduce == "sharded":
+            raise ValueError("min_replicas: partial participation needs store.allreduce gather (a sharded round "
+                             "cannot go on without a member: its shard would be missing); drop one of the two")
         uri = self.store.rendezvous
         kind, reachable = self.backend.kind, self.backend.rendezvous_schemes
         if uri is not None:

@@ -78,6 +78,11 @@ def test_backend_flag_switches_kind_and_drops_other_backend_options(tmp_path: Pa
     ({"sets": ["train=5"]}, "train: must be a mapping of keys to values (got 5)"),
     ({"sets": ["nope"]}, "--set: expected key=value (got 'nope')"),
     ({"trainer_kwargs": ["=3"]}, "--trainer-kwargs: expected key=value (got '=3')"),
+    ({"flags": {"replicas": 4, "min_replicas": 5}}, "min_replicas: must be at most replicas (4) (got 5)"),
+    ({"flags": {"min_replicas": 2, "store.allreduce": "sharded"}},
+     "min_replicas: partial participation needs store.allreduce gather"),
+    ({"flags": {"store.compression": "int9"}}, "store.compression: must be 'none', 'bf16', 'int8' or 'int4'"),
+    ({"sets": ["store.spread=0"]}, "store.spread: must be >= 1 (got 0)"),
 ])
 def test_invalid_values_fail_with_one_line_naming_the_field(kwargs: dict, expected: str) -> None:
     assert error_of(**kwargs).startswith(expected)
