@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -49,7 +50,10 @@ def fake_run(home: Path, tmp_path: Path, n: int = 2, **behaviour: object) -> Run
     """Launch ``fake_replica`` processes through the local executor and record them like `diloco launch` does."""
     store = tmp_path / "store"
     store.mkdir(exist_ok=True)
-    run_id = f"diloco-20240101-000000-{len(list(home.glob('runs/*.json'))) if home.exists() else 0:04x}"
+    # The time part is random: tests run in parallel (pytest-xdist), and the processes of one run are found by its
+    # id in their environment, so two tests must never share one.
+    count = len(list(home.glob("runs/*.json"))) if home.exists() else 0
+    run_id = f"diloco-20240101-{random.randrange(10**6):06d}-{count:04x}"
     backend = LocalBackend(LocalBackendConfig(grace_period_s=2.0))
     args = EntrypointArgs(rendezvous_uri=f"file://{store}", world_size=n, trainer="fake:train",
                           trainer_kwargs=dict(behaviour))

@@ -28,7 +28,8 @@ from diloco.executors.local import LocalBackend, LocalBackendConfig, LocalProces
 from diloco.executors.local_supervisor import group_members, proc_stat
 
 TESTS_DIR = str(Path(__file__).parent)
-RUN_ID = "run-test"
+#: One per test process: pytest-xdist workers run these tests side by side, and processes are found by this id.
+RUN_ID = f"run-test-{os.getpid()}"
 
 
 def make_spec(tmp_path: Path, n: int = 2, timeout_s: float | None = None, run_id: str = RUN_ID,
