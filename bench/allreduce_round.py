@@ -469,6 +469,23 @@ def store_root(store: str, workdir: str) -> Iterator[str]:
         server.stop()  # moto keeps objects in memory: stopping it frees them
 
 
+def emit_table(title: str, machine: str, columns: Sequence[str], rows: Sequence[dict[str, Any]],
+               notes: Sequence[str], json_path: str | None) -> None:
+    """Print a bench result as markdown and, with ``json_path``, write it in ``bench/run_all.py``'s format
+    (``{"title", "machine", "columns", "rows", "notes"}``): the one output of the bench scripts that import this."""
+    import json
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(str(r[c]) for c in columns) + " |" for r in rows]
+    print(f"{title} ({machine})\n")
+    print("\n".join(lines))
+    print("\n" + "\n".join(f"- {n}" for n in notes))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"title": title, "machine": machine, "columns": list(columns), "rows": list(rows),
+                       "notes": list(notes)}, f, indent=2)
+
+
 def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 

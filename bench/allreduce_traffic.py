@@ -29,7 +29,6 @@ S3; they depend on ``--poll-interval`` and on timing, so they are shown apart).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -42,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from allreduce_round import store_root  # noqa: E402 - a sibling bench script: the moto + fake-AWS set-up
+from allreduce_round import emit_table, store_root  # noqa: E402 - a sibling bench script: the moto + fake-AWS set-up
 
 MIB = 2**20
 WORLDS = (2, 4, 8)
@@ -197,12 +196,6 @@ def cases(args: argparse.Namespace) -> list[Case]:
     return out
 
 
-def markdown(rows: Sequence[dict[str, Any]]) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(str(r[c]) for c in COLUMNS) + " |" for r in rows]
-    return "\n".join(lines)
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small payloads, 1 measured round, formats on file:// only")
@@ -252,13 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"Total {time.perf_counter() - started:.0f} s.",
     ]
     title = "All-reduce traffic per rank per round: gather vs sharded, counted at the store layer"
-    print(f"{title} ({machine})\n")
-    print(markdown(rows))
-    print("\n" + "\n".join(f"- {n}" for n in notes))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"title": title, "machine": machine, "columns": COLUMNS, "rows": rows, "notes": notes}, f,
-                      indent=2)
+    emit_table(title, machine, COLUMNS, rows, notes, args.json)
     return 0
 
 

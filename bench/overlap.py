@@ -38,7 +38,7 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
-from allreduce_round import store_root  # noqa: E402 - sibling bench script: moto on loopback + fake AWS env
+from allreduce_round import emit_table, store_root  # noqa: E402 - sibling bench script: moto on loopback + fake AWS env
 
 COLUMNS = ["mode", "fragment_sync_delay", "replicas", "rounds", "wall s", "blocked s", "blocked %",
            "per round ms"]
@@ -95,12 +95,6 @@ def row(mode: str, delay: int, reports: list[tuple[int, float, float, int]]) -> 
             "per round ms": round(1000 * blocked / max(rounds, 1), 1)}
 
 
-def markdown(rows: Sequence[dict[str, Any]]) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(str(r[c]) for c in COLUMNS) + " |" for r in rows]
-    return "\n".join(lines)
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--quick", action="store_true", help="3 rounds of 4 steps per mode (default: 8 rounds of 10)")
@@ -144,13 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "blocked = AllReduceStats.seconds_blocked (time inside Work.wait()); wall = the whole diloco_train call.",
         f"Target (issue 12): streaming under 5%. Total {time.perf_counter() - started:.0f} s.",
     ]
-    print(f"{title} ({machine})\n")
-    print(markdown(rows))
-    print("\n" + "\n".join(f"- {n}" for n in notes))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"title": title, "machine": machine, "columns": COLUMNS, "rows": rows, "notes": notes}, f,
-                      indent=2)
+    emit_table(title, machine, COLUMNS, rows, notes, args.json)
     return 0
 
 

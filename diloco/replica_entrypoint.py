@@ -56,7 +56,7 @@ import sys
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 from diloco import envvars
 from diloco.errors import AllReduceTimeout, ConfigError, error_line
@@ -67,6 +67,7 @@ DEFAULT_TRAINER = "diloco.trainer:diloco_train"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 EXIT_SIGINT, EXIT_SIGTERM = 130, 143
 
+E = TypeVar("E", bound=BaseException)
 log = logging.getLogger("diloco.replica")
 
 
@@ -339,16 +340,21 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     raise Terminated()
 
 
-def _find_timeout(exc: BaseException) -> AllReduceTimeout | None:
-    """The ``AllReduceTimeout`` behind ``exc``, if any (the outer loop may wrap it)."""
+def _in_chain(exc: BaseException, kind: type[E]) -> E | None:
+    """The first exception of type ``kind`` in ``exc``'s cause/context chain (the outer loop may wrap it)."""
     seen: set[int] = set()
     cur: BaseException | None = exc
     while cur is not None and id(cur) not in seen:
-        if isinstance(cur, AllReduceTimeout):
+        if isinstance(cur, kind):
             return cur
         seen.add(id(cur))
         cur = cur.__cause__ or cur.__context__
     return None
+
+
+def _find_timeout(exc: BaseException) -> AllReduceTimeout | None:
+    """The ``AllReduceTimeout`` behind ``exc``, if any (the outer loop may wrap it)."""
+    return _in_chain(exc, AllReduceTimeout)
 
 
 def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) -> int:
@@ -572,14 +578,7 @@ def _relayed(exc: BaseException) -> bool:
     """Whether ``exc`` only relays local rank 0's failure to another local process (``LocalRoundFailed``)."""
     from diloco.local_group import LocalRoundFailed
 
-    seen: set[int] = set()
-    cur: BaseException | None = exc
-    while cur is not None and id(cur) not in seen:
-        if isinstance(cur, LocalRoundFailed):
-            return True
-        seen.add(id(cur))
-        cur = cur.__cause__ or cur.__context__
-    return False
+    return _in_chain(exc, LocalRoundFailed) is not None
 
 
 def _traceback_hint(args: ReplicaArgs) -> str:
