@@ -32,13 +32,21 @@ TINY = ["--steps", "20", "--sync-every", "10", "-k", "n_layer=1", "-k", "n_embd=
         "-k", "threads=1"]
 
 SHIPPED_TRAINER = '''
+import json
+import sys
+
 from diloco.trainer import diloco_train
 
 
 def train(**kwargs):
-    """The built-in trainer, from the user's own (shipped) source directory."""
+    """The built-in trainer, from the user's own (shipped) source directory; then the file of every loaded
+    diloco module (the shipped wheel's, installed by the bootstrap)."""
     print("shipped trainer from", __file__, flush=True)
-    return diloco_train(**kwargs)
+    result = diloco_train(**kwargs)
+    files = sorted(m.__file__ for n, m in list(sys.modules.items())
+                   if n.split(".")[0] == "diloco" and getattr(m, "__file__", None))
+    print("diloco imported from", json.dumps(files), flush=True)
+    return result
 '''
 
 #: A paced trainer on the real outer loop (tests/paced_trainer.py), shipped in the user's source directory.
@@ -157,6 +165,16 @@ def test_four_replicas_on_sagemaker_train_agree_log_and_collect(
     # the user's source, unpacked into the job's /opt/ml/code (the emulator's stand-in directory for it)
     assert any(line.startswith("shipped trainer from") and line.endswith("/opt/ml/code/shipped.py")
                for line in r0_lines)
+    # the wheel the launch uploaded is the one builder's, and the replica ran diloco from it, not from the checkout
+    from diloco.executors.wheel_builder import build_wheel
+
+    wheel_name, wheel = build_wheel()
+    uploaded = boto3.client("s3").get_object(Bucket=s3_bucket, Key=f"e2e/{run_id}/sagemaker/code/{wheel_name}")
+    assert uploaded["Body"].read() == wheel
+    imported = json.loads(next(line for line in r0_lines if line.startswith("diloco imported from"))
+                          [len("diloco imported from"):])
+    assert any(f.endswith("/diloco/collectives/__init__.py") for f in imported), imported
+    assert [f for f in imported if "/opt/ml/diloco/site/diloco/" not in f] == []
     code = boto3.client("s3").get_object(Bucket=s3_bucket, Key=f"e2e/{run_id}/sagemaker/code/source.tar.gz")
     with tarfile.open(fileobj=io.BytesIO(code["Body"].read())) as tar:
         assert sorted(tar.getnames()) == [".dilocoignore", "pacedtrain.py", "shipped.py", "slowtrain.py"]  # data/ ignored

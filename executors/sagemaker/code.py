@@ -4,68 +4,15 @@ from __future__ import annotations
 
 import fnmatch
 import gzip
-import hashlib
 import io
-import re
 import tarfile
-import zipfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from diloco.errors import BackendError, ConfigError
-
-if TYPE_CHECKING:
-    pass
-
-
+from diloco.errors import ConfigError
+from diloco.executors.wheel_builder import build_wheel  # noqa: F401  (the code channel's wheel: the one builder)
 
 # ---------------------------------------------------------------------------------------------- shipping code
-def build_wheel() -> tuple[str, bytes]:
-    """A wheel of the installed diloco (``diloco``, ``diloco.executors``, ``diloco.cli``) built from the files
-    this interpreter imports: works for editable and regular installs alike, needs no build tool, and is
-    byte-for-byte reproducible (fixed timestamps), so the same code uploads the same object."""
-    import importlib.metadata
-    import importlib.util
-
-    version = importlib.metadata.version("diloco")
-    files: dict[str, bytes] = {}
-    for package in ("diloco", "diloco.executors", "diloco.cli"):
-        spec = importlib.util.find_spec(package)
-        if spec is None or not spec.submodule_search_locations:
-            raise BackendError(f"cannot find the installed {package} package to ship it",
-                               hint="reinstall diloco (`pip install -e .` in its checkout)")
-        root = Path(list(spec.submodule_search_locations)[0])
-        prefix = package.replace(".", "/")
-        for path in sorted(root.rglob("*")):
-            if path.is_file() and "__pycache__" not in path.parts and path.suffix not in (".pyc", ".pyo"):
-                files.setdefault(f"{prefix}/{path.relative_to(root).as_posix()}", path.read_bytes())
-    dist_info = f"diloco-{version}.dist-info"
-    requires = importlib.metadata.requires("diloco") or []
-    extras = sorted({m.group(1) for r in requires for m in [re.search(r"extra == ['\"]([\w-]+)['\"]", r)] if m})
-    metadata = "".join([f"Metadata-Version: 2.1\nName: diloco\nVersion: {version}\n",
-                        *(f"Provides-Extra: {e}\n" for e in extras), *(f"Requires-Dist: {r}\n" for r in requires)])
-    files[f"{dist_info}/METADATA"] = metadata.encode()
-    files[f"{dist_info}/WHEEL"] = (b"Wheel-Version: 1.0\nGenerator: diloco\nRoot-Is-Purelib: true\n"
-                                   b"Tag: py3-none-any\n")
-    record = [f"{name},sha256={_urlsafe_digest(data)},{len(data)}" for name, data in sorted(files.items())]
-    files[f"{dist_info}/RECORD"] = ("\n".join([*record, f"{dist_info}/RECORD,,"]) + "\n").encode()
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
-        for name, data in sorted(files.items()):
-            info = zipfile.ZipInfo(name, date_time=(2020, 1, 1, 0, 0, 0))
-            info.external_attr = 0o644 << 16
-            info.compress_type = zipfile.ZIP_DEFLATED
-            zf.writestr(info, data)
-    return f"diloco-{version}-py3-none-any.whl", buf.getvalue()
-
-
-def _urlsafe_digest(data: bytes) -> str:
-    import base64
-
-    return base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-
-
 #: Always left out of a shipped source directory.
 SOURCE_EXCLUDES = (".git", ".hg", ".venv", "venv", "__pycache__", "*.pyc", ".pytest_cache", ".mypy_cache",
                    ".ruff_cache", "*.egg-info", "node_modules", ".DS_Store")
