@@ -30,8 +30,8 @@ from pathlib import Path
 #: The import names that setup.py maps to their own folders (``diloco/``, ``executors/``, ``cli/``): in a regular
 #: install the last two sit inside the first, in an editable one each is its own folder.
 PACKAGE_ROOTS = ("diloco", "diloco.executors", "diloco.cli")
-#: Files of the installed distribution's metadata that travel with the wheel (METADATA: version, Requires-Dist
-#: with its extras; entry_points.txt: the ``diloco`` console script and any other entry point).
+#: Files of the installed distribution's metadata that travel with the wheel (METADATA's headers: version,
+#: Requires-Dist with its extras; entry_points.txt: the ``diloco`` console script and any other entry point).
 METADATA_FILES = ("METADATA", "entry_points.txt")
 #: Never shipped: compiled caches that an interpreter writes next to the sources.
 _SKIPPED_DIRS = frozenset({"__pycache__"})
@@ -58,7 +58,7 @@ def build_wheel() -> tuple[str, bytes]:
     for name in METADATA_FILES:
         text = distribution.read_text(name)
         if text is not None:
-            files[f"{dist_info}/{name}"] = text.encode()
+            files[f"{dist_info}/{name}"] = (_without_description(text) if name == "METADATA" else text).encode()
     if f"{dist_info}/METADATA" not in files:
         raise _error("the installed diloco has no METADATA", hint="reinstall diloco")
     files[f"{dist_info}/WHEEL"] = (b"Wheel-Version: 1.0\nGenerator: diloco\nRoot-Is-Purelib: true\n"
@@ -73,6 +73,13 @@ def build_wheel() -> tuple[str, bytes]:
             info.compress_type = zipfile.ZIP_DEFLATED
             zf.writestr(info, data)
     return f"diloco-{distribution.version}-py3-none-any.whl", buf.getvalue()
+
+
+def _without_description(metadata: str) -> str:
+    """METADATA's headers only: the long description (the whole README, after the first blank line) installs
+    nothing, adds its size to every job's download, and in an editable install is the README of install time."""
+    headers = metadata.split("\n\n", 1)[0].splitlines()
+    return "".join(f"{line}\n" for line in headers if not line.startswith("Description-Content-Type:"))
 
 
 def _distribution() -> importlib.metadata.Distribution:

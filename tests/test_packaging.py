@@ -92,6 +92,7 @@ def test_the_code_channel_wheel_holds_every_module_of_the_tree_and_the_metadata(
     for extra in project["optional-dependencies"]:
         assert f"Provides-Extra: {extra}" in metadata.splitlines()
     assert "diloco = diloco.cli.main:main" in entry_points.splitlines()
+    assert "\n\n" not in metadata and "## " not in metadata  # headers only: the README is not shipped
 
 
 def test_the_image_wheel_is_the_code_channel_wheel(image_wheel: Path) -> None:
@@ -103,7 +104,12 @@ def test_the_image_wheel_is_the_code_channel_wheel(image_wheel: Path) -> None:
     missing = sorted(tree_modules() - wheel_modules(data))
     assert missing == [], f"the image's wheel lacks {missing}"
     assert sorted(wheel_modules(data) - tree_modules()) == []
-    assert (image_wheel.name, data) == build_wheel()
+    name, shipped = build_wheel()
+    with zipfile.ZipFile(io.BytesIO(data)) as image, zipfile.ZipFile(io.BytesIO(shipped)) as channel:
+        metadata = "diloco-0.1.0.dist-info/METADATA"
+        assert image.read(metadata) == channel.read(metadata), (
+            "this editable install's metadata is older than pyproject.toml: re-run `pip install -e .`")
+    assert (image_wheel.name, data) == (name, shipped)
 
 
 WHERE_TRAINER = '''
