@@ -236,8 +236,11 @@ class SageMakerBackend(Backend[SageMakerBackendConfig, SageMakerRunHandle]):
                 "S3DataSource": {"S3DataType": "S3Prefix", "S3Uri": f"{base}/code/",
                                  "S3DataDistributionType": "FullyReplicated"}}}]
         # Every job (spot or not) gets the rank's checkpoint directory, synced to S3 by SageMaker and restored into
-        # a spot restart or a relaunched job: the outer loop keeps the inner optimizer's state there.
-        request["CheckpointConfig"] = {"S3Uri": f"{base}/checkpoints/rank_{rank}", "LocalPath": CONTAINER_CHECKPOINT_DIR}
+        # a spot restart or a relaunched job: the outer loop keeps the inner optimizer's state there. SageMaker
+        # restores every object whose key starts with the URI (a string prefix: syne-tune/syne-tune#363), so the
+        # trailing slash keeps rank 1 from pulling in rank 10..19's state.
+        request["CheckpointConfig"] = {"S3Uri": f"{base}/checkpoints/rank_{rank}/",
+                                       "LocalPath": CONTAINER_CHECKPOINT_DIR}
         env[CHECKPOINT_DIR] = CONTAINER_CHECKPOINT_DIR
         if self.config.use_spot:
             request["EnableManagedSpotTraining"] = True

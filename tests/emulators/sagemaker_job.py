@@ -7,6 +7,8 @@ goes through the service's life cycle on a thread of its own and does for real w
   channel (``S3Prefix``: every object whose key starts with the URI's key, placed at its path relative to that
   prefix; an object named exactly by the URI keeps its base name) is copied into ``input/data/<channel>/``, the
   ``input/config/*.json`` files are written, and the checkpoint prefix is copied into the checkpoint directory.
+  Both are string prefixes, as on the service: a ``CheckpointConfig.S3Uri`` of ``.../rank_1`` also restores
+  ``.../rank_10/...`` (as ``0/...``), which is why a URI must end with ``/`` (syne-tune/syne-tune#363).
 * ``Training``: ``ContainerEntrypoint + ContainerArguments`` run as a process in its own process group, with
   ``/opt/ml`` in the arguments and in ``Environment`` mapped to that directory. The image is not run: a
   ``python`` shim first on ``PATH`` stands for the image's interpreter, and the process gets what the platform
@@ -484,7 +486,8 @@ class TrainingJob:
             self._checkpoint_state = self._local_state(checkpoints)
 
     def _download_prefix(self, uri: str, dest: Path) -> int:
-        """Copy every object under the S3 prefix into ``dest``; returns how many objects were copied."""
+        """Copy every object whose key starts with the URI's key (a string prefix, not a folder: syne-tune/
+        syne-tune#363) into ``dest``; returns how many objects were copied."""
         bucket, prefix = split_s3_uri(uri)
         count = 0
         for obj in self._list_objects(bucket, prefix):
