@@ -249,7 +249,7 @@ def test_dry_run_prints_four_valid_requests_and_calls_nothing(
         assert request["Environment"]["REPLICA_RANK"] == str(rank)
         assert request["Environment"]["SM_MODEL_DIR"] == "/opt/ml/model"
         assert request["EnableManagedSpotTraining"] is True
-        assert request["StoppingCondition"] == {"MaxRuntimeInSeconds": 3600, "MaxWaitTimeInSeconds": 3600}
+        assert request["StoppingCondition"] == {"MaxRuntimeInSeconds": 3600, "MaxWaitTimeInSeconds": 7200}
         assert request["CheckpointConfig"]["S3Uri"].endswith(f"/sagemaker/checkpoints/rank_{rank}/")
         assert {"Key": "diloco:rank", "Value": str(rank)} in request["Tags"]
     assert emulator.calls == [] and emulator.jobs() == []

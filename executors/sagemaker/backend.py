@@ -44,6 +44,7 @@ from diloco.executors.sagemaker.config import (
     SOURCE_ARCHIVE,
     SageMakerBackendConfig,
     SageMakerRunHandle,
+    default_spot_wait_s,
     instance_type_for,
     job_name,
     training_image_uri,
@@ -244,7 +245,7 @@ class SageMakerBackend(Backend[SageMakerBackendConfig, SageMakerRunHandle]):
         env[CHECKPOINT_DIR] = CONTAINER_CHECKPOINT_DIR
         if self.config.use_spot:
             request["EnableManagedSpotTraining"] = True
-            stopping["MaxWaitTimeInSeconds"] = self.config.max_wait_s or max_run
+            stopping["MaxWaitTimeInSeconds"] = self.config.max_wait_s or default_spot_wait_s(max_run)
         elif self.config.max_wait_s is not None:
             stopping["MaxWaitTimeInSeconds"] = self.config.max_wait_s  # check_request explains why not
         return request

@@ -43,6 +43,16 @@ MAX_RUNTIME_CEILING_S = 28 * 24 * 3600
 DEFAULT_MAX_RUNTIME_S = 86400
 TAGS_MAX = 50
 
+
+def default_spot_wait_s(max_runtime_s: int) -> int:
+    """``MaxWaitTimeInSeconds`` for a spot job without ``backend.max_wait_s``: twice its time limit, at most the
+    28 days a job may run. The wait counts time spent waiting for spot capacity plus the time the job runs, and
+    must be >= ``MaxRuntimeInSeconds`` (the API reference's StoppingCondition); a wait equal to the time limit,
+    the service's minimum, leaves no time to wait for capacity or for a restart after an interruption before
+    training time is lost. The model documents no maximum for the wait, so it stays within the runtime ceiling."""
+    return max(max_runtime_s, min(2 * max_runtime_s, MAX_RUNTIME_CEILING_S))
+
+
 CONTAINER_MODEL_DIR = "/opt/ml/model"
 CONTAINER_CHECKPOINT_DIR = "/opt/ml/checkpoints"
 CODE_CHANNEL = "code"
@@ -87,7 +97,7 @@ class SageMakerBackendConfig(BackendConfig):
     output_s3_uri: str | None = None  # where SageMaker uploads $SM_MODEL_DIR; default: <rendezvous>/sagemaker
     keep_alive_period_s: int = Field(0, ge=0, le=KEEP_ALIVE_MAX_S)  # warm pool; needs a warm-pool quota (default 0)
     use_spot: bool = False
-    max_wait_s: int | None = Field(None, ge=1)  # spot only; must be >= the job's MaxRuntimeInSeconds
+    max_wait_s: int | None = Field(None, ge=1)  # spot only, >= the time limit; default default_spot_wait_s()
     log_poll_interval_s: float = Field(5.0, gt=0)  # how often `diloco logs -f` reads CloudWatch
     tags: dict[str, str] = Field(default_factory=dict)
 
