@@ -50,7 +50,13 @@ from diloco.executors.sagemaker.config import (
     training_image_uri,
 )
 from diloco.executors.sagemaker.cost import BOOTSTRAP_S, IMAGE_START_S, estimate_cost_usd, price_per_hour
-from diloco.executors.sagemaker.doctor import check_logs, check_quotas, check_role, check_role_bucket
+from diloco.executors.sagemaker.doctor import (
+    check_logs,
+    check_quotas,
+    check_role,
+    check_role_bucket,
+    check_training_image,
+)
 from diloco.executors.sagemaker.requests import check_request, instance_with_gpus
 
 # ---------------------------------------------------------------------------------------------- the backend
@@ -645,12 +651,9 @@ class SageMakerBackend(Backend[SageMakerBackendConfig, SageMakerRunHandle]):
     # ------------------------------------------------------------------ doctor
     @classmethod
     def doctor_checks(cls, ctx: DoctorContext) -> list[Check]:
-        from diloco.doctor import check_image
-
         checks = [check_role(ctx)]
         ctx.results[ROLE_CHECK] = checks[0]
-        return [*checks, check_role_bucket(ctx), check_logs(ctx), check_image(ctx, ctx.option("image_uri")),
-                *check_quotas(ctx)]
+        return [*checks, check_role_bucket(ctx), check_logs(ctx), check_training_image(ctx), *check_quotas(ctx)]
 
 
 def _latest_attempts(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
