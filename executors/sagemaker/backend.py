@@ -150,15 +150,13 @@ class SageMakerBackend(Backend[SageMakerBackendConfig, SageMakerRunHandle]):
 
     # ------------------------------------------------------------------ AWS plumbing
     def region(self) -> str:
-        """The configured region, else the AWS SDK's (``AWS_REGION``, the profile); ``ConfigError`` if none."""
-        if self.config.region:
-            return self.config.region
-        import boto3
+        """``--region``, else ``AWS_REGION``, ``AWS_DEFAULT_REGION``, the profile's (``diloco.aws_region``: boto3
+        alone would ignore ``AWS_REGION``); ``ConfigError`` if none names one."""
+        from diloco.aws_region import REGION_HINT, resolve_region
 
-        region = boto3.session.Session().region_name
+        region, _ = resolve_region(self.config.region)
         if not region:
-            raise ConfigError("backend.region: not set and no AWS region is configured",
-                              hint="pass --region, or set AWS_REGION")
+            raise ConfigError("backend.region: not set and no AWS region is configured", hint=REGION_HINT)
         return region
 
     def client(self, service: str, region: str | None = None) -> Any:
