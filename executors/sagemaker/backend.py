@@ -57,6 +57,7 @@ from diloco.executors.sagemaker.doctor import (
     check_role_bucket,
     check_training_image,
 )
+from diloco.executors.sagemaker.failures import classify_failure, exit_code_of
 from diloco.executors.sagemaker.requests import check_request, instance_with_gpus
 
 # ---------------------------------------------------------------------------------------------- the backend
@@ -65,7 +66,6 @@ _PRIMARY_DECIDES = ("Completed", "Failed", "Stopping", "Stopped")
 #: Secondary statuses a job passes through while SageMaker brings an interrupted spot job back.
 _COMING_BACK = ("Starting", "Pending", "Downloading", "Restarting", "LaunchingMLInstances",
                 "PreparingTrainingStack", "DownloadingTrainingImage")
-_EXIT_CODE_RE = re.compile(r"exit code:?\s*(-?\d+)", re.IGNORECASE)
 _NOT_STOPPABLE = ("in status", "not found", "does not exist")
 #: CreateTrainingJob fields a relaunch copies from the failed job's description: the request, minus its name.
 _REQUEST_FIELDS = ("RoleArn", "AlgorithmSpecification", "ResourceConfig", "StoppingCondition", "OutputDataConfig",
@@ -464,9 +464,12 @@ class SageMakerBackend(Backend[SageMakerBackendConfig, SageMakerRunHandle]):
         artifacts = {}
         if (desc.get("ModelArtifacts") or {}).get("S3ModelArtifacts"):
             artifacts["model"] = desc["ModelArtifacts"]["S3ModelArtifacts"]
+        timed_out = secondary in ("MaxRuntimeExceeded", "MaxWaitTimeExceeded")
+        failure = classify_failure(desc.get("FailureReason")) if state == ReplicaState.FAILED and not timed_out \
+            else None
         return ReplicaStatus(rank=rank, state=state, job_id=name, reason=self._reason(desc, state),
-                             detail=detail, exit_code=self._exit_code(desc), restarts=restarts,
-                             timed_out=secondary in ("MaxRuntimeExceeded", "MaxWaitTimeExceeded"),
+                             detail=detail, exit_code=self._exit_code(desc), restarts=restarts, failure=failure,
+                             timed_out=timed_out,
                              started_at=_ts(desc.get("TrainingStartTime")), ended_at=_ts(desc.get("TrainingEndTime")),
                              artifacts=artifacts, billable_s=float(billable) if billable is not None else None,
                              cost_usd=usd, cost_source=f"{source}, an estimate" if usd is not None else None)
@@ -490,11 +493,11 @@ class SageMakerBackend(Backend[SageMakerBackendConfig, SageMakerRunHandle]):
 
     @staticmethod
     def _exit_code(desc: Mapping[str, Any]) -> int | None:
-        """SageMaker reports no exit code; 0 for a completed job, else the one its FailureReason quotes."""
+        """SageMaker reports no exit code; 0 for a completed job, else the one its FailureReason quotes in any of
+        its wordings (``failures.exit_code_of``)."""
         if desc.get("TrainingJobStatus") == "Completed":
             return 0
-        found = _EXIT_CODE_RE.search(str(desc.get("FailureReason") or ""))
-        return int(found.group(1)) if found else None
+        return exit_code_of(desc.get("FailureReason"))
 
     # ------------------------------------------------------------------ cancel
     def cancel(self, handle: SageMakerRunHandle, ranks: Sequence[int] | None = None) -> None:
