@@ -222,3 +222,28 @@ def test_the_emulators_command_line_arms_a_failure_form(aws_env: str, tmp_path: 
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
+
+
+def test_a_training_job_failed_by_the_knob_is_killed_and_reports_the_form(
+    emulator: SageMakerEmulator, s3_bucket: str
+) -> None:
+    from diloco.orchestrate import relaunchable
+
+    backend = backend_for(emulator)
+    run_id = f"knob-{int(time.time() * 1000) % 10**8}"
+    args = EntrypointArgs(rendezvous_uri=f"s3://{s3_bucket}/knob/{run_id}", world_size=1, trainer="fake:train",
+                          trainer_kwargs={"sleep": 120, "lines": 1})
+    handle = backend.submit(backend.plan(LaunchSpec(run_id=run_id, replicas=1, entrypoint="fake_replica",
+                                                    entrypoint_args=args, env={"PYTHONPATH": TESTS_DIR})))
+    name = handle.job_names[0]
+    deadline = time.monotonic() + 45
+    while not any("rank 0 line 0" in r.text for r in backend.logs(handle)):
+        assert time.monotonic() < deadline, "the job never started training"
+        time.sleep(0.2)
+    with pytest.raises(ValueError, match="already training"):
+        emulator.fail(name, "capacity")  # the service runs out of capacity before a job starts, never after
+    emulator.fail(name, "internal")
+    status = backend.wait(handle, timeout_s=45, poll_interval_s=0.2).replica(0)
+    assert status.state == ReplicaState.FAILED and status.reason is not None
+    assert status.reason.startswith("InternalServerError: ") and relaunchable(status)
+    assert emulator.running_pids() == []

@@ -110,8 +110,8 @@ PHASES = ("Starting", "Downloading", "Training")
 @dataclass(frozen=True)
 class FailureForm:
     """One way the service reports a failed job: the phase it fails in, its ``FailureReason`` (``{uri}``: the
-    first S3 URI the job downloads; ``{command}``: its entrypoint and arguments; None: the container is killed
-    and the reason is the one its exit writes) and where that wording is on record."""
+    first S3 URI the job downloads; ``{command}``: its entrypoint; None: the container is killed and the reason
+    is the one its exit writes) and where that wording is on record."""
 
     phase: str
     reason: str | None
@@ -136,7 +136,8 @@ FAILURE_FORMS: dict[str, FailureForm] = {
     "download-denied": FailureForm(
         "Downloading", "ClientError: Data download failed:Unable to download object {uri} (AccessDenied: Access "
         "Denied)", "aws/amazon-sagemaker-examples#4384"),
-    # The OOM killer (or any SIGKILL) takes the container: no failure file, so the exit's own wording.
+    # The OOM killer (or any SIGKILL) takes the container: no failure file, so the exit's own wording (that
+    # report's ", exit code: N"), with SIGKILL's 137.
     "oom-kill": FailureForm("Training", None, "aws-samples/amazon-sagemaker-ml-pipeline-deploy-with-terraform#12"),
     # The training toolkit's ExecuteUserScriptError (errors.py ``_CalledProcessError.__str__``, written to the
     # failure file by trainer.py) when an image runs the user's script through it.
@@ -288,6 +289,9 @@ class TrainingJob:
         for a wording not on record). A training job whose form happens while training is SIGKILLed at once; any
         other form is armed and fires when the job reaches its phase (at once if the job is past it)."""
         chosen = failure_form(form)
+        deadline = time.monotonic() + 10
+        while self.secondary == "Training" and self.pid() is None and self.running and time.monotonic() < deadline:
+            time.sleep(0.02)  # between the Training transition and the container's start: wait for the process
         with self._lock:
             if self.status != "InProgress":
                 raise ValueError(f"{self.name} has ended (status {self.status})")
@@ -524,7 +528,7 @@ class TrainingJob:
             self._armed = None
             reason = self._fill(armed)
             if phase != "Training":
-                raise JobFailed(reason or f"AlgorithmError: , exit code: {137}")
+                raise JobFailed(reason or "AlgorithmError: , exit code: 137")
             self._forced_reason = reason
             return True
 
