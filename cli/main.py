@@ -246,7 +246,7 @@ def launch(
                                                show_default=False, rich_help_panel="Backend")] = None,
     role: Annotated[str | None, typer.Option(help="Execution role ARN (backends that assume one).", metavar="ARN",
                                               show_default=False, rich_help_panel="Backend")] = None,
-    region: Annotated[str | None, typer.Option(help="Cloud region (default: the SDK's).", metavar="REGION",
+    region: Annotated[str | None, typer.Option(help="Cloud region (default: AWS_REGION, AWS_DEFAULT_REGION, the profile's).", metavar="REGION",
                                                 show_default=False, rich_help_panel="Backend")] = None,
     instance_type: Annotated[str | None, typer.Option(help="Instance type per replica.", metavar="TYPE",
                                                        show_default=False, rich_help_panel="Backend")] = None,

@@ -180,13 +180,17 @@ def async_line(report: RunReport, now: float | None = None) -> str:
 
 def failure_why(rep: ReplicaReport) -> str:
     """The most telling one-line cause: the backend's reason unless it only restates the exit code (a time
-    limit, a kill), else the replica's own ``diloco: error:`` line, else the last line of its stderr."""
+    limit, a kill), else the replica's own ``diloco: error:`` line, else the last line of its stderr; then, when
+    the backend could tell, the kind of failure and whether a relaunch may cure it."""
     if rep.reason and not rep.reason.startswith("exited with code"):
-        return rep.reason
-    errors = [line for line in rep.stderr_tail if line.startswith(ERROR_PREFIX)]
-    if errors:
-        return errors[-1][len(ERROR_PREFIX):]
-    return rep.stderr_tail[-1] if rep.stderr_tail else rep.reason or "no reason recorded"
+        why = " ".join(rep.reason.split())  # a service's reason may span lines (the training toolkit's does)
+    else:
+        errors = [line for line in rep.stderr_tail if line.startswith(ERROR_PREFIX)]
+        if errors:
+            why = errors[-1][len(ERROR_PREFIX):]
+        else:
+            why = rep.stderr_tail[-1] if rep.stderr_tail else rep.reason or "no reason recorded"
+    return f"{why} -- {rep.failure.summary()}" if rep.failure is not None else why
 
 
 def failure_lines(report: RunReport, run_ref: str) -> list[str]:

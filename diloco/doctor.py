@@ -78,6 +78,7 @@ class DoctorContext:
     file_store_ok: bool = True
     results: dict[str, Check] = field(default_factory=dict)
     _session: Any = None
+    _region: tuple[str | None, str | None] | None = None
 
     @classmethod
     def for_backend(cls, kind: str, s3_uri: str | None = None, **options: Any) -> DoctorContext:
@@ -95,7 +96,16 @@ class DoctorContext:
 
     @property
     def region(self) -> str | None:
-        return self.option("region")
+        """The region every check works in: ``--region``, ``AWS_REGION``, ``AWS_DEFAULT_REGION``, the profile's."""
+        return self.resolved_region()[0]
+
+    def resolved_region(self) -> tuple[str | None, str | None]:
+        """``(region, where it came from)`` (``diloco.aws_region``), resolved once."""
+        if self._region is None:
+            from diloco.aws_region import resolve_region
+
+            self._region = resolve_region(self.option("region"))
+        return self._region
 
     @property
     def bucket(self) -> str | None:
@@ -146,7 +156,9 @@ def explain_aws_error(exc: BaseException, action: str) -> tuple[str, str]:
     if isinstance(exc, bx.ProfileNotFound):
         return (str(exc), "set AWS_PROFILE to a profile in ~/.aws/config (`aws configure list-profiles`)")
     if isinstance(exc, bx.NoRegionError):
-        return ("no AWS region configured", "set AWS_REGION (or `aws configure set region <region>`)")
+        from diloco.aws_region import REGION_HINT
+
+        return ("no AWS region configured", REGION_HINT)
     if isinstance(exc, (bx.EndpointConnectionError, bx.ConnectTimeoutError, bx.ConnectionClosedError,
                         bx.ReadTimeoutError, bx.ConnectionError, bx.HTTPClientError)):
         return (f"cannot reach the AWS endpoint: {exc}", _endpoint_hint())
@@ -201,17 +213,17 @@ def check_region(ctx: DoctorContext) -> Check:
     name = "aws region"
     if ctx.file_store_ok and not ctx.s3_uri:
         return skip_check(name, "no --s3: replicas meet in a file:// store")
+    from diloco.aws_region import REGION_HINT
+
     try:
-        region = ctx.session().region_name
-    except Exception as exc:  # noqa: BLE001
+        region, source = ctx.resolved_region()
+    except Exception as exc:  # noqa: BLE001 - e.g. AWS_PROFILE names a profile that does not exist
         return fail_check(name, exc, "a readable AWS config")
     if region:
-        source = "the run config" if ctx.region else next(
-            (v for v in ("AWS_REGION", "AWS_DEFAULT_REGION") if os.environ.get(v)), "the AWS config file")
         return Check(name=name, status=Status.PASS, detail=f"{region} (from {source})")
     return Check(name=name, status=Status.WARN if ctx.file_store_ok else Status.FAIL,
-                 detail="no region configured",
-                 fix="set AWS_REGION (or `aws configure set region <region>`), the region of your bucket and jobs")
+                 detail="no region configured (--region, AWS_REGION, AWS_DEFAULT_REGION and the profile name none)",
+                 fix=f"{REGION_HINT}: the region of your bucket and jobs")
 
 
 def check_bucket(ctx: DoctorContext) -> Check:
@@ -238,7 +250,7 @@ def check_bucket(ctx: DoctorContext) -> Check:
         if code in ("301", "PermanentRedirect"):
             where = headers.get("x-amz-bucket-region", "another region")
             return Check(name=name, status=Status.FAIL, detail=f"bucket {ctx.bucket!r} is in {where}",
-                         fix=f"set AWS_REGION={where} (run the jobs next to their bucket)")
+                         fix=f"pass --region {where} or set AWS_REGION={where} (run the jobs next to their bucket)")
         return fail_check(name, exc, f"s3:ListBucket on {ctx.bucket}")
     except Exception as exc:  # noqa: BLE001
         return fail_check(name, exc, f"s3:ListBucket on {ctx.bucket}")

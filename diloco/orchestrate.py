@@ -37,6 +37,7 @@ from diloco.executors.base import (
     RunState,
     RunStatus,
 )
+from diloco.executors.failures import FailureVerdict
 from diloco.layout import RUN_INFO_KEY
 from diloco.logstream import LogRecord, follow_merged, merged, tail
 from diloco.metrics import ReplicaProgress, read_progress
@@ -87,6 +88,7 @@ class ReplicaReport(BaseModel):
     async_last_upload_at: float | None = None  # async mode: when the master last received this replica's delta
     async_staleness: int | None = None  # async mode: global versions its last delta lagged behind
     stderr_tail: list[str] = Field(default_factory=list)  # only for failed replicas
+    failure: FailureVerdict | None = None  # a failed replica's class of failure, when the backend can tell
 
 
 class RunReport(BaseModel):
@@ -378,12 +380,17 @@ def _mean(values: list[float | None]) -> float | None:
 
 
 def relaunchable(status: ReplicaStatus) -> bool:
-    """Whether a replica's failure is one a relaunch can cure: it was killed by a signal (SIGKILL, the OOM killer,
-    a spot reclaim's SIGTERM: exit code >= 128) or lost without an exit code. A replica that exited with its own
-    error (1: the trainer raised; 2: bad arguments; 127: could not start) or hit the run's time limit would fail
-    the same way again, so the run fails fast naming it, as without relaunching."""
+    """Whether a replica's failure is one a relaunch can cure. A backend that reads its service's failure report
+    decides (``status.failure``: the provider's own failure, a kill, missing capacity are curable; the job's own
+    error or a report it cannot read are not: ``diloco.executors.failures``). Otherwise the exit code does: killed
+    by a signal (SIGKILL, the OOM killer, a spot reclaim's SIGTERM: exit code >= 128) or lost without an exit code
+    is curable; a replica that exited with its own error (1: the trainer raised; 2: bad arguments; 127: could not
+    start) would fail the same way again. A replica that hit the run's time limit never is. What is not curable
+    fails the run fast, naming it, as without relaunching."""
     if status.state != ReplicaState.FAILED or status.timed_out:
         return False
+    if status.failure is not None:
+        return status.failure.relaunch
     return status.exit_code is None or status.exit_code >= 128
 
 

@@ -42,6 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from diloco import envvars
 from diloco.defaults import DEFAULT_ENTRYPOINT, DEFAULT_TRAINER
+from diloco.executors.failures import FailureVerdict
 from diloco.logstream import LogRecord
 
 if TYPE_CHECKING:
@@ -234,6 +235,9 @@ class ReplicaStatus(BaseModel):
     billable_s: float | None = None  # cloud backends: what the provider bills for
     cost_usd: float | None = None  # an estimate of what those seconds cost (see cost_source)
     cost_source: str | None = None  # where the price came from, e.g. "AWS Price List API" or a dated table
+    #: A failed replica's class of failure and whether a relaunch may cure it, when the backend can read its
+    #: service's failure report (None: judged by ``exit_code`` alone; ``diloco.executors.failures``).
+    failure: FailureVerdict | None = None
 
 
 class RunStatus(BaseModel):

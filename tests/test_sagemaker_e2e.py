@@ -158,7 +158,10 @@ def test_four_replicas_on_sagemaker_train_agree_log_and_collect(
                                                                       "/opt/ml/input/data/code/diloco_bootstrap.py"]
     assert first["ResourceConfig"] == {"InstanceType": "ml.m5.xlarge", "InstanceCount": 1, "VolumeSizeInGB": 30}
     assert first["EnableNetworkIsolation"] is False
-    assert "pytorch-training:2.8.0-cpu-py312" in first["AlgorithmSpecification"]["TrainingImage"]
+    from diloco.executors.sagemaker import default_image_versions
+
+    version, py = default_image_versions("us-east-1")
+    assert f"pytorch-training:{version}-cpu-{py}" in first["AlgorithmSpecification"]["TrainingImage"]
     r0_lines = log_lines(f"{run_id}-r0")
     bootstrap = next(line for line in r0_lines if line.startswith("diloco bootstrap: installed"))
     assert "diloco-0.1.0-py3-none-any.whl" in bootstrap  # the uploaded wheel, pip-installed in the job
@@ -267,8 +270,8 @@ def test_dry_run_prints_four_valid_requests_and_calls_nothing(
         assert request["Environment"]["REPLICA_RANK"] == str(rank)
         assert request["Environment"]["SM_MODEL_DIR"] == "/opt/ml/model"
         assert request["EnableManagedSpotTraining"] is True
-        assert request["StoppingCondition"] == {"MaxRuntimeInSeconds": 3600, "MaxWaitTimeInSeconds": 3600}
-        assert request["CheckpointConfig"]["S3Uri"].endswith(f"/sagemaker/checkpoints/rank_{rank}")
+        assert request["StoppingCondition"] == {"MaxRuntimeInSeconds": 3600, "MaxWaitTimeInSeconds": 7200}
+        assert request["CheckpointConfig"]["S3Uri"].endswith(f"/sagemaker/checkpoints/rank_{rank}/")
         assert {"Key": "diloco:rank", "Value": str(rank)} in request["Tags"]
     assert emulator.calls == [] and emulator.jobs() == []
 

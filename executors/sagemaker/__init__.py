@@ -17,8 +17,9 @@ How a run maps onto SageMaker, and why:
   no ``SM_*`` variable exists: the job's ``Environment`` carries the common contract (``DILOCO_RUN_ID``,
   ``REPLICA_RANK``, ``WORLD_SIZE``, ``RENDEZVOUS_URI``) and ``SM_MODEL_DIR=/opt/ml/model``, which SageMaker
   uploads as ``model.tar.gz`` when the job ends.
-* **No image to build.** Without ``image_uri`` the job runs on AWS's prebuilt PyTorch training image for the region,
-  Python version and instance type (CPU or GPU), looked up offline in the image URI tables sagemaker-core ships.
+* **No image to build.** Without ``image_uri`` the job runs on AWS's prebuilt PyTorch training image for the region
+  and instance type (CPU or GPU), looked up offline in the image URI tables sagemaker-core ships: by default the
+  newest PyTorch version they list within diloco's own torch requirement, with the newest Python diloco supports.
   ``submit`` uploads a wheel of the installed diloco, a small bootstrap script and a tarball of the user's source
   directory to ``<base>/code/``, delivered to every job as the ``code`` input channel; the bootstrap installs the
   wheel (and any requirement the image lacks) into ``/opt/ml/diloco/site``, unpacks the source into
@@ -32,6 +33,9 @@ How a run maps onto SageMaker, and why:
   arguments of <= 256 characters, ``KeepAlivePeriodInSeconds`` 0..21600, spot's ``MaxWaitTimeInSeconds >=
   MaxRuntimeInSeconds``, at most 50 tags). ``EnableNetworkIsolation`` is always false: an isolated job cannot
   reach S3, so its replicas would wait for each other until the all-reduce timeout.
+* **Failures.** A failed job's ``FailureReason`` is classified (``failures``): only what a new job may cure (the
+  service's internal error, a kill, missing capacity) is relaunched; the job's own error, a client error and any
+  form not on record fail the run at once, naming it.
 * **Polling.** ``describe`` lists the run's jobs in one ``ListTrainingJobs`` call and calls
   ``DescribeTrainingJob`` only for jobs whose ``LastModifiedTime`` changed since this process last saw them, so a
   wait loop does not add N describe calls per poll (SageMaker throttles them). boto3 runs in adaptive retry mode.
@@ -57,9 +61,7 @@ from diloco.executors.sagemaker.config import (  # noqa: F401
     CONTAINER_ARGS_MAX_ITEMS,
     CONTAINER_CHECKPOINT_DIR,
     CONTAINER_MODEL_DIR,
-    DEFAULT_FRAMEWORK_VERSION,
     DEFAULT_MAX_RUNTIME_S,
-    DEFAULT_PY_VERSION,
     ENV_KEY_RE,
     ENV_MAX_ENTRIES,
     ENV_VALUE_MAX,
@@ -81,6 +83,7 @@ from diloco.executors.sagemaker.config import (  # noqa: F401
     TAGS_MAX,
     SageMakerBackendConfig,
     SageMakerRunHandle,
+    default_image_versions,
     instance_type_for,
     is_gpu_instance,
     job_name,
@@ -112,9 +115,7 @@ __all__ = [
     "CONTAINER_ARG_MAX",
     "CONTAINER_CHECKPOINT_DIR",
     "CONTAINER_MODEL_DIR",
-    "DEFAULT_FRAMEWORK_VERSION",
     "DEFAULT_MAX_RUNTIME_S",
-    "DEFAULT_PY_VERSION",
     "ENV_KEY_RE",
     "ENV_MAX_ENTRIES",
     "ENV_VALUE_MAX",
@@ -145,6 +146,7 @@ __all__ = [
     "check_request",
     "check_role",
     "check_role_bucket",
+    "default_image_versions",
     "estimate_cost_usd",
     "grants_object_access",
     "instance_type_for",

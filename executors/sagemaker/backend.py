@@ -44,12 +44,20 @@ from diloco.executors.sagemaker.config import (
     SOURCE_ARCHIVE,
     SageMakerBackendConfig,
     SageMakerRunHandle,
+    default_spot_wait_s,
     instance_type_for,
     job_name,
     training_image_uri,
 )
 from diloco.executors.sagemaker.cost import BOOTSTRAP_S, IMAGE_START_S, estimate_cost_usd, price_per_hour
-from diloco.executors.sagemaker.doctor import check_logs, check_quotas, check_role, check_role_bucket
+from diloco.executors.sagemaker.doctor import (
+    check_logs,
+    check_quotas,
+    check_role,
+    check_role_bucket,
+    check_training_image,
+)
+from diloco.executors.sagemaker.failures import classify_failure, exit_code_of
 from diloco.executors.sagemaker.requests import check_request, instance_with_gpus
 
 # ---------------------------------------------------------------------------------------------- the backend
@@ -58,7 +66,6 @@ _PRIMARY_DECIDES = ("Completed", "Failed", "Stopping", "Stopped")
 #: Secondary statuses a job passes through while SageMaker brings an interrupted spot job back.
 _COMING_BACK = ("Starting", "Pending", "Downloading", "Restarting", "LaunchingMLInstances",
                 "PreparingTrainingStack", "DownloadingTrainingImage")
-_EXIT_CODE_RE = re.compile(r"exit code:?\s*(-?\d+)", re.IGNORECASE)
 _NOT_STOPPABLE = ("in status", "not found", "does not exist")
 #: CreateTrainingJob fields a relaunch copies from the failed job's description: the request, minus its name.
 _REQUEST_FIELDS = ("RoleArn", "AlgorithmSpecification", "ResourceConfig", "StoppingCondition", "OutputDataConfig",
@@ -143,15 +150,13 @@ class SageMakerBackend(Backend[SageMakerBackendConfig, SageMakerRunHandle]):
 
     # ------------------------------------------------------------------ AWS plumbing
     def region(self) -> str:
-        """The configured region, else the AWS SDK's (``AWS_REGION``, the profile); ``ConfigError`` if none."""
-        if self.config.region:
-            return self.config.region
-        import boto3
+        """``--region``, else ``AWS_REGION``, ``AWS_DEFAULT_REGION``, the profile's (``diloco.aws_region``: boto3
+        alone would ignore ``AWS_REGION``); ``ConfigError`` if none names one."""
+        from diloco.aws_region import REGION_HINT, resolve_region
 
-        region = boto3.session.Session().region_name
+        region, _ = resolve_region(self.config.region)
         if not region:
-            raise ConfigError("backend.region: not set and no AWS region is configured",
-                              hint="pass --region, or set AWS_REGION")
+            raise ConfigError("backend.region: not set and no AWS region is configured", hint=REGION_HINT)
         return region
 
     def client(self, service: str, region: str | None = None) -> Any:
@@ -236,12 +241,15 @@ class SageMakerBackend(Backend[SageMakerBackendConfig, SageMakerRunHandle]):
                 "S3DataSource": {"S3DataType": "S3Prefix", "S3Uri": f"{base}/code/",
                                  "S3DataDistributionType": "FullyReplicated"}}}]
         # Every job (spot or not) gets the rank's checkpoint directory, synced to S3 by SageMaker and restored into
-        # a spot restart or a relaunched job: the outer loop keeps the inner optimizer's state there.
-        request["CheckpointConfig"] = {"S3Uri": f"{base}/checkpoints/rank_{rank}", "LocalPath": CONTAINER_CHECKPOINT_DIR}
+        # a spot restart or a relaunched job: the outer loop keeps the inner optimizer's state there. SageMaker
+        # restores every object whose key starts with the URI (a string prefix: syne-tune/syne-tune#363), so the
+        # trailing slash keeps rank 1 from pulling in rank 10..19's state.
+        request["CheckpointConfig"] = {"S3Uri": f"{base}/checkpoints/rank_{rank}/",
+                                       "LocalPath": CONTAINER_CHECKPOINT_DIR}
         env[CHECKPOINT_DIR] = CONTAINER_CHECKPOINT_DIR
         if self.config.use_spot:
             request["EnableManagedSpotTraining"] = True
-            stopping["MaxWaitTimeInSeconds"] = self.config.max_wait_s or max_run
+            stopping["MaxWaitTimeInSeconds"] = self.config.max_wait_s or default_spot_wait_s(max_run)
         elif self.config.max_wait_s is not None:
             stopping["MaxWaitTimeInSeconds"] = self.config.max_wait_s  # check_request explains why not
         return request
@@ -456,9 +464,12 @@ class SageMakerBackend(Backend[SageMakerBackendConfig, SageMakerRunHandle]):
         artifacts = {}
         if (desc.get("ModelArtifacts") or {}).get("S3ModelArtifacts"):
             artifacts["model"] = desc["ModelArtifacts"]["S3ModelArtifacts"]
+        timed_out = secondary in ("MaxRuntimeExceeded", "MaxWaitTimeExceeded")
+        failure = classify_failure(desc.get("FailureReason")) if state == ReplicaState.FAILED and not timed_out \
+            else None
         return ReplicaStatus(rank=rank, state=state, job_id=name, reason=self._reason(desc, state),
-                             detail=detail, exit_code=self._exit_code(desc), restarts=restarts,
-                             timed_out=secondary in ("MaxRuntimeExceeded", "MaxWaitTimeExceeded"),
+                             detail=detail, exit_code=self._exit_code(desc), restarts=restarts, failure=failure,
+                             timed_out=timed_out,
                              started_at=_ts(desc.get("TrainingStartTime")), ended_at=_ts(desc.get("TrainingEndTime")),
                              artifacts=artifacts, billable_s=float(billable) if billable is not None else None,
                              cost_usd=usd, cost_source=f"{source}, an estimate" if usd is not None else None)
@@ -482,11 +493,11 @@ class SageMakerBackend(Backend[SageMakerBackendConfig, SageMakerRunHandle]):
 
     @staticmethod
     def _exit_code(desc: Mapping[str, Any]) -> int | None:
-        """SageMaker reports no exit code; 0 for a completed job, else the one its FailureReason quotes."""
+        """SageMaker reports no exit code; 0 for a completed job, else the one its FailureReason quotes in any of
+        its wordings (``failures.exit_code_of``)."""
         if desc.get("TrainingJobStatus") == "Completed":
             return 0
-        found = _EXIT_CODE_RE.search(str(desc.get("FailureReason") or ""))
-        return int(found.group(1)) if found else None
+        return exit_code_of(desc.get("FailureReason"))
 
     # ------------------------------------------------------------------ cancel
     def cancel(self, handle: SageMakerRunHandle, ranks: Sequence[int] | None = None) -> None:
@@ -641,12 +652,9 @@ class SageMakerBackend(Backend[SageMakerBackendConfig, SageMakerRunHandle]):
     # ------------------------------------------------------------------ doctor
     @classmethod
     def doctor_checks(cls, ctx: DoctorContext) -> list[Check]:
-        from diloco.doctor import check_image
-
         checks = [check_role(ctx)]
         ctx.results[ROLE_CHECK] = checks[0]
-        return [*checks, check_role_bucket(ctx), check_logs(ctx), check_image(ctx, ctx.option("image_uri")),
-                *check_quotas(ctx)]
+        return [*checks, check_role_bucket(ctx), check_logs(ctx), check_training_image(ctx), *check_quotas(ctx)]
 
 
 def _latest_attempts(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -43,14 +43,22 @@ MAX_RUNTIME_CEILING_S = 28 * 24 * 3600
 DEFAULT_MAX_RUNTIME_S = 86400
 TAGS_MAX = 50
 
+
+def default_spot_wait_s(max_runtime_s: int) -> int:
+    """``MaxWaitTimeInSeconds`` for a spot job without ``backend.max_wait_s``: twice its time limit, at most the
+    28 days a job may run. The wait counts time spent waiting for spot capacity plus the time the job runs, and
+    must be >= ``MaxRuntimeInSeconds`` (the API reference's StoppingCondition); a wait equal to the time limit,
+    the service's minimum, leaves no time to wait for capacity or for a restart after an interruption before
+    training time is lost. The model documents no maximum for the wait, so it stays within the runtime ceiling."""
+    return max(max_runtime_s, min(2 * max_runtime_s, MAX_RUNTIME_CEILING_S))
+
+
 CONTAINER_MODEL_DIR = "/opt/ml/model"
 CONTAINER_CHECKPOINT_DIR = "/opt/ml/checkpoints"
 CODE_CHANNEL = "code"
 BOOTSTRAP_FILE = "diloco_bootstrap.py"
 SOURCE_ARCHIVE = "source.tar.gz"
 RUN_TAG, RANK_TAG = "diloco:run-id", "diloco:rank"
-DEFAULT_FRAMEWORK_VERSION = "2.8"
-DEFAULT_PY_VERSION = "py312"
 
 #: ``--gpu`` names -> the smallest SageMaker training instance with that accelerator.
 GPU_INSTANCE_TYPES = {
@@ -75,11 +83,13 @@ class SageMakerBackendConfig(BackendConfig):
     """One single-instance SageMaker Training Job per replica."""
 
     kind: Literal["sagemaker"] = "sagemaker"
-    region: str | None = None  # default: the AWS SDK's region (AWS_REGION, the profile)
+    region: str | None = None  # default: AWS_REGION, AWS_DEFAULT_REGION, the profile's (diloco.aws_region)
     role_arn: str | None = None  # execution role; it (not you) needs S3 access to the rendezvous prefix
     image_uri: str | None = None  # a ready image with diloco and your code; default: AWS's PyTorch image + shipping
-    framework_version: str = DEFAULT_FRAMEWORK_VERSION  # PyTorch version of AWS's image (without image_uri)
-    py_version: str = DEFAULT_PY_VERSION  # Python of AWS's image (without image_uri)
+    # AWS's PyTorch image (without image_uri): its PyTorch version, default the newest sagemaker-core's tables list
+    # that diloco's torch requirement admits (default_image_versions); its Python, default that version's newest
+    framework_version: str | None = None
+    py_version: str | None = None
     source_dir: str | None = None  # your code, shipped to every job (without image_uri); default: the cwd
     max_source_mb: float = Field(50.0, gt=0)  # refuse to ship a larger source directory
     instance_type: str = "ml.m5.xlarge"
@@ -87,7 +97,7 @@ class SageMakerBackendConfig(BackendConfig):
     output_s3_uri: str | None = None  # where SageMaker uploads $SM_MODEL_DIR; default: <rendezvous>/sagemaker
     keep_alive_period_s: int = Field(0, ge=0, le=KEEP_ALIVE_MAX_S)  # warm pool; needs a warm-pool quota (default 0)
     use_spot: bool = False
-    max_wait_s: int | None = Field(None, ge=1)  # spot only; must be >= the job's MaxRuntimeInSeconds
+    max_wait_s: int | None = Field(None, ge=1)  # spot only, >= the time limit; default default_spot_wait_s()
     log_poll_interval_s: float = Field(5.0, gt=0)  # how often `diloco logs -f` reads CloudWatch
     tags: dict[str, str] = Field(default_factory=dict)
 
@@ -149,10 +159,83 @@ def _image_table() -> dict[str, Any]:
                           hint="reinstall sagemaker-core, or pass --image URI") from None
 
 
-def training_image_uri(region: str, instance_type: str, framework_version: str, py_version: str) -> str:
+def _python_of(py_version: str) -> str | None:
+    """``py313`` -> ``3.13`` (None for the tables' old ``py2``/``py3``, which name no minor version)."""
+    digits = py_version.removeprefix("py")
+    return f"{digits[0]}.{digits[1:]}" if len(digits) > 1 and digits.isdigit() else None
+
+
+def _admits(python: Any, py_version: str) -> bool:
+    """Whether the specifier set ``python`` admits the image's ``py_version``."""
+    minor = _python_of(py_version)
+    return minor is not None and python.contains(minor, prereleases=True)
+
+
+def diloco_ranges() -> tuple[Any, Any]:
+    """The installed diloco's torch requirement and supported Pythons (pyproject's ``dependencies`` and
+    ``requires-python``, read from the package metadata), as ``packaging`` specifier sets; empty (admitting
+    anything) when diloco runs from a tree without metadata. ``packaging`` comes with sagemaker-core."""
+    import importlib.metadata
+
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+
+    try:
+        requires = importlib.metadata.requires("diloco") or []
+        python = importlib.metadata.metadata("diloco").get("Requires-Python") or ""
+    except importlib.metadata.PackageNotFoundError:
+        return SpecifierSet(), SpecifierSet()
+    torch = next((req.specifier for req in map(Requirement, requires) if req.name == "torch" and req.marker is None),
+                 SpecifierSet())
+    return torch, SpecifierSet(python)
+
+
+def newest_admitted_image(table: dict[str, Any], torch: Any, python: Any, region: str | None) -> tuple[str, str]:
+    """(PyTorch version, py version) of the newest training image in sagemaker-core's ``table`` whose PyTorch is
+    in ``torch``, with a Python in ``python``, published in ``region`` (any region when None); ``ConfigError``
+    when none is. AWS patches only recent images (an old default goes out of support: aws/deep-learning-containers
+    #6509), so the default follows the tables of the installed sagemaker-core instead of a version written here."""
+    from packaging.version import InvalidVersion, Version
+
+    found: list[tuple[Any, str, str]] = []
+    for version, config in table["versions"].items():
+        try:
+            parsed = Version(version)
+        except InvalidVersion:
+            continue
+        pythons = [py for py in config.get("py_versions", []) if _admits(python, py)]
+        if pythons and torch.contains(parsed, prereleases=True) and \
+                (region is None or region in config.get("registries", {})):
+            found.append((parsed, version, pythons[-1]))
+    if not found and region is not None:
+        newest_admitted_image(table, torch, python, None)  # raises when the versions, not the region, are at fault
+        raise ConfigError(f"backend.region: AWS publishes no PyTorch training image diloco can use in {region!r}",
+                          hint="choose another region, or pass --image URI")
+    if not found:
+        raise ConfigError(f"backend.framework_version: sagemaker-core's tables list no AWS PyTorch training image "
+                          f"for torch{torch} and Python {python or 'any'}" + (f" in {region}" if region else ""),
+                          hint="set backend.framework_version, upgrade sagemaker-core, or pass --image URI")
+    _, version, py_version = max(found)
+    return version, py_version
+
+
+def default_image_versions(region: str | None = None) -> tuple[str, str]:
+    """The default image's (PyTorch version, py version): ``newest_admitted_image`` over the installed tables."""
+    torch, python = diloco_ranges()
+    return newest_admitted_image(_image_table()["training"], torch, python, region)
+
+
+def training_image_uri(region: str, instance_type: str, framework_version: str | None,
+                       py_version: str | None) -> str:
     """AWS's PyTorch training image for the region, Python and instance type, the way sagemaker-core's
-    ``image_uris.retrieve("pytorch", ..., image_scope="training")`` builds it, from the same table."""
+    ``image_uris.retrieve("pytorch", ..., image_scope="training")`` builds it, from the same table. Without a
+    ``framework_version`` the newest one diloco admits (``default_image_versions``); without a ``py_version``
+    the newest Python of that image diloco supports."""
     table = _image_table()["training"]
+    if framework_version is None:
+        torch, python = diloco_ranges()
+        framework_version, default_py = newest_admitted_image(table, torch, python, region)
+        py_version = py_version or default_py
     version = table.get("version_aliases", {}).get(framework_version, framework_version)
     versions = table["versions"]
     if version not in versions:
@@ -160,6 +243,10 @@ def training_image_uri(region: str, instance_type: str, framework_version: str, 
         raise ConfigError(f"backend.framework_version: no AWS PyTorch training image for {framework_version!r} "
                           f"(recent: {known})", hint="pick one of those, or pass --image URI")
     config = versions[version]
+    if py_version is None:
+        _, python = diloco_ranges()
+        supported = [py for py in config.get("py_versions", []) if _admits(python, py)]
+        py_version = (supported or config.get("py_versions") or ["py3"])[-1]
     if py_version not in config.get("py_versions", [py_version]):
         raise ConfigError(f"backend.py_version: the PyTorch {version} image has {', '.join(config['py_versions'])}"
                           f" (got {py_version!r})", hint=f"set backend.py_version to {config['py_versions'][-1]}")

@@ -136,6 +136,38 @@ def check_role_bucket(ctx: DoctorContext) -> Check:
                  fix=fix)
 
 
+def check_training_image(ctx: DoctorContext) -> Check:
+    """The image the jobs would run: ``--image`` is looked up in ECR; without it, AWS's PyTorch training image
+    that diloco picks (the newest in sagemaker-core's tables within diloco's torch requirement), named with the
+    versions that chose it, since a launch ships the code onto it."""
+    from diloco.doctor import Check, Status, check_image, skip_check
+    from diloco.errors import ConfigError
+    from diloco.executors.sagemaker.config import diloco_ranges, training_image_uri
+
+    if ctx.option("image_uri"):
+        return check_image(ctx, ctx.option("image_uri"))
+    name = "training image"
+    region = ctx.region
+    if not region:
+        return skip_check(name, "no AWS region (see above): the image depends on it")
+    instance_type = ctx.option("instance_type") or SageMakerBackendConfig.model_fields["instance_type"].default
+    try:
+        uri = training_image_uri(region, instance_type, ctx.option("framework_version"), ctx.option("py_version"))
+    except ConfigError as exc:
+        return Check(name=name, status=Status.FAIL, detail=str(exc), fix=exc.hint)
+    version = uri.rsplit(":", 1)[-1].split("-", 1)[0]
+    how = f"backend.framework_version {ctx.option('framework_version')}" if ctx.option("framework_version") else \
+        f"the newest in sagemaker-core {_sagemaker_core_version()}'s tables that torch{diloco_ranges()[0]} admits"
+    return Check(name=name, status=Status.PASS,
+                 detail=f"no --image: the jobs run {uri} (PyTorch {version}, {how}); diloco ships its code")
+
+
+def _sagemaker_core_version() -> str:
+    import importlib.metadata
+
+    return importlib.metadata.version("sagemaker-core")
+
+
 def check_logs(ctx: DoctorContext) -> Check:
     """``diloco logs`` reads the jobs' output from CloudWatch Logs."""
     from diloco.doctor import Check, Status, fail_check

@@ -157,7 +157,7 @@ def test_a_failed_job_is_relaunched_as_a_new_job_with_the_same_request_and_follo
 
         assert explicit({**new, "TrainingJobName": first}) == explicit(old)  # the same request, a new name
         # on demand too, every job has the rank's checkpoint directory: the new job gets the old one's back
-        assert new["CheckpointConfig"]["S3Uri"].endswith("/sagemaker/checkpoints/rank_1")
+        assert new["CheckpointConfig"]["S3Uri"].endswith("/sagemaker/checkpoints/rank_1/")
         assert new["Environment"]["DILOCO_CHECKPOINT_DIR"] == new["CheckpointConfig"]["LocalPath"] == "/opt/ml/checkpoints"
         status = backend.describe(handle).replica(1)
         assert status.job_id == f"{run_id}-r1-1" and status.restarts == 1 and "relaunch 1" in (status.detail or "")

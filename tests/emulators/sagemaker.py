@@ -17,7 +17,8 @@ credential scope, the signature itself is not checked) and answers with the serv
 Each job runs as a local process (``sagemaker_job.TrainingJob`` documents exactly what it gets and does), with
 S3 input channels, checkpoints, artifacts and CloudWatch Logs on an S3/Logs endpoint (the tests' moto server, or
 an embedded one). Fault knobs for tests: ``throttle``, ``refuse_create``, ``set_instance_limit``, ``interrupt`` (a spot
-reclaim: the job comes back), ``crash`` (the job fails for good).
+reclaim: the job comes back), ``crash`` (the job fails for good), ``fail`` (the job fails with one of the
+``FailureReason`` forms on record, ``sagemaker_job.FAILURE_FORMS``), ``break_pip`` (the image's pip installs nothing).
 
 Use from tests::
 
@@ -48,10 +49,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from .sagemaker_job import LOG_GROUP, Runtime, TrainingJob
+from .sagemaker_job import FAILURE_FORMS, LOG_GROUP, FailureForm, Runtime, TrainingJob, failure_form
 from .sagemaker_validation import RequestInvalid, check_model, semantic_errors, validation_message
 
-__all__ = ["LOG_GROUP", "Call", "SageMakerEmulator", "ServiceError"]
+__all__ = ["FAILURE_FORMS", "LOG_GROUP", "Call", "FailureForm", "SageMakerEmulator", "ServiceError"]
 
 #: A 12-digit account that is plainly not a real one: ARNs need one, and no real account may appear here.
 DEFAULT_ACCOUNT_ID = "000000000000"
@@ -206,6 +207,24 @@ class SageMakerEmulator:
     def crash(self, name: str) -> None:
         """Fail a training job for good while it trains (SIGKILL: exit code 137, ``Failed``; not restarted)."""
         self.job(name).crash()
+
+    def fail(self, name: str, form: str | FailureForm) -> None:
+        """End job ``name`` ``Failed`` with a failure form (``FAILURE_FORMS`` name or a ``FailureForm``), in the
+        phase the service writes it; a job not created yet gets it armed, to fire when it reaches that phase."""
+        chosen = failure_form(form)
+        with self._lock:
+            job = self._jobs.get(name)
+            if job is None:
+                assert self._runtime is not None, "start the emulator first"
+                self._runtime.armed_failures[name] = chosen
+                return
+        job.fail(chosen)
+
+    def break_pip(self) -> None:
+        """Make the image's pip fail for every job started from now (a constraints file it cannot open), so a
+        shipped-code job's bootstrap fails as it does when what the job needs cannot be installed."""
+        assert self._runtime is not None, "start the emulator first"
+        self._runtime.image_env["PIP_CONSTRAINT"] = str(self.root / "no-such-constraints.txt")
 
     def resume(self, name: str) -> None:
         """Let a job held in ``Interrupted`` come back."""
@@ -471,11 +490,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", default=None, help="where jobs' /opt/ml directories go (default: a temp dir)")
     parser.add_argument("--stop-grace", type=float, default=120.0, help="seconds from SIGTERM to SIGKILL on stop")
     parser.add_argument("--python", default=None, help="interpreter standing for the image's python")
+    parser.add_argument("--fail", action="append", default=[], metavar="JOB=FORM",
+                        help=f"fail the job of that name with a FailureReason form ({', '.join(FAILURE_FORMS)}) "
+                             "when it reaches the form's phase (repeatable)")
     args = parser.parse_args(argv)
+    armed = [item.partition("=")[::2] for item in args.fail]
+    for job, form in armed:
+        if not job or form not in FAILURE_FORMS:
+            parser.error(f"--fail {job}={form}: expected JOB=FORM, FORM one of {', '.join(FAILURE_FORMS)}")
     emulator = SageMakerEmulator(aws_endpoint=args.aws_endpoint, host=args.host, port=args.port,
                                  default_region=args.region, root_dir=args.root, stop_grace_s=args.stop_grace,
                                  interpreter=args.python)
     emulator.start()
+    for job, form in armed:
+        emulator.fail(job, form)
     print("# SageMaker emulator running; in another shell:", flush=True)
     for key, value in emulator.environment().items():
         print(f"export {key}={value}", flush=True)

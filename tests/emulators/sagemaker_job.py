@@ -7,6 +7,8 @@ goes through the service's life cycle on a thread of its own and does for real w
   channel (``S3Prefix``: every object whose key starts with the URI's key, placed at its path relative to that
   prefix; an object named exactly by the URI keeps its base name) is copied into ``input/data/<channel>/``, the
   ``input/config/*.json`` files are written, and the checkpoint prefix is copied into the checkpoint directory.
+  Both are string prefixes, as on the service: a ``CheckpointConfig.S3Uri`` of ``.../rank_1`` also restores
+  ``.../rank_10/...`` (as ``0/...``), which is why a URI must end with ``/`` (syne-tune/syne-tune#363).
 * ``Training``: ``ContainerEntrypoint + ContainerArguments`` run as a process in its own process group, with
   ``/opt/ml`` in the arguments and in ``Environment`` mapped to that directory. The image is not run: a
   ``python`` shim first on ``PATH`` stands for the image's interpreter, and the process gets what the platform
@@ -27,6 +29,10 @@ goes through the service's life cycle on a thread of its own and does for real w
   killed, as everything in a container dies with it.
 * Crash (a fault knob, ``crash``): the container's processes are SIGKILLed (an OOM kill, a lost instance); the
   job ends ``Failed`` with exit code 137 and is not restarted: a new job is the launcher's business.
+* Failure forms (a fault knob, ``fail``): the job ends ``Failed`` with one of the ``FailureReason`` forms the
+  service is on record writing (``FAILURE_FORMS``, each with its source), at the point of the life cycle where
+  the service writes it: no capacity while ``Starting`` (before any billing), a denied input download while
+  ``Downloading``, an internal error or a kill while ``Training``.
 * Spot interruption (a fault knob): SIGKILL, the checkpoint directory's last state synced, secondary status
   ``Interrupted``, then a new "instance": ``Restarting`` -> ``Downloading`` (checkpoints restored into a fresh
   ``/opt/ml``) -> ``Training``. (The developer guide's older text shows ``Starting`` where this shows
@@ -93,6 +99,60 @@ class Runtime:
     spot_savings: float = 0.7
     restart_delay_s: float = 0.2
     image_env: dict[str, str] = field(default_factory=lambda: dict(DLC_IMAGE_ENV))
+    #: Failure forms armed for jobs not created yet, by job name (``SageMakerEmulator.fail``).
+    armed_failures: dict[str, FailureForm] = field(default_factory=dict)
+
+
+#: The life-cycle phases a failure form can happen in, in order.
+PHASES = ("Starting", "Downloading", "Training")
+
+
+@dataclass(frozen=True)
+class FailureForm:
+    """One way the service reports a failed job: the phase it fails in, its ``FailureReason`` (``{uri}``: the
+    first S3 URI the job downloads; ``{command}``: its entrypoint; None: the container is killed and the reason
+    is the one its exit writes) and where that wording is on record."""
+
+    phase: str
+    reason: str | None
+    source: str
+
+
+_INTERNAL = "InternalServerError: We encountered an internal error. Please try again."
+_TOOLKIT = 'AlgorithmError: ExecuteUserScriptError:\nExitCode {code}\nErrorMessage ""\nCommand "{{command}}"'
+
+#: The FailureReason forms on public record, by knob name. A job's own exit writes the rest: "AlgorithmError:
+#: <text of /opt/ml/output/failure>" or "AlgorithmError: , exit code: N" (``_failure_reason``).
+FAILURE_FORMS: dict[str, FailureForm] = {
+    "capacity": FailureForm(
+        "Starting", "CapacityError: Unable to provision requested ML compute capacity. Please retry using a "
+        "different ML instance type.",
+        "DIAGNijmegen/rse-grand-challenge#2631, aws/sagemaker-pytorch-training-toolkit#171"),
+    "internal": FailureForm("Training", _INTERNAL, "aws/sagemaker-python-sdk#70, #2496"),
+    # No public record quotes the FailureReason of a job whose instance failed under it; failures on the service's
+    # side are InternalServerError, the one class RetryStrategy retries (API reference: RetryStrategy), and
+    # TrainingJobStatusCounters counts only those as retryable.
+    "instance-lost": FailureForm("Training", _INTERNAL, "API reference: RetryStrategy, TrainingJobStatusCounters"),
+    "download-denied": FailureForm(
+        "Downloading", "ClientError: Data download failed:Unable to download object {uri} (AccessDenied: Access "
+        "Denied)", "aws/amazon-sagemaker-examples#4384"),
+    # The OOM killer (or any SIGKILL) takes the container: no failure file, so the exit's own wording (that
+    # report's ", exit code: N"), with SIGKILL's 137.
+    "oom-kill": FailureForm("Training", None, "aws-samples/amazon-sagemaker-ml-pipeline-deploy-with-terraform#12"),
+    # The training toolkit's ExecuteUserScriptError (errors.py ``_CalledProcessError.__str__``, written to the
+    # failure file by trainer.py) when an image runs the user's script through it.
+    "toolkit-exit-1": FailureForm("Training", _TOOLKIT.format(code=1), "aws/sagemaker-training-toolkit errors.py"),
+    "toolkit-exit-137": FailureForm("Training", _TOOLKIT.format(code=137), "aws/sagemaker-training-toolkit errors.py"),
+    "legacy-exit-1": FailureForm("Training", "AlgorithmError: Exit Code: 1", "aws/sagemaker-python-sdk#357"),
+}
+
+
+class JobFailed(Exception):
+    """Raised inside the job thread when an armed failure form's phase is reached."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 @dataclass
@@ -158,6 +218,8 @@ class TrainingJob:
         self._trained_s = 0.0
         self._last_stream_epoch = 0
         self._checkpoint_state: dict[str, tuple[int, int]] = {}
+        self._armed: FailureForm | None = runtime.armed_failures.pop(self.name, None)  # the ``fail`` knob
+        self._forced_reason: str | None = None
         self._thread = threading.Thread(target=self._life, name=f"sm-job-{self.name}", daemon=True)
 
     # ------------------------------------------------------------------ request fields
@@ -221,6 +283,27 @@ class TrainingJob:
             if self.status != "InProgress" or self.secondary != "Training" or self.process is None:
                 raise ValueError(f"{self.name} is not training (status {self.status}/{self.secondary})")
         self._kill_group(signal.SIGKILL)
+
+    def fail(self, form: str | FailureForm) -> None:
+        """Fault knob: end the job ``Failed`` with a failure form (a ``FAILURE_FORMS`` name, or a ``FailureForm``
+        for a wording not on record). A training job whose form happens while training is SIGKILLed at once; any
+        other form is armed and fires when the job reaches its phase (at once if the job is past it)."""
+        chosen = failure_form(form)
+        deadline = time.monotonic() + 10
+        while self.secondary == "Training" and self.pid() is None and self.running and time.monotonic() < deadline:
+            time.sleep(0.02)  # between the Training transition and the container's start: wait for the process
+        with self._lock:
+            if self.status != "InProgress":
+                raise ValueError(f"{self.name} has ended (status {self.status})")
+            training = self.secondary == "Training" and self.process is not None
+            if training and chosen.phase != "Training":
+                raise ValueError(f"{self.name} is already training; that form happens while {chosen.phase}")
+            if training:
+                self._forced_reason = self._fill(chosen)
+            else:
+                self._armed = chosen
+        if training:
+            self._kill_group(signal.SIGKILL)
 
     def resume(self) -> None:
         """Let a job held in ``Interrupted`` (``interrupt(hold=True)``) restart."""
@@ -348,6 +431,8 @@ class TrainingJob:
             self._run_attempts()
         except JobStopped:
             self._end_stopped()
+        except JobFailed as failed:
+            self._finish("Failed", "Failed", "Training job failed", failed.reason)
         except Exception as exc:  # noqa: BLE001 - any emulator-side failure is the job's ClientError
             if self.status in ("InProgress", "Stopping"):
                 self._finish("Failed", "Failed", "Training job failed", f"ClientError: {exc}")
@@ -366,6 +451,7 @@ class TrainingJob:
     def _run_attempts(self) -> None:
         self._transition("Starting", "Launching requested ML instances")
         self._check_stop()
+        self._fail_if_due("Starting")
         self._transition("Starting", "Preparing the instances for training")
         while True:
             self._check_stop()
@@ -375,11 +461,12 @@ class TrainingJob:
             with self._lock:
                 if self.training_start is None:
                     self.training_start = time.time()
+            self._fail_if_due("Downloading")
             self._download_inputs(opt_ml)
             self._check_stop()
             self._transition("Training", "Downloading the training image")
             self._transition("Training", "Training image download completed. Training in progress.")
-            cause, exit_code = self._run_container(opt_ml)
+            cause, exit_code = ("exited", 137) if self._fail_if_due("Training") else self._run_container(opt_ml)
             if cause == "Interrupted":
                 self._after_interruption()
                 continue
@@ -419,14 +506,41 @@ class TrainingJob:
                    "MaxWaitTimeExceeded": "Training job stopped: it exceeded MaxWaitTimeInSeconds"}
         self._finish("Stopped", cause, message.get(cause, "Training job stopped"))
 
-    @staticmethod
-    def _failure_reason(opt_ml: Path, exit_code: int) -> str:
+    def _failure_reason(self, opt_ml: Path, exit_code: int) -> str:
+        """What the service writes for a container that exited non-zero: a failure form the ``fail`` knob chose,
+        else "AlgorithmError: <text of /opt/ml/output/failure>", else "AlgorithmError: , exit code: N"."""
+        if self._forced_reason is not None:
+            return self._forced_reason
         failure = opt_ml / "output" / "failure"
         if failure.is_file():
             text = failure.read_text(encoding="utf-8", errors="replace").strip()
             if text:
                 return f"AlgorithmError: {text}"
         return f"AlgorithmError: , exit code: {exit_code}"
+
+    def _fail_if_due(self, phase: str) -> bool:
+        """Fire an armed failure form whose phase is ``phase`` or earlier: raise ``JobFailed`` before training,
+        or, at ``Training``, record the reason and return True (the container is killed as it starts)."""
+        with self._lock:
+            armed = self._armed
+            if armed is None or PHASES.index(armed.phase) > PHASES.index(phase):
+                return False
+            self._armed = None
+            reason = self._fill(armed)
+            if phase != "Training":
+                raise JobFailed(reason or "AlgorithmError: , exit code: 137")
+            self._forced_reason = reason
+            return True
+
+    def _fill(self, form: FailureForm) -> str | None:
+        """The form's FailureReason for this job (None: the container's exit writes it)."""
+        if form.reason is None:
+            return None
+        channels = [c["DataSource"]["S3DataSource"]["S3Uri"] for c in self.request.get("InputDataConfig") or []]
+        checkpoints = (self.request.get("CheckpointConfig") or {}).get("S3Uri")
+        uri = next(iter(channels), checkpoints or self.request["OutputDataConfig"]["S3OutputPath"])
+        command = " ".join(self.request["AlgorithmSpecification"].get("ContainerEntrypoint") or ["train"])
+        return form.reason.replace("{uri}", uri).replace("{command}", command)
 
     # ------------------------------------------------------------------ the instance's /opt/ml
     def _prepare_instance(self) -> Path:
@@ -484,7 +598,8 @@ class TrainingJob:
             self._checkpoint_state = self._local_state(checkpoints)
 
     def _download_prefix(self, uri: str, dest: Path) -> int:
-        """Copy every object under the S3 prefix into ``dest``; returns how many objects were copied."""
+        """Copy every object whose key starts with the URI's key (a string prefix, not a folder: syne-tune/
+        syne-tune#363) into ``dest``; returns how many objects were copied."""
         bucket, prefix = split_s3_uri(uri)
         count = 0
         for obj in self._list_objects(bucket, prefix):
@@ -669,3 +784,12 @@ def _tar_gz(directory: Path) -> bytes:
         for path in sorted(directory.rglob("*")):
             tar.add(path, arcname=path.relative_to(directory).as_posix(), recursive=False)
     return buf.getvalue()
+
+
+def failure_form(form: str | FailureForm) -> FailureForm:
+    """A ``FAILURE_FORMS`` entry by name (ValueError naming the known ones), or the given form."""
+    if isinstance(form, FailureForm):
+        return form
+    if form not in FAILURE_FORMS:
+        raise ValueError(f"unknown failure form {form!r}; known: {', '.join(FAILURE_FORMS)}")
+    return FAILURE_FORMS[form]
