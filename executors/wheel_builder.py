@@ -83,11 +83,14 @@ def _without_description(metadata: str) -> str:
 
 
 def _distribution() -> importlib.metadata.Distribution:
-    try:
-        return importlib.metadata.distribution("diloco")
-    except importlib.metadata.PackageNotFoundError:
-        raise _error("diloco's metadata is not installed, so there is no wheel to build",
-                              hint="install diloco (`pip install -e .` in a checkout)") from None
+    """The installed distribution that carries wheel metadata (``*.dist-info/METADATA``). An editable install made
+    with an older pip leaves a ``diloco.egg-info`` (PKG-INFO, no METADATA) in the checkout, which comes first on
+    ``sys.path`` when the current directory is the checkout: it is skipped, not taken for the install."""
+    for distribution in importlib.metadata.distributions(name="diloco"):
+        if distribution.read_text("METADATA") is not None:
+            return distribution
+    raise _error("diloco's metadata is not installed, so there is no wheel to build",
+                 hint="install diloco (`pip install -e .` in a checkout)")
 
 
 def _package_files() -> Iterator[tuple[str, bytes]]:
