@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import fnmatch
 import json
-import re
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from diloco.doctor import Check, DoctorContext
 
+from diloco.errors import ConfigError
 from diloco.executors.sagemaker.config import (
     LOG_GROUP,
     ROLE_CHECK,
@@ -18,6 +18,7 @@ from diloco.executors.sagemaker.config import (
     SAGEMAKER_FULL_ACCESS,
     SageMakerBackendConfig,
 )
+from diloco.executors.sagemaker.inputs import check_role_arn
 
 
 # ---------------------------------------------------------------------------------------------- doctor checks
@@ -35,9 +36,11 @@ def check_role(ctx: DoctorContext) -> Check:
     if not role_arn:
         return Check(name=ROLE_CHECK, status=Status.FAIL, detail="no execution role given",
                      fix="pass --role arn:aws:iam::<account>:role/<name> or set backend.role_arn in the config")
-    if not re.match(r"^arn:aws[a-z-]*:iam::\d{12}:role/[\w+=,.@/-]+$", role_arn):
-        return Check(name=ROLE_CHECK, status=Status.FAIL, detail=f"not an IAM role ARN: {role_arn!r}",
-                     fix="use the role's full ARN, e.g. arn:aws:iam::<account>:role/service-role/<name>")
+    try:
+        check_role_arn(role_arn)  # the form a launch would refuse, in the launch's words
+    except ConfigError as exc:
+        return Check(name=ROLE_CHECK, status=Status.FAIL, detail=str(exc).removeprefix("backend.role_arn: "),
+                     fix=exc.hint or "")
     try:
         role = ctx.client("iam").get_role(RoleName=_role_name(role_arn))["Role"]
     except Exception as exc:  # noqa: BLE001

