@@ -118,3 +118,58 @@ def test_a_bare_role_name_is_answered_with_that_roles_arn_when_iam_knows_it(
     lines = error_lines(out)
     assert out.returncode == 2 and len(lines) == 1, out.stderr
     assert f"pass --role {arn}" in lines[0] and "service-role/MySageMakerRole" in lines[0], lines[0]
+
+
+# ---------------------------------------------------------------------------------------------------- hints
+class SilentServer:
+    """A loopback TCP server that accepts connections, reads, and never answers: an IAM endpoint that hangs.
+    ``connections`` counts the attempts a client made."""
+
+    def __init__(self) -> None:
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self._sock.settimeout(0.2)
+        self._held: list[socket.socket] = []
+        self._done = threading.Event()
+        self.connections = 0
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+
+    def _serve(self) -> None:
+        while not self._done.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                continue
+            self.connections += 1
+            self._held.append(conn)  # kept open and unanswered until the server stops
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
+        for conn in self._held:
+            conn.close()
+        self._sock.close()
+
+
+@pytest.fixture
+def silent_iam() -> Iterator[SilentServer]:
+    server = SilentServer()
+    yield server
+    server.stop()
+
+
+def test_a_missing_role_is_reported_after_one_bounded_attempt_when_iam_never_answers(
+    aws_env: str, silent_iam: SilentServer, tmp_path: Path,
+) -> None:
+    out = cli("launch", "--backend", "sagemaker", "--region", "us-east-1", "--rendezvous", "s3://b/x/{run_id}",
+              "--dry-run", home=tmp_path / "home", cwd=tmp_path, env={"AWS_ENDPOINT_URL_IAM": silent_iam.url},
+              timeout=90)  # one attempt is bounded by seconds; botocore's defaults retry for minutes
+    lines = error_lines(out)
+    assert out.returncode == 2 and len(lines) == 1, out.stderr
+    assert "backend.role_arn: the SageMaker execution role is required" in lines[0]
+    assert lines[0].endswith("(pass --role arn:aws:iam::<account>:role/<name> or set backend.role_arn)"), lines[0]
+    assert silent_iam.connections == 1  # one attempt, no retry
