@@ -30,6 +30,7 @@ from emulators.sagemaker import SageMakerEmulator
 
 DILOCO = [sys.executable, "-m", "diloco.cli.main"]
 ROLE = "arn:aws:iam::000000000000:role/diloco-inputs"
+IMAGE = "000000000000.dkr.ecr.us-east-1.amazonaws.com/diloco:1"  # a ready image: nothing to ship
 TABLE_A100 = 37.688  # diloco's price table, ml.p4d.24xlarge (us-east-1); the Price List API is not asked here
 
 
@@ -65,7 +66,7 @@ BAD_INPUTS = [
                  ["backend.instance_type", "'ml.m5.huge'", "did you mean ml.m5.large"], id="unknown-instance-type"),
     pytest.param(["--role", ROLE, "--instance-type", "m5.xlarge"],
                  ["backend.instance_type", "did you mean ml.m5.xlarge"], id="instance-type-without-ml"),
-    pytest.param(["--role", ROLE, "--region", "us-east1", "--image", "000000000000.dkr.ecr.us-east-1.amazonaws.com/d:1"],
+    pytest.param(["--role", ROLE, "--region", "us-east1", "--image", IMAGE],
                  ["backend.region", "'us-east1'", "did you mean us-east-1"], id="unknown-region-with-image"),
     pytest.param(["--role", ROLE, "--region", "us-east1"], ["backend.region", "did you mean us-east-1"],
                  id="unknown-region"),
@@ -173,3 +174,44 @@ def test_a_missing_role_is_reported_after_one_bounded_attempt_when_iam_never_ans
     assert "backend.role_arn: the SageMaker execution role is required" in lines[0]
     assert lines[0].endswith("(pass --role arn:aws:iam::<account>:role/<name> or set backend.role_arn)"), lines[0]
     assert silent_iam.connections == 1  # one attempt, no retry
+
+
+# ---------------------------------------------------------------------------------------------------- cost
+def test_the_dry_run_carries_the_hourly_price_and_the_cost_at_the_time_limit(
+    emulator: SageMakerEmulator, s3_bucket: str, tmp_path: Path,
+) -> None:
+    out = cli(*launch(s3_bucket, "--role", ROLE, "--gpu", "A100", "--dry-run", "-o", "json"),
+              home=tmp_path / "home", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    cost = json.loads(out.stdout)["cost"]
+    assert cost["usd_per_hour"] == pytest.approx(2 * TABLE_A100)
+    assert cost["time_limit_s"] == 86400  # the default timeout_s, every job's MaxRuntimeInSeconds
+    assert cost["usd_at_time_limit"] == pytest.approx(2 * TABLE_A100 * 24)
+    assert cost["spot_upper_bound"] is False and "price table" in cost["source"]
+    assert f"${2 * TABLE_A100:,.2f} per hour" in out.stderr and f"${2 * TABLE_A100 * 24:,.2f}" in out.stderr
+
+    spot = cli(*launch(s3_bucket, "--role", ROLE, "--gpu", "A100", "--spot", "--timeout", "3600", "--dry-run",
+                       "-o", "json"), home=tmp_path / "home", cwd=tmp_path)
+    assert spot.returncode == 0, spot.stderr
+    cost = json.loads(spot.stdout)["cost"]
+    assert cost["spot_upper_bound"] is True and cost["usd_at_time_limit"] == pytest.approx(2 * TABLE_A100)
+    assert "upper bound" in spot.stderr
+    assert emulator.calls == []
+
+
+def test_a_real_launch_prints_the_same_cost_before_it_submits(
+    emulator: SageMakerEmulator, s3_bucket: str, tmp_path: Path,
+) -> None:
+    args = launch(s3_bucket, "--role", ROLE, "--gpu", "A100", "--image", IMAGE)
+    plan = cli(*args, "--dry-run", "-o", "json", home=tmp_path / "home", cwd=tmp_path)
+    cost = json.loads(plan.stdout)["cost"]
+    emulator.refuse_create(nth=1)  # the service refuses the first job: whatever was printed came before submitting
+    out = cli(*args, "--detach", home=tmp_path / "home", cwd=tmp_path)
+    assert out.returncode != 0, out.stderr
+    lines = error_lines(out)
+    [cost_line] = [i for i, line in enumerate(lines) if line.startswith("estimated cost:")]
+    [error] = [i for i, line in enumerate(lines) if line.startswith("diloco: error:")]
+    assert cost_line < error and "ResourceLimitExceeded" in lines[error], out.stderr
+    assert f"${cost['usd_per_hour']:,.2f} per hour" in lines[cost_line]
+    assert f"${cost['usd_at_time_limit']:,.2f} if every job runs to its time limit" in lines[cost_line]
+    assert emulator.operation_calls("CreateTrainingJob")

@@ -48,7 +48,13 @@ from diloco.executors.sagemaker.config import (
     job_name,
     training_image_uri,
 )
-from diloco.executors.sagemaker.cost import BOOTSTRAP_S, IMAGE_START_S, estimate_cost_usd, price_per_hour
+from diloco.executors.sagemaker.cost import (
+    BOOTSTRAP_S,
+    IMAGE_START_S,
+    estimate_cost_usd,
+    plan_cost,
+    price_per_hour,
+)
 from diloco.executors.sagemaker.doctor import check_logs, check_quotas, check_role, check_role_bucket
 from diloco.executors.sagemaker.inputs import (
     check_instance_type,
@@ -213,7 +219,7 @@ class SageMakerBackend(Backend[SageMakerBackendConfig, SageMakerRunHandle]):
         requests = [self._request(spec, rank, region, instance_type, image) for rank in range(spec.replicas)]
         for rank, request in enumerate(requests):
             check_request(request, rank)
-        return LaunchPlan(backend=self.name, spec=spec, requests=requests)
+        return LaunchPlan(backend=self.name, spec=spec, requests=requests, cost=plan_cost(requests, region))
 
     def _request(self, spec: LaunchSpec, rank: int, region: str, instance_type: str, image: str) -> dict[str, Any]:
         base = self.base_uri(spec)
