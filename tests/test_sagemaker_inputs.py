@@ -213,5 +213,61 @@ def test_a_real_launch_prints_the_same_cost_before_it_submits(
     [error] = [i for i, line in enumerate(lines) if line.startswith("diloco: error:")]
     assert cost_line < error and "ResourceLimitExceeded" in lines[error], out.stderr
     assert f"${cost['usd_per_hour']:,.2f} per hour" in lines[cost_line]
+    [warning] = [i for i, line in enumerate(lines) if line.startswith("warning:")]
+    assert warning < error and "AmazonSageMakerFullAccess" in lines[warning]  # the bucket gotcha, before submit
     assert f"${cost['usd_at_time_limit']:,.2f} if every job runs to its time limit" in lines[cost_line]
     assert emulator.operation_calls("CreateTrainingJob")
+
+
+# ---------------------------------------------------------------------------------------------------- bucket gotcha
+def test_a_bucket_outside_the_managed_policys_scope_is_warned_about_at_plan_time(
+    emulator: SageMakerEmulator, s3_bucket: str, tmp_path: Path,
+) -> None:
+    assert "sagemaker" not in s3_bucket
+    out = cli(*launch(s3_bucket, "--role", ROLE, "--dry-run", "-o", "json"), home=tmp_path / "home", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    [warning] = json.loads(out.stdout)["warnings"]
+    assert warning.startswith("if the execution role relies on AmazonSageMakerFullAccess") and s3_bucket in warning
+    assert f"warning: {warning}" in out.stderr.splitlines()
+
+    named = cli(*launch("sagemaker-diloco-inputs", "--role", ROLE, "--dry-run", "-o", "json"),
+                home=tmp_path / "home", cwd=tmp_path)
+    assert named.returncode == 0, named.stderr
+    assert json.loads(named.stdout)["warnings"] == [] and "warning:" not in named.stderr
+
+    elsewhere = cli(*launch("sagemaker-diloco-inputs", "--role", ROLE, "--set",
+                            f"backend.output_s3_uri=s3://{s3_bucket}/out", "--dry-run", "-o", "json"),
+                    home=tmp_path / "home", cwd=tmp_path)  # code, checkpoints and model go to the output bucket
+    assert [s3_bucket in w for w in json.loads(elsewhere.stdout)["warnings"]] == [True]
+    assert emulator.calls == []
+
+
+ROLE_TRUST = {"Version": "2012-10-17", "Statement": [
+    {"Effect": "Allow", "Principal": {"Service": "sagemaker.amazonaws.com"}, "Action": "sts:AssumeRole"}]}
+
+
+@pytest.mark.parametrize(("bucket", "wanted", "unwanted"), [
+    pytest.param("sagemaker-diloco-bucket", ["inline policy", "attach AmazonSageMakerFullAccess (it covers"],
+                 ["use a bucket whose name contains"], id="sagemaker-named-bucket"),
+    pytest.param("plain-diloco-bucket",
+                 ["inline policy", "attach AmazonSageMakerFullAccess and use a bucket whose name contains"], [],
+                 id="plain-bucket"),
+])
+def test_doctors_fix_for_a_role_without_s3_access_matches_the_buckets_name(
+    aws_env: str, bucket: str, wanted: list[str], unwanted: list[str],
+) -> None:
+    """(A role with AmazonSageMakerFullAccess and a plain bucket: tests/test_doctor.py.)"""
+    import boto3
+
+    from diloco.doctor import DoctorContext, Status, run_doctor
+
+    boto3.client("s3").create_bucket(Bucket=bucket)
+    arn = boto3.client("iam").create_role(RoleName="diloco-fix",
+                                          AssumeRolePolicyDocument=json.dumps(ROLE_TRUST))["Role"]["Arn"]
+    report = run_doctor(DoctorContext.for_backend("sagemaker", f"s3://{bucket}/diloco", role_arn=arn))
+    check = next(c for c in report.checks if c.name == "role can reach bucket")
+    assert check.status == Status.WARN, check
+    for part in wanted:
+        assert part in check.fix, check.fix
+    for part in unwanted:
+        assert part not in check.fix, check.fix

@@ -57,6 +57,7 @@ from diloco.executors.sagemaker.cost import (
 )
 from diloco.executors.sagemaker.doctor import check_logs, check_quotas, check_role, check_role_bucket
 from diloco.executors.sagemaker.inputs import (
+    bucket_scope_warning,
     check_instance_type,
     check_region,
     check_role_arn,
@@ -219,7 +220,11 @@ class SageMakerBackend(Backend[SageMakerBackendConfig, SageMakerRunHandle]):
         requests = [self._request(spec, rank, region, instance_type, image) for rank in range(spec.replicas)]
         for rank, request in enumerate(requests):
             check_request(request, rank)
-        return LaunchPlan(backend=self.name, spec=spec, requests=requests, cost=plan_cost(requests, region))
+        buckets = dict.fromkeys(uri[len("s3://"):].split("/", 1)[0]
+                                for uri in (spec.entrypoint_args.rendezvous_uri, self.base_uri(spec)))
+        warnings = [w for w in map(bucket_scope_warning, buckets) if w]
+        return LaunchPlan(backend=self.name, spec=spec, requests=requests, cost=plan_cost(requests, region),
+                          warnings=warnings)
 
     def _request(self, spec: LaunchSpec, rank: int, region: str, instance_type: str, image: str) -> dict[str, Any]:
         base = self.base_uri(spec)

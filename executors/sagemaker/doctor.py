@@ -104,9 +104,8 @@ def check_role_bucket(ctx: DoctorContext) -> Check:
         return skip_check(name, "execution role not readable (see above)")
     bucket, role = ctx.bucket or "", _role_name(role_arn)
     iam = ctx.client("iam")
-    fix = (f"attach an inline policy to {role} allowing {', '.join(S3_ACTIONS_NEEDED)} on arn:aws:s3:::{bucket} "
-           f"and arn:aws:s3:::{bucket}/{ctx.prefix + '/' if ctx.prefix else ''}*, or use a bucket whose name "
-           f"contains 'sagemaker'")
+    inline = (f"attach an inline policy to {role} allowing {', '.join(S3_ACTIONS_NEEDED)} on arn:aws:s3:::{bucket} "
+              f"and arn:aws:s3:::{bucket}/{ctx.prefix + '/' if ctx.prefix else ''}*")
     try:
         for policy_name in iam.list_role_policies(RoleName=role).get("PolicyNames", []):
             doc = iam.get_role_policy(RoleName=role, PolicyName=policy_name)["PolicyDocument"]
@@ -126,17 +125,22 @@ def check_role_bucket(ctx: DoctorContext) -> Check:
                                       "iam:GetPolicy, iam:GetPolicyVersion")
         check.status, check.detail = Status.WARN, f"cannot read the role's policies: {check.detail}"
         return check
-    if any(p["PolicyArn"] == SAGEMAKER_FULL_ACCESS for p in attached):
-        if any(m in bucket for m in SAGEMAKER_BUCKET_MARKERS):
-            return Check(name=name, status=Status.PASS,
-                         detail=f"AmazonSageMakerFullAccess covers buckets named like *sagemaker* ({bucket!r})")
+    full_access = any(p["PolicyArn"] == SAGEMAKER_FULL_ACCESS for p in attached)
+    in_scope = any(m in bucket for m in SAGEMAKER_BUCKET_MARKERS)
+    if full_access and in_scope:
+        return Check(name=name, status=Status.PASS,
+                     detail=f"AmazonSageMakerFullAccess covers buckets named like *sagemaker* ({bucket!r})")
+    if full_access:  # the gotcha: the policy is there, the bucket's name is outside its scope
         return Check(name=name, status=Status.WARN,
                      detail=f"AmazonSageMakerFullAccess grants S3 only on buckets whose name contains "
                             f"'sagemaker' or 'aws-glue'; {bucket!r} does not, and no other policy of {role} "
                             f"names it: the jobs' first PUT would be denied and every peer would wait",
-                     fix=fix)
+                     fix=f"{inline}, or use a bucket whose name contains 'sagemaker'")
+    # No policy reaches the bucket, and the bucket's name cannot help on its own: say what would.
+    other = (f"or attach AmazonSageMakerFullAccess (it covers {bucket!r}: the name contains 'sagemaker')"
+             if in_scope else "or attach AmazonSageMakerFullAccess and use a bucket whose name contains 'sagemaker'")
     return Check(name=name, status=Status.WARN, detail=f"no policy of {role} visibly grants S3 access to {bucket!r}",
-                 fix=fix)
+                 fix=f"{inline}, {other}")
 
 
 def check_logs(ctx: DoctorContext) -> Check:

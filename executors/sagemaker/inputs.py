@@ -120,6 +120,21 @@ def check_region(region: str) -> None:
                            f"botocore {_botocore_version()}'s: upgrade boto3 if the region is newer")
 
 
+def bucket_scope_warning(bucket: str) -> str | None:
+    """A warning when ``bucket`` is outside ``AmazonSageMakerFullAccess``' S3 scope (buckets whose name contains
+    "sagemaker" or "aws-glue"). Whether the role relies on that policy cannot be told offline: doctor reads the
+    role's policies; a launch only says what follows if it does."""
+    from diloco.executors.sagemaker.config import S3_ACTIONS_NEEDED, SAGEMAKER_BUCKET_MARKERS
+
+    if any(marker in bucket for marker in SAGEMAKER_BUCKET_MARKERS):
+        return None
+    return (f"if the execution role relies on AmazonSageMakerFullAccess for S3, the jobs cannot use bucket "
+            f"{bucket!r}: that policy covers only buckets whose name contains 'sagemaker' or 'aws-glue', so the "
+            f"first write is denied and every peer waits until the all-reduce timeout; grant the role "
+            f"{', '.join(S3_ACTIONS_NEEDED)} on it, or use a sagemaker-named bucket "
+            f"(`diloco doctor --backend sagemaker --role ... --s3 s3://{bucket}/...` reads the role's policies)")
+
+
 # ---------------------------------------------------------------------------------------------- hint lookups
 #: One attempt, short timeouts: a hint must never hold an error back for long.
 HINT_CONNECT_TIMEOUT_S = 2
