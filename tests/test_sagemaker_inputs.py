@@ -271,3 +271,16 @@ def test_doctors_fix_for_a_role_without_s3_access_matches_the_buckets_name(
         assert part in check.fix, check.fix
     for part in unwanted:
         assert part not in check.fix, check.fix
+
+
+# ---------------------------------------------------------------------------------------------------- doctor
+def test_doctors_quota_row_is_one_line_when_the_endpoint_is_not_the_quotas_api(aws_env: str) -> None:
+    """moto (``AWS_ENDPOINT_URL``) has no Service Quotas API and answers HTTP 500 with an HTML page."""
+    from diloco.doctor import DoctorContext, Status
+    from diloco.executors.sagemaker import check_quotas
+
+    [check] = check_quotas(DoctorContext.for_backend("sagemaker", None, region="us-east-1"))
+    assert check.status == Status.WARN
+    assert "\n" not in check.detail and "<" not in check.detail, check.detail
+    assert "HTTP 500" in check.detail and aws_env in check.detail, check.detail
+    assert "AWS_ENDPOINT_URL_SERVICE_QUOTAS" in check.fix

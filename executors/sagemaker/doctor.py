@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import re
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -171,11 +172,13 @@ def check_quotas(ctx: DoctorContext) -> list[Check]:
     wanted = {"training quota": f"{instance_type} for {'spot ' if spot else ''}training job usage"}
     if keep_alive:
         wanted["warm pool quota"] = f"{instance_type} for training warm pool usage"
+    client = ctx.client("service-quotas")
     try:
-        quotas = {q.get("QuotaName"): q.get("Value") for page in ctx.client("service-quotas").get_paginator(
+        quotas = {q.get("QuotaName"): q.get("Value") for page in client.get_paginator(
             "list_service_quotas").paginate(ServiceCode="sagemaker") for q in page.get("Quotas", [])}
     except Exception as exc:  # noqa: BLE001
-        check = fail_check("training quota", exc, "servicequotas:ListServiceQuotas")
+        check = _not_the_quotas_api(exc, client.meta.endpoint_url) or \
+            fail_check("training quota", exc, "servicequotas:ListServiceQuotas")
         check.status = Status.WARN  # a launch may still work; it just cannot be foreseen
         check.detail = f"cannot read the SageMaker quotas: {check.detail}"
         return [check]
@@ -199,3 +202,26 @@ def check_quotas(ctx: DoctorContext) -> list[Check]:
                                 detail=f"{quota!r} is {value:g}: at most {int(value)} replica(s) of this type at "
                                        "once, across all your running jobs"))
     return checks
+
+
+def _not_the_quotas_api(exc: BaseException, endpoint: str) -> Check | None:
+    """A row for an endpoint that answered with a server error or a web page instead of the Service Quotas API
+    (``AWS_ENDPOINT_URL`` pointing every service at an S3-compatible store or an emulator does that): one line
+    naming the status and the page's title, never the page."""
+    from diloco.doctor import Check, Status
+
+    response = getattr(exc, "response", None)
+    if not isinstance(response, dict):
+        return None
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    message = str(response.get("Error", {}).get("Message") or "")
+    page = re.search(r"<\s*(?:!doctype|html)", message, re.IGNORECASE)
+    if not page and not (isinstance(status, int) and status >= 500):
+        return None
+    title = re.search(r"<title>(.*?)</title>", message, re.IGNORECASE | re.DOTALL)
+    said = " ".join((title.group(1) if title else re.sub(r"<[^>]+>", " ", message)).split())[:120]
+    return Check(name="training quota", status=Status.WARN,
+                 detail=f"{endpoint} answered HTTP {status}" + (f" ({said})" if said else "") +
+                        (", a web page, not the Service Quotas API" if page else ""),
+                 fix="set AWS_ENDPOINT_URL_SERVICE_QUOTAS to a Service Quotas endpoint (AWS_ENDPOINT_URL sends every "
+                     "service to one endpoint), or read them in the console: Service Quotas > Amazon SageMaker")
