@@ -6,7 +6,8 @@ idea and its own service, and every call takes the whole run, so a backend can a
 per poll instead of N (SageMaker throttles ``DescribeTrainingJob``; an Indexed Job is one object anyway):
 
 * ``plan(spec) -> LaunchPlan`` is pure: the exact requests the backend would send (argv + env for local,
-  CreateTrainingJob kwargs for SageMaker, the Job manifest for Kubernetes). No network, no directory, no mutation;
+  CreateTrainingJob kwargs for SageMaker, the Job manifest for Kubernetes), with the estimated cost and any
+  warning. No directory, no mutation, and no network beyond bounded best-effort lookups (a price, a hint);
   ``diloco launch --dry-run`` prints it and tests snapshot it. Deterministic for a fixed run id.
 * ``submit(plan, on_progress) -> RunHandle`` is all-or-nothing: if replica k cannot be created, whatever was
   created before it is cancelled before the error propagates (also on Ctrl-C), so a failed launch never leaves
