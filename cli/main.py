@@ -177,6 +177,14 @@ def _interrupted(view: Any, cancel: bool) -> NoReturn:
     raise typer.Exit(exit_codes.INTERRUPTED)
 
 
+def _announce_plan(plan: Any) -> None:
+    """What a launch should know before anything is created: the backend's warnings and the estimated cost."""
+    for warning in plan.warnings:
+        say(f"warning: {warning}")
+    if plan.cost is not None:
+        say(f"estimated cost: {plan.cost.detail}")
+
+
 def _parse_ranks(text: str | None, replicas: int) -> list[int] | None:
     if text is None:
         return None
@@ -311,6 +319,7 @@ def launch(
         from diloco.cli.views import render_plan
 
         _, plan = plan_run(preflight(cfg))
+        _announce_plan(plan)
         if fmt == OutputFormat.yaml:  # the backend's own requests, e.g. a Job manifest for `kubectl apply -f -`
             import yaml
 
@@ -319,7 +328,7 @@ def launch(
         emit(plan, fmt, lambda console: render_plan(console, plan))
         return
 
-    record, backend_impl = launch_run(cfg, registry, force=force)
+    record, backend_impl = launch_run(cfg, registry, force=force, on_plan=_announce_plan)
     run_id = record.run_id
     say(f"launched {run_id}: {record.replicas} replica(s) on {record.backend}, meeting at "
         f"{record.rendezvous_uri}")

@@ -308,9 +308,10 @@ def plan_run(cfg: RunConfig, run_id: str | None = None) -> tuple[Backend[Any, An
     return backend, backend.plan(build_spec(cfg, run_id or new_run_id()))
 
 
-def launch(cfg: RunConfig, registry: RunRegistry | None = None, *,
-           force: bool = False) -> tuple[RunRecord, Backend[Any, Any]]:
+def launch(cfg: RunConfig, registry: RunRegistry | None = None, *, force: bool = False,
+           on_plan: Callable[[LaunchPlan], None] | None = None) -> tuple[RunRecord, Backend[Any, Any]]:
     """Plan, check the rendezvous is unused, record the run, submit. A failed submit leaves no record.
+    ``on_plan`` sees the plan before anything is created (the CLI prints its cost and warnings).
 
     The record is saved when the backend reports its handle before the first replica starts, and again after each
     one (``on_progress``), so a launch interrupted half-way is still known to ``diloco cancel``.
@@ -320,6 +321,8 @@ def launch(cfg: RunConfig, registry: RunRegistry | None = None, *,
     cfg = preflight(cfg)  # before anything is created, DILOCO_HOME included
     backend, plan = plan_run(cfg)
     backend.preflight(plan.spec, force=force)  # e.g. more local replicas than this machine holds: nothing created
+    if on_plan is not None:
+        on_plan(plan)
     registry = registry or RunRegistry()
     registry.prepare()  # an unwritable DILOCO_HOME fails here, before the store is touched
     spec = plan.spec

@@ -6,7 +6,8 @@ idea and its own service, and every call takes the whole run, so a backend can a
 per poll instead of N (SageMaker throttles ``DescribeTrainingJob``; an Indexed Job is one object anyway):
 
 * ``plan(spec) -> LaunchPlan`` is pure: the exact requests the backend would send (argv + env for local,
-  CreateTrainingJob kwargs for SageMaker, the Job manifest for Kubernetes). No network, no directory, no mutation;
+  CreateTrainingJob kwargs for SageMaker, the Job manifest for Kubernetes), with the estimated cost and any
+  warning. No directory, no mutation, and no network beyond bounded best-effort lookups (a price, a hint);
   ``diloco launch --dry-run`` prints it and tests snapshot it. Deterministic for a fixed run id.
 * ``submit(plan, on_progress) -> RunHandle`` is all-or-nothing: if replica k cannot be created, whatever was
   created before it is cancelled before the error propagates (also on Ctrl-C), so a failed launch never leaves
@@ -193,16 +194,31 @@ class LaunchSpec(BaseModel):
         return [python, "-m", self.entrypoint, *self.entrypoint_args.to_argv()]
 
 
+class PlanCost(BaseModel):
+    """What a planned run may cost, reckoned before anything is created: an estimate, never the bill."""
+
+    usd_per_hour: float | None  # every replica's instance together; None when some price is unknown
+    usd_at_time_limit: float | None  # if every replica ran to its time limit (the most the run can bill)
+    time_limit_s: float | None  # each replica's limit (the longest, if they differ)
+    source: str  # where the prices came from
+    spot_upper_bound: bool = False  # spot capacity bills less than the on-demand prices used: both are ceilings
+    detail: str  # the same in one line, as `diloco launch` prints it before submitting
+
+
 class LaunchPlan(BaseModel):
     """The dry run: everything ``submit`` will send, and nothing sent yet.
 
     ``requests`` are the backend's own requests, in submission order (one per replica for SageMaker and local,
-    one Job for Kubernetes); ``-o json`` prints them verbatim.
+    one Job for Kubernetes); ``-o json`` prints them verbatim. ``cost`` is set by backends that bill (None: free,
+    or a cluster already paid for); ``warnings`` are what the backend sees that may make the run fail although
+    the plan is valid (``diloco launch`` prints both before submitting, and with ``--dry-run``).
     """
 
     backend: str
     spec: LaunchSpec
     requests: list[dict[str, Any]]
+    cost: PlanCost | None = None
+    warnings: list[str] = Field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------------------------- handles, status

@@ -28,8 +28,9 @@ How a run maps onto SageMaker, and why:
 * **Where things go.** ``<base>`` is ``<rendezvous>/sagemaker`` (or ``<output_s3_uri>/<run_id>``): ``code/``,
   ``output/`` (``S3OutputPath``: ``output/<job>/output/model.tar.gz``) and ``checkpoints/rank_K/`` (every job:
   the inner optimizer state a relaunched or restarted job of rank K finds again).
-* **Validated before anything is sent**: botocore's own parameter validation plus the documented limits botocore
-  does not check (name pattern and length, at most 100 environment entries of <= 512 characters, container
+* **Validated before anything is sent**: the role ARN's form, the instance type and the region against botocore's
+  own data, with the closest known value (``inputs``); botocore's own parameter validation and the model's
+  patterns, enums and maximums that only the service enforces; plus the documented limits botocore does not check (name pattern and length, at most 100 environment entries of <= 512 characters, container
   arguments of <= 256 characters, ``KeepAlivePeriodInSeconds`` 0..21600, spot's ``MaxWaitTimeInSeconds >=
   MaxRuntimeInSeconds``, at most 50 tags). ``EnableNetworkIsolation`` is always false: an isolated job cannot
   reach S3, so its replicas would wait for each other until the all-reduce timeout.

@@ -49,7 +49,13 @@ from diloco.executors.sagemaker.config import (
     job_name,
     training_image_uri,
 )
-from diloco.executors.sagemaker.cost import BOOTSTRAP_S, IMAGE_START_S, estimate_cost_usd, price_per_hour
+from diloco.executors.sagemaker.cost import (
+    BOOTSTRAP_S,
+    IMAGE_START_S,
+    estimate_cost_usd,
+    plan_cost,
+    price_per_hour,
+)
 from diloco.executors.sagemaker.doctor import (
     check_logs,
     check_quotas,
@@ -58,6 +64,15 @@ from diloco.executors.sagemaker.doctor import (
     check_training_image,
 )
 from diloco.executors.sagemaker.failures import classify_failure, exit_code_of
+from diloco.executors.sagemaker.inputs import (
+    bucket_scope_warning,
+    check_instance_type,
+    check_region,
+    check_role_arn,
+    hint_client,
+    is_role_name,
+    lookup_role_arn,
+)
 from diloco.executors.sagemaker.requests import check_request, instance_with_gpus
 
 # ---------------------------------------------------------------------------------------------- the backend
@@ -191,11 +206,16 @@ class SageMakerBackend(Backend[SageMakerBackendConfig, SageMakerRunHandle]):
         if not self.config.role_arn:
             raise ConfigError("backend.role_arn: the SageMaker execution role is required",
                               hint=_role_hint(self))
+        # What the service would refuse only after the code is uploaded, refused before anything is.
+        check_role_arn(self.config.role_arn, full_arn=lookup_role_arn(self.config.role_arn, self.config.region)
+                       if is_role_name(self.config.role_arn) else None)
         if not spec.entrypoint_args.rendezvous_uri.startswith("s3://"):
             raise ConfigError(f"store.rendezvous: SageMaker jobs meet in S3; got {spec.entrypoint_args.rendezvous_uri}",
                               hint="pass --rendezvous s3://<bucket>/<prefix>/{run_id}")
         region = self.region()
+        check_region(region)
         instance_type = instance_type_for(self.config, spec.gpu)
+        check_instance_type(instance_type)
         procs = spec.entrypoint_args.procs_per_replica
         if spec.gpu is not None and procs and procs > 1 and "instance_type" not in self.config.model_fields_set:
             # --gpu A10G --procs-per-replica 4: the same GPU family, with one GPU per local process.
@@ -205,7 +225,11 @@ class SageMakerBackend(Backend[SageMakerBackendConfig, SageMakerRunHandle]):
         requests = [self._request(spec, rank, region, instance_type, image) for rank in range(spec.replicas)]
         for rank, request in enumerate(requests):
             check_request(request, rank)
-        return LaunchPlan(backend=self.name, spec=spec, requests=requests)
+        buckets = dict.fromkeys(uri[len("s3://"):].split("/", 1)[0]
+                                for uri in (spec.entrypoint_args.rendezvous_uri, self.base_uri(spec)))
+        warnings = [w for w in map(bucket_scope_warning, buckets) if w]
+        return LaunchPlan(backend=self.name, spec=spec, requests=requests, cost=plan_cost(requests, region),
+                          warnings=warnings)
 
     def _request(self, spec: LaunchSpec, rank: int, region: str, instance_type: str, image: str) -> dict[str, Any]:
         base = self.base_uri(spec)
@@ -677,16 +701,16 @@ def _stream_order(stream: str) -> tuple[int, str]:
 
 
 def _role_hint(backend: SageMakerBackend) -> str:
-    """How to fix a missing role: the account's roles SageMaker may assume, when they can be listed."""
+    """How to fix a missing role: the account's roles SageMaker may assume, when one bounded IAM call can list
+    them (``hint_client``: one attempt, seconds), else the ARN's form alone."""
     base = "pass --role arn:aws:iam::<account>:role/<name> or set backend.role_arn"
     try:
-        iam = backend.client("iam")
-        roles = [r["Arn"] for page in iam.get_paginator("list_roles").paginate() for r in page["Roles"]
+        iam = hint_client("iam", backend.config.region)
+        listed = iam.list_roles(MaxItems=1000)["Roles"]  # one request: a hint is not worth a walk of every page
+        roles = [r["Arn"] for r in listed
                  if "sagemaker.amazonaws.com" in json.dumps(r.get("AssumeRolePolicyDocument", ""))]
     except Exception:  # noqa: BLE001 - the hint is best effort
         return base
     if not roles:
         return f"{base}; no role in this account trusts sagemaker.amazonaws.com yet (create one in the IAM console)"
     return f"{base}; roles SageMaker may assume here: {', '.join(roles[:5])}" + (" ..." if len(roles) > 5 else "")
-
-

@@ -5,11 +5,10 @@ from __future__ import annotations
 import functools
 import json
 import os
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from typing import Any
 
-if TYPE_CHECKING:
-    pass
-
+from diloco.executors.base import PlanCost
 from diloco.executors.sagemaker.config import PRICE_TABLE_DATE, PRICE_TABLE_USD_PER_HOUR
 
 
@@ -38,7 +37,8 @@ def _price_list_api(instance_type: str, region: str) -> float | None:
     from botocore.config import Config
 
     client = boto3.client("pricing", region_name="us-east-1",
-                          config=Config(connect_timeout=2, read_timeout=4, retries={"max_attempts": 1}))
+                          config=Config(connect_timeout=2, read_timeout=4,
+                                        retries={"total_max_attempts": 1, "mode": "standard"}))
     filters = [{"Type": "TERM_MATCH", "Field": "instanceName", "Value": instance_type},
                {"Type": "TERM_MATCH", "Field": "regionCode", "Value": region}]
     for raw in client.get_products(ServiceCode="AmazonSageMaker", Filters=filters, MaxResults=20)["PriceList"]:
@@ -71,3 +71,35 @@ def estimate_cost_usd(instance_type: str, billable_s: float, region: str) -> tup
     return (None if hourly is None else round(hourly * billable_s / 3600.0, 6)), source
 
 
+
+
+def plan_cost(requests: Sequence[Mapping[str, Any]], region: str) -> PlanCost:
+    """What the planned jobs cost per hour together (each one instance) and at their time limit
+    (``MaxRuntimeInSeconds``), at on-demand prices: managed spot bills less, so with spot both are ceilings."""
+    counts: dict[str, int] = {}
+    for request in requests:
+        instance_type = request["ResourceConfig"]["InstanceType"]
+        counts[instance_type] = counts.get(instance_type, 0) + 1
+    prices = {t: price_per_hour(t, region) for t in counts}
+    limits = [float(r["StoppingCondition"]["MaxRuntimeInSeconds"]) for r in requests]
+    spot = any(r.get("EnableManagedSpotTraining") for r in requests)
+    unknown = [t for t, (hourly, _) in prices.items() if hourly is None]
+    source = "; ".join(dict.fromkeys(source for hourly, source in prices.values() if hourly is not None))
+    jobs = ", ".join(f"{n} x {t}" + (f" at ${prices[t][0]:g}/h" if prices[t][0] is not None else "")
+                     for t, n in counts.items())
+    limit = max(limits) if limits else None
+    shown_limit = f"{limit:.0f} s" if len(set(limits)) <= 1 else "each job's MaxRuntimeInSeconds"
+    if unknown:
+        detail = (f"{jobs}: diloco knows no price for {', '.join(unknown)} in {region} (see the SageMaker pricing "
+                  "page); every job may run until its time limit")
+        return PlanCost(usd_per_hour=None, usd_at_time_limit=None, time_limit_s=limit, source=source or "unknown",
+                        spot_upper_bound=spot, detail=detail)
+    per_hour = sum(n * (prices[t][0] or 0.0) for t, n in counts.items())
+    at_limit = sum((prices[r["ResourceConfig"]["InstanceType"]][0] or 0.0) * s / 3600.0
+                   for r, s in zip(requests, limits, strict=True))
+    detail = (f"{jobs}: ${per_hour:,.2f} per hour, ${at_limit:,.2f} if every job runs to its time limit "
+              f"({shown_limit}); on-demand prices from {source}, an estimate")
+    if spot:
+        detail += "; managed spot bills less, so these are upper bounds"
+    return PlanCost(usd_per_hour=round(per_hour, 6), usd_at_time_limit=round(at_limit, 6), time_limit_s=limit,
+                    source=source, spot_upper_bound=spot, detail=detail)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from diloco.doctor import Check, DoctorContext
 
+from diloco.errors import ConfigError
 from diloco.executors.sagemaker.config import (
     LOG_GROUP,
     ROLE_CHECK,
@@ -18,6 +19,7 @@ from diloco.executors.sagemaker.config import (
     SAGEMAKER_FULL_ACCESS,
     SageMakerBackendConfig,
 )
+from diloco.executors.sagemaker.inputs import check_role_arn
 
 
 # ---------------------------------------------------------------------------------------------- doctor checks
@@ -35,9 +37,11 @@ def check_role(ctx: DoctorContext) -> Check:
     if not role_arn:
         return Check(name=ROLE_CHECK, status=Status.FAIL, detail="no execution role given",
                      fix="pass --role arn:aws:iam::<account>:role/<name> or set backend.role_arn in the config")
-    if not re.match(r"^arn:aws[a-z-]*:iam::\d{12}:role/[\w+=,.@/-]+$", role_arn):
-        return Check(name=ROLE_CHECK, status=Status.FAIL, detail=f"not an IAM role ARN: {role_arn!r}",
-                     fix="use the role's full ARN, e.g. arn:aws:iam::<account>:role/service-role/<name>")
+    try:
+        check_role_arn(role_arn)  # the form a launch would refuse, in the launch's words
+    except ConfigError as exc:
+        return Check(name=ROLE_CHECK, status=Status.FAIL, detail=str(exc).removeprefix("backend.role_arn: "),
+                     fix=exc.hint or "")
     try:
         role = ctx.client("iam").get_role(RoleName=_role_name(role_arn))["Role"]
     except Exception as exc:  # noqa: BLE001
@@ -101,9 +105,8 @@ def check_role_bucket(ctx: DoctorContext) -> Check:
         return skip_check(name, "execution role not readable (see above)")
     bucket, role = ctx.bucket or "", _role_name(role_arn)
     iam = ctx.client("iam")
-    fix = (f"attach an inline policy to {role} allowing {', '.join(S3_ACTIONS_NEEDED)} on arn:aws:s3:::{bucket} "
-           f"and arn:aws:s3:::{bucket}/{ctx.prefix + '/' if ctx.prefix else ''}*, or use a bucket whose name "
-           f"contains 'sagemaker'")
+    inline = (f"attach an inline policy to {role} allowing {', '.join(S3_ACTIONS_NEEDED)} on arn:aws:s3:::{bucket} "
+              f"and arn:aws:s3:::{bucket}/{ctx.prefix + '/' if ctx.prefix else ''}*")
     try:
         for policy_name in iam.list_role_policies(RoleName=role).get("PolicyNames", []):
             doc = iam.get_role_policy(RoleName=role, PolicyName=policy_name)["PolicyDocument"]
@@ -123,17 +126,22 @@ def check_role_bucket(ctx: DoctorContext) -> Check:
                                       "iam:GetPolicy, iam:GetPolicyVersion")
         check.status, check.detail = Status.WARN, f"cannot read the role's policies: {check.detail}"
         return check
-    if any(p["PolicyArn"] == SAGEMAKER_FULL_ACCESS for p in attached):
-        if any(m in bucket for m in SAGEMAKER_BUCKET_MARKERS):
-            return Check(name=name, status=Status.PASS,
-                         detail=f"AmazonSageMakerFullAccess covers buckets named like *sagemaker* ({bucket!r})")
+    full_access = any(p["PolicyArn"] == SAGEMAKER_FULL_ACCESS for p in attached)
+    in_scope = any(m in bucket for m in SAGEMAKER_BUCKET_MARKERS)
+    if full_access and in_scope:
+        return Check(name=name, status=Status.PASS,
+                     detail=f"AmazonSageMakerFullAccess covers buckets named like *sagemaker* ({bucket!r})")
+    if full_access:  # the gotcha: the policy is there, the bucket's name is outside its scope
         return Check(name=name, status=Status.WARN,
                      detail=f"AmazonSageMakerFullAccess grants S3 only on buckets whose name contains "
                             f"'sagemaker' or 'aws-glue'; {bucket!r} does not, and no other policy of {role} "
                             f"names it: the jobs' first PUT would be denied and every peer would wait",
-                     fix=fix)
+                     fix=f"{inline}, or use a bucket whose name contains 'sagemaker'")
+    # No policy reaches the bucket, and the bucket's name cannot help on its own: say what would.
+    other = (f"or attach AmazonSageMakerFullAccess (it covers {bucket!r}: the name contains 'sagemaker')"
+             if in_scope else "or attach AmazonSageMakerFullAccess and use a bucket whose name contains 'sagemaker'")
     return Check(name=name, status=Status.WARN, detail=f"no policy of {role} visibly grants S3 access to {bucket!r}",
-                 fix=fix)
+                 fix=f"{inline}, {other}")
 
 
 def check_training_image(ctx: DoctorContext) -> Check:
@@ -196,11 +204,13 @@ def check_quotas(ctx: DoctorContext) -> list[Check]:
     wanted = {"training quota": f"{instance_type} for {'spot ' if spot else ''}training job usage"}
     if keep_alive:
         wanted["warm pool quota"] = f"{instance_type} for training warm pool usage"
+    client = ctx.client("service-quotas")
     try:
-        quotas = {q.get("QuotaName"): q.get("Value") for page in ctx.client("service-quotas").get_paginator(
+        quotas = {q.get("QuotaName"): q.get("Value") for page in client.get_paginator(
             "list_service_quotas").paginate(ServiceCode="sagemaker") for q in page.get("Quotas", [])}
     except Exception as exc:  # noqa: BLE001
-        check = fail_check("training quota", exc, "servicequotas:ListServiceQuotas")
+        check = _not_the_quotas_api(exc, client.meta.endpoint_url) or \
+            fail_check("training quota", exc, "servicequotas:ListServiceQuotas")
         check.status = Status.WARN  # a launch may still work; it just cannot be foreseen
         check.detail = f"cannot read the SageMaker quotas: {check.detail}"
         return [check]
@@ -224,3 +234,26 @@ def check_quotas(ctx: DoctorContext) -> list[Check]:
                                 detail=f"{quota!r} is {value:g}: at most {int(value)} replica(s) of this type at "
                                        "once, across all your running jobs"))
     return checks
+
+
+def _not_the_quotas_api(exc: BaseException, endpoint: str) -> Check | None:
+    """A row for an endpoint that answered with a server error or a web page instead of the Service Quotas API
+    (``AWS_ENDPOINT_URL`` pointing every service at an S3-compatible store or an emulator does that): one line
+    naming the status and the page's title, never the page."""
+    from diloco.doctor import Check, Status
+
+    response = getattr(exc, "response", None)
+    if not isinstance(response, dict):
+        return None
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    message = str(response.get("Error", {}).get("Message") or "")
+    page = re.search(r"<\s*(?:!doctype|html)", message, re.IGNORECASE)
+    if not page and not (isinstance(status, int) and status >= 500):
+        return None
+    title = re.search(r"<title>(.*?)</title>", message, re.IGNORECASE | re.DOTALL)
+    said = " ".join((title.group(1) if title else re.sub(r"<[^>]+>", " ", message)).split())[:120]
+    return Check(name="training quota", status=Status.WARN,
+                 detail=f"{endpoint} answered HTTP {status}" + (f" ({said})" if said else "") +
+                        (", a web page, not the Service Quotas API" if page else ""),
+                 fix="set AWS_ENDPOINT_URL_SERVICE_QUOTAS to a Service Quotas endpoint (AWS_ENDPOINT_URL sends every "
+                     "service to one endpoint), or read them in the console: Service Quotas > Amazon SageMaker")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -173,15 +174,119 @@ def _check_stopping(request: Mapping[str, Any], rank: int) -> None:
                            "training", "unset backend.max_wait_s, or pass --spot")
 
 
+#: Where each CreateTrainingJob field's value comes from: (the setting, how to fix it). A field the service would
+#: refuse is the user's input unless it is not listed here (then it is diloco's own doing).
+_FIELD_SETTINGS: tuple[tuple[str, str, str], ...] = (
+    ("RoleArn", "backend.role_arn", "pass --role arn:aws:iam::<account>:role/<name>"),
+    ("ResourceConfig.InstanceType", "backend.instance_type", "pass --instance-type ml.<family>.<size> or --gpu"),
+    ("ResourceConfig.VolumeSizeInGB", "backend.volume_size_gb", "set backend.volume_size_gb within the limit"),
+    ("ResourceConfig.KeepAlivePeriodInSeconds", "backend.keep_alive_period_s", "set --keep-alive within the limit"),
+    ("AlgorithmSpecification.TrainingImage", "backend.image_uri", "pass --image <registry>/<repository>:<tag>"),
+    ("AlgorithmSpecification.ContainerArguments", "train", "shorten the trainer settings (-k/--trainer-kwargs)"),
+    ("StoppingCondition.MaxRuntimeInSeconds", "timeout_s", "set --timeout within 1..2419200 s"),
+    ("StoppingCondition.MaxWaitTimeInSeconds", "backend.max_wait_s", "set backend.max_wait_s >= timeout_s"),
+    ("OutputDataConfig", "backend.output_s3_uri", "set backend.output_s3_uri (default: the rendezvous) to s3://..."),
+    ("CheckpointConfig", "store.rendezvous", "pass --rendezvous s3://<bucket>/<prefix>/{run_id}"),
+    ("InputDataConfig", "store.rendezvous", "pass --rendezvous s3://<bucket>/<prefix>/{run_id}"),
+    ("Environment", "store.rendezvous", "shorten the rendezvous URI or the replica environment"),
+    ("Tags", "backend.tags", "use tag keys and values AWS accepts (letters, digits, spaces and _.:/=+-@)"),
+    ("TrainingJobName", "the run id", "launch again: the run id makes the job names"),
+)
+
+
+def _setting_of(path: str) -> tuple[str, str] | None:
+    """The user setting a request field (``Tags[0].Key``, ``ResourceConfig.InstanceType``) comes from."""
+    plain = re.sub(r"\[[^\]]*\]| \(key\)", "", path).strip(".")
+    for prefix, setting, fix in _FIELD_SETTINGS:
+        if plain == prefix or plain.startswith(prefix + "."):
+            return setting, fix
+    return None
+
+
+def _refusal(rank: int, path: str, what: str) -> ConfigError:
+    """The one line for a field the service would refuse: the setting it comes from and the fix; a field no
+    setting feeds is diloco's own mistake, and says so."""
+    setting = _setting_of(path)
+    if setting is None:
+        return ConfigError(f"replica {rank}'s CreateTrainingJob request is invalid: {path}: {what}",
+                           hint="this is a bug in the request diloco built; report it with the line above")
+    name, fix = setting
+    return ConfigError(f"{name}: SageMaker would refuse replica {rank}'s CreateTrainingJob {path}: {what}", hint=fix)
+
+
 def _botocore_validation(request: Mapping[str, Any], rank: int) -> None:
+    """botocore's client-side validation (required members, types, minimum lengths), then the constraints of the
+    same model that only the service enforces (maximum lengths, patterns, enums, ranges)."""
     from botocore.validate import ParamValidator
 
     shape = _sagemaker_model().operation_model("CreateTrainingJob").input_shape
     report = ParamValidator().validate(dict(request), shape)
     if report.has_errors():
-        first = report.generate_report().splitlines()[-1].strip()
-        raise ConfigError(f"replica {rank}'s CreateTrainingJob request is invalid: {first}",
-                          hint="this is a bug in the request diloco built; report it with the line above")
+        first = report.generate_report().splitlines()[0].strip()
+        found = re.search(r"parameter (?:in )?([\w.\[\]]+)", first)
+        raise _refusal(rank, found.group(1) if found else "", first)
+    violation = _first_violation(shape, request, "")
+    if violation is not None:
+        raise _refusal(rank, *violation)
+
+
+#: Java regex classes in SageMaker's model that Python's ``re`` lacks, and close equivalents.
+_JAVA_CLASSES = {r"\p{L}": r"\w", r"\p{N}": r"\w", r"\p{Z}": r"\s", r"\p{Alnum}": "a-zA-Z0-9"}
+
+
+@functools.cache
+def _compiled(pattern: str) -> re.Pattern[str] | None:
+    for java, python in _JAVA_CLASSES.items():
+        pattern = pattern.replace(java, python)
+    try:
+        return re.compile(pattern)
+    except re.error:  # a construct Python's re lacks: the service checks it, we cannot
+        return None
+
+
+def _scalar_violation(shape: Any, value: Any) -> str | None:
+    meta = shape.metadata
+    if shape.type_name == "string" and isinstance(value, str):
+        if "max" in meta and len(value) > meta["max"]:
+            return f"{len(value)} characters (at most {meta['max']})"
+        if shape.enum and value not in shape.enum:
+            return f"{value!r} is not one of the {len(shape.enum)} values it allows"
+        pattern = _compiled(meta["pattern"]) if "pattern" in meta else None
+        if pattern is not None and not pattern.fullmatch(value):
+            return f"{value[:60]!r} does not match ^{meta['pattern']}$"
+    elif shape.type_name in ("integer", "long") and isinstance(value, int) and not isinstance(value, bool):
+        if "max" in meta and value > meta["max"]:
+            return f"{value} is more than {meta['max']}"
+        if "min" in meta and value < meta["min"]:
+            return f"{value} is less than {meta['min']}"
+    return None
+
+
+def _first_violation(shape: Any, value: Any, path: str) -> tuple[str, str] | None:
+    """The first (field path, what is wrong) of the model's constraints ``value`` breaks, depth first."""
+    kind = shape.type_name
+    if kind == "structure" and isinstance(value, Mapping):
+        for name, member in shape.members.items():
+            if value.get(name) is not None:
+                found = _first_violation(member, value[name], f"{path}.{name}" if path else name)
+                if found:
+                    return found
+        return None
+    if kind in ("list", "map") and isinstance(value, (list, Mapping)):
+        if "max" in shape.metadata and len(value) > shape.metadata["max"]:
+            return path, f"{len(value)} entries (at most {shape.metadata['max']})"
+        if kind == "list":
+            items = [(f"{path}[{i}]", shape.member, item) for i, item in enumerate(value)]
+        else:
+            items = [entry for k, v in value.items()
+                     for entry in ((f"{path}[{k!r}] (key)", shape.key, k), (f"{path}[{k!r}]", shape.value, v))]
+        for item_path, item_shape, item in items:
+            found = _first_violation(item_shape, item, item_path)
+            if found:
+                return found
+        return None
+    what = _scalar_violation(shape, value)
+    return (path, what) if what else None
 
 
 @functools.cache

@@ -27,7 +27,13 @@ Use from tests::
 
 On its own (from the repository root)::
 
-    python -m tests.emulators.sagemaker --port 8765    # prints the variables to export
+    python -m tests.emulators.sagemaker --port 8765    # prints the variables to export and commands to try
+    python -m tests.emulators.sagemaker knob --help    # its fault knobs from another shell (sagemaker_admin)
+
+On its own it also stands up what a first try needs, so the printed commands work as printed: the embedded moto
+answers as the emulator's account (``MOTO_ACCOUNT_ID``), a bucket named like ``*sagemaker*`` and an execution role
+that trusts SageMaker and may use it exist, and a Service Quotas endpoint (``sagemaker_quotas``) reports the
+instance quotas the emulator enforces.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from __future__ import annotations
 import argparse
 import base64
 import json
+import logging
 import os
 import re
 import shutil
@@ -49,6 +56,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from .sagemaker_admin import ADMIN_PREFIX, handle_admin, knob_main
 from .sagemaker_job import FAILURE_FORMS, LOG_GROUP, FailureForm, Runtime, TrainingJob, failure_form
 from .sagemaker_validation import RequestInvalid, check_model, semantic_errors, validation_message
 
@@ -441,6 +449,9 @@ def _make_handler(emulator: SageMakerEmulator) -> type[BaseHTTPRequestHandler]:
         def do_POST(self) -> None:  # noqa: N802 - http.server's naming
             length = int(self.headers.get("Content-Length") or 0)
             raw = self.rfile.read(length) if length else b""
+            if self.path.startswith(ADMIN_PREFIX):  # the emulator's own fault knobs (sagemaker_admin)
+                self._reply(*handle_admin(emulator, self.path, raw))
+                return
             target = self.headers.get("X-Amz-Target", "")
             if not target.startswith("SageMaker."):
                 self._reply(400, {"__type": "UnknownOperationException", "Message": f"Unknown target {target!r}"})
@@ -480,13 +491,35 @@ def _make_handler(emulator: SageMakerEmulator) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
+#: What the emulator sets up when it runs on its own, so the commands it prints work as printed.
+DEFAULT_BUCKET = "sagemaker-diloco-emulator"
+DEFAULT_ROLE_NAME = "any"
+DEFAULT_QUOTA = 32
+_ROLE_TRUST = {"Version": "2012-10-17", "Statement": [
+    {"Effect": "Allow", "Principal": {"Service": "sagemaker.amazonaws.com"}, "Action": "sts:AssumeRole"}]}
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run the emulator (plus an embedded moto for S3/Logs unless ``--aws-endpoint``) until Ctrl-C."""
-    parser = argparse.ArgumentParser(prog="python -m tests.emulators.sagemaker", description=__doc__.split("\n")[0])
+    """Run the emulator (plus an embedded moto for S3/IAM/Logs unless ``--aws-endpoint``, and a Service Quotas
+    endpoint) until Ctrl-C, with a bucket and an execution role ready; ``knob ...`` turns a fault knob of a
+    running one (``sagemaker_admin``)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["knob"]:
+        return knob_main(argv[1:])
+    parser = argparse.ArgumentParser(prog="python -m tests.emulators.sagemaker", description=__doc__.split("\n")[0],
+                                     epilog="`python -m tests.emulators.sagemaker knob --help`: the fault knobs")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8765)
-    parser.add_argument("--aws-endpoint", default=None, help="S3/CloudWatch Logs endpoint (default: embedded moto)")
+    parser.add_argument("--port", type=int, default=8765, help="0: any free port")
+    parser.add_argument("--aws-endpoint", default=None, help="S3/IAM/CloudWatch Logs endpoint (default: embedded moto)")
     parser.add_argument("--region", default=os.environ.get("AWS_REGION", "us-east-1"))
+    parser.add_argument("--account", default=DEFAULT_ACCOUNT_ID,
+                        help="the account of the embedded moto and of the jobs' ARNs (with --aws-endpoint: that "
+                             "endpoint's, as STS reports it)")
+    parser.add_argument("--bucket", default=DEFAULT_BUCKET, help="a bucket to create for the rendezvous ('': none)")
+    parser.add_argument("--role-name", default=DEFAULT_ROLE_NAME,
+                        help="the execution role to create: it trusts SageMaker and may use --bucket")
+    parser.add_argument("--quota", type=int, default=DEFAULT_QUOTA,
+                        help="instances of each type the account may train on at once (Service Quotas, enforced)")
     parser.add_argument("--root", default=None, help="where jobs' /opt/ml directories go (default: a temp dir)")
     parser.add_argument("--stop-grace", type=float, default=120.0, help="seconds from SIGTERM to SIGKILL on stop")
     parser.add_argument("--python", default=None, help="interpreter standing for the image's python")
@@ -498,26 +531,103 @@ def main(argv: list[str] | None = None) -> int:
     for job, form in armed:
         if not job or form not in FAILURE_FORMS:
             parser.error(f"--fail {job}={form}: expected JOB=FORM, FORM one of {', '.join(FAILURE_FORMS)}")
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # the embedded moto's request log would drown the text
+    if args.aws_endpoint is None:
+        os.environ["MOTO_ACCOUNT_ID"] = args.account  # the embedded moto answers in this process, as this account
     emulator = SageMakerEmulator(aws_endpoint=args.aws_endpoint, host=args.host, port=args.port,
-                                 default_region=args.region, root_dir=args.root, stop_grace_s=args.stop_grace,
-                                 interpreter=args.python)
+                                 account_id=args.account, default_region=args.region, root_dir=args.root,
+                                 stop_grace_s=args.stop_grace, interpreter=args.python)
     emulator.start()
     for job, form in armed:
         emulator.fail(job, form)
-    print("# SageMaker emulator running; in another shell:", flush=True)
-    for key, value in emulator.environment().items():
-        print(f"export {key}={value}", flush=True)
-    print("# Ctrl-C stops it and kills every job", flush=True)
-    done = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    quotas = _start_quotas(emulator, args.quota)
     try:
+        role_arn = _provision(emulator, args.bucket, args.role_name)
+        _print_instructions(emulator, {**emulator.environment(), "AWS_ENDPOINT_URL_SERVICE_QUOTAS": quotas.url},
+                            args.bucket, role_arn)
+        done = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: done.set())
         while not done.wait(0.5):
             pass
     except KeyboardInterrupt:
         pass
     finally:
+        quotas.stop()
         emulator.stop()
     return 0
+
+
+def _start_quotas(emulator: SageMakerEmulator, quota: int) -> Any:
+    """Service Quotas for every training instance type botocore knows, and the same limits enforced by the
+    emulator, so doctor's quota row and a launch agree."""
+    import botocore.session
+
+    from .sagemaker_quotas import QuotasEmulator
+
+    types = botocore.session.get_session().get_service_model("sagemaker").shape_for("TrainingInstanceType").enum
+    quotas: dict[str, float] = {}
+    for instance_type in types:
+        emulator.set_instance_limit(instance_type, quota)
+        for usage in ("training job usage", "spot training job usage", "training warm pool usage"):
+            quotas[f"{instance_type} for {usage}"] = quota
+    return QuotasEmulator(quotas, page_size=100).start()  # 100: ListServiceQuotas' largest MaxResults
+
+
+def _provision(emulator: SageMakerEmulator, bucket: str, role_name: str) -> str:
+    """The bucket and an execution role that trusts SageMaker and may use it; returns the role's ARN (IAM's own,
+    whose account the emulator's job ARNs then share)."""
+    import boto3
+
+    session = boto3.session.Session(aws_access_key_id=emulator.credentials["AWS_ACCESS_KEY_ID"],
+                                    aws_secret_access_key=emulator.credentials["AWS_SECRET_ACCESS_KEY"],
+                                    aws_session_token=emulator.credentials.get("AWS_SESSION_TOKEN"),
+                                    region_name=emulator.default_region)
+    endpoint = str(emulator.aws_endpoint)
+    if bucket:
+        s3 = session.client("s3", endpoint_url=endpoint)
+        try:
+            s3.create_bucket(Bucket=bucket)
+        except s3.exceptions.BucketAlreadyOwnedByYou:
+            pass
+    iam = session.client("iam", endpoint_url=endpoint)
+    try:
+        arn = iam.create_role(RoleName=role_name, AssumeRolePolicyDocument=json.dumps(_ROLE_TRUST))["Role"]["Arn"]
+    except iam.exceptions.EntityAlreadyExistsException:
+        arn = iam.get_role(RoleName=role_name)["Role"]["Arn"]
+    if bucket:
+        iam.put_role_policy(RoleName=role_name, PolicyName="diloco-rendezvous", PolicyDocument=json.dumps({
+            "Version": "2012-10-17", "Statement": [
+                {"Effect": "Allow", "Action": ["s3:GetObject", "s3:PutObject", "s3:DeleteObject"],
+                 "Resource": f"arn:aws:s3:::{bucket}/*"},
+                {"Effect": "Allow", "Action": "s3:ListBucket", "Resource": f"arn:aws:s3:::{bucket}"}]}))
+    emulator.account_id = arn.split(":")[4]
+    return str(arn)
+
+
+def _print_instructions(emulator: SageMakerEmulator, env: dict[str, str], bucket: str, role_arn: str) -> None:
+    """Commands that work when copied into another shell (from the repository root, for the knobs)."""
+    import shlex
+
+    where = f"s3://{bucket}" if bucket else "s3://<a bucket you create: aws s3 mb s3://sagemaker-...>"
+    lines = [f"# SageMaker emulator on {emulator.url} (account {emulator.account_id}, region "
+             f"{emulator.default_region}). In another shell:",
+             *(f"export {key}={shlex.quote(value)}" for key, value in env.items()),
+             f"# ready: bucket {where} and execution role {role_arn}",
+             f"diloco doctor --backend sagemaker --s3 {where}/diloco --role {role_arn}",
+             f"diloco launch --replicas 2 --backend sagemaker --role {role_arn} --rendezvous "
+             f"{shlex.quote(where + '/diloco/{run_id}')} --steps 20 --sync-every 10 --detach",
+             "diloco watch                  # waits for the run with a live table, then prints the summary",
+             "# fault knobs (from the repository root; JOB is a training job name such as <run_id>-r0):",
+             "python -m tests.emulators.sagemaker knob jobs",
+             "python -m tests.emulators.sagemaker knob interrupt JOB    # spot jobs (--spot); --hold, then: knob "
+             "resume JOB",
+             "python -m tests.emulators.sagemaker knob crash JOB",
+             "python -m tests.emulators.sagemaker knob refuse-create    # the next CreateTrainingJob: "
+             "ResourceLimitExceeded",
+             "python -m tests.emulators.sagemaker knob throttle 4       # the next 4 calls: ThrottlingException",
+             "# Ctrl-C stops it and kills every job"]
+    for line in lines:
+        print(line, flush=True)
 
 
 if __name__ == "__main__":
