@@ -117,13 +117,15 @@ class LogsApiFront:
     requests/s per account and region (hard), DescribeLogStreams at 25, FilterLogEvents at 5 (``rate_limits.
     LOGS_QUOTAS``, each cited). A log follower that reads every stream's backlog twice, or polls every stream on
     its own schedule, passes against moto and fails against the service. So clients reach Logs here (the
-    emulator exports ``AWS_ENDPOINT_URL_LOGS`` pointing at this front); the jobs' own writes (``LogStreamWriter``)
-    go to moto directly, as the agent's writes are not the reader's quota.
+    emulator exports ``AWS_ENDPOINT_URL_CLOUDWATCH_LOGS`` pointing at this front: botocore names the variable
+    after the service id "CloudWatch Logs", upper-cased with spaces as underscores); the jobs' own writes
+    (``LogStreamWriter``) go to moto directly, as the agent's writes are not the reader's quota.
 
     The wire is CloudWatch Logs' JSON 1.1 (``POST /``, ``X-Amz-Target: Logs_20140328.<Operation>``): an admitted
     call is forwarded unchanged (moto does not check signatures) and moto's answer relayed; a refused one gets
     ``{"__type": "ThrottlingException", "message": "Rate exceeded"}`` with HTTP 400, the service's answer.
-    ``calls`` records every call with its outcome, for tests and the bench.
+    ``calls`` records every call with its outcome and parameters, for tests and the bench; ``throttle`` refuses
+    the next calls on purpose, as ``SageMakerEmulator.throttle`` does for SageMaker.
     """
 
     def __init__(self, upstream: str, limits: RateLimits | None, *, host: str = "127.0.0.1", port: int = 0) -> None:
@@ -131,6 +133,8 @@ class LogsApiFront:
         self.limits = limits
         self.calls: list[Call] = []
         self._lock = threading.Lock()
+        self._throttle_left = 0
+        self._throttle_ops: frozenset[str] | None = None
         self._server = ThreadingHTTPServer((host, port), _front_handler(self))
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
@@ -149,11 +153,22 @@ class LogsApiFront:
         self._server.shutdown()
         self._server.server_close()
 
-    def admit(self, operation: str) -> bool:
-        """Whether the account's bucket for ``operation`` has a token; the call is recorded either way."""
-        admitted = self.limits is None or self.limits.admit(operation)
+    def throttle(self, calls: int, operations: list[str] | None = None) -> None:
+        """Refuse the next ``calls`` calls (of ``operations`` only, if given) with ThrottlingException."""
         with self._lock:
-            self.calls.append(Call(operation, None if admitted else THROTTLING_CODE, time.time()))
+            self._throttle_left = calls
+            self._throttle_ops = frozenset(operations) if operations else None
+
+    def admit(self, operation: str, request: dict[str, Any] | None = None) -> bool:
+        """Whether the account's bucket for ``operation`` has a token (and no throttle is pending); the call is
+        recorded either way."""
+        with self._lock:
+            forced = self._throttle_left > 0 and (self._throttle_ops is None or operation in self._throttle_ops)
+            if forced:
+                self._throttle_left -= 1
+        admitted = not forced and (self.limits is None or self.limits.admit(operation))
+        with self._lock:
+            self.calls.append(Call(operation, None if admitted else THROTTLING_CODE, time.time(), request))
         return admitted
 
     def forward(self, path: str, headers: dict[str, str], body: bytes) -> tuple[int, list[tuple[str, str]], bytes]:
@@ -183,7 +198,11 @@ def _front_handler(front: LogsApiFront) -> type[BaseHTTPRequestHandler]:
             length = int(self.headers.get("Content-Length") or 0)
             body = self.rfile.read(length) if length else b""
             operation = self.headers.get("X-Amz-Target", "").rpartition(".")[2]
-            if not front.admit(operation):
+            try:
+                request = json.loads(body or b"{}")
+            except ValueError:
+                request = None
+            if not front.admit(operation, request if isinstance(request, dict) else None):
                 payload = json.dumps({"__type": THROTTLING_CODE, "message": THROTTLING_MESSAGE}).encode()
                 self._send(400, [("Content-Type", "application/x-amz-json-1.1"),
                                  ("x-amzn-RequestId", str(uuid.uuid4()))], payload)

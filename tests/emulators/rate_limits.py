@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["LOGS_QUOTAS", "SAGEMAKER_QUOTAS", "Call", "Quota", "RateLimits", "TokenBucket"]
 
@@ -37,11 +38,13 @@ class Quota:
 
 @dataclass(frozen=True)
 class Call:
-    """One API call an emulator answered: the operation and the error code it returned (None = success)."""
+    """One API call an emulator answered: the operation, the error code it returned (None = success), when, and
+    (where the emulator keeps it) the request's parameters."""
 
     operation: str
     error: str | None
     at: float
+    request: dict[str, Any] | None = None
 
 
 #: SageMaker's per-account, per-region request rates for the operations diloco uses.

@@ -16,7 +16,8 @@ credential scope, the signature itself is not checked) and answers with the serv
 * The account's request-rate quotas (``rate_limits=True``, the default): a token bucket per operation, shared by
   every client, at the documented or commonly reported rates (``rate_limits.SAGEMAKER_QUOTAS``, each cited;
   ListTrainingJobs 2 requests/s, not adjustable). CloudWatch Logs' read quotas (GetLogEvents 10/s, ...) apply at
-  the Logs front the emulator serves for clients (``logs_url``, exported as ``AWS_ENDPOINT_URL_LOGS``).
+  the Logs front the emulator serves for clients (``logs_url``, exported as
+  ``AWS_ENDPOINT_URL_CLOUDWATCH_LOGS``).
 * An account with a past (``history=N``): N older, ended jobs (``sagemaker_history``), as any account that has
   trained before holds (jobs cannot be deleted).
 * ListTrainingJobs as the service pages it: jobs sorted by ``SortBy`` (default CreationTime) and ``SortOrder``
@@ -30,7 +31,7 @@ credential scope, the signature itself is not checked) and answers with the serv
 Each job runs as a local process (``sagemaker_job.TrainingJob`` documents exactly what it gets and does), with
 S3 input channels, checkpoints, artifacts and CloudWatch Logs on an S3/Logs endpoint (the tests' moto server, or
 an embedded one). Fault knobs for tests: ``throttle``, ``refuse_create``, ``set_instance_limit``, ``interrupt`` (a spot
-reclaim: the job comes back), ``crash`` (the job fails for good).
+reclaim: the job comes back), ``crash`` (the job fails for good), ``throttle_logs``.
 
 Use from tests::
 
@@ -194,7 +195,7 @@ class SageMakerEmulator:
 
     def environment(self) -> dict[str, str]:
         """The variables a shell needs to reach this emulator and its S3/Logs server with any AWS tool."""
-        return {"AWS_ENDPOINT_URL_SAGEMAKER": self.url, "AWS_ENDPOINT_URL_LOGS": self.logs_url,
+        return {"AWS_ENDPOINT_URL_SAGEMAKER": self.url, "AWS_ENDPOINT_URL_CLOUDWATCH_LOGS": self.logs_url,
                 "AWS_ENDPOINT_URL": str(self.aws_endpoint),
                 "AWS_REGION": self.default_region, "AWS_DEFAULT_REGION": self.default_region, **self.credentials}
 
@@ -226,6 +227,12 @@ class SageMakerEmulator:
         with self._lock:
             self._throttle_left = calls
             self._throttle_ops = frozenset(operations) if operations else None
+
+    def throttle_logs(self, calls: int, operations: list[str] | None = None) -> None:
+        """Answer the next ``calls`` CloudWatch Logs calls made through ``logs_url`` (of ``operations`` only, if
+        given) with ThrottlingException."""
+        assert self._logs_front is not None, "the emulator is not started"
+        self._logs_front.throttle(calls, operations)
 
     def refuse_create(self, nth: int = 1) -> None:
         """Refuse the ``nth`` CreateTrainingJob from now (counting valid ones only) with ResourceLimitExceeded,
