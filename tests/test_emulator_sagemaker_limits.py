@@ -125,7 +125,7 @@ def test_cloudwatch_logs_reads_go_through_a_front_with_the_services_quotas(
     writer.create_log_stream(logGroupName=LOG_GROUP, logStreamName="job/algo-1-1")
     writer.put_log_events(logGroupName=LOG_GROUP, logStreamName="job/algo-1-1",
                           logEvents=[{"timestamp": int(time.time() * 1000), "message": "hello"}])
-    assert emulator.environment()["AWS_ENDPOINT_URL_LOGS"] == emulator.logs_url
+    assert emulator.environment()["AWS_ENDPOINT_URL_CLOUDWATCH_LOGS"] == emulator.logs_url
 
     reader = client("logs", emulator.logs_url, attempts=1)
     began = time.monotonic()
