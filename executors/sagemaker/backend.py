@@ -619,11 +619,11 @@ class SageMakerBackend(Backend[SageMakerBackendConfig, SageMakerRunHandle]):
         start_ms = None if since is None else int(since * 1000)
         cursors: dict[str, StreamCursor] = {}
 
-        def new_lines(job: str, **freshness: Any) -> Iterator[LogRecord]:
+        def new_lines(job: str, to_the_end: bool = True, **freshness: Any) -> Iterator[LogRecord]:
             for stream in run_logs.streams(job, prefix, **freshness):
                 cursors.setdefault(stream, StreamCursor(stream, start_ms=start_ms))
             for stream in sorted((c for c in cursors if c.split("/", 1)[0] == job), key=stream_order):
-                for event in run_logs.read(cursors[stream]):
+                for event in run_logs.read(cursors[stream], to_the_end=to_the_end):
                     ts = event["timestamp"] / 1000.0
                     if since is None or ts >= since:
                         yield LogRecord(ts, rank, "out", event["message"].rstrip("\n"))
@@ -637,7 +637,8 @@ class SageMakerBackend(Backend[SageMakerBackendConfig, SageMakerRunHandle]):
                 terminal = self.describe(handle).replica(rank).state.is_terminal
                 if terminal:  # the last read lists the streams again, unless that happened after the job ended
                     fresh_after = self._poller(handle).ended_at(name) or time.monotonic()
-            yield from new_lines(name, max_age_s=self.config.log_poll_interval_s, fresh_after=fresh_after)
+            yield from new_lines(name, to_the_end=terminal, max_age_s=self.config.log_poll_interval_s,
+                                 fresh_after=fresh_after)
             if terminal:
                 return
             time.sleep(self.config.log_poll_interval_s)

@@ -98,9 +98,11 @@ class RunLogs:
                 return {job: sorted(names, key=stream_order) for job, names in by_job.items()}
 
     # ------------------------------------------------------------------ events
-    def read(self, cursor: StreamCursor) -> Iterator[dict[str, Any]]:
+    def read(self, cursor: StreamCursor, *, to_the_end: bool = True) -> Iterator[dict[str, Any]]:
         """The stream's events after the cursor, page by page, until ``nextForwardToken`` repeats (the end, for
-        now); the cursor moves along, so the next ``read`` goes on from there."""
+        now); the cursor moves along, so the next ``read`` goes on from there. Without ``to_the_end`` (a follow
+        between two polls) a page that is not full ends the read: the next poll goes on from its token, so a
+        stream that is caught up costs one call per poll instead of two."""
         while True:
             kwargs: dict[str, Any] = {"logGroupName": self.group, "logStreamName": cursor.name,
                                       "startFromHead": True}
@@ -111,11 +113,14 @@ class RunLogs:
             page = self._call(self._get_pacer, self._logs.get_log_events, kwargs)
             if page is None:
                 return
-            yield from page.get("events", [])
+            events = page.get("events", [])
+            yield from events
             token = page.get("nextForwardToken")
             if token is None or token == cursor.token:
                 return
             cursor.token = token
+            if not to_the_end and len(events) < MAX_EVENTS_PER_PAGE:
+                return
 
     def last_lines(self, streams: list[str], n: int) -> list[str]:
         """The last ``n`` non-empty lines of these streams (in start order): one backward page per stream, from
