@@ -147,10 +147,12 @@ def _run(argv: list[str], env: Mapping[str, str], timeout_s: float) -> Shell:
 
 
 # ---------------------------------------------------------------------------------------------------- rates
-def rate_rows(calls: Sequence[Any], began: float, ended: float, quota: Callable[[str], Any]) -> list[dict[str, Any]]:
-    """Per operation: calls, throttled, mean requests per minute over the run, the busiest second, and its quota."""
+def rate_rows(calls: Sequence[Any], began: float, ended: float, quota: Callable[[str], Any],
+              always: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """Per operation called (and each of ``always``, called or not): calls, throttled, mean requests per minute
+    over the run, the busiest second, and its quota."""
     minutes = max(1e-9, ended - began) / 60.0
-    by_op: dict[str, list[Any]] = {}
+    by_op: dict[str, list[Any]] = {operation: [] for operation in always}
     for call in calls:
         if began <= call.at <= ended:
             by_op.setdefault(call.operation, []).append(call)
@@ -160,7 +162,7 @@ def rate_rows(calls: Sequence[Any], began: float, ended: float, quota: Callable[
         q = quota(operation)
         rows.append({"operation": operation, "calls": len(made),
                      "throttled": sum(1 for c in made if c.error == "ThrottlingException"),
-                     "per minute": round(len(made) / minutes, 1), "busiest second": max(per_second.values()),
+                     "per minute": round(len(made) / minutes, 1), "busiest second": max(per_second.values(), default=0),
                      "limit per minute": round(q.rate_per_s * 60) if q else None,
                      "limit per second": q.rate_per_s if q else None, "limit source": q.source if q else "none"})
     return rows
