@@ -75,6 +75,9 @@ _NOT_STOPPABLE = ("in status", "not found", "does not exist")
 #: This process's share of the account-wide rates of the other calls it repeats (per operation): StopTrainingJob
 #: (no published number) and ListTrainingJobs (2 requests/s per account, not adjustable).
 _OTHER_RATES = {"StopTrainingJob": (2.0, 4.0), "ListTrainingJobs": (1.0, 1.0)}
+#: A listing of a run's log streams this young stands for "now" (every rank's reader of one ``diloco logs`` shares
+#: it); a follow renews it once per poll.
+_LISTING_SNAPSHOT_S = 1.0
 #: How long a stop request keeps being retried through throttling before the cancel gives up on that job.
 _STOP_PATIENCE_S = 600.0
 #: CreateTrainingJob fields a relaunch copies from the failed job's description: the request, minus its name.
@@ -618,6 +621,7 @@ class SageMakerBackend(Backend[SageMakerBackendConfig, SageMakerRunHandle]):
         prefix = os.path.commonprefix(list(handle.job_names))
         start_ms = None if since is None else int(since * 1000)
         cursors: dict[str, StreamCursor] = {}
+        snapshot_s = min(_LISTING_SNAPSHOT_S, self.config.log_poll_interval_s)  # a read of what is there now
 
         def new_lines(job: str, to_the_end: bool = True, **freshness: Any) -> Iterator[LogRecord]:
             for stream in run_logs.streams(job, prefix, **freshness):
@@ -630,15 +634,15 @@ class SageMakerBackend(Backend[SageMakerBackendConfig, SageMakerRunHandle]):
 
         *earlier, name = self.rank_jobs(handle, rank)
         for old in earlier:  # a relaunched rank: its failed jobs' lines first (they say why it was relaunched)
-            yield from new_lines(old, max_age_s=self.config.log_poll_interval_s)
+            yield from new_lines(old, max_age_s=snapshot_s)
         while True:
             terminal, fresh_after = True, None
             if follow:
                 terminal = self.describe(handle).replica(rank).state.is_terminal
                 if terminal:  # the last read lists the streams again, unless that happened after the job ended
                     fresh_after = self._poller(handle).ended_at(name) or time.monotonic()
-            yield from new_lines(name, to_the_end=terminal, max_age_s=self.config.log_poll_interval_s,
-                                 fresh_after=fresh_after)
+            yield from new_lines(name, to_the_end=terminal, max_age_s=self.config.log_poll_interval_s if follow
+                                 else snapshot_s, fresh_after=fresh_after)
             if terminal:
                 return
             time.sleep(self.config.log_poll_interval_s)
@@ -664,7 +668,8 @@ class SageMakerBackend(Backend[SageMakerBackendConfig, SageMakerRunHandle]):
         try:
             run_logs = self._logs_of(handle)
             prefix = os.path.commonprefix(list(handle.job_names))
-            streams = run_logs.streams(handle.job_names[rank], prefix, max_age_s=self.config.log_poll_interval_s)
+            streams = run_logs.streams(handle.job_names[rank], prefix,
+                                       max_age_s=min(_LISTING_SNAPSHOT_S, self.config.log_poll_interval_s))
             return run_logs.last_lines(streams, n)
         except Exception:  # noqa: BLE001 - the tail is a courtesy: a failure report must not fail on it
             return []
