@@ -39,7 +39,8 @@ from typing import Any
 
 BENCH = Path(__file__).resolve().parent
 #: In the order they run: the cheap, robust ones first, so a slow one cannot starve them of the time budget.
-SCRIPTS = ("cli_startup", "allreduce_traffic", "scale_model", "overlap", "round_memory", "rejoin", "convergence")
+SCRIPTS = ("cli_startup", "allreduce_traffic", "scale_model", "overlap", "round_memory", "rejoin",
+           "sagemaker_api_rates", "convergence")
 #: A script running longer than this is stopped, and the whole run stops starting scripts after the budget:
 #: ``make bench`` must finish in 15 minutes on 2 cores.
 DEFAULT_TIMEOUT_S = 420

@@ -653,7 +653,9 @@ class RunView:
         """All (or ``ranks``') replicas' lines merged in time order; ``tail_n`` lines per replica at most.
 
         With ``follow``, the backlog comes first (time-ordered), then new lines as they arrive, until every
-        followed replica has ended.
+        followed replica has ended. The follow starts at each replica's last backlog line (``since``), so a
+        backend that can read from a time (CloudWatch, the Kubernetes API) does not fetch the backlog again;
+        the lines at that very moment that the backlog already had are skipped.
         """
         handle = self.handle
         if handle is None:
@@ -664,12 +666,17 @@ class RunView:
         if not follow:
             return
 
-        def rest(rank: int, skip: int) -> Iterator[LogRecord]:
-            for i, record in enumerate(self.backend.logs(handle, [rank], follow=True)):
-                if i >= skip:
-                    yield record
+        def rest(rank: int, backlog: list[LogRecord]) -> Iterator[LogRecord]:
+            since = backlog[-1].ts if backlog else None
+            already = [r for r in backlog if since is not None and r.ts >= since]  # what the follow repeats first
+            for record in self.backend.logs(handle, [rank], follow=True, since=since):
+                if already and record == already[0]:
+                    already.pop(0)
+                    continue
+                already = []
+                yield record
 
-        yield from follow_merged([rest(r, len(b)) for r, b in zip(selected, backlogs, strict=True)])
+        yield from follow_merged([rest(r, b) for r, b in zip(selected, backlogs, strict=True)])
 
 
 # ---------------------------------------------------------------------------------------------- collect

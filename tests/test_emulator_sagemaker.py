@@ -365,7 +365,7 @@ def test_quota_knobs_refuse_creation_with_resource_limit_exceeded(
     emulator.set_instance_limit("ml.m5.xlarge", 2)
     assert error_of(lambda: sm.create_training_job(**job("quota-3", sleeper)))[0] == "ResourceLimitExceeded"
     names = [s["TrainingJobName"] for s in sm.list_training_jobs()["TrainingJobSummaries"]]
-    assert names == ["quota-0", "quota-2"]  # a refused job does not exist, and its name stays free
+    assert sorted(names) == ["quota-0", "quota-2"]  # a refused job does not exist, and its name stays free
     for name in names:
         sm.stop_training_job(TrainingJobName=name)
 
@@ -443,10 +443,12 @@ def test_list_filters_sorts_and_paginates(sm: Any, job: Callable[..., dict[str, 
         sm.create_training_job(**job(name, "pass"))
     for name in ("list-b", "list-a", "other-c"):
         wait_terminal(sm, name)
-    page = sm.list_training_jobs(MaxResults=2)
+    page = sm.list_training_jobs(MaxResults=2, SortOrder="Ascending")
     assert [s["TrainingJobName"] for s in page["TrainingJobSummaries"]] == ["list-b", "list-a"]
-    rest = sm.list_training_jobs(MaxResults=2, NextToken=page["NextToken"])
+    rest = sm.list_training_jobs(MaxResults=2, SortOrder="Ascending", NextToken=page["NextToken"])
     assert [s["TrainingJobName"] for s in rest["TrainingJobSummaries"]] == ["other-c"] and "NextToken" not in rest
+    newest_first = sm.list_training_jobs()["TrainingJobSummaries"]  # the default: most current to oldest
+    assert [s["TrainingJobName"] for s in newest_first] == ["other-c", "list-a", "list-b"]
     by_name = sm.list_training_jobs(NameContains="list", SortBy="Name", SortOrder="Descending")
     assert [s["TrainingJobName"] for s in by_name["TrainingJobSummaries"]] == ["list-b", "list-a"]
     assert sm.list_training_jobs(StatusEquals="Failed")["TrainingJobSummaries"] == []

@@ -1,4 +1,5 @@
-"""``SageMakerBackend``: plan, submit (rollback on failure), describe (one list call per poll), cancel, CloudWatch logs."""
+"""``SageMakerBackend``: plan, submit (rollback on failure), describe (one paced DescribeTrainingJob per unfinished
+job and poll, shared by every watcher in the process), cancel, CloudWatch logs (one pace for all of a run's streams)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ import json
 import math
 import os
 import re
+import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -29,6 +30,15 @@ from diloco.logstream import LogRecord
 if TYPE_CHECKING:
     from diloco.doctor import Check, DoctorContext
 
+from diloco.executors.sagemaker.cloudwatch import (
+    DESCRIBE_LOG_STREAMS_BURST,
+    DESCRIBE_LOG_STREAMS_RATE_PER_S,
+    GET_LOG_EVENTS_BURST,
+    GET_LOG_EVENTS_RATE_PER_S,
+    RunLogs,
+    StreamCursor,
+    stream_order,
+)
 from diloco.executors.sagemaker.code import BOOTSTRAP_SCRIPT, build_wheel, pack_source
 from diloco.executors.sagemaker.config import (
     BOOTSTRAP_FILE,
@@ -73,6 +83,8 @@ from diloco.executors.sagemaker.inputs import (
     is_role_name,
     lookup_role_arn,
 )
+from diloco.executors.sagemaker.pacing import Pacer, backoff_s, is_transient, was_retried
+from diloco.executors.sagemaker.polling import DESCRIBE_BURST, DESCRIBE_RATE_PER_S, RunPoller
 from diloco.executors.sagemaker.requests import check_request, instance_with_gpus
 
 # ---------------------------------------------------------------------------------------------- the backend
@@ -82,6 +94,14 @@ _PRIMARY_DECIDES = ("Completed", "Failed", "Stopping", "Stopped")
 _COMING_BACK = ("Starting", "Pending", "Downloading", "Restarting", "LaunchingMLInstances",
                 "PreparingTrainingStack", "DownloadingTrainingImage")
 _NOT_STOPPABLE = ("in status", "not found", "does not exist")
+#: This process's share of the account-wide rates of the other calls it repeats (per operation): StopTrainingJob
+#: (no published number) and ListTrainingJobs (2 requests/s per account, not adjustable).
+_OTHER_RATES = {"StopTrainingJob": (2.0, 4.0), "ListTrainingJobs": (1.0, 1.0)}
+#: A listing of a run's log streams this young stands for "now" (every rank's reader of one ``diloco logs`` shares
+#: it); a follow renews it once per poll.
+_LISTING_SNAPSHOT_S = 1.0
+#: How long a stop request keeps being retried through throttling before the cancel gives up on that job.
+_STOP_PATIENCE_S = 600.0
 #: CreateTrainingJob fields a relaunch copies from the failed job's description: the request, minus its name.
 _REQUEST_FIELDS = ("RoleArn", "AlgorithmSpecification", "ResourceConfig", "StoppingCondition", "OutputDataConfig",
                    "InputDataConfig", "CheckpointConfig", "EnableManagedSpotTraining", "EnableNetworkIsolation",
@@ -160,8 +180,11 @@ class SageMakerBackend(Backend[SageMakerBackendConfig, SageMakerRunHandle]):
 
     def __init__(self, config: SageMakerBackendConfig) -> None:
         super().__init__(config)
-        self._seen: dict[str, tuple[Any, dict[str, Any]]] = {}  # job -> (LastModifiedTime, description)
         self._clients: dict[tuple[str, str], Any] = {}
+        self._shared_lock = threading.Lock()
+        self._pacers: dict[tuple[str, str], Pacer] = {}  # (region, operation): this process's share of its rate
+        self._pollers: dict[tuple[str, str], RunPoller] = {}  # (region, run id): one describe schedule per run
+        self._run_logs: dict[tuple[str, str], RunLogs] = {}  # (region, run id): one pace for the run's streams
 
     # ------------------------------------------------------------------ AWS plumbing
     def region(self) -> str:
@@ -361,13 +384,27 @@ class SageMakerBackend(Backend[SageMakerBackendConfig, SageMakerRunHandle]):
             self._stop(sm, name)
 
     @staticmethod
-    def _stop(sm: Any, name: str) -> None:
-        """StopTrainingJob, treating "already stopped/finished" and "no such job" as done."""
-        try:
-            sm.stop_training_job(TrainingJobName=name)
-        except Exception as exc:  # noqa: BLE001
-            code, message = _client_error(exc)
-            if not any(s in message for s in _NOT_STOPPABLE) and code not in ("ResourceNotFound",):
+    def _stop(sm: Any, name: str, pacer: Pacer | None = None) -> None:
+        """StopTrainingJob, treating "already stopped/finished" and "no such job" as done. Throttling and other
+        transient trouble are retried with backoff (for up to ``_STOP_PATIENCE_S``): a stop must get through."""
+        deadline = time.monotonic() + _STOP_PATIENCE_S
+        attempt = 0
+        while True:
+            if pacer is not None:
+                pacer.acquire()
+            try:
+                sm.stop_training_job(TrainingJobName=name)
+                return
+            except Exception as exc:  # noqa: BLE001
+                code, message = _client_error(exc)
+                if any(s in message for s in _NOT_STOPPABLE) or code in ("ResourceNotFound",):
+                    return
+                if is_transient(exc) and time.monotonic() < deadline:
+                    if pacer is not None:
+                        pacer.throttled()
+                    time.sleep(backoff_s(attempt))
+                    attempt += 1
+                    continue
                 raise BackendError(f"could not stop SageMaker training job {name}: {code}: {message}",
                                    hint="stop it in the SageMaker console or with `aws sagemaker "
                                         f"stop-training-job --training-job-name {name}`") from exc
@@ -391,9 +428,13 @@ class SageMakerBackend(Backend[SageMakerBackendConfig, SageMakerRunHandle]):
 
     # ------------------------------------------------------------------ describe
     def describe(self, handle: SageMakerRunHandle) -> RunStatus:
-        """Every replica's state: one ListTrainingJobs call, plus DescribeTrainingJob for jobs that changed."""
-        sm = self.client("sagemaker", handle.region)
-        summaries = self._summaries(sm, handle)
+        """Every replica's state from the run's ``RunPoller``: one DescribeTrainingJob per job that has not ended,
+        at most once per poll interval for all of this process's watchers (an ended job is never asked again);
+        no listing, so the cost does not grow with the account's history. Throttling slows the polls down and
+        never raises (see ``polling``)."""
+        region = handle.region or self.region()
+        names = [name for rank in range(len(handle.job_names)) for name in self.rank_jobs(handle, rank)]
+        descs = self._poller(handle).descriptions(names)
         replicas = []
         for rank in range(handle.replicas):
             if rank >= len(handle.job_names):
@@ -401,54 +442,59 @@ class SageMakerBackend(Backend[SageMakerBackendConfig, SageMakerRunHandle]):
                                               detail="not created yet (the launch is still creating jobs)"))
                 continue
             name = handle.job_names[rank]
-            desc = self._description(sm, name, summaries.get(name))
-            earlier = self._earlier_billable_s(sm, handle, rank, summaries)
-            replicas.append(self._replica_status(rank, name, desc, handle.region or self.region(), earlier))
+            earlier = self._earlier_billable_s(descs, handle, rank)
+            replicas.append(self._replica_status(rank, name, descs.get(name), region, earlier))
         return RunStatus(run_id=handle.run_id, replicas=replicas)
 
-    def _earlier_billable_s(self, sm: Any, handle: SageMakerRunHandle, rank: int,
-                            summaries: dict[str, dict[str, Any]]) -> float:
+    def _earlier_billable_s(self, descs: Mapping[str, Mapping[str, Any] | None], handle: SageMakerRunHandle,
+                            rank: int) -> float:
         """The seconds SageMaker billed for the rank's failed jobs before a relaunch: they cost money too, so the
         replica's billable time and cost include them (each is described once: an ended job does not change)."""
-        total = 0.0
-        for name in self.rank_jobs(handle, rank)[:-1]:
-            try:
-                desc = self._description(sm, name, summaries.get(name))
-            except BackendError:
-                continue
-            total += float((desc or {}).get("BillableTimeInSeconds") or 0)
-        return total
+        return sum(float((descs.get(name) or {}).get("BillableTimeInSeconds") or 0)
+                   for name in self.rank_jobs(handle, rank)[:-1])
 
-    def _summaries(self, sm: Any, handle: SageMakerRunHandle) -> dict[str, dict[str, Any]]:
-        """The run's jobs as ListTrainingJobs sees them (every page), by name; {} if listing fails."""
-        if not handle.job_names:
-            return {}
-        prefix = os.path.commonprefix([n.rsplit("-r", 1)[0] for n in handle.job_names])  # every attempt's
-        found: dict[str, dict[str, Any]] = {}
-        try:
-            for page in sm.get_paginator("list_training_jobs").paginate(NameContains=prefix,
-                                                                         PaginationConfig={"PageSize": 100}):
-                for summary in page.get("TrainingJobSummaries", []):
-                    found[summary["TrainingJobName"]] = summary
-        except Exception:  # noqa: BLE001 - fall back to describing each job
-            return {}
-        return found
+    def _pacer(self, region: str, operation: str) -> Pacer:
+        """This process's pacer for one operation in one region (the service's quotas are per account and region,
+        so every run and thread of the process shares it)."""
+        rates = {"DescribeTrainingJob": (DESCRIBE_RATE_PER_S, DESCRIBE_BURST),
+                 "GetLogEvents": (GET_LOG_EVENTS_RATE_PER_S, GET_LOG_EVENTS_BURST),
+                 "DescribeLogStreams": (DESCRIBE_LOG_STREAMS_RATE_PER_S, DESCRIBE_LOG_STREAMS_BURST),
+                 **_OTHER_RATES}
+        with self._shared_lock:
+            key = (region, operation)
+            if key not in self._pacers:
+                self._pacers[key] = Pacer(*rates[operation])
+            return self._pacers[key]
 
-    def _description(self, sm: Any, name: str, summary: dict[str, Any] | None) -> dict[str, Any] | None:
-        """DescribeTrainingJob, unless this process already holds the description of the same modification."""
-        cached = self._seen.get(name)
-        if summary is not None and cached is not None and cached[0] == summary.get("LastModifiedTime"):
-            return cached[1]
+    def _poller(self, handle: SageMakerRunHandle) -> RunPoller:
+        """The run's one describe schedule in this process."""
+        region = handle.region or self.region()
+        with self._shared_lock:
+            key = (region, handle.run_id)
+            poller = self._pollers.get(key)
+        if poller is None:
+            sm = self.client("sagemaker", region)
+            poller = RunPoller(lambda name: self._description(sm, name), self._pacer(region, "DescribeTrainingJob"))
+            with self._shared_lock:
+                poller = self._pollers.setdefault(key, poller)
+        return poller
+
+    @staticmethod
+    def _description(sm: Any, name: str) -> tuple[dict[str, Any] | None, bool]:
+        """DescribeTrainingJob: ``(description, whether botocore retried)``; None for a job that does not exist.
+        Throttling and other transient trouble propagate as they are (the poller waits them out); anything else
+        is a ``BackendError``."""
         try:
             desc = sm.describe_training_job(TrainingJobName=name)
         except Exception as exc:  # noqa: BLE001
             code, message = _client_error(exc)
             if "not found" in message.lower() or code == "ResourceNotFound":
-                return None
+                return None, False
+            if is_transient(exc):
+                raise
             raise BackendError(f"could not describe SageMaker training job {name}: {code}: {message}",
                                hint="check your AWS credentials and region") from exc
-        self._seen[name] = (desc.get("LastModifiedTime"), desc)
-        return desc
+        return desc, was_retried(desc)
 
     def native_state(self, desc: Mapping[str, Any]) -> str | None:
         """The state name to map: the secondary status, the primary when the secondary is new to us, and
@@ -525,12 +571,19 @@ class SageMakerBackend(Backend[SageMakerBackendConfig, SageMakerRunHandle]):
 
     # ------------------------------------------------------------------ cancel
     def cancel(self, handle: SageMakerRunHandle, ranks: Sequence[int] | None = None) -> None:
-        """StopTrainingJob for the (given) replicas; returns at once. A stopped or finished job is not an error."""
-        sm = self.client("sagemaker", handle.region)
+        """StopTrainingJob for the (given) replicas; returns once SageMaker has accepted each. A stopped or finished
+        job is not an error, and a job this process saw end is not asked; throttling delays the request (paced,
+        then retried with backoff), it never fails the cancel."""
+        region = handle.region or self.region()
+        sm = self.client("sagemaker", region)
+        poller = self._poller(handle)
+        pacer = self._pacer(region, "StopTrainingJob")
         for rank in range(len(handle.job_names)):
             if ranks is None or rank in ranks:
                 for name in reversed(self.rank_jobs(handle, rank)):  # the live attempt first
-                    self._stop(sm, name)
+                    if poller.final(name) is None:
+                        self._stop(sm, name, pacer)
+        poller.expire()  # the next describe shows the stop
 
     def rank_jobs(self, handle: SageMakerRunHandle, rank: int) -> list[str]:
         """Every training job ``rank`` has had, oldest first: the launch's, then one per relaunch (the names are
@@ -591,80 +644,105 @@ class SageMakerBackend(Backend[SageMakerBackendConfig, SageMakerRunHandle]):
     def replica_logs(self, handle: SageMakerRunHandle, rank: int, *, follow: bool = False,
                      since: float | None = None) -> Iterator[LogRecord]:
         """The job's CloudWatch lines in order (stdout and stderr arrive merged, as ``out``); with ``follow``
-        until the job is terminal, then one last read so late lines are not lost."""
+        until the job is terminal, then one last read so late lines are not lost.
+
+        Every stream is read forward from where the last read stopped (each line is fetched once; with ``since``
+        the reads start at that time, server-side); the reads and the stream listing go through the run's
+        ``RunLogs``, shared by every rank's thread and paced within CloudWatch's read quotas; whether the job has
+        ended comes from the run's one describe schedule (``describe``), not from a poll of this thread's own."""
         if rank >= len(handle.job_names):
             return
-        logs = self.client("logs", handle.region)
+        run_logs = self._logs_of(handle)
+        prefix = os.path.commonprefix(list(handle.job_names))
+        start_ms = None if since is None else int(since * 1000)
+        cursors: dict[str, StreamCursor] = {}
+        snapshot_s = min(_LISTING_SNAPSHOT_S, self.config.log_poll_interval_s)  # a read of what is there now
+
+        def new_lines(job: str, to_the_end: bool = True, **freshness: Any) -> Iterator[LogRecord]:
+            for stream in run_logs.streams(job, prefix, **freshness):
+                cursors.setdefault(stream, StreamCursor(stream, start_ms=start_ms))
+            for stream in sorted((c for c in cursors if c.split("/", 1)[0] == job), key=stream_order):
+                for event in run_logs.read(cursors[stream], to_the_end=to_the_end):
+                    ts = event["timestamp"] / 1000.0
+                    if since is None or ts >= since:
+                        yield LogRecord(ts, rank, "out", event["message"].rstrip("\n"))
+
         *earlier, name = self.rank_jobs(handle, rank)
         for old in earlier:  # a relaunched rank: its failed jobs' lines first (they say why it was relaunched)
-            tokens: dict[str, str | None] = {stream: None for stream in self._streams(logs, old)}
-            for stream in sorted(tokens, key=_stream_order):
-                for event in self._read_stream(logs, stream, tokens):
-                    ts = event["timestamp"] / 1000.0
-                    if since is None or ts >= since:
-                        yield LogRecord(ts, rank, "out", event["message"].rstrip("\n"))
-        tokens = {}
+            yield from new_lines(old, max_age_s=snapshot_s)
         while True:
-            terminal = not follow or self.describe(handle).replica(rank).state.is_terminal
-            for stream in self._streams(logs, name):
-                tokens.setdefault(stream, None)
-            for stream in sorted(tokens, key=_stream_order):
-                for event in self._read_stream(logs, stream, tokens):
-                    ts = event["timestamp"] / 1000.0
-                    if since is None or ts >= since:
-                        yield LogRecord(ts, rank, "out", event["message"].rstrip("\n"))
+            terminal, fresh_after = True, None
+            if follow:
+                terminal = self.describe(handle).replica(rank).state.is_terminal
+                if terminal:  # the last read lists the streams again, unless that happened after the job ended
+                    fresh_after = self._poller(handle).ended_at(name) or time.monotonic()
+            yield from new_lines(name, to_the_end=terminal, max_age_s=self.config.log_poll_interval_s if follow
+                                 else snapshot_s, fresh_after=fresh_after)
             if terminal:
                 return
             time.sleep(self.config.log_poll_interval_s)
 
-    @staticmethod
-    def _streams(logs: Any, name: str) -> list[str]:
-        """The job's log streams (``<job>/algo-1-<epoch>``); none while the group or stream does not exist."""
-        found: list[str] = []
-        try:
-            for page in logs.get_paginator("describe_log_streams").paginate(logGroupName=LOG_GROUP,
-                                                                            logStreamNamePrefix=f"{name}/"):
-                found += [s["logStreamName"] for s in page.get("logStreams", [])]
-        except logs.exceptions.ResourceNotFoundException:
-            return []
+    def _logs_of(self, handle: SageMakerRunHandle) -> RunLogs:
+        """The run's one ``RunLogs`` in this process."""
+        region = handle.region or self.region()
+        key = (region, handle.run_id)
+        with self._shared_lock:
+            found = self._run_logs.get(key)
+        if found is None:
+            found = RunLogs(self.client("logs", region), LOG_GROUP, get_pacer=self._pacer(region, "GetLogEvents"),
+                            describe_pacer=self._pacer(region, "DescribeLogStreams"))
+            with self._shared_lock:
+                found = self._run_logs.setdefault(key, found)
         return found
 
-    @staticmethod
-    def _read_stream(logs: Any, stream: str, tokens: dict[str, str | None]) -> Iterator[dict[str, Any]]:
-        """Events after the stream's saved token, page by page, until ``nextForwardToken`` repeats."""
-        while True:
-            kwargs: dict[str, Any] = {"logGroupName": LOG_GROUP, "logStreamName": stream, "startFromHead": True}
-            if tokens[stream]:
-                kwargs["nextToken"] = tokens[stream]
-            try:
-                page = logs.get_log_events(**kwargs)
-            except logs.exceptions.ResourceNotFoundException:
-                return
-            yield from page.get("events", [])
-            token = page.get("nextForwardToken")
-            if token is None or token == tokens[stream]:
-                return
-            tokens[stream] = token
-
     def failure_tail(self, handle: SageMakerRunHandle, rank: int, n: int = 10) -> list[str]:
-        """The job's last ``n`` non-empty log lines (CloudWatch merges stderr into them)."""
+        """The job's last ``n`` non-empty log lines (CloudWatch merges stderr into them): one backward page of its
+        newest stream (more only when that stream holds fewer lines), never its whole log."""
+        if rank >= len(handle.job_names):
+            return []
         try:
-            lines = (r.text for r in self.replica_logs(handle, rank) if r.text.strip())
-            return list(deque(lines, maxlen=n))
+            run_logs = self._logs_of(handle)
+            prefix = os.path.commonprefix(list(handle.job_names))
+            streams = run_logs.streams(handle.job_names[rank], prefix,
+                                       max_age_s=min(_LISTING_SNAPSHOT_S, self.config.log_poll_interval_s))
+            return run_logs.last_lines(streams, n)
         except Exception:  # noqa: BLE001 - the tail is a courtesy: a failure report must not fail on it
             return []
 
     # ------------------------------------------------------------------ discovery
     def list_runs(self) -> list[RunListing]:
-        """Runs whose jobs are named ``<run_id>-r<rank>`` in this region (found without the local registry)."""
-        sm = self.client("sagemaker")
+        """Runs whose jobs are named ``<run_id>-r<rank>`` in this region (found without the local registry).
+
+        Discovery has to walk the account's whole job history: the service filters a listing only after picking
+        each page, so a ``NameContains`` filter saves no call. The pages (100 jobs each) are fetched at half of
+        ListTrainingJobs' 2 requests/s, throttling waits and tries again."""
+        region = self.region()
+        sm = self.client("sagemaker", region)
+        pacer = self._pacer(region, "ListTrainingJobs")
         runs: dict[str, list[dict[str, Any]]] = {}
-        for page in sm.get_paginator("list_training_jobs").paginate(NameContains="-r",
-                                                                     PaginationConfig={"PageSize": 100}):
+        token: str | None = None
+        attempt = 0
+        while True:
+            pacer.acquire()
+            try:
+                page = sm.list_training_jobs(MaxResults=100, **({"NextToken": token} if token else {}))
+            except Exception as exc:  # noqa: BLE001
+                if not is_transient(exc):
+                    code, message = _client_error(exc)
+                    raise BackendError(f"could not list SageMaker training jobs in {region}: {code}: {message}",
+                                       hint="check your AWS credentials and region") from exc
+                pacer.throttled()
+                time.sleep(backoff_s(attempt))
+                attempt += 1
+                continue
+            attempt = 0
             for summary in page.get("TrainingJobSummaries", []):
                 found = re.match(r"^(?P<run>.+)-r(?P<rank>\d+)(?:-(?P<attempt>\d+))?$", summary["TrainingJobName"])
                 if found:
                     runs.setdefault(found.group("run"), []).append(summary)
+            token = page.get("NextToken")
+            if not token:
+                break
         out = []
         for run_id, every in sorted(runs.items()):
             jobs = _latest_attempts(every)
@@ -692,12 +770,6 @@ def _latest_attempts(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if found.group(1) not in latest or attempt > latest[found.group(1)][0]:
             latest[found.group(1)] = (attempt, summary)
     return [summary for _, summary in latest.values()]
-
-
-def _stream_order(stream: str) -> tuple[int, str]:
-    """Streams of one job in start order: by the epoch after ``algo-1-``."""
-    tail = stream.rsplit("-", 1)[-1]
-    return (int(tail) if tail.isdigit() else 0, stream)
 
 
 def _role_hint(backend: SageMakerBackend) -> str:

@@ -12,13 +12,28 @@ credential scope, the signature itself is not checked) and answers with the serv
   and for the cross-field rules (spot wait time, ...), see ``sagemaker_validation``; "Requested resource not
   found." for an unknown job (the service answers ``ValidationException`` there, not ``ResourceNotFound``);
   ``ResourceInUse`` when a name was ever used before; ``ResourceLimitExceeded`` for instance quotas;
-  ``ThrottlingException`` "Rate exceeded" (HTTP 400) from the throttle knob.
+  ``ThrottlingException`` "Rate exceeded" (HTTP 400) beyond the account's request rates or from the throttle knob.
+* The account's request-rate quotas (``rate_limits=True``, the default): a token bucket per operation, shared by
+  every client, at the documented or commonly reported rates (``rate_limits.SAGEMAKER_QUOTAS``, each cited;
+  ListTrainingJobs 2 requests/s, not adjustable). CloudWatch Logs' read quotas (GetLogEvents 10/s, ...) apply at
+  the Logs front the emulator serves for clients (``logs_url``, exported as
+  ``AWS_ENDPOINT_URL_CLOUDWATCH_LOGS``).
+* An account with a past (``history=N``): N older, ended jobs (``sagemaker_history``), as any account that has
+  trained before holds (jobs cannot be deleted).
+* ListTrainingJobs as the service pages it: jobs sorted by ``SortBy`` (default CreationTime) and ``SortOrder``
+  (default newest first: botocore's model says "Ascending" for SortOrder but describes the listing "sorted
+  according to the creation time, from the most current to the oldest"), one page of ``MaxResults`` (default 10)
+  chosen, and only then the filters applied. So a ``NameContains`` listing in an account with history returns
+  empty pages with a ``NextToken`` until the whole history is walked (boto/boto3#2838 and #3347; aws/aws-sdk#701,
+  where the service team says it knows); botocore's own ListTrainingJobs doc says the same of ``StatusEquals``,
+  and the time filters behave alike (aws/aws-sdk#486: ``LastModifiedTimeAfter`` pages on until throttled).
 
 Each job runs as a local process (``sagemaker_job.TrainingJob`` documents exactly what it gets and does), with
 S3 input channels, checkpoints, artifacts and CloudWatch Logs on an S3/Logs endpoint (the tests' moto server, or
 an embedded one). Fault knobs for tests: ``throttle``, ``refuse_create``, ``set_instance_limit``, ``interrupt`` (a spot
 reclaim: the job comes back), ``crash`` (the job fails for good), ``fail`` (the job fails with one of the
-``FailureReason`` forms on record, ``sagemaker_job.FAILURE_FORMS``), ``break_pip`` (the image's pip installs nothing).
+``FailureReason`` forms on record, ``sagemaker_job.FAILURE_FORMS``), ``break_pip`` (the image's pip installs
+nothing), ``throttle_logs``.
 
 Use from tests::
 
@@ -51,12 +66,22 @@ import tempfile
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from .cloudwatch_logs import LogsApiFront
+from .rate_limits import (
+    LOGS_QUOTAS,
+    SAGEMAKER_DEFAULT_QUOTA,
+    SAGEMAKER_QUOTAS,
+    THROTTLING_CODE,
+    THROTTLING_MESSAGE,
+    Call,
+    RateLimits,
+)
 from .sagemaker_admin import ADMIN_PREFIX, handle_admin, knob_main
+from .sagemaker_history import PastJob, account_history
 from .sagemaker_job import FAILURE_FORMS, LOG_GROUP, FailureForm, Runtime, TrainingJob, failure_form
 from .sagemaker_validation import RequestInvalid, check_model, semantic_errors, validation_message
 
@@ -78,15 +103,6 @@ class ServiceError(Exception):
         self.status = status
 
 
-@dataclass(frozen=True)
-class Call:
-    """One API call the emulator answered: the operation and the error code it returned (None = success)."""
-
-    operation: str
-    error: str | None
-    at: float
-
-
 class SageMakerEmulator:
     """The emulator: ``start()``/``stop()`` (or a ``with`` block), ``url``, fault knobs and introspection."""
 
@@ -95,11 +111,13 @@ class SageMakerEmulator:
                  interpreter: str | None = None, root_dir: str | Path | None = None,
                  credentials: dict[str, str] | None = None, stop_grace_s: float = 120.0,
                  checkpoint_sync_s: float = 1.0, log_flush_s: float = 0.2, spot_savings: float = 0.7,
-                 restart_delay_s: float = 0.2) -> None:
+                 restart_delay_s: float = 0.2, history: int = 0, rate_limits: bool = True) -> None:
         """``aws_endpoint``: the S3/Logs server (None: start an embedded moto server). ``interpreter`` stands for
         the image's ``python`` (default: this interpreter). ``stop_grace_s``: SIGTERM -> SIGKILL delay on stop
         (120 s on the real service; keep it short in tests). ``credentials``: the AWS variables jobs get as the
-        execution role's stand-in (default: this process's AWS_ACCESS_KEY_ID/SECRET/SESSION_TOKEN, else fakes)."""
+        execution role's stand-in (default: this process's AWS_ACCESS_KEY_ID/SECRET/SESSION_TOKEN, else fakes).
+        ``history``: older, ended jobs already in the account. ``rate_limits``: the account's request-rate quotas
+        (SageMaker's here, CloudWatch Logs' at ``logs_url``); False answers every call, as no real account does."""
         self._host, self._port = host, port
         self.account_id = account_id
         self.default_region = default_region
@@ -118,8 +136,14 @@ class SageMakerEmulator:
         self._creates_seen = 0
         self._instance_limits: dict[str, int] = {}
         self.calls: list[Call] = []
+        self.limits = RateLimits(SAGEMAKER_QUOTAS, SAGEMAKER_DEFAULT_QUOTA) if rate_limits else None
+        self.logs_limits = RateLimits(LOGS_QUOTAS) if rate_limits else None
+        self._history_size = history
+        self._past: dict[str, PastJob] = {}
+        self._past_summaries: list[dict[str, Any]] = []  # the history never changes: summarized once
         self._moto: Any = None
         self._server: ThreadingHTTPServer | None = None
+        self._logs_front: LogsApiFront | None = None
         self._runtime: Runtime | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -130,10 +154,26 @@ class SageMakerEmulator:
         host, port = self._server.server_address[:2]
         return f"http://{host}:{port}"
 
+    @property
+    def logs_url(self) -> str:
+        """Where clients read CloudWatch Logs: the front with the service's read quotas, in front of moto."""
+        if self._logs_front is None:
+            raise RuntimeError("the emulator is not started: call start() first")
+        return self._logs_front.url
+
+    @property
+    def logs_calls(self) -> list[Call]:
+        """Every CloudWatch Logs call clients made through ``logs_url``, with its outcome."""
+        return list(self._logs_front.calls) if self._logs_front is not None else []
+
     def start(self) -> SageMakerEmulator:
         if self.aws_endpoint is None:
             self.aws_endpoint = self._start_embedded_moto()
         self._runtime = self._make_runtime(self.aws_endpoint)
+        self._past = {job.name: job for job in account_history(self._history_size, region=self.default_region,
+                                                                 account_id=self.account_id)}
+        self._past_summaries = [job.summary() for job in self._past.values()]
+        self._logs_front = LogsApiFront(self.aws_endpoint, self.logs_limits, host=self._host).start()
         self._server = ThreadingHTTPServer((self._host, self._port), _make_handler(self))
         self._server.daemon_threads = True
         threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, name="sagemaker-emulator",
@@ -145,6 +185,8 @@ class SageMakerEmulator:
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
+        if self._logs_front is not None:
+            self._logs_front.stop()
         with self._lock:
             jobs = list(self._jobs.values())
         for job in jobs:
@@ -163,7 +205,8 @@ class SageMakerEmulator:
 
     def environment(self) -> dict[str, str]:
         """The variables a shell needs to reach this emulator and its S3/Logs server with any AWS tool."""
-        return {"AWS_ENDPOINT_URL_SAGEMAKER": self.url, "AWS_ENDPOINT_URL": str(self.aws_endpoint),
+        return {"AWS_ENDPOINT_URL_SAGEMAKER": self.url, "AWS_ENDPOINT_URL_CLOUDWATCH_LOGS": self.logs_url,
+                "AWS_ENDPOINT_URL": str(self.aws_endpoint),
                 "AWS_REGION": self.default_region, "AWS_DEFAULT_REGION": self.default_region, **self.credentials}
 
     def _start_embedded_moto(self) -> str:
@@ -194,6 +237,12 @@ class SageMakerEmulator:
         with self._lock:
             self._throttle_left = calls
             self._throttle_ops = frozenset(operations) if operations else None
+
+    def throttle_logs(self, calls: int, operations: list[str] | None = None) -> None:
+        """Answer the next ``calls`` CloudWatch Logs calls made through ``logs_url`` (of ``operations`` only, if
+        given) with ThrottlingException."""
+        assert self._logs_front is not None, "the emulator is not started"
+        self._logs_front.throttle(calls, operations)
 
     def refuse_create(self, nth: int = 1) -> None:
         """Refuse the ``nth`` CreateTrainingJob from now (counting valid ones only) with ResourceLimitExceeded,
@@ -263,6 +312,8 @@ class SageMakerEmulator:
     def handle(self, operation: str, body: dict[str, Any], region: str) -> dict[str, Any]:
         """Answer one call (raises ServiceError); records it in ``calls``."""
         try:
+            if self.limits is not None and not self.limits.admit(operation):
+                raise ServiceError(THROTTLING_CODE, THROTTLING_MESSAGE)
             self._maybe_throttle(operation)
             handler = _OPERATIONS.get(operation)
             if handler is None:
@@ -286,7 +337,7 @@ class SageMakerEmulator:
         with self._lock:
             if self._throttle_left > 0 and (self._throttle_ops is None or operation in self._throttle_ops):
                 self._throttle_left -= 1
-                raise ServiceError("ThrottlingException", "Rate exceeded")
+                raise ServiceError(THROTTLING_CODE, THROTTLING_MESSAGE)
 
     # ------------------------------------------------------------------ operations
     def _create_training_job(self, body: dict[str, Any], region: str) -> dict[str, Any]:
@@ -321,9 +372,9 @@ class SageMakerEmulator:
                 f"Instances, with current utilization of {in_use} Instances and a request delta of 1 Instances. "
                 "Please contact AWS support to request an increase for this limit.")
 
-    def _find(self, name: str) -> TrainingJob:
+    def _find(self, name: str) -> TrainingJob | PastJob:
         with self._lock:
-            job = self._jobs.get(name)
+            job = self._jobs.get(name) or self._past.get(name)
         if job is None:
             raise ServiceError("ValidationException", "Requested resource not found.")
         return job
@@ -332,28 +383,33 @@ class SageMakerEmulator:
         return self._find(body["TrainingJobName"]).describe()
 
     def _stop_training_job(self, body: dict[str, Any], region: str) -> dict[str, Any]:
-        self._find(body["TrainingJobName"]).request_stop()
+        job = self._find(body["TrainingJobName"])
+        if isinstance(job, PastJob):
+            raise RequestInvalid(f"The request was rejected because the training job is in status {job.status}.")
+        job.request_stop()
         return {}
 
     def _list_training_jobs(self, body: dict[str, Any], region: str) -> dict[str, Any]:
+        """Sort the region's jobs, pick the page, and only then filter it (see the module docstring)."""
         with self._lock:
             jobs = [j for j in self._jobs.values() if j.region == region]
         summaries = [j.summary() for j in jobs]
-        summaries = [s for s in summaries if _matches_filters(s, body)]
+        if region == self.default_region:  # where the account's history is
+            summaries += self._past_summaries
         key = {"Name": "TrainingJobName", "Status": "TrainingJobStatus"}.get(body.get("SortBy", ""), "CreationTime")
         summaries.sort(key=lambda s: (s[key], s["TrainingJobName"]),
-                       reverse=body.get("SortOrder", "Ascending") == "Descending")
+                       reverse=body.get("SortOrder", "Descending") == "Descending")
         start = _decode_token(body.get("NextToken"))
         size = body.get("MaxResults") or _LIST_DEFAULT_MAX
         page = summaries[start:start + size]
-        out: dict[str, Any] = {"TrainingJobSummaries": page}
+        out: dict[str, Any] = {"TrainingJobSummaries": [s for s in page if _matches_filters(s, body)]}
         if start + size < len(summaries):
             out["NextToken"] = _encode_token(start + size)
         return out
 
-    def _job_by_arn(self, arn: str) -> TrainingJob:
+    def _job_by_arn(self, arn: str) -> TrainingJob | PastJob:
         with self._lock:
-            for job in self._jobs.values():
+            for job in [*self._jobs.values(), *self._past.values()]:
                 if job.arn == arn:
                     return job
         raise ServiceError("ValidationException", "Requested resource not found.")
@@ -526,6 +582,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fail", action="append", default=[], metavar="JOB=FORM",
                         help=f"fail the job of that name with a FailureReason form ({', '.join(FAILURE_FORMS)}) "
                              "when it reaches the form's phase (repeatable)")
+    parser.add_argument("--history", type=int, default=0, help="older, ended jobs already in the account")
+    parser.add_argument("--no-rate-limits", action="store_true", help="answer every call (no real account does)")
     args = parser.parse_args(argv)
     armed = [item.partition("=")[::2] for item in args.fail]
     for job, form in armed:
@@ -536,7 +594,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["MOTO_ACCOUNT_ID"] = args.account  # the embedded moto answers in this process, as this account
     emulator = SageMakerEmulator(aws_endpoint=args.aws_endpoint, host=args.host, port=args.port,
                                  account_id=args.account, default_region=args.region, root_dir=args.root,
-                                 stop_grace_s=args.stop_grace, interpreter=args.python)
+                                 stop_grace_s=args.stop_grace, interpreter=args.python, history=args.history,
+                                 rate_limits=not args.no_rate_limits)
     emulator.start()
     for job, form in armed:
         emulator.fail(job, form)
