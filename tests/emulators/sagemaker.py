@@ -86,15 +86,22 @@ class SageMakerEmulator:
                  interpreter: str | None = None, root_dir: str | Path | None = None,
                  credentials: dict[str, str] | None = None, stop_grace_s: float = 120.0,
                  checkpoint_sync_s: float = 1.0, log_flush_s: float = 0.2, spot_savings: float = 0.7,
-                 restart_delay_s: float = 0.2) -> None:
+                 restart_delay_s: float = 0.2, prebuilt_python: str | Path | None = None,
+                 pip_wheelhouse: str | Path | None = None) -> None:
         """``aws_endpoint``: the S3/Logs server (None: start an embedded moto server). ``interpreter`` stands for
-        the image's ``python`` (default: this interpreter). ``stop_grace_s``: SIGTERM -> SIGKILL delay on stop
+        the image's ``python`` (default: this interpreter). ``prebuilt_python``, if given, stands for it instead in
+        jobs on AWS's prebuilt PyTorch training image (the default without ``--image``): an interpreter holding
+        only that image's packages (``sagemaker_image.image_python()``). ``pip_wheelhouse``: a folder of wheels the
+        jobs' pip installs from instead of the package index (``PIP_FIND_LINKS`` + ``PIP_NO_INDEX``), for speed.
+        ``stop_grace_s``: SIGTERM -> SIGKILL delay on stop
         (120 s on the real service; keep it short in tests). ``credentials``: the AWS variables jobs get as the
         execution role's stand-in (default: this process's AWS_ACCESS_KEY_ID/SECRET/SESSION_TOKEN, else fakes)."""
         self._host, self._port = host, port
         self.account_id = account_id
         self.default_region = default_region
         self.interpreter = interpreter or sys.executable
+        self.prebuilt_python = str(prebuilt_python) if prebuilt_python is not None else None
+        self.pip_wheelhouse = Path(pip_wheelhouse) if pip_wheelhouse is not None else None
         self.aws_endpoint = aws_endpoint
         self._own_root = root_dir is None
         self.root = Path(root_dir) if root_dir is not None else Path(tempfile.mkdtemp(prefix="sagemaker-emu-"))
@@ -174,9 +181,14 @@ class SageMakerEmulator:
             aws_session_token=self.credentials.get("AWS_SESSION_TOKEN"), region_name=self.default_region)
         shim_dir = self.root / "bin"
         _write_python_shims(shim_dir, self.interpreter)
+        prebuilt_shims = self.root / "bin-pytorch-training" if self.prebuilt_python else None
+        if prebuilt_shims is not None and self.prebuilt_python:
+            _write_python_shims(prebuilt_shims, self.prebuilt_python)
+        pip_env = {"PIP_FIND_LINKS": str(self.pip_wheelhouse), "PIP_NO_INDEX": "1"} if self.pip_wheelhouse else {}
         return Runtime(root=self.root / "jobs", shim_dir=shim_dir, aws_endpoint=endpoint,
                        credentials=dict(self.credentials), s3=session.client("s3", endpoint_url=endpoint),
-                       logs=session.client("logs", endpoint_url=endpoint), **self._timing)
+                       logs=session.client("logs", endpoint_url=endpoint), prebuilt_shim_dir=prebuilt_shims,
+                       pip_env=pip_env, **self._timing)
 
     # ------------------------------------------------------------------ fault knobs
     def throttle(self, calls: int, operations: list[str] | None = None) -> None:
@@ -471,10 +483,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", default=None, help="where jobs' /opt/ml directories go (default: a temp dir)")
     parser.add_argument("--stop-grace", type=float, default=120.0, help="seconds from SIGTERM to SIGKILL on stop")
     parser.add_argument("--python", default=None, help="interpreter standing for the image's python")
+    parser.add_argument("--image-python", action="store_true",
+                        help="run jobs on AWS's PyTorch training image in an interpreter holding only that image's "
+                             "packages (built on first use and cached; see tests/emulators/sagemaker_image.py)")
+    parser.add_argument("--pip-wheelhouse", default=None, help="folder of wheels jobs' pip installs from")
     args = parser.parse_args(argv)
+    prebuilt = None
+    if args.image_python:
+        from .sagemaker_image import image_python
+
+        prebuilt = image_python()
     emulator = SageMakerEmulator(aws_endpoint=args.aws_endpoint, host=args.host, port=args.port,
                                  default_region=args.region, root_dir=args.root, stop_grace_s=args.stop_grace,
-                                 interpreter=args.python)
+                                 interpreter=args.python, prebuilt_python=prebuilt, pip_wheelhouse=args.pip_wheelhouse)
     emulator.start()
     print("# SageMaker emulator running; in another shell:", flush=True)
     for key, value in emulator.environment().items():
