@@ -15,9 +15,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from diloco.errors import BackendError, ConfigError
+from diloco.executors.replica_requirements import (
+    BOOTSTRAP_REQUIREMENTS_ENV,
+    REQUIREMENTS_TXT,
+    replica_requirements,
+    requirements_value,
+)
 
 if TYPE_CHECKING:
-    pass
+    from diloco.executors.base import LaunchSpec
 
 
 
@@ -123,6 +129,23 @@ def pack_source(source: Path, max_bytes: int) -> bytes:
             with path.open("rb") as f:
                 tar.addfile(info, f)
     return gzip.compress(raw.getvalue(), mtime=0)
+
+
+def ships(source: Path, relative: str) -> bool:
+    """Whether ``pack_source(source)`` would include the file ``relative`` (its path under ``source``)."""
+    path = source / relative
+    return path.is_file() and not path.is_symlink() and not _ignored(
+        relative, [*SOURCE_EXCLUDES, *_ignore_patterns(source)])
+
+
+def bootstrap_environment(spec: LaunchSpec, source: Path) -> dict[str, str]:
+    """The request's environment entry telling the bootstrap what to install beyond diloco's own requirements
+    (``diloco.executors.replica_requirements``): shown by ``--dry-run``, read by the job."""
+    args = spec.entrypoint_args
+    requirements = replica_requirements(trainer=args.trainer, rendezvous_uri=args.rendezvous_uri,
+                                        tensorboard=args.tensorboard is not None, source_dir=source,
+                                        ships_requirements_txt=ships(source, REQUIREMENTS_TXT))
+    return {BOOTSTRAP_REQUIREMENTS_ENV: requirements_value(requirements)}
 
 
 #: Runs first in a job without a ready image (``executors/bootstrap.py``, shipped as it is): install the shipped

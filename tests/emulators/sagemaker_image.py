@@ -19,17 +19,18 @@ Dockerfile.cpu`` and ``pytorch/training/docker/2.8/py3/cu129/Dockerfile.gpu``, b
   has this machine's build of the development environment's torch version (the CPU build, installed by pip from
   the local wheel file this machine's pip configuration offers, in seconds instead of a 900 MB download).
 * **The SageMaker stage**: the GPU image pins ``"boto3<1.40.50"`` and ``"awscli<1.42.50"`` "to address package
-  regression caused by smclarify dependency s3fs"; boto3 is 1.40.49 here (with botocore 1.40.49). ``smclarify``
-  brings ``pyarrow`` and ``s3fs`` (aws/amazon-sagemaker-clarify setup.py: ``["boto3", "pyarrow", "pandas",
-  "s3fs"]``, no versions) and ``sagemaker`` brings ``pydantic`` (through sagemaker-core).
+  regression caused by smclarify dependency s3fs". ``smclarify`` brings ``pyarrow`` and ``s3fs``
+  (aws/amazon-sagemaker-clarify setup.py: ``["boto3", "pyarrow", "pandas", "s3fs"]``, no versions) and
+  ``sagemaker`` brings ``pydantic`` (through sagemaker-core).
 * **s3fs: old.** Nothing in either Dockerfile pins it, and pip backtracks s3fs when boto3 is newer than any
   aiobotocore accepts ("pip installs work, but s3fs rolls back all the way to 0.4.2",
   ECCO-GROUP/ECCOv4-py#183): which s3fs a built image holds is not knowable from its Dockerfile. This list takes
   s3fs 2024.10.0, older than diloco's ``s3fs>=2025.7.0`` and the last release whose ``pipe_file`` does not know
   ``mode="create"`` (2024.12.0 added it; read from the two releases' ``s3fs/core.py``): it drops the unknown
   argument without a word (s3fs keeps only PutObject's own parameters), so a "create" is a plain overwrite that
-  reports success, with the aiobotocore that pip resolves for it under the GPU image's ``boto3<1.40.50`` (2.25.2,
-  accepting that botocore).
+  reports success. With it, the aiobotocore of its release (2.15.2) and the botocore and boto3 that one accepts
+  (1.35.36, below the GPU image's ``boto3<1.40.50``): an aiobotocore too old for a current s3fs (which needs
+  2.19 or later), so a bootstrap that upgrades s3fs must bring aiobotocore, botocore and boto3 along together.
 * Versions the Dockerfiles leave open are pinned to releases of the image's time where diloco or its extras care
   (numpy, safetensors, huggingface_hub, pydantic, typer, rich, pyarrow), and to what pip resolved when this list
   was written otherwise. The result is a complete, consistent set: pip installs exactly these.
@@ -72,9 +73,9 @@ IMAGE_PACKAGES: tuple[str, ...] = (
     "packaging==25.0", "PyYAML==6.0.2", "numpy==1.26.4", "click==8.2.1", "psutil==7.0.0", "pillow==11.3.0",
     "requests==2.32.5", "urllib3==2.5.0", "idna==3.10", "tqdm==4.67.1", "Jinja2==3.1.6", "MarkupSafe==3.0.4",
     "certifi==2026.10.19.post1", "charset-normalizer==3.5.3",
-    # boto3 at the GPU image's pin, s3fs old, with the aiobotocore pip resolves for both
-    "boto3==1.40.49", "botocore==1.40.49", "s3transfer==0.14.0", "jmespath==1.1.0", "python-dateutil==2.9.0.post0",
-    "six==1.17.0", "s3fs==2024.10.0", "fsspec==2024.10.0", "aiobotocore==2.25.2", "aiohttp==3.14.5",
+    # s3fs old, with the aiobotocore, botocore and boto3 of its release (below the GPU image's boto3 pin)
+    "boto3==1.35.36", "botocore==1.35.36", "s3transfer==0.10.4", "jmespath==1.1.0", "python-dateutil==2.9.0.post0",
+    "six==1.17.0", "s3fs==2024.10.0", "fsspec==2024.10.0", "aiobotocore==2.15.2", "aiohttp==3.14.5",
     "aiohappyeyeballs==2.7.1", "aioitertools==0.13.0", "aiosignal==1.4.0", "attrs==26.1.0", "frozenlist==1.8.0",
     "multidict==6.9.1", "propcache==0.5.4", "yarl==1.25.1", "wrapt==1.17.3",
     # torch's own dependencies
