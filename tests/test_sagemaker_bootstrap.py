@@ -288,3 +288,45 @@ def test_the_dry_run_lists_what_each_job_will_install(
     request = json.loads(with_file.stdout)["requests"][0]
     assert json.loads(request["Environment"]["DILOCO_BOOTSTRAP_REQUIREMENTS"]) == [*expected, "-r requirements.txt"]
     assert emulator.calls == []
+
+
+USER_HF_TRAINER = '''
+import transformers_is_not_installed_on_the_launcher  # noqa: F401  (proves the launcher never imports this)
+
+DILOCO_EXTRAS = ("hf",)
+
+
+def train(*, manager, rank, world_size, total_steps=1, sync_every=1):
+    pass
+'''
+
+
+def test_a_user_trainer_declares_its_extras_in_its_source_and_the_launcher_never_imports_it(
+    emulator: SageMakerEmulator, s3_bucket: str, home: Path, tmp_path: Path
+) -> None:
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "mytrain.py").write_text(USER_HF_TRAINER)
+    out = cli(*launch_args(emulator, s3_bucket, source, "--replicas", "1", "--trainer", "mytrain:train",
+                           "--dry-run", "-o", "json"), home=home, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    request = json.loads(out.stdout)["requests"][0]
+    assert "transformers>=5.0" in json.loads(request["Environment"]["DILOCO_BOOTSTRAP_REQUIREMENTS"])
+
+    (source / "mytrain.py").write_text(USER_HF_TRAINER.replace('("hf",)', '("hff",)'))
+    bad = cli(*launch_args(emulator, s3_bucket, source, "--replicas", "1", "--trainer", "mytrain:train",
+                           "--dry-run"), home=home, cwd=tmp_path)
+    assert bad.returncode == 2
+    line = bad.stderr.strip()
+    assert "\n" not in line and "train.trainer: mytrain.DILOCO_EXTRAS names 'hff'" in line, bad.stderr
+    assert emulator.calls == []
+
+
+def test_the_built_in_trainers_extras_are_read_without_importing_it() -> None:
+    probe = subprocess.run([sys.executable, "-c", """
+import sys
+from diloco.executors.replica_requirements import trainer_extras
+print(trainer_extras("diloco.trainers.hf:train"), "diloco.trainers.hf" in sys.modules, "transformers" in sys.modules)
+"""], capture_output=True, text=True, timeout=60)
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stdout.split() == ["('hf',)", "False", "False"]

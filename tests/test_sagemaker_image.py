@@ -25,7 +25,8 @@ import pytest
 from emulators import sagemaker_image
 from emulators.sagemaker import SageMakerEmulator
 
-pytestmark = pytest.mark.slow
+#: The first session on a machine builds the image-like interpreter and the wheelhouse (minutes, once; cached).
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 REPO = Path(__file__).resolve().parent.parent
 DILOCO = [sys.executable, "-m", "diloco.cli.main"]

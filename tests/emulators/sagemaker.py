@@ -17,7 +17,9 @@ credential scope, the signature itself is not checked) and answers with the serv
 Each job runs as a local process (``sagemaker_job.TrainingJob`` documents exactly what it gets and does), with
 S3 input channels, checkpoints, artifacts and CloudWatch Logs on an S3/Logs endpoint (the tests' moto server, or
 an embedded one). Fault knobs for tests: ``throttle``, ``refuse_create``, ``set_instance_limit``, ``interrupt`` (a spot
-reclaim: the job comes back), ``crash`` (the job fails for good).
+reclaim: the job comes back), ``crash`` (the job fails for good). ``prebuilt_python`` runs the jobs on AWS's
+prebuilt PyTorch training image in an interpreter holding only that image's packages (``sagemaker_image``), and
+``pip_wheelhouse`` gives their pip a local folder of wheels instead of the package index.
 
 Use from tests::
 
