@@ -67,6 +67,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("diloco.trainers.hf")
 
+#: The diloco extras this trainer imports: a bootstrap installs them where the image lacks them (the launcher reads
+#: this line from the source, without importing the module).
+DILOCO_EXTRAS = ("hf",)
 #: Where rank 0 writes the ``save_pretrained`` directory in the run's store.
 HF_MODEL_PREFIX = "hf_model/"
 #: File suffixes read as data, by format.

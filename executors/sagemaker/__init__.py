@@ -21,9 +21,11 @@ How a run maps onto SageMaker, and why:
   and instance type (CPU or GPU), looked up offline in the image URI tables sagemaker-core ships: by default the
   newest PyTorch version they list within diloco's own torch requirement, with the newest Python diloco supports.
   ``submit`` uploads a wheel of the installed diloco, a small bootstrap script and a tarball of the user's source
-  directory to ``<base>/code/``, delivered to every job as the ``code`` input channel; the bootstrap installs the
-  wheel (and any requirement the image lacks) into ``/opt/ml/diloco/site``, unpacks the source into
-  ``/opt/ml/code`` and execs the entrypoint there. With ``image_uri`` (``--image``) the image must hold diloco
+  directory to ``<base>/code/``, delivered to every job as the ``code`` input channel; the bootstrap
+  (``executors/bootstrap.py``) unpacks the source into ``/opt/ml/code``, installs the wheel and what the run needs
+  that the image lacks (``executors/replica_requirements.py``: the store's and the trainer's extras, tensorboard,
+  ``requirements.txt``; listed in the request's ``DILOCO_BOOTSTRAP_REQUIREMENTS``) into ``/opt/ml/diloco/site``
+  and execs the entrypoint there. With ``image_uri`` (``--image``) the image must hold diloco
   and the user's code already.
 * **Where things go.** ``<base>`` is ``<rendezvous>/sagemaker`` (or ``<output_s3_uri>/<run_id>``): ``code/``,
   ``output/`` (``S3OutputPath``: ``output/<job>/output/model.tar.gz``) and ``checkpoints/rank_K/`` (every job:

@@ -39,7 +39,7 @@ from diloco.executors.sagemaker.cloudwatch import (
     StreamCursor,
     stream_order,
 )
-from diloco.executors.sagemaker.code import BOOTSTRAP_SCRIPT, build_wheel, pack_source
+from diloco.executors.sagemaker.code import BOOTSTRAP_SCRIPT, bootstrap_environment, build_wheel, pack_source
 from diloco.executors.sagemaker.config import (
     BOOTSTRAP_FILE,
     CODE_CHANNEL,
@@ -261,6 +261,8 @@ class SageMakerBackend(Backend[SageMakerBackendConfig, SageMakerRunHandle]):
         if self.ships_code:
             entrypoint = ["python", f"/opt/ml/input/data/{CODE_CHANNEL}/{BOOTSTRAP_FILE}"]
             arguments = ["-m", spec.entrypoint, *spec.entrypoint_args.to_argv()]
+            source = Path(self.config.source_dir or os.getcwd()).expanduser().resolve()
+            env.update(bootstrap_environment(spec, source))  # what the bootstrap installs, shown by --dry-run
         else:
             entrypoint = ["python", "-m", spec.entrypoint]
             arguments = spec.entrypoint_args.to_argv()

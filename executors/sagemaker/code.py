@@ -7,7 +7,20 @@ import gzip
 import io
 import tarfile
 from collections.abc import Sequence
+from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from diloco.executors.replica_requirements import (
+    BOOTSTRAP_REQUIREMENTS_ENV,
+    REQUIREMENTS_TXT,
+    replica_requirements,
+    requirements_value,
+)
+
+if TYPE_CHECKING:
+    from diloco.executors.base import LaunchSpec
+
 
 from diloco.errors import ConfigError
 from diloco.executors.wheel_builder import build_wheel  # noqa: F401  (the code channel's wheel: the one builder)
@@ -71,87 +84,23 @@ def pack_source(source: Path, max_bytes: int) -> bytes:
     return gzip.compress(raw.getvalue(), mtime=0)
 
 
-#: Runs first in a job without a ready image: install the shipped wheel (and whatever requirement of it the
-#: image lacks) into /opt/ml/diloco/site, unpack the source into /opt/ml/code, then exec the replica entrypoint
-#: there. Paths are derived from this file's own location (the ``code`` channel), never spelled out.
-BOOTSTRAP_SCRIPT = r'''"""diloco's no-image bootstrap (written by diloco launch): install, unpack, exec the entrypoint."""
-import glob
-import importlib.metadata
-import os
-import subprocess
-import sys
-import tarfile
-
-HERE = os.path.dirname(os.path.abspath(__file__))  # /opt/ml/input/data/code
-OPT_ML = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))  # /opt/ml
-SITE = os.path.join(OPT_ML, "diloco", "site")
-WORK = os.path.join(OPT_ML, "code")
-PIP = [sys.executable, "-m", "pip", "install", "--quiet", "--no-input", "--disable-pip-version-check",
-       "--no-cache-dir", "--target", SITE]
+def ships(source: Path, relative: str) -> bool:
+    """Whether ``pack_source(source)`` would include the file ``relative`` (its path under ``source``)."""
+    path = source / relative
+    return path.is_file() and not path.is_symlink() and not _ignored(
+        relative, [*SOURCE_EXCLUDES, *_ignore_patterns(source)])
 
 
-def fail(message):
-    try:
-        with open(os.path.join(OPT_ML, "output", "failure"), "w") as f:
-            f.write("diloco bootstrap: " + message)
-    except OSError:
-        pass
-    print("diloco bootstrap: error: " + message, file=sys.stderr, flush=True)
-    sys.exit(1)
+def bootstrap_environment(spec: LaunchSpec, source: Path) -> dict[str, str]:
+    """The request's environment entry telling the bootstrap what to install beyond diloco's own requirements
+    (``diloco.executors.replica_requirements``): shown by ``--dry-run``, read by the job."""
+    args = spec.entrypoint_args
+    requirements = replica_requirements(trainer=args.trainer, rendezvous_uri=args.rendezvous_uri,
+                                        tensorboard=args.tensorboard is not None, source_dir=source,
+                                        ships_requirements_txt=ships(source, REQUIREMENTS_TXT))
+    return {BOOTSTRAP_REQUIREMENTS_ENV: requirements_value(requirements)}
 
 
-def missing_requirements(wheel_site):
-    """Requirements of the installed wheel that this image does not satisfy (pip's own packaging decides)."""
-    from pip._vendor.packaging.requirements import Requirement
-
-    metadata = glob.glob(os.path.join(wheel_site, "diloco-*.dist-info", "METADATA"))
-    wanted = []
-    for line in open(metadata[0]).read().splitlines() if metadata else []:
-        if not line.startswith("Requires-Dist: "):
-            continue
-        req = Requirement(line[len("Requires-Dist: "):])
-        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
-            continue
-        try:
-            have = importlib.metadata.version(req.name)
-        except importlib.metadata.PackageNotFoundError:
-            wanted.append(str(req))
-            continue
-        if req.specifier and not req.specifier.contains(have, prereleases=True):
-            wanted.append(str(req))
-    return wanted
-
-
-def main():
-    wheels = sorted(glob.glob(os.path.join(HERE, "*.whl")))
-    if not wheels:
-        fail("no wheel in the code channel " + HERE)
-    os.makedirs(SITE, exist_ok=True)
-    os.makedirs(WORK, exist_ok=True)
-    if subprocess.run(PIP + ["--no-deps", wheels[-1]]).returncode:
-        fail("pip could not install " + os.path.basename(wheels[-1]))
-    missing = missing_requirements(SITE)
-    if missing:
-        print("diloco bootstrap: installing what the image lacks: " + ", ".join(missing), flush=True)
-        if subprocess.run(PIP + missing).returncode:
-            fail("pip could not install " + ", ".join(missing))
-    archive = os.path.join(HERE, "source.tar.gz")
-    if os.path.exists(archive):
-        with tarfile.open(archive) as tar:
-            if hasattr(tarfile, "data_filter"):
-                tar.extractall(WORK, filter="data")
-            else:
-                tar.extractall(WORK)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([SITE, WORK] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    print("diloco bootstrap: installed %s into %s; running python %s" % (os.path.basename(wheels[-1]), SITE,
-          " ".join(sys.argv[1:3])), flush=True)
-    os.chdir(WORK)
-    os.execve(sys.executable, [sys.executable] + sys.argv[1:], env)
-
-
-if __name__ == "__main__":
-    main()
-'''
-
-
+#: Runs first in a job without a ready image (``executors/bootstrap.py``, shipped as it is): install the shipped
+#: wheel (and whatever requirement of it the image lacks), unpack the source, then exec the replica entrypoint.
+BOOTSTRAP_SCRIPT = resources.files("diloco.executors").joinpath("bootstrap.py").read_text(encoding="utf-8")

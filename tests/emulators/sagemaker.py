@@ -33,7 +33,9 @@ S3 input channels, checkpoints, artifacts and CloudWatch Logs on an S3/Logs endp
 an embedded one). Fault knobs for tests: ``throttle``, ``refuse_create``, ``set_instance_limit``, ``interrupt`` (a spot
 reclaim: the job comes back), ``crash`` (the job fails for good), ``fail`` (the job fails with one of the
 ``FailureReason`` forms on record, ``sagemaker_job.FAILURE_FORMS``), ``break_pip`` (the image's pip installs
-nothing), ``throttle_logs``.
+nothing), ``throttle_logs``. ``prebuilt_python`` runs the jobs on AWS's prebuilt PyTorch training image in an
+interpreter holding only that image's packages (``sagemaker_image``), and ``pip_wheelhouse`` gives their pip a local
+folder of wheels instead of the package index.
 
 Use from tests::
 
@@ -111,9 +113,14 @@ class SageMakerEmulator:
                  interpreter: str | None = None, root_dir: str | Path | None = None,
                  credentials: dict[str, str] | None = None, stop_grace_s: float = 120.0,
                  checkpoint_sync_s: float = 1.0, log_flush_s: float = 0.2, spot_savings: float = 0.7,
-                 restart_delay_s: float = 0.2, history: int = 0, rate_limits: bool = True) -> None:
+                 restart_delay_s: float = 0.2, history: int = 0, rate_limits: bool = True,
+                 prebuilt_python: str | Path | None = None, pip_wheelhouse: str | Path | None = None) -> None:
         """``aws_endpoint``: the S3/Logs server (None: start an embedded moto server). ``interpreter`` stands for
-        the image's ``python`` (default: this interpreter). ``stop_grace_s``: SIGTERM -> SIGKILL delay on stop
+        the image's ``python`` (default: this interpreter). ``prebuilt_python``, if given, stands for it instead in
+        jobs on AWS's prebuilt PyTorch training image (the default without ``--image``): an interpreter holding
+        only that image's packages (``sagemaker_image.image_python()``). ``pip_wheelhouse``: a folder of wheels the
+        jobs' pip installs from instead of the package index (``PIP_FIND_LINKS`` + ``PIP_NO_INDEX``), for speed.
+        ``stop_grace_s``: SIGTERM -> SIGKILL delay on stop
         (120 s on the real service; keep it short in tests). ``credentials``: the AWS variables jobs get as the
         execution role's stand-in (default: this process's AWS_ACCESS_KEY_ID/SECRET/SESSION_TOKEN, else fakes).
         ``history``: older, ended jobs already in the account. ``rate_limits``: the account's request-rate quotas
@@ -122,6 +129,8 @@ class SageMakerEmulator:
         self.account_id = account_id
         self.default_region = default_region
         self.interpreter = interpreter or sys.executable
+        self.prebuilt_python = str(prebuilt_python) if prebuilt_python is not None else None
+        self.pip_wheelhouse = Path(pip_wheelhouse) if pip_wheelhouse is not None else None
         self.aws_endpoint = aws_endpoint
         self._own_root = root_dir is None
         self.root = Path(root_dir) if root_dir is not None else Path(tempfile.mkdtemp(prefix="sagemaker-emu-"))
@@ -226,9 +235,14 @@ class SageMakerEmulator:
             aws_session_token=self.credentials.get("AWS_SESSION_TOKEN"), region_name=self.default_region)
         shim_dir = self.root / "bin"
         _write_python_shims(shim_dir, self.interpreter)
+        prebuilt_shims = self.root / "bin-pytorch-training" if self.prebuilt_python else None
+        if prebuilt_shims is not None and self.prebuilt_python:
+            _write_python_shims(prebuilt_shims, self.prebuilt_python)
+        pip_env = {"PIP_FIND_LINKS": str(self.pip_wheelhouse), "PIP_NO_INDEX": "1"} if self.pip_wheelhouse else {}
         return Runtime(root=self.root / "jobs", shim_dir=shim_dir, aws_endpoint=endpoint,
                        credentials=dict(self.credentials), s3=session.client("s3", endpoint_url=endpoint),
-                       logs=session.client("logs", endpoint_url=endpoint), **self._timing)
+                       logs=session.client("logs", endpoint_url=endpoint), prebuilt_shim_dir=prebuilt_shims,
+                       pip_env=pip_env, **self._timing)
 
     # ------------------------------------------------------------------ fault knobs
     def throttle(self, calls: int, operations: list[str] | None = None) -> None:
@@ -584,18 +598,28 @@ def main(argv: list[str] | None = None) -> int:
                              "when it reaches the form's phase (repeatable)")
     parser.add_argument("--history", type=int, default=0, help="older, ended jobs already in the account")
     parser.add_argument("--no-rate-limits", action="store_true", help="answer every call (no real account does)")
+    parser.add_argument("--image-python", action="store_true",
+                        help="run jobs on AWS's PyTorch training image in an interpreter holding only that image's "
+                             "packages (built on first use and cached; see tests/emulators/sagemaker_image.py)")
+    parser.add_argument("--pip-wheelhouse", default=None, help="folder of wheels jobs' pip installs from")
     args = parser.parse_args(argv)
     armed = [item.partition("=")[::2] for item in args.fail]
     for job, form in armed:
         if not job or form not in FAILURE_FORMS:
             parser.error(f"--fail {job}={form}: expected JOB=FORM, FORM one of {', '.join(FAILURE_FORMS)}")
+    prebuilt = None
+    if args.image_python:
+        from .sagemaker_image import image_python
+
+        prebuilt = image_python()
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # the embedded moto's request log would drown the text
     if args.aws_endpoint is None:
         os.environ["MOTO_ACCOUNT_ID"] = args.account  # the embedded moto answers in this process, as this account
     emulator = SageMakerEmulator(aws_endpoint=args.aws_endpoint, host=args.host, port=args.port,
                                  account_id=args.account, default_region=args.region, root_dir=args.root,
                                  stop_grace_s=args.stop_grace, interpreter=args.python, history=args.history,
-                                 rate_limits=not args.no_rate_limits)
+                                 rate_limits=not args.no_rate_limits, prebuilt_python=prebuilt,
+                                 pip_wheelhouse=args.pip_wheelhouse)
     emulator.start()
     for job, form in armed:
         emulator.fail(job, form)

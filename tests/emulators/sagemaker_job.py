@@ -11,9 +11,13 @@ goes through the service's life cycle on a thread of its own and does for real w
   ``.../rank_10/...`` (as ``0/...``), which is why a URI must end with ``/`` (syne-tune/syne-tune#363).
 * ``Training``: ``ContainerEntrypoint + ContainerArguments`` run as a process in its own process group, with
   ``/opt/ml`` in the arguments and in ``Environment`` mapped to that directory. The image is not run: a
-  ``python`` shim first on ``PATH`` stands for the image's interpreter, and the process gets what the platform
-  provides (``TRAINING_JOB_NAME``, ``TRAINING_JOB_ARN``, the request's ``Environment``), the image's own ``ENV``
-  (``image_env``), and, as the emulator's stand-in for the execution role and the regional endpoints, the AWS
+  ``python`` shim first on ``PATH`` stands for the image's interpreter: for AWS's prebuilt PyTorch training image
+  (``TrainingImage`` in the ``pytorch-training`` repository) the ``prebuilt_shim_dir`` one when the emulator has
+  it (an interpreter with only that image's packages, ``sagemaker_image``), else, and for every other image (one
+  the user built, holding diloco), ``shim_dir``'s. The process gets what the platform provides
+  (``TRAINING_JOB_NAME``, ``TRAINING_JOB_ARN``, the request's ``Environment``), the image's own ``ENV``
+  (``image_env``), ``pip_env`` (a local wheelhouse standing for the package index, when the emulator has one),
+  and, as the emulator's stand-in for the execution role and the regional endpoints, the AWS
   endpoint, credentials and region that reach the loopback S3/Logs server (with ``EnableNetworkIsolation`` the
   endpoint is a closed port and there are no credentials, so any AWS call fails as it would in isolation).
   No ``SM_*`` variable exists: the training toolkit makes those, and it does not run when an entrypoint is set.
@@ -24,9 +28,17 @@ goes through the service's life cycle on a thread of its own and does for real w
 * End: exit 0 -> ``Completed``; non-zero -> ``Failed`` with ``FailureReason`` "AlgorithmError: <text of
   /opt/ml/output/failure>" or, without that file, "AlgorithmError: , exit code: N" (the 2024 wording on record).
   ``StopTrainingJob`` and ``MaxRuntimeInSeconds`` send SIGTERM, then SIGKILL after ``stop_grace_s`` (120 s on the
-  real service) and end ``Stopped`` (secondary ``Stopped`` / ``MaxRuntimeExceeded``); ``MaxWaitTimeInSeconds``
-  (spot) ends ``Stopped`` / ``MaxWaitTimeExceeded``. When the main process ends, the rest of its process group is
-  killed, as everything in a container dies with it.
+  real service: "SageMaker sends the algorithm the SIGTERM signal, which delays job termination for 120
+  seconds", API_StopTrainingJob) and end ``Stopped`` (secondary ``Stopped`` / ``MaxRuntimeExceeded``);
+  ``MaxWaitTimeInSeconds`` (spot) ends ``Stopped`` / ``MaxWaitTimeExceeded``. The SIGTERM goes to the container's
+  main process only, as ``docker stop`` sends it ("The main process inside the container will receive SIGTERM,
+  and after a grace period, SIGKILL", docker container stop reference): its children get nothing unless it
+  forwards. And that process is PID 1 of the container's PID namespace, which the kernel protects: a signal
+  reaches it only if it has a handler for it ("the process will not terminate on SIGINT or SIGTERM unless it is
+  coded to do so", Docker's run reference; pid_namespaces(7)), so a main process without a SIGTERM handler
+  (read from ``/proc/<pid>/status`` ``SigCgt``) gets nothing and waits out the grace period. SIGKILL goes to the
+  whole process group. When the main process ends, the rest of its process group is killed, as everything in a
+  container dies with it.
 * Crash (a fault knob, ``crash``): the container's processes are SIGKILLed (an OOM kill, a lost instance); the
   job ends ``Failed`` with exit code 137 and is not restarted: a new job is the launcher's business.
 * Failure forms (a fault knob, ``fail``): the job ends ``Failed`` with one of the ``FailureReason`` forms the
@@ -68,6 +80,8 @@ DEFAULT_MAX_RUNTIME_S = 86400
 DEFAULT_CHECKPOINT_DIR = "/opt/ml/checkpoints"
 FAILURE_REASON_MAX = 1024
 TERMINAL = ("Completed", "Failed", "Stopped")
+#: The ECR repository of AWS's prebuilt PyTorch training images (sagemaker-core's image URI tables).
+PYTORCH_TRAINING_REPOSITORY = "pytorch-training"
 
 #: The PyTorch training DLC's own ``ENV`` lines (deep-learning-containers, pytorch/training/docker/2.8/py3/
 #: Dockerfile.cpu): what the image adds to every process, independent of SageMaker.
@@ -101,6 +115,8 @@ class Runtime:
     image_env: dict[str, str] = field(default_factory=lambda: dict(DLC_IMAGE_ENV))
     #: Failure forms armed for jobs not created yet, by job name (``SageMakerEmulator.fail``).
     armed_failures: dict[str, FailureForm] = field(default_factory=dict)
+    prebuilt_shim_dir: Path | None = None  # the ``python`` of AWS's PyTorch training image, when not shim_dir's
+    pip_env: dict[str, str] = field(default_factory=dict)  # how a job's pip reaches packages (a local wheelhouse)
 
 
 #: The life-cycle phases a failure form can happen in, in order.
@@ -178,6 +194,27 @@ def split_s3_uri(uri: str) -> tuple[str, str]:
     rest = uri[len("s3://"):]
     bucket, _, key = rest.partition("/")
     return bucket, key
+
+
+def runs_pytorch_training_image(request: dict[str, Any]) -> bool:
+    """Whether the job's ``TrainingImage`` is AWS's prebuilt PyTorch training image
+    (``<account>.dkr.ecr.<region>.amazonaws.com/pytorch-training:<tag>``), which holds no diloco."""
+    image = str((request.get("AlgorithmSpecification") or {}).get("TrainingImage", ""))
+    repository = image.split("/", 1)[-1].split(":", 1)[0].split("@", 1)[0]
+    return ".dkr.ecr." in image and repository == PYTORCH_TRAINING_REPOSITORY
+
+
+def catches_signal(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` (the ``SigCgt`` mask of ``/proc/<pid>/status``): what the
+    kernel checks before it lets a signal reach a PID namespace's init. True where ``/proc`` cannot tell."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return True
 
 
 def map_opt_ml(text: str, opt_ml: Path) -> str:
@@ -623,7 +660,11 @@ class TrainingJob:
     def _environment(self, opt_ml: Path) -> dict[str, str]:
         """What the process sees: image ENV, the AWS stand-ins, the request's Environment, the platform's two."""
         env = dict(self.rt.image_env)
-        env["PATH"] = f"{self.rt.shim_dir}{os.pathsep}/usr/local/bin{os.pathsep}/usr/bin{os.pathsep}/bin"
+        shims = self.rt.shim_dir
+        if self.rt.prebuilt_shim_dir is not None and runs_pytorch_training_image(self.request):
+            shims = self.rt.prebuilt_shim_dir
+        env["PATH"] = f"{shims}{os.pathsep}/usr/local/bin{os.pathsep}/usr/bin{os.pathsep}/bin"
+        env.update(self.rt.pip_env)
         env["HOME"] = str(self.rt.root / self.name / "home")
         env["AWS_REGION"] = env["AWS_DEFAULT_REGION"] = self.region
         if self.request.get("EnableNetworkIsolation"):
@@ -691,7 +732,7 @@ class TrainingJob:
             if kill_at is None:
                 cause = self._termination_cause(now, started)
                 if cause != "exited":
-                    self._kill_group(signal.SIGTERM, proc)
+                    self._terminate_main(proc)
                     kill_at = now + self.rt.stop_grace_s
             elif now >= kill_at:
                 self._kill_group(signal.SIGKILL, proc)
@@ -713,6 +754,15 @@ class TrainingJob:
             self._begin_stopping("MaxWaitTimeExceeded")
             return "MaxWaitTimeExceeded"
         return "exited"
+
+    @staticmethod
+    def _terminate_main(proc: subprocess.Popen[bytes]) -> None:
+        """``docker stop``'s SIGTERM: to the main process only, and only if it has a handler (PID 1's rule)."""
+        if catches_signal(proc.pid, signal.SIGTERM):
+            try:
+                os.kill(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
 
     def _kill_group(self, sig: int, proc: subprocess.Popen[bytes] | None = None) -> None:
         proc = proc or self.process

@@ -1,0 +1,305 @@
+"""diloco's bootstrap for a job without a ready image: install what the run needs, unpack the source, exec the
+replica entrypoint.
+
+``diloco launch`` ships this file as it is, next to a wheel of diloco and a tarball of the user's source directory
+(the job's code channel), and the job runs it with the image's own interpreter:
+``python <channel>/diloco_bootstrap.py -m <entrypoint> <args>``. It uses the standard library and pip only (every
+Python image has pip), since it runs before anything is installed.
+
+1. **Stopping.** The job's first process is the container's PID 1, and the kernel delivers no signal to PID 1
+   that it has no handler for: without one, a stop request (SIGTERM to PID 1 only, SIGKILL after the grace
+   period: 120 s on SageMaker) would wait out the whole grace period while pip runs. So SIGTERM is handled from
+   the start: it is forwarded to the running child (pip), and the bootstrap exits 143 as soon as the child is
+   gone (after ``STOP_WAIT_S`` it kills the child). After ``exec`` the replica entrypoint's own handler takes over.
+2. **Source.** ``source.tar.gz`` is unpacked into the working directory, so a ``requirements.txt`` in it can be
+   installed, and relative paths in the trainer's settings resolve as they did on the launcher.
+3. **What to install.** The wheel's own requirements (those without an extra marker) that this interpreter does
+   not satisfy, and the launcher's list in ``$DILOCO_BOOTSTRAP_REQUIREMENTS`` (a JSON list, shown by
+   ``diloco launch --dry-run``): the store's extra (``aws``: s3fs with boto3), the extras the trainer declares
+   (``DILOCO_EXTRAS`` in its module), tensorboard for ``--tensorboard``, and ``-r requirements.txt`` when the
+   source has one (the SageMaker SDK's convention). Nothing unsatisfied and no requirements file: no resolver.
+4. **How.** pip resolves everything (diloco's own requirements included, so nothing can push them out of range)
+   against this interpreter's packages (``pip install --dry-run --report``), which count as installed: what pip
+   reports is exactly what the image lacks or has too old. pip weighs only the packages it is asked about, so an
+   image package whose requirements that set would break (the image's boto3, pinned to its own botocore, next to
+   the newer botocore a new s3fs's aiobotocore needs) is added to the question until none is broken. Those
+   distributions and the wheel are installed with ``--no-deps --target`` into a directory of our own, first on
+   ``PYTHONPATH``. The image's site-packages is never written, and what is upgraded is one consistent set: an
+   s3fs older than diloco needs is replaced together with the aiobotocore, botocore and boto3 it requires, so no
+   process mixes the image's boto3 with a newer botocore. (A pip without ``--report``, before 22.2, installs the
+   unsatisfied requirements with their whole dependency closure into that directory instead.)
+5. ``exec`` of the entrypoint in the working directory: the same process, so the same PID 1.
+
+Paths come from this file's place in SageMaker's layout (the channel is ``<root>/input/data/<channel>``, so
+``<root>`` is ``/opt/ml``): packages in ``<root>/diloco/site``, the source in ``<root>/code``, a failure's reason in
+``<root>/output/failure`` (SageMaker's FailureReason). ``DILOCO_BOOTSTRAP_SITE``, ``DILOCO_BOOTSTRAP_WORKDIR`` and
+``DILOCO_BOOTSTRAP_FAILURE_FILE`` replace them where the layout differs.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.metadata
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import urllib.parse
+import zipfile
+from typing import Any, NoReturn
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
+SITE = os.environ.get("DILOCO_BOOTSTRAP_SITE") or os.path.join(ROOT, "diloco", "site")
+WORK = os.environ.get("DILOCO_BOOTSTRAP_WORKDIR") or os.path.join(ROOT, "code")
+FAILURE_FILE = os.environ.get("DILOCO_BOOTSTRAP_FAILURE_FILE") or os.path.join(ROOT, "output", "failure")
+#: The launcher's list of what the run needs beyond diloco's own requirements (a JSON list of pip arguments).
+REQUIREMENTS_ENV = "DILOCO_BOOTSTRAP_REQUIREMENTS"
+SOURCE_ARCHIVE = "source.tar.gz"
+EXIT_SIGTERM = 143
+#: How long a child may take to end after the forwarded SIGTERM before it is killed.
+STOP_WAIT_S = 10.0
+PIP = [sys.executable, "-m", "pip", "--no-input", "--disable-pip-version-check"]
+
+_child: subprocess.Popen[bytes] | None = None
+_stop_requested_at: float | None = None
+
+
+def say(message: str) -> None:
+    print("diloco bootstrap: " + message, flush=True)
+
+
+def fail(message: str) -> NoReturn:
+    try:
+        with open(FAILURE_FILE, "w") as f:
+            f.write("diloco bootstrap: " + message)
+    except OSError:
+        pass
+    print("diloco bootstrap: error: " + message, file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
+# ---------------------------------------------------------------------------------------------- stopping
+def on_sigterm(signum: int, frame: Any) -> None:
+    """Forward the stop to the running child and let ``run`` exit once it is gone; with no child, exit now."""
+    global _stop_requested_at
+    if _stop_requested_at is None:
+        _stop_requested_at = time.monotonic()
+    child = _child
+    if child is not None and child.poll() is None:
+        os.write(1, f"diloco bootstrap: SIGTERM: forwarding it to pip (pid {child.pid}) and exiting\n".encode())
+        child.send_signal(signal.SIGTERM)
+        return
+    os.write(1, b"diloco bootstrap: SIGTERM: exiting\n")
+    sys.exit(EXIT_SIGTERM)
+
+
+def run(cmd: list[str], what: str) -> int:
+    """Run ``cmd`` to its end (stoppable by SIGTERM, see ``on_sigterm``); its exit code."""
+    global _child
+    child = subprocess.Popen(cmd, cwd=WORK, env={**os.environ, "PIP_ROOT_USER_ACTION": "ignore"})
+    _child = child
+    try:
+        while True:
+            try:
+                code = child.wait(timeout=0.5)
+                break
+            except subprocess.TimeoutExpired:
+                if _stop_requested_at is not None and time.monotonic() - _stop_requested_at > STOP_WAIT_S:
+                    child.kill()
+    finally:
+        _child = None
+    if _stop_requested_at is not None:
+        say(f"stopped by SIGTERM while {what} ran (it ended with {describe_exit(code)}); exiting {EXIT_SIGTERM}")
+        sys.exit(EXIT_SIGTERM)
+    return code
+
+
+def describe_exit(code: int) -> str:
+    return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+
+
+# ---------------------------------------------------------------------------------------------- requirements
+def wheel_requirements(wheel: str) -> list[str]:
+    """The wheel's own requirements (its METADATA's Requires-Dist without an extra marker)."""
+    with zipfile.ZipFile(wheel) as zf:
+        metadata = next((n for n in zf.namelist() if n.endswith(".dist-info/METADATA")), None)
+        text = zf.read(metadata).decode("utf-8") if metadata else ""
+    lines = [line[len("Requires-Dist: "):].strip() for line in text.splitlines() if line.startswith("Requires-Dist: ")]
+    return [line for line in lines if "extra" not in line.partition(";")[2]]
+
+
+def requested() -> tuple[list[str], list[str]]:
+    """The launcher's list: (requirements, requirement files)."""
+    raw = os.environ.get(REQUIREMENTS_ENV, "").strip()
+    try:
+        items = json.loads(raw) if raw else []
+    except ValueError:
+        fail(f"{REQUIREMENTS_ENV} is not a JSON list: {raw[:200]}")
+    if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+        fail(f"{REQUIREMENTS_ENV} is not a JSON list of strings: {raw[:200]}")
+    files = [i.split(None, 1)[1].strip() for i in items if i.startswith("-r ")]
+    return [i for i in items if not i.startswith("-r ")], files
+
+
+def unsatisfied(requirements: list[str]) -> list[str]:
+    """The requirements this interpreter's own packages do not satisfy (pip's own packaging decides)."""
+    try:
+        from pip._vendor.packaging.requirements import Requirement
+    except ImportError:  # a pip without its vendored packaging: let pip's resolver decide everything
+        return list(requirements)
+    missing = []
+    for text in requirements:
+        req = Requirement(text)
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue
+        try:
+            have = importlib.metadata.version(req.name)
+        except importlib.metadata.PackageNotFoundError:
+            missing.append(text)
+            continue
+        if req.specifier and not req.specifier.contains(have, prereleases=True):
+            missing.append(text)
+    return missing
+
+
+def pip_reports() -> bool:
+    """Whether this pip has ``install --dry-run --report`` (pip 22.2 and later)."""
+    try:
+        major, minor = (int(p) for p in importlib.metadata.version("pip").split(".")[:2])
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return False
+    return (major, minor) >= (22, 2)
+
+
+def resolve(args: list[str]) -> list[tuple[str, str, str]] | None:
+    """What pip would install into this interpreter for ``args``: ``(name, version, where from)``; None if pip
+    finds no consistent set."""
+    with tempfile.TemporaryDirectory() as tmp:
+        report = os.path.join(tmp, "report.json")
+        if run([*PIP, "install", "--quiet", "--dry-run", "--report", report, *args], "pip (resolving)"):
+            return None
+        with open(report) as f:
+            items = json.load(f).get("install", [])
+    return [(i["metadata"]["name"], i["metadata"]["version"], location(i["download_info"])) for i in items]
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def broken_dependents(resolved: list[tuple[str, str, str]]) -> list[str]:
+    """This image's packages whose own requirements the resolved set would break (the image's boto3 next to a
+    newer botocore that aiobotocore needs): pip's resolver only weighs the packages it was asked about."""
+    try:
+        from pip._vendor.packaging.requirements import InvalidRequirement, Requirement
+    except ImportError:
+        return []
+    new = {canonical(name): version for name, version, _ in resolved}
+    broken = []
+    for dist in importlib.metadata.distributions():
+        name = dist.metadata["Name"]
+        if not name or canonical(name) in new:
+            continue
+        for text in dist.requires or []:
+            try:
+                req = Requirement(text)
+            except InvalidRequirement:
+                continue
+            if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+                continue
+            version = new.get(canonical(req.name))
+            if version is not None and not req.specifier.contains(version, prereleases=True):
+                broken.append(name)
+                break
+    return sorted(set(broken))
+
+
+def consistent_set(args: list[str]) -> list[tuple[str, str, str]]:
+    """pip's resolution of ``args``, widened by the image's packages it would break until none is (each then comes
+    in a version that fits, from our directory too); a dependent pip cannot fit is left as the image has it."""
+    resolved = resolve(args)
+    if resolved is None:
+        fail("pip could not resolve " + " ".join(args))
+    asked: list[str] = []
+    for _ in range(3):
+        dependents = [d for d in broken_dependents(resolved) if d not in asked]
+        if not dependents:
+            break
+        wider = resolve([*args, *asked, *dependents])
+        if wider is None:
+            say(f"warning: no version of {', '.join(dependents)} fits the packages installed for this run: left as "
+                "this image has them, so importing them in this job may fail")
+            break
+        asked += dependents
+        resolved = wider
+    return resolved
+
+
+def location(info: dict[str, Any]) -> str:
+    """Where pip found a distribution it resolved, as an argument that installs exactly that one."""
+    url = str(info["url"])
+    vcs = info.get("vcs_info")
+    if vcs:
+        return f"{vcs['vcs']}+{url}@{vcs['commit_id']}"
+    if "dir_info" in info and url.startswith("file://"):
+        return urllib.parse.unquote(url[len("file://"):])
+    digest = (info.get("archive_info") or {}).get("hashes", {}).get("sha256")
+    return f"{url}#sha256={digest}" if digest and "#" not in url else url
+
+
+# ---------------------------------------------------------------------------------------------- main
+def unpack_source() -> None:
+    archive = os.path.join(HERE, SOURCE_ARCHIVE)
+    if os.path.exists(archive):
+        with tarfile.open(archive) as tar:
+            if hasattr(tarfile, "data_filter"):
+                tar.extractall(WORK, filter="data")
+            else:
+                tar.extractall(WORK)
+
+
+def install(wheel: str) -> None:
+    own = wheel_requirements(wheel)
+    wanted, files = requested()
+    missing = unsatisfied([*own, *wanted])
+    targets = [wheel]
+    if missing or files:
+        file_args = [arg for path in files for arg in ("-r", path)]
+        if pip_reports():
+            resolved = consistent_set([*own, *wanted, *file_args])
+            if resolved:
+                names = ", ".join(f"{name}=={version}" for name, version, _ in resolved)
+                say(f"installing what this image lacks into {SITE}: {names}")
+            targets += [where for _, _, where in resolved]
+        else:
+            say(f"installing what this image lacks into {SITE}: {', '.join([*missing, *file_args])}")
+            if run([*PIP, "install", "--quiet", "--target", SITE, *missing, *file_args], "pip"):
+                fail("pip could not install " + ", ".join([*missing, *file_args]))
+    if run([*PIP, "install", "--quiet", "--no-compile", "--no-deps", "--upgrade", "--target", SITE, *targets], "pip"):
+        fail("pip could not install " + ", ".join(os.path.basename(t) for t in targets))
+
+
+def main() -> None:
+    signal.signal(signal.SIGTERM, on_sigterm)
+    wheels = sorted(glob.glob(os.path.join(HERE, "*.whl")))
+    if not wheels:
+        fail("no wheel in the code channel " + HERE)
+    os.makedirs(SITE, exist_ok=True)
+    os.makedirs(WORK, exist_ok=True)
+    unpack_source()
+    install(wheels[-1])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([SITE, WORK] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    say(f"installed {os.path.basename(wheels[-1])} into {SITE}; running python {' '.join(sys.argv[1:3])}")
+    os.chdir(WORK)
+    os.execve(sys.executable, [sys.executable, *sys.argv[1:]], env)
+
+
+if __name__ == "__main__":
+    main()
