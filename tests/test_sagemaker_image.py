@@ -105,8 +105,11 @@ def log_lines(job_name: str) -> list[str]:
 
 
 def run_in(python: Path, code: str) -> subprocess.CompletedProcess[str]:
+    """``python -c code`` as a container would run it: outside the checkout (``-c`` puts the working directory on
+    ``sys.path``, and a checkout may hold an editable install's ``diloco.egg-info``)."""
     env = {"PATH": os.environ.get("PATH", ""), "HOME": os.environ.get("HOME", "/")}
-    return subprocess.run([str(python), "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    return subprocess.run([str(python), "-c", code], capture_output=True, text=True, env=env, timeout=120,
+                          cwd=Path(python).anchor)
 
 
 # ---------------------------------------------------------------------------------------------------- the image
