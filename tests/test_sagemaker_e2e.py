@@ -260,7 +260,6 @@ def test_dry_run_prints_four_valid_requests_and_calls_nothing(
     (["--spot", "--set", "backend.max_wait_s=60", "--set", "timeout_s=120"],
      "StoppingCondition.MaxWaitTimeInSeconds: 60 is less than MaxRuntimeInSeconds (120)"),
     (["--spot", "--keep-alive", "60"], "warm pools do not work with managed spot training"),
-    (["-k", "corpus=/" + "c" * 300], "ContainerArguments[11]: 3"),  # "3xx characters (limit 256)"
     (["--set", "store.rendezvous=s3://bucket/" + "p" * 520], "Environment['RENDEZVOUS_URI']: 532 characters"),
     (["--gpu", "Z80"], "gpu: unknown accelerator 'Z80'"),
 ])

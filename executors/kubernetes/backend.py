@@ -168,7 +168,7 @@ class KubernetesBackend(Backend[KubernetesBackendConfig, KubernetesRunHandle]):
             requests[GPU_RESOURCE] = limits[GPU_RESOURCE] = str(gpus)
         container: dict[str, Any] = {
             "name": CONTAINER, "image": cfg.image, "command": ["python", "-m", spec.entrypoint],
-            "args": spec.entrypoint_args.to_argv(), "env": env, "resources": {"requests": requests, "limits": limits},
+            "args": spec.entrypoint_argv(), "env": env, "resources": {"requests": requests, "limits": limits},
             # a failed replica's last log lines land in its pod status: `describe` quotes its `diloco: error:` line
             "terminationMessagePolicy": "FallbackToLogsOnError"}
         if cfg.image_pull_policy:

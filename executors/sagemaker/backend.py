@@ -199,7 +199,7 @@ class SageMakerBackend(Backend[SageMakerBackendConfig, SageMakerRunHandle]):
                                                             self.config.py_version)
         requests = [self._request(spec, rank, region, instance_type, image) for rank in range(spec.replicas)]
         for rank, request in enumerate(requests):
-            check_request(request, rank)
+            check_request(request, rank, procs_per_replica=procs)
         return LaunchPlan(backend=self.name, spec=spec, requests=requests)
 
     def _request(self, spec: LaunchSpec, rank: int, region: str, instance_type: str, image: str) -> dict[str, Any]:
@@ -208,10 +208,10 @@ class SageMakerBackend(Backend[SageMakerBackendConfig, SageMakerRunHandle]):
                "PYTHONUNBUFFERED": "1"}
         if self.ships_code:
             entrypoint = ["python", f"/opt/ml/input/data/{CODE_CHANNEL}/{BOOTSTRAP_FILE}"]
-            arguments = ["-m", spec.entrypoint, *spec.entrypoint_args.to_argv()]
+            arguments = ["-m", spec.entrypoint, *spec.entrypoint_argv()]
         else:
             entrypoint = ["python", "-m", spec.entrypoint]
-            arguments = spec.entrypoint_args.to_argv()
+            arguments = spec.entrypoint_argv()
         max_run = math.ceil(spec.timeout_s) if spec.timeout_s else DEFAULT_MAX_RUNTIME_S
         resources: dict[str, Any] = {"InstanceType": instance_type, "InstanceCount": 1,
                                      "VolumeSizeInGB": self.config.volume_size_gb}
