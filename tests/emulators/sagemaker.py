@@ -17,7 +17,8 @@ credential scope, the signature itself is not checked) and answers with the serv
 Each job runs as a local process (``sagemaker_job.TrainingJob`` documents exactly what it gets and does), with
 S3 input channels, checkpoints, artifacts and CloudWatch Logs on an S3/Logs endpoint (the tests' moto server, or
 an embedded one). Fault knobs for tests: ``throttle``, ``refuse_create``, ``set_instance_limit``, ``interrupt`` (a spot
-reclaim: the job comes back), ``crash`` (the job fails for good).
+reclaim: the job comes back), ``crash`` (the job fails for good), ``hold_create`` (a CreateTrainingJob whose answer
+is late: the job exists while its launcher still waits, so a test can interrupt it there).
 
 Use from tests::
 
@@ -108,6 +109,9 @@ class SageMakerEmulator:
         self._refuse_at: int | None = None
         self._creates_seen = 0
         self._instance_limits: dict[str, int] = {}
+        self._hold_at: int | None = None
+        self._held = threading.Event()  # set while a CreateTrainingJob answer is being held
+        self._release = threading.Event()
         self.calls: list[Call] = []
         self._moto: Any = None
         self._server: ThreadingHTTPServer | None = None
@@ -133,6 +137,7 @@ class SageMakerEmulator:
 
     def stop(self) -> None:
         """Stop answering, kill every job's process group, and stop the embedded moto server if there is one."""
+        self._release.set()  # a held answer must not keep a server thread waiting
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
@@ -197,6 +202,24 @@ class SageMakerEmulator:
         """The account quota of ``instance_type`` for training jobs (jobs InProgress or Stopping count)."""
         with self._lock:
             self._instance_limits[instance_type] = instances
+
+    def hold_create(self, nth: int = 1) -> None:
+        """Create the ``nth`` CreateTrainingJob's job from now, then hold its answer until ``release_create()``: a
+        slow response, as a launcher Ctrl-C'd while the request is in flight meets it (the job exists; the
+        launcher has not heard). ``wait_until_held()`` tells a test when to interrupt."""
+        with self._lock:
+            self._creates_seen = 0
+            self._hold_at = nth
+            self._held.clear()
+            self._release.clear()
+
+    def wait_until_held(self, timeout: float) -> bool:
+        """Whether a CreateTrainingJob answer is being held (``hold_create``) within ``timeout`` seconds."""
+        return self._held.wait(timeout)
+
+    def release_create(self) -> None:
+        """Send the held CreateTrainingJob answer (to a client that may be gone)."""
+        self._release.set()
 
     def interrupt(self, name: str, *, hold: bool = False) -> None:
         """Reclaim the spot instance under a training job: SIGKILL, ``Interrupted``, then a restart after
@@ -276,7 +299,13 @@ class SageMakerEmulator:
             job = TrainingJob(body, arn=arn, region=region, runtime=self._runtime)
             self._check_quota(job)
             self._jobs[name] = job
+            hold = self._hold_at is not None and self._creates_seen == self._hold_at
+            if hold:
+                self._hold_at = None
         job.start()
+        if hold:
+            self._held.set()
+            self._release.wait()
         return {"TrainingJobArn": arn}
 
     def _check_quota(self, job: TrainingJob) -> None:
