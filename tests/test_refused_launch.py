@@ -141,7 +141,8 @@ def test_ctrl_c_while_a_job_is_being_created_rolls_everything_back_and_exits_130
     try:
         assert emulator.wait_until_held(timeout=120), "the launch never reached its second CreateTrainingJob"
         assert len(emulator.jobs()) == 2
-        assert any(key.endswith("/spec.json") for key in bucket_keys(s3_bucket))
+        written = bucket_keys(s3_bucket)
+        assert any(key.endswith("/run.json") for key in written) and any("/sagemaker/code/" in k for k in written)
         launch.send_signal(signal.SIGINT)
         _, stderr = launch.communicate(timeout=240)
     finally:

@@ -215,7 +215,7 @@ def test_a_refused_third_job_rolls_the_launch_back(
     emulator.refuse_create(nth=3)
     launch = cli(*launch_args(emulator, s3_bucket, source, "--replicas", "4", "--trainer", "slowtrain:train"),
                  home=home, cwd=tmp_path)
-    assert launch.returncode == 1
+    assert launch.returncode == 3  # the service refused: nothing launched, nothing left
     error = [line for line in launch.stderr.splitlines() if line.startswith("diloco: error:")]
     assert len(error) == 1 and "replica 2" in error[0] and "ResourceLimitExceeded" in error[0], launch.stderr
     assert "the 2 job(s) already created were stopped" in error[0]
