@@ -9,9 +9,12 @@ per poll instead of N (SageMaker throttles ``DescribeTrainingJob``; an Indexed J
   CreateTrainingJob kwargs for SageMaker, the Job manifest for Kubernetes). No network, no directory, no mutation;
   ``diloco launch --dry-run`` prints it and tests snapshot it. Deterministic for a fixed run id.
 * ``submit(plan, on_progress) -> RunHandle`` is all-or-nothing: if replica k cannot be created, whatever was
-  created before it is cancelled before the error propagates (also on Ctrl-C), so a failed launch never leaves
-  orphan jobs. ``on_progress`` receives the handle before the first replica is created and after each one, so
-  the caller can record it at once.
+  created before it is cancelled before the error propagates (also on Ctrl-C), and what the backend wrote of its
+  own for the run (shipped code, a run directory) is removed once those replicas have ended, so a failed launch
+  never leaves orphan jobs or files. ``on_progress`` receives the handle before the first replica is created and
+  after each one, so the caller can record it at once. The caller (``diloco launch``) publishes the run's objects
+  in the store first (``run.json``, the spec object at ``LaunchSpec.spec_uri``) and removes them if ``submit``
+  raises.
 * ``describe(handle) -> RunStatus``: every replica's state, reason, exit code, restarts, timestamps, backend detail
   and artifacts in one call.
 * ``cancel(handle, ranks=None)`` asks the replicas to stop and returns without waiting (idempotent: a finished or
