@@ -122,3 +122,41 @@ def test_rm_prefix_of_a_recorded_run_removes_it_through_its_record(tmp_path: Pat
 def test_rm_needs_a_run_or_a_prefix(tmp_path: Path) -> None:
     out = cli("rm", home=tmp_path / "home")
     assert out.returncode == exit_codes.USAGE and "give a RUN" in out.stderr
+
+
+SLOW_TRAINER = '''
+import time
+
+
+def train(*, manager, rank, world_size, total_steps=1, sync_every=1):
+    print(f"slow trainer started on rank {rank}", flush=True)
+    time.sleep(120)
+'''
+
+
+@pytest.mark.slow
+def test_rm_of_a_sagemaker_run_also_removes_what_it_wrote_under_output_s3_uri(
+        emulator: object, s3_bucket: str, bucket_keys: Callable[[str], list[str]], tmp_path: Path) -> None:
+    """With ``backend.output_s3_uri`` the shipped code, outputs and checkpoints live outside the rendezvous."""
+    home = tmp_path / "home"
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "slowtrain.py").write_text(SLOW_TRAINER)
+    role = f"arn:aws:iam::{emulator.account_id}:role/e2e"  # type: ignore[attr-defined]
+    out = cli("launch", "--backend", "sagemaker", "--role", role, "--region", "us-east-1", "-n", "1",
+              "--rendezvous", f"s3://{s3_bucket}/runs/{{run_id}}", "--source-dir", str(source),
+              "--set", f"backend.output_s3_uri=s3://{s3_bucket}/elsewhere", "--trainer", "slowtrain:train",
+              "--detach", "-o", "json", home=home, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    run_id = json.loads(out.stdout)["run_id"]
+    assert any(k.startswith(f"elsewhere/{run_id}/code/") for k in bucket_keys(s3_bucket))
+    cancel = cli("cancel", run_id, home=home, cwd=tmp_path)
+    assert cancel.returncode == 0, cancel.stderr
+    deadline = time.monotonic() + 60
+    while cli("status", run_id, "-o", "json", home=home, cwd=tmp_path).stdout.count('"cancelled"') < 2:
+        assert time.monotonic() < deadline, "the job never ended"
+        time.sleep(0.5)
+    removed = cli("rm", run_id, "-o", "json", home=home, cwd=tmp_path)
+    assert removed.returncode == 0, removed.stderr
+    assert json.loads(removed.stdout)["runs"][0]["files"] == [f"s3://{s3_bucket}/elsewhere/{run_id}/"]
+    assert bucket_keys(s3_bucket) == []

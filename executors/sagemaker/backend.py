@@ -350,7 +350,10 @@ class SageMakerBackend(Backend[SageMakerBackendConfig, SageMakerRunHandle]):
                 except BackendError as exc:
                     problem = problem or exc
             self._wait_ended(sm, names, hurry)
-            self._delete_prefix(base, region)
+            try:
+                self._delete_prefix(base, region)
+            except Exception:  # noqa: BLE001 - see _delete_prefix
+                pass
         if problem is not None:
             raise problem
 
@@ -376,20 +379,37 @@ class SageMakerBackend(Backend[SageMakerBackendConfig, SageMakerRunHandle]):
             if pending:
                 time.sleep(ROLLBACK_POLL_S)
 
-    def _delete_prefix(self, base: str, region: str) -> None:
-        """Delete every object under ``base/`` (the run's own prefix: its run id is in the path). Best effort: a
-        rollback must not replace the error that caused it; what stays is under the run's rendezvous prefix or
-        ``output_s3_uri/<run_id>/``."""
+    def _delete_prefix(self, base: str, region: str, *, dry_run: bool = False) -> int:
+        """Delete every object under ``base/`` (the run's own prefix: its run id is in the path); how many there
+        were. Errors propagate; the rollback ignores them (it must not replace the error that caused it, and what
+        stays is under the run's rendezvous prefix or ``output_s3_uri/<run_id>/``, which ``diloco rm`` reaches)."""
         bucket, _, key = base[len("s3://"):].partition("/")
         prefix = key.rstrip("/") + "/"
+        s3 = self.client("s3", region)
+        found = 0
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+            keys = [{"Key": obj["Key"]} for obj in page.get("Contents", [])]
+            found += len(keys)
+            if keys and not dry_run:
+                s3.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
+        return found
+
+    # ------------------------------------------------------------------ housekeeping
+    def remove(self, handle: SageMakerRunHandle, *, dry_run: bool = False) -> list[str]:
+        """With ``output_s3_uri``, a run's shipped code, job outputs and checkpoints lie outside its rendezvous,
+        under ``<output_s3_uri>/<run_id>/``: ``diloco rm`` removes them here (without it they are under the
+        rendezvous prefix, which the caller removes). A training job itself cannot be deleted, and its logs follow
+        CloudWatch's retention."""
+        if not self.config.output_s3_uri:
+            return []
+        base = f"{self.config.output_s3_uri.rstrip('/')}/{handle.run_id}"
         try:
-            s3 = self.client("s3", region)
-            for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-                keys = [{"Key": obj["Key"]} for obj in page.get("Contents", [])]
-                if keys:
-                    s3.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
-        except Exception:  # noqa: BLE001 - see the docstring
-            pass
+            found = self._delete_prefix(base, handle.region or self.region(), dry_run=dry_run)
+        except Exception as exc:  # noqa: BLE001 - reported with its code, the run is kept
+            code, message = _client_error(exc)
+            raise BackendError(f"could not remove {base}/: {code}: {message}",
+                               hint="check you may list and delete objects under it") from exc
+        return [f"{base}/"] if found else []
 
     @staticmethod
     def _stop(sm: Any, name: str) -> None:
