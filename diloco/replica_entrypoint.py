@@ -59,7 +59,7 @@ import sys
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from diloco import envvars
 from diloco.errors import AllReduceTimeout, ConfigError, error_line
@@ -69,6 +69,9 @@ from diloco.trainer_check import INJECTED, check_trainer_kwargs
 DEFAULT_TRAINER = "diloco.trainer:diloco_train"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 EXIT_SIGINT, EXIT_SIGTERM = 130, 143
+
+if TYPE_CHECKING:
+    from diloco.executors.base import EntrypointArgs
 
 E = TypeVar("E", bound=BaseException)
 log = logging.getLogger("diloco.replica")
@@ -186,7 +189,7 @@ def expand_spec(argv: list[str], env: Mapping[str, str]) -> list[str]:
     return [*read_spec(ns.spec, ns.spec_sha256, env.get(envvars.RUN_ID) or None).to_argv(), *rest]
 
 
-def read_spec(uri: str, sha256: str | None, run_id: str | None) -> Any:
+def read_spec(uri: str, sha256: str | None, run_id: str | None) -> EntrypointArgs:
     """The ``EntrypointArgs`` in the spec object at ``uri``, verified (see ``ReplicaSpec``)."""
     import hashlib
 
