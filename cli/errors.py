@@ -18,11 +18,12 @@ import typer
 
 from diloco import envvars
 from diloco.cli import exit_codes
-from diloco.errors import ConfigError, DilocoError, RunNotFound, error_line
+from diloco.errors import ConfigError, DilocoError, LaunchRefused, RunNotFound, error_line
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-#: Errors that mean "the command was asked for something wrong" (nothing launched); every other error is 1.
+#: Errors that mean "the command was asked for something wrong" (nothing launched); a launch the service refused is
+#: 3 (``LaunchRefused``); every other error is 1.
 USAGE_ERRORS: tuple[type[BaseException], ...] = (ConfigError, RunNotFound)
 
 
@@ -31,7 +32,11 @@ def debug_enabled() -> bool:
 
 
 def exit_code_for(exc: BaseException) -> int:
-    return exit_codes.USAGE if isinstance(exc, USAGE_ERRORS) else exit_codes.FAILED
+    if isinstance(exc, USAGE_ERRORS):
+        return exit_codes.USAGE
+    if isinstance(exc, LaunchRefused):
+        return exit_codes.REFUSED
+    return exit_codes.FAILED
 
 
 def report(exc: BaseException) -> int:

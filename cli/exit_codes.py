@@ -3,6 +3,7 @@
 OK = 0  # all replicas succeeded / every check passed
 FAILED = 1  # a replica failed, or a check failed
 USAGE = 2  # bad flag, bad YAML, bad value: nothing was launched
+REFUSED = 3  # the service, the cluster or the store refused the launch: nothing was launched or left behind
 CANCELLED = 4  # the run was cancelled
 TIMEOUT = 124  # --timeout reached
 INTERRUPTED = 130  # Ctrl-C

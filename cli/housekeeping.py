@@ -48,7 +48,8 @@ def _render(console: Console, report: Any, empty: str) -> None:
                           ("store objects", "right"), ("store bytes", "right"), ("why kept", "left")):
         table.add_column(name, justify=justify, no_wrap=name != "why kept")  # type: ignore[arg-type]
     for run in report.runs:
-        table.add_row(run.run_id, fmt_time(run.created_at), state_text(run.state.value),
+        table.add_row(run.run_id or run.rendezvous_uri, fmt_time(run.created_at) if run.created_at else "-",
+                      state_text(run.state.value),
                       _action(run, report.dry_run), str(run.store_objects) if run.removed else "-",
                       fmt_bytes(run.store_bytes) if run.removed else "-", run.reason or "")
     console.print(table)
@@ -58,16 +59,17 @@ def _narrate(report: Any) -> None:
     """The summary line, what was left behind, and how to stop a run that was kept because it is going."""
     verb = "would remove" if report.dry_run else "removed"
     for run in report.runs:
+        who = f"run {run.run_id}" if run.run_id else run.rendezvous_uri
         for warning in run.warnings:
-            say(f"run {run.run_id}: {warning}")
+            say(f"{who}: {warning}")
         if run.removed and run.store_kept:
             shown = ", ".join(run.store_kept[:3]) + (" ..." if len(run.store_kept) > 3 else "")
-            say(f"run {run.run_id}: {len(run.store_kept)} object(s) under {run.rendezvous_uri} were not written "
+            say(f"{who}: {len(run.store_kept)} object(s) under {run.rendezvous_uri} were not written "
                 f"by diloco and were left alone ({shown})")
-        if not run.removed and not run.state.is_terminal:
-            say(f"run {run.run_id} is {run.state.value}: not removed (stop it first: diloco cancel {run.run_id})")
-        elif not run.removed:
-            say(f"run {run.run_id}: not removed: {run.reason}")
+        if not run.removed and not run.state.is_terminal and run.record_path:
+            say(f"{who} is {run.state.value}: not removed (stop it first: diloco cancel {run.run_id})")
+        elif not run.removed:  # also a prefix without a record here: its reason says what to do
+            say(f"{who}: not removed: {run.reason}")
     if report.removed or report.kept:
         say(f"{verb} {report.removed} run(s), {fmt_bytes(report.store_bytes)} of store objects"
             + (f"; kept {report.kept}" if report.kept else "") + (" (dry run: nothing removed)" if report.dry_run
@@ -75,8 +77,11 @@ def _narrate(report: Any) -> None:
 
 
 def rm(
-    runs: Annotated[list[str], typer.Argument(help="Run ids, unique parts of them (e.g. the 4-hex suffix), or "
-                                                   "'latest'.", metavar="RUN", show_default=False)],
+    runs: Annotated[list[str] | None, typer.Argument(help="Run ids, unique parts of them (e.g. the 4-hex suffix), "
+                                                          "or 'latest'.", metavar="RUN", show_default=False)] = None,
+    prefix: Annotated[list[str] | None, typer.Option("--prefix", help="A run's store prefix (its rendezvous URI) "
+                                                     "to remove even without a record here (repeatable).",
+                                                     metavar="URI", show_default=False)] = None,
     dry_run: DryRunOpt = False,
     fmt: FormatOpt = OutputFormat.table,
 ) -> None:
@@ -87,15 +92,24 @@ def rm(
     (stop it first with diloco cancel RUN). Every RUN is looked up before anything is removed, so a typo
     removes nothing (exit 2). Exits 0 when every run given was removed.
 
+    --prefix URI removes what lies under a run's prefix without a record here (a launch whose own clean-up could
+    not reach the store, a run recorded on another machine): all of it when the prefix's run.json names a run
+    that its backend no longer sees going, only the store layout's keys without a run.json. A prefix of a run
+    recorded here is removed through its record.
+
     \b
     Examples:
       diloco rm 7c98                   # one run, by any unique part of its id
       diloco rm 7c98 a1b2 --dry-run    # what would go, and how many bytes of store objects
       diloco rm latest -o json
+      diloco rm --prefix s3://my-bucket/diloco/diloco-20261201-093000-7c98
     """
+    from diloco.errors import ConfigError
     from diloco.housekeeping import remove_runs
 
-    report = remove_runs(runs, dry_run=dry_run)
+    if not runs and not prefix:
+        raise ConfigError("rm: nothing to remove", hint="give a RUN (see diloco runs) or --prefix URI")
+    report = remove_runs(runs or [], dry_run=dry_run, prefixes=prefix or [])
     emit(report, fmt, lambda console: _render(console, report, "nothing to remove"))
     _narrate(report)
     if report.kept:

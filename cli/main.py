@@ -2,7 +2,8 @@
 
 Data goes to stdout (a table, or JSON with ``-o json``), narration and progress to stderr. Exit codes (also in
 ``diloco --help``): 0 all replicas succeeded, 1 a replica failed, 2 usage or config error (nothing launched),
-4 cancelled, 124 timeout, 130 interrupted. Heavy modules (torch, boto3, kubernetes) are imported only inside
+3 launch refused by the service, cluster or store (nothing launched or left), 4 cancelled, 124 timeout,
+130 interrupted. Heavy modules (torch, boto3, kubernetes) are imported only inside
 the commands that need them, so ``diloco --help`` starts fast.
 """
 
@@ -20,6 +21,7 @@ from diloco.cli.render import FormatOpt, OutputFormat, emit, say, to_jsonable
 from diloco.errors import ConfigError, error_line
 
 EPILOG = ("Exit codes: 0 all replicas succeeded, 1 a replica failed, 2 usage or config error (nothing launched), "
+          "3 launch refused by the service, cluster or store (nothing launched or left), "
           "4 cancelled, 124 timeout, 130 interrupted. Set DILOCO_DEBUG=1 for tracebacks, DILOCO_HOME for where "
           "runs are recorded (default ~/.diloco).")
 
@@ -288,7 +290,9 @@ def launch(
     """Launch a DiLoCo run and (unless --detach) wait for it with live progress, then print the summary.
 
     Precedence: defaults < --config YAML < flags < --trainer-kwargs < --set. Invalid settings fail before
-    anything starts (exit 2). Ctrl-C stops waiting; the run keeps going unless --cancel-on-interrupt.
+    anything starts (exit 2); a launch the service, cluster or store refuses (a quota, a missing bucket or
+    namespace) exits 3, and like Ctrl-C during the submission it leaves nothing: what it started is stopped,
+    what it wrote is removed. Ctrl-C after that stops waiting; the run keeps going unless --cancel-on-interrupt.
 
     \b
     Examples:

@@ -223,6 +223,9 @@ def render_plan(console: Console, plan: LaunchPlan) -> None:
     console.print(Text.assemble("dry run ", (spec.run_id, "bold"), f": {spec.replicas} replicas on ",
                                 (plan.backend, "bold"), " (nothing launched)"))
     console.print(f"rendezvous: {spec.entrypoint_args.rendezvous_uri}")
+    if spec.spec_uri is not None:  # what --spec names: every replica's settings, published by the launch
+        console.print(f"settings ({spec.spec_uri}): {spec.entrypoint_args.model_dump_json(exclude_defaults=True)}",
+                      markup=False, highlight=False)
     for request in plan.requests:
         label = f"replica {request['rank']}:" if "rank" in request else "request:"
         console.print(Text(label, style="bold"))

@@ -265,7 +265,7 @@ def check_read_write(ctx: DoctorContext) -> list[Check]:
         return [skip_check(rw, "no S3 URI"), skip_check(cc, "no S3 URI")]
     if _failed(ctx, "s3 bucket"):
         return [skip_check(rw, "bucket not reachable (see above)"), skip_check(cc, "bucket not reachable (see above)")]
-    from diloco.store import ObjectStore
+    from diloco.store import ObjectStore, probe_conditional_create
 
     probe_dir = "/".join(p for p in (ctx.prefix, PROBE_DIR, uuid.uuid4().hex) if p)
     store = ObjectStore(f"s3://{ctx.bucket}/{probe_dir}", retries=1, backoff_s=0.2)
@@ -292,14 +292,11 @@ def check_read_write(ctx: DoctorContext) -> list[Check]:
                           fix="grant s3:DeleteObject on the prefix"), skip_check(cc, "read/write failed")]
         rw_check = Check(name=rw, status=Status.PASS, detail=f"put/get/list/delete under {store.url()}")
         step = "conditional create"
-        first = store.put_if_absent("lease", b"first")
-        written.append("lease")
-        second = store.put_if_absent("lease", b"second")
-        if first and not second and store.get("lease") == b"first":
-            cc_check = Check(name=cc, status=Status.PASS, detail="If-None-Match: * honoured")
+        honoured, detail = probe_conditional_create(store, "lease")  # the probe `diloco launch` runs too
+        if honoured:
+            cc_check = Check(name=cc, status=Status.PASS, detail=detail)
         else:
-            cc_check = Check(name=cc, status=Status.FAIL,
-                             detail=f"If-None-Match: * not honoured (first create {first}, second {second})",
+            cc_check = Check(name=cc, status=Status.FAIL, detail=detail,
                              fix="use AWS S3 or a store with conditional writes; and s3fs >= 2025.7")
         return [rw_check, cc_check]
     except Exception as exc:  # noqa: BLE001

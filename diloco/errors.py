@@ -64,5 +64,16 @@ class BackendError(DilocoError):
     """A backend (local processes, SageMaker, Kubernetes) refused or failed a request."""
 
 
+class LaunchRefused(DilocoError):
+    """A launch that did not get under way: the backend's service, the cluster or the store refused it (a quota, a
+    missing bucket or namespace, a request the service rejects) or could not be reached. Whatever the launch had
+    created was stopped and whatever it had written was removed before this is raised; the message is the refusal's
+    own. ``left_behind`` names what could not be removed (empty when nothing was left)."""
+
+    def __init__(self, message: str, *, hint: str | None = None, left_behind: list[str] | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.left_behind = list(left_behind or [])
+
+
 class RunNotFound(DilocoError):
     """No run with that id is recorded in the local registry."""

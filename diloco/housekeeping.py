@@ -16,6 +16,12 @@ A run that is still going is never removed: every replica its backend reports on
 the backend can no longer tell about (its files deleted, a Job removed by a TTL) counts as ended only when the
 record cached a terminal state (``final_state``) before.
 
+A prefix can also be removed by its URI (``diloco rm --prefix``): what a launch wrote but could not take back
+(its store went away while it rolled back), or a run recorded on another machine. A prefix whose ``run.json`` names
+a run recorded here is removed through that record (as ``rm RUN``); otherwise the run's backend, rebuilt from the
+config in ``run.json``, is asked whether it still sees the run going (``Backend.list_runs``), and a prefix whose
+run is going, or whose backend cannot be asked, is kept.
+
 ``compact_store`` is the other half: a finished run keeps every rank's final weights and the last round's
 contributions, about 2 x N x the model's size. Once the weight check has found every rank's copy identical, one
 copy (rank 0's) is all that carries information; the others and the contributions are deleted, and a small
@@ -58,7 +64,7 @@ KEPT_RANK = 0
 #: Keys the replicas and the launcher write (``diloco.layout``, ``diloco.allreduce``): the only ones removed from
 #: a prefix whose ``run.json`` does not prove it belongs to the run.
 _LAYOUT_KEY = re.compile(r"((p\d+/)?round_\d{6}/(rank|shard)_\d{4}\.safetensors|round_\d{6}/manifest\.json|metrics/rank_\d{4}\.jsonl|progress/rank_\d{4}\.json"
-                         r"|final/rank_\d{4}\.safetensors|final/compacted\.json)")
+                         r"|final/rank_\d{4}\.safetensors|final/compacted\.json|spec\.json)")
 _CONTRIBUTION_KEY = re.compile(r"(p\d+/)?round_\d{6}/(rank|shard)_\d{4}\.safetensors|round_\d{6}/manifest\.json")
 _FINAL_RANK_KEY = re.compile(r"final/rank_(\d{4})\.safetensors")
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw])")
@@ -206,17 +212,90 @@ def kept_reason(condition: RunCondition) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- rm / prune
-def remove_runs(refs: Sequence[str], *, registry: RunRegistry | None = None, dry_run: bool = False) -> RemovalReport:
+def remove_runs(refs: Sequence[str], *, registry: RunRegistry | None = None, dry_run: bool = False,
+                prefixes: Sequence[str] = ()) -> RemovalReport:
     """``diloco rm``: every ref is resolved first (an unknown or ambiguous one raises ``RunNotFound`` and nothing is
-    removed), then each run that has ended is removed; one still going is kept with the reason."""
+    removed), then each run that has ended is removed; one still going is kept with the reason. ``prefixes``: store
+    URIs to remove as ``remove_prefix`` does, after the runs."""
+    from diloco.store import split_uri
+
     registry = registry or RunRegistry()
     records: dict[str, RunRecord] = {}
     for ref in refs:
         record = registry.resolve(ref)
         records.setdefault(record.run_id, record)
+    for uri in prefixes:
+        protocol, path = split_uri(uri)
+        if protocol not in ("file", "s3", "memory") or not path.strip("/"):
+            raise ConfigError(f"--prefix: {uri!r} is not a run's store prefix",
+                              hint="give the run's rendezvous URI, e.g. s3://bucket/diloco/<run_id>")
     runs = [remove_run(record, run_condition(record), registry=registry, dry_run=dry_run)
             for record in records.values()]
+    runs += [remove_prefix(uri, registry=registry, dry_run=dry_run) for uri in prefixes]
     return RemovalReport.of(runs, dry_run=dry_run)
+
+
+def remove_prefix(uri: str, *, registry: RunRegistry, dry_run: bool = False) -> RunRemoval:
+    """Remove the objects under one store prefix that has no run record here (see the module docstring)."""
+    from diloco.store import ObjectStore
+
+    uri = uri.rstrip("/")
+    store = ObjectStore(uri)
+    info = _run_info(store)
+    run_id = info.get("run_id") if isinstance(info.get("run_id"), str) else None
+    config = info.get("config") if isinstance(info.get("config"), dict) else {}
+    if run_id is not None and registry.path(run_id).exists():
+        record = registry.load(run_id)
+        if record.rendezvous_uri.rstrip("/") == uri:
+            return remove_run(record, run_condition(record), registry=registry, dry_run=dry_run)
+    out = RunRemoval(run_id=run_id or "", backend=str((config.get("backend") or {}).get("kind") or "unknown"),
+                     state=RunState.UNKNOWN, replicas=int(config.get("replicas") or 0), created_at=0.0,
+                     rendezvous_uri=uri, removed=False, record_path="")
+    if run_id is not None:
+        listing, problem = _backend_listing(run_id, config)
+        if problem is not None:
+            out.reason = f"cannot tell whether run {run_id} has ended: {problem}"
+            return out
+        if listing is not None:
+            out.state, out.created_at = listing.state, listing.created_at or 0.0
+            if not listing.state.is_terminal:
+                out.reason = f"its backend ({out.backend}) sees run {run_id} {listing.state.value}"
+                return out
+    try:
+        removal = remove_store_objects(uri, run_id or "", dry_run=dry_run)
+    except (DilocoError, OSError) as exc:
+        out.reason = f"its store objects could not be removed: {exc}"
+        return out
+    out.store_objects, out.store_bytes, out.store_kept = len(removal.removed), removal.bytes, removal.kept
+    if removal.note:
+        out.warnings.append(removal.note)
+    out.removed = True
+    return out
+
+
+def _run_info(store: ObjectStore) -> dict[str, Any]:
+    """The prefix's ``run.json`` as a dict (``{}`` when missing or unreadable: ``remove_store_objects`` then
+    removes only the layout's keys and says why)."""
+    try:
+        info = json.loads(store.get(RUN_INFO_KEY))
+    except ObjectNotFound:
+        return {}
+    except ValueError:
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def _backend_listing(run_id: str, config: dict[str, Any]) -> tuple[Any, str | None]:
+    """What the run's backend (rebuilt from its recorded config) sees of it: ``(listing or None, problem)``."""
+    from diloco.config import backend_config
+    from diloco.executors import create_backend
+
+    try:
+        backend = create_backend(backend_config(config.get("backend") or {}))
+        listings = backend.list_runs()
+    except (DilocoError, ImportError, OSError, ValueError) as exc:
+        return None, _problem(exc)
+    return next((r for r in listings if r.run_id == run_id), None), None
 
 
 def prune_runs(older_than_s: float, *, registry: RunRegistry | None = None, dry_run: bool = False,

@@ -14,6 +14,8 @@
                                          the global state after round NNNNNN (from 1), marker last (diloco.checkpoint)
     relaunch/rank_RRRR.json              a relaunch of rank RRRR in progress: peers extend their wait (launcher)
     run.json                             the launcher's record of the run (id and resolved config)
+    spec.json                            the replicas' settings (``EntrypointArgs`` as JSON), written by the
+                                         launcher before any replica starts and read by each (``--spec``)
     sagemaker/{code,output,checkpoints}/ the SageMaker backend's code channel, job outputs and spot checkpoints
 
 Request layout of the all-reduce (``spread``). S3 serves a few thousand GETs (5,500/s) and PUTs (3,500/s) per
@@ -34,6 +36,7 @@ METRICS_KEY = "metrics/rank_{rank:04d}.jsonl"
 PROGRESS_KEY = "progress/rank_{rank:04d}.json"
 FINAL_KEY = "final/rank_{rank:04d}.safetensors"
 RUN_INFO_KEY = "run.json"
+SPEC_KEY = "spec.json"
 
 # Committed rounds (diloco.checkpoint): the global state after round N (numbered from 1), data then marker.
 COMMITTED_PREFIX = "committed/"

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, Field
 
 from diloco.config import RunConfig, backend_config
-from diloco.errors import ConfigError, DilocoError
+from diloco.errors import ConfigError, DilocoError, LaunchRefused
 from diloco.executors import create_backend
 from diloco.executors.base import (
     EntrypointArgs,
@@ -38,7 +38,7 @@ from diloco.executors.base import (
     RunStatus,
 )
 from diloco.executors.failures import FailureVerdict
-from diloco.layout import RUN_INFO_KEY
+from diloco.layout import RUN_INFO_KEY, SPEC_KEY
 from diloco.logstream import LogRecord, follow_merged, merged, tail
 from diloco.metrics import ReplicaProgress, read_progress
 from diloco.runs import RunRecord, RunRegistry, new_run_id
@@ -165,7 +165,9 @@ def rendezvous_for(cfg: RunConfig, run_id: str) -> str:
 
 
 def build_spec(cfg: RunConfig, run_id: str) -> LaunchSpec:
-    """The backend-neutral launch spec. The trainer gets ``total_steps``/``sync_every`` from ``train``."""
+    """The backend-neutral launch spec. The trainer gets ``total_steps``/``sync_every`` from ``train``. The
+    replicas' settings travel as the run's spec object (``spec.json`` in its store, published by ``launch``), so
+    no backend's argument limits bound them."""
     trainer_kwargs = {"total_steps": cfg.train.steps, "sync_every": cfg.train.sync_every, **_mode_kwarg(cfg),
                       **cfg.train.trainer_kwargs}
     args = EntrypointArgs(rendezvous_uri=rendezvous_for(cfg, run_id), world_size=cfg.replicas,
@@ -176,7 +178,7 @@ def build_spec(cfg: RunConfig, run_id: str) -> LaunchSpec:
                           min_replicas=cfg.min_replicas, procs_per_replica=cfg.train.procs_per_replica,
                           tensorboard=cfg.metrics.tensorboard)
     return LaunchSpec(run_id=run_id, replicas=cfg.replicas, entrypoint_args=args, gpu=cfg.gpu,
-                      timeout_s=cfg.timeout_s)
+                      timeout_s=cfg.timeout_s, spec_uri=f"{args.rendezvous_uri}/{SPEC_KEY}")
 
 
 def _mode_kwarg(cfg: RunConfig) -> dict[str, str]:
@@ -290,6 +292,34 @@ def check_rendezvous(uri: str, *, probe: bool) -> None:
                           hint="choose a writable directory on a local disk") from None
 
 
+def conditional_create_settings(cfg: RunConfig) -> list[str]:
+    """The run's settings whose correctness rests on the store creating a key exactly once (``put_if_absent``):
+    with ``min_replicas``, each round's member set (``round_NNNNNN/manifest.json``) is the first proposal
+    created, and every rank adopts it; a store that overwrites instead lets two ranks average different sets."""
+    return [f"--min-replicas {cfg.min_replicas} (min_replicas)"] if cfg.min_replicas is not None else []
+
+
+def require_conditional_create(store: ObjectStore, cfg: RunConfig) -> None:
+    """Refuse (``ConfigError``, nothing launched) a run that needs conditional create on a store that ignores it.
+
+    Only remote stores are asked (a local disk's hard link and ``memory://``'s lock always create once), and only
+    when a setting needs it (``conditional_create_settings``); the probe is doctor's "s3 conditional create"
+    (``diloco.store.probe_conditional_create``) on a hidden key under the run's own, still empty prefix."""
+    import uuid
+
+    from diloco.store import probe_conditional_create
+
+    needs = conditional_create_settings(cfg)
+    if not needs or store.protocol in ("file", "memory"):
+        return
+    honoured, detail = probe_conditional_create(store, f".diloco-probe-{uuid.uuid4().hex}")
+    if not honoured:
+        raise ConfigError(f"store.rendezvous: {store.uri} ignores conditional writes ({detail}), but "
+                          f"{' and '.join(needs)} needs them: each round's member set must be created exactly once",
+                          hint="use a store that honours If-None-Match (AWS S3 does; `diloco doctor --s3 URI` "
+                               "checks one), or drop --min-replicas so every round waits for every replica")
+
+
 def preflight(cfg: RunConfig) -> RunConfig:
     """Everything about the config checkable before anything is launched, without side effects (``--dry-run``
     runs it too); returns the config with the trainer's kwargs coerced."""
@@ -310,11 +340,17 @@ def plan_run(cfg: RunConfig, run_id: str | None = None) -> tuple[Backend[Any, An
 
 def launch(cfg: RunConfig, registry: RunRegistry | None = None, *, force: bool = False,
            on_plan: Callable[[LaunchPlan], None] | None = None) -> tuple[RunRecord, Backend[Any, Any]]:
-    """Plan, check the rendezvous is unused, record the run, submit. A failed submit leaves no record.
-    ``on_plan`` sees the plan before anything is created (the CLI prints its cost and warnings).
+    """Plan, check the rendezvous is unused, record the run, publish its objects, submit. ``on_plan`` sees the plan
+    before anything is created (the CLI prints its cost and warnings).
 
     The record is saved when the backend reports its handle before the first replica starts, and again after each
     one (``on_progress``), so a launch interrupted half-way is still known to ``diloco cancel``.
+
+    A launch that does not get under way leaves nothing behind, whatever stops it (the service, the cluster or the
+    store refusing, Ctrl-C, SIGTERM): the backend has stopped what it created (``submit`` is all or nothing), then
+    every object under the run's prefix goes (``run.json`` last), and the record. The prefix was empty before
+    (checked below), so everything there came with this launch. ``ConfigError`` stays a usage error (exit 2); any
+    other diloco error becomes ``LaunchRefused`` (exit 3) with the refusal's own message.
     """
     from diloco.store import ObjectStore
 
@@ -329,30 +365,75 @@ def launch(cfg: RunConfig, registry: RunRegistry | None = None, *, force: bool =
     uri = spec.entrypoint_args.rendezvous_uri
     check_rendezvous(uri, probe=True)
     store = ObjectStore(uri)
-    leftovers = store.list()
-    if leftovers:
-        raise ConfigError(
-            f"store.rendezvous: {uri} already holds {len(leftovers)} object(s) (e.g. {leftovers[0]}); replicas "
-            f"would read a previous run's contributions",
-            hint="use a fresh prefix (put {run_id} in store.rendezvous) or delete the old objects",
-        )
-    record = RunRecord(run_id=spec.run_id, backend=plan.backend, created_at=time.time(), rendezvous_uri=uri,
-                       replicas=spec.replicas, config=cfg.model_dump(mode="json"))
-    store.put(RUN_INFO_KEY, json.dumps({"run_id": spec.run_id, "config": record.config}, indent=2).encode())
-
-    def progress(handle: RunHandle) -> None:
-        """Saved on every step of the submission, the first before any replica exists: a record always has a
-        handle, so `diloco cancel` can find whatever an interrupted launch started."""
-        record.handle = handle.model_dump(mode="json")
-        registry.save(record)
-
+    owned = wrote = False  # the prefix is this launch's (it was empty); something was written to it
     try:
-        with terminate_as_interrupt():  # SIGTERM/SIGHUP while submitting: the rollback Ctrl-C gets, on every backend
+        with terminate_as_interrupt():  # SIGTERM/SIGHUP from here on: the rollback Ctrl-C gets, on every backend
+            leftovers = store.list()
+            if leftovers:
+                raise ConfigError(
+                    f"store.rendezvous: {uri} already holds {len(leftovers)} object(s) (e.g. {leftovers[0]}); "
+                    f"replicas would read a previous run's contributions",
+                    hint="use a fresh prefix (put {run_id} in store.rendezvous) or delete the old objects "
+                         f"(diloco rm --prefix {uri})",
+                )
+            owned = True
+            require_conditional_create(store, cfg)
+            record = RunRecord(run_id=spec.run_id, backend=plan.backend, created_at=time.time(),
+                               rendezvous_uri=uri, replicas=spec.replicas, config=cfg.model_dump(mode="json"))
+            wrote = True
+            store.put(RUN_INFO_KEY, json.dumps({"run_id": spec.run_id, "config": record.config},
+                                               indent=2).encode())
+            if spec.spec_uri is not None:
+                store.put(SPEC_KEY, spec.spec_object())
+
+            def progress(handle: RunHandle) -> None:
+                """Saved on every step of the submission, the first before any replica exists: a record always
+                has a handle, so `diloco cancel` can find whatever an interrupted launch started."""
+                record.handle = handle.model_dump(mode="json")
+                registry.save(record)
+
             backend.submit(plan, on_progress=progress)
-    except BaseException:
-        registry.delete(record.run_id)
+    except BaseException as exc:
+        registry.delete(spec.run_id)
+        left = withdraw_store(store, wrote=wrote) if owned else []
+        if isinstance(exc, DilocoError) and not isinstance(exc, ConfigError):
+            hint = exc.hint or ""
+            if left:
+                hint = (f"{hint}; " if hint else "") + (f"{len(left)} object(s) it wrote could not be removed: "
+                                                        f"diloco rm --prefix {uri}")
+            raise LaunchRefused(str(exc), hint=hint or None, left_behind=left) from exc
         raise
     return record, backend
+
+
+def withdraw_store(store: ObjectStore, *, wrote: bool = True) -> list[str]:
+    """Delete everything under the prefix of a launch that did not get under way (temporaries too), ``run.json``
+    last: while it is there, ``diloco rm --prefix`` can prove the rest belongs to the run. Returns what could not
+    be removed. Signals are held meanwhile, so a second Ctrl-C cannot leave half of it; one retry per request, so
+    an unreachable store (often the very reason the launch failed) does not hold the launcher for long.
+    ``wrote``: whether the launch itself wrote anything (if the store cannot be listed, ``run.json`` may remain)."""
+    from diloco.housekeeping import object_sizes
+    from diloco.signals import signals_deferred
+    from diloco.store import ObjectStore
+
+    quick = ObjectStore(store.uri, retries=1)
+    with signals_deferred():
+        try:
+            keys = sorted(object_sizes(quick), key=lambda k: (k == RUN_INFO_KEY, k))
+        except (DilocoError, OSError):
+            return [RUN_INFO_KEY] if wrote else []  # it cannot even be listed: say what may be there
+        left = []
+        for key in keys:
+            try:
+                quick.delete(key)
+            except (DilocoError, OSError):
+                left.append(key)
+        if not left:
+            try:
+                quick.delete_prefix("")  # a local prefix's directories, created by the probe
+            except (DilocoError, OSError):
+                pass
+        return left
 
 
 def backend_for(record: RunRecord) -> Backend[Any, Any]:

@@ -8,7 +8,10 @@ Where the values come from (an explicit flag always wins over the environment):
 * rank: ``--rank``, else ``REPLICA_RANK`` (set by every diloco backend), else ``JOB_COMPLETION_INDEX``
   (Kubernetes Indexed Jobs);
 * world size: ``--world-size``, else ``WORLD_SIZE``; rendezvous: ``--rendezvous``, else ``RENDEZVOUS_URI``;
-* trainer: ``--trainer module:fn`` or ``--trainer-module``/``--trainer-fn`` (default ``diloco.trainer:diloco_train``).
+* trainer: ``--trainer module:fn`` or ``--trainer-module``/``--trainer-fn`` (default ``diloco.trainer:diloco_train``);
+* every setting at once: ``--spec URI`` (what ``diloco launch`` passes), the run's spec object (``ReplicaSpec``:
+  the launcher's ``EntrypointArgs`` as JSON in the store), checked against ``--spec-sha256``, its format, the run
+  id and its own location, then expanded into the flags above (flags given next to it win).
 
 Before anything touches the store, the trainer kwargs are checked against the trainer's signature, its type
 annotations and its preflight hook (``diloco.trainer_check``), with the replica's own machine as the target; values
@@ -56,7 +59,7 @@ import sys
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from diloco import envvars
 from diloco.errors import AllReduceTimeout, ConfigError, error_line
@@ -66,6 +69,9 @@ from diloco.trainer_check import INJECTED, check_trainer_kwargs
 DEFAULT_TRAINER = "diloco.trainer:diloco_train"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 EXIT_SIGINT, EXIT_SIGTERM = 130, 143
+
+if TYPE_CHECKING:
+    from diloco.executors.base import EntrypointArgs
 
 E = TypeVar("E", bound=BaseException)
 log = logging.getLogger("diloco.replica")
@@ -158,7 +164,70 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--procs-per-replica", metavar="K", help="local processes in this replica (default: every "
                                                               "GPU, 1 without one)")
     p.add_argument("--tensorboard", metavar="DIR", help="also write metrics as TensorBoard events to DIR")
+    _add_spec_flags(p)
     return p
+
+
+def _add_spec_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--spec", metavar="URI", help="read every setting from the run's spec object at URI (what "
+                                                 "diloco launch passes); flags given as well win")
+    p.add_argument("--spec-sha256", metavar="HEX", help="the spec object's SHA-256: any other bytes are refused")
+
+
+def expand_spec(argv: list[str], env: Mapping[str, str]) -> list[str]:
+    """``argv`` with ``--spec URI`` replaced by the spec object's settings as flags (the explicit flags after
+    them, so they win); ``argv`` itself when there is no ``--spec``. ``UsageError`` (exit 2: waiting cannot fix
+    it) when the object is missing, is not a spec of this run, or is not the bytes ``--spec-sha256`` names; a
+    store that cannot be read raises its ``StoreError`` (exit 1)."""
+    pre = _Parser(add_help=False, allow_abbrev=False)
+    _add_spec_flags(pre)
+    ns, rest = pre.parse_known_args(argv)
+    if ns.spec is None:
+        if ns.spec_sha256 is not None:
+            raise UsageError("--spec-sha256 without --spec", "pass --spec URI too, or drop --spec-sha256")
+        return argv
+    return [*read_spec(ns.spec, ns.spec_sha256, env.get(envvars.RUN_ID) or None).to_argv(), *rest]
+
+
+def read_spec(uri: str, sha256: str | None, run_id: str | None) -> EntrypointArgs:
+    """The ``EntrypointArgs`` in the spec object at ``uri``, verified (see ``ReplicaSpec``)."""
+    import hashlib
+
+    from pydantic import ValidationError
+
+    from diloco.errors import ObjectNotFound
+    from diloco.executors.base import SPEC_FORMAT, ReplicaSpec
+    from diloco.store import ObjectStore
+
+    folder, _, key = uri.rstrip("/").rpartition("/")
+    if not folder or not key or "://" not in folder:
+        raise UsageError(f"--spec {uri!r} is not the URI of an object", "e.g. --spec s3://bucket/runs/ID/spec.json")
+    try:
+        data = ObjectStore(folder).get(key)
+    except ObjectNotFound:
+        raise UsageError(f"the run's settings at {uri} do not exist",
+                         "the launch that started this replica removed them when it failed, or --spec names the "
+                         "wrong object") from None
+    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256.lower():
+        raise UsageError(f"the run's settings at {uri} are not the ones this replica was started with (their "
+                         f"SHA-256 is not --spec-sha256 {sha256})", "the object was replaced; launch the run again")
+    try:
+        spec = ReplicaSpec.model_validate_json(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ())) or "the object"
+        raise UsageError(f"the run's settings at {uri} are unreadable: {where}: {first.get('msg')}",
+                         "launch the run with the same diloco version as the replica's image") from None
+    if spec.format != SPEC_FORMAT:
+        raise UsageError(f"{uri} is a {spec.format!r} object, not {SPEC_FORMAT!r}",
+                         "launch the run with the same diloco version as the replica's image")
+    if run_id is not None and spec.run_id != run_id:
+        raise UsageError(f"{uri} holds the settings of run {spec.run_id}, not of this replica's run {run_id}",
+                         "give each run its own rendezvous prefix (diloco launch does)")
+    if spec.entrypoint_args.rendezvous_uri.rstrip("/") != folder:
+        raise UsageError(f"{uri} names rendezvous {spec.entrypoint_args.rendezvous_uri}, not the folder it lies "
+                         f"in ({folder})", "the object was copied from another run; launch the run again")
+    return spec.entrypoint_args
 
 
 def resolve_args(argv: list[str], env: Mapping[str, str]) -> ReplicaArgs:
@@ -364,12 +433,19 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
     backend started checks everything, then launches K children with torch's elastic launcher and waits
     (``run_local_processes``); each child (``diloco.local_group.is_child``) trains as one process of the replica's
     local group (``run_replica``)."""
+    from diloco.errors import DilocoError
     from diloco.local_group import is_child
 
     env = os.environ if env is None else env
     argv = sys.argv[1:] if argv is None else list(argv)
     child = is_child(env)
     try:
+        try:
+            argv = expand_spec(argv, env)  # the settings as flags, so a replica's local processes need no read
+        except (DilocoError, OSError) as exc:  # the store could not be read: no usage error, nothing trained
+            hint = getattr(exc, "hint", None)
+            _fail(env, f"could not read the run's settings: {exc}" + (f" ({hint})" if hint else ""))
+            return EXIT_FAILED
         args = resolve_args(argv, env)
         trainer = load_trainer(args)
         kwargs = checked_kwargs(trainer, args)

@@ -461,6 +461,27 @@ class ObjectStore:
                 shutil.rmtree(path, ignore_errors=True)
 
 
+def probe_conditional_create(store: ObjectStore, key: str) -> tuple[bool, str]:
+    """Whether ``store`` really creates a key only once (what ``put_if_absent`` promises: ``If-None-Match: *`` on
+    S3, which some S3-compatible stores accept and ignore): create ``key`` twice with different bytes and read it
+    back. Returns ``(honoured, detail)``; ``key`` is deleted afterwards however it ends; store errors propagate.
+    Three requests and a delete: cheap enough to run before every launch that relies on it."""
+    mine = f"first {uuid.uuid4().hex}".encode()
+    try:
+        first = store.put_if_absent(key, mine)
+        second = store.put_if_absent(key, b"second")
+        kept = store.get(key)
+    finally:
+        try:
+            store.delete(key)
+        except Exception:  # noqa: BLE001 - the answer (or the error above) matters more than this probe key
+            pass
+    if first and not second and kept == mine:
+        return True, "If-None-Match: * honoured"
+    return False, (f"If-None-Match: * not honoured (first create {first}, second {second}, "
+                   f"{'the first' if kept == mine else 'the second'} write kept)")
+
+
 def _checked_size(written: int, expected: int | None, url: str) -> int:
     if expected is not None and written != expected:
         raise ValueError(f"put_stream {url}: the chunks held {written} bytes, but size={expected} was promised")

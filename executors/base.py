@@ -10,9 +10,12 @@ per poll instead of N (SageMaker throttles ``DescribeTrainingJob``; an Indexed J
   warning. No directory, no mutation, and no network beyond bounded best-effort lookups (a price, a hint);
   ``diloco launch --dry-run`` prints it and tests snapshot it. Deterministic for a fixed run id.
 * ``submit(plan, on_progress) -> RunHandle`` is all-or-nothing: if replica k cannot be created, whatever was
-  created before it is cancelled before the error propagates (also on Ctrl-C), so a failed launch never leaves
-  orphan jobs. ``on_progress`` receives the handle before the first replica is created and after each one, so
-  the caller can record it at once.
+  created before it is cancelled before the error propagates (also on Ctrl-C), and what the backend wrote of its
+  own for the run (shipped code, a run directory) is removed once those replicas have ended, so a failed launch
+  never leaves orphan jobs or files. ``on_progress`` receives the handle before the first replica is created and
+  after each one, so the caller can record it at once. The caller (``diloco launch``) publishes the run's objects
+  in the store first (``run.json``, the spec object at ``LaunchSpec.spec_uri``) and removes them if ``submit``
+  raises.
 * ``describe(handle) -> RunStatus``: every replica's state, reason, exit code, restarts, timestamps, backend detail
   and artifacts in one call.
 * ``cancel(handle, ranks=None)`` asks the replicas to stop and returns without waiting (idempotent: a finished or
@@ -120,7 +123,12 @@ def map_state(table: Mapping[str, ReplicaState], native: str | None) -> ReplicaS
 
 # ---------------------------------------------------------------------------------------------- specs
 class EntrypointArgs(BaseModel):
-    """What the replica entrypoint needs; rendered into argv identically by every backend."""
+    """What the replica entrypoint needs: the one record of a replica's settings. ``diloco launch`` publishes it
+    as the run's spec object (``ReplicaSpec``, ``spec.json`` in the store) and every replica reads it from there
+    (``--spec``); ``to_argv`` renders the same settings as the entrypoint's own flags, for running it by hand and
+    for specs without a spec object. A field this version does not know is refused, never silently dropped."""
+
+    model_config = ConfigDict(extra="forbid")
 
     rendezvous_uri: str
     world_size: int = Field(ge=1)
@@ -168,6 +176,30 @@ class EntrypointArgs(BaseModel):
         return argv
 
 
+#: The format tag of the spec object (``ReplicaSpec``), checked by the replica that reads it.
+SPEC_FORMAT = "diloco.replica-spec/1"
+
+
+class ReplicaSpec(BaseModel):
+    """The spec object: the run's ``EntrypointArgs``, published in its store before any replica starts.
+
+    Why an object and not arguments: a backend's command line can be short (SageMaker allows 256 characters per
+    ContainerArguments element), and trainer settings are any length. A replica finds it through one short
+    argument, ``--spec URI``, and checks it like every object it reads: the format, the run it belongs to, the
+    SHA-256 its command line names (``--spec-sha256``), that its rendezvous is the folder it lies in, and every
+    setting's type."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    format: str = SPEC_FORMAT
+    run_id: str
+    entrypoint_args: EntrypointArgs
+
+    def to_bytes(self) -> bytes:
+        """Canonical JSON (sorted keys), so its SHA-256 is a pure function of the settings."""
+        return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True).encode()
+
+
 class LaunchSpec(BaseModel):
     """Backend-neutral description of one run: ``replicas`` identical copies of one entrypoint."""
 
@@ -178,6 +210,22 @@ class LaunchSpec(BaseModel):
     gpu: str | None = None
     timeout_s: float | None = None  # wall-clock limit per replica job
     env: dict[str, str] = Field(default_factory=dict)  # extra environment for every replica
+    #: Where the launcher publishes ``entrypoint_args`` as the spec object (``<rendezvous>/spec.json``); the
+    #: replicas then get ``--spec URI --spec-sha256 HEX`` instead of every setting as a flag. ``None``: the flags.
+    spec_uri: str | None = None
+
+    def spec_object(self) -> bytes:
+        """The bytes to publish at ``spec_uri`` before any replica starts."""
+        return ReplicaSpec(run_id=self.run_id, entrypoint_args=self.entrypoint_args).to_bytes()
+
+    def entrypoint_argv(self) -> list[str]:
+        """The entrypoint's arguments, one token per element: the spec object's URI and checksum when there is
+        one (a few short tokens whatever the settings' size), else every setting as a flag (``to_argv``)."""
+        if self.spec_uri is None:
+            return self.entrypoint_args.to_argv()
+        import hashlib
+
+        return ["--spec", self.spec_uri, "--spec-sha256", hashlib.sha256(self.spec_object()).hexdigest()]
 
     def replica_env(self, rank: int) -> dict[str, str]:
         """The common environment contract for replica ``rank`` (backends add their native variables)."""
@@ -191,7 +239,7 @@ class LaunchSpec(BaseModel):
 
     def argv(self, python: str = "python") -> list[str]:
         """``python -m <entrypoint> <args>``: the command every backend runs in a replica."""
-        return [python, "-m", self.entrypoint, *self.entrypoint_args.to_argv()]
+        return [python, "-m", self.entrypoint, *self.entrypoint_argv()]
 
 
 class PlanCost(BaseModel):

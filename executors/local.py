@@ -48,7 +48,7 @@ from pydantic import BaseModel, Field
 
 from diloco import envvars
 from diloco.defaults import DEFAULT_TRAINER
-from diloco.errors import BackendError, ConfigError
+from diloco.errors import BackendError, ConfigError, DilocoError
 from diloco.executors.base import (
     Backend,
     BackendConfig,
@@ -240,6 +240,7 @@ class LocalBackend(Backend[LocalBackendConfig, LocalRunHandle]):
                 self._progress(handle, on_progress)
             except BaseException as exc:  # an OSError, a cancel, or a signal mid-submit: no replica is orphaned
                 self._roll_back(handle)
+                self._remove_run_dir(handle)
                 if isinstance(exc, OSError):
                     rank = len(handle.processes)
                     raise BackendError(
@@ -269,6 +270,17 @@ class LocalBackend(Backend[LocalBackendConfig, LocalRunHandle]):
                         break
                     time.sleep(0.05)
             self._kill_everything(handle)
+
+    def _remove_run_dir(self, handle: LocalRunHandle) -> None:
+        """A launch that was rolled back leaves no run directory (its handle, requests, logs and default store):
+        with the record gone nothing could find it again, and ``list_runs`` would show a run that never was.
+        Best effort, after every replica is gone; the error that caused the rollback is what matters."""
+        from diloco.housekeeping import remove_run_files
+
+        try:
+            remove_run_files(handle.run_dir)
+        except (OSError, DilocoError):
+            pass
 
     def _kill_everything(self, handle: LocalRunHandle) -> None:
         """SIGKILL what is left of a run: its replicas' groups, then any process still carrying its run id (a

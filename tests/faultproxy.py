@@ -17,6 +17,8 @@ Actions:
 * ``status``: answer ``status`` with an S3-style XML error body ``code`` (``503 SlowDown``, ``403 AccessDenied``).
 * ``truncate``: forward, then return only the first half of the body with an honest ``Content-Length`` and the
   S3 checksum headers removed, so the client cannot tell; only an end-to-end checksum can catch it.
+* ``strip_header``: forward without the request header ``header`` (e.g. ``If-None-Match``): the server never sees
+  it, as an S3-compatible store that ignores that header behaves (the client's signature is not checked by moto).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Literal
 from urllib.parse import urlsplit
 
-Action = Literal["drop", "drop_response", "delay", "status", "truncate"]
+Action = Literal["drop", "drop_response", "delay", "status", "truncate", "strip_header"]
 
 _HOP_BY_HOP = {
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "trailers",
@@ -52,6 +54,7 @@ class Rule:
     status: int = 503
     code: str = "SlowDown"
     delay_s: float = 0.0
+    header: str = ""  # strip_header: the request header the server must not see
     fired: int = 0
     _pattern: re.Pattern[str] | None = field(default=None, repr=False)
 
@@ -224,7 +227,8 @@ def _make_handler(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
                 return
             if rule is not None and rule.action == "delay":
                 time.sleep(rule.delay_s)
-            status, reason, headers, data = self._forward(method, path, body)
+            strip = rule.header.lower() if rule is not None and rule.action == "strip_header" else None
+            status, reason, headers, data = self._forward(method, path, body, strip)
             if rule is not None and rule.action == "drop_response":
                 proxy._record(method, path, "drop_response", seen_headers)
                 self._hang_up()
@@ -246,10 +250,12 @@ def _make_handler(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
             if method != "HEAD":
                 self.wfile.write(data)
 
-        def _forward(self, method: str, path: str, body: bytes) -> tuple[int, str, list[tuple[str, str]], bytes]:
+        def _forward(self, method: str, path: str, body: bytes,
+                     strip: str | None = None) -> tuple[int, str, list[tuple[str, str]], bytes]:
             conn = http.client.HTTPConnection(proxy.upstream_host, proxy.upstream_port, timeout=60)
             try:
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP
+                           and k.lower() != strip}
                 if body or method in ("PUT", "POST"):
                     headers["Content-Length"] = str(len(body))
                 conn.request(method, path, body=body if body else None, headers=headers)

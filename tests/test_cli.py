@@ -126,8 +126,10 @@ def test_dry_run_prints_requests_and_launches_nothing(home: Path) -> None:
         assert req["argv"][1:3] == ["-m", "diloco.replica_entrypoint"]
         assert req["env"]["REPLICA_RANK"] == str(r["rank"]) and req["env"]["WORLD_SIZE"] == "4"
         assert req["env"]["DILOCO_RUN_ID"] == run_id
-        kwargs = json.loads(req["argv"][req["argv"].index("--trainer-kwargs-json") + 1])
-        assert kwargs == {"total_steps": 20, "sync_every": 10}
+        # every replica names the run's spec object (published by the launch) and its checksum, nothing else
+        assert req["argv"][3:5] == ["--spec", f"{plan['spec']['entrypoint_args']['rendezvous_uri']}/spec.json"]
+        assert req["argv"][5] == "--spec-sha256" and len(req["argv"]) == 7
+    assert plan["spec"]["entrypoint_args"]["trainer_kwargs"] == {"total_steps": 20, "sync_every": 10}
     assert plan["spec"]["entrypoint_args"]["rendezvous_uri"] == f"file://{home.resolve()}/runs/{run_id}/store"
     assert not home.exists()  # no registry entry, no store, no log directory
     assert processes_with_env(run_id) == []  # and no process

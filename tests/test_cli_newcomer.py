@@ -96,8 +96,7 @@ def test_yaml_12_numbers_everywhere(home: Path, tmp_path: Path) -> None:
     result = runner.invoke(app, ["launch", "-c", str(config), "-k", "weight_decay=1E-2",
                                  "--set", "train.trainer_kwargs.outer_lr=5e-1", "--dry-run", "-o", "json"])
     assert result.exit_code == 0, result.output
-    argv = json.loads(result.stdout)["requests"][0]["argv"]
-    kwargs = json.loads(argv[argv.index("--trainer-kwargs-json") + 1])
+    kwargs = json.loads(result.stdout)["spec"]["entrypoint_args"]["trainer_kwargs"]
     assert (kwargs["lr"], kwargs["weight_decay"], kwargs["outer_lr"]) == (3e-4, 1e-2, 0.5)
 
 

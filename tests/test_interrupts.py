@@ -136,6 +136,7 @@ def test_a_signal_during_a_forced_60_replica_launch_rolls_it_back(cli: Cli, sig:
     assert "interrupted" in cli.stderr_of(proc)
     assert processes_of_run(run_id) == [], "the rollback must stop every replica it started"
     assert cli.record() is None, "a launch that was rolled back leaves no run record"
+    assert not (cli.home / "runs" / run_id).exists(), "nor its run directory with the store, logs and handle"
 
 
 def test_cancel_finds_the_replicas_of_a_launcher_killed_mid_submit(cli: Cli) -> None:

@@ -285,7 +285,7 @@ def test_bad_input_is_one_line_and_creates_nothing(kube: KubernetesEmulator, s3_
          "backend.memory: must be a Kubernetes quantity"),
         (["launch", "--backend", "eks", "--image", IMAGE, *rendezvous], {"KUBECONFIG": str(tmp_path / "missing")}, 2,
          f"backend.kubeconfig: {tmp_path / 'missing'} does not exist"),
-        (["launch", "--backend", "eks", "--image", IMAGE, *rendezvous], {"KUBECONFIG": str(unreachable)}, 1,
+        (["launch", "--backend", "eks", "--image", IMAGE, *rendezvous], {"KUBECONFIG": str(unreachable)}, 3,
          "the Kubernetes API at 127.0.0.1:"),
     ]
     started = [(args, code, message, start_cli(*args, home=home, cwd=tmp_path, env=env))

@@ -282,11 +282,14 @@ def test_submit_failure_stops_replicas_already_started(tmp_path: Path, backend: 
     blocker = Path(plan.requests[2]["log_dir"])
     blocker.parent.mkdir(parents=True)
     blocker.write_text("a file where replica 2's log directory should go")
+    handles: list[LocalRunHandle] = []
     with pytest.raises(BackendError, match="could not start local replica 2"):
-        backend.submit(plan)
-    for rank in (0, 1):
-        assert (Path(plan.requests[rank]["log_dir"]) / "cancel_requested").exists()
+        backend.submit(plan, on_progress=lambda h: handles.append(h.model_copy(deep=True)))
+    assert len(handles[-1].processes) == 2
+    for p in handles[-1].processes:
+        assert group_members(p.pid) == []
     assert processes_of_run(RUN_ID) == []
+    assert not Path(handles[-1].run_dir).exists(), "a rolled-back launch leaves no run directory"
 
 
 def test_interrupt_mid_submit_stops_the_replicas_already_started(tmp_path: Path, backend: LocalBackend,
@@ -302,18 +305,17 @@ def test_interrupt_mid_submit_stops_the_replicas_already_started(tmp_path: Path,
         return started[-1]
 
     monkeypatch.setattr(backend, "_spawn", spawn_or_interrupt)
-    reported: list[int] = []
+    reported: list[LocalRunHandle] = []
     with pytest.raises(KeyboardInterrupt):
-        backend.submit(plan, on_progress=lambda h: reported.append(len(h.processes)))
+        backend.submit(plan, on_progress=lambda h: reported.append(h.model_copy(deep=True)))
     assert len(started) == 2
-    assert reported == [0, 1, 2], "the handle is reported before the first replica and after each one"
-    handle = LocalRunHandle.model_validate_json((tmp_path / "logs" / RUN_ID / "handle.json").read_text())
-    assert [p.pid for p in handle.processes] == [p.pid for p in started]
+    assert [len(h.processes) for h in reported] == [0, 1, 2], \
+        "the handle is reported before the first replica and after each one"
+    assert [p.pid for p in reported[-1].processes] == [p.pid for p in started]
     for p in started:
         assert group_members(p.pid) == []
-    status = backend.describe(handle)
-    assert [r.state for r in status.replicas] == [ReplicaState.CANCELLED] * 3, status
     assert processes_of_run(RUN_ID) == []
+    assert not (tmp_path / "logs" / RUN_ID).exists(), "a rolled-back launch leaves no run directory"
 
 
 LAUNCHER = """
@@ -353,6 +355,7 @@ def test_a_signal_to_the_launcher_mid_submit_rolls_back(tmp_path: Path, sig: sig
     assert "submitted" not in out, "the signal must stop the submission, not wait for its end"
     assert proc.returncode != 0
     assert processes_of_run(run_id) == []
+    assert not (tmp_path / "logs" / run_id).exists(), "a rolled-back launch leaves no run directory"
 
 
 def test_a_launcher_killed_mid_submit_leaves_replicas_that_cancel_finds(tmp_path: Path) -> None:

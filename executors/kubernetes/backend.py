@@ -67,6 +67,9 @@ from diloco.executors.kubernetes.pods import (
     split_log_line,
 )
 
+#: Beyond the pods' grace period, how long a rolled-back launch waits for its Job's foreground deletion to finish.
+ROLLBACK_MARGIN_S = 30.0
+
 
 # ---------------------------------------------------------------------------------------------- the backend
 class KubernetesBackend(Backend[KubernetesBackendConfig, KubernetesRunHandle]):
@@ -168,7 +171,7 @@ class KubernetesBackend(Backend[KubernetesBackendConfig, KubernetesRunHandle]):
             requests[GPU_RESOURCE] = limits[GPU_RESOURCE] = str(gpus)
         container: dict[str, Any] = {
             "name": CONTAINER, "image": cfg.image, "command": ["python", "-m", spec.entrypoint],
-            "args": spec.entrypoint_args.to_argv(), "env": env, "resources": {"requests": requests, "limits": limits},
+            "args": spec.entrypoint_argv(), "env": env, "resources": {"requests": requests, "limits": limits},
             # a failed replica's last log lines land in its pod status: `describe` quotes its `diloco: error:` line
             "terminationMessagePolicy": "FallbackToLogsOnError"}
         if cfg.image_pull_policy:
@@ -252,17 +255,37 @@ class KubernetesBackend(Backend[KubernetesBackendConfig, KubernetesRunHandle]):
         except BaseException as exc:
             refused = isinstance(exc, BackendError) and _status_of(exc) is not None  # the API said no
             if created or not refused:
-                self._delete_quietly(handle)
+                self._roll_back(handle)
             raise
         return handle
 
-    def _delete_quietly(self, handle: KubernetesRunHandle) -> None:
-        """Roll back a launch whose outcome is uncertain: delete the Job if it exists (foreground)."""
+    def _roll_back(self, handle: KubernetesRunHandle) -> None:
+        """Undo a launch whose Job exists or may: delete it (foreground) and wait, bounded by the pods' grace
+        period, until it is gone, so no pod still writes to the run's store when the launcher clears it. Signals
+        are held meanwhile; a second Ctrl-C only ends the wait."""
+        from diloco.signals import signals_deferred
+
+        with signals_deferred() as hurry:
+            if not self._delete_quietly(handle):
+                return
+            deadline = time.monotonic() + self.config.grace_period_s + ROLLBACK_MARGIN_S
+            while time.monotonic() < deadline and not hurry():
+                try:
+                    if self._job(handle) is None:
+                        return
+                except BackendError:  # the cluster went away meanwhile: nothing more can be done from here
+                    return
+                time.sleep(0.2)
+
+    def _delete_quietly(self, handle: KubernetesRunHandle) -> bool:
+        """Roll back a launch whose outcome is uncertain: delete the Job if it exists (foreground); whether a
+        delete was accepted."""
         try:
             self._batch().delete_namespaced_job(handle.job_name, handle.namespace, propagation_policy="Foreground",
                                                 _preload_content=False, _request_timeout=TIMEOUT)
         except Exception:  # noqa: BLE001 - it was never created, or the cluster is unreachable: nothing to do
-            pass
+            return False
+        return True
 
     # ------------------------------------------------------------------ describe
     def describe(self, handle: KubernetesRunHandle) -> RunStatus:

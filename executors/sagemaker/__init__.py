@@ -13,7 +13,8 @@ How a run maps onto SageMaker, and why:
 * **Names.** ``<run_id>-r<rank>``, valid SageMaker names (``[a-zA-Z0-9](-*[a-zA-Z0-9])*``, at most 63 chars). Run
   ids are unique (time + random), and SageMaker never lets a name be reused, even after the job ended.
 * **What a job runs.** ``ContainerEntrypoint``/``ContainerArguments`` run ``python -m diloco.replica_entrypoint``
-  with one token per list element. With ``ContainerEntrypoint`` set, SageMaker's training toolkit does not run, so
+  with one token per list element: ``--spec <rendezvous>/spec.json --spec-sha256 HEX`` for a launched run, whose
+  settings (trainer kwargs of any size) the job reads from S3, so no element nears SageMaker's 256 characters. With ``ContainerEntrypoint`` set, SageMaker's training toolkit does not run, so
   no ``SM_*`` variable exists: the job's ``Environment`` carries the common contract (``DILOCO_RUN_ID``,
   ``REPLICA_RANK``, ``WORLD_SIZE``, ``RENDEZVOUS_URI``) and ``SM_MODEL_DIR=/opt/ml/model``, which SageMaker
   uploads as ``model.tar.gz`` when the job ends.
@@ -29,7 +30,9 @@ How a run maps onto SageMaker, and why:
   and the user's code already.
 * **Where things go.** ``<base>`` is ``<rendezvous>/sagemaker`` (or ``<output_s3_uri>/<run_id>``): ``code/``,
   ``output/`` (``S3OutputPath``: ``output/<job>/output/model.tar.gz``) and ``checkpoints/rank_K/`` (every job:
-  the inner optimizer state a relaunched or restarted job of rank K finds again).
+  the inner optimizer state a relaunched or restarted job of rank K finds again). A launch that fails or is
+  interrupted stops its jobs, waits for them to end (a stopped job still uploads its output), then deletes
+  ``<base>/``.
 * **Validated before anything is sent**: the role ARN's form, the instance type and the region against botocore's
   own data, with the closest known value (``inputs``); botocore's own parameter validation and the model's
   patterns, enums and maximums that only the service enforces; plus the documented limits botocore does not check (name pattern and length, at most 100 environment entries of <= 512 characters, container

@@ -102,6 +102,11 @@ _OTHER_RATES = {"StopTrainingJob": (2.0, 4.0), "ListTrainingJobs": (1.0, 1.0)}
 _LISTING_SNAPSHOT_S = 1.0
 #: How long a stop request keeps being retried through throttling before the cancel gives up on that job.
 _STOP_PATIENCE_S = 600.0
+#: How long a rolled-back launch waits for the jobs it stopped to end before deleting their prefix: StopTrainingJob
+#: gives the container 120 s after SIGTERM to save its model artifacts (botocore's StopTrainingJob documentation),
+#: plus time for SageMaker to upload them; polled every ``ROLLBACK_POLL_S``.
+ROLLBACK_WAIT_S = 180.0
+ROLLBACK_POLL_S = 2.0
 #: CreateTrainingJob fields a relaunch copies from the failed job's description: the request, minus its name.
 _REQUEST_FIELDS = ("RoleArn", "AlgorithmSpecification", "ResourceConfig", "StoppingCondition", "OutputDataConfig",
                    "InputDataConfig", "CheckpointConfig", "EnableManagedSpotTraining", "EnableNetworkIsolation",
@@ -247,7 +252,7 @@ class SageMakerBackend(Backend[SageMakerBackendConfig, SageMakerRunHandle]):
                                                             self.config.py_version)
         requests = [self._request(spec, rank, region, instance_type, image) for rank in range(spec.replicas)]
         for rank, request in enumerate(requests):
-            check_request(request, rank)
+            check_request(request, rank, procs_per_replica=procs)
         buckets = dict.fromkeys(uri[len("s3://"):].split("/", 1)[0]
                                 for uri in (spec.entrypoint_args.rendezvous_uri, self.base_uri(spec)))
         warnings = [w for w in map(bucket_scope_warning, buckets) if w]
@@ -260,12 +265,12 @@ class SageMakerBackend(Backend[SageMakerBackendConfig, SageMakerRunHandle]):
                "PYTHONUNBUFFERED": "1"}
         if self.ships_code:
             entrypoint = ["python", f"/opt/ml/input/data/{CODE_CHANNEL}/{BOOTSTRAP_FILE}"]
-            arguments = ["-m", spec.entrypoint, *spec.entrypoint_args.to_argv()]
+            arguments = ["-m", spec.entrypoint, *spec.entrypoint_argv()]
             source = Path(self.config.source_dir or os.getcwd()).expanduser().resolve()
             env.update(bootstrap_environment(spec, source))  # what the bootstrap installs, shown by --dry-run
         else:
             entrypoint = ["python", "-m", spec.entrypoint]
-            arguments = spec.entrypoint_args.to_argv()
+            arguments = spec.entrypoint_argv()
         max_run = math.ceil(spec.timeout_s) if spec.timeout_s else DEFAULT_MAX_RUNTIME_S
         resources: dict[str, Any] = {"InstanceType": instance_type, "InstanceCount": 1,
                                      "VolumeSizeInGB": self.config.volume_size_gb}
@@ -339,21 +344,24 @@ class SageMakerBackend(Backend[SageMakerBackendConfig, SageMakerRunHandle]):
     # ------------------------------------------------------------------ submit (all or nothing)
     def submit(self, plan: LaunchPlan,
                on_progress: Callable[[SageMakerRunHandle], None] | None = None) -> SageMakerRunHandle:
-        """Ship the code (without a ready image), then create the jobs in rank order. If creating replica k fails
-        (quota, throttling that outlasts the retries, validation) or Ctrl-C arrives, the jobs already created are
-        stopped before the error propagates."""
+        """Ship the code (without a ready image), then create the jobs in rank order. If shipping fails, creating
+        replica k fails (quota, throttling that outlasts the retries, validation) or Ctrl-C arrives, the launch is
+        rolled back before the error propagates: the jobs already created are stopped and waited for (a stopped
+        job still uploads its output), then everything under the run's base prefix (the shipped code, any output
+        or checkpoints) is deleted. A failed launch leaves no job running and no object of its own."""
         spec = plan.spec
         region = self.region()
         handle = SageMakerRunHandle(run_id=spec.run_id, replicas=spec.replicas, region=region)
-        if self.ships_code:
-            self._ship_code(spec, region)
         sm = self.client("sagemaker", region)
-        rank = 0
+        failing: str | None = None
         try:
+            if self.ships_code:
+                self._ship_code(spec, region)
             for rank, request in enumerate(plan.requests):
                 if rank and self._stopped_meanwhile(sm, handle):
                     raise BackendError(f"run {spec.run_id} was cancelled while it was being launched",
                                        hint="its jobs were stopped; launch again when ready")
+                failing = request["TrainingJobName"]
                 try:
                     sm.create_training_job(**request)
                 except Exception as exc:  # noqa: BLE001 - every cause is reported the same way, with its code
@@ -364,11 +372,12 @@ class SageMakerBackend(Backend[SageMakerBackendConfig, SageMakerRunHandle]):
                         f"({request['TrainingJobName']}): {code}: {message}",
                         hint=f"the {stopped} job(s) already created were stopped; fix the cause and launch again"
                         if stopped else "nothing was created; fix the cause and launch again") from exc
+                failing = None
                 handle.job_names.append(request["TrainingJobName"])
                 if on_progress is not None:
                     on_progress(handle)
         except BaseException:
-            self._roll_back(sm, handle, plan.requests[rank]["TrainingJobName"])
+            self._roll_back(sm, handle, failing, self.base_uri(spec), region)
             raise
         return handle
 
@@ -380,10 +389,84 @@ class SageMakerBackend(Backend[SageMakerBackendConfig, SageMakerRunHandle]):
             return False
         return status in ("Stopping", "Stopped")
 
-    def _roll_back(self, sm: Any, handle: SageMakerRunHandle, failing: str) -> None:
-        """Stop what a failed launch created (and the job whose creation failed, in case it exists after all)."""
-        for name in [*handle.job_names, failing]:
-            self._stop(sm, name)
+    def _roll_back(self, sm: Any, handle: SageMakerRunHandle, failing: str | None, base: str, region: str) -> None:
+        """Undo a failed launch: stop what it created (and the job whose creation was cut short, in case it exists
+        after all), wait until those jobs have ended, then delete everything under ``base``.
+
+        Signals are held meanwhile, so a second Ctrl-C cannot cut the rollback in two; it only hurries it (the
+        wait for the stopped jobs ends, and their late output may then land under ``base``). A job that cannot
+        be stopped is reported after the rest is done."""
+        from diloco.signals import signals_deferred
+
+        names = [*handle.job_names, *([failing] if failing else [])]
+        problem: BackendError | None = None
+        with signals_deferred() as hurry:
+            for name in names:
+                try:
+                    self._stop(sm, name)
+                except BackendError as exc:
+                    problem = problem or exc
+            self._wait_ended(sm, names, hurry)
+            try:
+                self._delete_prefix(base, region)
+            except Exception:  # noqa: BLE001 - see _delete_prefix
+                pass
+        if problem is not None:
+            raise problem
+
+    def _wait_ended(self, sm: Any, names: Sequence[str], hurry: Callable[[], bool]) -> None:
+        """Until every job in ``names`` is Completed, Failed or Stopped (or does not exist), for at most
+        ``ROLLBACK_WAIT_S``: a stopped job keeps its container 120 s after SIGTERM and then uploads what it saved
+        to the job's output and checkpoint prefixes, which the rollback deletes only after that."""
+        deadline = time.monotonic() + ROLLBACK_WAIT_S
+        pending = list(names)
+        while pending and time.monotonic() < deadline and not hurry():
+            still = []
+            for name in pending:
+                try:
+                    status = sm.describe_training_job(TrainingJobName=name).get("TrainingJobStatus")
+                except Exception as exc:  # noqa: BLE001 - not found: never created; anything else: ask again
+                    code, message = _client_error(exc)
+                    if "not found" in message.lower() or code == "ResourceNotFound":
+                        continue
+                    status = None
+                if status not in ("Completed", "Failed", "Stopped"):
+                    still.append(name)
+            pending = still
+            if pending:
+                time.sleep(ROLLBACK_POLL_S)
+
+    def _delete_prefix(self, base: str, region: str, *, dry_run: bool = False) -> int:
+        """Delete every object under ``base/`` (the run's own prefix: its run id is in the path); how many there
+        were. Errors propagate; the rollback ignores them (it must not replace the error that caused it, and what
+        stays is under the run's rendezvous prefix or ``output_s3_uri/<run_id>/``, which ``diloco rm`` reaches)."""
+        bucket, _, key = base[len("s3://"):].partition("/")
+        prefix = key.rstrip("/") + "/"
+        s3 = self.client("s3", region)
+        found = 0
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+            keys = [{"Key": obj["Key"]} for obj in page.get("Contents", [])]
+            found += len(keys)
+            if keys and not dry_run:
+                s3.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
+        return found
+
+    # ------------------------------------------------------------------ housekeeping
+    def remove(self, handle: SageMakerRunHandle, *, dry_run: bool = False) -> list[str]:
+        """With ``output_s3_uri``, a run's shipped code, job outputs and checkpoints lie outside its rendezvous,
+        under ``<output_s3_uri>/<run_id>/``: ``diloco rm`` removes them here (without it they are under the
+        rendezvous prefix, which the caller removes). A training job itself cannot be deleted, and its logs follow
+        CloudWatch's retention."""
+        if not self.config.output_s3_uri:
+            return []
+        base = f"{self.config.output_s3_uri.rstrip('/')}/{handle.run_id}"
+        try:
+            found = self._delete_prefix(base, handle.region or self.region(), dry_run=dry_run)
+        except Exception as exc:  # noqa: BLE001 - reported with its code, the run is kept
+            code, message = _client_error(exc)
+            raise BackendError(f"could not remove {base}/: {code}: {message}",
+                               hint="check you may list and delete objects under it") from exc
+        return [f"{base}/"] if found else []
 
     @staticmethod
     def _stop(sm: Any, name: str, pacer: Pacer | None = None) -> None:

@@ -88,11 +88,11 @@ def _procs_argument(request: Mapping[str, Any]) -> int | None:
     return None
 
 
-def check_procs_per_replica(request: Mapping[str, Any], rank: int) -> None:
-    """A GPU instance must have a GPU for each of the replica's local processes (``--procs-per-replica``); a CPU
-    instance runs them on its CPUs (gloo). ``ConfigError`` at plan time, naming the flag, the instance and one
-    that fits."""
-    procs = _procs_argument(request)
+def check_procs_per_replica(request: Mapping[str, Any], rank: int, procs: int | None = None) -> None:
+    """A GPU instance must have a GPU for each of the replica's local processes (``--procs-per-replica``, given,
+    else read from the request's arguments); a CPU instance runs them on its CPUs (gloo). ``ConfigError`` at plan
+    time, naming the flag, the instance and one that fits."""
+    procs = _procs_argument(request) if procs is None else procs
     instance_type = request["ResourceConfig"]["InstanceType"]
     gpus = instance_gpus(instance_type)
     if procs is None or procs <= 1 or not gpus or procs <= gpus:
@@ -111,9 +111,10 @@ def _limit_error(rank: int, field: str, what: str, fix: str) -> ConfigError:
     return ConfigError(f"replica {rank}'s CreateTrainingJob {field}: {what}", hint=fix)
 
 
-def check_request(request: Mapping[str, Any], rank: int) -> None:
+def check_request(request: Mapping[str, Any], rank: int, *, procs_per_replica: int | None = None) -> None:
     """The documented limits botocore does not check, then botocore's own validation: a one-line ``ConfigError``
-    naming the field and the fix, before anything is sent."""
+    naming the field and the fix, before anything is sent. ``procs_per_replica``: the replica's local processes
+    (its arguments name only the spec object that holds them)."""
     name = request["TrainingJobName"]
     if len(name) > JOB_NAME_MAX or not JOB_NAME_RE.match(name):
         raise _limit_error(rank, "TrainingJobName", f"{name!r} is not a valid job name",
@@ -148,7 +149,7 @@ def check_request(request: Mapping[str, Any], rank: int) -> None:
         raise _limit_error(rank, "ResourceConfig.KeepAlivePeriodInSeconds", f"{keep_alive} is outside "
                            f"0..{KEEP_ALIVE_MAX_S}", "set backend.keep_alive_period_s (--keep-alive) within it")
     _check_stopping(request, rank)
-    check_procs_per_replica(request, rank)
+    check_procs_per_replica(request, rank, procs_per_replica)
     if len(request.get("Tags") or []) > TAGS_MAX:
         raise _limit_error(rank, "Tags", f"{len(request['Tags'])} tags (limit {TAGS_MAX})", "set fewer backend.tags")
     _botocore_validation(request, rank)

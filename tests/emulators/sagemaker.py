@@ -33,7 +33,8 @@ S3 input channels, checkpoints, artifacts and CloudWatch Logs on an S3/Logs endp
 an embedded one). Fault knobs for tests: ``throttle``, ``refuse_create``, ``set_instance_limit``, ``interrupt`` (a spot
 reclaim: the job comes back), ``crash`` (the job fails for good), ``fail`` (the job fails with one of the
 ``FailureReason`` forms on record, ``sagemaker_job.FAILURE_FORMS``), ``break_pip`` (the image's pip installs
-nothing), ``throttle_logs``. ``prebuilt_python`` runs the jobs on AWS's prebuilt PyTorch training image in an
+nothing), ``throttle_logs``, ``hold_create`` (a CreateTrainingJob whose answer
+is late: the job exists while its launcher still waits, so a test can interrupt it there). ``prebuilt_python`` runs the jobs on AWS's prebuilt PyTorch training image in an
 interpreter holding only that image's packages (``sagemaker_image``), and ``pip_wheelhouse`` gives their pip a local
 folder of wheels instead of the package index.
 
@@ -144,6 +145,9 @@ class SageMakerEmulator:
         self._refuse_at: int | None = None
         self._creates_seen = 0
         self._instance_limits: dict[str, int] = {}
+        self._hold_at: int | None = None
+        self._held = threading.Event()  # set while a CreateTrainingJob answer is being held
+        self._release = threading.Event()
         self.calls: list[Call] = []
         self.limits = RateLimits(SAGEMAKER_QUOTAS, SAGEMAKER_DEFAULT_QUOTA) if rate_limits else None
         self.logs_limits = RateLimits(LOGS_QUOTAS) if rate_limits else None
@@ -191,6 +195,7 @@ class SageMakerEmulator:
 
     def stop(self) -> None:
         """Stop answering, kill every job's process group, and stop the embedded moto server if there is one."""
+        self._release.set()  # a held answer must not keep a server thread waiting
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
@@ -269,6 +274,24 @@ class SageMakerEmulator:
         """The account quota of ``instance_type`` for training jobs (jobs InProgress or Stopping count)."""
         with self._lock:
             self._instance_limits[instance_type] = instances
+
+    def hold_create(self, nth: int = 1) -> None:
+        """Create the ``nth`` CreateTrainingJob's job from now, then hold its answer until ``release_create()``: a
+        slow response, as a launcher Ctrl-C'd while the request is in flight meets it (the job exists; the
+        launcher has not heard). ``wait_until_held()`` tells a test when to interrupt."""
+        with self._lock:
+            self._creates_seen = 0
+            self._hold_at = nth
+            self._held.clear()
+            self._release.clear()
+
+    def wait_until_held(self, timeout: float) -> bool:
+        """Whether a CreateTrainingJob answer is being held (``hold_create``) within ``timeout`` seconds."""
+        return self._held.wait(timeout)
+
+    def release_create(self) -> None:
+        """Send the held CreateTrainingJob answer (to a client that may be gone)."""
+        self._release.set()
 
     def interrupt(self, name: str, *, hold: bool = False) -> None:
         """Reclaim the spot instance under a training job: SIGKILL, ``Interrupted``, then a restart after
@@ -368,7 +391,13 @@ class SageMakerEmulator:
             job = TrainingJob(body, arn=arn, region=region, runtime=self._runtime)
             self._check_quota(job)
             self._jobs[name] = job
+            hold = self._hold_at is not None and self._creates_seen == self._hold_at
+            if hold:
+                self._hold_at = None
         job.start()
+        if hold:
+            self._held.set()
+            self._release.wait()
         return {"TrainingJobArn": arn}
 
     def _check_quota(self, job: TrainingJob) -> None:
