@@ -14,18 +14,17 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from emulators.sagemaker import SageMakerEmulator
+from sagemaker_jobs import cli, log_lines, role, wait_for
 
 pytestmark = pytest.mark.slow
 
-DILOCO = [sys.executable, "-m", "diloco.cli.main"]
 LOG_GROUP = "/aws/sagemaker/TrainingJobs"
 #: The emulator's SIGTERM -> SIGKILL delay in these tests: the real service's. A job that reaches Stopped before
 #: it ended did so because its main process acted on the SIGTERM, never because the emulator killed it.
@@ -33,42 +32,11 @@ REAL_GRACE_S = 120.0
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
-def cli(*args: str, home: Path, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "DILOCO_HOME": str(home), "NO_COLOR": "1"}
-    env.pop("DILOCO_DEBUG", None)
-    return subprocess.run([*DILOCO, *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
-
-
-def role(emulator: SageMakerEmulator) -> str:
-    return f"arn:aws:iam::{emulator.account_id}:role/diloco-e2e"
-
 
 def launch_args(emulator: SageMakerEmulator, bucket: str, source: Path, *extra: str) -> list[str]:
     return ["launch", "--backend", "sagemaker", "--role", role(emulator), "--region", "us-east-1",
             "--rendezvous", f"s3://{bucket}/boot/{{run_id}}", "--source-dir", str(source),
             "--set", "store.poll_interval_s=0.2", *extra]
-
-
-def log_lines(job_name: str) -> list[str]:
-    import boto3
-
-    logs = boto3.client("logs")
-    try:
-        streams = logs.describe_log_streams(logGroupName=LOG_GROUP, logStreamNamePrefix=f"{job_name}/")["logStreams"]
-    except logs.exceptions.ResourceNotFoundException:
-        return []
-    return [e["message"] for s in streams for e in logs.get_log_events(
-        logGroupName=LOG_GROUP, logStreamName=s["logStreamName"], startFromHead=True)["events"]]
-
-
-def wait_for(predicate: Callable[[], Any], what: str, timeout: float) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def describe(name: str) -> dict[str, Any]:

@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import subprocess
-import sys
 import tarfile
 import time
 from pathlib import Path
@@ -21,12 +18,12 @@ from typing import Any
 
 import pytest
 from emulators.sagemaker import SageMakerEmulator
+from sagemaker_jobs import cli, log_lines, role, wait_for
 
 from diloco.executors.local_supervisor import processes_with_env
 
 pytestmark = pytest.mark.slow
 
-DILOCO = [sys.executable, "-m", "diloco.cli.main"]
 TESTS_DIR = str(Path(__file__).resolve().parent)
 TINY = ["--steps", "20", "--sync-every", "10", "-k", "n_layer=1", "-k", "n_embd=16", "-k", "eval_batches=1",
         "-k", "threads=1"]
@@ -83,16 +80,6 @@ def home(tmp_path: Path) -> Path:
     return tmp_path / "home"
 
 
-def role(emulator: SageMakerEmulator) -> str:
-    return f"arn:aws:iam::{emulator.account_id}:role/diloco-e2e"
-
-
-def cli(*args: str, home: Path, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "DILOCO_HOME": str(home), "NO_COLOR": "1"}
-    env.pop("DILOCO_DEBUG", None)
-    return subprocess.run([*DILOCO, *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
-
-
 def launch_args(emulator: SageMakerEmulator, bucket: str, source: Path, *extra: str) -> list[str]:
     return ["launch", "--backend", "sagemaker", "--role", role(emulator), "--region", "us-east-1",
             "--rendezvous", f"s3://{bucket}/e2e/{{run_id}}", "--source-dir", str(source),
@@ -106,29 +93,6 @@ def jobs_of(emulator: SageMakerEmulator) -> dict[str, Any]:
 def processes_of(run_id: str) -> list[int]:
     """Live processes whose environment names the run (every job's process tree has DILOCO_RUN_ID)."""
     return sorted(processes_with_env("DILOCO_RUN_ID", run_id))
-
-
-def wait_for(predicate: Any, what: str, timeout: float = 90) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def log_lines(job_name: str) -> list[str]:
-    import boto3
-
-    logs = boto3.client("logs")
-    try:
-        streams = logs.describe_log_streams(logGroupName="/aws/sagemaker/TrainingJobs",
-                                            logStreamNamePrefix=f"{job_name}/")["logStreams"]
-    except logs.exceptions.ResourceNotFoundException:
-        return []
-    return [e["message"] for s in streams for e in logs.get_log_events(
-        logGroupName="/aws/sagemaker/TrainingJobs", logStreamName=s["logStreamName"], startFromHead=True)["events"]]
 
 
 def describe(name: str) -> dict[str, Any]:

@@ -15,21 +15,21 @@ import json
 import os
 import random
 import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from emulators import sagemaker_image
 from emulators.sagemaker import SageMakerEmulator
+from sagemaker_jobs import cli, log_lines, role
 
 #: The first session on a machine builds the image-like interpreter and the wheelhouse (minutes, once; cached).
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 REPO = Path(__file__).resolve().parent.parent
-DILOCO = [sys.executable, "-m", "diloco.cli.main"]
+#: Each job's bootstrap really installs packages with pip, and imports transformers: a launch takes minutes when
+#: the machine is busy, so its CLI call gets more than the shared default.
+IMAGE_LAUNCH_TIMEOUT_S = 420
 
 
 # ---------------------------------------------------------------------------------------------------- fixtures
@@ -79,29 +79,6 @@ def image_site(image_python: Path) -> Iterator[Path]:
 def snapshot(directory: Path) -> dict[str, tuple[int, int]]:
     return {p.relative_to(directory).as_posix(): (p.stat().st_mtime_ns, p.stat().st_size)
             for p in directory.iterdir()}
-
-
-def cli(*args: str, home: Path, cwd: Path, timeout: float = 420) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "DILOCO_HOME": str(home), "NO_COLOR": "1"}
-    env.pop("DILOCO_DEBUG", None)
-    return subprocess.run([*DILOCO, *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
-
-
-def role(emulator: SageMakerEmulator) -> str:
-    return f"arn:aws:iam::{emulator.account_id}:role/diloco-e2e"
-
-
-def log_lines(job_name: str) -> list[str]:
-    import boto3
-
-    logs = boto3.client("logs")
-    try:
-        streams = logs.describe_log_streams(logGroupName="/aws/sagemaker/TrainingJobs",
-                                            logStreamNamePrefix=f"{job_name}/")["logStreams"]
-    except logs.exceptions.ResourceNotFoundException:
-        return []
-    return [e["message"] for s in streams for e in logs.get_log_events(
-        logGroupName="/aws/sagemaker/TrainingJobs", logStreamName=s["logStreamName"], startFromHead=True)["events"]]
 
 
 def run_in(python: Path, code: str) -> subprocess.CompletedProcess[str]:
@@ -180,7 +157,7 @@ def test_a_job_on_the_image_writes_to_the_store_with_the_s3fs_diloco_needs(
                  "--rendezvous", f"s3://{s3_bucket}/img/{{run_id}}", "--source-dir", str(source),
                  "--set", "store.poll_interval_s=0.2", "--replicas", "1", "--trainer", "storeprobe:train",
                  "--steps", "4", "--sync-every", "2", "-k", "n_layer=1", "-k", "n_embd=16", "-k", "eval_batches=1",
-                 "-k", "threads=1", "-o", "json", home=home, cwd=tmp_path)
+                 "-k", "threads=1", "-o", "json", home=home, cwd=tmp_path, timeout=IMAGE_LAUNCH_TIMEOUT_S)
     run_id = json.loads(launch.stdout)["run_id"] if launch.stdout.strip() else None
     lines = log_lines(f"{run_id}-r0") if run_id else []
     assert launch.returncode == 0, "\n".join(lines[-40:]) or launch.stderr[-3000:]
@@ -250,7 +227,7 @@ def test_the_hf_qwen_config_trains_two_replicas_on_the_image_and_the_result_load
             "--set", "store.poll_interval_s=0.2", "-o", "json"]
     for key, value in kwargs.items():
         args += ["-k", f"{key}={json.dumps(value)}"]
-    launch = cli(*args, home=home, cwd=tmp_path)
+    launch = cli(*args, home=home, cwd=tmp_path, timeout=IMAGE_LAUNCH_TIMEOUT_S)
     run_id = json.loads(launch.stdout)["run_id"] if launch.stdout.strip() else None
     lines = {r: log_lines(f"{run_id}-r{r}") if run_id else [] for r in (0, 1)}
     assert launch.returncode == 0, "\n".join(lines[0][-40:]) or launch.stderr[-3000:]
@@ -299,12 +276,3 @@ def download_prefix(root: str, prefix: str, into: Path) -> Path:
         target.write_bytes(store.get(key))
     return into
 
-
-def wait_for(predicate: Any, what: str, timeout: float) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
