@@ -261,15 +261,7 @@ def remove_prefix(uri: str, *, registry: RunRegistry, dry_run: bool = False) -> 
             if not listing.state.is_terminal:
                 out.reason = f"its backend ({out.backend}) sees run {run_id} {listing.state.value}"
                 return out
-    try:
-        removal = remove_store_objects(uri, run_id or "", dry_run=dry_run)
-    except (DilocoError, OSError) as exc:
-        out.reason = f"its store objects could not be removed: {exc}"
-        return out
-    out.store_objects, out.store_bytes, out.store_kept = len(removal.removed), removal.bytes, removal.kept
-    if removal.note:
-        out.warnings.append(removal.note)
-    out.removed = True
+    out.removed = _remove_store_into(out, uri, run_id or "", dry_run=dry_run, where="")
     return out
 
 
@@ -328,14 +320,9 @@ def remove_run(record: RunRecord, condition: RunCondition, *, registry: RunRegis
     if not condition.removable:
         out.reason = kept_reason(condition)
         return out
-    try:
-        store = remove_store_objects(record.rendezvous_uri, record.run_id, dry_run=dry_run)
-    except (DilocoError, OSError) as exc:
-        out.reason = f"its store objects at {record.rendezvous_uri} could not be removed: {exc}"
+    if not _remove_store_into(out, record.rendezvous_uri, record.run_id, dry_run=dry_run,
+                              where=f" at {record.rendezvous_uri}"):
         return out
-    out.store_objects, out.store_bytes, out.store_kept = len(store.removed), store.bytes, store.kept
-    if store.note:
-        out.warnings.append(store.note)
     out.files, problem = remove_backend_files(record, condition, dry_run=dry_run)
     if problem:
         out.warnings.append(problem)
@@ -343,6 +330,20 @@ def remove_run(record: RunRecord, condition: RunCondition, *, registry: RunRegis
         registry.delete(record.run_id)
     out.removed = True
     return out
+
+
+def _remove_store_into(out: RunRemoval, uri: str, run_id: str, *, dry_run: bool, where: str) -> bool:
+    """Remove a run's store objects and record what went into ``out``; False (with ``out.reason``) when the store
+    could not be cleared, so the caller keeps the run."""
+    try:
+        removal = remove_store_objects(uri, run_id, dry_run=dry_run)
+    except (DilocoError, OSError) as exc:
+        out.reason = f"its store objects{where} could not be removed: {exc}"
+        return False
+    out.store_objects, out.store_bytes, out.store_kept = len(removal.removed), removal.bytes, removal.kept
+    if removal.note:
+        out.warnings.append(removal.note)
+    return True
 
 
 def remove_backend_files(record: RunRecord, condition: RunCondition, *,
