@@ -456,6 +456,11 @@ class Cluster:
                 run.forced = (exit_code, reason)
                 run.signal(signal.SIGKILL)
 
+    def kubelet_reachable(self, pod: Obj) -> bool:
+        """Whether the API server can reach the kubelet of the pod's node (its logs are served through it); a
+        node that is NotReady (lost, reclaimed) answers no proxied request."""
+        return True
+
     def log_source(self, namespace: str, name: str, container: str | None, previous: bool) -> kubelet.ContainerRun:
         """The container start whose log a ``pods/log`` request reads, or the API server's / kubelet's 400."""
         with self.store.lock:
