@@ -282,9 +282,11 @@ def launch(
     cancel_on_interrupt: Annotated[bool, typer.Option(help="Ctrl-C cancels the run instead of only detaching.")
                                    ] = False,
     fail_fast: Annotated[bool, typer.Option(help="Stop the other replicas as soon as one fails.")] = True,
-    max_restarts: Annotated[int, typer.Option("--max-restarts", min=0, help="Relaunch a failed replica up to N "
-                                              "times while waiting (it rejoins at its peers' round); 0 never.",
-                                              metavar="N")] = 3,
+    max_restarts: Annotated[int | None, typer.Option("--max-restarts", min=0, help="Start a killed or lost "
+                                                     "replica again up to N times (it rejoins at its peers' "
+                                                     "round; on EKS the Job's per-index retry); 0 never "
+                                                     "(max_restarts; default 3).", metavar="N",
+                                                     show_default=False)] = None,
     fmt: FormatOpt = OutputFormat.table,
 ) -> None:
     """Launch a DiLoCo run and (unless --detach) wait for it with live progress, then print the summary.
@@ -310,7 +312,8 @@ def launch(
     flags = {"replicas": replicas, "backend": backend, "train.steps": steps, "train.sync_every": sync_every,
              "train.mode": mode, "train.trainer": trainer, "store.rendezvous": rendezvous, "gpu": gpu, "timeout_s": timeout,
              "store.allreduce": allreduce, "store.compression": compression, "min_replicas": min_replicas,
-             "train.procs_per_replica": procs_per_replica, "metrics.tensorboard": tensorboard}
+             "train.procs_per_replica": procs_per_replica, "metrics.tensorboard": tensorboard,
+             "max_restarts": max_restarts}
     backend_flags = {"image": image, "role": role, "region": region, "instance_type": instance_type,
                      "namespace": namespace, "context": context, "spot": spot, "keep_alive": keep_alive,
                      "source_dir": str(source_dir) if source_dir is not None else None}
@@ -348,7 +351,7 @@ def launch(
     say(f"waiting (Ctrl-C {on_ctrl_c}); logs: diloco logs {run_id} -f")
     from diloco.cli.watch import wait_and_summarize
 
-    wait_and_summarize(view, fmt=fmt, fail_fast=fail_fast, max_restarts=max_restarts,
+    wait_and_summarize(view, fmt=fmt, fail_fast=fail_fast, max_restarts=cfg.max_restarts,
                        cancel_on_interrupt=cancel_on_interrupt)
 
 

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, model_validator
 
-from diloco.defaults import DEFAULT_TRAINER
+from diloco.defaults import DEFAULT_MAX_RESTARTS, DEFAULT_TRAINER
 from diloco.errors import ConfigError
 from diloco.executors import DEFAULT_BACKEND
 from diloco.executors.base import BackendConfig
@@ -92,6 +92,9 @@ class RunConfig(_Strict):
     #: Wall-clock limit per replica job (default one day, SageMaker's own default MaxRuntimeInSeconds), so a trainer
     #: that hangs before its first sync cannot run for ever; ``null`` in YAML removes the limit.
     timeout_s: float | None = Field(DEFAULT_TIMEOUT_S, gt=0)
+    #: How many times a replica killed or lost (a signal, the OOM killer) is started again for its rank
+    #: (``--max-restarts``); a replica that failed with its own error is never (it would fail the same way).
+    max_restarts: int = Field(DEFAULT_MAX_RESTARTS, ge=0)
 
     @model_validator(mode="before")
     @classmethod

@@ -13,6 +13,9 @@
     committed/round_NNNNNN/{state.safetensors,COMMITTED}
                                          the global state after round NNNNNN (from 1), marker last (diloco.checkpoint)
     relaunch/rank_RRRR.json              a relaunch of rank RRRR in progress: peers extend their wait (launcher)
+    logs/rank_RRRR/<attempt>/chunk_NNNNNN.json, end.json
+                                         a replica's own output and exit code, where a backend asks the replicas
+                                         to ship them (diloco.replica_log): it outlives the pods
     run.json                             the launcher's record of the run (id and resolved config)
     spec.json                            the replicas' settings (``EntrypointArgs`` as JSON), written by the
                                          launcher before any replica starts and read by each (``--spec``)
@@ -37,6 +40,7 @@ PROGRESS_KEY = "progress/rank_{rank:04d}.json"
 FINAL_KEY = "final/rank_{rank:04d}.safetensors"
 RUN_INFO_KEY = "run.json"
 SPEC_KEY = "spec.json"
+LOGS_PREFIX = "logs"
 
 # Committed rounds (diloco.checkpoint): the global state after round N (numbered from 1), data then marker.
 COMMITTED_PREFIX = "committed/"

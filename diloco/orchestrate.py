@@ -178,7 +178,8 @@ def build_spec(cfg: RunConfig, run_id: str) -> LaunchSpec:
                           min_replicas=cfg.min_replicas, procs_per_replica=cfg.train.procs_per_replica,
                           tensorboard=cfg.metrics.tensorboard)
     return LaunchSpec(run_id=run_id, replicas=cfg.replicas, entrypoint_args=args, gpu=cfg.gpu,
-                      timeout_s=cfg.timeout_s, spec_uri=f"{args.rendezvous_uri}/{SPEC_KEY}")
+                      timeout_s=cfg.timeout_s, spec_uri=f"{args.rendezvous_uri}/{SPEC_KEY}",
+                      max_restarts=cfg.max_restarts)
 
 
 def _mode_kwarg(cfg: RunConfig) -> dict[str, str]:

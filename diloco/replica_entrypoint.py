@@ -670,9 +670,14 @@ def _in_main_thread() -> bool:
 
 
 if __name__ == "__main__":
+    from diloco.replica_log import ship_output
+
+    shipping = ship_output()  # the replica's own log into the run's store, when the backend asks for it
     code = main()
     sys.stdout.flush()
     sys.stderr.flush()
+    if shipping is not None:
+        shipping.close(code)
     if code != EXIT_OK:
         # A failed or stopped replica may leave an all-reduce upload thread behind; do not wait for it.
         logging.shutdown()

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from diloco import envvars
-from diloco.defaults import DEFAULT_ENTRYPOINT, DEFAULT_TRAINER
+from diloco.defaults import DEFAULT_ENTRYPOINT, DEFAULT_MAX_RESTARTS, DEFAULT_TRAINER
 from diloco.executors.failures import FailureVerdict
 from diloco.logstream import LogRecord
 
@@ -213,6 +213,10 @@ class LaunchSpec(BaseModel):
     #: Where the launcher publishes ``entrypoint_args`` as the spec object (``<rendezvous>/spec.json``); the
     #: replicas then get ``--spec URI --spec-sha256 HEX`` instead of every setting as a flag. ``None``: the flags.
     spec_uri: str | None = None
+    #: How many times a killed or lost replica is started again for its rank (``--max-restarts``). The launcher
+    #: relaunches while it waits on a backend that ``supports_relaunch``; a backend whose service retries a
+    #: replica itself (an Indexed Job's per-index retry) puts it into what it submits instead.
+    max_restarts: int = Field(DEFAULT_MAX_RESTARTS, ge=0)
 
     def spec_object(self) -> bytes:
         """The bytes to publish at ``spec_uri`` before any replica starts."""

@@ -24,12 +24,14 @@ from diloco.executors.base import (
     RunState,
     RunStatus,
 )
+from diloco.layout import LOGS_PREFIX
+from diloco.replica_log import ATTEMPT_ENV, LOG_URI_ENV
 
 if TYPE_CHECKING:
     from diloco.doctor import Check, DoctorContext
 
 #: Labels and annotations diloco puts on the Job and its pods.
-from diloco.executors.kubernetes.api import _lines, _status_of, _timing, api_error, load_api_client
+from diloco.executors.kubernetes.api import _status_of, _timing, api_error, load_api_client
 from diloco.executors.kubernetes.config import (
     CANCELLED_ANNOTATION,
     CONFIG_ERROR_EXIT,
@@ -45,6 +47,7 @@ from diloco.executors.kubernetes.config import (
     RUN_LABEL,
     SIGTERM_EXIT,
     TIMEOUT,
+    TRAINER_ERROR_EXIT,
     KubernetesBackendConfig,
     KubernetesRunHandle,
 )
@@ -64,7 +67,6 @@ from diloco.executors.kubernetes.pods import (
     parse_time,
     pending_reason,
     replica_gpus,
-    split_log_line,
 )
 
 #: Beyond the pods' grace period, how long a rolled-back launch waits for its Job's foreground deletion to finish.
@@ -117,14 +119,15 @@ class KubernetesBackend(Backend[KubernetesBackendConfig, KubernetesRunHandle]):
                        MAX_FAILED_ANNOTATION: str(min(cfg.max_failed_indexes, replicas))}
         job_spec: dict[str, Any] = {
             "completionMode": "Indexed", "completions": replicas, "parallelism": replicas,
-            "backoffLimitPerIndex": cfg.backoff_limit_per_index,
+            "backoffLimitPerIndex": self.retries(spec),
             "maxFailedIndexes": min(cfg.max_failed_indexes, replicas),
             "podFailurePolicy": {"rules": [
                 # spot reclaim, drain, preemption: retried, not counted
                 {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
-                # a configuration error, or a stop by SIGTERM (a cancel): retrying cannot help
-                {"action": "FailIndex", "onExitCodes": {"containerName": CONTAINER, "operator": "In",
-                                                        "values": [CONFIG_ERROR_EXIT, SIGTERM_EXIT]}},
+                # the trainer's own error, a configuration error, or a stop by SIGTERM (a cancel): retrying
+                # cannot help (a kill, SIGKILL or the OOM killer's 137, is counted and retried)
+                {"action": "FailIndex", "onExitCodes": {"containerName": CONTAINER, "operator": "In", "values": [
+                    TRAINER_ERROR_EXIT, CONFIG_ERROR_EXIT, SIGTERM_EXIT]}},
             ]},
             "template": {"metadata": {"labels": labels, "annotations": annotations}, "spec": self._pod_spec(spec)},
         }
@@ -132,10 +135,28 @@ class KubernetesBackend(Backend[KubernetesBackendConfig, KubernetesRunHandle]):
             job_spec["ttlSecondsAfterFinished"] = cfg.ttl_seconds_after_finished
         if spec.timeout_s:
             job_spec["activeDeadlineSeconds"] = math.ceil(spec.timeout_s)
+        self._ship_logs(job_spec["template"]["spec"]["containers"][0], spec)
         return {"apiVersion": "batch/v1", "kind": "Job",
                 "metadata": {"name": job_name_for(spec.run_id, replicas), "namespace": cfg.namespace,
                              "labels": labels, "annotations": annotations},
                 "spec": job_spec}
+
+    @staticmethod
+    def log_uri(spec: LaunchSpec) -> str:
+        """Where the replicas ship their own logs: ``<rendezvous>/logs``, so they outlive the pods."""
+        return f"{spec.entrypoint_args.rendezvous_uri.rstrip('/')}/{LOGS_PREFIX}"
+
+    def _ship_logs(self, container: dict[str, Any], spec: LaunchSpec) -> None:
+        """Ask the replica to ship its log to the store (``diloco.replica_log``), each attempt under its pod's name."""
+        container["env"] += [{"name": LOG_URI_ENV, "value": self.log_uri(spec)},
+                             {"name": ATTEMPT_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
+
+    def retries(self, spec: LaunchSpec) -> int:
+        """``backoffLimitPerIndex``: how often the job controller starts a killed replica again. The run's
+        ``max_restarts`` unless ``backend.backoff_limit_per_index`` says otherwise; fixed at submit (the field is
+        immutable), which is why this backend does not ``supports_relaunch``: the cluster retries, not diloco."""
+        configured = self.config.backoff_limit_per_index
+        return spec.max_restarts if configured is None else configured
 
     def _pod_spec(self, spec: LaunchSpec) -> dict[str, Any]:
         """One replica's pod: the container, its identity, and where it may be scheduled."""
@@ -242,7 +263,7 @@ class KubernetesBackend(Backend[KubernetesBackendConfig, KubernetesRunHandle]):
         meta = job["metadata"]
         handle = KubernetesRunHandle(run_id=plan.spec.run_id, replicas=plan.spec.replicas,
                                      namespace=meta["namespace"], job_name=meta["name"],
-                                     kube_context=self.config.kube_context)
+                                     kube_context=self.config.kube_context, log_uri=self.log_uri(plan.spec))
         batch = self._batch()
         created = False
         try:
@@ -492,72 +513,18 @@ class KubernetesBackend(Backend[KubernetesBackendConfig, KubernetesRunHandle]):
     # ------------------------------------------------------------------ logs
     def replica_logs(self, handle: KubernetesRunHandle, rank: int, *, follow: bool = False,
                      since: float | None = None) -> Iterator[LogRecord]:
-        """Every attempt's lines in order (``timestamps=true``); a pod without a log shows its events. With
-        ``follow``: stream the running attempt, then the next one, until the replica is terminal.
+        """Every attempt's lines in order: each pod's log read incrementally, the replica's own shipped log where
+        the kubelet cannot serve it (the pod is gone, its node does not answer, the lines were rotated away); a
+        pod without a log shows its events. With ``follow``: stream the running attempt, then the next one,
+        until the replica is terminal (``executors.kubernetes.logs``).
 
-        What this process has read of a pod is kept, so a later call still yields it after the pod is gone (an
-        evicted pod's object, and its log, disappear): every call sees the same records first, then new ones.
+        What this process has read of a pod is kept, so a later call still yields it after the pod is gone: every
+        call sees the same records first, then new ones.
         """
+        from diloco.executors.kubernetes.logs import ReplicaLogReader
+
         history = self._logs.setdefault((handle.namespace, handle.job_name, rank), {})
-        sent: dict[str, int] = {}
-        while True:
-            done = not follow or self.describe(handle).replica(rank).state.is_terminal
-            pods = self._pods(handle).get(rank, [])
-            for pod in pods:
-                history.setdefault(pod["metadata"]["name"], _PodLog())
-            current = {pod["metadata"]["name"]: pod for pod in pods}
-            for name, log in list(history.items()):
-                pod = current.get(name)
-                streaming = follow and not done and bool(pods) and pod is pods[-1]
-                if pod is not None:
-                    for _ in self._read_pod(handle, rank, pod, log, streaming=streaming):
-                        yield from self._unsent(log, name, sent, since)
-                yield from self._unsent(log, name, sent, since)
-            if done:
-                return
-            time.sleep(self.config.log_poll_interval_s)
-
-    @staticmethod
-    def _unsent(log: _PodLog, name: str, sent: dict[str, int], since: float | None) -> Iterator[LogRecord]:
-        start = sent.get(name, 0)
-        sent[name] = len(log.records)
-        for record in log.records[start:]:
-            if since is None or record.ts >= since:
-                yield record
-
-    def _read_pod(self, handle: KubernetesRunHandle, rank: int, pod: dict[str, Any], log: _PodLog, *,
-                  streaming: bool) -> Iterator[None]:
-        """Append the pod's new log lines (or, without a log yet, its new events) to ``log``; yields after each
-        append, so a followed stream is passed on line by line."""
-        from kubernetes.client.rest import ApiException
-
-        name = pod["metadata"]["name"]
-        streaming = streaming and (pod.get("status") or {}).get("phase") == "Running"
-        options: dict[str, Any] = {"container": CONTAINER, "timestamps": True}
-        if not streaming:
-            options["_request_timeout"] = TIMEOUT  # a followed stream may be silent for as long as it likes
-        try:
-            response = self._core().read_namespaced_pod_log(name, handle.namespace, follow=streaming,
-                                                            _preload_content=False, **options)
-        except ApiException as exc:
-            if exc.status == 400:  # no log yet (pending, pulling its image): say why instead
-                yield from self._pod_events(handle, rank, pod, log)
-            elif exc.status != 404:
-                raise api_error(exc, f"could not read the log of pod {handle.namespace}/{name}", self.config) \
-                    from exc
-            return
-        except Exception as exc:  # noqa: BLE001
-            raise api_error(exc, f"could not read the log of pod {handle.namespace}/{name}", self.config) from exc
-        try:
-            for index, line in enumerate(_lines(response)):
-                if index < log.lines_read:
-                    continue
-                log.lines_read = index + 1
-                ts, text = split_log_line(line)
-                log.records.append(LogRecord(ts if ts is not None else time.time(), rank, "out", text))
-                yield None
-        finally:
-            response.release_conn()
+        yield from ReplicaLogReader(self, handle, rank, history).records(follow=follow, since=since)
 
     def _pod_events(self, handle: KubernetesRunHandle, rank: int, pod: dict[str, Any],
                     log: _PodLog) -> Iterator[None]:
@@ -581,17 +548,19 @@ class KubernetesBackend(Backend[KubernetesBackendConfig, KubernetesRunHandle]):
 
     def failure_tail(self, handle: KubernetesRunHandle, rank: int, n: int = 10) -> list[str]:
         """The last ``n`` non-empty lines of the latest attempt (stdout and stderr share a pod's log), or its
-        events when it never ran."""
+        events when it never ran; from the shipped log when its pod is gone."""
+        from diloco.executors.kubernetes.logs import ReplicaLogReader
+
         try:
-            pods = self._pods(handle).get(rank, [])
-            if not pods:
-                return []
-            log = _PodLog()
-            for _ in self._read_pod(handle, rank, pods[-1], log, streaming=False):
-                pass
+            reader = ReplicaLogReader(self, handle, rank, {})
+            records = list(reader.records(follow=False, since=None))
         except Exception:  # noqa: BLE001 - the tail is a courtesy: a failure report must not fail on it
             return []
-        return list(deque((r.text for r in log.records if r.text.strip()), maxlen=n))
+        names = reader._attempt_order()
+        latest = reader.history.get(names[-1]) if names else None
+        texts = [r.text for r in (latest.records if latest else records)
+                 if r.text.strip() and not r.text.startswith("[diloco]")]
+        return list(deque(texts, maxlen=n))
 
     # ------------------------------------------------------------------ discovery
     def list_runs(self) -> list[RunListing]:

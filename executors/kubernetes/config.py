@@ -33,8 +33,9 @@ IGNORED_COUNT = "batch.kubernetes.io/job-index-ignored-failure-count"
 CONTAINER = "replica"
 GPU_RESOURCE = "nvidia.com/gpu"
 IRSA_ANNOTATION = "eks.amazonaws.com/role-arn"
-#: The replica entrypoint's exit codes the pod failure policy acts on: a configuration error, and SIGTERM.
-CONFIG_ERROR_EXIT, SIGTERM_EXIT = 2, 143
+#: The replica entrypoint's exit codes the pod failure policy fails an index on at once, whatever retries are left:
+#: the trainer's own error and a configuration error (a retry would fail the same way), and SIGTERM (a cancel).
+TRAINER_ERROR_EXIT, CONFIG_ERROR_EXIT, SIGTERM_EXIT = 1, 2, 143
 #: The oldest Kubernetes with every field the Job uses on by default (``backoffLimitPerIndex``, ``FailIndex``:
 #: beta in 1.29, GA in 1.33; ``podFailurePolicy``: GA in 1.31).
 MIN_KUBERNETES = (1, 29)
@@ -84,7 +85,9 @@ class KubernetesBackendConfig(BackendConfig):
     cpu: str = "2"  # request per replica
     memory: str = "8Gi"  # request and limit per replica
     cpu_limit: str | None = None  # no CPU limit by default (throttling slows the all-reduce for nothing)
-    backoff_limit_per_index: int = Field(0, ge=0)  # retries of a failed replica (disruptions do not count)
+    #: Retries of a killed replica (SIGKILL, OOMKilled; disruptions do not count); None: the run's max_restarts
+    #: (``--max-restarts``), so it means the same as on every backend.
+    backoff_limit_per_index: int | None = Field(None, ge=0)
     max_failed_indexes: int = Field(0, ge=0)  # failed replicas the Job tolerates before it fails (and stops all)
     ttl_seconds_after_finished: int | None = Field(86400, ge=0)  # the cluster deletes the finished Job after this
     grace_period_s: int = Field(30, ge=0)  # SIGTERM -> SIGKILL when a replica is stopped
@@ -131,5 +134,7 @@ class KubernetesRunHandle(RunHandle):
     job_name: str = ""
     job_uid: str = ""
     kube_context: str | None = None
+    #: Where the replicas ship their own logs and exit codes (``diloco.replica_log``); "" for runs without.
+    log_uri: str = ""
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import re
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -102,13 +103,6 @@ def parse_time(stamp: str | None) -> float | None:
         return dt.datetime.fromisoformat(text).replace(tzinfo=dt.timezone.utc).timestamp()
     except ValueError:
         return None
-
-
-def split_log_line(line: str) -> tuple[float | None, str]:
-    """A ``timestamps=true`` line: its time and its text."""
-    stamp, _, text = line.partition(" ")
-    ts = parse_time(stamp) if stamp[:1].isdigit() else None
-    return (ts, text) if ts is not None else (None, line)
 
 
 def _conditions(obj: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
@@ -213,11 +207,75 @@ def failure_action(job: Mapping[str, Any], pod: Mapping[str, Any]) -> str:
 
 @dataclass
 class _PodLog:
-    """One pod's log as read so far: its records (log lines, or events while it had no log), how many log lines
-    came from the API, and which events were shown."""
+    """One pod's log as read so far: its records (log lines, or events while it had no log), where the kubelet's
+    part ended (the timestamp of the last line read, in nanoseconds, and the texts read at exactly that
+    nanosecond, for the boundary of the next read), which events were shown, and whether it is complete (the pod
+    ended and was read after that). ``failures``/``retry_at``: reads that failed in a row (a NotReady node) and
+    when to try again; ``shipped``: how many of the store's lines of this attempt were passed on."""
 
     records: list[LogRecord] = field(default_factory=list)
-    lines_read: int = 0
+    last_ns: int | None = None
+    at_last: list[str] = field(default_factory=list)
     events: set[tuple[str, str, str]] = field(default_factory=set)
+    complete: bool = False
+    failures: int = 0
+    retry_at: float = 0.0
+    shipped: int = 0
+    started_at: float | None = None
+    #: Texts passed on from the shipped log that the kubelet has not served yet (skipped when it does).
+    from_store: deque[str] = field(default_factory=deque)
+
+    def advance(self, ns: int, text: str) -> None:
+        """The kubelet's part now ends with this line."""
+        if self.last_ns is None or ns > self.last_ns:
+            self.last_ns, self.at_last = ns, [text]
+        else:
+            self.at_last.append(text)
+
+    def add_line(self, ns: int, text: str, rank: int) -> LogRecord:
+        """Append a kubelet line read after the last one; it becomes the boundary."""
+        self.advance(ns, text)
+        record = LogRecord(ns / 1e9, rank, "out", text)
+        self.records.append(record)
+        return record
 
 
+class _Boundary:
+    """One read's view of where the previous read ended: a read from a time repeats the lines at and a little
+    before it (the kubelet's ``since`` is inclusive and whole seconds); those are skipped, each line at the very
+    last nanosecond as many times as it was read. ``overlapped`` tells whether the log still held any line up to
+    that point (if not, the kubelet rotated it away since)."""
+
+    def __init__(self, log: _PodLog) -> None:
+        self.last_ns = log.last_ns
+        self.pending = list(log.at_last)
+        self.overlapped = log.last_ns is None
+
+    def is_new(self, ns: int, text: str) -> bool:
+        if self.last_ns is None or ns > self.last_ns:
+            return True
+        self.overlapped = True
+        if ns == self.last_ns and text in self.pending:
+            self.pending.remove(text)
+            return False
+        return ns == self.last_ns  # a line at the same nanosecond not read before
+
+
+def parse_ns(stamp: str) -> int | None:
+    """``RFC3339NanoFixed`` (``2026-01-02T03:04:05.123456789Z``, or fewer digits, or none) in nanoseconds."""
+    text = stamp.rstrip("Z")
+    whole, _, fraction = text.partition(".")
+    if not fraction.isdigit() and fraction:
+        return None
+    try:
+        seconds = dt.datetime.fromisoformat(whole).replace(tzinfo=dt.timezone.utc).timestamp()
+    except ValueError:
+        return None
+    return int(seconds) * 1_000_000_000 + int((fraction + "000000000")[:9] or 0)
+
+
+def split_log_line(line: str) -> tuple[int | None, str]:
+    """A ``timestamps=true`` line: its time in nanoseconds (None without one) and its text."""
+    stamp, sep, text = line.partition(" ")
+    ns = parse_ns(stamp) if sep and stamp[:1].isdigit() else None
+    return (ns, text) if ns is not None else (None, line)

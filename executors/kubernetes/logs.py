@@ -1,0 +1,321 @@
+"""One replica's log on Kubernetes: every attempt's pod log read incrementally, and the replica's own shipped copy
+(``diloco.replica_log``) for whatever the kubelet can no longer serve.
+
+What real kubelets do, and what this reader does about it:
+
+* **Reads from a time, inclusive, in whole seconds.** A read asks only for the lines since shortly before the last
+  line read (``sinceSeconds``, from the API server's clock in its ``Date`` header, so this machine's clock does
+  not matter). The kubelet keeps every line at or after that second (``pkg/kubelet/kuberuntime/logs/logs.go``
+  skips only lines *before* ``since``; the API server passes a ``sinceTime`` on to the kubelet as RFC 3339 without
+  fractional seconds, ``apimachinery`` ``metav1.Time.MarshalQueryParameter``), so the lines up to and at the
+  last nanosecond read come again and are dropped (``_Boundary``): nothing is downloaded twice beyond that overlap,
+  and no line is dropped by position.
+* **Rotates the log** (``containerLogMaxSize``, 10 MiB by default) and serves only the current file, so a re-read
+  after a rotation is shorter. Reading from a time never skips a line written after the rotation. When a read no
+  longer holds the last line read, the lines between it and the first line of the new file were rotated away
+  before they were read: they come from the replica's shipped log when it has them, otherwise one line says what
+  is missing.
+* **Cannot answer while the node is NotReady** (a spot reclaim, a lost node): the API server's proxy answers 5xx
+  or times out. Such a read is retried with a capped backoff and ``logs -f`` keeps following (one line says the
+  node does not answer); the replica's shipped lines fill in meanwhile, and once the pod is gone.
+* **Deletes the log with the pod** (a cancel, the Job failing fast, its TTL): the shipped log has it.
+
+Following streams the latest attempt while it runs, with a read timeout, so a stream that goes silent (a node
+gone, a proxy that never closes) is re-opened from its last line instead of hanging; the replica's state is read
+from one Job GET and one pod LIST per round, and the follow ends once the replica is terminal and its last lines
+are read.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import math
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from diloco.errors import BackendError
+from diloco.executors.base import LogRecord
+from diloco.executors.kubernetes.api import _lines, _status_of, api_error
+from diloco.executors.kubernetes.config import CONTAINER, TIMEOUT, KubernetesRunHandle
+from diloco.executors.kubernetes.pods import _Boundary, _PodLog, parse_time, split_log_line
+
+if TYPE_CHECKING:
+    from diloco.executors.kubernetes.backend import KubernetesBackend
+    from diloco.replica_log import ShippedAttempt
+
+#: How far before the last line read a read starts: the kubelet's whole-second ``since`` plus the ``Date``
+#: header's second and some clock difference between the API server and the node.
+OVERLAP_S = 3.0
+#: A followed stream with nothing new for this long is closed and re-opened (a node that stopped answering).
+STREAM_IDLE_S = 20.0
+#: The longest wait between reads of a pod whose kubelet does not answer.
+MAX_BACKOFF_S = 30.0
+
+
+def _transient(exc: BaseException) -> bool:
+    """A failure the next try may not have: 5xx, 429, a timeout, a dropped connection (not 4xx, not auth)."""
+    status = getattr(exc, "status", None)
+    if isinstance(status, int) and status > 0:
+        return status >= 500 or status == 429
+    import urllib3
+
+    return isinstance(exc, (urllib3.exceptions.HTTPError, OSError, TimeoutError))
+
+
+class ReplicaLogReader:
+    """The records of one replica, every attempt in order; ``records(follow)`` yields them once each."""
+
+    def __init__(self, backend: KubernetesBackend, handle: KubernetesRunHandle, rank: int,
+                 history: dict[str, _PodLog]) -> None:
+        self.backend, self.handle, self.rank = backend, handle, rank
+        self.history = history  # pod (attempt) name -> what was read of it, shared by calls in one process
+        self.sent: dict[str, int] = {}
+        self.server_offset = 0.0  # the API server's clock minus this machine's, from the last Date header
+        self.shipped: dict[str, ShippedAttempt] = {}
+        self._store: Any = None
+        self.job_gone = False
+
+    # ------------------------------------------------------------------ the loop
+    def records(self, *, follow: bool, since: float | None) -> Iterator[LogRecord]:
+        while True:
+            seen = self._observe(follow)
+            if seen is None:  # the API did not answer: try again (following) or make do with the store
+                if follow:
+                    yield from self._from_store_only(since)
+                    time.sleep(self.backend.config.log_poll_interval_s)
+                    continue
+                yield from self._from_store_only(since)
+                yield from self._explain_empty()
+                return
+            done, pods = seen
+            stream_latest = follow and not done
+            for pod in pods:
+                self.history.setdefault(pod["metadata"]["name"], _PodLog())
+            current = {pod["metadata"]["name"]: pod for pod in pods}
+            self._add_shipped_attempts(pods, need=not pods or any(
+                name not in current or log.failures for name, log in self.history.items()))
+            for name in self._attempt_order():
+                log = self.history[name]
+                pod = current.get(name)
+                if pod is not None and not log.complete:
+                    latest = bool(pods) and pod is pods[-1]
+                    for _ in self._read_pod(pod, log, stream=stream_latest and latest, done=done):
+                        yield from self._unsent(name, log, since)
+                if pod is None or log.failures:
+                    self._fill_from_store(name, log)
+                yield from self._unsent(name, log, since)
+            if done:
+                yield from self._explain_empty()
+                return
+            time.sleep(self.backend.config.log_poll_interval_s)
+
+    def _observe(self, follow: bool) -> tuple[bool, list[dict[str, Any]]] | None:
+        """Whether the replica is terminal, and its pods in attempt order; None when the API did not answer."""
+        backend, handle = self.backend, self.handle
+        try:
+            job = backend._job(handle)
+            if job is None:
+                self.job_gone = True
+                return True, []
+            pods = backend._pods(handle).get(self.rank, [])
+            if not follow:
+                return True, pods
+            cancel = backend._read_state(handle.run_id, "cancel")
+            state = backend._replica(job, self.rank, pods, cancel).state
+        except BackendError as exc:
+            if _status_of(exc) is not None and _status_of(exc) < 500:  # type: ignore[operator]
+                raise  # refused (RBAC, a missing namespace): the one-line error says what to fix
+            return None
+        return state.is_terminal, pods
+
+    def _attempt_order(self) -> list[str]:
+        """The attempts by when they started (a pod's creation, a shipped attempt's first line)."""
+        def start(name: str) -> tuple[float, str]:
+            log = self.history[name]
+            shipped = self.shipped.get(name)
+            first = log.started_at or (shipped.started_at if shipped else None) or (
+                log.records[0].ts if log.records else math.inf)
+            return first, name
+        return sorted(self.history, key=start)
+
+    def _unsent(self, name: str, log: _PodLog, since: float | None) -> Iterator[LogRecord]:
+        start = self.sent.get(name, 0)
+        self.sent[name] = len(log.records)
+        for record in log.records[start:]:
+            if since is None or record.ts >= since:
+                yield record
+
+    # ------------------------------------------------------------------ the kubelet
+    def _since_seconds(self, log: _PodLog) -> int | None:
+        if log.last_ns is None:
+            return None
+        server_now = time.time() + self.server_offset
+        return max(1, math.ceil(server_now - log.last_ns / 1e9 + OVERLAP_S))
+
+    def _read_pod(self, pod: dict[str, Any], log: _PodLog, *, stream: bool, done: bool) -> Iterator[None]:
+        """Append the pod's new lines (or, without a log yet, its new events) to ``log``; yields after each, so a
+        followed stream is passed on line by line. A pod that had ended before this read is complete after it."""
+        from kubernetes.client.rest import ApiException
+
+        name = pod["metadata"]["name"]
+        status = pod.get("status") or {}
+        ended = status.get("phase") in ("Succeeded", "Failed")
+        if log.started_at is None:
+            log.started_at = parse_time(pod["metadata"].get("creationTimestamp"))
+        if log.retry_at > time.monotonic():
+            return
+        stream = stream and status.get("phase") == "Running"
+        options: dict[str, Any] = {"container": CONTAINER, "timestamps": True,
+                                   "_request_timeout": (TIMEOUT[0], STREAM_IDLE_S) if stream else TIMEOUT}
+        since_seconds = self._since_seconds(log)
+        if since_seconds is not None:
+            options["since_seconds"] = since_seconds
+        try:
+            response = self.backend._core().read_namespaced_pod_log(
+                name, self.handle.namespace, follow=stream, _preload_content=False, **options)
+        except ApiException as exc:
+            if exc.status == 400:  # no log yet (pending, pulling its image): say why instead
+                yield from self.backend._pod_events(self.handle, self.rank, pod, log)
+            elif exc.status == 404:
+                log.complete = True  # the pod is gone: its shipped log stands in
+            elif _transient(exc):
+                yield from self._unreachable(name, log, exc)
+            else:
+                raise api_error(exc, f"could not read the log of pod {self.handle.namespace}/{name}",
+                                self.backend.config) from exc
+            return
+        except Exception as exc:  # noqa: BLE001 - the API server could not be reached this time
+            if not _transient(exc):
+                raise api_error(exc, f"could not read the log of pod {self.handle.namespace}/{name}",
+                                self.backend.config) from exc
+            yield from self._unreachable(name, log, exc)
+            return
+        self._note_server_clock(response)
+        boundary = _Boundary(log)
+        try:
+            for line in _lines(response):
+                ns, text = split_log_line(line)
+                if ns is None:
+                    ns = max(time.time_ns(), (log.last_ns or 0) + 1)
+                if not boundary.is_new(ns, text):
+                    continue
+                if not boundary.overlapped:
+                    boundary.overlapped = True  # once: the gap lies before this first line of the new file
+                    self._rotated_away(name, log, ns)
+                if log.from_store and log.from_store[0] == text:  # already passed on from the shipped log
+                    log.from_store.popleft()
+                    log.advance(ns, text)
+                    continue
+                log.from_store.clear()
+                log.add_line(ns, text, self.rank)
+                yield None
+        except Exception as exc:  # noqa: BLE001 - a stream cut or gone silent: read on from its last line
+            if not _transient(exc):
+                raise api_error(exc, f"could not read the log of pod {self.handle.namespace}/{name}",
+                                self.backend.config) from exc
+            if not stream:
+                yield from self._unreachable(name, log, exc)
+            return
+        finally:
+            response.release_conn()
+        if log.failures:
+            log.failures, log.retry_at = 0, 0.0
+        if ended:
+            log.complete = True
+
+    def _note_server_clock(self, response: Any) -> None:
+        try:
+            stamp = email.utils.parsedate_to_datetime(response.headers.get("Date"))
+            self.server_offset = stamp.timestamp() - time.time()
+        except (TypeError, ValueError, AttributeError):
+            pass
+
+    def _unreachable(self, name: str, log: _PodLog, exc: BaseException) -> Iterator[None]:
+        """A read that failed for now: back off (1 s, 2 s, ... 30 s) and say so once per outage."""
+        log.failures += 1
+        log.retry_at = time.monotonic() + min(MAX_BACKOFF_S, 2.0 ** (log.failures - 1))
+        if log.failures == 1:
+            why = " ".join(str(getattr(exc, "reason", "") or type(exc).__name__).split())
+            log.records.append(LogRecord(time.time(), self.rank, "err",
+                                         f"[diloco] the log of pod {name} cannot be read now ({why}: its node may "
+                                         f"be NotReady); retrying"))
+            yield None
+
+    def _rotated_away(self, name: str, log: _PodLog, first_ns: int) -> None:
+        """The kubelet rotated the log since the last read: the lines in between come from the shipped log, or
+        one line says they are missing."""
+        assert log.last_ns is not None
+        before = len(log.records)
+        self._add_shipped_attempts([], need=True)
+        self._fill_from_store(name, log, until=first_ns / 1e9)
+        if len(log.records) == before:
+            start = time.strftime("%H:%M:%S", time.gmtime(log.last_ns / 1e9))
+            end = time.strftime("%H:%M:%S", time.gmtime(first_ns / 1e9))
+            log.records.append(LogRecord(first_ns / 1e9 - 1e-6, self.rank, "err",
+                                         f"[diloco] gap: the kubelet rotated pod {name}'s log before these lines "
+                                         f"were read; lines written between {start} and {end} UTC are missing"))
+
+    # ------------------------------------------------------------------ the replica's shipped log
+    def _store_handle(self) -> Any:
+        if self._store is None and self.handle.log_uri:
+            from diloco.store import ObjectStore
+
+            self._store = ObjectStore(self.handle.log_uri, retries=1)
+        return self._store
+
+    def _add_shipped_attempts(self, pods: list[dict[str, Any]], *, need: bool) -> None:
+        """Read the shipped attempts (only when some attempt needs them: its pod is gone or does not answer)."""
+        store = self._store_handle()
+        if store is None or not need:
+            return
+        from diloco.replica_log import read_attempts
+
+        try:
+            self.shipped = read_attempts(store, self.rank, known=self.shipped)
+        except Exception:  # noqa: BLE001 - the store is a fallback; its absence must not stop the reader
+            return
+        for name in self.shipped:
+            self.history.setdefault(name, _PodLog())
+
+    def _fill_from_store(self, name: str, log: _PodLog, until: float | None = None) -> None:
+        """Append the shipped lines of this attempt after the last line ``log`` has (found by its text near its
+        time: the replica stamps a line a moment before the container runtime does), up to ``until``."""
+        shipped = self.shipped.get(name)
+        if shipped is None:
+            return
+        lines = shipped.lines
+        start = log.shipped
+        if start == 0 and log.records:
+            last = next((r for r in reversed(log.records) if not r.text.startswith("[diloco]")
+                         and not r.text.startswith("[event]")), None)
+            if last is not None:
+                start = next((i + 1 for i in range(len(lines) - 1, -1, -1)
+                              if lines[i][1] == last.text and lines[i][0] <= last.ts + 0.5), 0)
+                if start == 0:
+                    start = next((i for i, (ts, _) in enumerate(lines) if ts > last.ts), len(lines))
+        for ts, text in lines[start:]:
+            if until is not None and ts >= until:
+                break
+            log.records.append(LogRecord(ts, self.rank, "out", text))
+            log.from_store.append(text)
+            start += 1
+        log.shipped = start
+
+    def _from_store_only(self, since: float | None) -> Iterator[LogRecord]:
+        self._add_shipped_attempts([], need=True)
+        for name in self._attempt_order():
+            log = self.history[name]
+            self._fill_from_store(name, log)
+            yield from self._unsent(name, log, since)
+
+    def _explain_empty(self) -> Iterator[LogRecord]:
+        """One line instead of nothing, when nothing of this replica could be found anywhere."""
+        if not self.job_gone or any(self.sent.values()):
+            return
+        where = (f"and the run's store has no shipped log under {self.handle.log_uri}" if self.handle.log_uri
+                 else "and this run's replicas did not ship their logs to its store")
+        yield LogRecord(time.time(), self.rank, "err",
+                        f"[diloco] no log of replica {self.rank}: its pods are gone (cancelled, or deleted with "
+                        f"the Job by its TTL) {where}")
+        self.sent["[none]"] = 1
