@@ -58,7 +58,13 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from diloco.replica_log import ship_output
+
+    shipping = ship_output()  # as the real entrypoint does, when the backend asks for it
+    code = main()
+    if shipping is not None:
+        shipping.close(code)
+    sys.exit(code)
 
 
 # ---------------------------------------------------------------------------------------------- CLI trainers

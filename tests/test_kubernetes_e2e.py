@@ -143,7 +143,7 @@ def test_three_replicas_train_through_s3_survive_an_eviction_and_agree(
     assert job is not None, "the Job is named after the run"
     spec = job["spec"]
     assert (spec["completionMode"], spec["completions"], spec["parallelism"]) == ("Indexed", 3, 3)
-    assert spec["backoffLimitPerIndex"] == 0 and spec["maxFailedIndexes"] == 0
+    assert spec["backoffLimitPerIndex"] == 3 and spec["maxFailedIndexes"] == 0, "--max-restarts' default"
     assert spec["template"]["spec"]["restartPolicy"] == "Never"
     container = spec["template"]["spec"]["containers"][0]
     assert container["image"] == IMAGE and container["command"] == ["python", "-m", "diloco.replica_entrypoint"]
@@ -324,7 +324,7 @@ def test_dry_run_prints_a_job_valid_for_kubernetes_1_29_and_1_33_and_contacts_no
     assert pod["serviceAccountName"] == "diloco-trainer"
     assert job["spec"]["podFailurePolicy"]["rules"][0] == {
         "action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
-    assert job["spec"]["podFailurePolicy"]["rules"][1]["onExitCodes"]["values"] == [2, 143]
+    assert job["spec"]["podFailurePolicy"]["rules"][1]["onExitCodes"]["values"] == [1, 2, 143]
     assert job["spec"]["activeDeadlineSeconds"] == 86400 and job["spec"]["ttlSecondsAfterFinished"] == 86400
     assert job["metadata"]["annotations"]["diloco.dev/run-id"] == plan["spec"]["run_id"]
     assert not (home / "runs").exists() or not list((home / "runs").iterdir()), "a dry run records nothing"

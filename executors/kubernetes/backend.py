@@ -323,26 +323,50 @@ class KubernetesBackend(Backend[KubernetesBackendConfig, KubernetesRunHandle]):
         return status
 
     def _without_job(self, handle: KubernetesRunHandle, cancel: dict[str, Any] | None) -> RunStatus:
-        """The Job is gone: the final states seen earlier, what a cancel decided, or "gone"."""
+        """The Job is gone: the final states seen earlier, what a cancel decided, what the replicas' shipped logs
+        say of their attempts and exit codes (from any machine), or "gone"."""
         final = self._read_state(handle.run_id, "final")
         if final is not None:
             return RunStatus.model_validate(final)
         replicas = []
         for rank in range(handle.replicas):
             recorded = ((cancel or {}).get("terminal") or {}).get(str(rank))
+            attempts = self._shipped_attempts(handle, rank)
+            restarts = int(((cancel or {}).get("restarts") or {}).get(str(rank), max(0, len(attempts) - 1)))
+            last = attempts[-1] if attempts else None
+            job_id = last.name if last is not None else f"{handle.job_name}-{rank}"
             if recorded is not None:
                 replicas.append(ReplicaStatus.model_validate(recorded))
             elif cancel is not None and (cancel.get("all") or rank in cancel.get("ranks", [])):
-                replicas.append(self._status(rank, "Deleted", f"{handle.job_name}-{rank}", reason="cancelled"))
+                replicas.append(self._status(rank, "Deleted", job_id, reason="cancelled", restarts=restarts))
+            elif last is not None and last.ended and last.exit_code == 0:
+                replicas.append(self._status(rank, "Succeeded", job_id, exit_code=0, restarts=restarts,
+                                             ended_at=last.ended_at, detail="from its shipped log"))
+            elif last is not None and last.ended:
+                replicas.append(self._status(rank, "Failed", job_id, exit_code=last.exit_code, restarts=restarts,
+                                             ended_at=last.ended_at, reason=f"exited with code {last.exit_code} "
+                                             f"(from its shipped log; the Job is gone)"))
             else:
                 replicas.append(self._status(
-                    rank, "Gone", f"{handle.job_name}-{rank}",
+                    rank, "Gone", job_id, restarts=restarts,
                     reason=f"Job {handle.namespace}/{handle.job_name} no longer exists: it was deleted (by "
                            f"ttlSecondsAfterFinished or by hand) before diloco saw it end"))
         status = RunStatus(run_id=handle.run_id, replicas=replicas)
-        if cancel is not None:
+        if cancel is not None or status.terminal and any(r.detail == "from its shipped log" for r in replicas):
             self._write_state(handle.run_id, "final", status.model_dump(mode="json"))
         return status
+
+    def _shipped_attempts(self, handle: KubernetesRunHandle, rank: int) -> list[Any]:
+        """The attempts replica ``rank`` shipped to the store (``diloco.replica_log``), oldest first; [] without."""
+        if not handle.log_uri:
+            return []
+        from diloco.replica_log import read_attempts
+        from diloco.store import ObjectStore
+
+        try:
+            return list(read_attempts(ObjectStore(handle.log_uri, retries=1), rank).values())
+        except Exception:  # noqa: BLE001 - a store that cannot be read leaves the answer "gone"
+            return []
 
     def _status(self, rank: int, native: str, job_id: str, **fields: Any) -> ReplicaStatus:
         return ReplicaStatus(rank=rank, state=self.map_state(native), job_id=job_id, **fields)
@@ -439,7 +463,8 @@ class KubernetesBackend(Backend[KubernetesBackendConfig, KubernetesRunHandle]):
         again = job["metadata"].get("deletionTimestamp") is not None or (
             cancel is not None and (cancel.get("all") or (ranks is not None and set(ranks) <= set(cancel.get(
                 "ranks", [])))))
-        self._merge_cancel(handle, None if whole else sorted(set(ranks or [])), terminal)
+        self._merge_cancel(handle, None if whole else sorted(set(ranks or [])), terminal,
+                           {str(i): s.restarts for i, s in current.items()})
         if whole:
             if not job["metadata"].get("deletionTimestamp"):
                 self._call(f"could not delete Job {handle.namespace}/{handle.job_name}",
@@ -477,9 +502,12 @@ class KubernetesBackend(Backend[KubernetesBackendConfig, KubernetesRunHandle]):
                 raise
 
     def _merge_cancel(self, handle: KubernetesRunHandle, ranks: list[int] | None,
-                      terminal: dict[str, Any]) -> None:
-        """Record what this cancel decided: all replicas or some, and the outcomes that were already final."""
+                      terminal: dict[str, Any], restarts: dict[str, int] | None = None) -> None:
+        """Record what this cancel decided: all replicas or some, the outcomes that were already final, and each
+        replica's restarts so far (its earlier pods go with the Job)."""
         record = self._read_state(handle.run_id, "cancel") or {"all": False, "ranks": [], "terminal": {}}
+        record["restarts"] = {**(restarts or {}), **{k: v for k, v in (record.get("restarts") or {}).items()
+                                                      if v > (restarts or {}).get(k, -1)}}
         record["all"] = record["all"] or ranks is None
         record["ranks"] = sorted(set(record["ranks"]) | set(ranks or []))
         record["terminal"] = {**terminal, **record["terminal"]}

@@ -39,6 +39,7 @@ from diloco.executors.base import LogRecord
 from diloco.executors.kubernetes.api import _lines, _status_of, api_error
 from diloco.executors.kubernetes.config import CONTAINER, TIMEOUT, KubernetesRunHandle
 from diloco.executors.kubernetes.pods import _Boundary, _PodLog, parse_time, split_log_line
+from diloco.replica_log import FLUSH_EVERY_S
 
 if TYPE_CHECKING:
     from diloco.executors.kubernetes.backend import KubernetesBackend
@@ -202,7 +203,7 @@ class ReplicaLogReader:
                     continue
                 if not boundary.overlapped:
                     boundary.overlapped = True  # once: the gap lies before this first line of the new file
-                    self._rotated_away(name, log, ns)
+                    self._rotated_away(name, log, ns, text)
                 if log.from_store and log.from_store[0] == text:  # already passed on from the shipped log
                     log.from_store.popleft()
                     log.advance(ns, text)
@@ -242,19 +243,29 @@ class ReplicaLogReader:
                                          f"be NotReady); retrying"))
             yield None
 
-    def _rotated_away(self, name: str, log: _PodLog, first_ns: int) -> None:
-        """The kubelet rotated the log since the last read: the lines in between come from the shipped log, or
-        one line says they are missing."""
+    def _rotated_away(self, name: str, log: _PodLog, first_ns: int, first_text: str) -> None:
+        """The kubelet rotated the log since the last read: the lines in between come from the shipped log (which
+        may be a flush behind: it is given until it holds a line as late as the new file's first, a few seconds at
+        most), or one line says they are missing."""
         assert log.last_ns is not None
-        before = len(log.records)
-        self._add_shipped_attempts([], need=True)
-        self._fill_from_store(name, log, until=first_ns / 1e9)
+        before, until = len(log.records), first_ns / 1e9
+        deadline = time.monotonic() + 2 * FLUSH_EVERY_S + 1.0
+        while True:
+            self._add_shipped_attempts([], need=True)
+            shipped = self.shipped.get(name)
+            caught_up = shipped is not None and (shipped.ended or (
+                bool(shipped.lines) and shipped.lines[-1][0] >= until - 0.5))
+            if shipped is None or caught_up or time.monotonic() >= deadline:
+                break
+            time.sleep(0.25)
+        self._fill_from_store(name, log, until=until, stop_text=first_text)
         if len(log.records) == before:
             start = time.strftime("%H:%M:%S", time.gmtime(log.last_ns / 1e9))
-            end = time.strftime("%H:%M:%S", time.gmtime(first_ns / 1e9))
-            log.records.append(LogRecord(first_ns / 1e9 - 1e-6, self.rank, "err",
+            end = time.strftime("%H:%M:%S", time.gmtime(until))
+            log.records.append(LogRecord(until - 1e-6, self.rank, "err",
                                          f"[diloco] gap: the kubelet rotated pod {name}'s log before these lines "
                                          f"were read; lines written between {start} and {end} UTC are missing"))
+        log.from_store.clear()  # what was filled lies before the new file's first line
 
     # ------------------------------------------------------------------ the replica's shipped log
     def _store_handle(self) -> Any:
@@ -278,7 +289,8 @@ class ReplicaLogReader:
         for name in self.shipped:
             self.history.setdefault(name, _PodLog())
 
-    def _fill_from_store(self, name: str, log: _PodLog, until: float | None = None) -> None:
+    def _fill_from_store(self, name: str, log: _PodLog, until: float | None = None,
+                         stop_text: str | None = None) -> None:
         """Append the shipped lines of this attempt after the last line ``log`` has (found by its text near its
         time: the replica stamps a line a moment before the container runtime does), up to ``until``."""
         shipped = self.shipped.get(name)
@@ -295,7 +307,7 @@ class ReplicaLogReader:
                 if start == 0:
                     start = next((i for i, (ts, _) in enumerate(lines) if ts > last.ts), len(lines))
         for ts, text in lines[start:]:
-            if until is not None and ts >= until:
+            if (until is not None and ts >= until) or (stop_text is not None and text == stop_text):
                 break
             log.records.append(LogRecord(ts, self.rank, "out", text))
             log.from_store.append(text)

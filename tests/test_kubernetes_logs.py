@@ -1,0 +1,238 @@
+"""Replica logs on Kubernetes as real kubelets serve them: read from a time (inclusive, whole seconds), rotated,
+deleted with the pod, followed from any phase of a run.
+
+Through the real ``kubernetes`` client and the Kubernetes API emulator (tests/emulators/kubernetes.py), whose pods
+are real local processes (``tests/fake_replica.py``, which ships its own log like the real entrypoint does), with a
+``file://`` store under the test's folder standing for the run's S3 prefix. Each test builds a fresh backend where
+the real ``diloco logs`` would be a new shell, so nothing read by one process helps another.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from emulators.kubernetes import KubernetesEmulator
+
+from diloco.executors.base import EntrypointArgs, LaunchSpec, LogRecord
+from diloco.executors.kubernetes import KubernetesBackend, KubernetesBackendConfig
+from diloco.executors.kubernetes.pods import _Boundary, _PodLog, split_log_line
+
+NAMESPACE = "logs"
+TESTS_DIR = str(Path(__file__).resolve().parent)
+
+
+@pytest.fixture
+def kube(tmp_path: Path) -> Iterator[KubernetesEmulator]:
+    with KubernetesEmulator(tmp_path / "kube", namespace=NAMESPACE) as emulator:
+        yield emulator
+
+
+def backend_for(kube: KubernetesEmulator, tmp_path: Path, **overrides: Any) -> KubernetesBackend:
+    """A backend as a new ``diloco`` process builds it (same kubeconfig and state folder, nothing read yet)."""
+    settings: dict[str, Any] = {"image": "python:3.11-slim", "namespace": NAMESPACE,
+                                "kubeconfig": str(kube.kubeconfig), "grace_period_s": 1, "max_failed_indexes": 2,
+                                "state_dir": str(tmp_path / "state"), "log_poll_interval_s": 0.1, **overrides}
+    return KubernetesBackend(KubernetesBackendConfig(**settings))
+
+
+def spec_for(tmp_path: Path, run_id: str, replicas: int = 2, **behaviour: Any) -> LaunchSpec:
+    """Replicas running ``tests/fake_replica.py`` (``behaviour``: lines, line_gap, sleep, ...), meeting in a
+    ``file://`` store under ``tmp_path`` (where they ship their logs)."""
+    args = EntrypointArgs(rendezvous_uri=(tmp_path / "store" / run_id).as_uri(), world_size=replicas,
+                          trainer="fake:train", trainer_kwargs=dict(behaviour))
+    return LaunchSpec(run_id=run_id, replicas=replicas, entrypoint="fake_replica", entrypoint_args=args,
+                      env={"PYTHONPATH": TESTS_DIR})
+
+
+def expected(rank: int, lines: int) -> list[str]:
+    return [f"rank {rank} line {i}" for i in range(lines)] + [f"rank {rank} says hello on stderr"]
+
+
+def texts(records: list[LogRecord], rank: int) -> list[str]:
+    return [r.text for r in records if r.rank == rank and not r.text.startswith("[")]
+
+
+def wait_until(check: Any, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"not within {timeout:g}s: {what}"
+        time.sleep(0.05)
+
+
+def pod_of(kube: KubernetesEmulator, job: str, rank: int, phase: str | None = None) -> dict[str, Any] | None:
+    pods = [p for p in kube.pods(job) if p["metadata"]["annotations"].get(
+        "batch.kubernetes.io/job-completion-index") == str(rank) and (phase is None or p["status"].get("phase")
+                                                                       == phase)]
+    return pods[-1] if pods else None
+
+
+def rotate(kube: KubernetesEmulator, pod: str, keep: int = 0) -> None:
+    """What kubelet log rotation (``containerLogMaxSize``) does to what the API serves: the current file starts
+    afresh, so the lines before the rotation (all but the last ``keep``) are no longer served."""
+    run = kube.cluster.log_source(NAMESPACE, pod, None, False)
+    with run.cond:
+        del run.lines[:len(run.lines) - keep]
+
+
+# ---------------------------------------------------------------------------------------------- reading from a time
+def test_a_read_from_a_time_skips_exactly_the_lines_read_before() -> None:
+    """The kubelet's ``since`` is inclusive and in whole seconds: the repeated lines, including two identical
+    lines at the very last nanosecond read (one of them read before), are told apart from new ones."""
+    log = _PodLog()
+    first = ["2026-12-01T10:00:00.100000000Z step 1", "2026-12-01T10:00:00.200000001Z same",
+             "2026-12-01T10:00:00.200000001Z same"]
+    for line in first[:2]:
+        ns, text = split_log_line(line)
+        assert ns is not None
+        log.add_line(ns, text, 0)
+    assert split_log_line(first[1])[0] == 1796119200_200000001
+    reread = [*first, "2026-12-01T10:00:00.300000000Z step 2", "no timestamp at all"]
+    boundary = _Boundary(log)
+    new = [split_log_line(line) for line in reread if (lambda p: p[0] is None or boundary.is_new(*p))(
+        split_log_line(line))]
+    assert [text for _, text in new] == ["same", "step 2", "no timestamp at all"]
+    assert boundary.overlapped, "the re-read still held the last line read: nothing was rotated away"
+
+    after_rotation = _Boundary(log)
+    assert after_rotation.is_new(1796119200_300000000, "step 2") and not after_rotation.overlapped
+
+
+# ---------------------------------------------------------------------------------------------- rotation
+def _rotation_case(kube: KubernetesEmulator, tmp_path: Path, run_id: str, **overrides: Any) -> tuple[
+        list[LogRecord], KubernetesBackend, Any]:
+    """Read the running replica's log, let it write on, rotate it away unread, read again, then to the end; what
+    the last read (which repeats every earlier record first) gave."""
+    backend = backend_for(kube, tmp_path, **overrides)
+    handle = backend.submit(backend.plan(spec_for(tmp_path, run_id, replicas=1, lines=60, line_gap=0.1)))
+    return _read_across_a_rotation(kube, backend, handle, run_id), backend, handle
+
+
+def _read_across_a_rotation(kube: KubernetesEmulator, backend: KubernetesBackend, handle: Any,
+                            run_id: str) -> list[LogRecord]:
+    backend.describe(handle)  # the client's first calls are slow on a loaded machine; not during the reads
+    list(backend.replica_logs(wait_until(lambda: _ran(kube, run_id, handle, 5), 60, "5 lines"), 0))
+    pod = pod_of(kube, run_id, 0)
+    assert pod is not None
+    wait_until(lambda: "line 35" in kube.pod_log(pod["metadata"]["name"]), 60, "35 lines")
+    rotate(kube, pod["metadata"]["name"], keep=2)  # the lines since the first read are gone from the kubelet
+    list(backend.replica_logs(handle, 0))
+    backend.wait(handle, timeout_s=60, poll_interval_s=0.1)
+    return list(backend.replica_logs(handle, 0))
+
+
+def _ran(kube: KubernetesEmulator, run_id: str, handle: Any, lines: int) -> Any:
+    pod = pod_of(kube, run_id, 0)
+    return handle if pod is not None and f"line {lines}" in kube.pod_log(pod["metadata"]["name"]) else None
+
+
+def test_a_rotated_log_loses_no_line_written_after_it_and_fills_the_rest_from_the_shipped_log(
+        kube: KubernetesEmulator, tmp_path: Path) -> None:
+    seen, _, _ = _rotation_case(kube, tmp_path, "rotated-1")
+    assert texts(seen, 0) == expected(0, 60), "every line once, in order: the rotated ones from the store"
+    assert not [r for r in seen if r.text.startswith("[diloco] gap")]
+
+
+def test_a_rotated_log_without_a_shipped_copy_reports_the_gap_in_one_line(kube: KubernetesEmulator,
+                                                                          tmp_path: Path) -> None:
+    backend = backend_for(kube, tmp_path)
+    plan = backend.plan(spec_for(tmp_path, "rotated-2", replicas=1, lines=60, line_gap=0.1))
+    container = plan.requests[0]["spec"]["template"]["spec"]["containers"][0]
+    container["env"] = [e for e in container["env"] if e["name"] != "DILOCO_LOG_URI"]  # a replica that ships nothing
+    seen = _read_across_a_rotation(kube, backend, backend.submit(plan), "rotated-2")
+    lines = texts(seen, 0)
+    assert len(lines) == len(set(lines)) and lines == [t for t in expected(0, 60) if t in lines], "in order, once"
+    assert all(t in lines for t in expected(0, 60)[35:]), "every line written after the rotation"
+    assert len(lines) < 61, "the lines rotated away before they were read are not there"
+    gaps = [r for r in seen if r.text.startswith("[diloco] gap")]
+    assert len(gaps) == 1 and "rotated" in gaps[0].text and "are missing" in gaps[0].text, [r.text for r in seen]
+
+
+# ---------------------------------------------------------------------------------------------- outliving the pods
+def test_logs_and_restarts_outlive_the_job_for_a_new_process(kube: KubernetesEmulator, tmp_path: Path) -> None:
+    """A cancel deletes the Job and every pod; a new process still prints every attempt's lines and counts the
+    restarts, from the replicas' shipped logs and what the cancel recorded."""
+    backend = backend_for(kube, tmp_path)
+    handle = backend.submit(backend.plan(spec_for(tmp_path, "outlive-1", lines=3, sleep=60)))
+    first = wait_until(lambda: pod_of(kube, "outlive-1", 1, "Running"), 60, "rank 1 running")
+    shipped = tmp_path / "store" / "outlive-1" / "logs" / "rank_0001"
+    wait_until(lambda: len({c.parent for c in shipped.glob("*/chunk_*")}) == 1, 30, "rank 1's lines shipped")
+    kube.evict(first["metadata"]["name"])  # SIGTERM: the stand-in replica dies at once, as a SIGKILL would
+    wait_until(lambda: len({c.parent for c in shipped.glob("*/chunk_*")}) == 2, 60, "rank 1 retried and shipped")
+    backend.cancel(handle)
+    wait_until(lambda: kube.job("outlive-1") is None, 60, "the Job deleted")
+    assert kube.pods("outlive-1") == []
+
+    later = backend_for(kube, tmp_path)
+    records = list(later.logs(handle))
+    assert texts(records, 0) == expected(0, 3)
+    assert texts(records, 1) == expected(1, 3) * 2, "both attempts of replica 1"
+    status = later.describe(handle)
+    assert [r.state.value for r in status.replicas] == ["cancelled", "cancelled"]
+    assert [r.restarts for r in status.replicas] == [0, 1]
+
+    elsewhere = backend_for(kube, tmp_path, state_dir=str(tmp_path / "another-machine"))
+    assert [r.restarts for r in elsewhere.describe(handle).replicas] == [0, 1], "from the store alone"
+    bare = handle.model_copy(update={"log_uri": ""})
+    empty = list(elsewhere.logs(bare))
+    assert [r.rank for r in empty] == [0, 1] and all(
+        r.text.startswith("[diloco] no log of replica") and "did not ship" in r.text for r in empty), empty
+
+
+def test_a_finished_run_deleted_by_its_ttl_still_reads_as_succeeded_with_its_logs(kube: KubernetesEmulator,
+                                                                                  tmp_path: Path) -> None:
+    backend = backend_for(kube, tmp_path, ttl_seconds_after_finished=0)
+    handle = backend.submit(backend.plan(spec_for(tmp_path, "ttl-1", lines=4)))
+    wait_until(lambda: kube.job("ttl-1") is None, 60, "the Job deleted by its TTL")
+    later = backend_for(kube, tmp_path, state_dir=str(tmp_path / "fresh"))
+    status = later.describe(handle)
+    assert [(r.state.value, r.exit_code, r.restarts) for r in status.replicas] == [("succeeded", 0, 0)] * 2
+    records = list(later.logs(handle))
+    assert texts(records, 0) == expected(0, 4) and texts(records, 1) == expected(1, 4)
+
+
+# ---------------------------------------------------------------------------------------------- following
+def test_follow_started_at_every_phase_gets_every_line_once_and_ends_with_the_run(kube: KubernetesEmulator,
+                                                                                 tmp_path: Path) -> None:
+    """Followers started before the pods exist, while they are pending, mid-run and after the end, each a new
+    process: every line arrives once, in order, and every follower ends by itself once the run has."""
+    lines = 38
+    backend = backend_for(kube, tmp_path)
+    hold = kube.hold_pending(job="follow-1")
+    plan = backend.plan(spec_for(tmp_path, "follow-1", lines=lines, line_gap=0.05))
+    results: dict[str, list[LogRecord]] = {}
+    threads: list[threading.Thread] = []
+
+    def follow(phase: str, handle: Any) -> None:
+        reader = backend_for(kube, tmp_path)
+        thread = threading.Thread(target=lambda: results.__setitem__(phase, list(reader.logs(handle, follow=True))),
+                                  daemon=True)
+        thread.start()
+        threads.append(thread)
+
+    handle = backend.submit(plan)
+    follow("before the pods exist", handle)
+    wait_until(lambda: len(kube.pods("follow-1")) == 2, 30, "two pending pods")
+    follow("while pending", handle)
+    time.sleep(0.5)
+    kube.release(hold)
+    wait_until(lambda: (p := pod_of(kube, "follow-1", 1)) is not None and "line 10" in kube.pod_log(
+        p["metadata"]["name"]), 60, "rank 1 mid-run")
+    follow("mid-run", handle)
+    status = backend.wait(handle, timeout_s=60, poll_interval_s=0.1)
+    assert status.state.value == "succeeded"
+    follow("after the end", handle)
+    for thread in threads:
+        thread.join(timeout=60)  # the run has ended: each follower needs one more round of reads at most
+    assert not [t for t in threads if t.is_alive()], "a follower did not end after the run had"
+    for phase, records in results.items():
+        for rank in (0, 1):
+            assert texts(records, rank) == expected(rank, lines), (phase, rank)
+    assert set(results) == {"before the pods exist", "while pending", "mid-run", "after the end"}
