@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from emulators.kubernetes import KubernetesEmulator
+from kube_proxy import KubeProxy
 
 from diloco.executors.base import EntrypointArgs, LaunchSpec, LogRecord
 from diloco.executors.kubernetes import KubernetesBackend, KubernetesBackendConfig
@@ -202,18 +203,26 @@ def test_a_finished_run_deleted_by_its_ttl_still_reads_as_succeeded_with_its_log
 def test_follow_started_at_every_phase_gets_every_line_once_and_ends_with_the_run(kube: KubernetesEmulator,
                                                                                  tmp_path: Path) -> None:
     """Followers started before the pods exist, while they are pending, mid-run and after the end, each a new
-    process: every line arrives once, in order, and every follower ends by itself once the run has."""
+    process: every line arrives once, in order, lines arrive while the replicas still write (not gathered until
+    the end), and every follower ends by itself once the run has."""
     lines = 38
     backend = backend_for(kube, tmp_path)
     hold = kube.hold_pending(job="follow-1")
-    plan = backend.plan(spec_for(tmp_path, "follow-1", lines=lines, line_gap=0.05))
+    plan = backend.plan(spec_for(tmp_path, "follow-1", lines=lines, line_gap=0.25))
     results: dict[str, list[LogRecord]] = {}
+    live: dict[str, bool] = {}
     threads: list[threading.Thread] = []
 
     def follow(phase: str, handle: Any) -> None:
-        reader = backend_for(kube, tmp_path)
-        thread = threading.Thread(target=lambda: results.__setitem__(phase, list(reader.logs(handle, follow=True))),
-                                  daemon=True)
+        def run() -> None:
+            got: list[LogRecord] = []
+            for record in backend_for(kube, tmp_path).logs(handle, follow=True):
+                if record.text == "rank 0 line 20" and phase != "after the end":
+                    pod = pod_of(kube, "follow-1", 0)
+                    live[phase] = pod is not None and f"line {lines - 1}" not in kube.pod_log(pod["metadata"]["name"])
+                got.append(record)
+            results[phase] = got
+        thread = threading.Thread(target=run, daemon=True)
         thread.start()
         threads.append(thread)
 
@@ -236,3 +245,38 @@ def test_follow_started_at_every_phase_gets_every_line_once_and_ends_with_the_ru
         for rank in (0, 1):
             assert texts(records, rank) == expected(rank, lines), (phase, rank)
     assert set(results) == {"before the pods exist", "while pending", "mid-run", "after the end"}
+    assert live == dict.fromkeys(["before the pods exist", "while pending", "mid-run"], True), \
+        "a follower got line 20 only after the replica had written its last line"
+
+
+# ---------------------------------------------------------------------------------------------- a node that is lost
+def test_follow_goes_on_through_a_kubelet_that_does_not_answer(kube: KubernetesEmulator, tmp_path: Path) -> None:
+    """Mid-run, the node of replica 0 stops answering (500 from the API server's kubelet proxy, the open stream
+    cut off): ``logs -f`` says so once, keeps following, and once the node answers again has every line once."""
+    with KubeProxy(kube.url) as proxy:
+        through = kube.write_kubeconfig(tmp_path / "through-proxy.yaml", server=proxy.url)
+        backend = backend_for(kube, tmp_path, kubeconfig=str(through))
+        handle = backend.submit(backend.plan(spec_for(tmp_path, "lost-1", lines=40, line_gap=0.3)))
+        records: list[LogRecord] = []
+        errors: list[BaseException] = []
+
+        def follow() -> None:
+            try:
+                records.extend(backend_for(kube, tmp_path, kubeconfig=str(through)).logs(handle, follow=True))
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        thread = threading.Thread(target=follow, daemon=True)
+        thread.start()
+        wait_until(lambda: any(r.rank == 0 and r.text == "rank 0 line 8" for r in list(records)), 60,
+                   "replica 0 followed")
+        pod = pod_of(kube, "lost-1", 0)
+        assert pod is not None
+        proxy.unreachable.add(pod["metadata"]["name"])
+        wait_until(lambda: proxy.refused >= 2, 30, "the follower retried the lost kubelet")
+        proxy.unreachable.clear()
+        thread.join(timeout=90)
+        assert not thread.is_alive() and not errors, errors
+    assert texts(records, 0) == expected(0, 40) and texts(records, 1) == expected(1, 40)
+    notes = [r.text for r in records if r.text.startswith("[diloco] the log of pod")]
+    assert len(notes) == 1 and "cannot be read now" in notes[0] and "NotReady" in notes[0], notes

@@ -198,7 +198,7 @@ class ReplicaLogReader:
             for line in _lines(response):
                 ns, text = split_log_line(line)
                 if ns is None:
-                    ns = max(time.time_ns(), (log.last_ns or 0) + 1)
+                    ns = max(int(self._cluster_now() * 1e9), (log.last_ns or 0) + 1)
                 if not boundary.is_new(ns, text):
                     continue
                 if not boundary.overlapped:
@@ -225,6 +225,11 @@ class ReplicaLogReader:
         if ended:
             log.complete = True
 
+    def _cluster_now(self) -> float:
+        """Now on the cluster's clock (the lines' timestamps), so a note sorts among them whatever this machine's
+        clock says."""
+        return time.time() + self.server_offset
+
     def _note_server_clock(self, response: Any) -> None:
         try:
             stamp = email.utils.parsedate_to_datetime(response.headers.get("Date"))
@@ -238,7 +243,7 @@ class ReplicaLogReader:
         log.retry_at = time.monotonic() + min(MAX_BACKOFF_S, 2.0 ** (log.failures - 1))
         if log.failures == 1:
             why = " ".join(str(getattr(exc, "reason", "") or type(exc).__name__).split())
-            log.records.append(LogRecord(time.time(), self.rank, "err",
+            log.records.append(LogRecord(self._cluster_now(), self.rank, "err",
                                          f"[diloco] the log of pod {name} cannot be read now ({why}: its node may "
                                          f"be NotReady); retrying"))
             yield None
@@ -291,28 +296,25 @@ class ReplicaLogReader:
 
     def _fill_from_store(self, name: str, log: _PodLog, until: float | None = None,
                          stop_text: str | None = None) -> None:
-        """Append the shipped lines of this attempt after the last line ``log`` has (found by its text near its
-        time: the replica stamps a line a moment before the container runtime does), up to ``until``."""
+        """Append the shipped lines of this attempt that come after the last line ``log`` has, up to ``until``.
+        The last line is found in the shipped copy by its text near its time (the replica stamps a line a moment
+        before the container runtime does); a shipped copy that has not caught up with it yet gives nothing now."""
         shipped = self.shipped.get(name)
         if shipped is None:
             return
         lines = shipped.lines
-        start = log.shipped
-        if start == 0 and log.records:
-            last = next((r for r in reversed(log.records) if not r.text.startswith("[diloco]")
-                         and not r.text.startswith("[event]")), None)
-            if last is not None:
-                start = next((i + 1 for i in range(len(lines) - 1, -1, -1)
-                              if lines[i][1] == last.text and lines[i][0] <= last.ts + 0.5), 0)
-                if start == 0:
-                    start = next((i for i, (ts, _) in enumerate(lines) if ts > last.ts), len(lines))
+        last = next((r for r in reversed(log.records) if not r.text.startswith(("[diloco]", "[event]"))), None)
+        start = 0
+        if last is not None:
+            start = next((i + 1 for i in range(len(lines) - 1, -1, -1)
+                          if lines[i][1] == last.text and lines[i][0] <= last.ts + 0.5), -1)
+            if start < 0:
+                start = next((i for i, (ts, _) in enumerate(lines) if ts > last.ts + 0.5), len(lines))
         for ts, text in lines[start:]:
             if (until is not None and ts >= until) or (stop_text is not None and text == stop_text):
                 break
             log.records.append(LogRecord(ts, self.rank, "out", text))
             log.from_store.append(text)
-            start += 1
-        log.shipped = start
 
     def _from_store_only(self, since: float | None) -> Iterator[LogRecord]:
         self._add_shipped_attempts([], need=True)
@@ -327,7 +329,7 @@ class ReplicaLogReader:
             return
         where = (f"and the run's store has no shipped log under {self.handle.log_uri}" if self.handle.log_uri
                  else "and this run's replicas did not ship their logs to its store")
-        yield LogRecord(time.time(), self.rank, "err",
+        yield LogRecord(self._cluster_now(), self.rank, "err",
                         f"[diloco] no log of replica {self.rank}: its pods are gone (cancelled, or deleted with "
                         f"the Job by its TTL) {where}")
         self.sent["[none]"] = 1

@@ -211,7 +211,7 @@ class _PodLog:
     part ended (the timestamp of the last line read, in nanoseconds, and the texts read at exactly that
     nanosecond, for the boundary of the next read), which events were shown, and whether it is complete (the pod
     ended and was read after that). ``failures``/``retry_at``: reads that failed in a row (a NotReady node) and
-    when to try again; ``shipped``: how many of the store's lines of this attempt were passed on."""
+    when to try again."""
 
     records: list[LogRecord] = field(default_factory=list)
     last_ns: int | None = None
@@ -220,7 +220,6 @@ class _PodLog:
     complete: bool = False
     failures: int = 0
     retry_at: float = 0.0
-    shipped: int = 0
     started_at: float | None = None
     #: Texts passed on from the shipped log that the kubelet has not served yet (skipped when it does).
     from_store: deque[str] = field(default_factory=deque)

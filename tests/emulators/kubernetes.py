@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import json
 import re
 import signal
@@ -367,8 +368,9 @@ class Api:
             return Reply(text=text[:limit] if limit is not None else text, content_type="text/plain")
 
         def stream() -> Iterator[bytes]:
+            """Each line as it is written, like the kubelet's follow (never the whole follow gathered first)."""
             sent = 0
-            for entry in [*selected, *run.follow(len(snapshot), self.stopping)]:
+            for entry in itertools.chain(selected, run.follow(len(snapshot), self.stopping)):
                 chunk = kubelet.format_line(entry, timestamps)
                 if limit is not None:
                     chunk = chunk[:max(0, limit - sent)]
