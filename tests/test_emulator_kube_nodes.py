@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from emulators.kube_nodes import eks_node, karpenter_node, node  # tests/ is on sys.path
+from emulators.kube_nodes import eks_node, karpenter_node, node, stock_eks_nodes  # tests/ is on sys.path
 from emulators.kubernetes import KubernetesEmulator
 from kubernetes import client, config
 
@@ -26,17 +26,11 @@ GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSc
 GPU_TAINT = {"key": "nvidia.com/gpu", "value": "true", "effect": "NoSchedule"}
 
 
-def stock_cluster() -> list[Any]:
-    """Two CPU nodes and one 4-GPU node, as an EKS cluster with a CPU and a GPU managed node group has them."""
-    return [eks_node("cpu-a", "m5.xlarge", nodegroup="cpu"), eks_node("cpu-b", "m5.xlarge", nodegroup="cpu"),
-            eks_node("gpu-1", "g5.12xlarge", nodegroup="gpu")]
-
-
 @pytest.fixture
 def emulator(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[KubernetesEmulator]:
     """An emulator with the nodes a test names through ``@pytest.mark.parametrize("emulator", [...], indirect=True)``
-    (default: ``stock_cluster()``)."""
-    options = getattr(request, "param", None) or {"nodes": stock_cluster()}
+    (default: ``stock_eks_nodes()``: ``cpu-1``, ``cpu-2`` (m5.xlarge) and ``gpu-1`` (g5.12xlarge, 4 A10G))."""
+    options = getattr(request, "param", None) or {"nodes": stock_eks_nodes()}
     with KubernetesEmulator(tmp_path / "kube", **options) as kube:
         yield kube
 
@@ -107,7 +101,7 @@ def finished(batch: client.BatchV1Api, name: str, emulator: KubernetesEmulator) 
 def test_nodes_are_served_as_a_stock_eks_cluster_has_them(emulator: KubernetesEmulator,
                                                           core: client.CoreV1Api) -> None:
     nodes = {n.metadata.name: n for n in core.list_node().items}
-    assert sorted(nodes) == ["cpu-a", "cpu-b", "gpu-1"]
+    assert sorted(nodes) == ["cpu-1", "cpu-2", "gpu-1"]
     gpu = core.read_node("gpu-1")
     labels = gpu.metadata.labels
     assert labels["node.kubernetes.io/instance-type"] == labels["beta.kubernetes.io/instance-type"] == "g5.12xlarge"
@@ -117,11 +111,11 @@ def test_nodes_are_served_as_a_stock_eks_cluster_has_them(emulator: KubernetesEm
     assert labels["kubernetes.io/hostname"] == "gpu-1" and labels["kubernetes.io/arch"] == "amd64"
     assert not [k for k in labels if k.startswith("nvidia.com/")], "a stock node has no GPU Feature Discovery label"
     assert gpu.status.allocatable["nvidia.com/gpu"] == gpu.status.capacity["nvidia.com/gpu"] == "4"
-    assert "nvidia.com/gpu" not in nodes["cpu-a"].status.allocatable
-    assert nodes["cpu-a"].status.allocatable["cpu"] == "3920m" and nodes["cpu-a"].status.allocatable["pods"] == "58"
-    memory_ki = {k: int(v.removesuffix("Ki")) for k, v in (("capacity", nodes["cpu-a"].status.capacity["memory"]),
-                                                            ("allocatable",
-                                                             nodes["cpu-a"].status.allocatable["memory"]))}
+    cpu = nodes["cpu-1"].status
+    assert "nvidia.com/gpu" not in cpu.allocatable
+    assert cpu.allocatable["cpu"] == "3920m" and cpu.allocatable["pods"] == "58"
+    memory_ki = {"capacity": int(cpu.capacity["memory"].removesuffix("Ki")),
+                 "allocatable": int(cpu.allocatable["memory"].removesuffix("Ki"))}
     assert memory_ki["allocatable"] < memory_ki["capacity"] < 16 * 1024 * 1024, "kube-reserved and the kernel's share"
     ready = next(c for c in gpu.status.conditions if c.type == "Ready")
     assert (ready.status, ready.reason) == ("True", "KubeletReady")
@@ -187,6 +181,29 @@ def test_binding_follows_node_selector_required_affinity_and_taints(tmp_path: Pa
             "0/3 nodes are available: 1 node(s) had untolerated taint {nvidia.com/gpu: true}, 2 node(s) didn't "
             "match Pod's node affinity/selector. preemption: 0/3 nodes are available: 3 Preemption is not helpful "
             "for scheduling.")
+
+
+def test_init_containers_count_by_their_peak_and_gt_compares_label_numbers(tmp_path: Path) -> None:
+    nodes = [karpenter_node("small", "g5.xlarge"), karpenter_node("big", "g5.12xlarge")]
+    more_than_two = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "karpenter.k8s.aws/instance-gpu-count", "operator": "Gt", "values": ["2"]}]}]}}}
+    with KubernetesEmulator(tmp_path / "kube", nodes=nodes) as kube:
+        batch = client.BatchV1Api(config.new_client_from_config(config_file=str(kube.kubeconfig)))
+        core = client.CoreV1Api(batch.api_client)
+        batch.create_namespaced_job(NS, job("counted", pod={"affinity": more_than_two}))
+        assert bound(kube, core, "counted")[0].spec.node_name == "big"
+
+        def init_asking(cpu: str) -> dict[str, Any]:
+            return {"initContainers": [{"name": "fetch", "image": "python:3.12-slim", "command": ["python", "-c", ""],
+                                        "resources": {"requests": {"cpu": cpu}, "limits": {"cpu": cpu}}}]}
+
+        batch.create_namespaced_job(NS, job("peak", requests={"cpu": "30"}, pod=init_asking("30")))
+        assert bound(kube, core, "peak")[0].spec.node_name == "big", "30 at a time, not 60: init runs first"
+        batch.create_namespaced_job(NS, job("over", requests={"cpu": "1"}, pod=init_asking("60")))
+        pending = unschedulable(kube, core, "over")
+        assert next(c for c in pending.status.conditions if c.type == "PodScheduled").message == (
+            "0/2 nodes are available: 2 Insufficient cpu. preemption: 0/2 nodes are available: 2 Preemption is not "
+            "helpful for scheduling.")
 
 
 @pytest.mark.parametrize(("pod", "requests", "message"), [

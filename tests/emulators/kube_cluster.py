@@ -635,8 +635,10 @@ class Cluster:
         eviction), and its pods' ``Ready`` condition turns ``False`` (``MarkPodsNotReady``, event ``NodeNotReady``).
         The node's container processes are killed (the machine is gone) but the API objects keep their last status:
         nobody reports for them. The taint eviction controller then deletes each pod once its toleration of the
-        taint runs out (see ``_evict_tainted``). Coming back, the conditions and taints are as for a Ready node
-        and its kubelet reports again (containers that died show as terminated)."""
+        taint runs out (see ``_evict_tainted``), yet a deleted pod stays ``Terminating`` in its last phase while no
+        kubelet confirms it, so a Job with a ``podFailurePolicy`` (which replaces only ``Failed`` pods) waits until
+        the node comes back (``ready=True``: its kubelet reports again, the dead containers as terminated, and the
+        deleted pods end ``Failed``) or its Node object is deleted (``remove_node``: PodGC fails them)."""
         with self.store.lock:
             node = self.store.get("nodes", "", name)
             if node is None:

@@ -261,6 +261,14 @@ def karpenter_node(name: str, instance_type_name: str, *, capacity_type: str = "
                 capacity=capacity, provider_id=_provider_id(name, zone))
 
 
+def stock_eks_nodes(*, cpu_nodes: int = 2, cpu_type: str = "m5.xlarge", gpu_type: str = "g5.12xlarge",
+                    gpu_nodes: int = 1) -> list[Node]:
+    """A stock EKS cluster: a ``cpu`` managed node group of ``cpu-1``.. and a ``gpu`` one of ``gpu-1``.. (no taint,
+    no GFD labels: what ``eksctl create nodegroup`` gives with the NVIDIA device plugin installed)."""
+    return [eks_node(f"cpu-{i + 1}", cpu_type, nodegroup="cpu") for i in range(cpu_nodes)] + [
+        eks_node(f"gpu-{i + 1}", gpu_type, nodegroup="gpu") for i in range(gpu_nodes)]
+
+
 def parse_node_flag(text: str, index: int = 0) -> Node:
     """A ``--node`` value: ``eks:TYPE[:NAME]``, ``karpenter:TYPE[:NAME]`` or ``plain:CPU,MEMORY[,GPUS][:NAME]``;
     without a name the ``index``-th node gets an EC2-style private DNS name (``ip-10-0-0-10.ec2.internal``)."""
@@ -280,4 +288,4 @@ def parse_node_flag(text: str, index: int = 0) -> Node:
 
 
 __all__ = ["GPU_RESOURCE", "INSTANCE_TYPES", "InstanceType", "Node", "default_node", "eks_node", "gfd_labels",
-           "gpu_uuid", "karpenter_node", "node", "parse_node_flag", "ready_conditions"]
+           "gpu_uuid", "karpenter_node", "node", "parse_node_flag", "ready_conditions", "stock_eks_nodes"]
