@@ -286,9 +286,9 @@ def disruption(pod: client.V1Pod) -> client.V1PodCondition | None:
 
 @pytest.mark.parametrize("emulator", [{"nodes": [node("first", cpu="4", memory="8Gi")],
                                        "unreachable_eviction_s": 1}], indirect=True)
-def test_a_lost_node_evicts_its_pods_and_the_job_replaces_them_on_another_node(emulator: KubernetesEmulator,
-                                                                               core: client.CoreV1Api,
-                                                                               tmp_path: Path) -> None:
+@pytest.mark.parametrize("ending", ["node-deleted", "node-back"])
+def test_a_lost_node_evicts_its_pods_and_the_job_replaces_them(emulator: KubernetesEmulator, core: client.CoreV1Api,
+                                                               tmp_path: Path, ending: str) -> None:
     gate = tmp_path / "release"
     code = f"import os, time\nprint('up', flush=True)\nwhile not os.path.exists({str(gate)!r}): time.sleep(0.05)"
     batch = client.BatchV1Api(core.api_client)
@@ -324,10 +324,13 @@ def test_a_lost_node_evicts_its_pods_and_the_job_replaces_them_on_another_node(e
     assert [p.metadata.name for p in pods_of(core, "survivor")] == [first.metadata.name], \
         "podReplacementPolicy Failed waits for the pod to be Failed"
 
-    emulator.remove_node("first")
+    if ending == "node-deleted":  # the instance is gone: PodGC fails the pod
+        emulator.remove_node("first")
+    else:  # the kubelet answers again and finishes the deletion
+        emulator.set_node_ready("first", True)
     replacement = emulator.wait_for(lambda: [p for p in pods_of(core, "survivor")
                                              if p.metadata.name != first.metadata.name and p.spec.node_name])[0]
-    assert replacement.spec.node_name == "second"
+    assert replacement.spec.node_name == "second" or ending == "node-back"
     gate.write_text("go")
     done = finished(batch, "survivor", emulator)
     assert done.status.succeeded == 1 and not done.status.failed, "the disruption was ignored, not counted"

@@ -582,8 +582,9 @@ class KubernetesEmulator:
     # ------------------------------------------------------------------------------------------ faults
 
     def set_node_ready(self, name: str, ready: bool) -> None:
-        """Lose a node (its kubelet stops answering: logs through it fail, its pods are evicted after
-        ``unreachable_eviction_s``) or bring it back; see ``Cluster.set_node_ready``."""
+        """Lose a node (its kubelet stops answering, its processes die, its pods get ``DisruptionTarget`` and are
+        deleted after ``unreachable_eviction_s`` but stay Terminating until the node is back or removed) or bring it
+        back; see ``Cluster.set_node_ready``."""
         self.cluster.set_node_ready(name, ready)
 
     def remove_node(self, name: str) -> None:
