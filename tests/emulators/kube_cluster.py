@@ -476,6 +476,15 @@ class Cluster:
                 run.forced = (exit_code, reason)
                 run.signal(signal.SIGKILL)
 
+    def kubelet_reachable(self, pod: Obj) -> bool:
+        """Whether the API server can reach the kubelet of the pod's node (its logs are served through it); a
+        node that is lost (NotReady, or deleted) answers no proxied request. An unbound pod has no kubelet to
+        miss (its log request gets the API server's own 400)."""
+        node_name = pod["spec"].get("nodeName")
+        if not node_name:
+            return True
+        return self.store.get("nodes", "", node_name) is not None and node_name not in self.lost_nodes
+
     def log_source(self, namespace: str, name: str, container: str | None, previous: bool) -> kubelet.ContainerRun:
         """The container start whose log a ``pods/log`` request reads, or the API server's / kubelet's 400."""
         with self.store.lock:
@@ -668,15 +677,6 @@ class Cluster:
             self.store.touch("nodes", node)
             self.record_event("Node", node, "Normal", status, f"Node {name} status is now: {status}",
                               "node-controller")
-
-    def kubelet_reachable(self, pod: Obj) -> bool:
-        """Whether the API server can reach the kubelet of the pod's node (its logs are served through it); a
-        node that is lost (NotReady, or deleted) answers no proxied request. An unbound pod has no kubelet to
-        miss (its log request gets the API server's own 400)."""
-        node_name = pod["spec"].get("nodeName")
-        if not node_name:
-            return True
-        return self.store.get("nodes", "", node_name) is not None and node_name not in self.lost_nodes
 
     def _pods_on(self, node_name: str) -> list[Obj]:
         return [p for p in self.store.items("pods") if p["spec"].get("nodeName") == node_name]

@@ -105,7 +105,8 @@ class Node:
     def __post_init__(self) -> None:
         self.labels = {"kubernetes.io/hostname": self.name, "kubernetes.io/os": "linux", "kubernetes.io/arch": "amd64",
                        "beta.kubernetes.io/os": "linux", "beta.kubernetes.io/arch": "amd64", **self.labels}
-        self.allocatable = {"pods": "110", "ephemeral-storage": "95551679124", **self.allocatable}
+        self.allocatable = {"pods": "110", "ephemeral-storage": "95551679124", "hugepages-1Gi": "0",
+                            "hugepages-2Mi": "0", **self.allocatable}
         self.capacity = {**self.allocatable, "ephemeral-storage": "104845292Ki", **self.capacity}
         gpus = int(self.allocatable.get(GPU_RESOURCE, "0"))
         if gpus and not self.gpu_ids:
@@ -127,7 +128,8 @@ class Node:
         return {
             "apiVersion": "v1", "kind": "Node", "metadata": meta, "spec": spec,
             "status": {
-                "capacity": dict(self.capacity), "allocatable": dict(self.allocatable),
+                "capacity": dict(sorted(self.capacity.items())),  # Go marshals map keys sorted
+                "allocatable": dict(sorted(self.allocatable.items())),
                 "conditions": ready_conditions(stamp),
                 "addresses": [{"type": "InternalIP", "address": "127.0.0.1"},
                               {"type": "Hostname", "address": self.name}],
