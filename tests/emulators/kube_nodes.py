@@ -228,7 +228,7 @@ def eks_node(name: str, instance_type_name: str, *, capacity_type: str = "ON_DEM
     capacity, allocatable = _resources(itype, device_plugin)
     all_labels = {**_cloud_labels(name, instance_type_name, zone), "eks.amazonaws.com/nodegroup": nodegroup,
                   "eks.amazonaws.com/nodegroup-image": "ami-0123456789abcdef0",
-                  "eks.amazonaws.com/capacityType": capacity_type, "topology.k8s.aws/zone-id": f"use1-az{zone[-1]}"}
+                  "eks.amazonaws.com/capacityType": capacity_type}
     if gfd and itype.gpus:
         all_labels.update(gfd_labels(itype))
     all_labels.update(labels or {})

@@ -696,6 +696,10 @@ def main(argv: list[str] | None = None) -> int:
         nodes = [parse_node_flag(text, i) for i, text in enumerate(args.node)] or None
     except ValueError as exc:
         parser.error(str(exc))
+    names = [n.name for n in nodes or []]
+    if len(set(names)) != len(names):
+        parser.error(f"--node: two nodes named {next(n for n in names if names.count(n) > 1)!r}; give each its own "
+                     ":NAME")
     emulator = KubernetesEmulator(args.root, port=args.port, namespace=args.namespace, interpreter=args.interpreter,
                                   node_env=node_env, nodes=nodes, unreachable_eviction_s=args.unreachable_eviction_s,
                                   verbose=args.verbose)
