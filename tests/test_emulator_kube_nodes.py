@@ -388,6 +388,9 @@ def test_the_standalone_emulator_declares_nodes_from_flags(tmp_path: Path) -> No
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=30)
-    bad = subprocess.run([sys.executable, "-m", "tests.emulators.kubernetes", "--port", "0", "--node", "gke:n1"],
-                         cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2 and "--node 'gke:n1': start with eks:, karpenter: or plain:" in bad.stderr
+    for flags, error in ((["--node", "gke:n1"], "--node 'gke:n1': start with eks:, karpenter: or plain:"),
+                         (["--node", "eks:m5.xlarge:twin", "--node", "eks:c5.xlarge:twin"],
+                          "--node: two nodes named 'twin'; give each its own :NAME")):
+        bad = subprocess.run([sys.executable, "-m", "tests.emulators.kubernetes", "--port", "0", *flags],
+                             cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and error in bad.stderr, bad.stderr
