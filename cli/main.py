@@ -431,12 +431,18 @@ def logs(
         return format_record(record, prefix)
 
     out = sys.stdout
+    printed = 0
     try:
         for record in view.log_lines(ranks=ranks, follow=follow, tail_n=tail_n):
             out.write(line(record) + "\n")
+            printed += 1
             if follow:
                 out.flush()
         out.flush()
+        if not printed:  # say why nothing came, on stderr, so a pipe still gets only log lines
+            why = "it has not been submitted" if view.handle is None else \
+                "its replicas have written nothing yet, or the backend no longer has their logs"
+            say(f"no log lines for run {view.record.run_id}: {why}")
     except KeyboardInterrupt:
         say(f"stopped following; run {view.record.run_id} is unaffected")
         raise typer.Exit(exit_codes.INTERRUPTED) from None

@@ -280,3 +280,89 @@ def test_follow_goes_on_through_a_kubelet_that_does_not_answer(kube: KubernetesE
     assert texts(records, 0) == expected(0, 40) and texts(records, 1) == expected(1, 40)
     notes = [r.text for r in records if r.text.startswith("[diloco] the log of pod")]
     assert len(notes) == 1 and "cannot be read now" in notes[0] and "NotReady" in notes[0], notes
+
+
+# ---------------------------------------------------------------------------------------------- the CLI, a lost node
+CHATTY = '''
+import pathlib
+import time
+
+
+def chatty(*, manager, rank, world_size, total_steps, sync_every, lines=60, gap=0.05, gate="", hold_at=20):
+    """Numbered lines, one every ``gap`` seconds, waiting after line ``hold_at`` until ``gate`` exists: a log whose
+    every line can be accounted for, and a moment the test chooses to disturb it."""
+    for i in range(lines):
+        print(f"rank {rank} line {i}", flush=True)
+        while i == hold_at and gate and not pathlib.Path(gate).exists():
+            time.sleep(0.05)
+        time.sleep(gap)
+'''
+
+
+@pytest.fixture
+def two_nodes(aws_env: str, s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+              ) -> Iterator[KubernetesEmulator]:
+    """The emulator with two nodes that hold one replica pod each, its pods reaching moto's S3 as IRSA pods reach
+    S3, and lost pods evicted a second after their node goes NotReady; the CLI finds it through KUBECONFIG."""
+    import os
+
+    from emulators.kube_nodes import node
+
+    image = tmp_path / "image"
+    image.mkdir()
+    (image / "k8s_logs_trainers.py").write_text(CHATTY)
+    node_env = {key: os.environ[key] for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+                                                 "AWS_DEFAULT_REGION", "AWS_REGION", "AWS_ENDPOINT_URL",
+                                                 "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE",
+                                                 "AWS_EC2_METADATA_DISABLED")}
+    node_env.update(PYTHONPATH=os.pathsep.join([str(image), TESTS_DIR]), OMP_NUM_THREADS="1")
+    nodes = [node(name, cpu="3", memory="64Gi") for name in ("node-a", "node-b")]
+    with KubernetesEmulator(tmp_path / "kube", namespace=NAMESPACE, node_env=node_env, nodes=nodes,
+                            unreachable_eviction_s=1) as emulator:
+        monkeypatch.setenv("KUBECONFIG", str(emulator.kubeconfig))
+        yield emulator
+
+
+@pytest.mark.slow
+def test_logs_follow_across_a_node_going_notready_mid_run_shows_every_line_and_exits(
+        two_nodes: KubernetesEmulator, s3_bucket: str, tmp_path: Path) -> None:
+    from test_kubernetes_e2e import cli, start_cli
+
+    kube, home, lines = two_nodes, tmp_path / "home", 60
+    launch = cli("launch", "--backend", "eks", "--image", "registry.example/diloco:e2e", "--namespace", NAMESPACE,
+                 "--rendezvous", f"s3://{s3_bucket}/logs/{{run_id}}", "--replicas", "2", "--trainer",
+                 "k8s_logs_trainers:chatty", "-k", f"lines={lines}", "-k", f"gate={tmp_path / 'gate'}",
+                 "--steps", "20", "--sync-every", "10",
+                 "--set", "backend.grace_period_s=2", "--set", "backend.log_poll_interval_s=0.2", "--detach",
+                 "-o", "json", home=home, cwd=tmp_path)
+    assert launch.returncode == 0, launch.stderr[-3000:]
+    run_id = launch.stdout and __import__("json").loads(launch.stdout)["run_id"]
+    follow = start_cli("logs", run_id, "-f", home=home, cwd=tmp_path)
+    assert follow.stdout is not None and follow.stderr is not None
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.extend(iter(follow.stdout.readline, "")), daemon=True)
+    reader.start()
+    try:
+        wait_until(lambda: "[r1] rank 1 line 20\n" in list(out), 120, "replica 1 followed to the gate")
+        lost = pod_of(kube, run_id, 1)
+        assert lost is not None
+        kube.set_node_ready(lost["spec"]["nodeName"], False)  # a spot reclaim: its process dies with the machine
+        wait_until(lambda: (p := pod_of(kube, run_id, 1)) is not None and p["metadata"].get("deletionTimestamp"),
+                   60, "the lost pod evicted")
+        kube.set_node_ready(lost["spec"]["nodeName"], True)  # back: the pod ends Failed, the Job starts another
+        (tmp_path / "gate").write_text("open")
+        follow.wait(timeout=240)
+    finally:
+        if follow.poll() is None:
+            follow.kill()
+            follow.wait()
+    reader.join(timeout=10)
+    stderr = follow.stderr.read()
+    assert follow.returncode == 0 and "Traceback" not in stderr, stderr[-3000:]
+    got = [line.rstrip("\n") for line in out]
+    r0 = [line[5:] for line in got if line.startswith("[r0] rank 0 line")]
+    assert r0 == [f"rank 0 line {i}" for i in range(lines)], "replica 0: every line once, in order"
+    r1 = [line[5:] for line in got if line.startswith("[r1] rank 1 line")]
+    second = r1[r1.index("rank 1 line 0", 1):]
+    assert second == [f"rank 1 line {i}" for i in range(lines)], "replica 1's new pod: every line once"
+    assert r1[:len(r1) - lines] == [f"rank 1 line {i}" for i in range(len(r1) - lines)], "the lost pod's, in order"
