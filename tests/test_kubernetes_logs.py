@@ -366,3 +366,40 @@ def test_logs_follow_across_a_node_going_notready_mid_run_shows_every_line_and_e
     second = r1[r1.index("rank 1 line 0", 1):]
     assert second == [f"rank 1 line {i}" for i in range(lines)], "replica 1's new pod: every line once"
     assert r1[:len(r1) - lines] == [f"rank 1 line {i}" for i in range(len(r1) - lines)], "the lost pod's, in order"
+
+
+# ---------------------------------------------------------------------------------------------- the replica's copy
+def test_a_replica_ships_its_own_and_its_childrens_output_and_its_exit_code(tmp_path: Path) -> None:
+    """What a pod's container log gets is unchanged; the store gets the same lines (a child process's too, shipped
+    once, by the replica) with their times, and the exit code last."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from diloco.replica_log import read_attempts
+    from diloco.store import ObjectStore
+
+    script = ("import subprocess, sys\n"
+              "print('from the replica', flush=True)\n"
+              "print('to stderr', file=sys.stderr, flush=True)\n"
+              "subprocess.run([sys.executable, '-c', 'print(\"from a child\")'], check=True)\n"
+              "print('no newline at the end', end='')\n")
+    env = {**os.environ, "DILOCO_LOG_URI": (tmp_path / "logs").as_uri(), "REPLICA_RANK": "3",
+           "DILOCO_LOG_ATTEMPT": "pod-3-abcde", "PYTHONUNBUFFERED": "1"}
+    runner = ("import runpy, sys\nfrom diloco.replica_log import ship_output\nshipping = ship_output()\n"
+              f"code = 0\ntry:\n    runpy.run_path({str(tmp_path / 'replica.py')!r})\nexcept SystemExit as e:\n"
+              "    code = e.code or 0\nshipping.close(7)\n")
+    (tmp_path / "replica.py").write_text(script)
+    result = subprocess.run([sys.executable, "-c", runner], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    shown = ["from the replica", "to stderr", "from a child", "no newline at the end"]
+    assert result.stdout.splitlines() == shown, "the container log gets every byte, unchanged"
+    attempts = read_attempts(ObjectStore((tmp_path / "logs").as_uri()), 3)
+    assert list(attempts) == ["pod-3-abcde"]
+    attempt = attempts["pod-3-abcde"]
+    assert [text for _, text in attempt.lines] == shown
+    assert [ts for ts, _ in attempt.lines] == sorted(ts for ts, _ in attempt.lines)
+    assert (attempt.ended, attempt.exit_code) == (True, 7)
+    assert json.loads((tmp_path / "logs" / "rank_0003" / "pod-3-abcde" / "end.json").read_text())["exit_code"] == 7
+    assert [p.name for p in (tmp_path / "logs").iterdir()] == ["rank_0003"], "the child shipped nothing itself"
