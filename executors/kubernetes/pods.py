@@ -156,7 +156,10 @@ def failure_reason(pod: Mapping[str, Any]) -> str:
     code, reason = terminated.get("exitCode"), terminated.get("reason") or "Error"
     message = _last_error(terminated.get("message") or "")
     if reason == "OOMKilled":
-        text = f"OOMKilled (exit code {code}): the container exceeded its memory limit (backend.memory)"
+        limit = _memory_limit(pod)
+        text = (f"OOMKilled (exit code {code}): the replica used more memory than its limit"
+                f"{f' ({limit})' if limit else ''}; raise backend.memory (--set backend.memory=<more>"
+                f"{f', now {limit}' if limit else ''}) or make the work smaller")
     elif code == CONFIG_ERROR_EXIT:
         text = f"configuration error (exit code {code}, not retried)"
     elif code == SIGTERM_EXIT:
@@ -166,6 +169,14 @@ def failure_reason(pod: Mapping[str, Any]) -> str:
     else:
         text = f"{reason} (exit code {code})"
     return f"{text}: {message}" if message else text
+
+
+def _memory_limit(pod: Mapping[str, Any]) -> str | None:
+    """The replica container's memory limit as the pod spec states it (``63Gi``), or None."""
+    containers = (pod.get("spec") or {}).get("containers") or []
+    replica = next((c for c in containers if c.get("name") == CONTAINER), containers[0] if containers else None)
+    limit = (((replica or {}).get("resources") or {}).get("limits") or {}).get("memory")
+    return str(limit) if limit else None
 
 
 def _last_error(message: str) -> str:
