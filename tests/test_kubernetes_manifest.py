@@ -208,3 +208,23 @@ def test_the_dry_run_shows_the_init_step_the_volumes_and_how_memory_was_chosen(t
     assert any(line.startswith("note: memory: each pod requests and is limited to ") for line in notes), notes
     assert any("init container fetch-code copies the code channel" in line for line in notes), notes
     assert not (tmp_path / "home" / "runs").exists() or not list((tmp_path / "home" / "runs").iterdir())
+
+
+def test_a_pod_held_up_by_its_init_step_says_why() -> None:
+    """The kubelet reports the replica container ``waiting: PodInitializing`` while the init container pulls its
+    image or after it failed: the reason is the init container's."""
+    from diloco.executors.kubernetes import pending_reason
+
+    initializing = {"name": "replica", "state": {"waiting": {"reason": "PodInitializing"}}}
+    pulling = {"status": {"phase": "Pending", "containerStatuses": [initializing], "initContainerStatuses": [
+        {"name": "fetch-code", "state": {"waiting": {"reason": "ErrImagePull", "message": "manifest unknown"}}}]}}
+    assert pending_reason(pulling) == "ErrImagePull: manifest unknown"
+    failed = {"spec": {"containers": [{"name": "replica"}]}, "status": {
+        "phase": "Failed", "containerStatuses": [initializing], "initContainerStatuses": [
+            {"name": "fetch-code", "state": {"terminated": {
+                "exitCode": 1, "reason": "Error",
+                "message": "diloco: error: no code channel at s3://b/p/eks/code (found: nothing)"}}}]}}
+    assert failure_reason(failed) == "Error (exit code 1): no code channel at s3://b/p/eks/code (found: nothing)"
+    copying = {"status": {"phase": "Pending", "containerStatuses": [initializing], "initContainerStatuses": [
+        {"name": "fetch-code", "state": {"running": {}}}]}}
+    assert pending_reason(copying) is None, "a running init step is progress, not a problem"

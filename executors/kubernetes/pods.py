@@ -122,10 +122,21 @@ def _annotation_int(pod: Mapping[str, Any], key: str) -> int:
 
 
 def _container_state(pod: Mapping[str, Any]) -> dict[str, Any]:
-    """The replica container's ``state`` (the first container if the name differs)."""
-    statuses = (pod.get("status") or {}).get("containerStatuses") or []
-    status = next((s for s in statuses if s.get("name") == CONTAINER), statuses[0] if statuses else None)
-    return (status or {}).get("state") or {}
+    """The replica container's ``state`` (the first container if the name differs); while it waits for the pod's
+    init step (the kubelet reports it ``waiting: PodInitializing``), the state of the init container that holds it
+    up instead (pulling its image, or failed), so a pending or failed pod says why."""
+    status = pod.get("status") or {}
+    statuses = status.get("containerStatuses") or []
+    replica = next((s for s in statuses if s.get("name") == CONTAINER), statuses[0] if statuses else None)
+    state = (replica or {}).get("state") or {}
+    if not state or (state.get("waiting") or {}).get("reason") == "PodInitializing":
+        for init in status.get("initContainerStatuses") or []:
+            init_state = init.get("state") or {}
+            terminated, waiting = init_state.get("terminated"), init_state.get("waiting")
+            if (terminated and terminated.get("exitCode") not in (None, 0)) or (
+                    waiting and waiting.get("reason") not in (None, "PodInitializing")):
+                return init_state
+    return state
 
 
 def _exit_code(pod: Mapping[str, Any]) -> int | None:
