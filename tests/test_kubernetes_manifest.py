@@ -228,3 +228,18 @@ def test_a_pod_held_up_by_its_init_step_says_why() -> None:
     copying = {"status": {"phase": "Pending", "containerStatuses": [initializing], "initContainerStatuses": [
         {"name": "fetch-code", "state": {"running": {}}}]}}
     assert pending_reason(copying) is None, "a running init step is progress, not a problem"
+
+
+def test_a_hugging_face_models_size_is_read_from_its_name_and_an_unsized_one_says_how_to_set_it() -> None:
+    from diloco.executors.replica_memory import params_in_name, process_memory
+
+    assert params_in_name("Qwen/Qwen2.5-0.5B") == 500_000_000
+    assert params_in_name("meta-llama/Llama-3.1-8B-Instruct") == 8_000_000_000
+    assert params_in_name("HuggingFaceTB/SmolLM-135M") == 135_000_000
+    assert params_in_name("openai-community/gpt2") is None and params_in_name("") is None
+    eight, _ = process_memory("diloco.trainers.hf:train", {"model": "meta-llama/Llama-3.1-8B"}, procs=1, gpu=True,
+                              setting="backend.memory")
+    assert eight > 16 * 8_000_000_000, "16 bytes per parameter on the host"
+    _, basis = process_memory("diloco.trainers.hf:train", {"model": "openai-community/gpt2"}, procs=2, gpu=False,
+                              setting="backend.memory")
+    assert "set backend.memory" in basis
