@@ -154,7 +154,10 @@ def _node_env(wheelhouse: Path | None = None) -> dict[str, str]:
 
 @pytest.fixture
 def plain_kube(aws_env: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[KubernetesEmulator]:
-    with KubernetesEmulator(tmp_path / "kube", namespace=NAMESPACE, node_env=_node_env()) as kube:
+    """The default interpreter for every image (the dev environment, standing for a ready image), with the test
+    trainers baked in."""
+    node_env = {**_node_env(), "PYTHONPATH": str(Path(__file__).resolve().parent)}
+    with KubernetesEmulator(tmp_path / "kube", namespace=NAMESPACE, node_env=node_env) as kube:
         monkeypatch.setenv("KUBECONFIG", str(kube.kubeconfig))
         yield kube
 
@@ -170,6 +173,40 @@ def test_a_launch_the_cluster_refuses_leaves_no_code_in_the_store(plain_kube: Ku
     assert "could not create Job" in launch.stderr
     left = boto3.client("s3").list_objects_v2(Bucket=s3_bucket, Prefix="refused/").get("Contents", [])
     assert left == [], [o["Key"] for o in left]
+
+
+def test_an_oom_killed_replica_shows_its_limit_and_the_fix_in_status(plain_kube: KubernetesEmulator, s3_bucket: str,
+                                                                     tmp_path: Path) -> None:
+    """A ready image (the dev interpreter), the memory derived for the work; the kernel's OOM kill of one replica
+    (the emulator's knob: exit code 137, reason OOMKilled) reads as such in `diloco status`, with the fix."""
+    home = tmp_path / "home"
+    launch = _cli("launch", "--backend", "eks", "--namespace", NAMESPACE, "--image", "registry.example/diloco:1",
+                  "--replicas", "2", "--trainer", "cli_trainers:slow", "--steps", "4000", "--sync-every", "1000",
+                  "--rendezvous", f"s3://{s3_bucket}/oom/{{run_id}}", "--set", "backend.grace_period_s=1",
+                  "--detach", "-o", "json",
+                  home=home, cwd=tmp_path)
+    assert launch.returncode == 0, launch.stderr[-3000:]
+    run_id = json.loads(launch.stdout)["run_id"]
+    job = plain_kube.job(run_id)
+    assert job is not None
+    limit = job["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["memory"]
+    victim = plain_kube.wait_for(lambda: next((p["metadata"]["name"] for p in plain_kube.pods(run_id)
+                                               if p["status"].get("phase") == "Running" and p["metadata"][
+                                                   "annotations"]["batch.kubernetes.io/job-completion-index"] == "1"),
+                                              None), timeout=90)
+    plain_kube.oom_kill(victim)
+
+    def oom_reason() -> str | None:
+        status = _cli("status", run_id, "-o", "json", home=home, cwd=tmp_path)
+        reason = json.loads(status.stdout)["ranks"][1].get("reason") or "" if status.returncode in (0, 1) else ""
+        return reason if "OOMKilled" in reason else None
+    reason = plain_kube.wait_for(oom_reason, timeout=60, interval=0.5)
+    assert f"limit ({limit})" in reason and f"raise backend.memory (--set backend.memory=<more>, now {limit})" in \
+        reason, reason
+    # Whether the Job failed at this kill or retries the replica, nothing of the run may keep running.
+    cancel = _cli("cancel", run_id, home=home, cwd=tmp_path)
+    assert cancel.returncode in (0, 1), cancel.stderr
+    plain_kube.wait_for(lambda: not plain_kube.live_processes(), timeout=60)
 
 
 @pytest.fixture
