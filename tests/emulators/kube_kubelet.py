@@ -13,7 +13,6 @@ import datetime as dt
 import hashlib
 import os
 import re
-import shutil
 import signal
 import subprocess
 import threading
@@ -23,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .kube_runtime import ContainerView, sandbox_argv
 from .kube_store import now_rfc3339
 
 #: Variables a container inherits from the machine running the emulator; everything else comes from the pod.
@@ -159,16 +159,26 @@ def python_shim(bin_dir: Path, interpreter: str) -> None:
         shim.chmod(0o755)
 
 
-def launch(name: str, argv: list[str], env: dict[str, str], cwd: Path) -> ContainerRun:
-    """Start one container process; an executable that cannot be found is a ``StartError`` like containerd's."""
-    executable = shutil.which(argv[0], path=env.get("PATH", os.defpath)) if "/" not in argv[0] else argv[0]
-    if executable is None or not os.access(executable, os.X_OK):
-        return start_error(name, "failed to create containerd task: failed to create shim task: OCI runtime create "
-                                 f"failed: runc create failed: unable to start container process: exec: "
-                                 f'"{argv[0]}": executable file not found in $PATH: unknown')
-    cwd.mkdir(parents=True, exist_ok=True)
-    process = subprocess.Popen([executable, *argv[1:]], env=env, cwd=cwd, stdin=subprocess.DEVNULL,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+def launch(name: str, argv: list[str], env: dict[str, str], cwd: str, view: ContainerView, mode: str,
+           scratch: Path) -> ContainerRun:
+    """Start one container process through ``kube_sandbox.py`` (volumes, ``/dev/shm``, working directory, then
+    the exec); a setup step or an exec that fails is a ``StartError`` worded like containerd's, with no process
+    left. ``scratch`` is a folder of this machine's own that the container's setup may use."""
+    scratch.mkdir(parents=True, exist_ok=True)
+    read_end, write_end = os.pipe()
+    try:
+        process = subprocess.Popen(sandbox_argv(argv, cwd, view, mode, scratch, write_end), env=env, cwd=scratch,
+                                   stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   start_new_session=True, pass_fds=(write_end,))
+    finally:
+        os.close(write_end)
+    with os.fdopen(read_end, "rb") as status:
+        failure = status.read()  # end-of-file at the exec (close-on-exec) or at the sandbox's exit
+    if failure:
+        process.wait()
+        assert process.stdout is not None
+        process.stdout.close()
+        return start_error(name, failure.decode(errors="replace"))
     digest = hashlib.sha256(f"{name}-{process.pid}-{time.time_ns()}".encode()).hexdigest()
     run = ContainerRun(name=name, started_at=now_rfc3339(), process=process, container_id=f"containerd://{digest}")
     threading.Thread(target=run.read_output, name=f"log-{name}-{process.pid}", daemon=True).start()

@@ -5,7 +5,10 @@ so a backend is tested with no patched client and no cluster: Jobs (``batch/v1``
 selector, pod logs (``follow``, ``timestamps``, ``previous``, ``tailLines``, ``sinceSeconds``), Events, Namespaces,
 ServiceAccounts and SelfSubjectAccessReview, answering errors with the API server's own ``Status`` bodies.
 Each Job index becomes a pod whose container is a real process (its own process group) started from the pod
-template's command, args and env; ``python`` in the container means the interpreter the emulator was given.
+template's command, args and env; ``python`` in the container means the interpreter the emulator was given, or
+the one ``add_image`` maps the container's image to. A container has its pod's ``emptyDir`` volumes at their
+mountPaths, a 64 MiB ``/dev/shm`` unless a memory-backed emptyDir is mounted there, and is OOMKilled over its
+memory limit, as on a real node (``kube_runtime``).
 
 Faults a test can inject: evict a pod (``DisruptionTarget``), kill a container with an exit code or as
 ``OOMKilled``, keep pods pending (``Unschedulable``, ``ImagePullBackOff``, ...), deny RBAC verbs, refuse creates
@@ -457,7 +460,7 @@ class KubernetesEmulator:
                  namespace: str = "default", interpreter: str = sys.executable, token: str | None = "emulator-token",
                  node_env: dict[str, str] | None = None, image_workdir: Path | str | None = None,
                  image_entrypoint: list[str] | None = None, pod_backoff_s: float = 0.0, tick_s: float = 0.05,
-                 verbose: bool = False) -> None:
+                 verbose: bool = False, images: dict[str, str] | None = None, isolation: str = "auto") -> None:
         self._tmp = None if root is not None else tempfile.TemporaryDirectory(prefix="kube-emulator-")
         self.root = Path(root if root is not None else self._tmp.name)  # type: ignore[union-attr]
         self.root.mkdir(parents=True, exist_ok=True)
@@ -465,7 +468,8 @@ class KubernetesEmulator:
         self.cluster = Cluster(ClusterConfig(
             root=self.root, interpreter=interpreter, node_env=dict(node_env or {}),
             image_workdir=Path(image_workdir) if image_workdir else None,
-            image_entrypoint=list(image_entrypoint or []), pod_backoff_s=pod_backoff_s, tick_s=tick_s))
+            image_entrypoint=list(image_entrypoint or []), pod_backoff_s=pod_backoff_s, tick_s=tick_s,
+            images=dict(images or {}), isolation=isolation))
         self.cluster.add_namespace(namespace)
         self._stopping = threading.Event()
         self._server: _Server | None = None
@@ -528,6 +532,12 @@ class KubernetesEmulator:
 
     def add_namespace(self, name: str) -> None:
         self.cluster.add_namespace(name)
+
+    def add_image(self, pattern: str, interpreter: str | Path) -> None:
+        """Containers whose image matches the glob ``pattern`` run ``interpreter`` as ``python`` (first match in
+        the order added; images matching none run the emulator's ``interpreter``), e.g. the PyTorch training
+        image's stand-in: ``kube.add_image("*pytorch-training:*", str(image_python()))``."""
+        self.cluster.add_image(pattern, str(interpreter))
 
     def add_service_account(self, name: str, namespace: str | None = None,
                             annotations: dict[str, str] | None = None) -> None:
