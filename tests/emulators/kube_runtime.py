@@ -79,19 +79,27 @@ _probed: str | None = None
 _probe_lock = threading.Lock()
 
 
-def isolation(requested: str = "auto") -> str:
-    """``namespaces`` or ``paths``: what was asked for, or (``auto``) what this machine allows, probed once."""
+def namespaces_supported() -> bool:
+    """Whether this machine lets an unprivileged process set up a container the ``namespaces`` way (probed once
+    per process by running the sandbox's own setup steps)."""
     global _probed
-    requested = os.environ.get(ISOLATION_ENV, requested) if requested == "auto" else requested
-    if requested in ("namespaces", "paths"):
-        return requested
-    if requested != "auto":
-        raise ValueError(f"isolation must be auto, namespaces or paths, not {requested!r}")
     with _probe_lock:
         if _probed is None:
             done = subprocess.run([sys.executable, "-I", "-S", str(SANDBOX), "--probe"], capture_output=True)
             _probed = "namespaces" if done.returncode == 0 else "paths"
-        return _probed
+        return _probed == "namespaces"
+
+
+def isolation(requested: str = "auto") -> str:
+    """``namespaces`` or ``paths``: what was asked for, else ``$DILOCO_EMULATOR_ISOLATION``, else (``auto``)
+    namespaces where the machine allows them."""
+    if requested == "auto":
+        requested = os.environ.get(ISOLATION_ENV) or "auto"
+    if requested in ("namespaces", "paths"):
+        return requested
+    if requested != "auto":
+        raise ValueError(f"isolation must be auto, namespaces or paths, not {requested!r}")
+    return "namespaces" if namespaces_supported() else "paths"
 
 
 def quantity_bytes(raw: Any) -> int:
@@ -438,5 +446,5 @@ class MemoryWatcher:
 
 
 __all__ = ["ContainerView", "DEFAULT_SHM_BYTES", "ImageTable", "MemoryWatcher", "Mount", "container_view",
-           "host_memory_bytes", "isolation", "make_volume_dirs", "memory_volume_size", "pod_memory_limit",
+           "host_memory_bytes", "isolation", "namespaces_supported", "make_volume_dirs", "memory_volume_size", "pod_memory_limit",
            "remove_volume_dirs", "rewrite_paths", "sandbox_argv"]
