@@ -234,17 +234,23 @@ def test_processes_sharing_their_pages_are_counted_once_and_not_killed(kube: Kub
     assert pod["status"]["phase"] == "Succeeded", terminated(pod, "main")
 
 
+@pytest.mark.parametrize("where", ["/scratch", "/dev/shm"])
 def test_files_in_a_memory_backed_volume_count_against_the_memory_limit(kube: KubernetesEmulator,
-                                                                        batch: client.BatchV1Api) -> None:
-    fill = ("import time\nwith open('/scratch/blob', 'wb') as f:\n    for _ in range(160):\n"
-            "        f.write(b'x' * (1 << 20))\nprint('written', flush=True); time.sleep(300)")
+                                                                        batch: client.BatchV1Api,
+                                                                        where: str) -> None:
+    # 100 MiB of files fit the volume (its tmpfs is capped at the pod's 128 MiB limit), 40 MiB more of heap do
+    # not fit the limit: the files are the container's memory
+    blob = f"{where}/blob-{uuid.uuid4().hex[:8]}"
+    fill = (f"import time\nf = open({blob!r}, 'wb')\nfor _ in range(100):\n    f.write(b'x' * (1 << 20))\n"
+            "f.flush(); heap = b'y' * (40 << 20); print('written', flush=True); time.sleep(300)")
     volumes = [{"name": "scratch", "emptyDir": {"medium": "Memory"}}]
-    run_job(batch, "ramdisk", [container("main", fill, memory="96Mi",
-                                         volumeMounts=[{"name": "scratch", "mountPath": "/scratch"}])],
+    run_job(batch, "ramdisk", [container("main", fill, memory="128Mi",
+                                         volumeMounts=[{"name": "scratch", "mountPath": where}])],
             volumes=volumes)
     pod = finished_pod(kube, "ramdisk")
     state = terminated(pod, "main")
     assert (state["exitCode"], state["reason"]) == (137, "OOMKilled")
+    assert not Path(blob).exists()
 
 
 # ---------------------------------------------------------------------------------------------- images

@@ -1,7 +1,9 @@
 """The emulator's kubelet and container runtime: each container is a real local process with a captured log.
 
 A container start is one process in its own process group (``start_new_session``), so stopping a container
-reaches everything it spawned, as a cgroup kill would. Its stdout and stderr go into one pipe; a reader thread
+reaches everything it spawned, as a cgroup kill would. It begins as ``kube_sandbox.py``, which gives the process
+its volumes, ``/dev/shm`` and working directory and then execs the container's command (``kube_runtime`` says
+how, and what limits the node holds it to). Its stdout and stderr go into one pipe; a reader thread
 timestamps every line with nanoseconds as the container runtime does, which is what ``timestamps=true`` prints
 (``RFC3339NanoFixed``). When the main process exits, whatever is left in its group is killed, so the log reaches
 end-of-file and ``follow`` ends, like a container whose cgroup is torn down.
@@ -17,7 +19,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,6 +61,8 @@ class ContainerRun:
     #: ``terminationMessagePolicy: FallbackToLogsOnError``: a failed container's message is its log's tail.
     fallback_to_logs: bool = False
     cond: threading.Condition = field(default_factory=threading.Condition)
+    #: What the runtime tears down with the container (called once, when its exit is noticed).
+    on_exit: list[Callable[[], None]] = field(default_factory=list)
 
     @property
     def terminated(self) -> bool:
@@ -77,6 +81,8 @@ class ContainerRun:
                 else:
                     self.reason = "Completed" if code == 0 else "Error"
                 self.exit_code = code
+                for teardown in self.on_exit:
+                    teardown()
         if self.exit_code is not None and not self.finished_at and self.eof:
             self.finished_at = now_rfc3339()
         return self.terminated

@@ -71,7 +71,7 @@ from .kube_validation import parse_quantity
 DEFAULT_SHM_BYTES = 64 * 1024 * 1024
 SHM_PATH = "/dev/shm"
 #: How often the memory watcher looks at every limited container.
-POLL_S = 0.1
+POLL_S = 0.15
 SANDBOX = Path(__file__).with_name("kube_sandbox.py")
 ISOLATION_ENV = "DILOCO_EMULATOR_ISOLATION"
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -230,10 +230,13 @@ def remove_volume_dirs(pod_uid: str, root: Path) -> None:
 
 def sandbox_argv(argv: list[str], cwd: str, view: ContainerView, mode: str, scratch: Path,
                  status_fd: int) -> list[str]:
-    """The command that starts the container through ``kube_sandbox.py``."""
+    """The command that starts the container through ``kube_sandbox.py``, its set-up written to a file in
+    ``scratch`` (one argument may hold only 128 KiB, a container's command may be longer)."""
     spec = {"status_fd": status_fd, "isolate": mode == "namespaces", "scratch": str(scratch), "cwd": cwd,
             "argv": argv, "mounts": [m.spec() for m in view.mounts] if mode == "namespaces" else []}
-    return [sys.executable, "-I", "-S", str(SANDBOX), json.dumps(spec)]
+    path = scratch / "sandbox.json"
+    path.write_text(json.dumps(spec))
+    return [sys.executable, "-I", "-S", str(SANDBOX), str(path)]
 
 
 # ---------------------------------------------------------------------------------------------- images
@@ -271,19 +274,28 @@ def _read(path: str) -> str:
         return ""
 
 
-def sessions() -> dict[int, list[int]]:
-    """Process ids by session id, from one pass over ``/proc`` (a container is its main process's session)."""
-    found: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        stat = _read(f"/proc/{entry}/stat")
-        if not stat:
-            continue
-        fields = stat.rsplit(")", 1)[-1].split()
-        if len(fields) > 3:
-            found.setdefault(int(fields[3]), []).append(int(entry))
-    return found
+class SessionIndex:
+    """Process ids by session id (a container is its main process's session), kept current cheaply: each refresh
+    lists ``/proc`` and reads ``stat`` only for processes it has not seen (a process's session never changes
+    once a container's command runs; a pid that leaves the listing is forgotten, so a reused pid is read anew)."""
+
+    def __init__(self) -> None:
+        self._session_of: dict[int, int] = {}
+
+    def refresh(self) -> dict[int, list[int]]:
+        present = {int(e) for e in os.listdir("/proc") if e.isdigit()}
+        for pid in list(self._session_of):
+            if pid not in present:
+                del self._session_of[pid]
+        for pid in present - self._session_of.keys():
+            stat = _read(f"/proc/{pid}/stat")
+            fields = stat.rsplit(")", 1)[-1].split()
+            if len(fields) > 3:
+                self._session_of[pid] = int(fields[3])
+        found: dict[int, list[int]] = {}
+        for pid, sid in self._session_of.items():
+            found.setdefault(sid, []).append(pid)
+        return found
 
 
 def rss_bytes(pid: int) -> int:
@@ -354,6 +366,7 @@ class MemoryWatcher:
 
     def __init__(self, poll_s: float = POLL_S) -> None:
         self.poll_s = poll_s
+        self._sessions = SessionIndex()
         self._watched: list[Watched] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -375,8 +388,10 @@ class MemoryWatcher:
     def watch(self, run: Any, view: ContainerView, mode: str) -> None:
         if view.memory_limit is None and mode == "namespaces":
             return
+        item = Watched(run, view, mode)
         with self._lock:
-            self._watched.append(Watched(run, view, mode))
+            self._watched.append(item)
+        run.on_exit.append(lambda: self._forget(item))
 
     def _loop(self) -> None:
         while not self._stop.wait(self.poll_s):
@@ -384,13 +399,14 @@ class MemoryWatcher:
                 items = list(self._watched)
             if not items:
                 continue
-            by_session = sessions()
+            by_session = self._sessions.refresh()
             for item in items:
                 if item.run.exit_code is not None or item.run.process is None or \
                         item.run.process.returncode is not None:
                     self._forget(item)
                     continue
-                self._check(item, by_session.get(item.run.process.pid, []))
+                main = item.run.process.pid  # its own session leader, whenever the listing caught it
+                self._check(item, sorted({main, *by_session.get(main, [])}))
 
     def _forget(self, item: Watched) -> None:
         with self._lock:

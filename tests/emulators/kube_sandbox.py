@@ -1,6 +1,6 @@
 """The first process of every emulated container: set up the container's filesystem view, then exec its command.
 
-It runs as ``python -I -S kube_sandbox.py SPEC`` (the emulator's own interpreter, standard library only, nothing
+It runs as ``python -I -S kube_sandbox.py SPEC.json`` (the emulator's own interpreter, standard library only, nothing
 from the container's environment), does what runc does between ``create`` and ``start``, and replaces itself
 with the container's command, so the container's main process keeps this process's id and process group.
 
@@ -176,8 +176,9 @@ def _exec_error(argv0: str, error: OSError) -> str:
     return f'exec: "{argv0}": {error.strerror.lower() if error.strerror else error}: unknown'
 
 
-def main(spec_text: str) -> int:
-    spec = json.loads(spec_text)
+def main(spec_path: str) -> int:
+    with open(spec_path) as f:
+        spec = json.load(f)
     status_fd = int(spec["status_fd"])
     os.set_inheritable(status_fd, False)
     argv: list[str] = spec["argv"]

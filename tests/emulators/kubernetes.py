@@ -657,12 +657,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--node-env", action="append", default=[], metavar="KEY=VALUE",
                         help="a variable every container gets (what the node or a webhook would inject)")
     parser.add_argument("--interpreter", default=sys.executable, help="what `python` means inside containers")
+    parser.add_argument("--image", action="append", default=[], metavar="PATTERN=INTERPRETER",
+                        help="containers whose image matches the glob PATTERN run INTERPRETER as `python`")
+    parser.add_argument("--isolation", choices=("auto", "namespaces", "paths"), default="auto",
+                        help="how containers see their volumes: user+mount namespaces, or rewritten paths")
     parser.add_argument("--root", type=Path, help="working folder (default: a temporary one)")
     parser.add_argument("--verbose", action="store_true", help="log every request to stderr")
     args = parser.parse_args(argv)
     node_env = dict(item.split("=", 1) for item in args.node_env)
+    images = dict(item.split("=", 1) for item in args.image)
     emulator = KubernetesEmulator(args.root, port=args.port, namespace=args.namespace, interpreter=args.interpreter,
-                                  node_env=node_env, verbose=args.verbose)
+                                  node_env=node_env, verbose=args.verbose, images=images, isolation=args.isolation)
     for item in args.service_account:
         name, _, role = item.partition("=")
         emulator.add_service_account(name, annotations={"eks.amazonaws.com/role-arn": role} if role else None)
