@@ -4,7 +4,8 @@ One controller thread reconciles everything every tick, under the store's lock, 
 converge on the stored state: the job controller creates one pod per pending index and counts finished pods
 against ``backoffLimitPerIndex`` / ``maxFailedIndexes`` / ``backoffLimit`` and the ``podFailurePolicy``; the
 scheduler binds pods (or leaves them ``Unschedulable`` when a test holds them); the kubelet starts containers as
-local processes and stops them with the pod's grace period; the garbage collector implements the three delete
+local processes (with their volumes, ``/dev/shm`` and memory limit: ``kube_runtime``) and stops them with the
+pod's grace period; the garbage collector implements the three delete
 propagation policies; the TTL controller deletes finished Jobs. Upstream sources are named where they set
 wording or order (``pkg/controller/job``, ``pkg/kubelet``, ``pkg/controller/garbagecollector``).
 
