@@ -48,10 +48,18 @@ is never killed. ``Rss`` from ``/proc/<pid>/statm`` is read first as a cheap upp
 only when that bound is over the limit. The watcher polls every ``POLL_S``. A cgroup OOM kill records no Event:
 the kubelet's OOM watcher (pkg/kubelet/oom ``oom_watcher_linux.go``) records ``SystemOOM`` only for the node's
 root cgroup, so the container status is the only trace, as on a real node.
+
+**Images.** What ``python`` is in a container stands for what its image holds. By default every image maps to
+the emulator's ``interpreter`` (the development environment, with diloco and every extra installed);
+``KubernetesEmulator(images={pattern: interpreter})`` or ``add_image(pattern, interpreter)`` maps image
+references matching a glob to another interpreter, first match in the order added, e.g. AWS's PyTorch
+training image (``*pytorch-training:*``) to ``sagemaker_image.image_python()``, which holds what that image holds
+(torch, boto3, an old s3fs; no diloco, no transformers).
 """
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import re
@@ -60,7 +68,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -252,14 +260,12 @@ class ImageTable:
     default_bin: Path
     entries: list[tuple[str, str, Path]] = field(default_factory=list)
 
-    def add(self, pattern: str, interpreter: str, make_shim: Any) -> None:
+    def add(self, pattern: str, interpreter: str, make_shim: Callable[[Path, str], None]) -> None:
         bin_dir = self.root / "images" / f"{len(self.entries)}" / "bin"
         make_shim(bin_dir, interpreter)
         self.entries.append((pattern, interpreter, bin_dir))
 
     def bin_dir(self, image: str) -> Path:
-        import fnmatch
-
         return next((b for pattern, _, b in self.entries if fnmatch.fnmatchcase(image, pattern)), self.default_bin)
 
 
