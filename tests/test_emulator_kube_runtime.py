@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from emulators import kube_runtime  # tests/ is on sys.path
+from emulators.kube_nodes import node
 from emulators.kubernetes import KubernetesEmulator
 from kubernetes import client, config
 
@@ -187,6 +188,20 @@ def test_a_memory_backed_emptydir_at_dev_shm_gives_the_ranks_room(
     assert "all 4 ranks connected through /dev/shm" in log
     if mode == "namespaces":
         assert f"shm-bytes {256 * MIB}" in log
+
+
+@pytest.mark.parametrize("mode", ["namespaces"] if kube_runtime.namespaces_supported() else [])
+def test_a_memory_backed_dev_shm_without_limits_is_as_big_as_the_nodes_allocatable_memory(
+        tmp_path: Path, mode: str) -> None:
+    with KubernetesEmulator(tmp_path / "kube", nodes=[node("small", memory="3Gi")], isolation=mode) as kube:
+        api = config.new_client_from_config(config_file=str(kube.kubeconfig))
+        show = "import os; st = os.statvfs('/dev/shm'); print(st.f_blocks * st.f_frsize)"
+        volumes = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+        run_job(client.BatchV1Api(api), "node-sized", [container("main", show, volumeMounts=[
+            {"name": "dshm", "mountPath": "/dev/shm"}])], volumes=volumes)
+        pod = finished_pod(kube, "node-sized")
+        assert pod["spec"]["nodeName"] == "small"
+        assert log_of(client.CoreV1Api(api), pod).strip() == str(3 * 1024 * MIB)
 
 
 def test_a_memory_backed_volume_is_sized_like_the_kubelet_sizes_it() -> None:
