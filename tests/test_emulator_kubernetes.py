@@ -575,6 +575,30 @@ def test_invalid_jobs_are_rejected_with_field_paths(batch: client.BatchV1Api, ku
         'Invalid value: 0: must not be 0 for the In operator]')
 
 
+def test_unknown_fields_are_dropped_with_a_warning_by_default_as_the_api_server_does(
+        kube: KubernetesEmulator) -> None:
+    """``fieldValidation`` defaults to ``Warn`` (1.27+): the Job is created without the unknown field and the answer
+    carries one ``Warning: 299`` header per field; ``Ignore`` drops it silently; ``Strict`` refuses (above)."""
+    path = f"/apis/batch/v1/namespaces/{NS}/jobs"
+    typo = job_body("warned", "pass", completions=1)
+    typo["spec"]["backoffLimitPerIndx"] = 1
+    typo["spec"]["template"]["spec"]["containers"][0]["resourcez"] = {}
+    status, body, warnings = raw_response(kube, "POST", path, typo)
+    assert status == 201 and "backoffLimitPerIndx" not in body["spec"]
+    assert warnings == ['299 - "unknown field \\"spec.backoffLimitPerIndx\\""',
+                        '299 - "unknown field \\"spec.template.spec.containers[0].resourcez\\""']
+    assert "backoffLimitPerIndx" not in (kube.job("warned") or {}).get("spec", {"backoffLimitPerIndx": 1})
+    ignored = job_body("ignored", "pass", completions=1)
+    ignored["spec"]["backoffLimitPerIndx"] = 1
+    status, body, warnings = raw_response(kube, "POST", path + "?fieldValidation=Ignore", ignored)
+    assert (status, warnings) == (201, []) and "backoffLimitPerIndx" not in body["spec"]
+    status, body, _ = raw_response(kube, "POST", path + "?fieldValidation=strict", job_body("bad", "pass"))
+    assert (status, body["reason"]) == (422, "Invalid")
+    assert body["message"] == 'CreateOptions.meta.k8s.io "" is invalid: fieldValidation: Unsupported value: ' \
+                              '"strict": supported values: "", "Ignore", "Strict", "Warn"'
+    assert kube.job("bad") is None
+
+
 def test_patches_change_mutable_fields_and_refuse_immutable_ones(batch: client.BatchV1Api,
                                                                   kube: KubernetesEmulator) -> None:
     """What a backend may change on a running Job (maxFailedIndexes, annotations) and what it may not."""

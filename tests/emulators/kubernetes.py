@@ -488,7 +488,7 @@ class _Handler(BaseHTTPRequestHandler):
                     self.wfile.flush()
             self.wfile.write(b"0\r\n\r\n")
             self.wfile.flush()
-        except (BrokenPipeError, ConnectionResetError):
+        except OSError:  # the client went away (a broken pipe, a reset, a TLS connection closed mid-stream)
             self.close_connection = True
 
     do_GET = do_POST = do_DELETE = do_PUT = do_PATCH = _serve
@@ -502,6 +502,11 @@ class _Server(ThreadingHTTPServer):
     api: Api
     verbose: bool = False
     tls_context: ssl.SSLContext | None = None
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that hangs up mid-answer (a timeout, a cancelled follow) is routine: say nothing."""
+        if not isinstance(sys.exc_info()[1], OSError):
+            super().handle_error(request, client_address)
 
     def finish_request(self, request: Any, client_address: Any) -> None:
         if self.tls_context is None:
