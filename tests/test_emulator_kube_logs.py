@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import re
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
@@ -193,6 +194,15 @@ def test_since_time_tail_lines_and_limit_bytes_filter_as_the_kubelet_does(kube: 
     text = core.read_namespaced_pod_log(pod, NS, timestamps=True)
     assert core.read_namespaced_pod_log(pod, NS, timestamps=True, limit_bytes=40) == text[:40], \
         "limitBytes counts the timestamp prefix"
+    with pytest.raises(ApiException) as caught:
+        core.read_namespaced_pod_log(pod, NS, tail_lines=-1)
+    assert (caught.value.status, json.loads(caught.value.body)["message"]) == (
+        422, f'PodLogOptions "{pod}" is invalid: tailLines: Invalid value: -1: must be greater than or equal to 0')
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        raw_log(kube, pod, sinceTime=since, sinceSeconds=5)
+    assert refused.value.code == 422 and json.loads(refused.value.read())["message"] == (
+        f'PodLogOptions "{pod}" is invalid: : Forbidden: at most one of `sinceTime` or `sinceSeconds` may be '
+        "specified")
     with raw_log(kube, pod, sinceTime=since, follow="true") as follower:
         assert names(b"".join(follower.readline() for _ in kept).decode()) == kept
         first.touch()

@@ -57,6 +57,7 @@ from . import kube_tls as tls
 from .kube_cluster import Cluster, ClusterConfig, Denial, Hold, KubeletFault, KubeletUnreachable, Rejection
 from .kube_errors import (
     ApiError,
+    FieldError,
     FieldErrors,
     already_exists,
     bad_request,
@@ -381,10 +382,10 @@ class Api:
         namespace, name = request.params["ns"], request.params["name"]
         timestamps, tail = request.flag("timestamps"), request.number("tailLines")
         since_seconds, limit = request.number("sinceSeconds"), request.number("limitBytes")
+        _validate_log_options(name, tail, limit, since_seconds, request.query.get("sinceTime"))
         since_ns = time.time_ns() - since_seconds * 1_000_000_000 if since_seconds is not None else None
         if request.query.get("sinceTime"):
-            since_time = _parse_rfc3339_ns(request.query["sinceTime"]) // 1_000_000_000 * 1_000_000_000
-            since_ns = max(since_ns or 0, since_time)  # NewLogOptions: the later of the two
+            since_ns = _parse_rfc3339_ns(request.query["sinceTime"]) // 1_000_000_000 * 1_000_000_000
         try:
             run = self.cluster.log_source(namespace, name, request.query.get("container"), request.flag("previous"),
                                           _kubelet_query(request))
@@ -417,6 +418,23 @@ class Api:
                 self.stopping.wait(fault.hang_s)  # a dead node: the stream stays open and silent, then ends
 
         return Reply(stream=stream(), content_type="text/plain")
+
+
+def _validate_log_options(pod: str, tail: int | None, limit: int | None, since_seconds: int | None,
+                          since_time: str | None) -> None:
+    """``ValidatePodLogOptions``: the API server's 422 before it asks the kubelet anything."""
+    errors = FieldErrors()
+    if tail is not None and tail < 0:
+        errors.add(invalid("tailLines", tail, "must be greater than or equal to 0"))
+    if limit is not None and limit < 1:
+        errors.add(invalid("limitBytes", limit, "must be greater than 0"))
+    if since_seconds is not None and since_time:
+        errors.add(FieldError("FieldValueForbidden", "", detail="at most one of `sinceTime` or `sinceSeconds` may "
+                                                                "be specified"))
+    elif since_seconds is not None and since_seconds < 1:
+        errors.add(invalid("sinceSeconds", since_seconds, "must be greater than 0"))
+    if errors.items:
+        raise invalid_object("PodLogOptions", "", pod, errors)
 
 
 def _kubelet_query(request: Request) -> str:
