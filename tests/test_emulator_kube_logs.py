@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 import urllib3
-from emulators.kubernetes import KubernetesEmulator  # tests/ is on sys.path
+from emulators.kube_nodes import eks_node  # tests/ is on sys.path
+from emulators.kubernetes import KubernetesEmulator
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
@@ -258,3 +259,25 @@ def test_an_unreachable_kubelet_can_hang_until_the_client_gives_up(kube: Kuberne
     kube.kubelet_reachable_again(short)
     first.touch()
     second.touch()
+
+
+def test_a_not_ready_node_answers_500_for_its_pods_logs_until_it_is_back(tmp_path: Path) -> None:
+    """A lost node (spot reclaim): the API server's kubelet proxy cannot dial it, so ``pods/log`` is a 500 and an
+    open follow ends; once the node is back its kubelet serves the log it kept."""
+    with KubernetesEmulator(tmp_path / "kube", nodes=[eks_node("worker-1", "m5.xlarge")]) as kube:
+        core = core_api(kube)
+        pod, first, second = start(kube, tmp_path)
+        follower = Follower(core, pod)
+        try:
+            assert follower.lines(3) == ["a0", "a1", "a2"]
+            kube.set_node_ready("worker-1", False)
+            assert follower.line() is None
+        finally:
+            follower.close()
+        with pytest.raises(ApiException) as caught:
+            core.read_namespaced_pod_log(pod, NS)
+        assert caught.value.status == 500
+        assert json.loads(caught.value.body)["message"] == (
+            f'Get "https://127.0.0.1:10250/containerLogs/{NS}/{pod}/main": dial tcp 127.0.0.1:10250: i/o timeout')
+        kube.set_node_ready("worker-1", True)
+        assert names(core.read_namespaced_pod_log(pod, NS)) == ["a0", "a1", "a2"]
