@@ -119,7 +119,8 @@ def test_kubectl_reads_the_job_its_pods_their_events_and_logs_as_the_client_does
         assert env_follow.stdout is not None
         first = env_follow.stdout.readline()  # following: the backlog arrives before the container ends
         release.touch()
-        rest, _ = env_follow.communicate(timeout=60)
+        rest = env_follow.stdout.read()  # to the end of the stream, which ends with the container
+        env_follow.wait(timeout=60)
     finally:
         if env_follow.poll() is None:
             env_follow.kill()
