@@ -165,8 +165,8 @@ def test_bad_settings_fail_before_anything_with_the_field_named() -> None:
     with pytest.raises(ConfigError) as missing:
         backend_config({"kind": "eks"})
     assert str(missing.value) == "backend.image: required for the eks backend"
-    assert parse_gpu("2") == (2, None) and parse_gpu("NVIDIA-A10G") == (1, "NVIDIA-A10G")
-    assert parse_gpu("NVIDIA-A10G:4") == (4, "NVIDIA-A10G") and parse_gpu(None) == (0, None)
+    assert parse_gpu("2") == (2, None) and parse_gpu("NVIDIA-A10G") == (1, "A10G")
+    assert parse_gpu("NVIDIA-A10G:4") == (4, "A10G") and parse_gpu(None) == (0, None)
     for bad in ("0", "A10G:0", "bad gpu:1"):
         with pytest.raises(ConfigError):
             parse_gpu(bad)
