@@ -351,7 +351,7 @@ class KubernetesBackend(Backend[KubernetesBackendConfig, KubernetesRunHandle]):
         text = f"pending for over {limit:g}s (backend.pending_timeout_s): {why}"
         return self._status(rank, "PendingTimeout", job_id, reason=f"{text}; fix: {fix}", detail=PENDING_TIMEOUT_DETAIL,
                             failure=FailureVerdict(failure_class=FailureClass.USER_ERROR, relaunch=False,
-                                                   why=f"{why}; {fix}"), **common)
+                                                   why="a new attempt would wait the same way"), **common)
 
     @staticmethod
     def _gave_up(job: dict[str, Any], status: RunStatus) -> bool:
