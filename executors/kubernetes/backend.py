@@ -304,7 +304,7 @@ class KubernetesBackend(Backend[KubernetesBackendConfig, KubernetesRunHandle]):
         if job is None:
             return self._without_job(handle, cancel)
         pods = self._pods(handle)
-        refused = self._failed_create(handle, job) if len(pods) < handle.replicas else None
+        refused = self._failed_create(handle, job, pods) if len(pods) < handle.replicas else None
         status = RunStatus(run_id=handle.run_id, replicas=[
             self._replica(job, i, pods.get(i, []), cancel, refused=refused) for i in range(handle.replicas)])
         if status.terminal and self._read_state(handle.run_id, "final") is None:
@@ -314,9 +314,11 @@ class KubernetesBackend(Backend[KubernetesBackendConfig, KubernetesRunHandle]):
         return status
 
     # ------------------------------------------------------------------ pending that ends
-    def _failed_create(self, handle: KubernetesRunHandle, job: dict[str, Any]) -> str | None:
+    def _failed_create(self, handle: KubernetesRunHandle, job: dict[str, Any],
+                       pods: dict[int, list[dict[str, Any]]]) -> str | None:
         """Why the job controller cannot create the run's pods (its ``FailedCreate`` events), or None; only asked
-        while an index has no pod, so a running run costs no extra call."""
+        while an index has no pod, so a running run costs no extra call. A refusal older than the newest pod is
+        over (the cluster has created pods since)."""
         if _conditions(job).keys() & {"Complete", "Failed", "FailureTarget", "SuccessCriteriaMet"}:
             return None
         try:
@@ -326,8 +328,11 @@ class KubernetesBackend(Backend[KubernetesBackendConfig, KubernetesRunHandle]):
         except BackendError:
             return None  # events are a courtesy (RBAC may not grant them): the replica just reads as pending
         uid = job["metadata"].get("uid")
+        newest = max((parse_time(p["metadata"].get("creationTimestamp")) or 0.0 for attempts in pods.values()
+                      for p in attempts), default=0.0)
         return failed_create([e for e in found.get("items") or []
-                              if (e.get("involvedObject") or {}).get("uid") in (None, uid)])
+                              if (e.get("involvedObject") or {}).get("uid") in (None, uid)
+                              and (parse_time(e.get("lastTimestamp") or e.get("eventTime")) or 0.0) >= newest])
 
     def _stuck(self, job: dict[str, Any], rank: int, latest: dict[str, Any] | None, refused: str | None,
                job_id: str, common: dict[str, Any]) -> ReplicaStatus | None:
@@ -487,7 +492,7 @@ class KubernetesBackend(Backend[KubernetesBackendConfig, KubernetesRunHandle]):
             return
         pods = self._pods(handle)
         cancel = self._read_state(handle.run_id, "cancel")
-        refused = self._failed_create(handle, job) if len(pods) < handle.replicas else None
+        refused = self._failed_create(handle, job, pods) if len(pods) < handle.replicas else None
         current = {i: self._replica(job, i, pods.get(i, []), cancel, refused=refused) for i in range(handle.replicas)}
         running = {i for i, s in current.items() if not s.state.is_terminal}
         whole = ranks is None or running <= set(ranks)
