@@ -24,6 +24,7 @@ from typing import Any
 from diloco.executors.gpus import (
     AUTO_MODE_GPU_COUNT,
     AUTO_MODE_GPU_NAME,
+    BY_NAME,
     GFD_COUNT,
     GFD_PRODUCT,
     INSTANCE_TYPE_LABEL,
@@ -31,6 +32,7 @@ from diloco.executors.gpus import (
     KARPENTER_GPU_NAME,
     Gpu,
 )
+from diloco.executors.kubernetes.config import GPU_RESOURCE
 
 
 def _expression(key: str, operator: str, values: Sequence[str]) -> dict[str, Any]:
@@ -134,8 +136,6 @@ def node_fits(node: Mapping[str, Any], node_selector: Mapping[str, str], terms: 
     """Whether the scheduler could place the replica pod on this node as it is: Ready and not cordoned, its
     labels matched, every ``NoSchedule``/``NoExecute`` taint tolerated, ``gpus`` allocatable ``nvidia.com/gpu``
     (what other pods already use is not counted: this is about the node's kind, not this moment's load)."""
-    from diloco.executors.kubernetes.config import GPU_RESOURCE
-
     if (node.get("spec") or {}).get("unschedulable") or not _ready(node):
         return False
     if not node_matches(node, node_selector, terms):
@@ -166,8 +166,6 @@ def describe_selector(node_selector: Mapping[str, str], terms: list[dict[str, An
 
 def gpu_terms_for(config: Any, product: str, gpus: int) -> list[dict[str, Any]]:
     """The node terms of a replica with ``gpus`` GPUs of ``product`` under the backend's settings."""
-    from diloco.executors.gpus import BY_NAME
-
     return gpu_node_terms(BY_NAME[product], gpus, label=config.gpu_product_label, value=config.gpu_product_value)
 
 

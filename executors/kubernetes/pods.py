@@ -26,6 +26,7 @@ from diloco.executors.kubernetes.config import (
     IGNORED_COUNT,
     SIGTERM_EXIT,
 )
+from diloco.executors.kubernetes.placement import describe_selector
 
 
 # ---------------------------------------------------------------------------------------------- pure helpers
@@ -206,8 +207,6 @@ STUCK_WAITING = {
 
 def pod_selector(pod: Mapping[str, Any]) -> str:
     """Where the pod may run, in one line: its node selector, required affinity terms and GPU request."""
-    from diloco.executors.kubernetes.placement import describe_selector
-
     spec = pod.get("spec") or {}
     required = (((spec.get("affinity") or {}).get("nodeAffinity") or {})
                 .get("requiredDuringSchedulingIgnoredDuringExecution") or {})
