@@ -3,13 +3,17 @@
 One controller thread reconciles everything every tick, under the store's lock, the way the real controllers
 converge on the stored state: the job controller creates one pod per pending index and counts finished pods
 against ``backoffLimitPerIndex`` / ``maxFailedIndexes`` / ``backoffLimit`` and the ``podFailurePolicy``; the
-scheduler binds pods (or leaves them ``Unschedulable`` when a test holds them); the kubelet starts containers as
-local processes and stops them with the pod's grace period; the garbage collector implements the three delete
-propagation policies; the TTL controller deletes finished Jobs. Upstream sources are named where they set
+scheduler binds pods only to nodes whose labels, taints and allocatable fit (``kube_scheduler``), else leaves them
+``Unschedulable`` with the real reason; the node lifecycle and taint eviction controllers and PodGC handle lost
+nodes (``set_node_ready``, ``remove_node``); the kubelet starts containers as local processes and stops them with
+the pod's grace period; the garbage collector implements the three delete propagation policies; the TTL
+controller deletes finished Jobs. Upstream sources are named where they set
 wording or order (``pkg/controller/job``, ``pkg/kubelet``, ``pkg/controller/garbagecollector``).
 
 Deviation on purpose: the job controller's exponential back-off before recreating a failed pod (10 s, 20 s, ...)
-is ``ClusterConfig.pod_backoff_s`` (default 0) so tests do not wait for it.
+is ``ClusterConfig.pod_backoff_s`` (default 0) so tests do not wait for it; likewise a lost node is marked at once
+(not after ``node-monitor-grace-period``), its pods' eviction waits ``ClusterConfig.unreachable_eviction_s`` (the
+``tolerationSeconds`` admission gives them, 300 upstream) and PodGC skips its 40 s quarantine.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from . import kube_kubelet as kubelet
+from . import kube_scheduler as scheduler
 from .kube_errors import (
     ApiError,
     FieldErrors,
@@ -35,6 +40,7 @@ from .kube_errors import (
     invalid_object,
     not_found,
 )
+from .kube_nodes import GPU_RESOURCE, Node, default_node, ready_conditions
 from .kube_store import Obj, Store, now_rfc3339, random_suffix
 from .kube_validation import admit_job, parse_quantity, validate_job
 
@@ -69,6 +75,11 @@ class ClusterConfig:
     tick_s: float = 0.05
     user: str = "emulator-user"
     api_port: int = 0
+    #: The cluster's nodes; ``None`` is one roomy CPU node named ``node_name``, ``[]`` a cluster with no node.
+    nodes: list[Node] | None = None
+    #: The ``tolerationSeconds`` the DefaultTolerationSeconds admission plugin gives every pod for the
+    #: ``not-ready`` / ``unreachable`` NoExecute taints (300 upstream): how long pods stay on a lost node.
+    unreachable_eviction_s: int = 300
 
 
 @dataclass
@@ -189,12 +200,19 @@ class Cluster:
         self.image_errors: dict[str, str] = {}
         self.denials: list[Denial] = []
         self.rejections: list[Rejection] = []
+        #: Declared nodes by name (their GPUs' device ids), when each lost node stopped answering, and the
+        #: device ids the device plugin gave each pod's containers (pod uid -> container -> ids).
+        self.node_specs: dict[str, Node] = {}
+        self.lost_nodes: dict[str, float] = {}
+        self.devices: dict[str, dict[str, list[str]]] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.bin_dir = config.root / "bin"
         kubelet.python_shim(self.bin_dir, config.interpreter)
         for name in ("default", "kube-system", "kube-public", "kube-node-lease"):
             self.add_namespace(name)
+        for declared in config.nodes if config.nodes is not None else [default_node(config.node_name)]:
+            self.add_node(declared)
 
     # ------------------------------------------------------------------------------------------ lifecycle
 
@@ -227,12 +245,14 @@ class Cluster:
             self._stop.wait(self.config.tick_s)
 
     def reconcile(self) -> None:
-        """One pass of every controller (caller holds the lock)."""
+        """One pass of every controller (caller holds the lock); a lost node's kubelet syncs nothing."""
+        self._manage_nodes()
         for pod in self.store.items("pods"):
             if not pod["spec"].get("nodeName") and not pod["metadata"].get("deletionTimestamp"):
                 self._schedule(pod)
         for pod in self.store.items("pods"):
-            self._sync_pod(pod)
+            if self.kubelet_reachable(pod):
+                self._sync_pod(pod)
         for job in self.store.items("jobs"):
             self._sync_job(job)
         self._collect_garbage()
@@ -458,8 +478,12 @@ class Cluster:
 
     def kubelet_reachable(self, pod: Obj) -> bool:
         """Whether the API server can reach the kubelet of the pod's node (its logs are served through it); a
-        node that is NotReady (lost, reclaimed) answers no proxied request."""
-        return True
+        node that is lost (NotReady, or deleted) answers no proxied request. An unbound pod has no kubelet to
+        miss (its log request gets the API server's own 400)."""
+        node_name = pod["spec"].get("nodeName")
+        if not node_name:
+            return True
+        return self.store.get("nodes", "", node_name) is not None and node_name not in self.lost_nodes
 
     def log_source(self, namespace: str, name: str, container: str | None, previous: bool) -> kubelet.ContainerRun:
         """The container start whose log a ``pods/log`` request reads, or the API server's / kubelet's 400."""
@@ -513,37 +537,254 @@ class Cluster:
                 return
         stamp = now_rfc3339()
         api_version = "batch/v1" if kind == "Job" else "v1"
+        host = (obj.get("spec") or {}).get("nodeName") or self.config.node_name if kind == "Pod" else \
+            self.config.node_name
         self.store.add("events", {
             "metadata": {"name": f"{meta['name']}.{os.urandom(8).hex()}", "namespace": namespace},
             "involvedObject": {"kind": kind, "namespace": namespace, "name": meta["name"], "uid": meta["uid"],
                                "apiVersion": api_version, "resourceVersion": meta.get("resourceVersion", "")},
             "reason": reason, "message": message, "type": event_type, "count": 1,
-            "source": {"component": component, **({"host": self.config.node_name} if component == "kubelet" else {})},
+            "source": {"component": component, **({"host": host} if component == "kubelet" else {})},
             "firstTimestamp": stamp, "lastTimestamp": stamp, "eventTime": None,
-            "reportingComponent": component, "reportingInstance": self.config.node_name if component == "kubelet"
-            else ""})
+            "reportingComponent": component, "reportingInstance": host if component == "kubelet" else ""})
 
     # ------------------------------------------------------------------------------------------ scheduler
 
     def _schedule(self, pod: Obj) -> None:
-        """Bind the pod to the node, unless a test holds it ``Unschedulable`` (then report why, once)."""
+        """The default scheduler (``kube_scheduler``): bind to the best node every filter passes, else leave the
+        pod Pending ``Unschedulable`` with the scheduler's reason; a test's ``hold_pending`` wins over both.
+        Every tick is a new attempt, so a pod binds as soon as capacity frees or a node appears."""
         hold = next((h for h in self.holds if h.reason in SCHEDULER_REASONS and h.applies(pod)), None)
-        conditions = pod["status"].setdefault("conditions", [])
-        scheduled = next((c for c in conditions if c["type"] == "PodScheduled"), None)
         if hold is not None:
-            if scheduled is None or scheduled.get("message") != hold.message:
-                conditions[:] = [c for c in conditions if c["type"] != "PodScheduled"]
-                conditions.append(condition("PodScheduled", "False", "Unschedulable", hold.message))
-                self.store.touch("pods", pod)
-                self.record_event("Pod", pod, "Warning", "FailedScheduling", hold.message, "default-scheduler")
+            self._unschedulable(pod, hold.message)
             return
-        pod["spec"]["nodeName"] = self.config.node_name
+        usage = self._node_usage()
+        feasible: list[Obj] = []
+        verdicts: list[scheduler.Verdict] = []
+        for node in self.store.items("nodes"):
+            used, count = usage.get(node["metadata"]["name"], ({}, 0))
+            verdict = scheduler.filter_node(pod["spec"], node, used, count)
+            if verdict is None:
+                feasible.append(node)
+            else:
+                verdicts.append(verdict)
+        if not feasible:
+            self._unschedulable(pod, scheduler.failed_scheduling_message(verdicts, pod["spec"]))
+            return
+        requests = scheduler.pod_requests(pod["spec"])
+        best = max(feasible, key=lambda n: scheduler.least_allocated_score(
+            requests, n, usage.get(n["metadata"]["name"], ({}, 0))[0]))
+        node_name = best["metadata"]["name"]
+        pod["spec"]["nodeName"] = node_name
+        conditions = pod["status"].setdefault("conditions", [])
         conditions[:] = [c for c in conditions if c["type"] != "PodScheduled"]
         conditions.append(condition("PodScheduled"))
         self.store.touch("pods", pod)
         self.record_event("Pod", pod, "Normal", "Scheduled", f"Successfully assigned "
-                          f"{pod['metadata']['namespace']}/{pod['metadata']['name']} to {self.config.node_name}",
+                          f"{pod['metadata']['namespace']}/{pod['metadata']['name']} to {node_name}",
                           "default-scheduler")
+
+    def _unschedulable(self, pod: Obj, message: str) -> None:
+        """``PodScheduled=False`` reason ``Unschedulable`` and a ``FailedScheduling`` event, once per message."""
+        conditions = pod["status"].setdefault("conditions", [])
+        scheduled = next((c for c in conditions if c["type"] == "PodScheduled"), None)
+        if scheduled is not None and scheduled.get("message") == message:
+            return
+        conditions[:] = [c for c in conditions if c["type"] != "PodScheduled"]
+        conditions.append(condition("PodScheduled", "False", "Unschedulable", message))
+        self.store.touch("pods", pod)
+        self.record_event("Pod", pod, "Warning", "FailedScheduling", message, "default-scheduler")
+
+    def _node_usage(self) -> dict[str, tuple[dict[str, Any], int]]:
+        """Per node: the summed requests and the count of its non-terminal pods (the scheduler's cache holds no
+        terminal pod: its pod informer selects ``status.phase!=Succeeded,status.phase!=Failed``)."""
+        usage: dict[str, tuple[dict[str, Any], int]] = {}
+        for pod in self.store.items("pods"):
+            name = pod["spec"].get("nodeName")
+            if not name or is_terminal(pod):
+                continue
+            used, count = usage.get(name, ({}, 0))
+            for key, value in scheduler.pod_requests(pod["spec"]).items():
+                used[key] = used.get(key, 0) + value
+            usage[name] = (used, count + 1)
+        return usage
+
+    # ------------------------------------------------------------------------------------------ nodes
+
+    def add_node(self, node: Node) -> Obj:
+        """Register a node (the kubelet's first status: Ready); replaces a node of the same name."""
+        with self.store.lock:
+            existing = self.store.get("nodes", "", node.name)
+            if existing is not None:
+                self.store.remove("nodes", existing)
+            self.node_specs[node.name] = node
+            self.lost_nodes.pop(node.name, None)
+            return self.store.add("nodes", node.to_object())
+
+    def remove_node(self, name: str) -> None:
+        """The Node object is deleted (the cloud node lifecycle controller or Karpenter after the instance is
+        gone); its containers die with it, and PodGC fails and deletes its pods on the next pass."""
+        with self.store.lock:
+            node = self.store.get("nodes", "", name)
+            if node is None:
+                raise not_found("nodes", "", name)
+            self._kill_node_processes(name)
+            self.store.remove("nodes", node)
+            self.node_specs.pop(name, None)
+            self.lost_nodes.pop(name, None)
+
+    def set_node_ready(self, name: str, ready: bool) -> None:
+        """Lose a node (``ready=False``: its kubelet stops posting status, as after a spot reclaim or a crash) or
+        bring it back.
+
+        Losing it does what the node lifecycle controller does once ``node-monitor-grace-period`` has passed
+        (``pkg/controller/nodelifecycle``, at once here): the kubelet-owned conditions become ``Unknown``
+        (``NodeStatusUnknown``, "Kubelet stopped posting node status."), the ``node.kubernetes.io/unreachable``
+        taints are added (``NoSchedule`` by TaintNodesByCondition, ``NoExecute`` with ``timeAdded`` for taint-based
+        eviction), and its pods' ``Ready`` condition turns ``False`` (``MarkPodsNotReady``, event ``NodeNotReady``).
+        The node's container processes are killed (the machine is gone) but the API objects keep their last status:
+        nobody reports for them. The taint eviction controller then deletes each pod once its toleration of the
+        taint runs out (see ``_evict_tainted``), yet a deleted pod stays ``Terminating`` in its last phase while no
+        kubelet confirms it, so a Job with a ``podFailurePolicy`` (which replaces only ``Failed`` pods) waits until
+        the node comes back (``ready=True``: its kubelet reports again, the dead containers as terminated, and the
+        deleted pods end ``Failed``) or its Node object is deleted (``remove_node``: PodGC fails them)."""
+        with self.store.lock:
+            node = self.store.get("nodes", "", name)
+            if node is None:
+                raise not_found("nodes", "", name)
+            stamp = now_rfc3339()
+            taints = [t for t in node["spec"].get("taints", []) if t.get("key") != "node.kubernetes.io/unreachable"]
+            if ready:
+                node["status"]["conditions"] = ready_conditions(stamp)
+                self.lost_nodes.pop(name, None)
+                status = "NodeReady"
+            else:
+                for cond in node["status"]["conditions"]:
+                    if cond["status"] != "Unknown":
+                        cond.update({"status": "Unknown", "reason": "NodeStatusUnknown",
+                                     "message": "Kubelet stopped posting node status.",
+                                     "lastTransitionTime": stamp})
+                taints += [{"key": "node.kubernetes.io/unreachable", "effect": "NoSchedule"},
+                           {"key": "node.kubernetes.io/unreachable", "effect": "NoExecute", "timeAdded": stamp}]
+                self.lost_nodes.setdefault(name, time.monotonic())
+                status = "NodeNotReady"
+                self._kill_node_processes(name)
+                self._mark_pods_not_ready(name)
+            if taints:
+                node["spec"]["taints"] = taints
+            else:
+                node["spec"].pop("taints", None)
+            self.store.touch("nodes", node)
+            self.record_event("Node", node, "Normal", status, f"Node {name} status is now: {status}",
+                              "node-controller")
+
+    def _pods_on(self, node_name: str) -> list[Obj]:
+        return [p for p in self.store.items("pods") if p["spec"].get("nodeName") == node_name]
+
+    def _kill_node_processes(self, node_name: str) -> None:
+        for pod in self._pods_on(node_name):
+            runtime = self.runtimes.get(pod["metadata"]["uid"])
+            for runs in (runtime.runs.values() if runtime else []):
+                for run in runs:
+                    run.signal(signal.SIGKILL)
+
+    def _mark_pods_not_ready(self, node_name: str) -> None:
+        """``MarkPodsNotReady``: the node controller's ``Ready=False`` on every pod of a lost node."""
+        for pod in self._pods_on(node_name):
+            if is_terminal(pod):
+                continue
+            for cond in pod["status"].get("conditions", []):
+                if cond["type"] == "Ready" and cond["status"] != "False":
+                    cond.update({"status": "False", "lastTransitionTime": now_rfc3339()})
+                    self.store.touch("pods", pod)
+                    self.record_event("Pod", pod, "Warning", "NodeNotReady", "Node is not ready", "node-controller")
+
+    def _manage_nodes(self) -> None:
+        """The taint eviction controller for lost nodes, PodGC for pods whose node is gone, device bookkeeping."""
+        existing = {n["metadata"]["name"] for n in self.store.items("nodes")}
+        now = time.monotonic()
+        for pod in self.store.items("pods"):
+            node_name = pod["spec"].get("nodeName")
+            if not node_name:
+                continue
+            if node_name not in existing:
+                self._collect_orphan(pod)
+            elif node_name in self.lost_nodes and not is_terminal(pod):
+                self._evict_tainted(pod, now - self.lost_nodes[node_name])
+        live = {p["metadata"]["uid"] for p in self.store.items("pods") if not is_terminal(p)}
+        for uid in [u for u in self.devices if u not in live]:
+            del self.devices[uid]
+
+    def _evict_tainted(self, pod: Obj, lost_for: float) -> None:
+        """Taint-based eviction (``pkg/controller/tainteviction``): a pod that does not tolerate every NoExecute
+        taint of its node is deleted at once, else after the smallest ``tolerationSeconds`` of the tolerations
+        that match (never, if none of them has one), with ``DisruptionTarget`` reason ``DeletionByTaintManager``
+        first, so a Job's ``podFailurePolicy`` can ignore the failure."""
+        if pod["metadata"].get("deletionTimestamp"):
+            return
+        node = self.store.get("nodes", "", pod["spec"]["nodeName"])
+        taints = [t for t in (node or {}).get("spec", {}).get("taints", []) if t.get("effect") == "NoExecute"]
+        tolerations = pod["spec"].get("tolerations") or []
+        if scheduler.untolerated_taint(taints, tolerations, ("NoExecute",)) is None:
+            matching = [t for t in tolerations if any(scheduler.tolerates(t, taint) for taint in taints)]
+            seconds = [t["tolerationSeconds"] for t in matching if t.get("tolerationSeconds") is not None]
+            if not seconds or lost_for < max(0, min(seconds)):
+                return
+        meta = pod["metadata"]
+        conditions = pod["status"].setdefault("conditions", [])
+        conditions[:] = [c for c in conditions if c["type"] != "DisruptionTarget"]
+        conditions.append(condition("DisruptionTarget", "True", "DeletionByTaintManager",
+                                    "Taint manager: deleting due to NoExecute taint"))
+        self.store.touch("pods", pod)
+        self.record_event("Pod", pod, "Normal", "TaintManagerEviction",
+                          f"Marking for deletion Pod {meta['namespace']}/{meta['name']}", "taint-eviction-controller")
+        self._mark_deleted(pod, None)
+
+    def _collect_orphan(self, pod: Obj) -> None:
+        """PodGC's ``gcOrphaned`` (``pkg/controller/podgc``): a pod bound to a node that no longer exists is
+        patched ``Failed`` with ``DisruptionTarget`` ``DeletionByPodGC`` "PodGC: node no longer exists" (unless it
+        already ended) and force-deleted. Upstream waits a 40 s quarantine first; here it is at once."""
+        meta = pod["metadata"]
+        if meta.get("deletionTimestamp") and meta.get("deletionGracePeriodSeconds") == 0:
+            return
+        if not is_terminal(pod):
+            pod["status"]["phase"] = "Failed"
+            conditions = pod["status"].setdefault("conditions", [])
+            conditions[:] = [c for c in conditions if c["type"] != "DisruptionTarget"]
+            conditions.append(condition("DisruptionTarget", "True", "DeletionByPodGC", "PodGC: node no longer exists"))
+            self.store.touch("pods", pod)
+        self._mark_deleted(pod, 0)
+        runtime = self.runtimes.get(meta["uid"])
+        for runs in (runtime.runs.values() if runtime else []):
+            for run in runs:
+                run.signal(signal.SIGKILL)
+                if run.process is not None:
+                    try:
+                        run.process.wait(timeout=5)
+                    except Exception:  # noqa: BLE001 - a killed process that will not be reaped stays listed
+                        pass
+                run.poll()
+
+    def _device_env(self, pod: Obj, container: Obj) -> dict[str, str]:
+        """The NVIDIA device plugin's ``Allocate`` answer for a container that asks for ``nvidia.com/gpu``:
+        ``NVIDIA_VISIBLE_DEVICES`` with that many of the node's free GPU ids (a restart keeps its devices; init
+        containers may reuse what the app containers get, as the kubelet's device manager allows)."""
+        limits = (container.get("resources") or {}).get("limits") or {}
+        wanted = int(scheduler.quantity(limits.get(GPU_RESOURCE, "0")))
+        spec = self.node_specs.get(pod["spec"].get("nodeName") or "")
+        if not wanted or spec is None or not spec.gpu_ids:
+            return {}
+        uid, name = pod["metadata"]["uid"], container["name"]
+        mine = self.devices.setdefault(uid, {})
+        if name not in mine:
+            app = {c["name"] for c in pod["spec"]["containers"]}
+            held = {d for other in self._pods_on(spec.name) if other["metadata"]["uid"] != uid
+                    and not is_terminal(other) for ids in self.devices.get(other["metadata"]["uid"], {}).values()
+                    for d in ids}
+            if name in app:
+                held |= {d for c, ids in mine.items() if c in app for d in ids}
+            mine[name] = [d for d in spec.gpu_ids if d not in held][:wanted]
+        return {"NVIDIA_VISIBLE_DEVICES": ",".join(mine[name])}
 
     # ------------------------------------------------------------------------------------------ kubelet
 
@@ -637,6 +878,7 @@ class Cluster:
         env["KUBERNETES_SERVICE_HOST"] = "127.0.0.1"
         env["KUBERNETES_SERVICE_PORT"] = str(self.config.api_port)
         env.update(self.config.node_env)
+        env.update(self._device_env(pod, container))
         defined: dict[str, str] = {}
         for var in container.get("env") or []:
             source = var.get("valueFrom")
@@ -1002,7 +1244,7 @@ class Cluster:
         name = prefix + random_suffix()
         while self.store.get("pods", meta["namespace"], name) is not None:
             name = prefix + random_suffix()
-        self._admit_pod_spec(pod_spec)
+        self._admit_pod_spec(pod_spec, self.config.unreachable_eviction_s)
         account = pod_spec["serviceAccountName"]
         if self.store.get("serviceaccounts", meta["namespace"], account) is None:
             # The ServiceAccount admission plugin refuses the pod, naming it by its generateName (name generation
@@ -1034,8 +1276,9 @@ class Cluster:
                 env.append(copy.deepcopy(ref))
 
     @staticmethod
-    def _admit_pod_spec(pod_spec: Obj) -> None:
-        """Pod defaults and admission: requests from limits, the service account, default tolerations."""
+    def _admit_pod_spec(pod_spec: Obj, toleration_s: int = 300) -> None:
+        """Pod defaults and admission: requests from limits, the service account, and DefaultTolerationSeconds'
+        ``not-ready`` / ``unreachable`` NoExecute tolerations for ``toleration_s`` seconds."""
         for container in pod_spec.get("initContainers", []) + pod_spec["containers"]:
             resources = container.setdefault("resources", {})
             limits = resources.get("limits") or {}
@@ -1052,7 +1295,7 @@ class Cluster:
         for key in ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable"):
             if not any(t.get("key") == key for t in tolerations):
                 tolerations.append({"key": key, "operator": "Exists", "effect": "NoExecute",
-                                    "tolerationSeconds": 300})
+                                    "tolerationSeconds": toleration_s})
 
     def _write_job_status(self, job: Obj, tracker: JobTracker) -> None:
         """``.status`` from the pods and the tracker; zero counters omitted as the API server does."""

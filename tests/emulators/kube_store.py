@@ -23,7 +23,7 @@ from typing import Any
 from .kube_errors import ApiError, bad_request
 
 #: Resource kinds the store holds, keyed by their REST resource name.
-KINDS = ("namespaces", "serviceaccounts", "jobs", "pods", "events")
+KINDS = ("namespaces", "serviceaccounts", "jobs", "pods", "events", "nodes")
 #: How many changes a watch can resume from before it must relist (the API server's watch cache is similar).
 HISTORY = 50_000
 
@@ -213,6 +213,7 @@ FIELD_SELECTORS: dict[str, tuple[str, ...]] = {
     "jobs": ("metadata.name", "metadata.namespace", "status.successful"),
     "namespaces": ("metadata.name", "status.phase"),
     "serviceaccounts": ("metadata.name", "metadata.namespace"),
+    "nodes": ("metadata.name", "spec.unschedulable"),
 }
 
 

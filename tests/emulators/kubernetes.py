@@ -7,9 +7,16 @@ ServiceAccounts and SelfSubjectAccessReview, answering errors with the API serve
 Each Job index becomes a pod whose container is a real process (its own process group) started from the pod
 template's command, args and env; ``python`` in the container means the interpreter the emulator was given.
 
+Nodes (``kube_nodes``): ``KubernetesEmulator(root, nodes=[eks_node("gpu-1", "g5.12xlarge"), ...])`` declares the
+cluster's nodes, with the labels, taints and allocatable a stock EKS or Karpenter node has; pods bind only where
+their nodeSelector, required node affinity, tolerations and resource requests fit (else they stay Pending with
+the scheduler's ``FailedScheduling`` reason), and a container that asked for ``nvidia.com/gpu`` gets the device
+plugin's ``NVIDIA_VISIBLE_DEVICES``. Without ``nodes`` there is one roomy CPU node, so any CPU pod binds.
+
 Faults a test can inject: evict a pod (``DisruptionTarget``), kill a container with an exit code or as
 ``OOMKilled``, keep pods pending (``Unschedulable``, ``ImagePullBackOff``, ...), deny RBAC verbs, refuse creates
-at admission (a quota, a webhook).
+at admission (a quota, a webhook), lose a node (``set_node_ready(name, False)``: its kubelet stops answering, its
+pods are evicted after ``unreachable_eviction_s``) or delete it (``remove_node``: PodGC fails its pods).
 
 Use from a test::
 
@@ -19,6 +26,11 @@ Use from a test::
 or on its own, from the repository root::
 
     python -m tests.emulators.kubernetes --port 8766 --kubeconfig /tmp/kc.yaml
+
+with nodes (repeat ``--node``; ``eks:TYPE``, ``karpenter:TYPE`` or ``plain:CPU,MEMORY[,GPUS]``, each optionally
+``:NAME``; the types are ``kube_nodes.INSTANCE_TYPES``)::
+
+    python -m tests.emulators.kubernetes --kubeconfig /tmp/kc.yaml --node eks:m5.xlarge --node eks:g5.12xlarge:gpu-1
 """
 
 from __future__ import annotations
@@ -53,6 +65,7 @@ from .kube_errors import (
     route_not_found,
     unauthorized,
 )
+from .kube_nodes import Node, parse_node_flag
 from .kube_store import Obj, field_selector, label_selector, matches, now_rfc3339
 from .kube_validation import dns1123_label_errors
 
@@ -68,6 +81,7 @@ RESOURCES: dict[str, tuple[str, str, str, bool]] = {
     "pods": ("", "v1", "Pod", True),
     "events": ("", "v1", "Event", True),
     "jobs": ("batch", "batch/v1", "Job", True),
+    "nodes": ("", "v1", "Node", False),
 }
 
 T = TypeVar("T")
@@ -150,6 +164,8 @@ class Api:
             ("DELETE", re.compile(rf"/api/v1/namespaces/{ns}/pods/{name}"), self._delete_pod),
             ("GET", re.compile(rf"/api/v1/namespaces/{ns}/pods/{name}/log"), self._pod_log),
             ("POST", re.compile(rf"/api/v1/namespaces/{ns}/pods/{name}/eviction"), self._evict),
+            ("GET", re.compile(r"/api/v1/nodes"), lambda r: self._list(r, "nodes", None)),
+            ("GET", re.compile(rf"/api/v1/nodes/{name}(/status)?"), lambda r: self._get(r, "nodes", "")),
             ("GET", re.compile(r"/api/v1/events"), lambda r: self._list(r, "events", None)),
             ("GET", re.compile(rf"/api/v1/namespaces/{ns}/events"), lambda r: self._list(r, "events", r.params["ns"])),
             ("GET", re.compile(r"/apis/batch/v1"), self._batch_resources),
@@ -457,7 +473,7 @@ class KubernetesEmulator:
                  namespace: str = "default", interpreter: str = sys.executable, token: str | None = "emulator-token",
                  node_env: dict[str, str] | None = None, image_workdir: Path | str | None = None,
                  image_entrypoint: list[str] | None = None, pod_backoff_s: float = 0.0, tick_s: float = 0.05,
-                 verbose: bool = False) -> None:
+                 nodes: list[Node] | None = None, unreachable_eviction_s: int = 300, verbose: bool = False) -> None:
         self._tmp = None if root is not None else tempfile.TemporaryDirectory(prefix="kube-emulator-")
         self.root = Path(root if root is not None else self._tmp.name)  # type: ignore[union-attr]
         self.root.mkdir(parents=True, exist_ok=True)
@@ -465,7 +481,8 @@ class KubernetesEmulator:
         self.cluster = Cluster(ClusterConfig(
             root=self.root, interpreter=interpreter, node_env=dict(node_env or {}),
             image_workdir=Path(image_workdir) if image_workdir else None,
-            image_entrypoint=list(image_entrypoint or []), pod_backoff_s=pod_backoff_s, tick_s=tick_s))
+            image_entrypoint=list(image_entrypoint or []), pod_backoff_s=pod_backoff_s, tick_s=tick_s,
+            nodes=list(nodes) if nodes is not None else None, unreachable_eviction_s=unreachable_eviction_s))
         self.cluster.add_namespace(namespace)
         self._stopping = threading.Event()
         self._server: _Server | None = None
@@ -558,7 +575,21 @@ class KubernetesEmulator:
         self.reject_creates(resource, f'{what} "{{name}}" is forbidden: exceeded quota: {name_hint}, requested: '
                                       f"count/{what}=1, used: count/{what}=1, limited: count/{what}=1", times=times)
 
+    def add_node(self, node: Node) -> None:
+        """Declare one more node (``kube_nodes.eks_node``, ``karpenter_node``, ``node``); pending pods may bind."""
+        self.cluster.add_node(node)
+
     # ------------------------------------------------------------------------------------------ faults
+
+    def set_node_ready(self, name: str, ready: bool) -> None:
+        """Lose a node (its kubelet stops answering, its processes die, its pods get ``DisruptionTarget`` and are
+        deleted after ``unreachable_eviction_s`` but stay Terminating until the node is back or removed) or bring it
+        back; see ``Cluster.set_node_ready``."""
+        self.cluster.set_node_ready(name, ready)
+
+    def remove_node(self, name: str) -> None:
+        """Delete the Node (the instance is gone): PodGC fails its pods with ``DisruptionTarget`` and deletes them."""
+        self.cluster.remove_node(name)
 
     def evict(self, pod: str, *, namespace: str | None = None, reason: str = "EvictionByEvictionAPI",
               message: str = "Eviction API: evicting") -> None:
@@ -601,6 +632,11 @@ class KubernetesEmulator:
             items = self.cluster.store.items("pods", namespace or self.namespace)
             return [copy.deepcopy(p) for p in items
                     if job is None or p["metadata"].get("labels", {}).get("batch.kubernetes.io/job-name") == job]
+
+    def nodes(self) -> list[Obj]:
+        """The Node objects as the API serves them."""
+        with self.cluster.store.lock:
+            return [copy.deepcopy(n) for n in self.cluster.store.items("nodes")]
 
     def job(self, name: str, namespace: str | None = None) -> Obj | None:
         with self.cluster.store.lock:
@@ -646,13 +682,27 @@ def main(argv: list[str] | None = None) -> int:
                         help="create a service account in the namespace, with an IRSA role annotation if given")
     parser.add_argument("--node-env", action="append", default=[], metavar="KEY=VALUE",
                         help="a variable every container gets (what the node or a webhook would inject)")
+    parser.add_argument("--node", action="append", default=[], metavar="KIND:SPEC[:NAME]",
+                        help="a node: eks:g5.12xlarge, karpenter:g5.xlarge, plain:8,32Gi[,GPUS]; repeat for more "
+                             "(default: one roomy CPU node)")
+    parser.add_argument("--unreachable-eviction-s", type=int, default=300, metavar="SECONDS",
+                        help="how long pods stay on a lost node before the taint manager evicts them")
     parser.add_argument("--interpreter", default=sys.executable, help="what `python` means inside containers")
     parser.add_argument("--root", type=Path, help="working folder (default: a temporary one)")
     parser.add_argument("--verbose", action="store_true", help="log every request to stderr")
     args = parser.parse_args(argv)
     node_env = dict(item.split("=", 1) for item in args.node_env)
+    try:
+        nodes = [parse_node_flag(text, i) for i, text in enumerate(args.node)] or None
+    except ValueError as exc:
+        parser.error(str(exc))
+    names = [n.name for n in nodes or []]
+    if len(set(names)) != len(names):
+        parser.error(f"--node: two nodes named {next(n for n in names if names.count(n) > 1)!r}; give each its own "
+                     ":NAME")
     emulator = KubernetesEmulator(args.root, port=args.port, namespace=args.namespace, interpreter=args.interpreter,
-                                  node_env=node_env, verbose=args.verbose)
+                                  node_env=node_env, nodes=nodes, unreachable_eviction_s=args.unreachable_eviction_s,
+                                  verbose=args.verbose)
     for item in args.service_account:
         name, _, role = item.partition("=")
         emulator.add_service_account(name, annotations={"eks.amazonaws.com/role-arn": role} if role else None)
@@ -661,6 +711,13 @@ def main(argv: list[str] | None = None) -> int:
         emulator.write_kubeconfig(args.kubeconfig)
     print(f"Kubernetes API emulator on {emulator.url}; kubeconfig: {args.kubeconfig or emulator.kubeconfig}",
           flush=True)
+    for item in emulator.nodes():
+        allocatable = item["status"]["allocatable"]
+        kind = item["metadata"]["labels"].get("node.kubernetes.io/instance-type", "plain")
+        gpus = f", {allocatable['nvidia.com/gpu']} nvidia.com/gpu" if "nvidia.com/gpu" in allocatable else ""
+        print(f"node {item['metadata']['name']} ({kind}): cpu {allocatable['cpu']}, memory {allocatable['memory']}"
+              f"{gpus}", flush=True)
+    print(f"export KUBECONFIG={args.kubeconfig or emulator.kubeconfig}", flush=True)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     try:
