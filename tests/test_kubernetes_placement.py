@@ -179,3 +179,104 @@ def test_a_label_named_in_the_config_is_the_only_selector() -> None:
         KubernetesBackendConfig(image="registry.example/diloco:1", gpu_product_value="a10g")
     with pytest.raises(ValueError, match="backend.gpu_product_label: must be a label key"):
         KubernetesBackendConfig(image="registry.example/diloco:1", gpu_product_label="not a label")
+
+
+# ---------------------------------------------------------------------------------------------- on a cluster
+def _fake_spec(run_id: str, replicas: int, gpu: str, procs: int | None = None, sleep: float = 0) -> LaunchSpec:
+    """Replicas that print a line, sleep and exit 0 (tests/fake_replica.py), asking for ``gpu``."""
+    args = EntrypointArgs(rendezvous_uri="file:///unused", world_size=replicas, trainer="fake:train",
+                          trainer_kwargs={"lines": 1, "sleep": sleep}, procs_per_replica=procs)
+    return LaunchSpec(run_id=run_id, replicas=replicas, entrypoint="fake_replica", entrypoint_args=args, gpu=gpu,
+                      env={"PYTHONPATH": str(Path(__file__).resolve().parent)})
+
+
+def _until(check: Any, limit_s: float = 60.0) -> Any:
+    import time
+
+    deadline = time.monotonic() + limit_s
+    while True:
+        value = check()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(0.05)
+
+
+def test_on_a_stock_eks_cluster_a10g_replicas_bind_only_to_the_g5_node(tmp_path: Path) -> None:
+    from emulators.kube_nodes import stock_eks_nodes
+    from emulators.kubernetes import KubernetesEmulator
+
+    with KubernetesEmulator(tmp_path / "kube", namespace="gpu", nodes=stock_eks_nodes()) as kube:
+        assert "nvidia.com/gpu.product" not in kube.nodes()[-1]["metadata"]["labels"], "a stock node: no GFD"
+
+        def backend(timeout_s: float) -> KubernetesBackend:
+            return KubernetesBackend(KubernetesBackendConfig(
+                image="registry.example/diloco:1", namespace="gpu", kubeconfig=str(kube.kubeconfig),
+                state_dir=str(tmp_path / "state"), grace_period_s=1, pending_timeout_s=timeout_s))
+
+        fitting = backend(3600)
+        handle = fitting.submit(fitting.plan(_fake_spec("a10g-1", 1, "A10G", procs=4)))
+        assert fitting.wait(handle, timeout_s=60, poll_interval_s=0.1).state.value == "succeeded"
+        assert [p["spec"]["nodeName"] for p in kube.pods("a10g-1")] == ["gpu-1"], "the g5.12xlarge, nowhere else"
+
+        # Two replicas of 4 GPUs on a cluster with one 4-GPU node: while the first runs the second cannot fit.
+        patient, impatient = backend(3600), backend(2.0)
+        handle = patient.submit(patient.plan(_fake_spec("a10g-2", 2, "A10G:4", sleep=120)))
+        waiting = _until(lambda: next((r for r in patient.describe(handle).replicas
+                                       if r.state.value == "pending" and r.reason), None))
+        assert waiting is not None, "the scheduler's reason shows at the next poll"
+        assert waiting.reason.startswith("Unschedulable: 0/3 nodes are available: "), waiting.reason
+        assert "2 node(s) didn't match Pod's node affinity/selector" in waiting.reason
+        failed = _until(lambda: next((r for r in impatient.describe(handle).replicas if r.state.value == "failed"),
+                                     None))
+        assert failed is not None and "(backend.pending_timeout_s): Unschedulable: 0/3 nodes" in failed.reason
+        assert "node.kubernetes.io/instance-type in [g5.12xlarge,g5.24xlarge,g5.48xlarge]" in failed.reason
+        running = [r.rank for r in impatient.describe(handle).replicas if not r.state.is_terminal]
+        impatient.cancel(handle, running)  # the launcher's fail-fast: stop the survivors, which ends the Job
+        assert _until(lambda: kube.job("a10g-2") is None), "no Job is left"
+        ended = impatient.describe(handle)
+        assert {r.rank: r.state.value for r in ended.replicas} == {failed.rank: "failed", 1 - failed.rank:
+                                                                   "cancelled"}
+        fitting.remove(fitting.load_handle({"run_id": "a10g-1", "replicas": 1, "namespace": "gpu",
+                                            "job_name": "a10g-1", "job_uid": ""}))
+        assert _until(lambda: not kube.pods())
+
+
+def test_doctor_lists_the_nodes_that_would_take_a_replica_and_warns_when_none_would(tmp_path: Path) -> None:
+    from emulators.kube_nodes import eks_node, karpenter_node, stock_eks_nodes
+    from emulators.kubernetes import KubernetesEmulator
+
+    from diloco.doctor import DoctorContext
+    from diloco.executors.kubernetes.api import load_api_client
+    from diloco.executors.kubernetes.doctor import check_nodes
+
+    gpu_taint = {"key": "nvidia.com/gpu", "value": "true", "effect": "NoSchedule"}
+    nodes = [*stock_eks_nodes(), karpenter_node("k-1", "g5.48xlarge"), eks_node("small", "g5.xlarge"),
+             eks_node("tainted", "g5.12xlarge", taints=[gpu_taint]),
+             eks_node("dedicated", "g5.12xlarge", taints=[{"key": "team", "value": "vision", "effect": "NoSchedule"}])]
+    with KubernetesEmulator(tmp_path / "kube", namespace="d", nodes=nodes) as kube:
+        api = load_api_client(str(kube.kubeconfig), None)
+
+        def row(gpu: str | None, procs: int | None = None, **options: Any) -> Any:
+            ctx = DoctorContext.for_backend("eks", namespace="d", image="x:1", kubeconfig=str(kube.kubeconfig),
+                                            **options)
+            ctx.gpu, ctx.procs_per_replica = gpu, procs
+            return check_nodes(ctx, api)
+
+        found = row("a10g", 4)
+        assert found.status.value == "pass", found
+        assert found.detail.startswith("3 of 7 node(s) would take a replica"), found.detail
+        for name in ("gpu-1 (g5.12xlarge)", "k-1 (g5.48xlarge)", "tainted (g5.12xlarge)"):
+            assert name in found.detail, "stock, Karpenter, and behind the nvidia.com/gpu taint GPU pods tolerate"
+        assert "small" not in found.detail and "dedicated" not in found.detail and "cpu-1" not in found.detail
+        tolerated = row("A10G", 4, tolerations=[{"key": "team", "operator": "Exists", "effect": "NoSchedule"}])
+        assert tolerated.detail.startswith("4 of 7 node(s)"), "backend.tolerations count"
+        assert row("A10G:1").detail.startswith("4 of 7 node(s)"), "one GPU: the g5.xlarge fits too"
+        none = row("H100")
+        assert none.status.value == "warn" and "none of the cluster's 7 node(s) would take a replica" in none.detail
+        assert "nvidia.com/gpu.product in [NVIDIA-H100-80GB-HBM3]" in none.detail and none.fix
+        assert row(None).detail.startswith("5 of 7 node(s)"), "CPU replicas fit wherever no taint keeps them out"
+        bad = row("RTX4090")
+        assert bad.status.value == "fail" and "unknown GPU 'RTX4090'" in bad.detail
+        kube.deny("list", "nodes")
+        denied = row("A10G", 4)
+        assert denied.status.value == "warn" and "not allowed to list nodes" in denied.detail
