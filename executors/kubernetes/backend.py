@@ -369,6 +369,10 @@ class KubernetesBackend(Backend[KubernetesBackendConfig, KubernetesRunHandle]):
         """Delete a Job diloco has given up on (its pods would wait until activeDeadlineSeconds), keeping the
         states it ended with, as a cancel keeps them."""
         self._merge_cancel(handle, None, {str(r.rank): r.model_dump(mode="json") for r in status.replicas})
+        self._delete_job(handle)
+
+    def _delete_job(self, handle: KubernetesRunHandle) -> None:
+        """Delete the run's Job with foreground propagation (its pods go first); one already gone is fine."""
         try:
             self._call(f"could not delete Job {handle.namespace}/{handle.job_name}",
                        self._batch().delete_namespaced_job, handle.job_name, handle.namespace,
@@ -558,13 +562,7 @@ class KubernetesBackend(Backend[KubernetesBackendConfig, KubernetesRunHandle]):
         if job is not None:
             removed.append(f"job {handle.namespace}/{handle.job_name}")
             if not dry_run and not job["metadata"].get("deletionTimestamp"):
-                try:
-                    self._call(f"could not delete Job {handle.namespace}/{handle.job_name}",
-                               self._batch().delete_namespaced_job, handle.job_name, handle.namespace,
-                               propagation_policy="Foreground")
-                except BackendError as exc:
-                    if _status_of(exc) != 404:
-                        raise
+                self._delete_job(handle)
         folder = self._state_dir(handle.run_id)
         if folder.exists():
             removed.append(str(folder))
