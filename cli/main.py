@@ -324,6 +324,8 @@ def launch(
 
         _, plan = plan_run(preflight(cfg))
         _announce_plan(plan)
+        for note in plan.notes:
+            say(f"note: {note}")
         if fmt == OutputFormat.yaml:  # the backend's own requests, e.g. a Job manifest for `kubectl apply -f -`
             import yaml
 

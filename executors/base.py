@@ -259,7 +259,8 @@ class LaunchPlan(BaseModel):
     ``requests`` are the backend's own requests, in submission order (one per replica for SageMaker and local,
     one Job for Kubernetes); ``-o json`` prints them verbatim. ``cost`` is set by backends that bill (None: free,
     or a cluster already paid for); ``warnings`` are what the backend sees that may make the run fail although
-    the plan is valid (``diloco launch`` prints both before submitting, and with ``--dry-run``).
+    the plan is valid (``diloco launch`` prints both before submitting, and with ``--dry-run``); ``notes`` say how
+    the backend chose a value the user did not set (printed with ``--dry-run``).
     """
 
     backend: str
@@ -267,6 +268,7 @@ class LaunchPlan(BaseModel):
     requests: list[dict[str, Any]]
     cost: PlanCost | None = None
     warnings: list[str] = Field(default_factory=list)
+    notes: list[str] = Field(default_factory=list)  # how the backend chose what was not set (a derived size)
 
 
 # ---------------------------------------------------------------------------------------------- handles, status

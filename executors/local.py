@@ -32,7 +32,6 @@ Why it looks the way it does:
 
 from __future__ import annotations
 
-import inspect
 import math
 import os
 import signal
@@ -47,7 +46,6 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from pydantic import BaseModel, Field
 
 from diloco import envvars
-from diloco.defaults import DEFAULT_TRAINER
 from diloco.errors import BackendError, ConfigError, DilocoError
 from diloco.executors.base import (
     Backend,
@@ -76,6 +74,13 @@ from diloco.executors.local_supervisor import (
     processes_with_env,
     read_json,
     write_json_atomic,
+)
+from diloco.executors.replica_memory import (  # noqa: F401  (the estimate every backend uses)
+    OTHER_TRAINER_MIB,
+    REPLICA_BASE_MIB,
+    SUPERVISOR_MIB,
+    builtin_trainer_bytes,
+    replica_memory,
 )
 from diloco.logstream import LogRecord
 from diloco.signals import signals_deferred, terminate_as_interrupt
@@ -663,16 +668,7 @@ def check_replica_environment(ctx: DoctorContext) -> Check:
 REPLICAS_PER_CORE = 4
 #: The available memory a launch may plan to use; the rest is for the launcher, the store and everything else.
 MEMORY_SHARE = 0.9
-#: One replica of the built-in trainer before its model and data: Python, torch and diloco's replica side
-#: (measured at about 330 MiB RSS on Linux x86-64 with torch 2.x for the default, 120k-parameter model).
-REPLICA_BASE_MIB = 340
-#: One replica's supervisor (standard library only; measured at about 14 MiB).
-SUPERVISOR_MIB = 16
-#: A replica of a trainer diloco cannot size (a user's): a torch process with a small model. Set
-#: ``backend.memory_per_replica_mb`` for a bigger one.
-OTHER_TRAINER_MIB = 512
 _MIB = 1024 * 1024
-_VOCAB = 256  # diloco.model.VOCAB_SIZE (the byte values), not imported here: diloco.model imports torch
 
 
 class MachineCapacity(BaseModel):
@@ -753,44 +749,6 @@ def _estimate_processes(spec: LaunchSpec, procs: int, per_process: int, basis: s
                     if fewer else "lower --procs-per-replica or free some memory") + \
         ", or pass --force (or --set backend.oversubscribe=true) to launch anyway"
     return estimate
-
-
-def replica_memory(spec: LaunchSpec, memory_per_replica_mb: int | None = None) -> tuple[int, str]:
-    """Bytes one replica (with its supervisor) is expected to take, and what the number is based on."""
-    supervisor = SUPERVISOR_MIB * _MIB
-    if memory_per_replica_mb is not None:
-        return memory_per_replica_mb * _MIB + supervisor, "backend.memory_per_replica_mb"
-    if spec.entrypoint_args.trainer == DEFAULT_TRAINER:
-        return builtin_trainer_bytes(spec.entrypoint_args.trainer_kwargs) + supervisor, \
-            "estimated from the built-in trainer's model and data"
-    return OTHER_TRAINER_MIB * _MIB + supervisor, \
-        "a default for trainers diloco cannot size; set backend.memory_per_replica_mb"
-
-
-def builtin_trainer_bytes(trainer_kwargs: dict[str, Any]) -> int:
-    """One built-in trainer replica: the process itself, its model's float32 state and its data, from the same
-    defaults the trainer uses (its signature). An upper-side estimate, not a measurement."""
-    from diloco.trainer import diloco_train
-
-    defaults = {name: p.default for name, p in inspect.signature(diloco_train).parameters.items()
-                if p.default is not inspect.Parameter.empty}
-
-    def knob(name: str) -> int:
-        try:
-            return max(1, int(float(trainer_kwargs.get(name, defaults[name]))))
-        except (TypeError, ValueError):  # a bad value: the trainer check rejects it with its own message
-            return max(1, int(defaults[name]))
-
-    n_layer, n_head, n_embd = knob("n_layer"), knob("n_head"), knob("n_embd")
-    block, batch = knob("block_size"), knob("batch_size")
-    params = n_layer * (12 * n_embd * n_embd + 13 * n_embd) + (_VOCAB + block) * n_embd + 2 * n_embd
-    # weights, gradients, AdamW's two moments, the outer loop's global copy, momentum and running average, the
-    # upload's bytes, and one peer's contribution (bytes and tensors) at a time while averaging
-    state = 4 * params * 10
-    activations = 4 * batch * block * (24 * n_embd * n_layer + 2 * n_head * block * n_layer + 3 * _VOCAB)
-    corpus = 10 * knob("max_corpus_bytes")  # the bytes, a copy, and one int64 per byte as a tensor
-    evals = 16 * knob("eval_batches") * batch * block
-    return REPLICA_BASE_MIB * _MIB + state + activations + corpus + evals
 
 
 def machine_capacity() -> MachineCapacity:

@@ -278,7 +278,8 @@ def test_bad_input_is_one_line_and_creates_nothing(kube: KubernetesEmulator, s3_
     unreachable = kube.write_kubeconfig(tmp_path / "unreachable.yaml", server=f"http://127.0.0.1:{_closed_port()}")
     rendezvous = ["--rendezvous", f"s3://{s3_bucket}/bad/{{run_id}}"]
     cases: list[tuple[list[str], dict[str, str], int, str]] = [
-        (["launch", "--backend", "eks", *rendezvous], {}, 2, "backend.image: required for the eks backend"),
+        (["launch", "--backend", "eks", "--set", "backend.shm_size=1GB", *rendezvous], {}, 2,
+         "backend.shm_size: must be a Kubernetes quantity"),
         (["launch", "--backend", "eks", "--image", IMAGE, "--namespace", "Team_A", *rendezvous], {}, 2,
          "backend.namespace: must be a DNS-1123 label"),
         (["launch", "--backend", "eks", "--image", IMAGE, "--set", "backend.memory=8GB", *rendezvous], {}, 2,
@@ -318,7 +319,8 @@ def test_dry_run_prints_a_job_valid_for_kubernetes_1_29_and_1_33_and_contacts_no
     pod = job["spec"]["template"]["spec"]
     container = pod["containers"][0]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
-    assert container["resources"]["requests"] == {"cpu": "2", "memory": "8Gi", "nvidia.com/gpu": "2"}
+    assert container["resources"]["requests"] == {"cpu": "2", "memory": container["resources"]["limits"]["memory"],
+                                                  "nvidia.com/gpu": "2"}
     terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
     assert {"key": "nvidia.com/gpu.product", "operator": "In", "values": ["NVIDIA-A10G"]} in terms[-1][
         "matchExpressions"] and "nodeSelector" not in pod

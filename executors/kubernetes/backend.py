@@ -8,6 +8,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -31,6 +32,24 @@ if TYPE_CHECKING:
 
 #: Labels and annotations diloco puts on the Job and its pods.
 from diloco.executors.kubernetes.api import _lines, _status_of, _timing, api_error, load_api_client
+from diloco.executors.kubernetes.code import (
+    CODE_VOLUME,
+    INIT_CONTAINER,
+    MOUNT_PATH,
+    SHM_VOLUME,
+    bootstrap_command,
+    bootstrap_env,
+    code_uri,
+    code_volume,
+    default_image,
+    init_container,
+    needs_shm,
+    pod_memory,
+    ship_code,
+    shm_bytes,
+    shm_volume,
+    store_env,
+)
 from diloco.executors.kubernetes.config import (
     CANCELLED_ANNOTATION,
     CONFIG_ERROR_EXIT,
@@ -78,6 +97,18 @@ ROLLBACK_MARGIN_S = 30.0
 PENDING_TIMEOUT_DETAIL = "gave up waiting for it to start"
 
 
+@dataclass(frozen=True)
+class PodSizing:
+    """What one replica's pod runs and holds: its image, GPUs, processes, ``/dev/shm`` and memory."""
+
+    image: str
+    gpus: int
+    procs: int
+    shm_bytes: int
+    memory: str
+    memory_note: str | None
+
+
 # ---------------------------------------------------------------------------------------------- the backend
 class KubernetesBackend(Backend[KubernetesBackendConfig, KubernetesRunHandle]):
     """Replicas as the indexes of one Indexed Job (see the module docstring for the design)."""
@@ -113,9 +144,34 @@ class KubernetesBackend(Backend[KubernetesBackendConfig, KubernetesRunHandle]):
         self._logs: dict[tuple[str, str, int], dict[str, _PodLog]] = {}  # what this process has read, per pod
 
     # ------------------------------------------------------------------ plan (pure)
+    @property
+    def ships_code(self) -> bool:
+        """Without a ready image, the wheel, the bootstrap and the source reach the pods through the store."""
+        return self.config.image is None
+
     def plan(self, spec: LaunchSpec) -> LaunchPlan:
-        """The Job manifest ``submit`` will create; nothing is contacted or created."""
-        return LaunchPlan(backend=self.name, spec=spec, requests=[self.manifest(spec)])
+        """The Job manifest ``submit`` will create, and how its sizes were chosen; nothing is contacted or created."""
+        sizing = self._sizing(spec)
+        notes = [sizing.memory_note] if sizing.memory_note else []
+        if self.ships_code:
+            notes.append(f"image: {sizing.image} (AWS's public PyTorch training image; pass --image for a ready "
+                         f"one); the init container {INIT_CONTAINER} copies the code channel from "
+                         f"{code_uri(spec)}/ into the pod's {CODE_VOLUME} volume")
+        store = store_env(spec)
+        if store:
+            notes.append("store settings passed to the pods: " + ", ".join(f"{k}={v}" for k, v in sorted(
+                store.items())))
+        return LaunchPlan(backend=self.name, spec=spec, requests=[self.manifest(spec)], notes=notes)
+
+    def _sizing(self, spec: LaunchSpec) -> PodSizing:
+        """The pod's image, GPUs, processes, ``/dev/shm`` and memory (pure: the same answer on every call)."""
+        cfg = self.config
+        gpus, _ = replica_gpus(spec.gpu, spec.entrypoint_args.procs_per_replica)
+        procs = spec.entrypoint_args.procs_per_replica or max(1, gpus)
+        shm = shm_bytes(cfg, procs) if needs_shm(gpus, procs) else 0
+        memory, note = pod_memory(spec, cfg, gpus=gpus, procs=procs, shm=shm)
+        return PodSizing(image=cfg.image or default_image(cfg, gpus), gpus=gpus, procs=procs, shm_bytes=shm,
+                         memory=memory, memory_note=note)
 
     def manifest(self, spec: LaunchSpec) -> dict[str, Any]:
         """The ``batch/v1`` Job: Indexed, one pod per replica, the failure policy, resources and the env contract."""
@@ -149,8 +205,16 @@ class KubernetesBackend(Backend[KubernetesBackendConfig, KubernetesRunHandle]):
         """One replica's pod: the container, its identity, and where it may be scheduled."""
         cfg = self.config
         gpus, product = replica_gpus(spec.gpu, spec.entrypoint_args.procs_per_replica)
+        sizing = self._sizing(spec)
         pod: dict[str, Any] = {"restartPolicy": "Never", "terminationGracePeriodSeconds": cfg.grace_period_s,
-                               "containers": [self._container(spec, gpus)]}
+                               "containers": [self._container(spec, sizing)]}
+        volumes = ([code_volume()] if self.ships_code else []) + (
+            [shm_volume(sizing.shm_bytes)] if sizing.shm_bytes else [])
+        if self.ships_code:
+            pod["initContainers"] = [init_container(sizing.image, spec, self._store_env(spec),
+                                                    cfg.image_pull_policy)]
+        if volumes:
+            pod["volumes"] = volumes
         if cfg.service_account:
             pod["serviceAccountName"] = cfg.service_account
         if cfg.node_selector:
@@ -164,25 +228,40 @@ class KubernetesBackend(Backend[KubernetesBackendConfig, KubernetesRunHandle]):
             pod["tolerations"] = tolerations
         return pod
 
-    def _container(self, spec: LaunchSpec, gpus: int) -> dict[str, Any]:
-        """``python -m <entrypoint> <args>`` with the common env contract; the rank from the downward API."""
+    @staticmethod
+    def _store_env(spec: LaunchSpec) -> list[dict[str, Any]]:
+        return [{"name": k, "value": v} for k, v in sorted(store_env(spec).items())]
+
+    def _container(self, spec: LaunchSpec, sizing: PodSizing) -> dict[str, Any]:
+        """The replica: ``python -m <entrypoint> <args>`` (a ready image) or the same through the bootstrap from the
+        code volume, with the common env contract, the store's settings and the rank from the downward API."""
         cfg = self.config
         common = {k: v for k, v in spec.replica_env(0).items() if k != envvars.REPLICA_RANK}
         common["PYTHONUNBUFFERED"] = "1"
+        if self.ships_code:
+            common.update(bootstrap_env(spec, cfg))
+        command, args = bootstrap_command(spec) if self.ships_code else (
+            ["python", "-m", spec.entrypoint], spec.entrypoint_argv())
         env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in sorted(common.items())]
+        env += [e for e in self._store_env(spec) if e["name"] not in common]
         env.append({"name": envvars.REPLICA_RANK, "valueFrom": {"fieldRef": {
             "fieldPath": f"metadata.annotations['{INDEX_KEY}']"}}})
-        requests: dict[str, Any] = {"cpu": cfg.cpu, "memory": cfg.memory}
-        limits: dict[str, Any] = {"memory": cfg.memory}
+        requests: dict[str, Any] = {"cpu": cfg.cpu, "memory": sizing.memory}
+        limits: dict[str, Any] = {"memory": sizing.memory}
         if cfg.cpu_limit:
             limits["cpu"] = cfg.cpu_limit
-        if gpus:
-            requests[GPU_RESOURCE] = limits[GPU_RESOURCE] = str(gpus)
+        if sizing.gpus:
+            requests[GPU_RESOURCE] = limits[GPU_RESOURCE] = str(sizing.gpus)
         container: dict[str, Any] = {
-            "name": CONTAINER, "image": cfg.image, "command": ["python", "-m", spec.entrypoint],
-            "args": spec.entrypoint_argv(), "env": env, "resources": {"requests": requests, "limits": limits},
-            # a failed replica's last log lines land in its pod status: `describe` quotes its `diloco: error:` line
+            "name": CONTAINER, "image": sizing.image, "command": command,
+            "args": args, "env": env, "resources": {"requests": requests, "limits": limits},
+            # a failed replica's last log lines land in its pod status (unless the bootstrap wrote its reason to
+            # /dev/termination-log): `describe` quotes its `diloco: error:` line
             "terminationMessagePolicy": "FallbackToLogsOnError"}
+        mounts = ([{"name": CODE_VOLUME, "mountPath": MOUNT_PATH}] if self.ships_code else []) + (
+            [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}] if sizing.shm_bytes else [])
+        if mounts:
+            container["volumeMounts"] = mounts
         if cfg.image_pull_policy:
             container["imagePullPolicy"] = cfg.image_pull_policy
         return container
@@ -245,13 +324,16 @@ class KubernetesBackend(Backend[KubernetesBackendConfig, KubernetesRunHandle]):
     # ------------------------------------------------------------------ submit
     def submit(self, plan: LaunchPlan,
                on_progress: Callable[[KubernetesRunHandle], None] | None = None) -> KubernetesRunHandle:
-        """Create the Job (the only object a run creates). One object, so all or nothing; if reporting the
-        handle fails, or Ctrl-C arrives while the request is in flight, the Job is deleted again."""
+        """Ship the code channel (without a ready image), then create the Job (the only cluster object a run
+        creates). One object, so all or nothing; if reporting the handle fails, or Ctrl-C arrives while the request
+        is in flight, the Job is deleted again."""
         job = plan.requests[0]
         meta = job["metadata"]
         handle = KubernetesRunHandle(run_id=plan.spec.run_id, replicas=plan.spec.replicas,
                                      namespace=meta["namespace"], job_name=meta["name"],
                                      kube_context=self.config.kube_context)
+        if self.ships_code:
+            ship_code(plan.spec, self.config)  # before the Job exists; launch() withdraws it if the launch fails
         batch = self._batch()
         created = False
         try:

@@ -11,6 +11,7 @@ from diloco.executors.base import (
     BackendConfig,
     RunHandle,
 )
+from diloco.executors.code_channel import DEFAULT_MAX_SOURCE_MB
 
 if TYPE_CHECKING:
     pass
@@ -78,13 +79,20 @@ class KubernetesBackendConfig(BackendConfig):
     """One Kubernetes Indexed Job with N completions (EKS or any cluster)."""
 
     kind: Literal["eks"] = "eks"
-    image: str  # a PyTorch image with diloco installed (docker/Dockerfile)
+    # A ready image with diloco installed (docker/Dockerfile). Default: AWS's public PyTorch training image for
+    # EC2/EKS (CPU or CUDA build by whether the replica has GPUs) and the code channel (executors/kubernetes/code.py)
+    image: str | None = None
+    framework_version: str = "2.9.0"  # the default image's PyTorch
+    py_version: str = "py312"  # the default image's Python
+    source_dir: str | None = None  # your code, shipped to every pod (without image); default: the cwd
+    max_source_mb: float = Field(DEFAULT_MAX_SOURCE_MB, gt=0)  # refuse to ship a larger source directory
     namespace: str = "default"
     service_account: str | None = None  # with IRSA / Pod Identity access to the rendezvous prefix
     kube_context: str | None = None  # default: the kubeconfig's current context
     kubeconfig: str | None = None  # default: $KUBECONFIG or ~/.kube/config; inside a pod: the in-cluster config
     cpu: str = "2"  # request per replica
-    memory: str = "8Gi"  # request and limit per replica
+    memory: str | None = None  # request and limit per replica; default: estimated for the work (replica_memory)
+    shm_size: str | None = None  # /dev/shm (memory-backed) per replica; default: SHM_PER_PROCESS x processes
     cpu_limit: str | None = None  # no CPU limit by default (throttling slows the all-reduce for nothing)
     backoff_limit_per_index: int = Field(0, ge=0)  # retries of a failed replica (disruptions do not count)
     max_failed_indexes: int = Field(0, ge=0)  # failed replicas the Job tolerates before it fails (and stops all)
@@ -105,7 +113,8 @@ class KubernetesBackendConfig(BackendConfig):
     log_poll_interval_s: float = Field(1.0, gt=0)  # how often `diloco logs -f` looks for a new attempt
     state_dir: str | None = None  # where cancels and final states are kept; default $DILOCO_HOME/runs/<run>/eks
 
-    flags: ClassVar[dict[str, str]] = {"image": "image", "namespace": "namespace", "context": "kube_context"}
+    flags: ClassVar[dict[str, str]] = {"image": "image", "namespace": "namespace", "context": "kube_context",
+                                       "source_dir": "source_dir"}
 
     @model_validator(mode="after")
     def _check(self) -> KubernetesBackendConfig:
@@ -113,10 +122,10 @@ class KubernetesBackendConfig(BackendConfig):
         if not _DNS_LABEL.match(self.namespace) or len(self.namespace) > 63:
             raise ValueError(f"backend.namespace: must be a DNS-1123 label (lowercase letters, digits and '-', "
                              f"at most 63 characters; got {self.namespace!r})")
-        image_error = image_reference_error(self.image)
+        image_error = image_reference_error(self.image) if self.image is not None else None
         if image_error:
             raise ValueError(image_error)
-        for name in ("cpu", "memory", "cpu_limit"):
+        for name in ("cpu", "memory", "cpu_limit", "shm_size"):
             value = getattr(self, name)
             error = _quantity_error(name, value) if value is not None else None
             if error:

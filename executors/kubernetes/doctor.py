@@ -270,7 +270,13 @@ def check_image_reference(ctx: DoctorContext) -> Check:
     from diloco.doctor import Check, Status, check_image
 
     image = ctx.option("image")
-    error = image_reference_error(image) if image else None
+    if not image:
+        from diloco.executors.kubernetes.code import DEFAULT_REPOSITORY
+
+        return Check(name="training image", status=Status.PASS,
+                     detail=f"no image given: the pods run AWS's public PyTorch image ({DEFAULT_REPOSITORY}, no "
+                            "registry credentials needed) and the code channel (nothing to build)")
+    error = image_reference_error(image)
     if error:
         return Check(name="training image", status=Status.FAIL, detail=error,
                      fix="e.g. <account>.dkr.ecr.<region>.amazonaws.com/diloco:latest (build it from "

@@ -127,10 +127,21 @@ def _annotation_int(pod: Mapping[str, Any], key: str) -> int:
 
 
 def _container_state(pod: Mapping[str, Any]) -> dict[str, Any]:
-    """The replica container's ``state`` (the first container if the name differs)."""
-    statuses = (pod.get("status") or {}).get("containerStatuses") or []
-    status = next((s for s in statuses if s.get("name") == CONTAINER), statuses[0] if statuses else None)
-    return (status or {}).get("state") or {}
+    """The replica container's ``state`` (the first container if the name differs); while it waits for the pod's
+    init step (the kubelet reports it ``waiting: PodInitializing``), the state of the init container that holds it
+    up instead (pulling its image, or failed), so a pending or failed pod says why."""
+    status = pod.get("status") or {}
+    statuses = status.get("containerStatuses") or []
+    replica = next((s for s in statuses if s.get("name") == CONTAINER), statuses[0] if statuses else None)
+    state = (replica or {}).get("state") or {}
+    if not state or (state.get("waiting") or {}).get("reason") == "PodInitializing":
+        for init in status.get("initContainerStatuses") or []:
+            init_state = init.get("state") or {}
+            terminated, waiting = init_state.get("terminated"), init_state.get("waiting")
+            if (terminated and terminated.get("exitCode") not in (None, 0)) or (
+                    waiting and waiting.get("reason") not in (None, "PodInitializing")):
+                return init_state
+    return state
 
 
 def _exit_code(pod: Mapping[str, Any]) -> int | None:
@@ -161,7 +172,10 @@ def failure_reason(pod: Mapping[str, Any]) -> str:
     code, reason = terminated.get("exitCode"), terminated.get("reason") or "Error"
     message = _last_error(terminated.get("message") or "")
     if reason == "OOMKilled":
-        text = f"OOMKilled (exit code {code}): the container exceeded its memory limit (backend.memory)"
+        limit = _memory_limit(pod)
+        text = (f"OOMKilled (exit code {code}): the replica used more memory than its limit"
+                f"{f' ({limit})' if limit else ''}; raise backend.memory (--set backend.memory=<more>"
+                f"{f', now {limit}' if limit else ''}) or make the work smaller")
     elif code == CONFIG_ERROR_EXIT:
         text = f"configuration error (exit code {code}, not retried)"
     elif code == SIGTERM_EXIT:
@@ -171,6 +185,14 @@ def failure_reason(pod: Mapping[str, Any]) -> str:
     else:
         text = f"{reason} (exit code {code})"
     return f"{text}: {message}" if message else text
+
+
+def _memory_limit(pod: Mapping[str, Any]) -> str | None:
+    """The replica container's memory limit as the pod spec states it (``63Gi``), or None."""
+    containers = (pod.get("spec") or {}).get("containers") or []
+    replica = next((c for c in containers if c.get("name") == CONTAINER), containers[0] if containers else None)
+    limit = (((replica or {}).get("resources") or {}).get("limits") or {}).get("memory")
+    return str(limit) if limit else None
 
 
 def _last_error(message: str) -> str:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from pydantic import Field
 
 from diloco.errors import ConfigError
+from diloco.executors import code_channel
 from diloco.executors.base import (
     BackendConfig,
     RunHandle,
@@ -57,8 +58,7 @@ def default_spot_wait_s(max_runtime_s: int) -> int:
 CONTAINER_MODEL_DIR = "/opt/ml/model"
 CONTAINER_CHECKPOINT_DIR = "/opt/ml/checkpoints"
 CODE_CHANNEL = "code"
-BOOTSTRAP_FILE = "diloco_bootstrap.py"
-SOURCE_ARCHIVE = "source.tar.gz"
+BOOTSTRAP_FILE, SOURCE_ARCHIVE = code_channel.BOOTSTRAP_FILE, code_channel.SOURCE_ARCHIVE  # the same on every backend
 RUN_TAG, RANK_TAG = "diloco:run-id", "diloco:rank"
 
 #: ``--gpu`` names -> the smallest SageMaker training instance with that GPU (``diloco.executors.gpus``, the table

@@ -5,10 +5,10 @@ converge on the stored state: the job controller creates one pod per pending ind
 against ``backoffLimitPerIndex`` / ``maxFailedIndexes`` / ``backoffLimit`` and the ``podFailurePolicy``; the
 scheduler binds pods only to nodes whose labels, taints and allocatable fit (``kube_scheduler``), else leaves them
 ``Unschedulable`` with the real reason; the node lifecycle and taint eviction controllers and PodGC handle lost
-nodes (``set_node_ready``, ``remove_node``); the kubelet starts containers as local processes and stops them with
-the pod's grace period; the garbage collector implements the three delete propagation policies; the TTL
-controller deletes finished Jobs. Upstream sources are named where they set
-wording or order (``pkg/controller/job``, ``pkg/kubelet``, ``pkg/controller/garbagecollector``).
+nodes (``set_node_ready``, ``remove_node``); the kubelet starts containers as local processes (with their
+volumes, ``/dev/shm`` and memory limit: ``kube_runtime``) and stops them with the pod's grace period; the garbage
+collector implements the three delete propagation policies; the TTL controller deletes finished Jobs. Upstream
+sources are named where they set wording or order (``pkg/controller/job``, ``pkg/kubelet``, ``pkg/controller/garbagecollector``).
 
 Deviation on purpose: the job controller's exponential back-off before recreating a failed pod (10 s, 20 s, ...)
 is ``ClusterConfig.pod_backoff_s`` (default 0) so tests do not wait for it; likewise a lost node is marked at once
@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from . import kube_kubelet as kubelet
+from . import kube_runtime as runtime_limits
 from . import kube_scheduler as scheduler
 from .kube_errors import (
     ApiError,
@@ -75,6 +76,12 @@ class ClusterConfig:
     tick_s: float = 0.05
     user: str = "emulator-user"
     api_port: int = 0
+    #: Image reference glob -> the interpreter ``python`` is in containers of matching images (first match wins);
+    #: every other image runs ``interpreter``.
+    images: dict[str, str] = field(default_factory=dict)
+    #: How containers see their volumes: ``auto`` (namespaces where the machine allows them), ``namespaces``,
+    #: ``paths`` (see ``kube_runtime``).
+    isolation: str = "auto"
     #: The cluster's nodes; ``None`` is one roomy CPU node named ``node_name``, ``[]`` a cluster with no node.
     nodes: list[Node] | None = None
     #: The ``tolerationSeconds`` the DefaultTolerationSeconds admission plugin gives every pod for the
@@ -149,6 +156,7 @@ class PodRuntime:
     kill_at: float | None = None
     restart_at: dict[str, float] = field(default_factory=dict)
     pull_failures: dict[str, int] = field(default_factory=dict)
+    volumes_released: bool = False
 
 
 def format_intervals(indexes: set[int]) -> str:
@@ -209,6 +217,11 @@ class Cluster:
         self._thread: threading.Thread | None = None
         self.bin_dir = config.root / "bin"
         kubelet.python_shim(self.bin_dir, config.interpreter)
+        self.images = runtime_limits.ImageTable(config.root, self.bin_dir)
+        for pattern, interpreter in config.images.items():
+            self.add_image(pattern, interpreter)
+        self.isolation = runtime_limits.isolation(config.isolation)
+        self.memory = runtime_limits.MemoryWatcher()
         for name in ("default", "kube-system", "kube-public", "kube-node-lease"):
             self.add_namespace(name)
         for declared in config.nodes if config.nodes is not None else [default_node(config.node_name)]:
@@ -219,6 +232,12 @@ class Cluster:
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="kube-controllers", daemon=True)
         self._thread.start()
+        self.memory.start()
+
+    def add_image(self, pattern: str, interpreter: str) -> None:
+        """Containers whose image matches ``pattern`` (a glob) run ``interpreter`` as ``python``."""
+        with self.store.lock:
+            self.images.add(pattern, interpreter, kubelet.python_shim)
 
     def stop(self) -> None:
         """Stop the controllers and kill every container process that is still running."""
@@ -237,6 +256,7 @@ class Cluster:
                     run.process.wait(timeout=5)
                 except Exception:  # noqa: BLE001 - best effort on shutdown
                     pass
+        self.memory.stop()
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -804,6 +824,7 @@ class Cluster:
             else:
                 self._watch_containers(pod, runtime)
         self._write_pod_status(pod, runtime)
+        self._release_volumes(pod, runtime)
 
     def _try_start(self, pod: Obj, runtime: PodRuntime) -> None:
         hold = next((h for h in self.holds if h.reason in KUBELET_REASONS and h.applies(pod)), None)
@@ -857,23 +878,51 @@ class Cluster:
             runtime.waiting[name] = ("CreateContainerError", "no command specified")
             self.record_event("Pod", pod, "Warning", "Failed", "Error: no command specified", "kubelet")
             return
-        cwd = Path(container["workingDir"]) if container.get("workingDir") else (
-            self.config.image_workdir or self.config.root / "pods" / pod["metadata"]["name"])
+        view = runtime_limits.container_view(pod, container, self.config.root, self._node_memory_bytes(pod))
+        if container.get("workingDir"):
+            cwd = container["workingDir"]
+        else:
+            default = self.config.image_workdir or self.config.root / "pods" / pod["metadata"]["name"]
+            default.mkdir(parents=True, exist_ok=True)  # the image's WORKDIR exists in the image
+            cwd = str(default)
+        if self.isolation == "paths":
+            argv = [runtime_limits.rewrite_paths(a, view.mounts) for a in argv]
+            env = {k: runtime_limits.rewrite_paths(v, view.mounts) for k, v in env.items()}
+            cwd = runtime_limits.rewrite_paths(cwd, view.mounts)
         self.record_event("Pod", pod, "Normal", "Pulled",
                           f'Container image "{container["image"]}" already present on machine', "kubelet")
-        run = kubelet.launch(name, argv, env, cwd)
+        runtime_limits.make_volume_dirs(pod, self.config.root)
+        starts = len(runtime.runs.get(name, []))
+        scratch = runtime_limits.volume_root(self.config.root, pod["metadata"]["uid"]).parent.parent / \
+            "containers" / f"{name}-{starts}"
+        run = kubelet.launch(name, argv, env, cwd, view, self.isolation, scratch)
         run.fallback_to_logs = container.get("terminationMessagePolicy") == "FallbackToLogsOnError"
         runtime.runs.setdefault(name, []).append(run)
         if run.reason == "StartError":
             self.record_event("Pod", pod, "Warning", "Failed", f"Error: {run.message}", "kubelet")
             return
+        self.memory.watch(run, view, self.isolation)
         self.record_event("Pod", pod, "Normal", "Created", f"Created container: {name}", "kubelet")
         self.record_event("Pod", pod, "Normal", "Started", f"Started container {name}", "kubelet")
+
+    def _node_memory_bytes(self, pod: Obj) -> int:
+        """The allocatable memory of the pod's node (a declared Node's, else this machine's)."""
+        node = self.store.get("nodes", "", pod["spec"].get("nodeName", ""))
+        raw = ((node or {}).get("status") or {}).get("allocatable", {}).get("memory")
+        return runtime_limits.quantity_bytes(raw) if raw is not None else runtime_limits.host_memory_bytes()
+
+    def _release_volumes(self, pod: Obj, runtime: PodRuntime) -> None:
+        """A finished pod's emptyDirs are deleted once none of its containers runs (the kubelet's volume
+        teardown); the logs stay, they are the runtime's."""
+        if is_terminal(pod) and runtime.runs and not runtime.volumes_released and all(
+                r.terminated for rs in runtime.runs.values() for r in rs):
+            runtime.volumes_released = True
+            runtime_limits.remove_volume_dirs(pod["metadata"]["uid"], self.config.root)
 
     def _container_env(self, pod: Obj, container: Obj) -> dict[str, str]:
         """The process environment: inherited basics, the node's injections, then the pod's ``env`` in order."""
         env = {k: os.environ[k] for k in kubelet.INHERITED_ENV if k in os.environ}
-        env["PATH"] = f"{self.bin_dir}{os.pathsep}{env.get('PATH', os.defpath)}"
+        env["PATH"] = f"{self.images.bin_dir(container['image'])}{os.pathsep}{env.get('PATH', os.defpath)}"
         env["HOSTNAME"] = pod["spec"].get("hostname") or pod["metadata"]["name"]
         env["KUBERNETES_SERVICE_HOST"] = "127.0.0.1"
         env["KUBERNETES_SERVICE_PORT"] = str(self.config.api_port)

@@ -1,7 +1,9 @@
 """The emulator's kubelet and container runtime: each container is a real local process with a captured log.
 
 A container start is one process in its own process group (``start_new_session``), so stopping a container
-reaches everything it spawned, as a cgroup kill would. Its stdout and stderr go into one pipe; a reader thread
+reaches everything it spawned, as a cgroup kill would. It begins as ``kube_sandbox.py``, which gives the process
+its volumes, ``/dev/shm`` and working directory and then execs the container's command (``kube_runtime`` says
+how, and what limits the node holds it to). Its stdout and stderr go into one pipe; a reader thread
 timestamps every line with nanoseconds as the container runtime does, which is what ``timestamps=true`` prints
 (``RFC3339NanoFixed``). When the main process exits, whatever is left in its group is killed, so the log reaches
 end-of-file and ``follow`` ends, like a container whose cgroup is torn down.
@@ -13,16 +15,16 @@ import datetime as dt
 import hashlib
 import os
 import re
-import shutil
 import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .kube_runtime import ContainerView, sandbox_argv
 from .kube_store import now_rfc3339
 
 #: Variables a container inherits from the machine running the emulator; everything else comes from the pod.
@@ -59,6 +61,8 @@ class ContainerRun:
     #: ``terminationMessagePolicy: FallbackToLogsOnError``: a failed container's message is its log's tail.
     fallback_to_logs: bool = False
     cond: threading.Condition = field(default_factory=threading.Condition)
+    #: What the runtime tears down with the container (called once, when its exit is noticed).
+    on_exit: list[Callable[[], None]] = field(default_factory=list)
 
     @property
     def terminated(self) -> bool:
@@ -77,6 +81,8 @@ class ContainerRun:
                 else:
                     self.reason = "Completed" if code == 0 else "Error"
                 self.exit_code = code
+                for teardown in self.on_exit:
+                    teardown()
         if self.exit_code is not None and not self.finished_at and self.eof:
             self.finished_at = now_rfc3339()
         return self.terminated
@@ -159,16 +165,26 @@ def python_shim(bin_dir: Path, interpreter: str) -> None:
         shim.chmod(0o755)
 
 
-def launch(name: str, argv: list[str], env: dict[str, str], cwd: Path) -> ContainerRun:
-    """Start one container process; an executable that cannot be found is a ``StartError`` like containerd's."""
-    executable = shutil.which(argv[0], path=env.get("PATH", os.defpath)) if "/" not in argv[0] else argv[0]
-    if executable is None or not os.access(executable, os.X_OK):
-        return start_error(name, "failed to create containerd task: failed to create shim task: OCI runtime create "
-                                 f"failed: runc create failed: unable to start container process: exec: "
-                                 f'"{argv[0]}": executable file not found in $PATH: unknown')
-    cwd.mkdir(parents=True, exist_ok=True)
-    process = subprocess.Popen([executable, *argv[1:]], env=env, cwd=cwd, stdin=subprocess.DEVNULL,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+def launch(name: str, argv: list[str], env: dict[str, str], cwd: str, view: ContainerView, mode: str,
+           scratch: Path) -> ContainerRun:
+    """Start one container process through ``kube_sandbox.py`` (volumes, ``/dev/shm``, working directory, then
+    the exec); a setup step or an exec that fails is a ``StartError`` worded like containerd's, with no process
+    left. ``scratch`` is a folder of this machine's own that the container's setup may use."""
+    scratch.mkdir(parents=True, exist_ok=True)
+    read_end, write_end = os.pipe()
+    try:
+        process = subprocess.Popen(sandbox_argv(argv, cwd, view, mode, scratch, write_end), env=env, cwd=scratch,
+                                   stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   start_new_session=True, pass_fds=(write_end,))
+    finally:
+        os.close(write_end)
+    with os.fdopen(read_end, "rb") as status:
+        failure = status.read()  # end-of-file at the exec (close-on-exec) or at the sandbox's exit
+    if failure:
+        process.wait()
+        assert process.stdout is not None
+        process.stdout.close()
+        return start_error(name, failure.decode(errors="replace"))
     digest = hashlib.sha256(f"{name}-{process.pid}-{time.time_ns()}".encode()).hexdigest()
     run = ContainerRun(name=name, started_at=now_rfc3339(), process=process, container_id=f"containerd://{digest}")
     threading.Thread(target=run.read_output, name=f"log-{name}-{process.pid}", daemon=True).start()

@@ -5,7 +5,10 @@ so a backend is tested with no patched client and no cluster: Jobs (``batch/v1``
 selector, pod logs (``follow``, ``timestamps``, ``previous``, ``tailLines``, ``sinceSeconds``), Events, Namespaces,
 ServiceAccounts and SelfSubjectAccessReview, answering errors with the API server's own ``Status`` bodies.
 Each Job index becomes a pod whose container is a real process (its own process group) started from the pod
-template's command, args and env; ``python`` in the container means the interpreter the emulator was given.
+template's command, args and env; ``python`` in the container means the interpreter the emulator was given, or
+the one ``add_image`` maps the container's image to. A container has its pod's ``emptyDir`` volumes at their
+mountPaths, a 64 MiB ``/dev/shm`` unless a memory-backed emptyDir is mounted there, and is OOMKilled over its
+memory limit, as on a real node (``kube_runtime``).
 
 Nodes (``kube_nodes``): ``KubernetesEmulator(root, nodes=[eks_node("gpu-1", "g5.12xlarge"), ...])`` declares the
 cluster's nodes, with the labels, taints and allocatable a stock EKS or Karpenter node has; pods bind only where
@@ -473,7 +476,8 @@ class KubernetesEmulator:
                  namespace: str = "default", interpreter: str = sys.executable, token: str | None = "emulator-token",
                  node_env: dict[str, str] | None = None, image_workdir: Path | str | None = None,
                  image_entrypoint: list[str] | None = None, pod_backoff_s: float = 0.0, tick_s: float = 0.05,
-                 nodes: list[Node] | None = None, unreachable_eviction_s: int = 300, verbose: bool = False) -> None:
+                 nodes: list[Node] | None = None, unreachable_eviction_s: int = 300, verbose: bool = False,
+                 images: dict[str, str] | None = None, isolation: str = "auto") -> None:
         self._tmp = None if root is not None else tempfile.TemporaryDirectory(prefix="kube-emulator-")
         self.root = Path(root if root is not None else self._tmp.name)  # type: ignore[union-attr]
         self.root.mkdir(parents=True, exist_ok=True)
@@ -482,7 +486,8 @@ class KubernetesEmulator:
             root=self.root, interpreter=interpreter, node_env=dict(node_env or {}),
             image_workdir=Path(image_workdir) if image_workdir else None,
             image_entrypoint=list(image_entrypoint or []), pod_backoff_s=pod_backoff_s, tick_s=tick_s,
-            nodes=list(nodes) if nodes is not None else None, unreachable_eviction_s=unreachable_eviction_s))
+            nodes=list(nodes) if nodes is not None else None, unreachable_eviction_s=unreachable_eviction_s,
+            images=dict(images or {}), isolation=isolation))
         self.cluster.add_namespace(namespace)
         self._stopping = threading.Event()
         self._server: _Server | None = None
@@ -545,6 +550,12 @@ class KubernetesEmulator:
 
     def add_namespace(self, name: str) -> None:
         self.cluster.add_namespace(name)
+
+    def add_image(self, pattern: str, interpreter: str | Path) -> None:
+        """Containers whose image matches the glob ``pattern`` run ``interpreter`` as ``python`` (first match in
+        the order added; images matching none run the emulator's ``interpreter``), e.g. the PyTorch training
+        image's stand-in: ``kube.add_image("*pytorch-training:*", str(image_python()))``."""
+        self.cluster.add_image(pattern, str(interpreter))
 
     def add_service_account(self, name: str, namespace: str | None = None,
                             annotations: dict[str, str] | None = None) -> None:
@@ -688,6 +699,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--unreachable-eviction-s", type=int, default=300, metavar="SECONDS",
                         help="how long pods stay on a lost node before the taint manager evicts them")
     parser.add_argument("--interpreter", default=sys.executable, help="what `python` means inside containers")
+    parser.add_argument("--image", action="append", default=[], metavar="PATTERN=INTERPRETER",
+                        help="containers whose image matches the glob PATTERN run INTERPRETER as `python`")
+    parser.add_argument("--isolation", choices=("auto", "namespaces", "paths"), default="auto",
+                        help="how containers see their volumes: user+mount namespaces, or rewritten paths")
     parser.add_argument("--root", type=Path, help="working folder (default: a temporary one)")
     parser.add_argument("--verbose", action="store_true", help="log every request to stderr")
     args = parser.parse_args(argv)
@@ -700,9 +715,10 @@ def main(argv: list[str] | None = None) -> int:
     if len(set(names)) != len(names):
         parser.error(f"--node: two nodes named {next(n for n in names if names.count(n) > 1)!r}; give each its own "
                      ":NAME")
+    images = dict(item.split("=", 1) for item in args.image)
     emulator = KubernetesEmulator(args.root, port=args.port, namespace=args.namespace, interpreter=args.interpreter,
                                   node_env=node_env, nodes=nodes, unreachable_eviction_s=args.unreachable_eviction_s,
-                                  verbose=args.verbose)
+                                  verbose=args.verbose, images=images, isolation=args.isolation)
     for item in args.service_account:
         name, _, role = item.partition("=")
         emulator.add_service_account(name, annotations={"eks.amazonaws.com/role-arn": role} if role else None)
