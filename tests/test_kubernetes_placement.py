@@ -216,7 +216,10 @@ def test_on_a_stock_eks_cluster_a10g_replicas_bind_only_to_the_g5_node(tmp_path:
         fitting = backend(3600)
         handle = fitting.submit(fitting.plan(_fake_spec("a10g-1", 1, "A10G", procs=4)))
         assert fitting.wait(handle, timeout_s=60, poll_interval_s=0.1).state.value == "succeeded"
-        assert [p["spec"]["nodeName"] for p in kube.pods("a10g-1")] == ["gpu-1"], "the g5.12xlarge, nowhere else"
+        bound = kube.pods("a10g-1")
+        assert [p["spec"]["nodeName"] for p in bound] == ["gpu-1"], "the g5.12xlarge, nowhere else"
+        mounts = bound[0]["spec"]["containers"][0].get("volumeMounts") or []
+        assert any(m["mountPath"] == "/dev/shm" for m in mounts), "four processes get a /dev/shm of their own"
 
         # Two replicas of 4 GPUs on a cluster with one 4-GPU node: while the first runs the second cannot fit.
         patient, impatient = backend(3600), backend(2.0)
