@@ -1371,6 +1371,16 @@ class Cluster:
         while self.store.get("pods", meta["namespace"], name) is not None:
             name = prefix + random_suffix()
         self._admit_pod_spec(pod_spec, self.config.unreachable_eviction_s)
+        account = pod_spec["serviceAccountName"]
+        if self.store.get("serviceaccounts", meta["namespace"], account) is None:
+            # The ServiceAccount admission plugin refuses the pod, naming it by its generateName (name generation
+            # comes later: plugin/pkg/admission/serviceaccount/admission.go, admission.NewForbidden); the job
+            # controller reports that on the Job and tries again later (controller_utils.go, FailedCreate).
+            self.record_event("Job", job, "Warning", "FailedCreate",
+                              f'Error creating: pods "{prefix}" is forbidden: error looking up service account '
+                              f'{meta["namespace"]}/{account}: serviceaccount "{account}" not found',
+                              "job-controller")
+            return
         pod = {"apiVersion": "v1", "kind": "Pod",
                "metadata": {"name": name, "generateName": prefix, "namespace": meta["namespace"],
                             "labels": labels, "annotations": annotations, "finalizers": [TRACKING_FINALIZER],
