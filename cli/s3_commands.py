@@ -137,6 +137,11 @@ def doctor(
                                                      show_default=False)] = None,
     context: Annotated[str | None, typer.Option("--context", help="kubeconfig context (eks).",
                                                    show_default=False)] = None,
+    gpu: Annotated[str | None, typer.Option("--gpu", help="The launch's --gpu (eks: lists the nodes that would "
+                                            "take a replica).", show_default=False)] = None,
+    procs_per_replica: Annotated[int | None, typer.Option("--procs-per-replica", min=1, help="The launch's "
+                                                          "--procs-per-replica (GPUs per replica).",
+                                                          show_default=False)] = None,
     fmt: FormatOpt = OutputFormat.table,
 ) -> None:
     """Check what a launch on the backend needs (the local Python environment and run directory; credentials,
@@ -153,7 +158,8 @@ def doctor(
     from diloco.doctor import resolve_inputs, run_doctor
 
     options = {"role_arn": role, "image_uri": image, "image": image, "namespace": namespace, "kube_context": context}
-    ctx = resolve_inputs(backend=backend, s3_uri=s3, config_path=str(config) if config else None, options=options)
+    ctx = resolve_inputs(backend=backend, s3_uri=s3, config_path=str(config) if config else None, options=options,
+                         gpu=gpu, procs_per_replica=procs_per_replica)
     report = run_doctor(ctx)
     emit(report, fmt, lambda console: _checks_table(console, report.checks, f"diloco doctor: {report.backend}"
                                                     + (f", {report.s3_uri}" if report.s3_uri else "")))

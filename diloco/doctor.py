@@ -76,6 +76,9 @@ class DoctorContext:
     section: Any = None
     #: Whether replicas of this backend can meet in a file:// store (so S3 is optional).
     file_store_ok: bool = True
+    #: What a launch would place: ``--gpu`` and ``--procs-per-replica`` (flags, else the run config).
+    gpu: str | None = None
+    procs_per_replica: int | None = None
     results: dict[str, Check] = field(default_factory=dict)
     _session: Any = None
     _region: tuple[str | None, str | None] | None = None
@@ -385,6 +388,7 @@ CHECKS: list[Callable[[DoctorContext], Check | list[Check]]] = [
 # ---------------------------------------------------------------------------------------------- entry
 def resolve_inputs(
     *, backend: str | None, s3_uri: str | None, config_path: str | None, options: dict[str, Any] | None = None,
+    gpu: str | None = None, procs_per_replica: int | None = None,
 ) -> DoctorContext:
     """Flags win over the run config; ``ConfigError`` (exit 2) for a bad backend, URI or config.
 
@@ -398,7 +402,11 @@ def resolve_inputs(
     data: dict[str, Any] = cfg.backend.model_dump(exclude={"kind"}) if cfg is not None and cfg.backend.kind == kind else {}
     data.update({k: v for k, v in (options or {}).items() if v is not None})
     # The section stays unvalidated on purpose: the doctor reports what is missing, row by row.
-    return DoctorContext.for_backend(kind, resolve_s3_uri(s3_uri, cfg.store.rendezvous if cfg else None), **data)
+    ctx = DoctorContext.for_backend(kind, resolve_s3_uri(s3_uri, cfg.store.rendezvous if cfg else None), **data)
+    ctx.gpu = gpu if gpu is not None else (cfg.gpu if cfg is not None else None)
+    ctx.procs_per_replica = procs_per_replica if procs_per_replica is not None else (
+        cfg.train.procs_per_replica if cfg is not None else None)
+    return ctx
 
 
 def run_doctor(ctx: DoctorContext) -> DoctorReport:

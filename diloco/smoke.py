@@ -47,6 +47,7 @@ from diloco.errors import ConfigError
 
 if TYPE_CHECKING:
     from diloco.executors.base import Backend, LaunchPlan, LaunchSpec
+    from diloco.runs import RunRecord
 
 #: The tiny model and schedule: seconds per round on a laptop core, yet the full DiLoCo path.
 TINY_TRAINER_KWARGS: dict[str, Any] = {
@@ -254,6 +255,7 @@ def _run_smoke(
     observed: set[str] = set()
     failed = True
     interrupted = False
+    record: RunRecord | None = None
     store = ObjectStore(uri)
     # Cloud APIs rate-limit their describe calls, and their jobs take minutes: no need to ask five times a second.
     status_every = REMOTE_STATUS_INTERVAL_S if backend.config.places_replicas else poll_interval_s
@@ -331,7 +333,19 @@ def _run_smoke(
                 except Exception as exc:  # noqa: BLE001 - reported, never masks the verdict
                     say(f"could not clean up {uri}: {exc}")
             if not keep and (interrupted or not failed or not os.path.isdir(os.path.join(work_dir, "logs"))):
+                _remove_backend_leftovers(backend, record, say)  # e.g. a finished Kubernetes Job, before its TTL
                 shutil.rmtree(work_dir, ignore_errors=True)  # kept only with --keep, or for a failure's logs
+
+
+def _remove_backend_leftovers(backend: Backend[Any, Any], record: RunRecord | None,
+                              say: Callable[[str], None]) -> None:
+    """What the backend keeps of the smoke's run besides the store (``Backend.remove``); reported, never raised."""
+    if record is None or record.handle is None:
+        return
+    try:
+        backend.remove(backend.load_handle(record.handle))
+    except Exception as exc:  # noqa: BLE001 - reported, never masks the verdict
+        say(f"could not remove what the {record.backend} backend keeps of {record.run_id}: {exc}")
 
 
 def _smoke_spec(run_id: str, replicas: int, uri: str, timeout_s: float, poll_interval_s: float) -> LaunchSpec:

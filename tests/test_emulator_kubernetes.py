@@ -504,15 +504,24 @@ def test_errors_are_the_api_servers_status_bodies(batch: client.BatchV1Api, core
     assert error_body(caught.value)["message"] == 'jobs.batch "twice" already exists'
 
 
-def raw_request(kube: KubernetesEmulator, method: str, path: str, body: Any) -> tuple[int, dict[str, Any]]:
-    """A request the client library would not send (it validates bodies), straight over HTTP."""
-    request = urllib.request.Request(kube.url + path, data=json.dumps(body).encode(), method=method,
-                                     headers={"Authorization": f"Bearer {kube.token}"})
+def raw_request(kube: KubernetesEmulator, method: str, path: str, body: Any,
+                headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
+    """A request the client library would not send (it validates bodies), straight over HTTPS."""
+    answer = raw_response(kube, method, path, body, headers)
+    return answer[0], answer[1]
+
+
+def raw_response(kube: KubernetesEmulator, method: str, path: str, body: Any,
+                 headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any], list[str]]:
+    """The status, the JSON body and the ``Warning`` headers of a raw request (the client drops the warnings)."""
+    request = urllib.request.Request(kube.url + path, data=json.dumps(body).encode() if body is not None else None,
+                                     method=method, headers={"Authorization": f"Bearer {kube.token}",
+                                                             **(headers or {})})
     try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return response.status, json.loads(response.read())
+        with urllib.request.urlopen(request, timeout=10, context=kube.ssl_context()) as response:
+            return response.status, json.loads(response.read()), response.headers.get_all("Warning") or []
     except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+        return exc.code, json.loads(exc.read()), exc.headers.get_all("Warning") or []
 
 
 def test_invalid_jobs_are_rejected_with_field_paths(batch: client.BatchV1Api, kube: KubernetesEmulator) -> None:
@@ -546,7 +555,7 @@ def test_invalid_jobs_are_rejected_with_field_paths(batch: client.BatchV1Api, ku
 
     unknown = job_body("typo", "pass")
     unknown["spec"]["backoffLimitPerIndx"] = 1  # the 37.x client refuses to send this: post it raw
-    status, body = raw_request(kube, "POST", f"/apis/batch/v1/namespaces/{NS}/jobs", unknown)
+    status, body = raw_request(kube, "POST", f"/apis/batch/v1/namespaces/{NS}/jobs?fieldValidation=Strict", unknown)
     assert status == 400 and body["message"] == (
         'Job in version "v1" cannot be handled as a Job: strict decoding error: unknown field '
         '"spec.backoffLimitPerIndx"')
@@ -564,6 +573,30 @@ def test_invalid_jobs_are_rejected_with_field_paths(batch: client.BatchV1Api, ku
         'Job.batch "policy" is invalid: [spec.podFailurePolicy.rules[0].action: Invalid value: "FailIndex": '
         "requires the backoffLimitPerIndex to be set, spec.podFailurePolicy.rules[0].onExitCodes.values[0]: "
         'Invalid value: 0: must not be 0 for the In operator]')
+
+
+def test_unknown_fields_are_dropped_with_a_warning_by_default_as_the_api_server_does(
+        kube: KubernetesEmulator) -> None:
+    """``fieldValidation`` defaults to ``Warn`` (1.27+): the Job is created without the unknown field and the answer
+    carries one ``Warning: 299`` header per field; ``Ignore`` drops it silently; ``Strict`` refuses (above)."""
+    path = f"/apis/batch/v1/namespaces/{NS}/jobs"
+    typo = job_body("warned", "pass", completions=1)
+    typo["spec"]["backoffLimitPerIndx"] = 1
+    typo["spec"]["template"]["spec"]["containers"][0]["resourcez"] = {}
+    status, body, warnings = raw_response(kube, "POST", path, typo)
+    assert status == 201 and "backoffLimitPerIndx" not in body["spec"]
+    assert warnings == ['299 - "unknown field \\"spec.backoffLimitPerIndx\\""',
+                        '299 - "unknown field \\"spec.template.spec.containers[0].resourcez\\""']
+    assert "backoffLimitPerIndx" not in (kube.job("warned") or {}).get("spec", {"backoffLimitPerIndx": 1})
+    ignored = job_body("ignored", "pass", completions=1)
+    ignored["spec"]["backoffLimitPerIndx"] = 1
+    status, body, warnings = raw_response(kube, "POST", path + "?fieldValidation=Ignore", ignored)
+    assert (status, warnings) == (201, []) and "backoffLimitPerIndx" not in body["spec"]
+    status, body, _ = raw_response(kube, "POST", path + "?fieldValidation=strict", job_body("bad", "pass"))
+    assert (status, body["reason"]) == (422, "Invalid")
+    assert body["message"] == 'CreateOptions.meta.k8s.io "" is invalid: fieldValidation: Unsupported value: ' \
+                              '"strict": supported values: "", "Ignore", "Strict", "Warn"'
+    assert kube.job("bad") is None
 
 
 def test_patches_change_mutable_fields_and_refuse_immutable_ones(batch: client.BatchV1Api,
@@ -634,10 +667,10 @@ def test_admission_refusals_and_service_accounts(batch: client.BatchV1Api, core:
 
 def test_a_wrong_token_is_unauthorized(kube: KubernetesEmulator, tmp_path: Path) -> None:
     other = KubernetesEmulator(tmp_path / "other", token="another-token")
-    kube_config = kube.write_kubeconfig(tmp_path / "wrong.yaml")
     other.start()
     try:
-        text = kube_config.read_text().replace(kube.url, other.url)
+        kube_config = other.write_kubeconfig(tmp_path / "wrong.yaml")
+        text = kube_config.read_text().replace('"another-token"', json.dumps(kube.token))
         kube_config.write_text(text)
         with pytest.raises(ApiException) as caught:
             client.CoreV1Api(config.new_client_from_config(config_file=str(kube_config))).list_namespace()
@@ -654,7 +687,7 @@ def test_runs_on_its_own_from_the_command_line(tmp_path: Path) -> None:
     try:
         assert process.stdout is not None
         banner = process.stdout.readline()
-        assert "Kubernetes API emulator on http://127.0.0.1:" in banner
+        assert "Kubernetes API emulator on https://127.0.0.1:" in banner
         core_api = client.CoreV1Api(config.new_client_from_config(config_file=str(kubeconfig)))
         assert core_api.read_namespaced_service_account("trainer", "team").metadata.name == "trainer"
         contexts, active = config.list_kube_config_contexts(config_file=str(kubeconfig))

@@ -321,7 +321,9 @@ def test_dry_run_prints_a_job_valid_for_kubernetes_1_29_and_1_33_and_contacts_no
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
     assert container["resources"]["requests"] == {"cpu": "2", "memory": container["resources"]["limits"]["memory"],
                                                   "nvidia.com/gpu": "2"}
-    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-A10G"}
+    terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert {"key": "nvidia.com/gpu.product", "operator": "In", "values": ["NVIDIA-A10G"]} in terms[-1][
+        "matchExpressions"] and "nodeSelector" not in pod
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
     assert pod["serviceAccountName"] == "diloco-trainer"
     assert job["spec"]["podFailurePolicy"]["rules"][0] == {

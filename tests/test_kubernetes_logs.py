@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 from emulators.kubernetes import KubernetesEmulator
-from kube_proxy import KubeProxy
 
 from diloco.executors.base import EntrypointArgs, LaunchSpec, LogRecord
 from diloco.executors.kubernetes import KubernetesBackend, KubernetesBackendConfig
@@ -75,14 +74,6 @@ def pod_of(kube: KubernetesEmulator, job: str, rank: int, phase: str | None = No
     return pods[-1] if pods else None
 
 
-def rotate(kube: KubernetesEmulator, pod: str, keep: int = 0) -> None:
-    """What kubelet log rotation (``containerLogMaxSize``) does to what the API serves: the current file starts
-    afresh, so the lines before the rotation (all but the last ``keep``) are no longer served."""
-    run = kube.cluster.log_source(NAMESPACE, pod, None, False)
-    with run.cond:
-        del run.lines[:len(run.lines) - keep]
-
-
 # ---------------------------------------------------------------------------------------------- reading from a time
 def test_a_read_from_a_time_skips_exactly_the_lines_read_before() -> None:
     """The kubelet's ``since`` is inclusive and in whole seconds: the repeated lines, including two identical
@@ -123,7 +114,7 @@ def _read_across_a_rotation(kube: KubernetesEmulator, backend: KubernetesBackend
     pod = pod_of(kube, run_id, 0)
     assert pod is not None
     wait_until(lambda: "line 35" in kube.pod_log(pod["metadata"]["name"]), 60, "35 lines")
-    rotate(kube, pod["metadata"]["name"], keep=2)  # the lines since the first read are gone from the kubelet
+    kube.rotate_log(pod["metadata"]["name"])  # the lines since the first read are no longer served
     list(backend.replica_logs(handle, 0))
     backend.wait(handle, timeout_s=60, poll_interval_s=0.1)
     return list(backend.replica_logs(handle, 0))
@@ -255,32 +246,32 @@ def test_follow_started_at_every_phase_gets_every_line_once_and_ends_with_the_ru
 
 # ---------------------------------------------------------------------------------------------- a node that is lost
 def test_follow_goes_on_through_a_kubelet_that_does_not_answer(kube: KubernetesEmulator, tmp_path: Path) -> None:
-    """Mid-run, the node of replica 0 stops answering (500 from the API server's kubelet proxy, the open stream
-    cut off): ``logs -f`` says so once, keeps following, and once the node answers again has every line once."""
-    with KubeProxy(kube.url) as proxy:
-        through = kube.write_kubeconfig(tmp_path / "through-proxy.yaml", server=proxy.url)
-        backend = backend_for(kube, tmp_path, kubeconfig=str(through))
-        handle = backend.submit(backend.plan(spec_for(tmp_path, "lost-1", lines=40, line_gap=0.3)))
-        records: list[LogRecord] = []
-        errors: list[BaseException] = []
+    """Mid-run, replica 0's kubelet stops answering (the API server's 500 for a failed dial, the open stream
+    ended): ``logs -f`` says so once, keeps following, and once the kubelet answers again has every line once."""
+    backend = backend_for(kube, tmp_path)
+    handle = backend.submit(backend.plan(spec_for(tmp_path, "lost-1", lines=40, line_gap=0.3)))
+    records: list[LogRecord] = []
+    errors: list[BaseException] = []
 
-        def follow() -> None:
-            try:
-                records.extend(backend_for(kube, tmp_path, kubeconfig=str(through)).logs(handle, follow=True))
-            except BaseException as exc:  # noqa: BLE001 - reported below
-                errors.append(exc)
+    def follow() -> None:
+        try:
+            records.extend(backend_for(kube, tmp_path).logs(handle, follow=True))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
 
-        thread = threading.Thread(target=follow, daemon=True)
-        thread.start()
-        wait_until(lambda: any(r.rank == 0 and r.text == "rank 0 line 8" for r in list(records)), 60,
-                   "replica 0 followed")
-        pod = pod_of(kube, "lost-1", 0)
-        assert pod is not None
-        proxy.unreachable.add(pod["metadata"]["name"])
-        wait_until(lambda: proxy.refused >= 2, 30, "the follower retried the lost kubelet")
-        proxy.unreachable.clear()
-        thread.join(timeout=90)
-        assert not thread.is_alive() and not errors, errors
+    thread = threading.Thread(target=follow, daemon=True)
+    thread.start()
+    wait_until(lambda: any(r.rank == 0 and r.text == "rank 0 line 8" for r in list(records)), 60,
+               "replica 0 followed")
+    pod = pod_of(kube, "lost-1", 0)
+    assert pod is not None
+    fault = kube.kubelet_unreachable(pod["metadata"]["name"])
+    wait_until(lambda: any(r.text.startswith("[diloco] the log of pod") for r in list(records)), 30,
+               "the follower noticed")
+    time.sleep(1.0)  # the follower backs off and tries again meanwhile; it must not give up
+    kube.kubelet_reachable_again(fault)
+    thread.join(timeout=90)
+    assert not thread.is_alive() and not errors, errors
     assert texts(records, 0) == expected(0, 40) and texts(records, 1) == expected(1, 40)
     notes = [r.text for r in records if r.text.startswith("[diloco] the log of pod")]
     assert len(notes) == 1 and "cannot be read now" in notes[0] and "NotReady" in notes[0], notes

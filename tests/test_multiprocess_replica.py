@@ -212,8 +212,8 @@ def test_local_replicas_share_the_cores_between_all_their_processes(tmp_path: Pa
 
 
 @pytest.mark.parametrize(("gpu", "procs", "expected"), [
-    ("NVIDIA-A10G", 4, (4, "NVIDIA-A10G")),  # a product without a count: one GPU per process
-    ("NVIDIA-A10G:8", 4, (8, "NVIDIA-A10G")),  # an explicit count wins when it is enough
+    ("NVIDIA-A10G", 4, (4, "A10G")),  # a product without a count: one GPU per process
+    ("NVIDIA-A10G:8", 4, (8, "A10G")),  # an explicit count wins when it is enough
     ("2", None, (2, None)),  # no --procs-per-replica: the replica uses every GPU it gets
     (None, 2, (0, None)),  # no GPU asked for: CPU processes
 ])

@@ -246,7 +246,7 @@ def test_dry_run_prints_four_valid_requests_and_calls_nothing(
      "StoppingCondition.MaxWaitTimeInSeconds: 60 is less than MaxRuntimeInSeconds (120)"),
     (["--spot", "--keep-alive", "60"], "warm pools do not work with managed spot training"),
     (["--set", "store.rendezvous=s3://bucket/" + "p" * 520], "Environment['RENDEZVOUS_URI']: 532 characters"),
-    (["--gpu", "Z80"], "gpu: unknown accelerator 'Z80'"),
+    (["--gpu", "Z80"], "--gpu: unknown GPU 'Z80'"),
 ])
 def test_invalid_settings_are_refused_before_any_call(
     emulator: SageMakerEmulator, s3_bucket: str, source: Path, home: Path, tmp_path: Path,

@@ -25,6 +25,7 @@ from diloco.executors.base import (
     RunState,
     RunStatus,
 )
+from diloco.executors.failures import FailureClass, FailureVerdict
 from diloco.layout import LOGS_PREFIX
 from diloco.replica_log import ATTEMPT_ENV, LOG_URI_ENV
 
@@ -71,6 +72,7 @@ from diloco.executors.kubernetes.config import (
     KubernetesRunHandle,
 )
 from diloco.executors.kubernetes.doctor import check_cluster, check_image_reference
+from diloco.executors.kubernetes.placement import gpu_affinity
 from diloco.executors.kubernetes.pods import (
     _annotation_int,
     _attempt_key,
@@ -78,6 +80,8 @@ from diloco.executors.kubernetes.pods import (
     _disruption,
     _exit_code,
     _PodLog,
+    failed_create,
+    failed_create_fix,
     failure_action,
     failure_reason,
     job_name_for,
@@ -86,10 +90,13 @@ from diloco.executors.kubernetes.pods import (
     parse_time,
     pending_reason,
     replica_gpus,
+    stuck_pending,
 )
 
 #: Beyond the pods' grace period, how long a rolled-back launch waits for its Job's foreground deletion to finish.
 ROLLBACK_MARGIN_S = 30.0
+#: ``ReplicaStatus.detail`` of a replica failed for pending too long (its Job is then deleted).
+PENDING_TIMEOUT_DETAIL = "gave up waiting for it to start"
 
 
 @dataclass(frozen=True)
@@ -130,6 +137,7 @@ class KubernetesBackend(Backend[KubernetesBackendConfig, KubernetesRunHandle]):
         "Deleted": ReplicaState.CANCELLED,  # derived: stopped and gone
         "DeadlineExceeded": ReplicaState.FAILED,  # derived: activeDeadlineSeconds (timeout_s)
         "Gone": ReplicaState.FAILED,  # derived: the Job was deleted before diloco saw it end
+        "PendingTimeout": ReplicaState.FAILED,  # derived: pending past backend.pending_timeout_s, and why
     }
 
     def __init__(self, config: KubernetesBackendConfig) -> None:
@@ -230,9 +238,10 @@ class KubernetesBackend(Backend[KubernetesBackendConfig, KubernetesRunHandle]):
             pod["volumes"] = volumes
         if cfg.service_account:
             pod["serviceAccountName"] = cfg.service_account
-        node_selector = {**cfg.node_selector, **({cfg.gpu_product_label: product} if product else {})}
-        if node_selector:
-            pod["nodeSelector"] = node_selector
+        if cfg.node_selector:
+            pod["nodeSelector"] = dict(cfg.node_selector)
+        if product:
+            pod["affinity"] = gpu_affinity(cfg, product, gpus)
         tolerations = list(cfg.tolerations)
         if gpus and not any(t.get("key") == GPU_RESOURCE for t in tolerations):
             tolerations.append({"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
@@ -398,11 +407,82 @@ class KubernetesBackend(Backend[KubernetesBackendConfig, KubernetesRunHandle]):
         if job is None:
             return self._without_job(handle, cancel)
         pods = self._pods(handle)
+        refused = self._failed_create(handle, job, pods) if len(pods) < handle.replicas else None
         status = RunStatus(run_id=handle.run_id, replicas=[
-            self._replica(job, i, pods.get(i, []), cancel) for i in range(handle.replicas)])
+            self._replica(job, i, pods.get(i, []), cancel, refused=refused) for i in range(handle.replicas)])
         if status.terminal and self._read_state(handle.run_id, "final") is None:
             self._write_state(handle.run_id, "final", status.model_dump(mode="json"))
+        if status.terminal and self._gave_up(job, status):
+            self._give_up(handle, status)
         return status
+
+    # ------------------------------------------------------------------ pending that ends
+    def _failed_create(self, handle: KubernetesRunHandle, job: dict[str, Any],
+                       pods: dict[int, list[dict[str, Any]]]) -> str | None:
+        """Why the job controller cannot create the run's pods (its ``FailedCreate`` events), or None; only asked
+        while an index has no pod, so a running run costs no extra call. A refusal older than the newest pod is
+        over (the cluster has created pods since)."""
+        if _conditions(job).keys() & {"Complete", "Failed", "FailureTarget", "SuccessCriteriaMet"}:
+            return None
+        try:
+            found = self._call(f"could not list the events of Job {handle.job_name}", self._core().list_namespaced_event,
+                               handle.namespace, field_selector=f"involvedObject.kind=Job,involvedObject.name="
+                                                                f"{handle.job_name}")
+        except BackendError:
+            return None  # events are a courtesy (RBAC may not grant them): the replica just reads as pending
+        uid = job["metadata"].get("uid")
+        newest = max((parse_time(p["metadata"].get("creationTimestamp")) or 0.0 for attempts in pods.values()
+                      for p in attempts), default=0.0)
+        return failed_create([e for e in found.get("items") or []
+                              if (e.get("involvedObject") or {}).get("uid") in (None, uid)
+                              and (parse_time(e.get("lastTimestamp") or e.get("eventTime")) or 0.0) >= newest])
+
+    def _stuck(self, job: dict[str, Any], rank: int, latest: dict[str, Any] | None, refused: str | None,
+               job_id: str, common: dict[str, Any]) -> ReplicaStatus | None:
+        """A pending replica past ``pending_timeout_s`` on a reason that does not heal by waiting, as Failed (not
+        relaunched: a new attempt would wait the same way); None while it may still start. The time counts from
+        the pod's creation (the Job's, for a pod the cluster refuses to create), so every ``describe`` agrees."""
+        if latest is None:
+            if refused is None:
+                return None
+            why, fix = f"FailedCreate: {refused}", failed_create_fix(refused, job["metadata"]["namespace"])
+            since = parse_time(job["metadata"].get("creationTimestamp"))
+        else:
+            stuck = stuck_pending(latest)
+            if stuck is None:
+                return None
+            why, fix = stuck
+            since = parse_time(latest["metadata"].get("creationTimestamp"))
+        limit = self.config.pending_timeout_s
+        if since is None or time.time() - since < limit:
+            return None
+        text = f"pending for over {limit:g}s (backend.pending_timeout_s): {why}"
+        return self._status(rank, "PendingTimeout", job_id, reason=f"{text}; fix: {fix}", detail=PENDING_TIMEOUT_DETAIL,
+                            failure=FailureVerdict(failure_class=FailureClass.USER_ERROR, relaunch=False,
+                                                   why="a new attempt would wait the same way"), **common)
+
+    @staticmethod
+    def _gave_up(job: dict[str, Any], status: RunStatus) -> bool:
+        """Every replica reads as ended, a pending timeout among them, while the cluster still runs the Job."""
+        finished = _conditions(job).keys() & {"Complete", "Failed"}
+        return not finished and not job["metadata"].get("deletionTimestamp") and any(
+            r.detail == PENDING_TIMEOUT_DETAIL for r in status.replicas)
+
+    def _give_up(self, handle: KubernetesRunHandle, status: RunStatus) -> None:
+        """Delete a Job diloco has given up on (its pods would wait until activeDeadlineSeconds), keeping the
+        states it ended with, as a cancel keeps them."""
+        self._merge_cancel(handle, None, {str(r.rank): r.model_dump(mode="json") for r in status.replicas})
+        self._delete_job(handle)
+
+    def _delete_job(self, handle: KubernetesRunHandle) -> None:
+        """Delete the run's Job with foreground propagation (its pods go first); one already gone is fine."""
+        try:
+            self._call(f"could not delete Job {handle.namespace}/{handle.job_name}",
+                       self._batch().delete_namespaced_job, handle.job_name, handle.namespace,
+                       propagation_policy="Foreground")
+        except BackendError as exc:
+            if _status_of(exc) != 404:
+                raise
 
     def _without_job(self, handle: KubernetesRunHandle, cancel: dict[str, Any] | None) -> RunStatus:
         """The Job is gone: the final states seen earlier, what a cancel decided, what the replicas' shipped logs
@@ -454,7 +534,7 @@ class KubernetesBackend(Backend[KubernetesBackendConfig, KubernetesRunHandle]):
         return ReplicaStatus(rank=rank, state=self.map_state(native), job_id=job_id, **fields)
 
     def _replica(self, job: dict[str, Any], rank: int, pods: list[dict[str, Any]],
-                 cancel: dict[str, Any] | None) -> ReplicaStatus:
+                 cancel: dict[str, Any] | None, *, refused: str | None = None) -> ReplicaStatus:
         """One index: its outcome from the Job status, else from its latest pod."""
         status = job.get("status") or {}
         latest = pods[-1] if pods else None
@@ -496,8 +576,9 @@ class KubernetesBackend(Backend[KubernetesBackendConfig, KubernetesRunHandle]):
                 own and latest is not None and not self._will_retry(job, rank, pods, latest)):
             return failed
         if latest is None:
-            return self._status(rank, "NoPod", job_id, detail="waiting for the job controller to create its pod",
-                                **common)
+            return self._stuck(job, rank, None, refused, job_id, common) or self._status(
+                rank, "NoPod", job_id, reason=f"FailedCreate: {refused}" if refused else None,
+                detail="waiting for the job controller to create its pod", **common)
         disruption = _disruption(latest)
         if not live or disruption is not None:
             attempt = f"attempt {len(pods)}" if pods else "its pod"
@@ -506,6 +587,10 @@ class KubernetesBackend(Backend[KubernetesBackendConfig, KubernetesRunHandle]):
         if latest["metadata"].get("deletionTimestamp"):
             return self._status(rank, "Terminating", job_id, reason="its pod is being deleted",
                                 detail=f"pod {phase}", **common)
+        if phase == "Pending":
+            stuck = self._stuck(job, rank, latest, None, job_id, common)
+            if stuck is not None:
+                return stuck
         return self._status(rank, phase or "Unknown", job_id, reason=pending_reason(latest) if phase == "Pending"
                             else None, detail=f"pod {latest['metadata']['name']} {phase}", **common)
 
@@ -538,7 +623,8 @@ class KubernetesBackend(Backend[KubernetesBackendConfig, KubernetesRunHandle]):
             return
         pods = self._pods(handle)
         cancel = self._read_state(handle.run_id, "cancel")
-        current = {i: self._replica(job, i, pods.get(i, []), cancel) for i in range(handle.replicas)}
+        refused = self._failed_create(handle, job, pods) if len(pods) < handle.replicas else None
+        current = {i: self._replica(job, i, pods.get(i, []), cancel, refused=refused) for i in range(handle.replicas)}
         running = {i for i, s in current.items() if not s.state.is_terminal}
         whole = ranks is None or running <= set(ranks)
         terminal = {str(i): s.model_dump(mode="json") for i, s in current.items() if s.state.is_terminal}
@@ -594,6 +680,26 @@ class KubernetesBackend(Backend[KubernetesBackendConfig, KubernetesRunHandle]):
         record["ranks"] = sorted(set(record["ranks"]) | set(ranks or []))
         record["terminal"] = {**terminal, **record["terminal"]}
         self._write_state(handle.run_id, "cancel", record)
+
+    # ------------------------------------------------------------------ remove
+    def remove(self, handle: KubernetesRunHandle, *, dry_run: bool = False) -> list[str]:
+        """A run that has ended leaves its Job (and the pods' logs) until ``ttlSecondsAfterFinished``; ``diloco
+        rm`` and ``diloco smoke`` delete it now, with foreground propagation so its pods go first (a Job already
+        gone, or being deleted, is fine), then the cancel and final-state files diloco kept of it."""
+        import shutil
+
+        removed: list[str] = []
+        job = self._job(handle)
+        if job is not None:
+            removed.append(f"job {handle.namespace}/{handle.job_name}")
+            if not dry_run and not job["metadata"].get("deletionTimestamp"):
+                self._delete_job(handle)
+        folder = self._state_dir(handle.run_id)
+        if folder.exists():
+            removed.append(str(folder))
+            if not dry_run:
+                shutil.rmtree(folder, ignore_errors=True)
+        return removed
 
     # ------------------------------------------------------------------ local state
     def _state_dir(self, run_id: str) -> Path:

@@ -47,6 +47,8 @@ _QUANTITY = re.compile(r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+_LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+                        r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 #: The image reference grammar of ``distribution/reference`` (name, optional tag, optional digest).
 _IMAGE = re.compile(
     r"^(?:(?P<domain>(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9])(?:\.(?:[a-zA-Z0-9]|[a-zA-Z0-9]"
@@ -101,7 +103,13 @@ class KubernetesBackendConfig(BackendConfig):
     grace_period_s: int = Field(30, ge=0)  # SIGTERM -> SIGKILL when a replica is stopped
     node_selector: dict[str, str] = Field(default_factory=dict)  # e.g. {"karpenter.sh/capacity-type": "spot"}
     tolerations: list[dict[str, Any]] = Field(default_factory=list)  # e.g. for tainted GPU or spot nodes
-    gpu_product_label: str = "nvidia.com/gpu.product"  # node label a --gpu TYPE selects on
+    # --gpu TYPE selects nodes by every stock GPU label (instance type, Karpenter, GPU Feature Discovery) unless a
+    # label is named here: then on it alone, with gpu_product_value (default: what that label says for TYPE)
+    gpu_product_label: str | None = None
+    gpu_product_value: str | None = None
+    # a replica pending this long on a reason that does not heal by itself (unschedulable, image pull error,
+    # missing service account) fails the run, counted from its pod's (or the Job's) creation
+    pending_timeout_s: float = Field(900.0, gt=0)
     labels: dict[str, str] = Field(default_factory=dict)  # extra labels on the Job and its pods
     annotations: dict[str, str] = Field(default_factory=dict)  # extra annotations on the Job and its pods
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
@@ -128,7 +136,14 @@ class KubernetesBackendConfig(BackendConfig):
         if self.service_account is not None and not _DNS_SUBDOMAIN.match(self.service_account):
             raise ValueError(f"backend.service_account: must be a DNS-1123 subdomain such as diloco-trainer "
                              f"(got {self.service_account!r})")
-        for key, value in {**self.labels, **self.node_selector}.items():
+        if self.gpu_product_value is not None and not self.gpu_product_label:
+            raise ValueError("backend.gpu_product_value: needs backend.gpu_product_label (the node label it is the "
+                             "value of)")
+        if self.gpu_product_label is not None and not _LABEL_KEY.match(self.gpu_product_label):
+            raise ValueError(f"backend.gpu_product_label: must be a label key such as nvidia.com/gpu.product "
+                             f"(got {self.gpu_product_label!r})")
+        gpu_value = {self.gpu_product_label: self.gpu_product_value} if self.gpu_product_value is not None else {}
+        for key, value in {**self.labels, **self.node_selector, **gpu_value}.items():
             if not _LABEL_VALUE.match(value) or len(value) > 63:
                 raise ValueError(f"backend: label value {value!r} of {key!r} is not a valid Kubernetes label value "
                                  "(at most 63 letters, digits, '-', '_' or '.')")

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 #: Labels and annotations diloco puts on the Job and its pods.
 from diloco.executors.kubernetes.api import api_error, load_api_client
 from diloco.executors.kubernetes.config import (
+    GPU_RESOURCE,
     INSTALL_HINT,
     IRSA_ANNOTATION,
     MIN_KUBERNETES,
@@ -34,7 +35,7 @@ def check_cluster(ctx: DoctorContext) -> list[Check]:
     from diloco.doctor import Check, Status, skip_check
 
     names = ("kubernetes client", "kubernetes context", "kubernetes API", "kubernetes namespace", "service account",
-             "kubernetes permissions")
+             "kubernetes permissions", NODES_CHECK)
     try:
         import kubernetes
     except ImportError:
@@ -56,6 +57,7 @@ def check_cluster(ctx: DoctorContext) -> list[Check]:
     checks.append(_check_namespace(api, namespace))
     checks.append(_check_service_account(ctx, api, namespace))
     checks.append(_check_permissions(api, namespace))
+    checks.append(check_nodes(ctx, api))
     return checks
 
 
@@ -209,6 +211,58 @@ def _check_permissions(api: Any, namespace: str) -> Check:
                          f"rolebinding`")
     return Check(name=name, status=Status.PASS, detail=f"may create/delete Jobs and read pods and logs in "
                                                        f"{namespace!r}")
+
+
+NODES_CHECK = "kubernetes nodes"
+
+
+def check_nodes(ctx: DoctorContext, api: Any) -> Check:
+    """The nodes a replica pod could run on now: its node selector, the GPU affinity of ``--gpu`` (with
+    ``--procs-per-replica``), tolerated taints, and enough allocatable ``nvidia.com/gpu``. None matching is a
+    warning, not a failure: Karpenter or the cluster autoscaler may add one on demand. Listing nodes needs
+    cluster-scoped RBAC a namespaced user often lacks; then the row says so."""
+    from kubernetes import client
+
+    from diloco.doctor import Check, Status
+    from diloco.executors.kubernetes.placement import describe_selector, gpu_terms_for, node_fits
+    from diloco.executors.kubernetes.pods import replica_gpus
+
+    try:
+        gpus, product = replica_gpus(ctx.gpu, ctx.procs_per_replica)
+    except ConfigError as exc:
+        return Check(name=NODES_CHECK, status=Status.FAIL, detail=str(exc), fix=exc.hint)
+    selector = dict(ctx.option("node_selector") or {})
+    terms = gpu_terms_for(ctx.section, product, gpus) if product else None
+    tolerations = list(ctx.option("tolerations") or [])
+    if gpus:
+        tolerations.append({"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
+    wanted = describe_selector(selector, terms) + (f", with {gpus} allocatable {GPU_RESOURCE}" if gpus else "")
+    try:
+        found = json.loads(client.CoreV1Api(api).list_node(_preload_content=False, _request_timeout=TIMEOUT).data)
+    except Exception as exc:  # noqa: BLE001
+        why = "not allowed to list nodes (a cluster-scoped permission)" if getattr(exc, "status", None) == 403 \
+            else str(api_error(exc, "list nodes"))
+        return Check(name=NODES_CHECK, status=Status.WARN,
+                     detail=f"{why}: cannot tell whether a node would take a replica ({wanted})",
+                     fix="ask your cluster admin whether such nodes exist (or for `list nodes` through a ClusterRole)")
+    nodes = found.get("items") or []
+    matching = [n for n in nodes if node_fits(n, selector, terms, tolerations, gpus)]
+    if not matching:
+        return Check(name=NODES_CHECK, status=Status.WARN,
+                     detail=f"none of the cluster's {len(nodes)} node(s) would take a replica now ({wanted}); the "
+                            "pods would stay Pending and the launch fail after backend.pending_timeout_s",
+                     fix="add such nodes (a GPU node group, a Karpenter NodePool: new ones may also be created on "
+                         "demand), or change --gpu / backend.node_selector / backend.tolerations")
+    shown = ", ".join(_node_name(n) for n in matching[:5]) + (f" and {len(matching) - 5} more"
+                                                             if len(matching) > 5 else "")
+    return Check(name=NODES_CHECK, status=Status.PASS,
+                 detail=f"{len(matching)} of {len(nodes)} node(s) would take a replica ({wanted}): {shown}")
+
+
+def _node_name(node: dict[str, Any]) -> str:
+    meta = node.get("metadata") or {}
+    kind = (meta.get("labels") or {}).get("node.kubernetes.io/instance-type")
+    return f"{meta.get('name')} ({kind})" if kind else str(meta.get("name"))
 
 
 def check_image_reference(ctx: DoctorContext) -> Check:

@@ -20,13 +20,14 @@ if TYPE_CHECKING:
 
 #: Labels and annotations diloco puts on the Job and its pods.
 from diloco.executors.kubernetes.config import (
-    _LABEL_VALUE,
     CONFIG_ERROR_EXIT,
     CONTAINER,
     FAILURE_COUNT,
+    GPU_RESOURCE,
     IGNORED_COUNT,
     SIGTERM_EXIT,
 )
+from diloco.executors.kubernetes.placement import describe_selector
 
 
 # ---------------------------------------------------------------------------------------------- pure helpers
@@ -47,17 +48,21 @@ def label_value(text: str) -> str:
 
 
 def parse_gpu(gpu: str | None) -> tuple[int, str | None]:
-    """``--gpu``: ``N`` GPUs, ``TYPE`` (one GPU of a product) or ``TYPE:N``; (count, product or None)."""
+    """``--gpu``: ``N`` GPUs, ``TYPE`` (one GPU of a model) or ``TYPE:N``; (count, canonical GPU name or None).
+    ``TYPE`` is any spelling of a GPU in ``diloco.executors.gpus`` (``A10G``, ``a10g``, ``NVIDIA-A10G``); an unknown
+    one is a ``ConfigError`` naming ``--gpu``, the known names and the closest."""
+    from diloco.executors.gpus import canonical_gpu
+
     if gpu is None or gpu == "":
         return 0, None
     text = str(gpu).strip()
     product, _, count = text.rpartition(":") if ":" in text else ("", "", text)
     if not count.isdigit():
         product, count = text, "1"
-    if int(count) < 1 or (product and not _LABEL_VALUE.match(product)):
-        raise ConfigError(f"gpu: expected N, TYPE or TYPE:N for the eks backend, e.g. 1, NVIDIA-A10G or "
-                          f"NVIDIA-A10G:4 (got {gpu!r})")
-    return int(count), product or None
+    if int(count) < 1:
+        raise ConfigError(f"--gpu: expected N, TYPE or TYPE:N for the eks backend, e.g. 1, A10G or A10G:4 "
+                          f"(got {gpu!r})")
+    return int(count), canonical_gpu(product).name if product else None
 
 
 def replica_gpus(gpu: str | None, procs_per_replica: int | None) -> tuple[int, str | None]:
@@ -204,6 +209,63 @@ def pending_reason(pod: Mapping[str, Any]) -> str | None:
         message = (waiting.get("message") or "").strip()
         return f"{reason}: {message}" if message else reason
     return None
+
+
+#: Waiting reasons the kubelet retries forever with back-off, and what the user can do about each.
+_IMAGE_FIX = ("check the image reference (--image) and that the nodes may pull it (ECR: the node role's "
+              "ecr:BatchGetImage; a private registry: an imagePullSecret on the service account)")
+STUCK_WAITING = {
+    "ErrImagePull": _IMAGE_FIX, "ImagePullBackOff": _IMAGE_FIX, "InvalidImageName": _IMAGE_FIX,
+    "ErrImageNeverPull": "the image is not on the node and backend.image_pull_policy is Never: allow pulling it",
+    "CreateContainerConfigError": "a Secret or ConfigMap the pod refers to is missing: create it",
+}
+
+
+def pod_selector(pod: Mapping[str, Any]) -> str:
+    """Where the pod may run, in one line: its node selector, required affinity terms and GPU request."""
+    spec = pod.get("spec") or {}
+    required = (((spec.get("affinity") or {}).get("nodeAffinity") or {})
+                .get("requiredDuringSchedulingIgnoredDuringExecution") or {})
+    where = describe_selector(spec.get("nodeSelector") or {}, required.get("nodeSelectorTerms"))
+    gpus = next((c.get("resources", {}).get("limits", {}).get(GPU_RESOURCE) for c in spec.get("containers") or []
+                 if (c.get("resources") or {}).get("limits", {}).get(GPU_RESOURCE)), None)
+    return f"{where}, with {gpus} allocatable {GPU_RESOURCE}" if gpus else where
+
+
+def stuck_pending(pod: Mapping[str, Any]) -> tuple[str, str] | None:
+    """``(why, fix)`` for a pending pod whose reason will not go away by waiting (the scheduler finds no node, an
+    image cannot be pulled); None while it is merely on its way (being scheduled, pulling, starting)."""
+    reason = pending_reason(pod)
+    if reason is None:
+        return None
+    if reason.startswith("Unschedulable"):
+        return reason, (f"no node fits its selector ({pod_selector(pod)}): add such nodes (a node group, a "
+                        f"Karpenter NodePool) or change --gpu / backend.node_selector; `diloco doctor --backend "
+                        f"eks --gpu ...` lists the nodes that match")
+    waiting = (_container_state(pod).get("waiting") or {}).get("reason")
+    if waiting in STUCK_WAITING:
+        return reason, STUCK_WAITING[waiting]
+    return None
+
+
+def failed_create(events: list[Mapping[str, Any]]) -> str | None:
+    """The latest ``FailedCreate`` the job controller reported on the Job (its pods are refused at admission: a
+    missing service account, a quota), or None."""
+    found = [e for e in events if e.get("reason") == "FailedCreate" and e.get("type") == "Warning"]
+    if not found:
+        return None
+    latest = max(found, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
+    return str(latest.get("message") or "FailedCreate").strip()
+
+
+def failed_create_fix(message: str, namespace: str) -> str:
+    """What to do about a ``FailedCreate``: for a missing service account, create it."""
+    found = re.search(r'serviceaccount "([^"]+)" not found', message)
+    if found:
+        account = found.group(1)
+        return (f"create service account {account!r} in namespace {namespace!r} with IRSA or EKS Pod Identity "
+                f"(`diloco doctor --backend eks` checks it), or fix backend.service_account")
+    return "see `kubectl describe job` for why the cluster refuses the pods"
 
 
 def failure_action(job: Mapping[str, Any], pod: Mapping[str, Any]) -> str:

@@ -15,6 +15,7 @@ from diloco.executors.base import (
     BackendConfig,
     RunHandle,
 )
+from diloco.executors.gpus import GPUS, canonical_gpu
 
 if TYPE_CHECKING:
     pass
@@ -60,12 +61,9 @@ CODE_CHANNEL = "code"
 BOOTSTRAP_FILE, SOURCE_ARCHIVE = code_channel.BOOTSTRAP_FILE, code_channel.SOURCE_ARCHIVE  # the same on every backend
 RUN_TAG, RANK_TAG = "diloco:run-id", "diloco:rank"
 
-#: ``--gpu`` names -> the smallest SageMaker training instance with that accelerator.
-GPU_INSTANCE_TYPES = {
-    "T4": "ml.g4dn.xlarge", "A10G": "ml.g5.xlarge", "L4": "ml.g6.xlarge", "L40S": "ml.g6e.xlarge",
-    "V100": "ml.p3.2xlarge", "A100": "ml.p4d.24xlarge", "H100": "ml.p5.48xlarge", "H200": "ml.p5e.48xlarge",
-    "B200": "ml.p6-b200.48xlarge",
-}
+#: ``--gpu`` names -> the smallest SageMaker training instance with that GPU (``diloco.executors.gpus``, the table
+#: every backend's ``--gpu`` reads).
+GPU_INSTANCE_TYPES = {gpu.name: gpu.sagemaker_instance for gpu in GPUS}
 
 #: Approximate on-demand SageMaker *training* prices in us-east-1, USD per instance-hour, from AWS's public
 #: SageMaker pricing page as of 2024-06. Used only when the Price List API cannot be reached; always labelled an
@@ -125,10 +123,10 @@ def instance_type_for(config: SageMakerBackendConfig, gpu: str | None) -> str:
     """The instance type: ``--instance-type``, else the one ``--gpu`` names, else the config's default (CPU)."""
     if gpu is None:
         return config.instance_type
-    wanted = GPU_INSTANCE_TYPES.get(gpu.upper())
-    if wanted is None:
-        raise ConfigError(f"gpu: unknown accelerator {gpu!r} for SageMaker (known: {', '.join(GPU_INSTANCE_TYPES)})",
-                          hint="or set backend.instance_type (--instance-type) to an ml.* instance type")
+    if ":" in gpu:
+        raise ConfigError(f"--gpu: SageMaker takes a GPU model such as A10G, not a count (got {gpu!r})",
+                          hint="the GPUs per replica follow --procs-per-replica, or set --instance-type")
+    wanted = canonical_gpu(gpu).sagemaker_instance  # any spelling: A10G, a10g, NVIDIA-A10G
     if "instance_type" in config.model_fields_set and config.instance_type != wanted:
         raise ConfigError(f"gpu: {gpu} means {wanted}, but backend.instance_type is {config.instance_type}",
                           hint="give either --gpu or --instance-type, not both")

@@ -163,8 +163,8 @@ def test_bad_settings_fail_before_anything_with_the_field_named() -> None:
             backend_config(section)
         assert str(caught.value).startswith(message), str(caught.value)
     assert backend_config({"kind": "eks"}).image is None, "no image: the public PyTorch image and the code channel"
-    assert parse_gpu("2") == (2, None) and parse_gpu("NVIDIA-A10G") == (1, "NVIDIA-A10G")
-    assert parse_gpu("NVIDIA-A10G:4") == (4, "NVIDIA-A10G") and parse_gpu(None) == (0, None)
+    assert parse_gpu("2") == (2, None) and parse_gpu("NVIDIA-A10G") == (1, "A10G")
+    assert parse_gpu("NVIDIA-A10G:4") == (4, "A10G") and parse_gpu(None) == (0, None)
     for bad in ("0", "A10G:0", "bad gpu:1"):
         with pytest.raises(ConfigError):
             parse_gpu(bad)

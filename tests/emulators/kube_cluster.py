@@ -87,6 +87,9 @@ class ClusterConfig:
     #: The ``tolerationSeconds`` the DefaultTolerationSeconds admission plugin gives every pod for the
     #: ``not-ready`` / ``unreachable`` NoExecute taints (300 upstream): how long pods stay on a lost node.
     unreachable_eviction_s: int = 300
+    #: The kubelet's ``containerLogMaxSize`` (``10Mi``) and ``containerLogMaxFiles`` (5) defaults.
+    log_max_bytes: int = 10 * 1024 * 1024
+    log_max_files: int = 5
 
 
 @dataclass
@@ -103,6 +106,36 @@ class Hold:
         if self.job is not None and labels.get("batch.kubernetes.io/job-name") != self.job:
             return False
         return self.index is None or labels.get(INDEX_KEY) == str(self.index)
+
+
+@dataclass
+class KubeletFault:
+    """A test's instruction that the API server cannot reach the kubelet of a pod (``None``: of every pod): its
+    ``pods/log`` requests fail with the proxy's dial error, after ``hang_s`` seconds when set (a node that drops
+    packets, so the dial times out) or at once (a compressed dial timeout), and open log streams are cut."""
+
+    pod: str | None = None
+    namespace: str | None = None
+    hang_s: float | None = None
+
+    def applies(self, pod: Obj) -> bool:
+        meta = pod["metadata"]
+        return self.pod in (None, meta["name"]) and self.namespace in (None, meta.get("namespace"))
+
+
+class KubeletUnreachable(ApiError):
+    """The API server's answer when its kubelet proxy cannot dial the node: a 500 ``Status`` with no reason whose
+    message is the Go client's error (``ErrorToAPIStatus`` of a plain error); ``hang_s`` says how long the dial
+    takes before that answer."""
+
+    def __init__(self, message: str, hang_s: float | None) -> None:
+        super().__init__(500, "", message)
+        self.hang_s = hang_s
+
+    def status(self) -> dict[str, Any]:
+        body = super().status()
+        body.pop("reason")  # metav1.StatusReasonUnknown is "" and omitted
+        return body
 
 
 @dataclass
@@ -213,6 +246,7 @@ class Cluster:
         self.node_specs: dict[str, Node] = {}
         self.lost_nodes: dict[str, float] = {}
         self.devices: dict[str, dict[str, list[str]]] = {}
+        self.kubelet_faults: list[KubeletFault] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.bin_dir = config.root / "bin"
@@ -277,6 +311,7 @@ class Cluster:
             self._sync_job(job)
         self._collect_garbage()
         self._expire_finished_jobs()
+        self._rotate_logs()
 
     # ------------------------------------------------------------------------------------------ namespaces etc.
 
@@ -334,8 +369,10 @@ class Cluster:
 
     # ------------------------------------------------------------------------------------------ Jobs (API)
 
-    def create_job(self, namespace: str, body: Obj, dry_run: bool = False) -> Obj:
-        """``POST .../jobs``: the create handler's order: decode, default, validate, admit, store."""
+    def create_job(self, namespace: str, body: Obj, dry_run: bool = False,
+                   field_validation: str = "Strict") -> tuple[Obj, list[str]]:
+        """``POST .../jobs``: the create handler's order: decode, default, validate, admit, store; the stored Job
+        and the warnings for the response (unknown fields dropped under ``fieldValidation=Warn``)."""
         meta = body.get("metadata") if isinstance(body, dict) else None
         if isinstance(meta, dict) and meta.get("namespace") not in (None, "", namespace):
             raise bad_request("the namespace of the provided object does not match the namespace sent on the "
@@ -343,7 +380,7 @@ class Cluster:
         with self.store.lock:
             if isinstance(meta, dict) and not meta.get("name") and meta.get("generateName"):
                 meta["name"] = str(meta["generateName"]) + random_suffix()
-            job = admit_job(body, self._prepare_job)
+            job, warnings = admit_job(body, self._prepare_job, field_validation)
             self.require_namespace(namespace)
             name = job["metadata"]["name"]
             self._admission("jobs", name)
@@ -351,10 +388,10 @@ class Cluster:
                 raise already_exists("jobs", "batch", name)
             job["metadata"]["namespace"] = namespace
             if dry_run:
-                return copy.deepcopy(job)
+                return copy.deepcopy(job), warnings
             self.store.add("jobs", job)
             self.trackers[job["metadata"]["uid"]] = JobTracker()
-            return copy.deepcopy(job)
+            return copy.deepcopy(job), warnings
 
     @staticmethod
     def _prepare_job(job: Obj) -> None:
@@ -505,8 +542,43 @@ class Cluster:
             return True
         return self.store.get("nodes", "", node_name) is not None and node_name not in self.lost_nodes
 
-    def log_source(self, namespace: str, name: str, container: str | None, previous: bool) -> kubelet.ContainerRun:
-        """The container start whose log a ``pods/log`` request reads, or the API server's / kubelet's 400."""
+    def _rotate_logs(self) -> None:
+        """The kubelet's container log manager: rotate every running container's file that reached the limit."""
+        for runtime in self.runtimes.values():
+            for runs in runtime.runs.values():
+                if runs and runs[-1].exit_code is None and runs[-1].current_bytes >= self.config.log_max_bytes:
+                    runs[-1].rotate(self.config.log_max_files)
+
+    def rotate_log(self, namespace: str, name: str, container: str | None = None) -> None:
+        """Fault: rotate the current log file of the pod's container now (the first container by default)."""
+        with self.store.lock:
+            pod = self.store.get("pods", namespace, name)
+            if pod is None:
+                raise not_found("pods", "", name)
+            container = container or pod["spec"]["containers"][0]["name"]
+            runtime = self.runtimes.get(pod["metadata"]["uid"])
+            runs = runtime.runs.get(container, []) if runtime else []
+            if not runs:
+                raise bad_request(f"container {container} of pod {name} has no log yet")
+            runs[-1].rotate(self.config.log_max_files)
+
+    def kubelet_fault(self, pod: Obj) -> KubeletFault | None:
+        """Why the API server cannot reach the pod's kubelet now, if it cannot (a NotReady node, a test's fault)."""
+        if not self.kubelet_reachable(pod):
+            return KubeletFault(pod["metadata"]["name"], pod["metadata"].get("namespace"))
+        return next((f for f in self.kubelet_faults if f.applies(pod)), None)
+
+    def log_stream_fault(self, namespace: str, name: str) -> KubeletFault | None:
+        """Why an open log stream of this pod has lost its kubelet (its node is gone or unreachable), if it has."""
+        with self.store.lock:
+            pod = self.store.get("pods", namespace, name)
+            return None if pod is None else self.kubelet_fault(pod)
+
+    def log_source(self, namespace: str, name: str, container: str | None, previous: bool,
+                   query: str = "") -> kubelet.ContainerRun:
+        """The container start whose log a ``pods/log`` request reads, or the API server's / kubelet's 400, or the
+        proxy's 500 when the kubelet cannot be reached (after the API server's own checks, before the kubelet's:
+        ``pkg/registry/core/pod/strategy.go`` ``LogLocation`` builds ``https://<node>:10250/containerLogs/...``)."""
         with self.store.lock:
             pod = self.store.get("pods", namespace, name)
             if pod is None:
@@ -521,6 +593,11 @@ class Cluster:
                 raise bad_request(f"container {container} is not valid for pod {name}")
             if not pod["spec"].get("nodeName"):
                 raise bad_request(f"pod {name} does not have a host assigned")
+            fault = self.kubelet_fault(pod)
+            if fault is not None:
+                host = f'{pod.get("status", {}).get("hostIP") or "10.0.0.1"}:10250'
+                url = f"https://{host}/containerLogs/{namespace}/{name}/{container}" + (f"?{query}" if query else "")
+                raise KubeletUnreachable(f'Get "{url}": dial tcp {host}: i/o timeout', fault.hang_s)
             runtime = self.runtimes.get(pod["metadata"]["uid"])
             runs = [r for r in (runtime.runs.get(container, []) if runtime else []) if r.container_id]
             if previous:
@@ -1294,6 +1371,16 @@ class Cluster:
         while self.store.get("pods", meta["namespace"], name) is not None:
             name = prefix + random_suffix()
         self._admit_pod_spec(pod_spec, self.config.unreachable_eviction_s)
+        account = pod_spec["serviceAccountName"]
+        if self.store.get("serviceaccounts", meta["namespace"], account) is None:
+            # The ServiceAccount admission plugin refuses the pod, naming it by its generateName (name generation
+            # comes later: plugin/pkg/admission/serviceaccount/admission.go, admission.NewForbidden); the job
+            # controller reports that on the Job and tries again later (controller_utils.go, FailedCreate).
+            self.record_event("Job", job, "Warning", "FailedCreate",
+                              f'Error creating: pods "{prefix}" is forbidden: error looking up service account '
+                              f'{meta["namespace"]}/{account}: serviceaccount "{account}" not found',
+                              "job-controller")
+            return
         pod = {"apiVersion": "v1", "kind": "Pod",
                "metadata": {"name": name, "generateName": prefix, "namespace": meta["namespace"],
                             "labels": labels, "annotations": annotations, "finalizers": [TRACKING_FINALIZER],

@@ -7,6 +7,23 @@ how, and what limits the node holds it to). Its stdout and stderr go into one pi
 timestamps every line with nanoseconds as the container runtime does, which is what ``timestamps=true`` prints
 (``RFC3339NanoFixed``). When the main process exits, whatever is left in its group is killed, so the log reaches
 end-of-file and ``follow`` ends, like a container whose cgroup is torn down.
+
+Log files as the kubelet keeps them (``pkg/kubelet/logs/container_log_manager.go``; the kubelet configuration's
+``containerLogMaxSize``, default ``10Mi``, and ``containerLogMaxFiles``, default 5): once the current file has
+reached the size, the kubelet renames it and the runtime reopens a new, empty one; at most ``MaxFiles`` files are
+kept, the oldest deleted. A file's size counts each line in the CRI format the runtime writes
+(``<RFC3339Nano> stdout F <line>``). The real kubelet checks every ``containerLogMonitorInterval`` (10 s), so a
+file can grow past the limit in between; the emulator checks every controller tick.
+
+Reading, as the kubelet's CRI log reader does it (``pkg/kubelet/kuberuntime/logs/logs.go`` ``ReadLogs``):
+
+- Only the current file is read: after a rotation a plain read returns the lines written since ("only the
+  contents of the latest log file are available through kubectl logs", kubernetes.io "Logging Architecture").
+- ``tailLines`` picks the last N lines of that file first (``FindTailLineStartIndex``), then lines older than
+  ``sinceTime``/``sinceSeconds`` are skipped (``msg.timestamp.Before(since)``: a line stamped exactly at
+  ``since`` is kept), and ``limitBytes`` cuts the output, timestamp prefixes included.
+- ``follow`` goes on into the new file after a rotation (kubernetes/kubernetes#115702, in 1.29+), and it reads
+  the old file to its end first, so a follower loses nothing.
 """
 
 from __future__ import annotations
@@ -51,7 +68,12 @@ class ContainerRun:
     started_at: str = ""
     finished_at: str = ""
     process: subprocess.Popen[bytes] | None = None
+    #: Every line the container wrote, oldest first; the node's log files hold ``lines[file_starts[0]:]``.
     lines: list[tuple[int, bytes]] = field(default_factory=list)
+    #: Where each log file still on the node begins in ``lines``; the last one is the current file.
+    file_starts: list[int] = field(default_factory=lambda: [0])
+    #: The current file's size on disk, in the runtime's CRI format.
+    current_bytes: int = 0
     eof: bool = False
     exit_code: int | None = None
     reason: str = ""
@@ -101,7 +123,9 @@ class ContainerRun:
         assert self.process is not None and self.process.stdout is not None
         for line in iter(self.process.stdout.readline, b""):
             with self.cond:
-                self.lines.append((time.time_ns(), line))
+                entry = (time.time_ns(), line)
+                self.lines.append(entry)
+                self.current_bytes += cri_size(entry)
                 self.cond.notify_all()
         self.process.stdout.close()
         with self.cond:
@@ -109,18 +133,42 @@ class ContainerRun:
             self.cond.notify_all()
 
     def log_tail(self) -> str:
-        """What the kubelet copies into the message: the last 80 lines, at most 2048 bytes."""
+        """What the kubelet copies into the message: the last 80 lines of the current file, at most 2048 bytes."""
         with self.cond:
-            tail = b"".join(line for _, line in self.lines[-80:])
+            tail = b"".join(line for _, line in self.lines[self.file_starts[-1]:][-80:])
         return tail[-2048:].decode(errors="replace")
 
-    def follow(self, start: int, stop: threading.Event) -> Iterator[tuple[int, bytes]]:
-        """Lines from index ``start`` on, waiting for new ones until the log is complete or ``stop`` is set."""
+    def current_file(self) -> tuple[list[tuple[int, bytes]], int]:
+        """The lines of the current log file, and where the file ends in ``lines`` (for ``follow`` to go on)."""
+        with self.cond:
+            return self.lines[self.file_starts[-1]:], len(self.lines)
+
+    def on_disk(self) -> list[tuple[int, bytes]]:
+        """The lines the node still holds: the rotated files kept and the current one."""
+        with self.cond:
+            return self.lines[self.file_starts[0]:]
+
+    def rotate(self, max_files: int) -> bool:
+        """Rename the current file and start an empty one, keeping ``max_files`` files; false for an empty file."""
+        with self.cond:
+            if self.file_starts[-1] == len(self.lines):
+                return False
+            self.file_starts = [*self.file_starts, len(self.lines)][-max(1, max_files):]
+            self.current_bytes = 0
+            self.cond.notify_all()
+            return True
+
+    def follow(self, start: int, stop: threading.Event,
+               cut: Callable[[], bool] | None = None) -> Iterator[tuple[int, bytes]]:
+        """Lines from index ``start`` of ``lines`` on, across rotations, waiting for new ones until the log is
+        complete, ``stop`` is set or ``cut()`` says the stream's connection is gone (checked at least every 0.1 s)."""
         index = start
         while not stop.is_set():
+            if cut is not None and cut():
+                return
             with self.cond:
-                while index >= len(self.lines) and not self.eof and not stop.is_set():
-                    self.cond.wait(0.5)
+                if index >= len(self.lines) and not self.eof:
+                    self.cond.wait(0.1)
                 batch, done = self.lines[index:], self.eof
             yield from batch
             index += len(batch)
@@ -191,12 +239,18 @@ def launch(name: str, argv: list[str], env: dict[str, str], cwd: str, view: Cont
     return run
 
 
+def cri_size(entry: tuple[int, bytes]) -> int:
+    """The bytes a line takes in a CRI log file: ``<timestamp> stdout F <line>``."""
+    return len(rfc3339_nano(entry[0])) + len(" stdout F ") + len(entry[1])
+
+
 def select_lines(lines: list[tuple[int, bytes]], *, tail: int | None, since_ns: int | None) -> list[tuple[int, bytes]]:
-    """``sinceSeconds``/``sinceTime`` then ``tailLines``, as the kubelet's log reader applies them."""
+    """``tailLines`` first (the last N lines of the file), then lines older than ``since`` are skipped, in the
+    kubelet's order (``ReadLogs`` seeks to the tail, the writer drops ``timestamp.Before(since)``)."""
+    if tail is not None and tail >= 0:
+        lines = lines[-tail:] if tail > 0 else []
     if since_ns is not None:
         lines = [entry for entry in lines if entry[0] >= since_ns]
-    if tail is not None:
-        lines = lines[-tail:] if tail > 0 else []
     return lines
 
 
@@ -206,5 +260,5 @@ def format_line(entry: tuple[int, bytes], timestamps: bool) -> bytes:
     return (rfc3339_nano(ns).encode() + b" " + line) if timestamps else line
 
 
-__all__ = ["ContainerRun", "INHERITED_ENV", "expand", "format_line", "launch", "python_shim", "rfc3339_nano",
+__all__ = ["ContainerRun", "INHERITED_ENV", "cri_size", "expand", "format_line", "launch", "python_shim", "rfc3339_nano",
            "select_lines", "start_error"]

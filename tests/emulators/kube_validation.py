@@ -2,10 +2,14 @@
 
 Three stages, in the API server's order, so a test gets the error a real cluster would give:
 
-1. **Decoding** against the Kubernetes 1.33 OpenAPI schema in strict mode (``kubernetes-validate``'s copy of it):
-   an unknown field or a wrong type is a 400 ``BadRequest`` (the emulator always decodes as with
-   ``fieldValidation=Strict``, where a real server's default only warns and drops the field); a field the schema
-   marks required is a 422 ``Invalid``; a malformed quantity is the 400 the quantity decoder gives.
+1. **Decoding** against the Kubernetes 1.33 OpenAPI schema (``kubernetes-validate``'s strict copy of it): a wrong
+   type is a 400 ``BadRequest``; a field the schema marks required is a 422 ``Invalid``; a malformed quantity is
+   the 400 the quantity decoder gives. Unknown fields follow the request's ``fieldValidation``, whose default is
+   ``Warn`` since 1.27 (apiserver ``handlers/create.go``; kubernetes.io "API Concepts", field validation):
+   ``Warn`` drops them and answers one ``Warning`` header each (``unknown field "spec.x"``), ``Ignore`` drops
+   them silently, ``Strict`` refuses the object with a 400 ``strict decoding error: unknown field "spec.x"``; any
+   other value is a 422 from ``ValidateCreateOptions``. (``kubectl`` sends ``Strict``; the ``kubernetes`` Python
+   client sends nothing unless asked, so it gets ``Warn``.)
 2. **Defaulting** (``pkg/apis/batch/v1/defaults.go``, ``pkg/apis/core/v1/defaults.go``): ``backoffLimit``,
    ``completionMode``, ``podReplacementPolicy``, the pod template's defaults, ...
 3. **Validation** (``pkg/apis/batch/validation``, ``pkg/apis/core/validation``): the field rules a backend can
@@ -277,13 +281,33 @@ def _cannot_handle(detail: str) -> ApiError:
     return bad_request(f'Job in version "v1" cannot be handled as a Job: {detail}')
 
 
-def decode_job(body: dict[str, Any]) -> None:
-    """Decoding errors, in the order the decoder meets them: unknown fields and types (400), required (422)."""
+FIELD_VALIDATION = ("Ignore", "Warn", "Strict")
+
+
+def check_field_validation(value: str | None, kind: str = "CreateOptions") -> str:
+    """The ``fieldValidation`` directive of a write (default ``Warn``), or the 422 for a value it cannot take."""
+    if value in (None, ""):
+        return "Warn"
+    if value not in FIELD_VALIDATION:
+        errors = FieldErrors()
+        errors.add(not_supported("fieldValidation", value, ["", *sorted(FIELD_VALIDATION)]))
+        raise invalid_object(kind, "meta.k8s.io", "", errors)
+    return value
+
+
+def decode_job(body: dict[str, Any], field_validation: str = "Strict") -> list[str]:
+    """Decoding errors, in the order the decoder meets them: unknown fields (400 in ``Strict``, else dropped and,
+    in ``Warn``, returned as warnings), wrong types (400), required (422)."""
     errors = sorted(_validator().iter_errors(body), key=lambda e: list(map(str, e.absolute_path)))
-    unknown = [_unknown_fields(e) for e in errors if e.validator == "additionalProperties"]
-    if unknown:
-        listed = ", ".join(f"unknown field {json.dumps(f)}" for fields in unknown for f in fields)
-        raise _cannot_handle(f"strict decoding error: {listed}")
+    unknown = [e for e in errors if e.validator == "additionalProperties"]
+    found = [f"unknown field {json.dumps(f)}" for e in unknown for f in _unknown_fields(e)]
+    if found and field_validation == "Strict":
+        raise _cannot_handle(f"strict decoding error: {', '.join(found)}")
+    for error in unknown:
+        allowed = set(error.schema.get("properties", {}))
+        for name in [n for n in error.instance if n not in allowed]:
+            del error.instance[name]
+    errors = [e for e in errors if e.validator != "additionalProperties"]
     _check_quantities(body)
     for error in errors:
         if error.validator in ("type", "oneOf"):
@@ -303,6 +327,7 @@ def decode_job(body: dict[str, Any]) -> None:
                                       [str(v) for v in error.validator_value]))
     if missing.items:
         raise invalid_object("Job", "batch", body.get("metadata", {}).get("name", ""), missing)
+    return found if field_validation == "Warn" else []
 
 
 def _unknown_fields(error: Any) -> list[str]:
@@ -692,8 +717,10 @@ def _validate_toleration(toleration: dict[str, Any], path: str, errors: FieldErr
         errors.add(invalid(f"{path}.effect", effect, "effect must be 'NoExecute' when `tolerationSeconds` is set"))
 
 
-def admit_job(body: Any, prepare: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
-    """Decode, default, ``prepare`` (the strategy's uid, selector and labels) and validate, as the create handler."""
+def admit_job(body: Any, prepare: Callable[[dict[str, Any]], None],
+              field_validation: str = "Strict") -> tuple[dict[str, Any], list[str]]:
+    """Decode, default, ``prepare`` (the strategy's uid, selector and labels) and validate, as the create handler;
+    the stored Job and the decoder's warnings."""
     if not isinstance(body, dict):
         raise bad_request("the body of the request was in an unknown format - accepted media types include: "
                           "application/json, application/yaml, application/vnd.kubernetes.protobuf")
@@ -701,12 +728,12 @@ def admit_job(body: Any, prepare: Callable[[dict[str, Any]], None]) -> dict[str,
         raise bad_request(f"the API version in the data ({body.get('apiVersion')}) does not match the expected API "
                           "version (batch/v1)" if body.get("apiVersion") not in (None, "batch/v1") else
                           f"the kind in the data ({body.get('kind')}) does not match the expected kind (Job)")
-    decode_job(body)
+    warnings = decode_job(body, field_validation)
     job = default_job(body)
     prepare(job)
     validate_job(job)
-    return job
+    return job, warnings
 
 
-__all__ = ["ApiError", "admit_job", "canonical_quantity", "default_pod_spec", "dns1123_label_errors",
+__all__ = ["ApiError", "FIELD_VALIDATION", "admit_job", "canonical_quantity", "check_field_validation", "default_pod_spec", "dns1123_label_errors",
            "dns1123_subdomain_errors", "parse_quantity", "validate_labels"]

@@ -1,9 +1,14 @@
 """A Kubernetes API server on loopback that really runs Indexed Jobs as local processes.
 
-The official ``kubernetes`` client talks to it through an ordinary kubeconfig (``KubernetesEmulator.kubeconfig``),
-so a backend is tested with no patched client and no cluster: Jobs (``batch/v1``), Pods with list/watch by label
-selector, pod logs (``follow``, ``timestamps``, ``previous``, ``tailLines``, ``sinceSeconds``), Events, Namespaces,
-ServiceAccounts and SelfSubjectAccessReview, answering errors with the API server's own ``Status`` bodies.
+The official ``kubernetes`` client and ``kubectl`` talk to it through an ordinary kubeconfig
+(``KubernetesEmulator.kubeconfig``: an ``https://`` server, the cluster CA as ``certificate-authority-data`` and a
+bearer token, see ``kube_tls``), so a backend is tested with no patched client and no cluster: Jobs (``batch/v1``),
+Pods with list/watch by label selector, pod logs (``follow``, ``timestamps``, ``previous``, ``tailLines``,
+``sinceSeconds``, ``sinceTime``, ``limitBytes``, rotated like the kubelet's, see ``kube_kubelet``), Events,
+Namespaces, ServiceAccounts and SelfSubjectAccessReview, answering errors with the API server's own ``Status``
+bodies; legacy discovery (``kube_discovery``) and server-side ``Table`` printing (``kube_tables``) for ``kubectl``.
+Writes follow the real default ``fieldValidation=Warn`` (unknown fields dropped, a ``Warning`` header each);
+``?fieldValidation=Strict`` refuses them (``kube_validation``).
 Each Job index becomes a pod whose container is a real process (its own process group) started from the pod
 template's command, args and env; ``python`` in the container means the interpreter the emulator was given, or
 the one ``add_image`` maps the container's image to. A container has its pod's ``emptyDir`` volumes at their
@@ -19,7 +24,11 @@ plugin's ``NVIDIA_VISIBLE_DEVICES``. Without ``nodes`` there is one roomy CPU no
 Faults a test can inject: evict a pod (``DisruptionTarget``), kill a container with an exit code or as
 ``OOMKilled``, keep pods pending (``Unschedulable``, ``ImagePullBackOff``, ...), deny RBAC verbs, refuse creates
 at admission (a quota, a webhook), lose a node (``set_node_ready(name, False)``: its kubelet stops answering, its
-pods are evicted after ``unreachable_eviction_s``) or delete it (``remove_node``: PodGC fails its pods).
+pods are evicted after ``unreachable_eviction_s``) or delete it (``remove_node``: PodGC fails its pods), rotate
+a container's log now (``rotate_log``), make a pod's kubelet unreachable without losing its node
+(``kubelet_unreachable``). A pod whose kubelet cannot be reached (a NotReady node, or that fault) answers
+``pods/log`` with the API server's 500 for a failed kubelet dial, at once or after a hang, and its open log
+streams end, cleanly, as the API server's ``StreamObject`` ends a copy whose source broke.
 
 Use from a test::
 
@@ -39,11 +48,13 @@ with nodes (repeat ``--node``; ``eks:TYPE``, ``karpenter:TYPE`` or ``plain:CPU,M
 from __future__ import annotations
 
 import argparse
+import base64
 import copy
 import itertools
 import json
 import re
 import signal
+import ssl
 import sys
 import tempfile
 import threading
@@ -53,15 +64,20 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, TypeVar
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, urlencode, urlsplit
 
+from . import kube_discovery as discovery
 from . import kube_kubelet as kubelet
-from .kube_cluster import Cluster, ClusterConfig, Denial, Hold, Rejection
+from . import kube_tables as tables
+from . import kube_tls as tls
+from .kube_cluster import Cluster, ClusterConfig, Denial, Hold, KubeletFault, KubeletUnreachable, Rejection
 from .kube_errors import (
     ApiError,
+    FieldError,
     FieldErrors,
     already_exists,
     bad_request,
+    go_quote,
     invalid,
     invalid_object,
     not_found,
@@ -71,7 +87,7 @@ from .kube_errors import (
 )
 from .kube_nodes import Node, parse_node_flag
 from .kube_store import Obj, field_selector, label_selector, matches, now_rfc3339
-from .kube_validation import dns1123_label_errors
+from .kube_validation import check_field_validation, dns1123_label_errors
 
 #: The version the emulator reports and validates against.
 SERVER_VERSION = {"major": "1", "minor": "33", "gitVersion": "v1.33.0-emulator", "gitCommit": "0" * 40,
@@ -151,9 +167,10 @@ class Api:
         self.routes: list[Route] = [
             ("GET", re.compile(r"/version"), lambda r: Reply(SERVER_VERSION)),
             ("GET", re.compile(r"/(healthz|livez|readyz)"), lambda r: Reply(text=b"ok", content_type="text/plain")),
-            ("GET", re.compile(r"/api"), lambda r: Reply({"kind": "APIVersions", "versions": ["v1"],
-                                                          "serverAddressByClientCIDRs": []})),
-            ("GET", re.compile(r"/apis"), self._groups),
+            ("GET", re.compile(r"/api"), lambda r: Reply(discovery.api_versions(r.headers.get("Host", "")))),
+            ("GET", re.compile(r"/api/v1"), lambda r: self._resources("")),
+            ("GET", re.compile(r"/apis"), lambda r: Reply(discovery.api_groups(RESOURCES))),
+            ("GET", re.compile(r"/apis/(?P<group>[^/]+)/v1"), lambda r: self._resources(r.params["group"])),
             ("GET", re.compile(r"/api/v1/namespaces"), lambda r: self._list(r, "namespaces", None)),
             ("POST", re.compile(r"/api/v1/namespaces"), self._create_namespace),
             ("GET", re.compile(rf"/api/v1/namespaces/{name}"), lambda r: self._get(r, "namespaces", "")),
@@ -172,7 +189,6 @@ class Api:
             ("GET", re.compile(rf"/api/v1/nodes/{name}(/status)?"), lambda r: self._get(r, "nodes", "")),
             ("GET", re.compile(r"/api/v1/events"), lambda r: self._list(r, "events", None)),
             ("GET", re.compile(rf"/api/v1/namespaces/{ns}/events"), lambda r: self._list(r, "events", r.params["ns"])),
-            ("GET", re.compile(r"/apis/batch/v1"), self._batch_resources),
             ("GET", re.compile(r"/apis/batch/v1/jobs"), lambda r: self._list(r, "jobs", None)),
             ("GET", re.compile(rf"/apis/batch/v1/namespaces/{ns}/jobs"), lambda r: self._list(r, "jobs",
                                                                                               r.params["ns"])),
@@ -229,6 +245,8 @@ class Api:
             obj = store.get(resource, namespace, name)
             if obj is None:
                 raise not_found(resource, RESOURCES[resource][0], name)
+            if tables.wants_table(request.headers.get("Accept")):
+                return Reply(self._table(request, resource, [copy.deepcopy(obj)], str(store.rv)))
             return Reply(self._typed(resource, copy.deepcopy(obj)))
 
     def _list(self, request: Request, resource: str, namespace: str | None) -> Reply:
@@ -248,15 +266,20 @@ class Api:
             rv = int(rv_text) if rv_text.isdigit() else None
             events = store.watch(resource, rv, lambda o: matches(o, namespace, labels, fields), current,
                                  time.monotonic() + timeout)
-            return Reply(stream=self._watch_lines(resource, events, rv or 0))
+            as_table = request if tables.wants_table(request.headers.get("Accept")) else None
+            return Reply(stream=self._watch_lines(resource, events, rv or 0, as_table))
         with store.lock:
             items = [copy.deepcopy(o) for o in current()]
             version = str(store.rv)
+        if tables.wants_table(request.headers.get("Accept")):
+            return Reply(self._table(request, resource, items, version))
         _, api_version, kind, _ = RESOURCES[resource]
         return Reply({"kind": f"{kind}List", "apiVersion": api_version, "metadata": {"resourceVersion": version},
                       "items": items})
 
-    def _watch_lines(self, resource: str, events: Iterator[tuple[str, Obj] | None], rv: int) -> Iterator[bytes]:
+    def _watch_lines(self, resource: str, events: Iterator[tuple[str, Obj] | None], rv: int,
+                     as_table: Request | None = None) -> Iterator[bytes]:
+        """Watch events, one JSON object per line; for ``kubectl get -w`` each object is a one-row ``Table``."""
         for event in events:
             if self.stopping.is_set():
                 return
@@ -265,25 +288,24 @@ class Api:
                 yield _dumps({"type": "ERROR", "object": status.status()}) + b"\n"
                 return
             kind, obj = event
-            yield _dumps({"type": kind, "object": self._typed(resource, obj)}) + b"\n"
+            shown = self._table(as_table, resource, [obj], obj["metadata"].get("resourceVersion", "")) \
+                if as_table is not None else self._typed(resource, obj)
+            yield _dumps({"type": kind, "object": shown}) + b"\n"
+
+    @staticmethod
+    def _table(request: Request, resource: str, objects: list[Obj], resource_version: str) -> Obj:
+        _, api_version, kind, _ = RESOURCES[resource]
+        return tables.table(resource, objects, api_version, kind, resource_version,
+                            request.query.get("includeObject"))
 
     # ------------------------------------------------------------------------------------------ discovery
 
     @staticmethod
-    def _groups(request: Request) -> Reply:
-        def group(name: str) -> Obj:
-            version = {"groupVersion": f"{name}/v1", "version": "v1"}
-            return {"name": name, "versions": [version], "preferredVersion": version}
-        return Reply({"kind": "APIGroupList", "apiVersion": "v1",
-                      "groups": [group("batch"), group("authorization.k8s.io")]})
-
-    @staticmethod
-    def _batch_resources(request: Request) -> Reply:
-        verbs = ["create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"]
-        return Reply({"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": "batch/v1", "resources": [
-            {"name": "jobs", "singularName": "job", "namespaced": True, "kind": "Job", "verbs": verbs},
-            {"name": "jobs/status", "singularName": "", "namespaced": True, "kind": "Job",
-             "verbs": ["get", "patch", "update"]}]})
+    def _resources(group: str) -> Reply:
+        listing = discovery.resource_list(group, RESOURCES)
+        if listing is None:
+            raise route_not_found()
+        return Reply(listing)
 
     # ------------------------------------------------------------------------------------------ writes
 
@@ -306,8 +328,10 @@ class Api:
     def _create_job(self, request: Request) -> Reply:
         self._authorize(request, "create", "jobs")
         dry_run = request.query.get("dryRun") == "All"
-        job = self.cluster.create_job(request.params["ns"], request.json(), dry_run=dry_run)
-        return Reply(self._typed("jobs", job), 201)
+        directive = check_field_validation(request.query.get("fieldValidation"))
+        job, warnings = self.cluster.create_job(request.params["ns"], request.json(), dry_run=dry_run,
+                                                field_validation=directive)
+        return Reply(self._typed("jobs", job), 201, warnings=warnings)
 
     @staticmethod
     def _delete_options(request: Request) -> dict[str, Any]:
@@ -370,26 +394,38 @@ class Api:
     # ------------------------------------------------------------------------------------------ logs
 
     def _pod_log(self, request: Request) -> Reply:
-        """``pods/log``: the container's captured output, filtered, timestamped, or followed to its end."""
+        """``pods/log``: the current log file of the container, filtered, timestamped, or followed to its end.
+
+        ``sinceTime`` reaches the kubelet with whole seconds only: ``LogLocation`` re-encodes it as
+        ``time.RFC3339``, so a fractional part is dropped (rounded down) and the boundary second is read again."""
         self._authorize(request, "get", "pods", "log")
-        run = self.cluster.log_source(request.params["ns"], request.params["name"], request.query.get("container"),
-                                      request.flag("previous"))
+        namespace, name = request.params["ns"], request.params["name"]
         timestamps, tail = request.flag("timestamps"), request.number("tailLines")
         since_seconds, limit = request.number("sinceSeconds"), request.number("limitBytes")
+        _validate_log_options(name, tail, limit, since_seconds, request.query.get("sinceTime"))
         since_ns = time.time_ns() - since_seconds * 1_000_000_000 if since_seconds is not None else None
         if request.query.get("sinceTime"):
-            since_ns = _parse_rfc3339_ns(request.query["sinceTime"])
-        with run.cond:
-            snapshot = list(run.lines)
-        selected = kubelet.select_lines(snapshot, tail=tail, since_ns=since_ns)
+            since_ns = _parse_rfc3339_ns(request.query["sinceTime"]) // 1_000_000_000 * 1_000_000_000
+        try:
+            run = self.cluster.log_source(namespace, name, request.query.get("container"), request.flag("previous"),
+                                          _kubelet_query(request))
+        except KubeletUnreachable as error:
+            if error.hang_s:
+                self.stopping.wait(error.hang_s)
+            raise
+        current, end = run.current_file()
+        selected = kubelet.select_lines(current, tail=tail, since_ns=since_ns)
         if not request.flag("follow"):
             text = b"".join(kubelet.format_line(entry, timestamps) for entry in selected)
             return Reply(text=text[:limit] if limit is not None else text, content_type="text/plain")
 
+        def cut() -> bool:
+            return self.cluster.log_stream_fault(namespace, name) is not None
+
         def stream() -> Iterator[bytes]:
-            """Each line as it is written, like the kubelet's follow (never the whole follow gathered first)."""
             sent = 0
-            for entry in itertools.chain(selected, run.follow(len(snapshot), self.stopping)):
+            later = (e for e in run.follow(end, self.stopping, cut) if since_ns is None or e[0] >= since_ns)
+            for entry in itertools.chain(selected, later):
                 chunk = kubelet.format_line(entry, timestamps)
                 if limit is not None:
                     chunk = chunk[:max(0, limit - sent)]
@@ -397,8 +433,40 @@ class Api:
                         return
                 sent += len(chunk)
                 yield chunk
+            fault = self.cluster.log_stream_fault(namespace, name)
+            if fault is not None and fault.hang_s:
+                self.stopping.wait(fault.hang_s)  # a dead node: the stream stays open and silent, then ends
 
         return Reply(stream=stream(), content_type="text/plain")
+
+
+def _validate_log_options(pod: str, tail: int | None, limit: int | None, since_seconds: int | None,
+                          since_time: str | None) -> None:
+    """``ValidatePodLogOptions``: the API server's 422 before it asks the kubelet anything."""
+    errors = FieldErrors()
+    if tail is not None and tail < 0:
+        errors.add(invalid("tailLines", tail, "must be greater than or equal to 0"))
+    if limit is not None and limit < 1:
+        errors.add(invalid("limitBytes", limit, "must be greater than 0"))
+    if since_seconds is not None and since_time:
+        errors.add(FieldError("FieldValueForbidden", "", detail="at most one of `sinceTime` or `sinceSeconds` may "
+                                                                "be specified"))
+    elif since_seconds is not None and since_seconds < 1:
+        errors.add(invalid("sinceSeconds", since_seconds, "must be greater than 0"))
+    if errors.items:
+        raise invalid_object("PodLogOptions", "", pod, errors)
+
+
+def _kubelet_query(request: Request) -> str:
+    """The query the API server sends on to the kubelet (``LogLocation``: only the options set, sorted by key)."""
+    params: dict[str, str] = {}
+    for key in ("follow", "previous", "timestamps"):
+        if request.flag(key):
+            params[key] = "true"
+    for key in ("sinceSeconds", "sinceTime", "tailLines", "limitBytes"):
+        if request.query.get(key):
+            params[key] = request.query[key]
+    return urlencode(sorted(params.items()))
 
 
 def _dumps(body: Any) -> bytes:
@@ -438,7 +506,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", reply.content_type)
         self.send_header("Audit-Id", now_rfc3339())
         for warning in reply.warnings:
-            self.send_header("Warning", f'299 - "{warning}"')
+            self.send_header("Warning", f"299 - {go_quote(warning)}")  # net.NewWarningHeader: strconv.Quote
         if reply.stream is not None:
             self._send_stream(reply.stream)
             return
@@ -458,17 +526,43 @@ class _Handler(BaseHTTPRequestHandler):
                     self.wfile.flush()
             self.wfile.write(b"0\r\n\r\n")
             self.wfile.flush()
-        except (BrokenPipeError, ConnectionResetError):
+        except OSError:  # the client went away (a broken pipe, a reset, a TLS connection closed mid-stream)
             self.close_connection = True
 
     do_GET = do_POST = do_DELETE = do_PUT = do_PATCH = _serve
 
 
 class _Server(ThreadingHTTPServer):
+    """One thread per connection; the TLS handshake happens in that thread, so a stalled client blocks no one."""
+
     daemon_threads = True
     allow_reuse_address = True
     api: Api
     verbose: bool = False
+    tls_context: ssl.SSLContext | None = None
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that hangs up mid-answer (a timeout, a cancelled follow) is routine: say nothing."""
+        if not isinstance(sys.exc_info()[1], OSError):
+            super().handle_error(request, client_address)
+
+    def finish_request(self, request: Any, client_address: Any) -> None:
+        if self.tls_context is None:
+            super().finish_request(request, client_address)
+            return
+        request.settimeout(10)
+        try:
+            secure = self.tls_context.wrap_socket(request, server_side=True)
+        except (ssl.SSLError, OSError):
+            return  # a client that does not trust the CA, or gave up: nothing to answer
+        secure.settimeout(None)
+        try:
+            super().finish_request(secure, client_address)
+        finally:
+            try:
+                secure.close()
+            except OSError:
+                pass
 
 
 class KubernetesEmulator:
@@ -479,7 +573,8 @@ class KubernetesEmulator:
                  node_env: dict[str, str] | None = None, image_workdir: Path | str | None = None,
                  image_entrypoint: list[str] | None = None, pod_backoff_s: float = 0.0, tick_s: float = 0.05,
                  nodes: list[Node] | None = None, unreachable_eviction_s: int = 300, verbose: bool = False,
-                 images: dict[str, str] | None = None, isolation: str = "auto") -> None:
+                 images: dict[str, str] | None = None, isolation: str = "auto",
+                 log_max_bytes: int = 10 * 1024 * 1024, log_max_files: int = 5) -> None:
         self._tmp = None if root is not None else tempfile.TemporaryDirectory(prefix="kube-emulator-")
         self.root = Path(root if root is not None else self._tmp.name)  # type: ignore[union-attr]
         self.root.mkdir(parents=True, exist_ok=True)
@@ -489,12 +584,15 @@ class KubernetesEmulator:
             image_workdir=Path(image_workdir) if image_workdir else None,
             image_entrypoint=list(image_entrypoint or []), pod_backoff_s=pod_backoff_s, tick_s=tick_s,
             nodes=list(nodes) if nodes is not None else None, unreachable_eviction_s=unreachable_eviction_s,
-            images=dict(images or {}), isolation=isolation))
+            images=dict(images or {}), isolation=isolation, log_max_bytes=log_max_bytes,
+            log_max_files=log_max_files))
         self.cluster.add_namespace(namespace)
         self._stopping = threading.Event()
         self._server: _Server | None = None
         self._verbose = verbose
         self.kubeconfig = self.root / "kubeconfig.yaml"
+        #: The cluster CA and serving certificate, new for every emulator (``kube_tls``).
+        self.certificates = tls.issue([host])
 
     # ------------------------------------------------------------------------------------------ lifecycle
 
@@ -503,6 +601,7 @@ class KubernetesEmulator:
         server = _Server((self.host, self.port), _Handler)
         server.api = Api(self.cluster, self.token, self._stopping)
         server.verbose = self._verbose
+        server.tls_context = self.certificates.server_context(self.root / "pki")
         self._server = server
         self.port = server.server_address[1]
         self.cluster.config.api_port = self.port
@@ -529,15 +628,22 @@ class KubernetesEmulator:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"https://{self.host}:{self.port}"
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """A client TLS context that verifies the emulator's certificate, for requests no client library makes."""
+        return self.certificates.client_context()
 
     def write_kubeconfig(self, path: Path | str, *, context: str = "emulator", namespace: str | None = None,
                          server: str | None = None) -> Path:
-        """A kubeconfig with one cluster, one user (a bearer token) and one context that selects ``namespace``."""
+        """A kubeconfig with one cluster (the server and its CA), one user (a bearer token) and one context that
+        selects ``namespace``."""
         user: dict[str, Any] = {"token": self.token} if self.token is not None else {}
+        cluster = {"server": server or self.url,
+                   "certificate-authority-data": base64.b64encode(self.certificates.ca_pem).decode()}
         config = {
             "apiVersion": "v1", "kind": "Config", "preferences": {},
-            "clusters": [{"name": context, "cluster": {"server": server or self.url}}],
+            "clusters": [{"name": context, "cluster": cluster}],
             "users": [{"name": self.cluster.config.user, "user": user}],
             "contexts": [{"name": context, "context": {"cluster": context, "user": self.cluster.config.user,
                                                       "namespace": namespace or self.namespace}}],
@@ -615,6 +721,24 @@ class KubernetesEmulator:
 
     def oom_kill(self, pod: str, *, namespace: str | None = None) -> None:
         self.fail_pod(pod, 137, reason="OOMKilled", namespace=namespace)
+
+    def rotate_log(self, pod: str, *, container: str | None = None, namespace: str | None = None) -> None:
+        """The kubelet rotates the container's log now, whatever its size (``log_max_bytes`` does it by size)."""
+        self.cluster.rotate_log(namespace or self.namespace, pod, container)
+
+    def kubelet_unreachable(self, pod: str | None = None, *, namespace: str | None = None,
+                            hang_s: float | None = None) -> KubeletFault:
+        """The API server can no longer reach the kubelet of ``pod`` (of every pod when None): ``pods/log``
+        answers 500 with the dial error (after ``hang_s`` seconds of silence when set), open log streams end."""
+        fault = KubeletFault(pod, namespace, hang_s)
+        with self.cluster.store.lock:
+            self.cluster.kubelet_faults.append(fault)
+        return fault
+
+    def kubelet_reachable_again(self, fault: KubeletFault) -> None:
+        with self.cluster.store.lock:
+            if fault in self.cluster.kubelet_faults:
+                self.cluster.kubelet_faults.remove(fault)
 
     def hold_pending(self, *, job: str | None = None, index: int | None = None, reason: str = "Unschedulable",
                      message: str | None = None) -> Hold:
