@@ -591,8 +591,11 @@ class KubernetesBackend(Backend[KubernetesBackendConfig, KubernetesRunHandle]):
             stuck = self._stuck(job, rank, latest, None, job_id, common)
             if stuck is not None:
                 return stuck
-        return self._status(rank, phase or "Unknown", job_id, reason=pending_reason(latest) if phase == "Pending"
-                            else None, detail=f"pod {latest['metadata']['name']} {phase}", **common)
+        reason = pending_reason(latest) if phase == "Pending" else None
+        if reason is None and len(pods) > 1:  # retried: why the attempt before this one ended
+            reason = f"attempt {len(pods) - 1} ended ({failure_reason(pods[-2])}); this is attempt {len(pods)}"
+        return self._status(rank, phase or "Unknown", job_id, reason=reason,
+                            detail=f"pod {latest['metadata']['name']} {phase}", **common)
 
     @staticmethod
     def _will_retry(job: dict[str, Any], rank: int, pods: list[dict[str, Any]], latest: dict[str, Any]) -> bool:
