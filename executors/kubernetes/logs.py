@@ -79,17 +79,26 @@ class ReplicaLogReader:
 
     # ------------------------------------------------------------------ the loop
     def records(self, *, follow: bool, since: float | None) -> Iterator[LogRecord]:
+        outage = 0
         while True:
-            seen = self._observe(follow)
-            if seen is None:  # the API did not answer: try again (following) or make do with the store
-                if follow:
-                    yield from self._from_store_only(since)
-                    time.sleep(self.backend.config.log_poll_interval_s)
-                    continue
+            try:
+                done, pods = self._observe(follow)
+            except BackendError as exc:  # the API server did not answer: follow on, or make do with the store
+                status = _status_of(exc)
+                if status is not None and status < 500 and status != 429:
+                    raise  # refused (RBAC, a missing namespace): the one-line error says what to fix
+                before = sum(self.sent.values())
                 yield from self._from_store_only(since)
-                yield from self._explain_empty()
-                return
-            done, pods = seen
+                if not follow:
+                    if sum(self.sent.values()) == before:
+                        raise
+                    return
+                outage += 1
+                if outage == 1:
+                    yield LogRecord(self._cluster_now(), self.rank, "err", f"[diloco] {exc}; retrying")
+                time.sleep(min(MAX_BACKOFF_S, self.backend.config.log_poll_interval_s * 2 ** outage))
+                continue
+            outage = 0
             stream_latest = follow and not done
             for pod in pods:
                 self.history.setdefault(pod["metadata"]["name"], _PodLog())
@@ -111,23 +120,17 @@ class ReplicaLogReader:
                 return
             time.sleep(self.backend.config.log_poll_interval_s)
 
-    def _observe(self, follow: bool) -> tuple[bool, list[dict[str, Any]]] | None:
-        """Whether the replica is terminal, and its pods in attempt order; None when the API did not answer."""
+    def _observe(self, follow: bool) -> tuple[bool, list[dict[str, Any]]]:
+        """Whether the replica is terminal, and its pods in attempt order (one Job GET, one pod LIST)."""
         backend, handle = self.backend, self.handle
-        try:
-            job = backend._job(handle)
-            if job is None:
-                self.job_gone = True
-                return True, []
-            pods = backend._pods(handle).get(self.rank, [])
-            if not follow:
-                return True, pods
-            cancel = backend._read_state(handle.run_id, "cancel")
-            state = backend._replica(job, self.rank, pods, cancel).state
-        except BackendError as exc:
-            if _status_of(exc) is not None and _status_of(exc) < 500:  # type: ignore[operator]
-                raise  # refused (RBAC, a missing namespace): the one-line error says what to fix
-            return None
+        job = backend._job(handle)
+        if job is None:
+            self.job_gone = True
+            return True, []
+        pods = backend._pods(handle).get(self.rank, [])
+        if not follow:
+            return True, pods
+        state = backend._replica(job, self.rank, pods, backend._read_state(handle.run_id, "cancel")).state
         return state.is_terminal, pods
 
     def _attempt_order(self) -> list[str]:
