@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 from emulators.kube_nodes import stock_eks_nodes
 from emulators.kubernetes import KubernetesEmulator
+from polling import until
 
 from diloco.executors.base import EntrypointArgs, LaunchSpec
 from diloco.executors.kubernetes import KubernetesBackend, KubernetesBackendConfig
@@ -50,12 +51,7 @@ def _spec(run_id: str, replicas: int = 1) -> LaunchSpec:
 
 
 def _until(check: Any, limit_s: float = 20 * TIMEOUT_S) -> Any:
-    deadline = time.monotonic() + limit_s
-    while True:
-        value = check()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(0.05)
+    return until(check, limit_s)
 
 
 def test_an_unschedulable_replica_says_why_then_fails_after_the_timeout_and_its_job_is_deleted(

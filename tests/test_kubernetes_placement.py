@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from polling import until
 
 from diloco.errors import ConfigError
 from diloco.executors.base import EntrypointArgs, LaunchSpec
@@ -191,14 +192,7 @@ def _fake_spec(run_id: str, replicas: int, gpu: str, procs: int | None = None, s
 
 
 def _until(check: Any, limit_s: float = 60.0) -> Any:
-    import time
-
-    deadline = time.monotonic() + limit_s
-    while True:
-        value = check()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(0.05)
+    return until(check, limit_s)
 
 
 def test_on_a_stock_eks_cluster_a10g_replicas_bind_only_to_the_g5_node(tmp_path: Path) -> None:
