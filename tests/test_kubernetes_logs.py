@@ -319,7 +319,7 @@ def two_nodes(aws_env: str, s3_bucket: str, tmp_path: Path, monkeypatch: pytest.
 
 
 @pytest.mark.slow
-def test_logs_follow_across_a_node_going_notready_mid_run_shows_every_line_and_exits(
+def test_logs_follow_across_a_log_rotation_and_a_node_going_notready_shows_every_line_and_exits(
         two_nodes: KubernetesEmulator, s3_bucket: str, tmp_path: Path) -> None:
     from test_kubernetes_e2e import cli, start_cli
 
@@ -338,7 +338,11 @@ def test_logs_follow_across_a_node_going_notready_mid_run_shows_every_line_and_e
     reader = threading.Thread(target=lambda: out.extend(iter(follow.stdout.readline, "")), daemon=True)
     reader.start()
     try:
-        wait_until(lambda: "[r1] rank 1 line 20\n" in list(out), 120, "replica 1 followed to the gate")
+        wait_until(lambda: {"[r0] rank 0 line 20\n", "[r1] rank 1 line 20\n"} <= set(out), 120,
+                   "both replicas followed to the gate")
+        kept = pod_of(kube, run_id, 0)
+        assert kept is not None
+        kube.rotate_log(kept["metadata"]["name"])  # the kubelet rotates replica 0's log while it is followed
         lost = pod_of(kube, run_id, 1)
         assert lost is not None
         kube.set_node_ready(lost["spec"]["nodeName"], False)  # a spot reclaim: its process dies with the machine
@@ -356,7 +360,7 @@ def test_logs_follow_across_a_node_going_notready_mid_run_shows_every_line_and_e
     assert follow.returncode == 0 and "Traceback" not in stderr, stderr[-3000:]
     got = [line.rstrip("\n") for line in out]
     r0 = [line[5:] for line in got if line.startswith("[r0] rank 0 line")]
-    assert r0 == [f"rank 0 line {i}" for i in range(lines)], "replica 0: every line once, in order"
+    assert r0 == [f"rank 0 line {i}" for i in range(lines)], "replica 0: every line once, in order, across its rotation"
     r1 = [line[5:] for line in got if line.startswith("[r1] rank 1 line")]
     second = r1[r1.index("rank 1 line 0", 1):]
     assert second == [f"rank 1 line {i}" for i in range(lines)], "replica 1's new pod: every line once"
