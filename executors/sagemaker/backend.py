@@ -10,7 +10,6 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from diloco.envvars import CHECKPOINT_DIR
@@ -30,6 +29,7 @@ from diloco.logstream import LogRecord
 if TYPE_CHECKING:
     from diloco.doctor import Check, DoctorContext
 
+from diloco.executors.code_channel import bootstrap_environment, code_files, source_directory
 from diloco.executors.sagemaker.cloudwatch import (
     DESCRIBE_LOG_STREAMS_BURST,
     DESCRIBE_LOG_STREAMS_RATE_PER_S,
@@ -39,7 +39,6 @@ from diloco.executors.sagemaker.cloudwatch import (
     StreamCursor,
     stream_order,
 )
-from diloco.executors.sagemaker.code import BOOTSTRAP_SCRIPT, bootstrap_environment, build_wheel, pack_source
 from diloco.executors.sagemaker.config import (
     BOOTSTRAP_FILE,
     CODE_CHANNEL,
@@ -51,7 +50,6 @@ from diloco.executors.sagemaker.config import (
     RANK_TAG,
     ROLE_CHECK,
     RUN_TAG,
-    SOURCE_ARCHIVE,
     SageMakerBackendConfig,
     SageMakerRunHandle,
     default_spot_wait_s,
@@ -266,7 +264,7 @@ class SageMakerBackend(Backend[SageMakerBackendConfig, SageMakerRunHandle]):
         if self.ships_code:
             entrypoint = ["python", f"/opt/ml/input/data/{CODE_CHANNEL}/{BOOTSTRAP_FILE}"]
             arguments = ["-m", spec.entrypoint, *spec.entrypoint_argv()]
-            source = Path(self.config.source_dir or os.getcwd()).expanduser().resolve()
+            source = source_directory(self.config.source_dir)
             env.update(bootstrap_environment(spec, source))  # what the bootstrap installs, shown by --dry-run
         else:
             entrypoint = ["python", "-m", spec.entrypoint]
@@ -496,13 +494,10 @@ class SageMakerBackend(Backend[SageMakerBackendConfig, SageMakerRunHandle]):
 
     def _ship_code(self, spec: LaunchSpec, region: str) -> None:
         """Upload the wheel, the bootstrap and the source tarball to ``<base>/code/`` (the ``code`` channel)."""
-        source = Path(self.config.source_dir or os.getcwd()).expanduser().resolve()
-        archive = pack_source(source, int(self.config.max_source_mb * 2**20))
-        wheel_name, wheel = build_wheel()
+        files = code_files(source_directory(self.config.source_dir), self.config.max_source_mb)
         bucket, _, key = self.base_uri(spec)[len("s3://"):].partition("/")
         s3 = self.client("s3", region)
-        for name, data in ((wheel_name, wheel), (BOOTSTRAP_FILE, BOOTSTRAP_SCRIPT.encode()),
-                           (SOURCE_ARCHIVE, archive)):
+        for name, data in files:
             try:
                 s3.put_object(Bucket=bucket, Key=f"{key}/code/{name}", Body=data)
             except Exception as exc:  # noqa: BLE001
