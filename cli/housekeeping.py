@@ -14,6 +14,7 @@ import typer
 from diloco.cli import exit_codes
 from diloco.cli.errors import command
 from diloco.cli.render import FormatOpt, OutputFormat, emit, say
+from diloco.cli.tables import Column
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -37,22 +38,28 @@ def _action(run: Any, dry_run: bool) -> str:
     return "kept"
 
 
+#: The table of ``rm`` and ``prune``, in reading order.
+COLUMNS = (Column("run", essential=True), Column("created"), Column("state", essential=True),
+           Column("action", essential=True), Column("store objects", "right"), Column("store bytes", "right"),
+           Column("why kept", wrap=True))
+#: Most important first: a narrow terminal drops them from the end (the run id already says when it was created;
+#: why a run was kept is also said on stderr).
+PRIORITY = ("run", "state", "action", "store bytes", "why kept", "store objects", "created")
+
+
 def _render(console: Console, report: Any, empty: str) -> None:
-    from diloco.cli.views import _table, fmt_time, state_text
+    from diloco.cli.tables import fitted_table
+    from diloco.cli.views import fmt_time, state_text
 
     if not report.runs:
         console.print(empty)
         return
-    table = _table()
-    for name, justify in (("run", "left"), ("created", "left"), ("state", "left"), ("action", "left"),
-                          ("store objects", "right"), ("store bytes", "right"), ("why kept", "left")):
-        table.add_column(name, justify=justify, no_wrap=name != "why kept")  # type: ignore[arg-type]
-    for run in report.runs:
-        table.add_row(run.run_id or run.rendezvous_uri, fmt_time(run.created_at) if run.created_at else "-",
-                      state_text(run.state.value),
-                      _action(run, report.dry_run), str(run.store_objects) if run.removed else "-",
-                      fmt_bytes(run.store_bytes) if run.removed else "-", run.reason or "")
-    console.print(table)
+    rows = [{"run": run.run_id or run.rendezvous_uri, "created": fmt_time(run.created_at) if run.created_at else "-",
+             "state": state_text(run.state.value), "action": _action(run, report.dry_run),
+             "store objects": str(run.store_objects) if run.removed else "-",
+             "store bytes": fmt_bytes(run.store_bytes) if run.removed else "-", "why kept": run.reason or ""}
+            for run in report.runs]
+    console.print(fitted_table(COLUMNS, rows, width=console.width, priority=PRIORITY))
 
 
 def _narrate(report: Any) -> None:
@@ -66,8 +73,10 @@ def _narrate(report: Any) -> None:
             shown = ", ".join(run.store_kept[:3]) + (" ..." if len(run.store_kept) > 3 else "")
             say(f"{who}: {len(run.store_kept)} object(s) under {run.rendezvous_uri} were not written "
                 f"by diloco and were left alone ({shown})")
-        if not run.removed and not run.state.is_terminal and run.record_path:
-            say(f"{who} is {run.state.value}: not removed (stop it first: diloco cancel {run.run_id})")
+        if not run.removed and run.record_path and (run.going or not run.state.is_terminal):
+            # still going, whatever state it reads as (one failed replica makes it "failed" while the others run)
+            say(f"{who} not removed: {run.reason or f'it is {run.state.value}'}; stop it first with: "
+                f"diloco cancel {run.run_id}")
         elif not run.removed:  # also a prefix without a record here: its reason says what to do
             say(f"{who}: not removed: {run.reason}")
     if report.removed or report.kept:
@@ -90,7 +99,7 @@ def rm(
 
     A run still pending, running or cancelling is never removed: it is listed as kept and the exit code is 1
     (stop it first with diloco cancel RUN). Every RUN is looked up before anything is removed, so a typo
-    removes nothing (exit 2). Exits 0 when every run given was removed.
+    removes nothing (exit 2).
 
     --prefix URI removes what lies under a run's prefix without a record here (a launch whose own clean-up could
     not reach the store, a run recorded on another machine): all of it when the prefix's run.json names a run
@@ -126,8 +135,6 @@ def prune(
     """Remove every recorded run that ended more than AGE ago (by its last replica's end, else its creation time):
     its record, logs and store objects, as diloco rm does. Runs still going are listed as kept and left alone.
 
-    Exits 0 unless a finished run could not be removed (1, e.g. its store was unreachable).
-
     \b
     Examples:
       diloco prune --older-than 7d --dry-run   # what would go
@@ -141,7 +148,7 @@ def prune(
     emit(report, fmt, lambda console: _render(console, report, f"nothing to prune: no run ended more than "
                                                                 f"{older_than} ago"))
     _narrate(report)
-    if any(not run.removed and run.state.is_terminal for run in report.runs):
+    if any(not run.removed and run.state.is_terminal and not run.going for run in report.runs):
         raise typer.Exit(exit_codes.FAILED)
 
 

@@ -16,8 +16,8 @@ from diloco.cli.render import stderr_console
 from diloco.cli.views import fmt_duration, fmt_loss, fmt_num, fmt_step, replica_table
 
 if TYPE_CHECKING:
+    from rich.console import RenderableType
     from rich.live import Live
-    from rich.table import Table
 
     from diloco.orchestrate import RunReport
 
@@ -30,7 +30,7 @@ class RunProgress:
         self.interactive = sys.stderr.isatty() if interactive is None else interactive
         self.console = stderr_console()
         self._live: Live | None = None
-        self._last: Table | None = None
+        self._last: RenderableType | None = None
         self._seen: dict[int, tuple[str, int | None]] = {}
 
     def __enter__(self) -> RunProgress:

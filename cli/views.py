@@ -6,10 +6,9 @@ import datetime as _dt
 import shlex
 from typing import TYPE_CHECKING
 
-from rich import box
-from rich.table import Table
 from rich.text import Text
 
+from diloco.cli.tables import Column, FittedTable, fitted_table
 from diloco.errors import ERROR_PREFIX
 
 if TYPE_CHECKING:
@@ -56,18 +55,14 @@ def fmt_time(ts: float) -> str:
     return _dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
 
 
-def _table(title: str | None = None) -> Table:
-    """The one table style of the CLI: a rule under the header, no borders (easy to read, grep and paste)."""
-    return Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
-                 collapse_padding=True)
-
-
-#: The replica table's columns, most important first: narrow terminals drop them from the end of this list.
-COLUMNS = (("replica", "right"), ("state", "left"), ("step", "right"), ("round", "right"), ("eval loss", "right"),
-           ("train loss", "right"), ("tok/s", "right"), ("sync s", "right"), ("exit", "right"),
-           ("restarts", "right"))
-#: The order columns are shown in (a subset of COLUMNS, in reading order).
-_ORDER = ("replica", "state", "exit", "restarts", "step", "round", "train loss", "eval loss", "tok/s", "sync s")
+#: The replica table's columns, in reading order.
+REPLICA_COLUMNS = (Column("replica", "right", essential=True), Column("state", essential=True),
+                   Column("exit", "right"), Column("restarts", "right"), Column("step", "right"),
+                   Column("round", "right"), Column("train loss", "right"), Column("eval loss", "right"),
+                   Column("tok/s", "right"), Column("sync s", "right"))
+#: Most important first: a narrow terminal drops them from the end of this list.
+REPLICA_PRIORITY = ("replica", "state", "step", "round", "eval loss", "train loss", "tok/s", "sync s", "exit",
+                    "restarts")
 
 
 def _cells(rep: ReplicaReport) -> dict[str, str | Text]:
@@ -79,50 +74,39 @@ def _cells(rep: ReplicaReport) -> dict[str, str | Text]:
             "sync s": fmt_num(rep.sync_s, ".1f")}
 
 
-def _fitting_columns(rows: list[dict[str, str | Text]], width: int | None) -> list[str]:
-    """The most important columns whose widths (plus a separating space) fit in ``width``."""
-    if width is None:
-        return list(_ORDER)
-    kept: list[str] = []
-    used = 0
-    for name, _ in COLUMNS:
-        need = max([len(name)] + [len(str(r[name])) for r in rows]) + 2  # Rich pads every cell by one each side
-        if used + need > width and kept:
-            break
-        kept.append(name)
-        used += need
-    return [name for name in _ORDER if name in kept]
+def _replica_priority(report: RunReport) -> list[str]:
+    """``REPLICA_PRIORITY``, except that exit codes and restarts, once one is telling (a replica exited non-zero,
+    one was relaunched), outrank the throughput columns."""
+    telling = [name for name, show in (("exit", any(r.exit_code not in (None, 0) for r in report.ranks)),
+                                       ("restarts", any(r.restarts for r in report.ranks))) if show]
+    rest = [name for name in REPLICA_PRIORITY if name not in telling]
+    cut = rest.index("eval loss") + 1
+    return rest[:cut] + telling + rest[cut:]
 
 
-def replica_table(report: RunReport, *, title: str | None = None, width: int | None = None,
-                  max_rows: int | None = None) -> Table:
+def replica_table(report: RunReport, *, title: str | Text | None = None, width: int | None = None,
+                  max_rows: int | None = None) -> FittedTable:
     """Per replica: state, step/total, round, train/eval loss, tokens/s, seconds blocked in sync.
 
-    ``width`` drops the least important columns that do not fit; ``max_rows`` shows the replicas that most need
-    attention (failed, then not running, then the rest by rank) and one summary line for those hidden.
+    ``width`` drops the least important columns that do not fit (a footer names them); ``max_rows`` shows the
+    replicas that most need attention (failed, then not running, then the rest by rank) and one summary line for
+    those hidden.
     """
-    rows = [_cells(rep) for rep in report.ranks]
-    columns = _fitting_columns(rows, width)
-    justify = dict(COLUMNS)
-    table = _table(title)
-    for name in columns:
-        table.add_column(name, justify=justify[name], no_wrap=True)  # type: ignore[arg-type]
-    shown = list(range(len(rows)))
-    if max_rows is not None and len(rows) > max_rows:
+    shown = list(range(len(report.ranks)))
+    if max_rows is not None and len(shown) > max_rows:
         urgency = {"failed": 0, "cancelling": 1, "preempted": 1, "pending": 2, "unknown": 2}
         shown = sorted(shown, key=lambda i: (urgency.get(report.ranks[i].state.value, 3), i))[:max(1, max_rows - 1)]
         shown.sort()
-    for i in shown:
-        table.add_row(*(rows[i][name] for name in columns))
-    hidden = [report.ranks[i] for i in range(len(rows)) if i not in set(shown)]
+    fitted = fitted_table(REPLICA_COLUMNS, [_cells(report.ranks[i]) for i in shown], width=width,
+                          priority=_replica_priority(report), title=title)
+    hidden = [rep for i, rep in enumerate(report.ranks) if i not in set(shown)]
     if hidden:
         counts: dict[str, int] = {}
         for rep in hidden:
             counts[rep.state.value] = counts.get(rep.state.value, 0) + 1
         summary = ", ".join(f"{n} {state}" for state, n in sorted(counts.items()))
-        table.caption = f"+{len(hidden)} more replicas not shown: {summary}"
-        table.caption_justify = "left"
-    return table
+        fitted.notes.append(f"+{len(hidden)} more replicas not shown: {summary}")
+    return fitted
 
 
 def render_run(console: Console, report: RunReport) -> None:
@@ -130,7 +114,7 @@ def render_run(console: Console, report: RunReport) -> None:
     header = Text.assemble(("run ", ""), (report.run_id, "bold"), ": ", state_text(report.state.value),
                            f"  ({report.replicas} replicas, {report.backend})")
     console.print(header)
-    console.print(replica_table(report, width=console.width if console.is_terminal else None))
+    console.print(replica_table(report, width=console.width))
     if report.async_global_version is not None:
         console.print(async_line(report))
     if report.initial_eval_loss is not None and report.latest_eval_loss is not None:
@@ -240,22 +224,28 @@ def render_plan(console: Console, plan: LaunchPlan) -> None:
             console.print(json.dumps(request, indent=2, default=str))
 
 
+RUNS_COLUMNS = (Column("run", essential=True), Column("created"), Column("backend"), Column("replicas"),
+                Column("state", essential=True))
+#: The run id already says when it was created: the creation time goes first on a narrow terminal.
+RUNS_PRIORITY = ("run", "state", "backend", "replicas", "created")
+
+
 def render_runs(console: Console, runs: list[RunSummary]) -> None:
     if not runs:
         console.print("no runs yet: start one with `diloco launch`")
         return
-    table = _table()
-    for name in ("run", "created", "backend", "replicas", "state"):
-        table.add_column(name, no_wrap=True)
-    for r in runs:
-        table.add_row(r.run_id, fmt_time(r.created_at), r.backend, str(r.replicas), state_text(r.state.value))
-    console.print(table)
+    rows: list[dict[str, str | Text]] = [
+        {"run": r.run_id, "created": fmt_time(r.created_at), "backend": r.backend, "replicas": str(r.replicas),
+         "state": state_text(r.state.value)} for r in runs]
+    console.print(fitted_table(RUNS_COLUMNS, rows, width=console.width, priority=RUNS_PRIORITY))
+
+
+CANCEL_COLUMNS = (Column("replica", essential=True), Column("state", essential=True), Column("reason", wrap=True))
 
 
 def render_cancel(console: Console, report: RunReport) -> None:
-    table = _table(f"run {report.run_id}: {report.state.value}")
-    for name in ("replica", "state", "reason"):
-        table.add_column(name)
-    for rep in report.ranks:
-        table.add_row(f"r{rep.rank}", state_text(rep.state.value), rep.reason or "")
-    console.print(table)
+    rows: list[dict[str, str | Text]] = [
+        {"replica": f"r{rep.rank}", "state": state_text(rep.state.value), "reason": rep.reason or ""}
+        for rep in report.ranks]
+    title = Text.assemble("run ", (report.run_id, "bold"), ": ", state_text(report.state.value))
+    console.print(fitted_table(CANCEL_COLUMNS, rows, width=console.width, title=title))

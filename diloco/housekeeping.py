@@ -86,6 +86,7 @@ class RunRemoval(BaseModel):
     rendezvous_uri: str
     removed: bool  # True: gone (dry run: would be); False: kept, see ``reason``
     reason: str | None = None  # why it was kept
+    going: list[int] = Field(default_factory=list)  # replicas its backend sees not ended yet (stop: diloco cancel)
     record_path: str  # its registry record
     files: list[str] = Field(default_factory=list)  # what its backend removed of its own (local: the run directory)
     store_objects: int = 0  # objects removed from its rendezvous prefix
@@ -318,7 +319,7 @@ def remove_run(record: RunRecord, condition: RunCondition, *, registry: RunRegis
                      created_at=record.created_at, ended_at=condition.ended_at,
                      rendezvous_uri=record.rendezvous_uri, removed=False, record_path=str(registry.path(record.run_id)))
     if not condition.removable:
-        out.reason = kept_reason(condition)
+        out.reason, out.going = kept_reason(condition), list(condition.going)
         return out
     if not _remove_store_into(out, record.rendezvous_uri, record.run_id, dry_run=dry_run,
                               where=f" at {record.rendezvous_uri}"):

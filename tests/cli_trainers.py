@@ -18,11 +18,11 @@ def _metric(manager: Any, rank: int, rows: list[str], **row: Any) -> None:
 
 
 def crash_at_rank(*, manager: Any, rank: int, world_size: int, total_steps: int, sync_every: int,
-                  fail_rank: int = 1, **_: Any) -> None:
-    """Rank ``fail_rank`` raises; the others wait (as they would for its missing contribution)."""
+                  fail_rank: int = 1, wait_s: float = 120.0, **_: Any) -> None:
+    """Rank ``fail_rank`` raises; the others wait ``wait_s`` (as they would for its missing contribution)."""
     if rank == fail_rank:
         raise RuntimeError(f"injected failure at rank {rank}")
-    time.sleep(120)
+    time.sleep(wait_s)
 
 
 def slow(*, manager: Any, rank: int, world_size: int, total_steps: int, sync_every: int,
