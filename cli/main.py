@@ -1,10 +1,10 @@
 """The ``diloco`` command line: parse, load config, one call into ``diloco.orchestrate``, render.
 
-Data goes to stdout (a table, or JSON with ``-o json``), narration and progress to stderr. Exit codes (also in
-``diloco --help``): 0 all replicas succeeded, 1 a replica failed, 2 usage or config error (nothing launched),
-3 launch refused by the service, cluster or store (nothing launched or left), 4 cancelled, 124 timeout,
-130 interrupted. Heavy modules (torch, boto3, kubernetes) are imported only inside
-the commands that need them, so ``diloco --help`` starts fast.
+Data goes to stdout (a table, or JSON with ``-o json``), narration and progress to stderr. Exit codes of the
+commands that wait on a run (each command's ``--help`` lists its own, from ``help_texts``): 0 all replicas
+succeeded, 1 a replica failed, 2 usage or config error (nothing launched), 3 launch refused by the service,
+cluster or store (nothing launched or left), 4 cancelled, 124 timeout, 130 interrupted. Heavy modules (torch,
+boto3, kubernetes) are imported only inside the commands that need them, so ``diloco --help`` starts fast.
 """
 
 import json
@@ -17,13 +17,12 @@ import typer
 
 from diloco.cli import exit_codes
 from diloco.cli.errors import command
+from diloco.cli.help_texts import ENVIRONMENT, TOP_EPILOG
 from diloco.cli.render import FormatOpt, OutputFormat, emit, say, to_jsonable
 from diloco.errors import ConfigError, error_line
 
-EPILOG = ("Exit codes: 0 all replicas succeeded, 1 a replica failed, 2 usage or config error (nothing launched), "
-          "3 launch refused by the service, cluster or store (nothing launched or left), "
-          "4 cancelled, 124 timeout, 130 interrupted. Set DILOCO_DEBUG=1 for tracebacks, DILOCO_HOME for where "
-          "runs are recorded (default ~/.diloco).")
+#: Every command's help ends with its own exit codes (``help_texts.apply``, after the commands are registered).
+EPILOG = ENVIRONMENT
 
 app = typer.Typer(
     name="diloco",
@@ -34,7 +33,7 @@ app = typer.Typer(
          "  diloco status --watch                        # RUN defaults to the latest run\n"
          "  diloco logs -f                               # Ctrl-C stops following, never the run\n"
          "  diloco collect -o json                       # check the weights agree, write the model",
-    epilog=EPILOG,
+    epilog=TOP_EPILOG,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,  # help text is literal: "[r0]" stays "[r0]"
@@ -366,8 +365,7 @@ def status(
 ) -> None:
     """Show a run's replicas: state, step, round, losses, throughput, and why a replica failed.
 
-    Exits 0 once it has shown the run; with --watch it follows the run to its end and exits with the run's
-    outcome (0 succeeded, 1 failed, 4 cancelled; Ctrl-C: 130, the run is unaffected).
+    With --watch it follows the run to its end and exits with the run's outcome.
 
     \b
     Examples:
@@ -589,6 +587,10 @@ plot_commands.register(app, EPILOG)
 from diloco.cli import watch as watch_commands  # noqa: E402 - registers `watch` (launch's waiting, for a detached run)
 
 watch_commands.register(app, EPILOG, sys.modules[__name__])
+
+from diloco.cli import help_texts  # noqa: E402 - once every command is registered
+
+help_texts.apply(app)  # each command's one-line summary and its own exit codes
 
 
 # ------------------------------------------------------------------------------------------------ entry

@@ -104,7 +104,6 @@ def smoke(
     time and bytes, and the billable time and estimated cost where the backend bills.
 
     A smoke that would cost money refuses to start without --yes and says how much it expects (exit 2).
-    Exits 0 when every check passed, 1 when one failed, 124 when the replicas did not finish within --timeout.
 
     \b
     Examples:
@@ -147,7 +146,7 @@ def doctor(
     """Check what a launch on the backend needs (the local Python environment and run directory; credentials,
     region, S3 access and conditional writes, the SageMaker role and its bucket access, logs, the image,
     Kubernetes), each failure with its fix. Reads only, except a few probe objects it writes under the prefix
-    and the run directory, and deletes. Exits 0 when no check failed, 1 otherwise.
+    and the run directory, and deletes.
 
     \b
     Examples:

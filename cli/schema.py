@@ -1,5 +1,9 @@
 """The JSON every ``-o json`` command prints, as one JSON Schema document (``docs/output-schema.json``).
 
+``x-printed-by`` maps each command to the object it prints (``rm`` -> ``#/$defs/removal``); a test checks that
+every command taking ``-o json`` is in it. The document itself constrains nothing at its root, so it can be used as
+it is with a ``$ref`` to one object.
+
 Regenerate after changing a report model: ``python -m diloco.cli.schema > docs/output-schema.json``; a test fails
 while the file and the models disagree. Keys are only ever added within a ``schema_version``.
 """
@@ -31,33 +35,40 @@ def output_schema() -> dict[str, Any]:
 
     from diloco.doctor import DoctorReport
     from diloco.executors.base import LaunchPlan
+    from diloco.housekeeping import RemovalReport
     from diloco.orchestrate import RunReport, RunSummary
+    from diloco.plot import PlotReport
     from diloco.smoke import SmokeReport
 
     runs_list: type[BaseModel] = create_model("RunList", runs=(list[RunSummary], ...))
-    outputs = {
-        "run": (RunReport, "launch (with or without --detach), watch, status, collect, cancel"),
-        "runs": (runs_list, "runs"),
-        "plan": (LaunchPlan, "launch --dry-run"),
-        "doctor": (DoctorReport, "doctor"),
-        "smoke": (SmokeReport, "smoke"),
+    outputs: dict[str, tuple[type[BaseModel], tuple[str, ...]]] = {
+        "run": (RunReport, ("launch", "watch", "status", "collect", "cancel")),
+        "runs": (runs_list, ("runs",)),
+        "plan": (LaunchPlan, ("launch --dry-run",)),
+        "removal": (RemovalReport, ("rm", "prune")),
+        "plot": (PlotReport, ("plot",)),
+        "doctor": (DoctorReport, ("doctor",)),
+        "smoke": (SmokeReport, ("smoke",)),
     }
     defs: dict[str, Any] = {}
-    commands: dict[str, Any] = {}
+    printed_by: dict[str, str] = {}
     for name, (model, used_by) in outputs.items():
         schema = model.model_json_schema(ref_template="#/$defs/{model}")
         defs.update(schema.pop("$defs", {}))
         schema["properties"] = {"schema_version": {"const": SCHEMA_VERSION}, **schema.get("properties", {})}
-        schema["description"] = f"printed by: {used_by}"
+        schema["description"] = f"printed by: {', '.join(used_by)}" + (
+            " (launch with or without --detach)" if "launch" in used_by else "")
         defs[name] = schema
-        commands[name] = {"$ref": f"#/$defs/{name}"}
+        printed_by.update(dict.fromkeys(used_by, name))
     defs["log_line"] = {**LOG_LINE_SCHEMA, "description": "printed by: logs (one object per line)"}
-    commands["log_line"] = {"$ref": "#/$defs/log_line"}
+    printed_by["logs"] = "log_line"
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "title": f"diloco -o json output, schema_version {SCHEMA_VERSION}",
-        "description": "NaN and infinite numbers are printed as null (JSON has none).",
-        "properties": commands,
+        "description": "x-printed-by names the object each command prints, one of $defs: validate what "
+                       "`diloco rm -o json` prints against {\"$ref\": \"#/$defs/removal\"} in this document. "
+                       "NaN and infinite numbers are printed as null (JSON has none).",
+        "x-printed-by": dict(sorted(printed_by.items())),
         "$defs": dict(sorted(defs.items())),
     }
 
