@@ -75,7 +75,7 @@ def _narrate(report: Any) -> None:
                 f"by diloco and were left alone ({shown})")
         if not run.removed and run.record_path and (run.going or not run.state.is_terminal):
             # still going, whatever state it reads as (one failed replica makes it "failed" while the others run)
-            say(f"{who} not removed: {run.reason or f'it is {run.state.value}'}; stop it first with: "
+            say(f"{who} is still going ({run.reason or run.state.value}): not removed; stop it first with: "
                 f"diloco cancel {run.run_id}")
         elif not run.removed:  # also a prefix without a record here: its reason says what to do
             say(f"{who}: not removed: {run.reason}")
