@@ -57,8 +57,9 @@ class RunProgress:
         if self._live is not None:
             elapsed = fmt_duration(time.time() - report.created_at)
             size = self.console.size
+            # the rows, plus a title, the header, its rule and up to two notes (replicas not shown, columns hidden)
             self._last = replica_table(report, title=f"{report.run_id}: {report.state.value}, {elapsed} since launch",
-                                       width=size.width, max_rows=max(2, size.height - 4))
+                                       width=size.width, max_rows=max(2, size.height - 5))
             self._live.update(self._last)
             return
         for rep in report.ranks:
