@@ -110,3 +110,25 @@ def test_rm_of_a_run_still_going_names_the_command_that_stops_it(runs: dict[str,
     assert len(lines) == 1 and lines[0].endswith(f"diloco cancel {run_id}"), result.stderr
     assert "not removed" in lines[0] and "not ended" in lines[0], result.stderr
     assert run_cli("status", run_id, home=home).returncode == 0  # its record is still there
+
+
+def test_a_run_id_wider_than_the_terminal_folds_onto_more_lines_whole_never_cut() -> None:
+    """Below the narrowest width the essential columns need, their values fold (all characters kept) rather
+    than end in an ellipsis; everything droppable has gone and the footer says so."""
+    import io
+
+    from rich.console import Console
+
+    from diloco.cli.tables import Column, fitted_table
+
+    run_id = "diloco-20261201-093000-7c98aa11"
+    columns = (Column("run", essential=True), Column("state", essential=True), Column("created"))
+    out = io.StringIO()
+    Console(file=out, width=24, no_color=True).print(
+        fitted_table(columns, [{"run": run_id, "state": "succeeded", "created": "2026-12-01 09:30:00"}], width=24))
+    text = out.getvalue()
+    assert "…" not in text and max(len(line) for line in text.splitlines()) <= 24, text
+    rows = [line for line in text.splitlines()[2:] if line.strip()]
+    rows = rows[:next(i for i, line in enumerate(rows) if line.startswith("columns hidden:"))]
+    assert "".join(line.split()[0] for line in rows) == run_id, text
+    assert "succeeded" in text and "columns hidden: created" in " ".join(text.split()), text
