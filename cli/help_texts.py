@@ -8,8 +8,12 @@ run. The codes follow README's "Exit codes" table; ``apply`` sets both on the re
 
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass
 from typing import Any
+
+#: The width help is written for (click's own limit).
+HELP_WIDTH = 80
 
 #: The last paragraph of every command's help.
 ENVIRONMENT = "Set DILOCO_DEBUG=1 for tracebacks, DILOCO_HOME for where runs are recorded (default ~/.diloco)."
@@ -17,10 +21,12 @@ ENVIRONMENT = "Set DILOCO_DEBUG=1 for tracebacks, DILOCO_HOME for where runs are
 #: The top-level help's epilog: the codes of the commands that wait on a run, and where the others are.
 TOP_EPILOG = ("Exit codes of launch, watch and collect: 0 all replicas succeeded (and the final weights agree), "
               "1 a replica failed, 2 usage or config error (nothing launched), 3 launch refused by the service, "
-              "cluster or store (nothing launched or left), 4 cancelled, 124 timeout, 130 interrupted. "
+              "cluster or store (nothing launched or left), 4 cancelled, 5 succeeded with replicas left behind "
+              "(--min-replicas), 124 timeout, 130 interrupted. "
               "`diloco COMMAND --help` lists each command's own. " + ENVIRONMENT)
 
 _USAGE = "usage error or unknown RUN: nothing was done"
+_LEFT_BEHIND = "succeeded without the replicas it left behind (--min-replicas)"
 
 
 @dataclass(frozen=True)
@@ -31,10 +37,15 @@ class CommandHelp:
     exit_codes: tuple[tuple[int, str], ...]
 
     def epilog(self) -> str:
-        """``Exit codes:`` one per line (click keeps a ``\\b`` paragraph as written), then the environment."""
+        """``Exit codes:``, one code a line with its meaning wrapped beside it to fit 80 columns (click keeps a
+        ``\\b`` paragraph as written, under its own two-space indent), then the environment."""
         width = max(len(str(code)) for code, _ in self.exit_codes)
-        lines = "\n".join(f"  {str(code).ljust(width)}  {meaning}" for code, meaning in self.exit_codes)
-        return f"\b\nExit codes:\n{lines}\n\n{ENVIRONMENT}"
+        lines = []
+        for code, meaning in self.exit_codes:
+            wrapped = textwrap.wrap(meaning, width=HELP_WIDTH - 2 - (2 + width + 2), break_on_hyphens=False)
+            lines.append(f"  {str(code).ljust(width)}  {wrapped[0]}")
+            lines += [f"  {' ' * width}  {more}" for more in wrapped[1:]]
+        return "\b\nExit codes:\n" + "\n".join(lines) + f"\n\n{ENVIRONMENT}"
 
 
 COMMANDS: dict[str, CommandHelp] = {
@@ -44,6 +55,7 @@ COMMANDS: dict[str, CommandHelp] = {
         (2, "usage or config error: nothing was launched"),
         (3, "refused by the service, cluster or store: nothing was launched or left"),
         (4, "the run was cancelled"),
+        (5, _LEFT_BEHIND),
         (124, "a replica reached the run's time limit (--timeout)"),
         (130, "interrupted (Ctrl-C): the run keeps going, unless --cancel-on-interrupt"),
     )),
@@ -52,6 +64,7 @@ COMMANDS: dict[str, CommandHelp] = {
         (1, "a replica failed for good, or the final weights disagree or could not be checked"),
         (2, _USAGE),
         (4, "the run was cancelled"),
+        (5, _LEFT_BEHIND),
         (124, "a replica reached the run's time limit (--timeout)"),
         (130, "interrupted (Ctrl-C): stops watching, the run keeps going"),
     )),
@@ -60,6 +73,7 @@ COMMANDS: dict[str, CommandHelp] = {
         (1, "the run could not be read (the message says why); --watch: a replica failed"),
         (2, _USAGE),
         (4, "--watch: the run was cancelled"),
+        (5, f"--watch: {_LEFT_BEHIND}"),
         (124, "--watch: a replica reached the run's time limit"),
         (130, "interrupted (Ctrl-C): the run is unaffected"),
     )),
@@ -74,6 +88,7 @@ COMMANDS: dict[str, CommandHelp] = {
         (1, "a replica failed, or the final weights disagree or could not be checked"),
         (2, "usage error, unknown RUN or unusable --output: nothing was waited for"),
         (4, "the run was cancelled"),
+        (5, f"{_LEFT_BEHIND}; the model was written"),
         (124, "--timeout reached (the run goes on), or a replica reached the run's time limit"),
         (130, "interrupted (Ctrl-C): the run keeps going"),
     )),
