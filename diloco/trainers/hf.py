@@ -9,6 +9,8 @@ evaluate after each round with ``diloco.report``. What it adds is what a real mo
 * **Model**: ``model=`` a hub name or a local ``save_pretrained`` directory (``AutoModelForCausalLM``), or
   ``model_config=`` a dict with ``model_type`` (e.g. ``{"model_type": "llama", "hidden_size": 64, ...}``) for a
   fresh model, initialised from ``seed`` so every replica starts from identical weights without a broadcast.
+  A hub name (``model`` or ``tokenizer``) is checked first (``diloco.trainers.hub``): from the cache when the
+  Hub cannot be reached, else a one-line ``ConfigError`` in seconds, before torch is imported.
 * **Data**: ``data=`` a local file or directory, or an ``s3://`` prefix (read through ``diloco.store``, so the
   run's S3 settings apply), holding ``.txt``/``.md`` (one document per file), ``.jsonl`` (one document per line,
   ``text_field``) and ``.parquet`` (column ``text_field``; needs pyarrow) files, read in key order. Documents are
