@@ -68,6 +68,7 @@ def test_the_readme_trainer_is_the_file_the_tests_run() -> None:
     assert body == readme_trainer()
 
 
+@pytest.mark.slow
 def test_the_readme_trainer_gives_every_replica_its_own_batches(home: Path, tmp_path: Path) -> None:
     """The README's file saved as ``mypkg/train.py``, the README's command from that folder, 2 replicas and 2
     rounds: the replicas' train losses differ at round 1 (the same batches everywhere would give equal ones, since
