@@ -155,9 +155,10 @@ def _add_async_status(report: RunReport, store: ObjectStore) -> None:
 
 # ---------------------------------------------------------------------------------------------- plan/launch
 def rendezvous_for(cfg: RunConfig, run_id: str) -> str:
-    """The run's rendezvous URI: the configured one with ``{run_id}`` expanded, else the backend's default."""
+    """The run's rendezvous URI: the configured one with ``{run_id}`` expanded (a plain path as its absolute
+    ``file://`` URI, ``local_store_uri``), else the backend's default."""
     if cfg.store.rendezvous:
-        return cfg.store.rendezvous.replace("{run_id}", run_id).rstrip("/")
+        return local_store_uri(cfg.store.rendezvous).replace("{run_id}", run_id).rstrip("/")
     default = cfg.backend.default_rendezvous(run_id)
     if default is None:  # RunConfig validation rejects this already; kept for configs built by hand
         raise ConfigError(f"store.rendezvous: required for the {cfg.backend.kind} backend")
@@ -243,12 +244,23 @@ def check_trainer(cfg: RunConfig) -> RunConfig:
     return cfg.model_copy(update={"train": cfg.train.model_copy(update={"trainer_kwargs": kwargs})})
 
 
+def local_store_uri(uri: str) -> str:
+    """A rendezvous without a scheme is a local directory: its ``file://`` URI, with ``~`` expanded and a relative
+    path made absolute against the launcher's working directory. The replicas, and every later command (from
+    whatever directory it is typed), then meet the same store, and it gets the checks a ``file://`` URI gets.
+    URIs with a scheme are returned as they are."""
+    if "://" in uri:
+        return uri
+    return f"file://{os.path.abspath(os.path.expanduser(uri))}"
+
+
 #: Where no run's data belongs: kernel filesystems accept a path and then refuse every write.
 _PSEUDO_FILESYSTEMS = ("/proc", "/sys", "/dev")
 
 
 def check_rendezvous(uri: str, *, probe: bool) -> None:
-    """``ConfigError`` (exit 2, nothing launched) for a ``file://`` rendezvous the replicas could not use.
+    """``ConfigError`` (exit 2, nothing launched) for a local rendezvous (``file://`` or a plain path, see
+    ``local_store_uri``) the replicas could not use.
 
     Without ``probe`` (a dry run) it only looks: the path is absolute, not on a kernel filesystem, and its nearest
     existing ancestor is a writable directory. With ``probe`` it also creates the directory and writes, reads
@@ -257,12 +269,14 @@ def check_rendezvous(uri: str, *, probe: bool) -> None:
     """
     from pathlib import Path
 
+    uri = local_store_uri(uri)
     if not uri.startswith("file://"):
         return
     raw = uri[len("file://"):]
     if not raw.startswith("/"):
         raise ConfigError(f"store.rendezvous: a file:// URI needs an absolute path (got {uri!r})",
-                          hint="e.g. file:///data/diloco/{run_id}")
+                          hint="e.g. file:///data/diloco/{run_id}, or a plain path (relative and ~/ paths are "
+                               "resolved at launch)")
     path = Path(raw)
     if any(raw == p or raw.startswith(p + "/") for p in _PSEUDO_FILESYSTEMS):
         raise ConfigError(f"store.rendezvous: {raw} is on a kernel filesystem, which cannot hold files",
@@ -323,8 +337,12 @@ def require_conditional_create(store: ObjectStore, cfg: RunConfig) -> None:
 
 def preflight(cfg: RunConfig) -> RunConfig:
     """Everything about the config checkable before anything is launched, without side effects (``--dry-run``
-    runs it too); returns the config with the trainer's kwargs coerced."""
+    runs it too); returns the config with the trainer's kwargs coerced and a plain-path rendezvous as its absolute
+    ``file://`` URI (what the run record keeps)."""
     cfg = check_trainer(cfg)
+    if cfg.store.rendezvous:
+        cfg = cfg.model_copy(update={"store": cfg.store.model_copy(
+            update={"rendezvous": local_store_uri(cfg.store.rendezvous)})})
     check_rendezvous(rendezvous_for(cfg, "{run_id}"), probe=False)
     if cfg.metrics.tensorboard is not None:
         from diloco.tensorboard import check_tensorboard
