@@ -177,10 +177,19 @@ def build_spec(cfg: RunConfig, run_id: str) -> LaunchSpec:
                           compression=cfg.store.compression, error_feedback=cfg.store.error_feedback,
                           spread=cfg.store.spread,
                           min_replicas=cfg.min_replicas, procs_per_replica=cfg.train.procs_per_replica,
-                          tensorboard=cfg.metrics.tensorboard)
+                          tensorboard=_tensorboard_for(cfg, run_id))
     return LaunchSpec(run_id=run_id, replicas=cfg.replicas, entrypoint_args=args, gpu=cfg.gpu,
                       timeout_s=cfg.timeout_s, spec_uri=f"{args.rendezvous_uri}/{SPEC_KEY}",
                       max_restarts=cfg.max_restarts)
+
+
+def _tensorboard_for(cfg: RunConfig, run_id: str) -> str | None:
+    """The run's own TensorBoard directory, ``DIR/<run_id>`` (``diloco.tensorboard.run_directory``), or None."""
+    if cfg.metrics.tensorboard is None:
+        return None
+    from diloco.tensorboard import run_directory
+
+    return run_directory(cfg.metrics.tensorboard, run_id)
 
 
 def _mode_kwarg(cfg: RunConfig) -> dict[str, str]:
@@ -249,13 +258,9 @@ def local_store_uri(uri: str) -> str:
     path made absolute against the launcher's working directory. The replicas, and every later command (from
     whatever directory it is typed), then meet the same store, and it gets the checks a ``file://`` URI gets.
     URIs with a scheme are returned as they are."""
-    if "://" in uri:
-        return uri
-    return f"file://{os.path.abspath(os.path.expanduser(uri))}"
+    from diloco.local_dirs import absolute_path
 
-
-#: Where no run's data belongs: kernel filesystems accept a path and then refuse every write.
-_PSEUDO_FILESYSTEMS = ("/proc", "/sys", "/dev")
+    return uri if "://" in uri else f"file://{absolute_path(uri)}"
 
 
 def check_rendezvous(uri: str, *, probe: bool) -> None:
@@ -263,11 +268,13 @@ def check_rendezvous(uri: str, *, probe: bool) -> None:
     ``local_store_uri``) the replicas could not use.
 
     Without ``probe`` (a dry run) it only looks: the path is absolute, not on a kernel filesystem, and its nearest
-    existing ancestor is a writable directory. With ``probe`` it also creates the directory and writes, reads
-    and deletes one small object, so a read-only mount fails here, in a second, not in every replica. Other
-    schemes are checked by the store on first use (``diloco doctor`` checks S3 in depth).
+    existing ancestor is a writable directory (``diloco.local_dirs``). With ``probe`` it also creates the directory
+    and writes, reads and deletes one small object, so a read-only mount fails here, in a second, not in every
+    replica. Other schemes are checked by the store on first use (``diloco doctor`` checks S3 in depth).
     """
     from pathlib import Path
+
+    from diloco.local_dirs import check_writable_dir
 
     uri = local_store_uri(uri)
     if not uri.startswith("file://"):
@@ -278,18 +285,7 @@ def check_rendezvous(uri: str, *, probe: bool) -> None:
                           hint="e.g. file:///data/diloco/{run_id}, or a plain path (relative and ~/ paths are "
                                "resolved at launch)")
     path = Path(raw)
-    if any(raw == p or raw.startswith(p + "/") for p in _PSEUDO_FILESYSTEMS):
-        raise ConfigError(f"store.rendezvous: {raw} is on a kernel filesystem, which cannot hold files",
-                          hint="use a directory on a disk, e.g. under $HOME or /tmp")
-    existing = path
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise ConfigError(f"store.rendezvous: {existing} is a file, so {raw} cannot be a directory",
-                          hint="choose a path that is (or can become) a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"store.rendezvous: cannot create or write {raw}: {existing} is not writable "
-                          f"(read-only or permission denied)", hint="choose a writable directory")
+    check_writable_dir(raw, "store.rendezvous")
     if not probe:
         return
     from diloco.store import ObjectStore
@@ -337,17 +333,20 @@ def require_conditional_create(store: ObjectStore, cfg: RunConfig) -> None:
 
 def preflight(cfg: RunConfig) -> RunConfig:
     """Everything about the config checkable before anything is launched, without side effects (``--dry-run``
-    runs it too); returns the config with the trainer's kwargs coerced and a plain-path rendezvous as its absolute
-    ``file://`` URI (what the run record keeps)."""
+    runs it too); returns the config with the trainer's kwargs coerced, a plain-path rendezvous as its absolute
+    ``file://`` URI and a local TensorBoard directory as its absolute path (what the run record keeps: later
+    commands, from whatever directory, mean the same places)."""
     cfg = check_trainer(cfg)
     if cfg.store.rendezvous:
         cfg = cfg.model_copy(update={"store": cfg.store.model_copy(
             update={"rendezvous": local_store_uri(cfg.store.rendezvous)})})
     check_rendezvous(rendezvous_for(cfg, "{run_id}"), probe=False)
     if cfg.metrics.tensorboard is not None:
-        from diloco.tensorboard import check_tensorboard
+        from diloco.tensorboard import check_tensorboard, normalized
 
         check_tensorboard(cfg.metrics.tensorboard, on_this_machine=not cfg.backend.places_replicas)
+        cfg = cfg.model_copy(update={"metrics": cfg.metrics.model_copy(
+            update={"tensorboard": normalized(cfg.metrics.tensorboard)})})
     return cfg
 
 
@@ -383,6 +382,10 @@ def launch(cfg: RunConfig, registry: RunRegistry | None = None, *, force: bool =
     spec = plan.spec
     uri = spec.entrypoint_args.rendezvous_uri
     check_rendezvous(uri, probe=True)
+    if cfg.metrics.tensorboard is not None:
+        from diloco.tensorboard import check_tensorboard
+
+        check_tensorboard(cfg.metrics.tensorboard, on_this_machine=not cfg.backend.places_replicas, probe=True)
     store = ObjectStore(uri)
     owned = wrote = False  # the prefix is this launch's (it was empty); something was written to it
     try:
