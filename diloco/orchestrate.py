@@ -381,11 +381,11 @@ def launch(cfg: RunConfig, registry: RunRegistry | None = None, *, force: bool =
     registry.prepare()  # an unwritable DILOCO_HOME fails here, before the store is touched
     spec = plan.spec
     uri = spec.entrypoint_args.rendezvous_uri
-    check_rendezvous(uri, probe=True)
-    if cfg.metrics.tensorboard is not None:
+    if cfg.metrics.tensorboard is not None:  # first: its probe leaves nothing, the rendezvous probe a directory
         from diloco.tensorboard import check_tensorboard
 
         check_tensorboard(cfg.metrics.tensorboard, on_this_machine=not cfg.backend.places_replicas, probe=True)
+    check_rendezvous(uri, probe=True)
     store = ObjectStore(uri)
     owned = wrote = False  # the prefix is this launch's (it was empty); something was written to it
     try:

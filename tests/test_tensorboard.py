@@ -204,3 +204,38 @@ def test_a_cloud_backend_needs_an_s3_prefix() -> None:
         check_tensorboard("/tmp/tb", on_this_machine=False)
     assert refused.value.hint is not None and "s3://" in refused.value.hint
     check_tensorboard("s3://bucket/tb", on_this_machine=False)
+
+
+def test_the_writer_gives_every_tag_one_event_per_step_with_progress_between_rounds(tmp_path: Path) -> None:
+    """The replica's real metrics writer, driven as the outer loop drives it, with a progress snapshot at every
+    step (the shortest interval): rounds at 4 and 8, evaluations amending them, the final row at 8."""
+    import time
+
+    from diloco.metrics import MIN_RATE_WINDOW_S, MetricsWriter
+    from diloco.tensorboard import TensorBoardWriter
+
+    store = ObjectStore("memory://tensorboard-writer")
+    metrics = MetricsWriter(store, 0, total_steps=8, progress_interval_s=1e-6)
+    board = TensorBoardWriter(str(tmp_path / "tb"), 0)
+    metrics.add_listener(board.on_row)
+    metrics.begin(0)
+    for step in range(1, 9):
+        if step == 2:
+            time.sleep(MIN_RATE_WINDOW_S)  # long enough for a first tokens/s
+        metrics.report({"train_loss": 1.0 / step, "tokens": 100})
+        if step % 4:
+            metrics.on_step(step)
+        else:
+            metrics.on_round(step)
+            metrics.report({"eval_loss": 2.0 / step})  # amends the round's row
+    metrics.finish(8)
+    metrics.close()
+    board.close()
+
+    counts = events_per_step(tmp_path / "tb" / "rank_0000")
+    assert all(n == 1 for steps in counts.values() for n in steps.values()), counts
+    assert sorted(counts["loss/eval"]) == [4, 8] and sorted(counts["loss/train"]) == [0, 4, 8]
+    rates = scalars(tmp_path / "tb" / "rank_0000", "throughput/tokens_per_s")
+    rows = {r["step"]: r for r in history(store, 0) if r["kind"] == "round"}
+    assert {4, 8} <= set(rates) and {5, 6, 7} & set(rates)  # each round's own rate, and snapshots between them
+    assert all(rates[s] == pytest.approx(rows[s]["tokens_per_s"]) for s in (4, 8))
