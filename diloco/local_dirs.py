@@ -18,6 +18,19 @@ from diloco.errors import ConfigError
 PSEUDO_FILESYSTEMS = ("/proc", "/sys", "/dev")
 
 
+#: Schemes a path written as ``scheme:/...`` almost surely meant as a URI, one slash short.
+URI_SCHEMES = ("s3", "file", "memory", "gs", "gcs", "az", "abfs", "http", "https")
+
+
+def refuse_scheme_without_slashes(value: str, field: str, *, example: str) -> None:
+    """``ConfigError`` for ``s3:/bucket/x`` and the like: taken as a path it would quietly become a local
+    directory named ``s3:`` under the working directory."""
+    scheme = value.split(":", 1)[0].lower() if ":" in value and "://" not in value else ""
+    if scheme in URI_SCHEMES:
+        raise ConfigError(f"{field}: {value!r} is neither a path nor a URI ({scheme}: needs two slashes)",
+                          hint=f"write {scheme}://... (e.g. {example}), or a plain path")
+
+
 def absolute_path(path: str) -> str:
     """``path`` with ``~`` expanded and made absolute against this process's working directory."""
     return os.path.abspath(os.path.expanduser(path))

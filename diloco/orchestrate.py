@@ -257,10 +257,14 @@ def local_store_uri(uri: str) -> str:
     """A rendezvous without a scheme is a local directory: its ``file://`` URI, with ``~`` expanded and a relative
     path made absolute against the launcher's working directory. The replicas, and every later command (from
     whatever directory it is typed), then meet the same store, and it gets the checks a ``file://`` URI gets.
-    URIs with a scheme are returned as they are."""
-    from diloco.local_dirs import absolute_path
+    URIs with a scheme are returned as they are; a scheme missing a slash (``s3:/bucket``) is refused rather than
+    taken for a local directory of that name."""
+    from diloco.local_dirs import absolute_path, refuse_scheme_without_slashes
 
-    return uri if "://" in uri else f"file://{absolute_path(uri)}"
+    if "://" in uri:
+        return uri
+    refuse_scheme_without_slashes(uri, "store.rendezvous", example="s3://<bucket>/diloco/{run_id}")
+    return f"file://{absolute_path(uri)}"
 
 
 def check_rendezvous(uri: str, *, probe: bool) -> None:

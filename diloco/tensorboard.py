@@ -43,7 +43,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from diloco.errors import ConfigError
-from diloco.local_dirs import absolute_path, check_writable_dir
+from diloco.local_dirs import absolute_path, check_writable_dir, refuse_scheme_without_slashes
 
 log = logging.getLogger("diloco.tensorboard")
 FIELD = "metrics.tensorboard (--tensorboard)"
@@ -71,6 +71,7 @@ def check_tensorboard(directory: str, *, on_this_machine: bool = True, probe: bo
     if not isinstance(directory, str) or not directory.strip():
         raise ConfigError(f"{FIELD}: empty directory",
                           hint="pass a local directory or an s3:// prefix, e.g. --tensorboard ./tb")
+    refuse_scheme_without_slashes(directory, FIELD, example="s3://<bucket>/tb")
     scheme = _scheme(directory)
     if scheme not in ("", "file", "s3"):
         raise ConfigError(f"{FIELD}: {directory} is a {scheme}:// URI; events are written to a local directory or "

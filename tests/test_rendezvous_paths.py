@@ -103,3 +103,12 @@ def test_a_relative_or_home_path_is_planned_as_its_absolute_file_uri(tmp_path: P
     run_id = plan["spec"]["run_id"]
     assert plan["spec"]["entrypoint_args"]["rendezvous_uri"] == f"file://{tmp_path}/meet/{run_id}"
     assert not (tmp_path / "meet").exists() and not (tmp_path / "~").exists()  # a dry run creates nothing
+
+
+@pytest.mark.parametrize("uri", ["s3:/bucket/diloco/{run_id}", "file:/tmp/diloco/{run_id}"])
+def test_a_scheme_missing_a_slash_is_refused_not_taken_for_a_directory(tmp_path: Path, uri: str) -> None:
+    home = tmp_path / "diloco-home"
+    result = diloco(*LAUNCH, "--rendezvous", uri, "--dry-run", home=home, cwd=tmp_path)
+    assert result.returncode == exit_codes.USAGE, result.stderr
+    assert "store.rendezvous:" in error_line(result) and "needs two slashes" in error_line(result)
+    assert list(tmp_path.iterdir()) == []

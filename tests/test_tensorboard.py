@@ -143,6 +143,7 @@ def test_without_the_package_the_replica_refuses_in_one_line_before_training(tmp
 
 @pytest.mark.parametrize(("directory", "message"), [
     ("gs://bucket/tb", "is a gs:// URI"),
+    ("s3:/bucket/tb", "s3: needs two slashes"),
     ("  ", "empty directory"),
 ])
 def test_check_tensorboard_refuses_what_it_cannot_write(directory: str, message: str) -> None:
