@@ -157,7 +157,7 @@ class RunRegistry:
             return self.load(ref)
         ref = ref.lower()  # case-insensitive: a suffix copied from a capitalised note still matches
         ids = self.ids()
-        # A prefix ("diloco-20240101-1203"), else any unique part, e.g. the random suffix or a few characters of it ("k7q2").
+        # A prefix ("diloco-20240101-1203"), else any unique part, e.g. a few characters of the suffix ("k7q2").
         matches = [i for i in ids if i.lower().startswith(ref)] or [i for i in ids if ref in i.lower()]
         if len(matches) == 1:
             return self.load(matches[0])
