@@ -7,7 +7,8 @@ Layout under ``$DILOCO_HOME`` (default ``~/.diloco``)::
     runs/<run_id>/logs/rank_<r> a local replica's logs and exit record
 
 ``status``, ``logs``, ``collect`` and ``cancel`` take a run id, ``latest`` (the default), or an unambiguous
-prefix or part of a run id (e.g. its 8-character suffix, or a few characters of it). An unknown id raises ``RunNotFound`` with a hint to list runs.
+prefix or part of a run id (e.g. its 8-character suffix, or a few characters of it). An unknown id raises
+``RunNotFound`` with a hint to list runs.
 """
 
 from __future__ import annotations

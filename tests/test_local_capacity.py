@@ -56,7 +56,8 @@ def test_the_builtin_trainer_is_sized_from_its_model_and_data() -> None:
 def test_other_trainers_get_the_documented_default_or_the_configured_size() -> None:
     assert estimate_capacity(other_spec(2)).per_replica_bytes == (OTHER_TRAINER_MIB + SUPERVISOR_MIB) * MIB
     sized = estimate_capacity(other_spec(2), memory_per_replica_mb=3000)
-    assert sized.per_replica_bytes == (3000 + SUPERVISOR_MIB) * MIB and sized.basis.startswith("backend.memory_per_replica_mb")
+    assert sized.per_replica_bytes == (3000 + SUPERVISOR_MIB) * MIB
+    assert sized.basis.startswith("backend.memory_per_replica_mb")
 
 
 def test_cores_and_memory_each_limit_the_replicas() -> None:

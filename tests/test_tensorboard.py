@@ -176,7 +176,8 @@ def test_a_directory_that_cannot_be_written_is_refused_before_anything_starts(tm
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
-    assert lines[0].startswith(f"diloco: error: metrics.tensorboard (--tensorboard): cannot create or write {tmp_path}/ro/tb")
+    assert lines[0].startswith(f"diloco: error: metrics.tensorboard (--tensorboard): cannot create or write "
+                               f"{tmp_path}/ro/tb")
     assert "read-only" in lines[0]
     assert processes_with_env("DILOCO_HOME", str(tmp_path / "home")) == {}  # not one replica started
     assert not list((tmp_path / "home").glob("runs/*"))
