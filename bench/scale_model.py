@@ -102,7 +102,8 @@ class Assumptions:
     instance_bytes_per_s: float = 10e9 / 8
     #: Time to first byte of one S3 request (tens of ms for small objects, per AWS's performance guide).
     request_latency_s: float = 0.03
-    #: ``store.poll_interval_s``'s default: a rank notices a peer's object half an interval late on average.
+    #: ``store.poll_interval_s``: a rank notices a peer's object half an interval late on average. 1 s, between
+    #: the built-in default (0.2 s) and what ``configs/sagemaker.yaml`` and ``configs/eks.yaml`` set (2 s).
     poll_interval_s: float = 1.0
     #: HEADs per awaited object: 1 is the minimum (every peer already there when polled).
     polls_per_object: float = 1.0

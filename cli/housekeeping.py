@@ -86,7 +86,7 @@ def _narrate(report: Any) -> None:
 
 
 def rm(
-    runs: Annotated[list[str] | None, typer.Argument(help="Run ids, unique parts of them (e.g. the 4-hex suffix), "
+    runs: Annotated[list[str] | None, typer.Argument(help="Run ids, unique parts of them (e.g. the 8-character suffix), "
                                                           "or 'latest'.", metavar="RUN", show_default=False)] = None,
     prefix: Annotated[list[str] | None, typer.Option("--prefix", help="A run's store prefix (its rendezvous URI) "
                                                      "to remove even without a record here (repeatable).",

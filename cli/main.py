@@ -55,7 +55,7 @@ def _complete_backends(incomplete: str) -> list[str]:
     return [name for name in backend_names() if name.startswith(incomplete)]
 
 
-RunArg = Annotated[str | None, typer.Argument(help="Run id, a unique part of one (e.g. its 4-hex suffix), or "
+RunArg = Annotated[str | None, typer.Argument(help="Run id, a unique part of one (e.g. its 8-character suffix), or "
                                                        "'latest' (default).", metavar="RUN", show_default=False,
                                               autocompletion=_complete_run_ids)]
 

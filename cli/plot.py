@@ -24,7 +24,7 @@ def _render(console: Console, report: Any) -> None:
 
 
 def plot(
-    run: Annotated[str | None, typer.Argument(help="Run id, a unique part of one (e.g. its 4-hex suffix), or "
+    run: Annotated[str | None, typer.Argument(help="Run id, a unique part of one (e.g. its 8-character suffix), or "
                                                    "'latest' (default).", metavar="RUN", show_default=False)] = None,
     output: Annotated[str | None, typer.Option("--output", help="Where to write the PNG: a file, or a directory "
                                                   "to write <run_id>-curves.png in (default: the current "

@@ -57,7 +57,7 @@ def _cli_main() -> ModuleType:
 
 
 def watch(
-    run: Annotated[str | None, typer.Argument(help="Run id, a unique part of one (e.g. its 4-hex suffix), or "
+    run: Annotated[str | None, typer.Argument(help="Run id, a unique part of one (e.g. its 8-character suffix), or "
                                                    "'latest' (default).", metavar="RUN", show_default=False)] = None,
     max_restarts: Annotated[int, typer.Option("--max-restarts", min=0, help="Relaunch a failed replica up to N "
                                               "times while watching (it rejoins at its peers' round); 0 never.",

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, model_validator
 
-from diloco.defaults import DEFAULT_MAX_RESTARTS, DEFAULT_TRAINER
+from diloco.defaults import DEFAULT_MAX_RESTARTS, DEFAULT_POLL_INTERVAL_S, DEFAULT_TRAINER
 from diloco.errors import ConfigError
 from diloco.executors import DEFAULT_BACKEND
 from diloco.executors.base import BackendConfig
@@ -43,7 +43,8 @@ class StoreConfig(_Strict):
 
     rendezvous: str | None = None  # URI; "{run_id}" expands; local default: file://$DILOCO_HOME/runs/<id>/store
     timeout_s: float = Field(1800.0, gt=0)  # how long a replica waits for its peers in one round
-    poll_interval_s: float = Field(1.0, gt=0)  # how often a waiting replica looks for its peers' uploads
+    #: How often a waiting replica looks for its peers' uploads (the default's cost and latency: diloco.defaults).
+    poll_interval_s: float = Field(DEFAULT_POLL_INTERVAL_S, gt=0)
     #: How a round's pseudo-gradients are averaged (diloco.allreduce): "gather" (every rank reads every peer's
     #: object, (N-1)*S bytes) or "sharded" (reduce-scatter + all-gather through the store, under 2*S bytes).
     allreduce: Literal["gather", "sharded"] = "gather"

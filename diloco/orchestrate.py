@@ -155,9 +155,10 @@ def _add_async_status(report: RunReport, store: ObjectStore) -> None:
 
 # ---------------------------------------------------------------------------------------------- plan/launch
 def rendezvous_for(cfg: RunConfig, run_id: str) -> str:
-    """The run's rendezvous URI: the configured one with ``{run_id}`` expanded, else the backend's default."""
+    """The run's rendezvous URI: the configured one with ``{run_id}`` expanded (a plain path as its absolute
+    ``file://`` URI, ``local_store_uri``), else the backend's default."""
     if cfg.store.rendezvous:
-        return cfg.store.rendezvous.replace("{run_id}", run_id).rstrip("/")
+        return local_store_uri(cfg.store.rendezvous).replace("{run_id}", run_id).rstrip("/")
     default = cfg.backend.default_rendezvous(run_id)
     if default is None:  # RunConfig validation rejects this already; kept for configs built by hand
         raise ConfigError(f"store.rendezvous: required for the {cfg.backend.kind} backend")
@@ -176,10 +177,19 @@ def build_spec(cfg: RunConfig, run_id: str) -> LaunchSpec:
                           compression=cfg.store.compression, error_feedback=cfg.store.error_feedback,
                           spread=cfg.store.spread,
                           min_replicas=cfg.min_replicas, procs_per_replica=cfg.train.procs_per_replica,
-                          tensorboard=cfg.metrics.tensorboard)
+                          tensorboard=_tensorboard_for(cfg, run_id))
     return LaunchSpec(run_id=run_id, replicas=cfg.replicas, entrypoint_args=args, gpu=cfg.gpu,
                       timeout_s=cfg.timeout_s, spec_uri=f"{args.rendezvous_uri}/{SPEC_KEY}",
                       max_restarts=cfg.max_restarts)
+
+
+def _tensorboard_for(cfg: RunConfig, run_id: str) -> str | None:
+    """The run's own TensorBoard directory, ``DIR/<run_id>`` (``diloco.tensorboard.run_directory``), or None."""
+    if cfg.metrics.tensorboard is None:
+        return None
+    from diloco.tensorboard import run_directory
+
+    return run_directory(cfg.metrics.tensorboard, run_id)
 
 
 def _mode_kwarg(cfg: RunConfig) -> dict[str, str]:
@@ -243,39 +253,43 @@ def check_trainer(cfg: RunConfig) -> RunConfig:
     return cfg.model_copy(update={"train": cfg.train.model_copy(update={"trainer_kwargs": kwargs})})
 
 
-#: Where no run's data belongs: kernel filesystems accept a path and then refuse every write.
-_PSEUDO_FILESYSTEMS = ("/proc", "/sys", "/dev")
+def local_store_uri(uri: str) -> str:
+    """A rendezvous without a scheme is a local directory: its ``file://`` URI, with ``~`` expanded and a relative
+    path made absolute against the launcher's working directory. The replicas, and every later command (from
+    whatever directory it is typed), then meet the same store, and it gets the checks a ``file://`` URI gets.
+    URIs with a scheme are returned as they are; a scheme missing a slash (``s3:/bucket``) is refused rather than
+    taken for a local directory of that name."""
+    from diloco.local_dirs import absolute_path, refuse_scheme_without_slashes
+
+    if "://" in uri:
+        return uri
+    refuse_scheme_without_slashes(uri, "store.rendezvous", example="s3://<bucket>/diloco/{run_id}")
+    return f"file://{absolute_path(uri)}"
 
 
 def check_rendezvous(uri: str, *, probe: bool) -> None:
-    """``ConfigError`` (exit 2, nothing launched) for a ``file://`` rendezvous the replicas could not use.
+    """``ConfigError`` (exit 2, nothing launched) for a local rendezvous (``file://`` or a plain path, see
+    ``local_store_uri``) the replicas could not use.
 
     Without ``probe`` (a dry run) it only looks: the path is absolute, not on a kernel filesystem, and its nearest
-    existing ancestor is a writable directory. With ``probe`` it also creates the directory and writes, reads
-    and deletes one small object, so a read-only mount fails here, in a second, not in every replica. Other
-    schemes are checked by the store on first use (``diloco doctor`` checks S3 in depth).
+    existing ancestor is a writable directory (``diloco.local_dirs``). With ``probe`` it also creates the directory
+    and writes, reads and deletes one small object, so a read-only mount fails here, in a second, not in every
+    replica. Other schemes are checked by the store on first use (``diloco doctor`` checks S3 in depth).
     """
     from pathlib import Path
 
+    from diloco.local_dirs import check_writable_dir
+
+    uri = local_store_uri(uri)
     if not uri.startswith("file://"):
         return
     raw = uri[len("file://"):]
     if not raw.startswith("/"):
         raise ConfigError(f"store.rendezvous: a file:// URI needs an absolute path (got {uri!r})",
-                          hint="e.g. file:///data/diloco/{run_id}")
+                          hint="e.g. file:///data/diloco/{run_id}, or a plain path (relative and ~/ paths are "
+                               "resolved at launch)")
     path = Path(raw)
-    if any(raw == p or raw.startswith(p + "/") for p in _PSEUDO_FILESYSTEMS):
-        raise ConfigError(f"store.rendezvous: {raw} is on a kernel filesystem, which cannot hold files",
-                          hint="use a directory on a disk, e.g. under $HOME or /tmp")
-    existing = path
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise ConfigError(f"store.rendezvous: {existing} is a file, so {raw} cannot be a directory",
-                          hint="choose a path that is (or can become) a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"store.rendezvous: cannot create or write {raw}: {existing} is not writable "
-                          f"(read-only or permission denied)", hint="choose a writable directory")
+    check_writable_dir(raw, "store.rendezvous")
     if not probe:
         return
     from diloco.store import ObjectStore
@@ -323,13 +337,20 @@ def require_conditional_create(store: ObjectStore, cfg: RunConfig) -> None:
 
 def preflight(cfg: RunConfig) -> RunConfig:
     """Everything about the config checkable before anything is launched, without side effects (``--dry-run``
-    runs it too); returns the config with the trainer's kwargs coerced."""
+    runs it too); returns the config with the trainer's kwargs coerced, a plain-path rendezvous as its absolute
+    ``file://`` URI and a local TensorBoard directory as its absolute path (what the run record keeps: later
+    commands, from whatever directory, mean the same places)."""
     cfg = check_trainer(cfg)
+    if cfg.store.rendezvous:
+        cfg = cfg.model_copy(update={"store": cfg.store.model_copy(
+            update={"rendezvous": local_store_uri(cfg.store.rendezvous)})})
     check_rendezvous(rendezvous_for(cfg, "{run_id}"), probe=False)
     if cfg.metrics.tensorboard is not None:
-        from diloco.tensorboard import check_tensorboard
+        from diloco.tensorboard import check_tensorboard, normalized
 
         check_tensorboard(cfg.metrics.tensorboard, on_this_machine=not cfg.backend.places_replicas)
+        cfg = cfg.model_copy(update={"metrics": cfg.metrics.model_copy(
+            update={"tensorboard": normalized(cfg.metrics.tensorboard)})})
     return cfg
 
 
@@ -364,6 +385,10 @@ def launch(cfg: RunConfig, registry: RunRegistry | None = None, *, force: bool =
     registry.prepare()  # an unwritable DILOCO_HOME fails here, before the store is touched
     spec = plan.spec
     uri = spec.entrypoint_args.rendezvous_uri
+    if cfg.metrics.tensorboard is not None:  # first: its probe leaves nothing, the rendezvous probe a directory
+        from diloco.tensorboard import check_tensorboard
+
+        check_tensorboard(cfg.metrics.tensorboard, on_this_machine=not cfg.backend.places_replicas, probe=True)
     check_rendezvous(uri, probe=True)
     store = ObjectStore(uri)
     owned = wrote = False  # the prefix is this launch's (it was empty); something was written to it

@@ -7,7 +7,8 @@ Layout under ``$DILOCO_HOME`` (default ``~/.diloco``)::
     runs/<run_id>/logs/rank_<r> a local replica's logs and exit record
 
 ``status``, ``logs``, ``collect`` and ``cancel`` take a run id, ``latest`` (the default), or an unambiguous
-prefix or part of a run id (e.g. its 4-hex suffix). An unknown id raises ``RunNotFound`` with a hint to list runs.
+prefix or part of a run id (e.g. its 8-character suffix, or a few characters of it). An unknown id raises
+``RunNotFound`` with a hint to list runs.
 """
 
 from __future__ import annotations
@@ -39,13 +40,23 @@ def runs_dir() -> Path:
     return diloco_home() / "runs"
 
 
+#: The suffix's alphabet: digits and lowercase letters without i, l, o and u (Crockford's base 32), so a suffix
+#: read off a terminal is typed back right (no 1/l or 0/o) and never spells a word.
+SUFFIX_ALPHABET = "0123456789abcdefghjkmnpqrstvwxyz"
+#: Suffix length: 40 random bits. The suffix alone is what users type, so it must be unique across a home's runs,
+#: whenever they were created: among 10,000 runs the chance that any two share one is about 1 in 20,000.
+SUFFIX_LENGTH = 8
+
+
 def new_run_id(now: float | None = None) -> str:
-    """``diloco-<yyyymmdd-hhmmss>-<4 hex>`` (UTC): sorts by time, short enough to type, unique enough per second.
+    """``diloco-<yyyymmdd-hhmmss>-<8 characters>`` (UTC): sorts by time, and its random suffix is a short handle
+    that stays unique across thousands of runs (``SUFFIX_LENGTH``), typed as it reads (``SUFFIX_ALPHABET``).
 
     Also a valid SageMaker job name prefix and Kubernetes name (lowercase letters, digits, dashes).
     """
     stamp = _dt.datetime.fromtimestamp(now if now is not None else time.time(), tz=_dt.timezone.utc)
-    return f"diloco-{stamp:%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
+    suffix = "".join(secrets.choice(SUFFIX_ALPHABET) for _ in range(SUFFIX_LENGTH))
+    return f"diloco-{stamp:%Y%m%d-%H%M%S}-{suffix}"
 
 
 def default_local_rendezvous(run_id: str) -> str:
@@ -145,9 +156,10 @@ class RunRegistry:
             return records[-1]
         if self.path(ref).exists():
             return self.load(ref)
+        ref = ref.lower()  # case-insensitive: a suffix copied from a capitalised note still matches
         ids = self.ids()
-        # A prefix ("diloco-20240101-1203"), else any unique part, e.g. the short hex suffix ("7c98").
-        matches = [i for i in ids if i.startswith(ref)] or [i for i in ids if ref in i]
+        # A prefix ("diloco-20240101-1203"), else any unique part, e.g. a few characters of the suffix ("k7q2").
+        matches = [i for i in ids if i.lower().startswith(ref)] or [i for i in ids if ref in i.lower()]
         if len(matches) == 1:
             return self.load(matches[0])
         if len(matches) > 1:

@@ -4,15 +4,24 @@ Why it looks the way it does:
 
 * **Not a core dependency.** ``tensorboard`` is imported only when the flag is given; ``check_tensorboard`` runs
   at launch (before anything starts) and again in each replica, so a missing package is one line naming the flag
-  and ``pip install tensorboard`` instead of a traceback after the first round.
+  and ``pip install tensorboard`` instead of a traceback after the first round. A local DIR is checked the same
+  way: one that cannot be created or written (a read-only mount, a path under a regular file) is refused at
+  launch, in one line, before any replica starts (``diloco.local_dirs``).
 * **The same rows as the store's metrics.** A ``TensorBoardWriter`` is a listener of the replica's
   ``diloco.metrics.MetricsWriter``: it sees each history row (``init``, every ``round``, ``final``) once its losses
   are final, and writes its numbers as scalars against the inner step: train and eval loss, the round, the
   seconds blocked in sync, the bytes written and read (cumulative), tokens/s and anything the trainer reported
   under another name (``extra/<name>``). Progress snapshots between rounds add only tokens/s: their losses are
   the last ones measured, not new points.
-* **One run per rank.** Events go to ``DIR/rank_RRRR/``, so ``tensorboard --logdir DIR`` shows every replica as its
-  own run, side by side.
+* **One event per step.** Each tag gets at most one event per inner step, the first row's that reaches it: the
+  ``final`` row repeats the last round's step, so it adds only what no row wrote there; a progress snapshot is
+  held until a later step shows that no history row claims its step (each round's own row carries the round's
+  rate), so a live board's rate is one snapshot behind. A curve never doubles back on itself.
+* **One run per launch, one per rank.** The launcher gives each run its own directory under DIR
+  (``run_directory``: ``DIR/<run_id>``), and each rank writes ``rank_RRRR/`` under it, so ``tensorboard --logdir
+  DIR`` lists every run's replicas side by side (``<run_id>/rank_0000``, ...) and two runs into one DIR stay two
+  curves. A replica started by hand (``python -m diloco.replica_entrypoint --tensorboard DIR``) writes
+  ``DIR/rank_RRRR/``.
 * **Local or S3.** A local directory is written by torch's ``SummaryWriter`` directly. An ``s3://`` prefix is
   written through diloco's own store layer (the run's S3 settings, endpoint and credentials apply): the events
   are written to a local temporary directory and each event file is uploaded whole after every history row, so
@@ -34,8 +43,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from diloco.errors import ConfigError
+from diloco.local_dirs import absolute_path, check_writable_dir, refuse_scheme_without_slashes
 
 log = logging.getLogger("diloco.tensorboard")
+FIELD = "metrics.tensorboard (--tensorboard)"
 
 #: Metrics row field -> TensorBoard tag.
 SCALARS = {
@@ -48,25 +59,27 @@ _FLUSHING_KINDS = ("init", "round", "final")
 _INSTALL_HINT = "pip install tensorboard (or the diloco[hf] extra), or drop --tensorboard"
 
 
-def check_tensorboard(directory: str, *, on_this_machine: bool = True) -> None:
-    """Whether ``--tensorboard DIR`` can work: a local directory or an ``s3://`` prefix, and the ``tensorboard``
-    package importable here (found, not imported). ``ConfigError`` naming the flag otherwise.
+def check_tensorboard(directory: str, *, on_this_machine: bool = True, probe: bool = False) -> None:
+    """Whether ``--tensorboard DIR`` can work: a local directory that can be created and written, or an ``s3://``
+    prefix, and the ``tensorboard`` package importable here (found, not imported). ``ConfigError`` naming the flag
+    otherwise. ``probe`` (at launch) also writes and deletes one temporary file where DIR will be created
+    (``diloco.local_dirs.check_writable_dir``).
 
     ``on_this_machine=False`` (a backend that runs the replicas on machines of its own: SageMaker, EKS): the
     package is the image's business (each replica checks it at start), and a local directory would stay on those
     machines, so only an ``s3://`` prefix is accepted."""
     if not isinstance(directory, str) or not directory.strip():
-        raise ConfigError("metrics.tensorboard (--tensorboard): empty directory",
+        raise ConfigError(f"{FIELD}: empty directory",
                           hint="pass a local directory or an s3:// prefix, e.g. --tensorboard ./tb")
-    scheme = directory.split("://", 1)[0].lower() if "://" in directory else ""
+    refuse_scheme_without_slashes(directory, FIELD, example="s3://<bucket>/tb")
+    scheme = _scheme(directory)
     if scheme not in ("", "file", "s3"):
-        raise ConfigError(f"metrics.tensorboard (--tensorboard): {directory} is a {scheme}:// URI; events are "
-                          f"written to a local directory or an s3:// prefix",
-                          hint="pass a local directory or an s3:// prefix")
+        raise ConfigError(f"{FIELD}: {directory} is a {scheme}:// URI; events are written to a local directory or "
+                          f"an s3:// prefix", hint="pass a local directory or an s3:// prefix")
     if not on_this_machine:
         if scheme != "s3":
-            raise ConfigError(f"metrics.tensorboard (--tensorboard): {directory} would be written on the replicas' "
-                              f"own machines, which this backend does not keep",
+            raise ConfigError(f"{FIELD}: {directory} would be written on the replicas' own machines, which this "
+                              f"backend does not keep",
                               hint="pass an s3:// prefix, e.g. --tensorboard s3://<bucket>/tb/")
         return
     try:
@@ -74,8 +87,30 @@ def check_tensorboard(directory: str, *, on_this_machine: bool = True) -> None:
     except (ImportError, ValueError):
         found = False
     if not found:
-        raise ConfigError("metrics.tensorboard (--tensorboard): the tensorboard package is not installed here",
-                          hint=_INSTALL_HINT)
+        raise ConfigError(f"{FIELD}: the tensorboard package is not installed here", hint=_INSTALL_HINT)
+    if scheme != "s3":
+        check_writable_dir(local_directory(directory), FIELD, probe=probe)
+
+
+def _scheme(directory: str) -> str:
+    return directory.split("://", 1)[0].lower() if "://" in directory else ""
+
+
+def local_directory(directory: str) -> str:
+    """A local DIR (a path, ``~/...``, relative, or ``file://``) as the absolute path it names here."""
+    return absolute_path(directory[len("file://"):] if _scheme(directory) == "file" else directory)
+
+
+def normalized(directory: str) -> str:
+    """DIR as the launcher records it: an ``s3://`` prefix without its trailing slash, a local directory as its
+    absolute path (resolved against the launcher's working directory, ``~`` expanded), so the replicas and a
+    later relaunch from another directory write to the same place."""
+    return directory.rstrip("/") if _scheme(directory) == "s3" else local_directory(directory)
+
+
+def run_directory(directory: str, run_id: str) -> str:
+    """The run's own directory under DIR (``DIR/<run_id>``), given to its replicas: runs into one DIR stay apart."""
+    return f"{normalized(directory)}/{run_id}"
 
 
 def rank_dir(rank: int) -> str:
@@ -100,30 +135,47 @@ class TensorBoardWriter:
             self._tmp = tempfile.mkdtemp(prefix="diloco-tb-")
             self.local_dir = os.path.join(self._tmp, rank_dir(rank))
         else:
-            self.local_dir = os.path.join(directory.removeprefix("file://"), rank_dir(rank))
+            self.local_dir = os.path.join(local_directory(directory), rank_dir(rank))
         self._writer: Any = SummaryWriter(log_dir=self.local_dir)
         self._closed = False
+        self._last_step: dict[str, int] = {}  # tag -> the step of its latest event
+        self._held_rate: tuple[int, Any, float | None] | None = None  # a progress snapshot's (step, rate, time)
 
     def on_row(self, row: Mapping[str, Any]) -> None:
         """Write one metrics row's numbers at its inner step; flush (and upload) after a history row."""
         if self._closed:
             return
-        step = row.get("step") or 0
+        step = int(row.get("step") or 0)
         walltime = row.get("time")
         if row.get("kind") not in _FLUSHING_KINDS:
-            # A progress snapshot repeats the latest losses wherever they were measured: only its rate is new.
-            self._scalar(SCALARS["tokens_per_s"], row.get("tokens_per_s"), step, walltime)
+            # A progress snapshot repeats the latest losses wherever they were measured: only its rate is new, and
+            # it is held until a later row shows that no history row claims its step.
+            self._release_held_rate(before=step)
+            self._held_rate = (step, row.get("tokens_per_s"), walltime)
             return
+        self._release_held_rate(before=step)
+        self._held_rate = None  # at this step the history row's own rate counts
         for field, tag in SCALARS.items():
             self._scalar(tag, row.get(field), step, walltime)
         for name, value in (row.get("extra") or {}).items():
             self._scalar(f"extra/{name}", value, step, walltime)
         self.flush()
 
+    def _release_held_rate(self, *, before: int | None = None) -> None:
+        """Write the held progress rate if its step comes before ``before`` (always, when None)."""
+        if self._held_rate is not None and (before is None or self._held_rate[0] < before):
+            step, value, walltime = self._held_rate
+            self._held_rate = None
+            self._scalar(SCALARS["tokens_per_s"], value, step, walltime)
+
     def _scalar(self, tag: str, value: Any, step: int, walltime: float | None) -> None:
+        """One event, unless ``tag`` already has one at this step or a later one (see "One event per step")."""
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             return
-        self._writer.add_scalar(tag, float(value), global_step=int(step), walltime=walltime)
+        if step <= self._last_step.get(tag, -1):
+            return
+        self._last_step[tag] = step
+        self._writer.add_scalar(tag, float(value), global_step=step, walltime=walltime)
 
     def flush(self) -> None:
         """Events to disk, and to the S3 prefix when DIR is one."""
@@ -140,6 +192,7 @@ class TensorBoardWriter:
             return
         self._closed = True
         try:
+            self._release_held_rate()
             self.flush()
         except Exception as exc:  # noqa: BLE001 - metrics must never fail a training run
             log.warning("rank %d: could not write the last TensorBoard events (%s: %s)", self.rank,

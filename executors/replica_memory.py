@@ -53,15 +53,19 @@ _PARAMS_IN_NAME = re.compile(r"(?<![A-Za-z0-9.])(\d+(?:\.\d+)?)\s*([BbMm])(?![A-
 
 def replica_memory(spec: LaunchSpec, memory_per_replica_mb: int | None = None) -> tuple[int, str]:
     """Bytes one local replica (one process, with its supervisor) is expected to take, and what the number is
-    based on."""
+    based on. The basis names both parts, so the total a refusal prints (e.g. 528 MiB) reads as the trainer's
+    size README and the setting state (512 MiB) plus the supervisor's, not as a contradiction."""
     supervisor = SUPERVISOR_MIB * MIB
+    plus_supervisor = f"+ {SUPERVISOR_MIB} MiB for its supervisor"
     if memory_per_replica_mb is not None:
-        return memory_per_replica_mb * MIB + supervisor, "backend.memory_per_replica_mb"
+        return memory_per_replica_mb * MIB + supervisor, \
+            f"backend.memory_per_replica_mb: {memory_per_replica_mb} MiB {plus_supervisor}"
     if spec.entrypoint_args.trainer == DEFAULT_TRAINER:
         return builtin_trainer_bytes(spec.entrypoint_args.trainer_kwargs) + supervisor, \
-            "estimated from the built-in trainer's model and data"
+            f"estimated from the built-in trainer's model and data, {plus_supervisor}"
     return OTHER_TRAINER_MIB * MIB + supervisor, \
-        "a default for trainers diloco cannot size; set backend.memory_per_replica_mb"
+        f"{OTHER_TRAINER_MIB} MiB, a default for trainers diloco cannot size (set backend.memory_per_replica_mb), " \
+        f"{plus_supervisor}"
 
 
 def process_memory(trainer: str, trainer_kwargs: dict[str, Any], *, procs: int, gpu: bool,

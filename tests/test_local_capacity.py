@@ -56,7 +56,8 @@ def test_the_builtin_trainer_is_sized_from_its_model_and_data() -> None:
 def test_other_trainers_get_the_documented_default_or_the_configured_size() -> None:
     assert estimate_capacity(other_spec(2)).per_replica_bytes == (OTHER_TRAINER_MIB + SUPERVISOR_MIB) * MIB
     sized = estimate_capacity(other_spec(2), memory_per_replica_mb=3000)
-    assert sized.per_replica_bytes == (3000 + SUPERVISOR_MIB) * MIB and sized.basis == "backend.memory_per_replica_mb"
+    assert sized.per_replica_bytes == (3000 + SUPERVISOR_MIB) * MIB
+    assert sized.basis.startswith("backend.memory_per_replica_mb")
 
 
 def test_cores_and_memory_each_limit_the_replicas() -> None:
@@ -120,3 +121,27 @@ def test_a_replica_bigger_than_the_memory_is_refused_with_the_memory_in_the_mess
     assert "backend.memory_per_replica_mb" in out.stderr
     bad = diloco(tmp_path / "home", "launch", "--set", "backend.memory_per_replica_mb=0", "--dry-run")
     assert bad.returncode == 2 and "backend.memory_per_replica_mb: must be > 0 (got 0)" in bad.stderr
+
+
+def capacity_section() -> str:
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    return readme.split("### How many local replicas this machine can hold", 1)[1].split("\n#", 1)[0]
+
+
+def test_the_size_a_refusal_states_for_a_custom_trainer_is_the_one_readme_states(tmp_path: Path) -> None:
+    """The number in the message is the trainer's default plus its supervisor, and says so; README says the same."""
+    out = diloco(tmp_path / "home", "launch", "-n", "5000", "--steps", "2", "--sync-every", "1", "--trainer",
+                 "fake_replica:idle", "--detach")
+    assert out.returncode == 2, out.stderr
+    (line,) = out.stderr.splitlines()
+    each = OTHER_TRAINER_MIB + SUPERVISOR_MIB
+    assert f"at about {each} MiB each ({OTHER_TRAINER_MIB} MiB, a default for trainers diloco cannot size" in line
+    assert f"+ {SUPERVISOR_MIB} MiB for its supervisor" in line and "backend.memory_per_replica_mb" in line
+    section = " ".join(capacity_section().split())
+    assert f"{OTHER_TRAINER_MIB} MiB" in section and f"{SUPERVISOR_MIB} MiB" in section
+    assert f"{each} MiB" in section, "README must state the number the message prints"
+
+    sized = diloco(tmp_path / "home", "launch", "-n", "5000", "--steps", "2", "--sync-every", "1", "--trainer",
+                   "fake_replica:idle", "--set", "backend.memory_per_replica_mb=3000", "--detach")
+    assert sized.returncode == 2, sized.stderr
+    assert f"(backend.memory_per_replica_mb: 3000 MiB + {SUPERVISOR_MIB} MiB for its supervisor)" in sized.stderr

@@ -9,6 +9,8 @@ evaluate after each round with ``diloco.report``. What it adds is what a real mo
 * **Model**: ``model=`` a hub name or a local ``save_pretrained`` directory (``AutoModelForCausalLM``), or
   ``model_config=`` a dict with ``model_type`` (e.g. ``{"model_type": "llama", "hidden_size": 64, ...}``) for a
   fresh model, initialised from ``seed`` so every replica starts from identical weights without a broadcast.
+  A hub name (``model`` or ``tokenizer``) is checked first (``diloco.trainers.hub``): from the cache when the
+  Hub cannot be reached, else a one-line ``ConfigError`` in seconds, before torch is imported.
 * **Data**: ``data=`` a local file or directory, or an ``s3://`` prefix (read through ``diloco.store``, so the
   run's S3 settings apply), holding ``.txt``/``.md`` (one document per file), ``.jsonl`` (one document per line,
   ``text_field``) and ``.parquet`` (column ``text_field``; needs pyarrow) files, read in key order. Documents are
@@ -64,6 +66,7 @@ if TYPE_CHECKING:
     from diloco.local_group import LocalGroup
     from diloco.manager import ObjectStoreManager
     from diloco.store import ObjectStore
+    from diloco.trainers.hub import Field as HubField
 
 log = logging.getLogger("diloco.trainers.hf")
 
@@ -124,13 +127,14 @@ def train(
     """Train a causal LM on this replica's shard with DiLoCo; returns a summary (losses, rounds, where the model is).
 
     Raises ``ConfigError`` naming the argument for invalid values before any training or store traffic."""
+    check_config({k: v for k, v in locals().items() if k in _KNOBS})
+    sources = check_hub_sources(model=model, tokenizer=tokenizer)  # in seconds, before torch is even imported
     import torch
 
     from diloco import report
     from diloco.local_group import current_local_group
     from diloco.outer import make_diloco_outer_loop
 
-    check_config({k: v for k, v in locals().items() if k in _KNOBS})
     if not 0 <= rank < world_size:
         raise ConfigError(f"rank {rank} is outside 0..{world_size - 1} for world_size {world_size}")
     if threads:
@@ -141,14 +145,15 @@ def train(
     dev = _replica_device(device, group)
     amp_dtype = _resolve_precision(precision, dev)
 
-    tok = load_tokenizer(tokenizer or model)
+    tok = load_tokenizer(tokenizer or model, cache_only=sources["tokenizer" if tokenizer else "model"])
     blocks = load_blocks(data, tok, block_size=block_size, text_field=text_field)  # type: ignore[arg-type]
     split = split_blocks(blocks, rank=rank, world_size=world_size, eval_fraction=eval_fraction)
     eval_set = split.eval[: eval_batches * batch_size]
     shard = local_shard(split.train, local_rank=local_rank, local_size=local_size)
     sampler = BlockSampler(len(shard), seed=seed + 7919 * (rank + 1) + 104729 * local_rank)
 
-    net = build_model(model=model, model_config=model_config, vocab_size=len(tok), seed=seed).to(dev)
+    net = build_model(model=model, model_config=model_config, vocab_size=len(tok), seed=seed,
+                      cache_only=sources["model"]).to(dev)
     ddp = _data_parallel(net, group)  # before the outer loop copies the weights: DDP starts from rank 0's
     inner_opt = torch.optim.AdamW(net.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -508,26 +513,38 @@ def _parquet_documents(name: str, payload: bytes, text_field: str) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------ model
-def load_tokenizer(name_or_path: str | None) -> Any:
-    """``AutoTokenizer.from_pretrained``; a tokenizer without EOS gets none added (documents are then joined
-    without a separator)."""
+def check_hub_sources(*, model: str | None, tokenizer: str | None) -> dict[str, bool]:
+    """``model`` and ``tokenizer`` checked to be loadable (``diloco.trainers.hub.check_source``): a local
+    directory, a Hub name in the cache, or a reachable Hub; ``ConfigError`` naming the field otherwise. Returns,
+    per field, whether to load it from the cache alone (the Hub unreachable, or ``HF_HUB_OFFLINE``)."""
+    from diloco.trainers.hub import check_source
+
+    fields: tuple[tuple[HubField, str | None], ...] = (("model", model), ("tokenizer", tokenizer))
+    return {field: isinstance(name, str) and check_source(field, name).cache_only for field, name in fields}
+
+
+def load_tokenizer(name_or_path: str | None, *, cache_only: bool = False) -> Any:
+    """``AutoTokenizer.from_pretrained`` (from the Hugging Face cache alone with ``cache_only``); a tokenizer
+    without EOS gets none added (documents are then joined without a separator)."""
     from transformers import AutoTokenizer
 
     if name_or_path is None:
         raise ConfigError("tokenizer: required with model_config (a fresh model has no tokenizer of its own)",
                           hint="pass -k tokenizer=<hub name or directory>")
-    return AutoTokenizer.from_pretrained(name_or_path)
+    return AutoTokenizer.from_pretrained(name_or_path, local_files_only=cache_only)
 
 
-def build_model(*, model: str | None, model_config: Mapping[str, Any] | None, vocab_size: int, seed: int) -> Any:
-    """The causal LM in fp32: from ``model`` (name or path), or fresh from ``model_config`` seeded by ``seed``, so
-    every replica builds the same initial weights. ``vocab_size`` fills a config that does not set it."""
+def build_model(*, model: str | None, model_config: Mapping[str, Any] | None, vocab_size: int, seed: int,
+                cache_only: bool = False) -> Any:
+    """The causal LM in fp32: from ``model`` (name or path; from the Hugging Face cache alone with ``cache_only``),
+    or fresh from ``model_config`` seeded by ``seed``, so every replica builds the same initial weights.
+    ``vocab_size`` fills a config that does not set it."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
     if model is not None:
-        net = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+        net = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, local_files_only=cache_only)
     else:
         assert model_config is not None
         fields = dict(model_config)
@@ -573,8 +590,9 @@ _PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 
 def check_config(values: Mapping[str, Any], *, on_this_machine: bool = False) -> None:
     """Everything ``train`` would reject at start, as one ``ConfigError`` naming the knob. Pure arithmetic unless
-    ``on_this_machine``: then also that a local ``data``/``model``/``tokenizer`` path exists and ``device`` is
-    here."""
+    ``on_this_machine``: then also that a local ``data`` path exists, that ``model``/``tokenizer`` are loadable
+    here (a local directory, a Hub name in the cache, or a Hub that answers one bounded probe) and that
+    ``device`` is here."""
     for name, low in _INT_MINIMUMS.items():
         v = values.get(name, low)
         if isinstance(v, bool) or not isinstance(v, int) or v < low:
@@ -633,6 +651,8 @@ def _check_sources(values: Mapping[str, Any], *, on_this_machine: bool) -> None:
         raise ConfigError(f"text_field must be a string, got {values['text_field']!r}")
     if on_this_machine and "://" not in data and not os.path.exists(data):
         raise ConfigError(f"data: {data} does not exist on this machine", hint="pass an existing path")
+    if on_this_machine:  # the replicas run here: a Hub they cannot reach fails now, in seconds, not in each of them
+        check_hub_sources(model=model, tokenizer=tokenizer)
 
 
 def _resolve_device(device: str) -> torch.device:
