@@ -49,7 +49,14 @@ def plot(
 
     registry = RunRegistry()
     view = RunView(registry.resolve(run), registry=registry)
-    states = {r.rank: r.state.value for r in view.status().replicas}  # the legend says each rank's real state
+    from diloco.errors import DilocoError
+
+    states: dict[int, str] | None
+    try:  # the legend says each rank's real state, as its backend reports it
+        states = {r.rank: r.state.value for r in view.status().replicas}
+    except (DilocoError, ImportError, OSError) as exc:  # the backend cannot be asked now: the store still plots
+        states = None
+        say(f"warning: replica states unknown ({exc}); the legend marks only replicas with no final row")
     report = plot_run(view.store, view.record.replicas, view.record.run_id, output, states=states)
     for warning in report.warnings:
         say(warning)
