@@ -766,9 +766,13 @@ def add_weights_verdict(view: RunView, report: RunReport) -> WeightsCheck | None
     """Fill ``report.weights_*`` for a succeeded run; returns the check (with rank 0's tensors when identical)."""
     if report.state != RunState.SUCCEEDED:
         return None
+    from diloco.housekeeping import compacted_verdict
+
     ranks = [r.rank for r in report.ranks if r.state == ReplicaState.SUCCEEDED] if report.left_behind else None
     # A compacted store's recorded verdict is reused while its kept copy is unchanged: no torch on a finished run.
-    check = check_final_weights(view.store, view.record.replicas, ranks=ranks, with_tensors=False)
+    check = compacted_verdict(view.store, view.record.replicas, with_tensors=False) if ranks is None else None
+    if check is None:
+        check = check_final_weights(view.store, view.record.replicas, ranks=ranks)
     report.weights_identical, report.weights_detail = check.identical, check.detail
     return check
 

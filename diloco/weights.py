@@ -78,25 +78,16 @@ def write_final_weights(store: ObjectStore, rank: int, tensors: Mapping[str, tor
 
 
 # ---------------------------------------------------------------------------------------------- check
-def check_final_weights(store: ObjectStore, world_size: int, ranks: Sequence[int] | None = None, *,
-                        with_tensors: bool = True) -> WeightsCheck:
+def check_final_weights(store: ObjectStore, world_size: int, ranks: Sequence[int] | None = None) -> WeightsCheck:
     """Compare every rank's final weights with the first one's, bit for bit (see the module docstring).
 
     ``ranks`` limits the check to those ranks (a ``min_replicas`` run that finished without some replicas: they
     hold no final weights). Holds at most two ranks' tensors in memory at a time. A missing object gives
     ``identical=None``; an unreadable one (corrupt, checksum mismatch) gives ``identical=False`` naming it.
-
-    A compacted store's verdict was recorded when its copies were compared: it is reused while the kept copy is
-    unchanged, and without ``with_tensors`` that needs no torch (``tensors`` is then None: ``write_agreed_model``
-    writes the model from the kept copy's bytes).
+    A compacted store holds one copy: its recorded verdict is ``diloco.housekeeping.compacted_verdict``'s.
     """
     from diloco.codec import decode
-    from diloco.housekeeping import compacted_verdict
 
-    if ranks is None:  # checked before: the store kept one copy (compact_store)
-        compacted = compacted_verdict(store, world_size, with_tensors=with_tensors)
-        if compacted is not None:
-            return compacted
     checked = list(range(world_size)) if ranks is None else sorted(ranks)
     if not checked:
         return WeightsCheck(identical=None, world_size=world_size, detail="no replica finished, so no final weights")
