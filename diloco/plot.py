@@ -2,13 +2,16 @@
 
 ``diloco plot`` reads exactly what ``diloco status`` reads (``diloco.metrics``: each rank's history rows and its
 latest progress row), so it works the same for a finished run and for one still training: a running rank simply
-has fewer points, and its progress row adds the newest step. Nothing here needs torch; matplotlib is imported
-inside ``draw_curves`` only (the ``plot`` extra), with the headless Agg canvas, so no display is ever needed and
-pyplot's global state is never touched.
+has fewer points, and its progress row adds the newest step only with a loss measured since the last round
+(``curve_of``). Nothing here needs torch; matplotlib is imported inside ``build_figure`` only (the ``plot``
+extra), with the headless Agg canvas, so no display is ever needed and pyplot's global state is never touched.
 
 The figure is a 2 x 2 grid: rows train loss and eval loss, columns inner step and wall time (seconds since the
-run's first row, on every rank). One colour per rank; dotted vertical lines mark the outer rounds (rank 0's, or the first rank
-that has any). The eval loss before training (the ``init`` row) is the first point of each eval curve.
+run's first row, on every rank). One colour per rank, labelled with the replica's state as its backend reports it
+(``legend_label``); dotted vertical lines mark the outer rounds (rank 0's, or the first rank that has any); a panel
+with nothing to draw says so in its middle. The eval loss before training (the ``init`` row) is the first point of
+each eval curve. ``PlotReport`` (``-o json``) carries the drawn series and notes, so what the figure shows can be
+read without looking at pixels.
 """
 
 from __future__ import annotations

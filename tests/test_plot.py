@@ -221,3 +221,18 @@ def test_the_figure_draws_exactly_the_reported_series_and_notes() -> None:
     assert [t.get_text() for t in train_ax.get_legend().get_texts()] == ["rank 0 (cancelled)", "rank 1"]
     assert series(eval_ax) == [] and [t.get_text() for t in eval_ax.texts] == ["no eval recorded"]
     assert notes == {"eval loss / inner step": "no eval recorded", "eval loss / wall time (s)": "no eval recorded"}
+
+
+def test_carried_over_losses_add_no_point_but_measured_ones_do() -> None:
+    """A ``final`` row past the last round (steps not a multiple of the round length) and a progress row both
+    carry the latest reported values: equal to the previous point, they are no new point; a different value was
+    measured at that step and is one."""
+    rows = [MetricRow(kind="init", time=0.0, step=0, round=0, eval_loss=5.0),
+            MetricRow(kind="round", time=1.0, step=4, round=1, train_loss=4.0, eval_loss=4.5),
+            MetricRow(kind="round", time=2.0, step=8, round=2, train_loss=4.0, eval_loss=4.5),  # a real repeat
+            MetricRow(kind="final", time=3.0, step=10, round=2, train_loss=4.0, eval_loss=4.5)]
+    curve = curve_of(0, rows)
+    assert [(p[0], p[2]) for p in curve.train] == [(4, 4.0), (8, 4.0)]
+    assert [(p[0], p[2]) for p in curve.eval] == [(0, 5.0), (4, 4.5), (8, 4.5)]
+    fresh = curve_of(0, [*rows[:3], MetricRow(kind="progress", time=2.5, step=9, round=2, train_loss=3.8)])
+    assert [(p[0], p[2]) for p in fresh.train] == [(4, 4.0), (8, 4.0), (9, 3.8)]
