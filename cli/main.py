@@ -456,8 +456,10 @@ def collect(
                                                      "the run continues).", metavar="SECONDS",
                                                      show_default=False)] = None,
     output: Annotated[str | None, typer.Option("--output", help="Where to write the model: a file, or a "
-                                                  "directory to write <run_id>.safetensors in (default: the "
-                                                  "current directory).", metavar="PATH", show_default=False)] = None,
+                                                  "directory (an existing one, or any path ending in /) to "
+                                                  "write <run_id>.safetensors in; missing directories are "
+                                                  "created (default: the current directory).", metavar="PATH",
+                                                  show_default=False)] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing model file.")] = False,
     fail_fast: Annotated[bool, typer.Option(help="Stop the other replicas as soon as one fails.")] = True,
     fmt: FormatOpt = OutputFormat.table,
@@ -497,24 +499,15 @@ def collect(
 
 
 def _model_target(output: str | None, run_id: str, force: bool) -> str:
-    """Where collect writes the model, checked before waiting: a directory gets ``<run_id>.safetensors``; an
-    existing file needs ``--force``; the directory must exist and be writable."""
-    if output is not None and not output.strip():
-        raise ConfigError("--output: must be a file or directory path (got '')")
-    path = Path(output).expanduser() if output is not None else Path.cwd()
-    if path.is_dir():
-        path = path / f"{run_id}.safetensors"
-    if path.exists() and not force:
+    """Where collect writes the model, checked before waiting (``diloco.output_path``: a directory gets
+    ``<run_id>.safetensors``, missing directories are created at the write); an existing file needs ``--force``."""
+    from diloco.output_path import resolve_output
+
+    path = resolve_output(output, f"{run_id}.safetensors")
+    if os.path.exists(path) and not force:
         raise ConfigError(f"--output: {path} already exists", hint="pass --force to overwrite it, or choose another "
                                                                      "path")
-    if path.exists() and not path.is_file():
-        raise ConfigError(f"--output: {path} is not a regular file")
-    parent = path.parent
-    if not parent.is_dir():
-        raise ConfigError(f"--output: directory {parent} does not exist", hint="create it first")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"--output: cannot write in {parent} (permission denied)", hint="choose a writable path")
-    return str(path.absolute())
+    return path
 
 
 @app.command(epilog=EPILOG)

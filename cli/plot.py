@@ -27,8 +27,10 @@ def plot(
     run: Annotated[str | None, typer.Argument(help="Run id, a unique part of one (e.g. its 8-character suffix), or "
                                                    "'latest' (default).", metavar="RUN", show_default=False)] = None,
     output: Annotated[str | None, typer.Option("--output", help="Where to write the PNG: a file, or a directory "
-                                                  "to write <run_id>-curves.png in (default: the current "
-                                                  "directory). An existing file is replaced.", metavar="PATH",
+                                                  "(an existing one, or any path ending in /) to write "
+                                                  "<run_id>-curves.png in; missing directories are created "
+                                                  "(default: the current directory). An existing file is "
+                                                  "replaced.", metavar="PATH",
                                                   show_default=False)] = None,
     fmt: FormatOpt = OutputFormat.table,
 ) -> None:
@@ -47,7 +49,15 @@ def plot(
 
     registry = RunRegistry()
     view = RunView(registry.resolve(run), registry=registry)
-    report = plot_run(view.store, view.record.replicas, view.record.run_id, output)
+    from diloco.errors import DilocoError
+
+    states: dict[int, str] | None
+    try:  # the legend says each rank's real state, as its backend reports it
+        states = {r.rank: r.state.value for r in view.status().replicas}
+    except (DilocoError, ImportError, OSError) as exc:  # the backend cannot be asked now: the store still plots
+        states = None
+        say(f"warning: replica states unknown ({exc}); the legend marks only replicas with no final row")
+    report = plot_run(view.store, view.record.replicas, view.record.run_id, output, states=states)
     for warning in report.warnings:
         say(warning)
     emit(report, fmt, lambda console: _render(console, report))

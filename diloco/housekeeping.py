@@ -22,11 +22,13 @@ a run recorded here is removed through that record (as ``rm RUN``); otherwise th
 config in ``run.json``, is asked whether it still sees the run going (``Backend.list_runs``), and a prefix whose
 run is going, or whose backend cannot be asked, is kept.
 
-``compact_store`` is the other half: a finished run keeps every rank's final weights and the last round's
-contributions, about 2 x N x the model's size. Once the weight check has found every rank's copy identical, one
-copy (rank 0's) is all that carries information; the others and the contributions are deleted, and a small
-``final/compacted.json`` records the verdict and the kept copy's SHA-256, so a later ``collect`` can still say
-"identical" without the copies it no longer has (``compacted_verdict``).
+``compact_store`` is the other half: a finished run keeps every rank's final weights, the last round's
+contributions and the last committed rounds, several times the model's size. Once every replica has succeeded and
+the weight check has found every rank's copy identical, one copy (rank 0's) is all that carries information; the
+others and what only a running run reads are deleted, and a small ``final/compacted.json`` records the verdict,
+the kept copy's SHA-256 and what the store said of it (its fingerprint), so a later ``collect``, ``watch`` or
+``launch`` summary says "identical" without the copies it no longer has, and without reading or decoding the kept
+copy while the fingerprint still matches (``compacted_verdict``).
 
 Nothing here prints: every function returns a pydantic report that the CLI renders. torch is imported only by
 the weight check, inside the functions that need it.
@@ -64,8 +66,13 @@ KEPT_RANK = 0
 #: Keys the replicas and the launcher write (``diloco.layout``, ``diloco.allreduce``): the only ones removed from
 #: a prefix whose ``run.json`` does not prove it belongs to the run.
 _LAYOUT_KEY = re.compile(r"((p\d+/)?round_\d{6}/(rank|shard)_\d{4}\.safetensors|round_\d{6}/manifest\.json|metrics/rank_\d{4}\.jsonl|progress/rank_\d{4}\.json"
-                         r"|final/rank_\d{4}\.safetensors|final/compacted\.json|spec\.json)")
-_CONTRIBUTION_KEY = re.compile(r"(p\d+/)?round_\d{6}/(rank|shard)_\d{4}\.safetensors|round_\d{6}/manifest\.json")
+                         r"|final/rank_\d{4}\.safetensors|final/compacted\.json|spec\.json"
+                         r"|committed/round_\d{6}/(state\.safetensors|COMMITTED)|relaunch/rank_\d{4}\.json)")
+#: What only a run still going reads (compacted away once it finished, see ``compact_store``): the rounds'
+#: contributions and manifests, the committed rounds a rejoining replica loads, and the relaunch notes its peers
+#: wait on.
+_RUN_TIME_KEY = re.compile(r"(p\d+/)?round_\d{6}/(rank|shard)_\d{4}\.safetensors|round_\d{6}/manifest\.json"
+                           r"|committed/round_\d{6}/(state\.safetensors|COMMITTED)|relaunch/rank_\d{4}\.json")
 _FINAL_RANK_KEY = re.compile(r"final/rank_(\d{4})\.safetensors")
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw])")
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -132,6 +139,9 @@ class CompactionMarker(BaseModel):
     tensor_count: int
     value_count: int
     compacted_at: float
+    #: What the store said of the kept object when it was hashed (``object_fingerprint``): while it says the same,
+    #: the verdict holds without reading the object again (``compacted_verdict``).
+    fingerprint: dict[str, str] = Field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------------- durations
@@ -467,11 +477,21 @@ def remove_run_files(run_dir: str, *, dry_run: bool = False) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------- compaction
 def compact_store(store: ObjectStore, replicas: int, *, check: WeightsCheck | None = None) -> CompactReport:
-    """Keep one copy of a finished run's agreed final weights and delete the rest (the other ranks' copies and the
-    leftover ``round_*`` contributions). Idempotent: a compacted store is recognised by ``final/compacted.json``.
+    """Keep what a finished run is still read for and delete the rest. Idempotent: a compacted store is
+    recognised by ``final/compacted.json``, and compacting it again deletes what is left over (e.g. from an
+    older diloco that kept more).
 
-    Call it only once the run has ended. ``check`` is the weight check the caller (``collect``) already made;
-    without it the check is made here. Nothing is deleted unless every rank's copy was found bitwise identical.
+    Kept: ``run.json`` and ``spec.json`` (what the run was: ``rm`` proves ownership with ``run.json``),
+    ``metrics/`` and ``progress/`` (``status``, ``plot``, ``watch``, TensorBoard), ``logs/`` (``diloco logs``
+    where the replicas ship their output), one copy of the agreed final weights (``collect`` writes the model
+    from it) and ``final/compacted.json`` (the verdict, so ``collect``/``watch``/``launch`` need not check again).
+    Deleted: the other ranks' copies of the final weights, the rounds' contributions and manifests, the committed
+    rounds and the relaunch notes: only a run still going reads those (a replica rejoining it, its peers waiting),
+    and a run whose every replica succeeded is never rejoined. On ``file://`` the directories left empty go too.
+
+    Call it only once every replica has succeeded. ``check`` is the weight check the caller (``collect``) already
+    made; without it the check is made here. Nothing is deleted unless every rank's copy was found bitwise
+    identical.
     """
     marker = read_marker(store)
     if marker is None:
@@ -483,9 +503,11 @@ def compact_store(store: ObjectStore, replicas: int, *, check: WeightsCheck | No
             return CompactReport(compacted=False, detail=f"every replica's final weights kept: {check.detail}")
         marker = write_marker(store, replicas, check)
     sizes = object_sizes(store)
-    doomed = [k for k in sorted(sizes) if _CONTRIBUTION_KEY.fullmatch(k) or _is_extra_final(k, marker.kept_key)]
+    doomed = [k for k in sorted(sizes) if _RUN_TIME_KEY.fullmatch(k) or _is_extra_final(k, marker.kept_key)]
     for key in doomed:
         store.delete(key)
+    if store.protocol == "file":
+        _remove_empty_directories(store.path(""))  # the run's root holds run.json and the kept copy: it stays
     return CompactReport(compacted=True, kept_key=marker.kept_key, deleted=doomed,
                          bytes_freed=sum(sizes[k] for k in doomed),
                          detail=f"kept one copy of the agreed weights ({store.url(marker.kept_key)})")
@@ -499,10 +521,12 @@ def write_marker(store: ObjectStore, replicas: int, check: WeightsCheck) -> Comp
     """Record the verdict and the hash of the copy that will be kept, before anything is deleted: a compaction cut
     short leaves a store that is still checkable."""
     kept_key = FINAL_KEY.format(rank=KEPT_RANK)
+    before = object_fingerprint(store, kept_key)
     data = store.get(kept_key)
+    after = object_fingerprint(store, kept_key)  # the same on both sides of the read: these bytes are the object's
     marker = CompactionMarker(world_size=replicas, kept_key=kept_key, sha256=hashlib.sha256(data).hexdigest(),
                               size=len(data), tensor_count=check.tensor_count, value_count=check.value_count,
-                              compacted_at=time.time())
+                              compacted_at=time.time(), fingerprint=after if after and after == before else {})
     store.put(COMPACTED_KEY, marker.model_dump_json(indent=2).encode())
     return marker
 
@@ -518,16 +542,46 @@ def read_marker(store: ObjectStore) -> CompactionMarker | None:
         return None
 
 
-def compacted_verdict(store: ObjectStore, world_size: int) -> WeightsCheck | None:
+#: The fields of a store's object info that change whenever the object is replaced: S3's ETag and LastModified,
+#: a local file's mtime and inode, the size everywhere (``created`` for the in-memory store).
+_FINGERPRINT_FIELDS = ("size", "ETag", "LastModified", "VersionId", "mtime", "ino", "created")
+
+
+def object_fingerprint(store: ObjectStore, key: str) -> dict[str, str] | None:
+    """What the store says of ``key`` without reading it (one HEAD on S3, a ``stat`` on ``file://``), as strings;
+    None when it cannot say (then a caller reads the object instead of trusting a recorded verdict)."""
+    path = store.path(key)
+    try:
+        store.fs.invalidate_cache(path)
+        info = store.fs.info(path)
+    except Exception:  # noqa: BLE001 - missing, denied or unreachable: no fingerprint, the caller reads instead
+        return None
+    found = {name: str(info[name]) for name in _FINGERPRINT_FIELDS if info.get(name) is not None}
+    return found if len(found) > 1 else None  # the size alone does not tell a rewrite apart
+
+
+def compacted_verdict(store: ObjectStore, world_size: int, *, with_tensors: bool = True) -> WeightsCheck | None:
     """The weight check of a compacted store: the verdict recorded before the copies were deleted, provided the
-    kept copy is still the one that was checked (same SHA-256) and readable. None when the store was not
-    compacted (then check every rank's copy as usual)."""
+    kept copy is still the one that was checked. None when the store was not compacted (then check every rank's
+    copy as usual).
+
+    Without ``with_tensors`` (``watch``, ``launch``'s summary, ``collect`` before it writes) this costs one look at
+    the kept object when the store still says of it what it said when it was hashed (``fingerprint``), else one
+    read and a SHA-256 of its bytes; never torch. With it, the kept copy is also decoded (torch), checksum verified.
+    """
     from diloco.weights import WeightsCheck
 
     marker = read_marker(store)
     if marker is None or marker.world_size != world_size:
         return None
     url = store.url(marker.kept_key)
+    recorded = WeightsCheck(identical=True, world_size=world_size, tensor_count=marker.tensor_count,
+                            value_count=marker.value_count, kept_key=marker.kept_key, kept_sha256=marker.sha256,
+                            detail=f"{world_size} replica(s) hold identical final weights ({marker.tensor_count} "
+                                   f"tensors, {marker.value_count} values; checked before the store kept one copy)")
+    before = object_fingerprint(store, marker.kept_key)
+    if not with_tensors and marker.fingerprint and before == marker.fingerprint:
+        return recorded
     try:
         data = store.get(marker.kept_key)
     except ObjectNotFound:
@@ -538,13 +592,27 @@ def compacted_verdict(store: ObjectStore, world_size: int) -> WeightsCheck | Non
         return WeightsCheck(identical=False, world_size=world_size, differing_rank=KEPT_RANK,
                             detail=f"{url} changed after the replicas' copies were checked and compacted "
                                    f"(sha256 {digest[:12]}..., checked {marker.sha256[:12]}...)")
+    _refresh_fingerprint(store, marker, before)
+    if not with_tensors:
+        return recorded
     from diloco.codec import decode
 
     try:
-        tensors, meta = decode(data, source=url)
+        recorded.tensors, recorded.metadata = decode(data, source=url)
     except CorruptObjectError as exc:
         return WeightsCheck(identical=False, world_size=world_size, differing_rank=KEPT_RANK, detail=str(exc))
-    return WeightsCheck(identical=True, world_size=world_size, tensor_count=marker.tensor_count,
-                        value_count=marker.value_count, tensors=tensors, metadata=meta,
-                        detail=f"{world_size} replica(s) hold identical final weights ({marker.tensor_count} "
-                               f"tensors, {marker.value_count} values; checked before the store kept one copy)")
+    return recorded
+
+
+def _refresh_fingerprint(store: ObjectStore, marker: CompactionMarker, before: dict[str, str] | None) -> None:
+    """The kept copy's bytes were just found to be the checked ones: record what the store says of it now (a
+    marker from before fingerprints, or a store copied elsewhere), so the next look needs no read; only when the
+    store said the same before the read (``before``), so the fingerprint is that of the bytes hashed. Best effort:
+    a store that refuses the write (read-only credentials) only costs the next reader one more read."""
+    now = object_fingerprint(store, marker.kept_key)
+    if now is None or now != before or now == marker.fingerprint:
+        return
+    try:
+        store.put(COMPACTED_KEY, marker.model_copy(update={"fingerprint": now}).model_dump_json(indent=2).encode())
+    except (DilocoError, OSError):
+        pass

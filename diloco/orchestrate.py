@@ -43,7 +43,7 @@ from diloco.logstream import LogRecord, follow_merged, merged, tail
 from diloco.metrics import ReplicaProgress, read_progress
 from diloco.runs import RunRecord, RunRegistry, new_run_id
 from diloco.signals import terminate_as_interrupt
-from diloco.weights import WeightsCheck, check_final_weights, write_model
+from diloco.weights import WeightsCheck, check_final_weights, write_agreed_model
 
 if TYPE_CHECKING:
     from diloco.executors.base import Backend
@@ -791,8 +791,13 @@ def add_weights_verdict(view: RunView, report: RunReport) -> WeightsCheck | None
     """Fill ``report.weights_*`` for a succeeded run; returns the check (with rank 0's tensors when identical)."""
     if report.state != RunState.SUCCEEDED:
         return None
+    from diloco.housekeeping import compacted_verdict
+
     ranks = [r.rank for r in report.ranks if r.state == ReplicaState.SUCCEEDED] if report.left_behind else None
-    check = check_final_weights(view.store, view.record.replicas, ranks=ranks)
+    # A compacted store's recorded verdict is reused while its kept copy is unchanged: no torch on a finished run.
+    check = compacted_verdict(view.store, view.record.replicas, with_tensors=False) if ranks is None else None
+    if check is None:
+        check = check_final_weights(view.store, view.record.replicas, ranks=ranks)
     report.weights_identical, report.weights_detail = check.identical, check.detail
     return check
 
@@ -813,8 +818,8 @@ def collect(view: RunView, *, output: str | None = None, timeout_s: float | None
     if timed_out:
         return report, True
     check = add_weights_verdict(view, report)
-    if output is not None and check is not None and check.identical and check.tensors is not None:
-        report.model_path = write_model(output, check.tensors, check.metadata, view.record.run_id)
+    if output is not None and check is not None and check.identical:
+        report.model_path = write_agreed_model(view.store, check, output, view.record.run_id)
     if check is not None and check.identical and not report.left_behind:  # one copy of the agreed model is enough
         from diloco.housekeeping import compact_store
 

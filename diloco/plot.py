@@ -2,19 +2,22 @@
 
 ``diloco plot`` reads exactly what ``diloco status`` reads (``diloco.metrics``: each rank's history rows and its
 latest progress row), so it works the same for a finished run and for one still training: a running rank simply
-has fewer points, and its progress row adds the newest step. Nothing here needs torch; matplotlib is imported
-inside ``draw_curves`` only (the ``plot`` extra), with the headless Agg canvas, so no display is ever needed and
-pyplot's global state is never touched.
+has fewer points, and its progress row adds the newest step only with a loss measured since the last round
+(``curve_of``). Nothing here needs torch; matplotlib is imported inside ``build_figure`` only (the ``plot``
+extra), with the headless Agg canvas, so no display is ever needed and pyplot's global state is never touched.
 
 The figure is a 2 x 2 grid: rows train loss and eval loss, columns inner step and wall time (seconds since the
-run's first row, on every rank). One colour per rank; dotted vertical lines mark the outer rounds (rank 0's, or the first rank
-that has any). The eval loss before training (the ``init`` row) is the first point of each eval curve.
+run's first row, on every rank). One colour per rank, labelled with the replica's state as its backend reports it
+(``legend_label``); dotted vertical lines mark the outer rounds (rank 0's, or the first rank that has any); a panel
+with nothing to draw says so in its middle. The eval loss before training (the ``init`` row) is the first point of
+each eval curve. ``PlotReport`` (``-o json``) carries the drawn series and notes, so what the figure shows can be
+read without looking at pixels.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
+from typing import Any
 
 from pydantic import BaseModel
 
@@ -34,8 +37,18 @@ class RankCurve:
     finished: bool = False
 
 
+class PlottedCurve(BaseModel):
+    """One rank's series as drawn: its state (from the backend), legend label and points ``[step, seconds, loss]``."""
+
+    rank: int
+    state: str | None  # the replica's state as ``diloco status`` shows it; None when not asked
+    label: str
+    train: list[tuple[int, float, float]]
+    eval: list[tuple[int, float, float]]
+
+
 class PlotReport(BaseModel):
-    """What ``diloco plot`` wrote, for ``-o json``."""
+    """What ``diloco plot`` wrote, for ``-o json``: the figure's data exactly as drawn."""
 
     run_id: str
     path: str
@@ -44,7 +57,22 @@ class PlotReport(BaseModel):
     eval_points: int
     rounds: int
     finished_ranks: list[int]
+    curves: list[PlottedCurve] = []
+    notes: dict[str, str] = {}  # "<y label> / <x label>" of a panel with nothing to show -> the note drawn in it
     warnings: list[str] = []
+
+
+#: The 2 x 2 grid: rows (y label, curve attribute, what an empty panel says), columns (x label).
+PANEL_ROWS = (("train loss", "train", "no train loss recorded"), ("eval loss", "eval", "no eval recorded"))
+PANEL_COLUMNS = ("inner step", "wall time (s)")
+
+
+def legend_label(rank: int, state: str | None, *, finished: bool) -> str:
+    """``rank 0`` for a replica that succeeded, else its real state, ``rank 1 (failed)``; without a state (the
+    backend was not asked) what the store tells: ``(not finished)`` when its history has no ``final`` row."""
+    if state is None:
+        return f"rank {rank}" + ("" if finished else " (not finished)")
+    return f"rank {rank}" + ("" if state == "succeeded" else f" ({state})")
 
 
 def load_curves(store: ObjectStore, world_size: int) -> tuple[list[RankCurve], list[str]]:
@@ -81,96 +109,126 @@ def _progress_row(store: ObjectStore, rank: int, history: list[MetricRow]) -> li
 
 
 def curve_of(rank: int, rows: list[MetricRow], *, start: float | None = None) -> RankCurve:
-    """The points of one rank's rows, wall time in seconds since ``start`` (default: the rank's first row). Train
-    loss is taken from rows after training began (step > 0); a row that repeats the previous row's step and loss
-    (``final`` right after the last round) adds no point."""
+    """The points of one rank's rows, wall time in seconds since ``start`` (default: the rank's first row).
+
+    Only what was measured at a row's step is a point. ``init`` and ``round`` rows carry the losses of the model
+    they describe; a ``progress`` or ``final`` row carries the *latest* reported values, which for a trainer that
+    reports once per round are still the last round's: such a carried-over value (equal to the curve's previous
+    point) is no new point, or the plot would draw a flat segment as if the rank had stopped learning. Train loss
+    is taken from rows after training began (step > 0); eval loss never from progress rows (an evaluation is
+    recorded in the history)."""
     curve = RankCurve(rank=rank, finished=rows[-1].kind == "final")
     if start is None:
         start = next((r.time for r in rows if r.time is not None), 0.0)
     for row in rows:
         step, seconds = row.step or 0, (row.time or start) - start
+        measured = row.kind in ("init", "round")
         if row.kind == "round":
             curve.rounds.append((step, seconds))
         if row.train_loss is not None and step > 0:
-            _add(curve.train, (step, seconds, row.train_loss))
+            _add(curve.train, (step, seconds, row.train_loss), carried_over_possible=not measured)
         if row.eval_loss is not None and row.kind != "progress":
-            _add(curve.eval, (step, seconds, row.eval_loss))
+            _add(curve.eval, (step, seconds, row.eval_loss), carried_over_possible=not measured)
     return curve
 
 
-def _add(points: list[tuple[int, float, float]], point: tuple[int, float, float]) -> None:
-    if points and points[-1][0] == point[0] and points[-1][2] == point[2]:
+def _add(points: list[tuple[int, float, float]], point: tuple[int, float, float], *,
+         carried_over_possible: bool) -> None:
+    """Append ``point`` unless it repeats the previous point (same step and value: the ``final`` row right after
+    the last round), or may be a carried-over value and equals the previous point's."""
+    if points and points[-1][2] == point[2] and (points[-1][0] == point[0] or carried_over_possible):
         return
     points.append(point)
 
 
 def output_path(output: str | None, run_id: str) -> str:
-    """Where the PNG goes: ``output`` (a file, or a directory for ``<run_id>-curves.png``), default the current
-    directory. An existing file is replaced: a plot is redrawn as a run goes on."""
-    if output is not None and not output.strip():
-        raise ConfigError("--output: must be a file or directory path (got '')")
-    path = os.path.abspath(os.path.expanduser(output or "."))
-    if os.path.isdir(path):
-        path = os.path.join(path, f"{run_id}-curves.png")
+    """Where the PNG goes: ``output`` (a file, or a directory for ``<run_id>-curves.png``: see
+    ``diloco.output_path``), default the current directory. An existing file is replaced: a plot is redrawn as a
+    run goes on."""
+    from diloco.output_path import resolve_output
+
+    path = resolve_output(output, f"{run_id}-curves.png")
     if not path.lower().endswith(".png"):
         raise ConfigError(f"--output: {path} must end in .png (the plot is a PNG image)")
-    parent = os.path.dirname(path)
-    if not os.path.isdir(parent):
-        raise ConfigError(f"--output: directory {parent} does not exist", hint="create it first")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"--output: cannot write in {parent} (permission denied)", hint="choose a writable path")
     return path
 
 
-def draw_curves(curves: list[RankCurve], path: str, *, title: str) -> None:
-    """Render the 2 x 2 grid into ``path`` (PNG, written atomically so a viewer never shows half a file)."""
+def build_figure(curves: list[RankCurve], labels: dict[int, str], *, title: str) -> tuple[Any, dict[str, str]]:
+    """The 2 x 2 grid as a matplotlib ``Figure`` on the headless Agg canvas, and the note drawn in each panel that
+    has nothing to show (``"eval loss / inner step": "no eval recorded"``): a panel is never silently empty."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
         raise ConfigError("diloco plot needs matplotlib", hint="pip install 'diloco[plot]'") from None
-    from diloco.store import write_file_atomic
 
     figure = Figure(figsize=(11, 7), dpi=100, layout="constrained")
     FigureCanvasAgg(figure)
     axes = figure.subplots(2, 2, sharex="col")
     marked = next((c for c in curves if c.rounds), None)
-    for row, (label, attr) in enumerate((("train loss", "train"), ("eval loss", "eval"))):
-        for col, xlabel in enumerate(("inner step", "wall time (s)")):
+    notes: dict[str, str] = {}
+    for row, (ylabel, attr, empty) in enumerate(PANEL_ROWS):
+        for col, xlabel in enumerate(PANEL_COLUMNS):
             ax = axes[row][col]
+            drawn = 0
             for curve in curves:
                 points = getattr(curve, attr)
                 if points:
-                    xs = [p[col] for p in points]
-                    ax.plot(xs, [p[2] for p in points], marker="o", markersize=3,
-                            label=f"rank {curve.rank}" + ("" if curve.finished else " (running)"))
+                    ax.plot([p[col] for p in points], [p[2] for p in points], marker="o", markersize=3,
+                            label=labels.get(curve.rank, f"rank {curve.rank}"))
+                    drawn += 1
             for round_point in marked.rounds if marked is not None else []:
-                ax.axvline(round_point[col], color="grey", linestyle=":", linewidth=0.8)
-            ax.set_ylabel(label)
+                ax.axvline(round_point[col], color="grey", linestyle=":", linewidth=0.8, label="_round")
+            if not drawn:
+                notes[f"{ylabel} / {xlabel}"] = empty
+                ax.text(0.5, 0.5, empty, transform=ax.transAxes, ha="center", va="center", color="grey")
+            ax.set_ylabel(ylabel)
             ax.grid(alpha=0.3)
             if row == 1:
                 ax.set_xlabel(xlabel)
-    axes[0][0].legend(loc="upper right", fontsize="small")
+    legend_ax = next((axes[r][0] for r in range(2) if axes[r][0].get_legend_handles_labels()[0]), axes[0][0])
+    legend_ax.legend(loc="upper right", fontsize="small")
     figure.suptitle(f"{title}  (dotted: outer rounds)")
+    return figure, notes
+
+
+def draw_curves(curves: list[RankCurve], path: str, *, title: str,
+                labels: dict[int, str] | None = None) -> dict[str, str]:
+    """Render the 2 x 2 grid into ``path`` (PNG, written atomically so a viewer never shows half a file, its
+    missing directories created); returns the empty panels' notes."""
     import io
 
+    from diloco.output_path import make_parent
+    from diloco.store import write_file_atomic
+
+    labels = labels or {c.rank: legend_label(c.rank, None, finished=c.finished) for c in curves}
+    figure, notes = build_figure(curves, labels, title=title)
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png")
+    make_parent(path)
     write_file_atomic(path, buffer.getvalue())
+    return notes
 
 
-def plot_run(store: ObjectStore, world_size: int, run_id: str, output: str | None) -> PlotReport:
-    """Read the run's metrics and write the PNG; ``ConfigError`` when no rank has reported anything yet."""
+def plot_run(store: ObjectStore, world_size: int, run_id: str, output: str | None, *,
+             states: dict[int, str] | None = None) -> PlotReport:
+    """Read the run's metrics and write the PNG; ``ConfigError`` when no rank has reported anything yet.
+    ``states`` (rank -> the replica's state, from its backend) puts each rank's real state in the legend."""
     path = output_path(output, run_id)
     curves, warnings = load_curves(store, world_size)
     if not any(c.train or c.eval for c in curves):
         raise ConfigError(f"run {run_id} has no losses to plot yet (no rank has reported a train or eval loss)",
                           hint="wait for the first evaluation, then run diloco plot again")
-    draw_curves(curves, path, title=f"run {run_id}: {len(curves)}/{world_size} replica(s)")
+    state_of = states or {}
+    labels = {c.rank: legend_label(c.rank, state_of.get(c.rank), finished=c.finished) for c in curves}
+    notes = draw_curves(curves, path, title=f"run {run_id}: {len(curves)}/{world_size} replica(s)", labels=labels)
+    plotted = [PlottedCurve(rank=c.rank, state=state_of.get(c.rank), label=labels[c.rank], train=c.train,
+                            eval=c.eval) for c in curves]
     return PlotReport(run_id=run_id, path=path, ranks=[c.rank for c in curves],
                       train_points=sum(len(c.train) for c in curves), eval_points=sum(len(c.eval) for c in curves),
                       rounds=max((len(c.rounds) for c in curves), default=0),
-                      finished_ranks=[c.rank for c in curves if c.finished], warnings=warnings)
+                      finished_ranks=[c.rank for c in curves if c.finished], curves=plotted, notes=notes,
+                      warnings=warnings)
 
 
 # ------------------------------------------------------------------------------------------------ terminal trend

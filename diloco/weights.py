@@ -53,6 +53,10 @@ class WeightsCheck:
     max_abs_diff: float | None = None  # only when finite; None for NaN/inf differences or layout mismatches
     tensors: dict[str, torch.Tensor] | None = field(default=None, repr=False)  # rank 0's, when identical
     metadata: dict[str, str] = field(default_factory=dict)  # rank 0's, when identical
+    #: A compacted store's verdict (``diloco.housekeeping.compacted_verdict``): the one copy kept and the SHA-256
+    #: of its bytes when checked, so the model can be written from those bytes without decoding them.
+    kept_key: str | None = None
+    kept_sha256: str | None = None
 
 
 # ---------------------------------------------------------------------------------------------- export
@@ -80,14 +84,10 @@ def check_final_weights(store: ObjectStore, world_size: int, ranks: Sequence[int
     ``ranks`` limits the check to those ranks (a ``min_replicas`` run that finished without some replicas: they
     hold no final weights). Holds at most two ranks' tensors in memory at a time. A missing object gives
     ``identical=None``; an unreadable one (corrupt, checksum mismatch) gives ``identical=False`` naming it.
+    A compacted store holds one copy: its recorded verdict is ``diloco.housekeeping.compacted_verdict``'s.
     """
     from diloco.codec import decode
-    from diloco.housekeeping import compacted_verdict
 
-    if ranks is None:
-        compacted = compacted_verdict(store, world_size)  # checked before: the store kept one copy (compact_store)
-        if compacted is not None:
-            return compacted
     checked = list(range(world_size)) if ranks is None else sorted(ranks)
     if not checked:
         return WeightsCheck(identical=None, world_size=world_size, detail="no replica finished, so no final weights")
@@ -179,9 +179,83 @@ def write_model(path: str, tensors: Any, meta: Mapping[str, str], run_id: str) -
     The writer's ``rank`` is dropped (the file is the run's model, not one replica's); ``format`` and the checksum
     are set afresh, so a plain-safetensors input gets them too."""
     from diloco.codec import encode_tensors
+    from diloco.output_path import make_parent
     from diloco.store import write_file_atomic
 
     keep = {k: v for k, v in meta.items() if k not in ("rank", "format", "sha256")}
     path = os.path.abspath(path)
+    make_parent(path)  # ``--output`` may name directories that do not exist yet (diloco.output_path)
     write_file_atomic(path, encode_tensors(tensors, {**keep, "run_id": run_id}))
     return path
+
+
+def write_agreed_model(store: ObjectStore, check: WeightsCheck, path: str, run_id: str) -> str:
+    """Write the model of an ``identical`` check to ``path``; returns its absolute path.
+
+    With the check's tensors in hand, ``write_model``. A compacted store's reused verdict has none: the kept copy
+    is read, its bytes must still hash to what was checked, and when it is ours (``diloco.codec`` checksum in its
+    metadata) the model file is those bytes with the model's metadata in the header (``with_model_metadata``), no
+    torch needed; a plain safetensors copy (written by a trainer itself) is decoded and written as usual."""
+    import hashlib
+
+    from diloco.codec import FORMAT, decode
+    from diloco.output_path import make_parent
+    from diloco.store import write_file_atomic
+
+    if check.tensors is not None:
+        return write_model(path, check.tensors, check.metadata, run_id)
+    if check.kept_key is None or check.kept_sha256 is None:
+        raise CorruptObjectError("no agreed weights to write: the check kept neither tensors nor a copy")
+    url = store.url(check.kept_key)
+    data = store.get(check.kept_key)
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != check.kept_sha256:
+        raise CorruptObjectError(f"{url} changed after the replicas' copies were checked and compacted "
+                                 f"(sha256 {digest[:12]}..., checked {check.kept_sha256[:12]}...)",
+                                 hint="collect again: the weights are checked afresh")
+    meta = safetensors_metadata(data, source=url)
+    if meta.get("format") != FORMAT or "sha256" not in meta:
+        tensors, meta = decode(data, source=url)
+        return write_model(path, tensors, meta, run_id)
+    keep = {k: v for k, v in meta.items() if k not in ("rank", "format", "sha256")}
+    path = os.path.abspath(path)
+    make_parent(path)
+    write_file_atomic(path, with_model_metadata(data, {**keep, "run_id": run_id, "format": FORMAT,
+                                                       "sha256": meta["sha256"]}, source=url))
+    return path
+
+
+def safetensors_metadata(data: bytes, *, source: str) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors buffer (8-byte little-endian header length, then JSON)."""
+    header = _header(data, source=source)
+    meta = header.get("__metadata__") or {}
+    return {str(k): str(v) for k, v in meta.items()} if isinstance(meta, dict) else {}
+
+
+def with_model_metadata(data: bytes, metadata: Mapping[str, str], *, source: str) -> bytes:
+    """``data`` (a safetensors buffer) with its ``__metadata__`` replaced by ``metadata``: the tensor table and
+    the data section are kept byte for byte, so our checksum (over names, dtypes, shapes and raw bytes, not the
+    metadata) still holds. The header is padded with spaces to 8 bytes, as safetensors itself writes it."""
+    import json
+
+    header = _header(data, source=source)
+    n = int.from_bytes(data[:8], "little")
+    header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + data[8 + n:]
+
+
+def _header(data: bytes, *, source: str) -> dict[str, Any]:
+    import json
+
+    n = int.from_bytes(data[:8], "little") if len(data) >= 8 else -1
+    try:
+        if n < 0 or 8 + n > len(data):
+            raise ValueError(f"header length {n} does not fit in {len(data)} bytes")
+        header = json.loads(data[8 : 8 + n])
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
+    except ValueError as exc:
+        raise CorruptObjectError(f"{source} is not a readable safetensors object ({len(data)} bytes): {exc}") from exc
+    return header

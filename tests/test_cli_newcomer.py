@@ -116,7 +116,8 @@ def test_collect_output_directory_empty_path_and_overwrite(home: Path, tmp_path:
     empty = runner.invoke(app, ["collect", "--output", ""])
     assert empty.exit_code == 2 and "--output: must be a file or directory path" in empty.stderr
     missing = runner.invoke(app, ["collect", "--output", str(tmp_path / "nodir" / "m.safetensors")])
-    assert missing.exit_code == 2 and "does not exist" in missing.stderr
+    assert missing.exit_code in (0, 1) and "internal error" not in missing.stderr  # missing directories are made...
+    assert not (tmp_path / "nodir").exists()  # ...when a model is written: `slow` writes none
     existing = tmp_path / "model.safetensors"
     existing.write_text("keep me")
     refused = runner.invoke(app, ["collect", "--output", str(existing)])

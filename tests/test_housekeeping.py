@@ -311,10 +311,10 @@ def _weights(seed: int = 0) -> dict[str, Any]:
     return {"w": torch.randn(64, 32, generator=gen), "b": torch.randn(32, generator=gen)}
 
 
-def _finished_store(tmp_path: Path, replicas: int = 3, *, differ: bool = False) -> ObjectStore:
+def _finished_store(tmp_path: Path, replicas: int = 3, *, differ: bool = False, uri: str | None = None) -> ObjectStore:
     from diloco.codec import encode_tensors
 
-    store = ObjectStore(f"file://{tmp_path}/store")
+    store = ObjectStore(uri or f"file://{tmp_path}/store")
     store.put(RUN_INFO_KEY, b'{"run_id": "x"}')
     for rank in range(replicas):
         weights = _weights(seed=rank if differ else 0)
@@ -347,6 +347,33 @@ def test_compact_store_keeps_one_copy_and_stays_checkable(tmp_path: Path) -> Non
     store.put(FINAL_KEY.format(rank=0), store.get(FINAL_KEY.format(rank=0)) + b" ")  # the kept copy changed
     tampered = compacted_verdict(store, 3)
     assert tampered is not None and tampered.identical is False and "changed after" in tampered.detail
+
+
+def test_a_compacted_s3_store_reuses_its_verdict_until_the_kept_copy_changes(tmp_path: Path, s3_uri: str) -> None:
+    """On S3 the verdict is reused on the kept object's HEAD (ETag, LastModified, size): only the small marker is
+    read. Other bytes under the same key are caught by their SHA-256. The committed rounds and relaunch notes that
+    only a running run reads are compacted away with the extra copies."""
+    store = _finished_store(tmp_path, uri=s3_uri)
+    store.put("committed/round_000003/state.safetensors", b"state")
+    store.put("committed/round_000003/COMMITTED", b"{}")
+    store.put("relaunch/rank_0001.json", b"{}")
+    report = compact_store(store, 3)
+    assert report.compacted and {"committed/round_000003/COMMITTED", "relaunch/rank_0001.json"} <= set(report.deleted)
+    assert store.list() == [COMPACTED_KEY, FINAL_KEY.format(rank=0), *[METRICS_KEY.format(rank=r) for r in range(3)],
+                            RUN_INFO_KEY]
+    marker = json.loads(store.get(COMPACTED_KEY))
+    assert {"ETag", "size"} <= set(marker["fingerprint"])
+
+    before = store.traffic
+    verdict = compacted_verdict(store, 3, with_tensors=False)
+    spent = store.traffic - before
+    assert verdict is not None and verdict.identical is True and verdict.tensors is None
+    assert spent.requests == {"get": 1} and spent.bytes_read == len(store.get(COMPACTED_KEY))  # the marker only
+
+    kept = store.get(FINAL_KEY.format(rank=0))
+    store.put(FINAL_KEY.format(rank=0), kept[:-1] + bytes([kept[-1] ^ 0xFF]))
+    changed = compacted_verdict(store, 3, with_tensors=False)
+    assert changed is not None and changed.identical is False and "changed after" in changed.detail
 
 
 def test_compact_store_deletes_nothing_when_the_copies_differ(tmp_path: Path) -> None:

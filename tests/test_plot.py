@@ -7,13 +7,15 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+from store_cli import run_cli
 from typer.testing import CliRunner
 
 from diloco.cli.main import app
 from diloco.errors import ConfigError
-from diloco.layout import METRICS_KEY
+from diloco.layout import METRICS_KEY, PROGRESS_KEY
 from diloco.metrics import MetricRow
 from diloco.plot import curve_of, output_path, plot_run
 from diloco.store import ObjectStore
@@ -101,11 +103,14 @@ def test_nothing_to_plot_yet_is_a_clear_error(tmp_path: Path) -> None:
     assert not (tmp_path / "a.png").exists()
 
 
-def test_the_output_must_be_a_png_in_an_existing_directory(tmp_path: Path) -> None:
+def test_the_output_must_be_a_png_whose_directories_can_be_made(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"must end in \.png"):
         output_path(str(tmp_path / "curves.jpg"), "r")
-    with pytest.raises(ConfigError, match="does not exist"):
-        output_path(str(tmp_path / "nope" / "c.png"), "r")
+    assert output_path(str(tmp_path / "nope" / "c.png"), "r") == str(tmp_path / "nope" / "c.png")  # made at write
+    assert output_path(f"{tmp_path}/new/", "r") == str(tmp_path / "new" / "r-curves.png")
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ConfigError, match="afile is a file"):
+        output_path(str(tmp_path / "afile" / "c.png"), "r")
     assert output_path(str(tmp_path), "r") == str(tmp_path / "r-curves.png")
 
 
@@ -141,3 +146,93 @@ def test_the_cli_and_the_hf_trainer_module_import_nothing_heavy() -> None:
             "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "[]"
+
+
+# ---------------------------------------------------------------------------------------------- what the plot says
+def plotted(home: Path, run_id: str, out: Path) -> dict[str, object]:
+    """``diloco plot RUN --output OUT -o json`` in a subprocess: the report of what was drawn."""
+    result = run_cli("plot", run_id, "--output", str(out), "-o", "json", home=home)
+    assert result.returncode == 0, result.stderr
+    report: dict[str, object] = json.loads(result.stdout)
+    return report
+
+
+def test_a_failed_run_says_each_ranks_real_state_and_that_no_eval_was_recorded(home: Path, tmp_path: Path) -> None:
+    """Rank 1 fails, fail-fast cancels rank 0; neither ever evaluated. The legend names their real states, and
+    the eval panels say there is nothing to show instead of being empty axes."""
+    launched = run_cli("launch", "-n", "2", "-b", "local", "--trainer", "plot_trainers:fail_before_eval",
+                       "--steps", "4", "--sync-every", "2", "-o", "json", home=home)
+    assert launched.returncode == 1, launched.stderr
+    run_id = json.loads(launched.stdout)["run_id"]
+    report = plotted(home, run_id, tmp_path / "failed.png")
+    curves = {c["rank"]: c for c in report["curves"]}  # type: ignore[index, union-attr]
+    assert (curves[0]["state"], curves[0]["label"]) == ("cancelled", "rank 0 (cancelled)")
+    assert (curves[1]["state"], curves[1]["label"]) == ("failed", "rank 1 (failed)")
+    assert [p[2] for p in curves[0]["train"]] == [4.0] and [p[2] for p in curves[1]["train"]] == [3.9]
+    assert report["notes"] == {"eval loss / inner step": "no eval recorded",
+                               "eval loss / wall time (s)": "no eval recorded"}
+    assert_drawn_png(tmp_path / "failed.png")
+
+
+def test_a_live_runs_progress_row_adds_a_point_only_for_a_loss_measured_at_its_step(
+        home: Path, tmp_path: Path) -> None:
+    """Mid-way to round 2, rank 0's progress row carries round 1's train loss over (nothing measured since): no
+    point at its step, which would draw a flat segment as if rank 0 had stopped learning. Rank 1's progress row
+    carries a loss measured at its step: that one is a point."""
+    launched = run_cli("launch", "-n", "2", "-b", "local", "--trainer", "plot_trainers:stale_progress",
+                       "--steps", "100", "--sync-every", "10", "--detach", "-o", "json", home=home)
+    assert launched.returncode == 0, launched.stderr
+    run_id = json.loads(launched.stdout)["run_id"]
+    try:
+        store = ObjectStore(f"file://{home.resolve()}/runs/{run_id}/store")
+        deadline = time.monotonic() + 120
+        while not all(store.exists(PROGRESS_KEY.format(rank=r)) for r in (0, 1)):
+            assert time.monotonic() < deadline, "the replicas wrote no progress rows"
+            time.sleep(0.2)
+        report = plotted(home, run_id, tmp_path / "live.png")
+        assert report["train_points"] == 3  # round 1 of each rank, and rank 1's fresh loss
+        curves = {c["rank"]: c for c in report["curves"]}  # type: ignore[index, union-attr]
+        assert [(p[0], p[2]) for p in curves[0]["train"]] == [(10, 4.0)]
+        assert [(p[0], p[2]) for p in curves[1]["train"]] == [(10, 4.0), (15, 3.5)]
+        assert [c["label"] for c in curves.values()] == ["rank 0 (running)", "rank 1 (running)"]
+        assert report["notes"] == {}
+    finally:
+        cancelled = run_cli("cancel", run_id, home=home)
+        assert cancelled.returncode == 0, cancelled.stderr
+
+
+def test_the_figure_draws_exactly_the_reported_series_and_notes() -> None:
+    """The figure's own artists (matplotlib's API, not pixels): one line per rank and panel with the reported
+    points and label, and the note as text in a panel that has nothing to show."""
+    from diloco.plot import build_figure, legend_label
+
+    rows = [MetricRow(kind="init", time=100.0, step=0, round=0),
+            MetricRow(kind="round", time=101.0, step=4, round=1, train_loss=4.0)]
+    curves = [curve_of(0, rows), curve_of(1, rows)]
+    labels = {0: legend_label(0, "cancelled", finished=False), 1: legend_label(1, "succeeded", finished=True)}
+    figure, notes = build_figure(curves, labels, title="t")
+    train_ax, eval_ax = figure.axes[0], figure.axes[2]
+
+    def series(ax: Any) -> list[Any]:  # the curves, not the dotted round markers (labelled "_round")
+        return [line for line in ax.get_lines() if not str(line.get_label()).startswith("_")]
+
+    assert [line.get_label() for line in series(train_ax)] == ["rank 0 (cancelled)", "rank 1"]
+    assert [list(line.get_xdata()) for line in series(train_ax)] == [[4], [4]]
+    assert [t.get_text() for t in train_ax.get_legend().get_texts()] == ["rank 0 (cancelled)", "rank 1"]
+    assert series(eval_ax) == [] and [t.get_text() for t in eval_ax.texts] == ["no eval recorded"]
+    assert notes == {"eval loss / inner step": "no eval recorded", "eval loss / wall time (s)": "no eval recorded"}
+
+
+def test_carried_over_losses_add_no_point_but_measured_ones_do() -> None:
+    """A ``final`` row past the last round (steps not a multiple of the round length) and a progress row both
+    carry the latest reported values: equal to the previous point, they are no new point; a different value was
+    measured at that step and is one."""
+    rows = [MetricRow(kind="init", time=0.0, step=0, round=0, eval_loss=5.0),
+            MetricRow(kind="round", time=1.0, step=4, round=1, train_loss=4.0, eval_loss=4.5),
+            MetricRow(kind="round", time=2.0, step=8, round=2, train_loss=4.0, eval_loss=4.5),  # a real repeat
+            MetricRow(kind="final", time=3.0, step=10, round=2, train_loss=4.0, eval_loss=4.5)]
+    curve = curve_of(0, rows)
+    assert [(p[0], p[2]) for p in curve.train] == [(4, 4.0), (8, 4.0)]
+    assert [(p[0], p[2]) for p in curve.eval] == [(0, 5.0), (4, 4.5), (8, 4.5)]
+    fresh = curve_of(0, [*rows[:3], MetricRow(kind="progress", time=2.5, step=9, round=2, train_loss=3.8)])
+    assert [(p[0], p[2]) for p in fresh.train] == [(4, 4.0), (8, 4.0), (9, 3.8)]
