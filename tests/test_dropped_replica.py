@@ -1,0 +1,150 @@
+"""A replica dropped from a ``--min-replicas`` round, through the real CLI on the local backend: it exits with the
+dropped code (75), ``diloco launch`` relaunches it, it rejoins at its peers' next round (and, dropped from the last
+round, adopts the final committed model), and the run ends with every replica holding identical weights; the
+run's ``final_eval_loss`` is the collected model's own eval loss, never the mean with a stale one.
+
+The straggler is ``late_trainer`` (the built-in trainer; one rank holds back its contribution to chosen rounds
+until they committed without it), so the drop is certain whatever the machine's load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from diloco.layout import ROUND_MANIFEST_KEY
+from diloco.store import ObjectStore
+
+TESTS_DIR = Path(__file__).resolve().parent
+DILOCO = str(Path(sys.executable).with_name("diloco"))
+pytestmark = pytest.mark.slow
+
+#: The built-in trainer, tiny: 6 rounds of 5 steps on 3 replicas, any 2 of which may commit a round.
+MODEL = {"n_layer": 1, "n_head": 1, "n_embd": 16, "block_size": 16, "batch_size": 4, "eval_batches": 2,
+         "max_corpus_bytes": 200_000, "outer_momentum_warmup": 0}
+STEPS, SYNC_EVERY, ROUNDS = 30, 5, 6
+
+
+def launch_args(*, late_rounds: str, extra: tuple[str, ...] = ()) -> list[str]:
+    kwargs = [f"{k}={v}" for k, v in {**MODEL, "late_rank": 2, "late_rounds": late_rounds}.items()]
+    return ["launch", "-n", "3", "--trainer", "late_trainer:train", "--steps", str(STEPS), "--sync-every",
+            str(SYNC_EVERY), "--min-replicas", "2", *[a for kv in kwargs for a in ("-k", kv)],
+            "--set", "store.timeout_s=4", "--set", "store.poll_interval_s=0.05", "-o", "json", *extra]
+
+
+def cli(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "DILOCO_HOME": str(home), "NO_COLOR": "1", "DILOCO_RESTART_BACKOFF_S": "0"}
+    env.pop("DILOCO_DEBUG", None)
+    return subprocess.run([DILOCO, *args], capture_output=True, text=True, env=env, cwd=TESTS_DIR, timeout=300)
+
+
+def members(store: ObjectStore) -> dict[int, list[int]]:
+    """Round number (from 1) -> the ranks its manifest says it averaged."""
+    out = {}
+    for index in range(ROUNDS):
+        key = ROUND_MANIFEST_KEY.format(round=index)
+        if store.exists(key):
+            out[index + 1] = json.loads(store.get(key))["members"]
+    return out
+
+
+def eval_loss_of(model_path: str) -> float:
+    """The collected model's eval loss, computed the way the built-in trainer computes it: its fixed held-out
+    batches (the corpus' common tail, the default seed), the mean loss over them, on one CPU thread."""
+    import torch
+    from safetensors import safe_open
+
+    from diloco.data import eval_batches, load_corpus, split_corpus
+    from diloco.model import GPT, GPTConfig
+    from diloco.trainer import _evaluate
+
+    with safe_open(model_path, framework="pt") as f:
+        config = GPTConfig.from_json(f.metadata()["model_config"])
+        tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
+    model = GPT(config)
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    assert not unexpected and not [m for m in missing if m in dict(model.named_parameters())], (missing, unexpected)
+    split = split_corpus(load_corpus(None, MODEL["max_corpus_bytes"]), rank=0, world_size=3,
+                         block_size=config.block_size)
+    batches = eval_batches(split.eval, n_batches=MODEL["eval_batches"], batch_size=MODEL["batch_size"],
+                           block_size=config.block_size, seed=1337)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the replicas ran (the trainer's `threads` default)
+    try:
+        return _evaluate(model, batches, torch.device("cpu"))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def processes_of(run_id: str) -> list[int]:
+    """Live processes whose environment carries ``run_id`` (the local backend's replicas and supervisors)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if f"DILOCO_RUN_ID={run_id}".encode() in environ.split(b"\0"):
+            pids.append(int(entry.name))
+    return pids
+
+
+def test_a_dropped_replica_is_relaunched_rejoins_and_the_run_ends_with_one_model(tmp_path: Path) -> None:
+    """Rank 2 is late for round 1 (dropped, relaunched, it rejoins and is averaged again in a later round) and for
+    the last round (dropped again: relaunched, it adopts the final committed model and succeeds)."""
+    home = tmp_path / "home"
+    launched = cli(*launch_args(late_rounds=f"1,{ROUNDS}"), home=home)
+    assert launched.returncode == 0, launched.stderr[-4000:]
+    report: dict[str, Any] = json.loads(launched.stdout)
+    run_id = report["run_id"]
+    assert report["state"] == "succeeded" and report["left_behind"] == [], report
+    assert [r["state"] for r in report["ranks"]] == ["succeeded"] * 3, report["ranks"]
+    assert report["weights_identical"] is True, report["weights_detail"]
+    r2 = report["ranks"][2]
+    assert r2["restarts"] >= 2 and r2["round"] == ROUNDS and r2["finished_training"], r2
+    assert "replica 2 failed (dropped from a round" in launched.stderr, launched.stderr[-3000:]
+
+    rounds = members(ObjectStore(report["rendezvous_uri"]))
+    assert rounds[1] == [0, 1] and rounds[ROUNDS] == [0, 1], rounds
+    assert any(2 in rounds.get(k, []) for k in range(2, ROUNDS)), rounds  # back in a round after the drop
+
+    logs = cli("logs", run_id, "-r", "2", home=home)
+    assert "rank 2: dropped from round 1" in logs.stdout + logs.stderr, logs.stdout[-3000:]
+    assert f"rank 2: dropped from round {ROUNDS}" in logs.stdout + logs.stderr
+    assert f"rejoins the run after committed round {ROUNDS}" in logs.stdout + logs.stderr
+
+    model = tmp_path / "model.safetensors"
+    collected = cli("collect", run_id, "--output", str(model), "-o", "json", home=home)
+    assert collected.returncode == 0, collected.stderr[-3000:]
+    own = eval_loss_of(str(model))
+    assert report["final_eval_loss"] == pytest.approx(own, abs=1e-6), (report["final_eval_loss"], own)
+    assert all(r["eval_loss"] == pytest.approx(own, abs=1e-6) for r in report["ranks"]), report["ranks"]
+    assert json.loads(collected.stdout)["final_eval_loss"] == pytest.approx(own, abs=1e-6)
+    assert not processes_of(run_id)
+
+
+def test_a_replica_dropped_more_often_than_max_restarts_is_left_behind_and_its_loss_is_not_averaged(
+    tmp_path: Path,
+) -> None:
+    """Late for every round, with one restart allowed: dropped from round 1, relaunched once, dropped again and
+    then left behind (its relaunches are bounded); the run's losses are the model's, without its stale one."""
+    home = tmp_path / "home"
+    launched = cli(*launch_args(late_rounds=",".join(str(k) for k in range(1, ROUNDS + 1)),
+                                extra=("--max-restarts", "1")), home=home)
+    report: dict[str, Any] = json.loads(launched.stdout)
+    r0, r1, r2 = report["ranks"]
+    assert r2["state"] == "failed" and r2["exit_code"] == 75 and r2["restarts"] == 1, r2
+    assert r0["state"] == r1["state"] == "succeeded" and r0["eval_loss"] == r1["eval_loss"], report["ranks"]
+    assert r2["eval_loss"] != r0["eval_loss"]  # what it last recorded: the model of an earlier round
+    assert report["latest_eval_loss"] == pytest.approx(r0["eval_loss"]), report
+    assert report["final_eval_loss"] in (None, pytest.approx(r0["eval_loss"])), report
+    assert launched.stderr.count("relaunching it") == 1, launched.stderr[-3000:]
+    assert not processes_of(report["run_id"])
