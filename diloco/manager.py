@@ -189,8 +189,15 @@ class ObjectStoreManager:
         wait for. One exception makes it wait first: when this rank's contribution to round c + 1 is already in
         the store (it died after uploading it), its peers may have read those bytes, so recomputing it would
         give them different means. It waits for round c + 1 to commit instead (it has all contributions, so it
-        will, within the all-reduce timeout) and looks again. So a rejoined rank never contributes twice to one
-        round, and what it contributes is computed from exactly that round's global weights.
+        will, within the all-reduce timeout; with ``min_replicas`` it may have committed without them: this rank
+        was dropped from it) and looks again. So a rejoined rank never contributes twice to one round, and what it
+        contributes is computed from exactly that round's global weights.
+
+        A rank that rejoins tells its peers the round it will contribute to (``announce_rejoin``): it starts that
+        round late by its whole restart, so past their deadline they wait for it as long as they trained for the
+        round, plus the all-reduce timeout, before they fail or (with ``min_replicas``) drop it again. When c is
+        the run's last round (the rank was dropped from it, or died after its peers finished), the trainer has
+        no step left: it leaves the loop at once with the final committed model, the one its peers exported.
         """
         if self.rounds is None:
             return None
@@ -215,6 +222,9 @@ class ObjectStoreManager:
         state = self.rounds.read(latest)
         self._step = latest
         self._allreduce.resume_at(latest)
+        announce = getattr(self._allreduce, "announce_rejoin", None)
+        if callable(announce):
+            announce(latest)
         logger.info("rank %d rejoins the run after committed round %d (its next round is %d)", self.rank, latest,
                     latest + 1)
         return state
