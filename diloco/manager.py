@@ -2,8 +2,9 @@
 
 torchft's Manager runs quorums, heals joiners and swallows collective errors into ``report_error`` so a failed
 step is discarded and retried by a smaller quorum. Here the replica set is fixed for the whole run, and a round that
-some rank skipped can never be repaired (the ranks' round counters would drift apart). A replica that *dies* is
-different: the launcher relaunches it and it rejoins (``rejoin``: the latest committed round, ``diloco.checkpoint``,
+some rank skipped can never be repaired (the ranks' round counters would drift apart). A replica that *dies*, or
+is dropped from a ``min_replicas`` round it was late for (it exits 75), is different: the launcher relaunches it
+and it rejoins (``rejoin``: the latest committed round, ``diloco.checkpoint``,
 loaded by the outer loop; its peers just wait a little longer). So the one rule that differs from torchft is:
 
 * **Errors are loud.** A failed all-reduce re-raises from ``Work.wait()`` and the replica fails (the orchestrator
@@ -108,7 +109,8 @@ class ObjectStoreManager:
         return self._allreduce.stats
 
     def num_participants(self) -> int:
-        """Every replica participates in every round (no partial quorums), so this is ``world_size``."""
+        """The replicas of the run, ``world_size`` (with ``min_replicas`` a round may average fewer; its manifest,
+        ``round_NNNNNN/manifest.json``, names them)."""
         return self._allreduce.world_size
 
     def current_step(self) -> int:
@@ -146,8 +148,11 @@ class ObjectStoreManager:
     def report_error(self, exc: BaseException) -> None:
         """Latch ``exc`` for this round (the first one wins); ``should_commit()`` will return ``False``."""
         if self._error is None:
+            from diloco.collectives.gather import DroppedFromRound
+
             self._error = exc
-            logger.error("rank %d: outer round %d failed: %s", self.rank, self._step + 1, exc)
+            log = logger.warning if isinstance(exc, DroppedFromRound) else logger.error  # it is relaunched
+            log("rank %d: outer round %d failed: %s", self.rank, self._step + 1, exc)
 
     def errored(self) -> BaseException | None:
         """The error latched in the current round, if any."""
