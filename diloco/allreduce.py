@@ -61,8 +61,9 @@ Round semantics (what a caller can rely on, whatever the strategy):
 * **Relaunch in progress.** Past ``timeout_s``, a peer the launcher is relaunching (``relaunch/rank_RRRR.json``
   with an ``until`` wall-clock time, see ``diloco.layout``) extends the wait until then instead of timing out.
 * **Rejoined peer.** A restarted rank announces the round it rejoins for (``rejoin/rank_RRRR.json``, with the
-  time); past ``timeout_s`` its peers wait for it until that time plus as long as they trained for the round plus
-  ``timeout_s``, since it started that round late by its whole restart. Only for that round.
+  time; a first start announces round 1); past ``timeout_s`` its peers wait for it until that time plus as long as
+  they trained for the round plus ``timeout_s``, since it started that round late by its whole restart (or a slow
+  start). Only for that round.
 """
 
 from __future__ import annotations

@@ -200,7 +200,9 @@ class ObjectStoreManager:
 
         A rank that rejoins tells its peers the round it will contribute to (``announce_rejoin``): it starts that
         round late by its whole restart, so past their deadline they wait for it as long as they trained for the
-        round, plus the all-reduce timeout, before they fail or (with ``min_replicas``) drop it again. When c is
+        round, plus the all-reduce timeout, before they fail or (with ``min_replicas``) drop it again. A first
+        start announces round 1 the same way, so a replica whose machine took longer to start it (importing
+        torch on a busy host) is not timed out or dropped for that alone. When c is
         the run's last round (the rank was dropped from it, or died after its peers finished), the trainer has
         no step left: it leaves the loop at once with the final committed model, the one its peers exported.
         """
@@ -222,14 +224,14 @@ class ObjectStoreManager:
             logger.info("rank %d: my contribution to round %d is already in the store; waiting for that round to "
                         "commit before rejoining", self.rank, latest + 1)
             time.sleep(poll)
+        announce = getattr(self._allreduce, "announce_rejoin", None)
+        if callable(announce):
+            announce(latest)
         if latest == 0:
             return None
         state = self.rounds.read(latest)
         self._step = latest
         self._allreduce.resume_at(latest)
-        announce = getattr(self._allreduce, "announce_rejoin", None)
-        if callable(announce):
-            announce(latest)
         logger.info("rank %d rejoins the run after committed round %d (its next round is %d)", self.rank, latest,
                     latest + 1)
         return state

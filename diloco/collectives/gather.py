@@ -105,7 +105,10 @@ class GatherExchange:
                 io.store.put_if_absent(manifest_key, json.dumps(proposal).encode())
                 break
             if len(present) < self.min_replicas:
-                io.await_object(round_, missing[0], key_of, deadline)  # times out naming every missing rank
+                if deadline.remaining_for(missing, round_) > 0:  # a missing rank may be owed more time
+                    io.wait_a_poll(round_)
+                else:
+                    io.await_object(round_, missing[0], key_of, deadline)  # times out naming every missing rank
             else:
                 io.wait_a_poll(round_)
         manifest = json.loads(io.store.get(manifest_key))
