@@ -56,10 +56,14 @@ Round semantics (what a caller can rely on, whatever the strategy):
   least K contributions, it commits with those: every rank adopts the round's manifest
   (``round_NNNNNN/manifest.json``, created exactly once), sums the members' contributions in rank order and
   divides by their number, so results stay bitwise identical. A contribution that lands after the manifest is not
-  averaged; its rank raises ``DroppedFromRound`` and rejoins at the next round once relaunched. Without
-  ``min_replicas`` nothing is ever averaged over a partial set.
+  averaged; its rank raises ``DroppedFromRound`` (the replica exits 75) and rejoins at the next round once
+  relaunched. Without ``min_replicas`` nothing is ever averaged over a partial set.
 * **Relaunch in progress.** Past ``timeout_s``, a peer the launcher is relaunching (``relaunch/rank_RRRR.json``
   with an ``until`` wall-clock time, see ``diloco.layout``) extends the wait until then instead of timing out.
+* **Rejoined peer.** A restarted rank announces the round it rejoins for (``rejoin/rank_RRRR.json``, with the
+  time; a first start announces round 1); past ``timeout_s`` its peers wait for it until that time plus as long as
+  they trained for the round plus ``timeout_s``, since it started that round late by its whole restart (or a slow
+  start). Only for that round.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@
     committed/round_NNNNNN/{state.safetensors,COMMITTED}
                                          the global state after round NNNNNN (from 1), marker last (diloco.checkpoint)
     relaunch/rank_RRRR.json              a relaunch of rank RRRR in progress: peers extend their wait (launcher)
+    rejoin/rank_RRRR.json                rank RRRR rejoined the run for one round: peers owe it that round's time
     logs/rank_RRRR/<attempt>/chunk_NNNNNN.json, end.json
                                          a replica's own output and exit code, where a backend asks the replicas
                                          to ship them (diloco.replica_log): it outlives the pods
@@ -48,6 +49,8 @@ COMMITTED_DATA_KEY = "committed/round_{round:06d}/state.safetensors"
 COMMITTED_MARKER_KEY = "committed/round_{round:06d}/COMMITTED"
 # Relaunches in progress (written by the launcher, read by peers' all-reduce to extend their wait).
 RELAUNCH_KEY = "relaunch/rank_{rank:04d}.json"
+# A restarted rank's rejoin (written by it, read by peers' all-reduce: the round it contributes to next, and when).
+REJOIN_KEY = "rejoin/rank_{rank:04d}.json"
 
 # All-reduce rounds (diloco.collectives): a rank's contribution and, sharded, the mean of one shard.
 CONTRIBUTION_KEY = "round_{round:06d}/rank_{rank:04d}.safetensors"

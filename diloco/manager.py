@@ -2,8 +2,9 @@
 
 torchft's Manager runs quorums, heals joiners and swallows collective errors into ``report_error`` so a failed
 step is discarded and retried by a smaller quorum. Here the replica set is fixed for the whole run, and a round that
-some rank skipped can never be repaired (the ranks' round counters would drift apart). A replica that *dies* is
-different: the launcher relaunches it and it rejoins (``rejoin``: the latest committed round, ``diloco.checkpoint``,
+some rank skipped can never be repaired (the ranks' round counters would drift apart). A replica that *dies*, or
+is dropped from a ``min_replicas`` round it was late for (it exits 75), is different: the launcher relaunches it
+and it rejoins (``rejoin``: the latest committed round, ``diloco.checkpoint``,
 loaded by the outer loop; its peers just wait a little longer). So the one rule that differs from torchft is:
 
 * **Errors are loud.** A failed all-reduce re-raises from ``Work.wait()`` and the replica fails (the orchestrator
@@ -108,7 +109,8 @@ class ObjectStoreManager:
         return self._allreduce.stats
 
     def num_participants(self) -> int:
-        """Every replica participates in every round (no partial quorums), so this is ``world_size``."""
+        """The replicas of the run, ``world_size`` (with ``min_replicas`` a round may average fewer; its manifest,
+        ``round_NNNNNN/manifest.json``, names them)."""
         return self._allreduce.world_size
 
     def current_step(self) -> int:
@@ -146,8 +148,11 @@ class ObjectStoreManager:
     def report_error(self, exc: BaseException) -> None:
         """Latch ``exc`` for this round (the first one wins); ``should_commit()`` will return ``False``."""
         if self._error is None:
+            from diloco.collectives.gather import DroppedFromRound
+
             self._error = exc
-            logger.error("rank %d: outer round %d failed: %s", self.rank, self._step + 1, exc)
+            log = logger.warning if isinstance(exc, DroppedFromRound) else logger.error  # it is relaunched
+            log("rank %d: outer round %d failed: %s", self.rank, self._step + 1, exc)
 
     def errored(self) -> BaseException | None:
         """The error latched in the current round, if any."""
@@ -189,8 +194,17 @@ class ObjectStoreManager:
         wait for. One exception makes it wait first: when this rank's contribution to round c + 1 is already in
         the store (it died after uploading it), its peers may have read those bytes, so recomputing it would
         give them different means. It waits for round c + 1 to commit instead (it has all contributions, so it
-        will, within the all-reduce timeout) and looks again. So a rejoined rank never contributes twice to one
-        round, and what it contributes is computed from exactly that round's global weights.
+        will, within the all-reduce timeout; with ``min_replicas`` it may have committed without them: this rank
+        was dropped from it) and looks again. So a rejoined rank never contributes twice to one round, and what it
+        contributes is computed from exactly that round's global weights.
+
+        A rank that rejoins tells its peers the round it will contribute to (``announce_rejoin``): it starts that
+        round late by its whole restart, so past their deadline they wait for it as long as they trained for the
+        round, plus the all-reduce timeout, before they fail or (with ``min_replicas``) drop it again. A first
+        start announces round 1 the same way, so a replica whose machine took longer to start it (importing
+        torch on a busy host) is not timed out or dropped for that alone. When c is
+        the run's last round (the rank was dropped from it, or died after its peers finished), the trainer has
+        no step left: it leaves the loop at once with the final committed model, the one its peers exported.
         """
         if self.rounds is None:
             return None
@@ -210,6 +224,9 @@ class ObjectStoreManager:
             logger.info("rank %d: my contribution to round %d is already in the store; waiting for that round to "
                         "commit before rejoining", self.rank, latest + 1)
             time.sleep(poll)
+        announce = getattr(self._allreduce, "announce_rejoin", None)
+        if callable(announce):
+            announce(latest)
         if latest == 0:
             return None
         state = self.rounds.read(latest)

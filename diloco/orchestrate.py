@@ -106,8 +106,8 @@ class RunReport(BaseModel):
     billable_s: float | None = None  # summed over replicas, on backends that bill
     cost_usd: float | None = None  # estimated, summed over replicas (each replica's cost_source says from what)
     initial_eval_loss: float | None = None  # mean over replicas of the loss before training
-    latest_eval_loss: float | None = None  # mean over replicas of the last recorded eval loss
-    final_eval_loss: float | None = None  # the same, only once the run has succeeded
+    latest_eval_loss: float | None = None  # the model's latest eval loss: mean over the replicas at the latest round
+    final_eval_loss: float | None = None  # the final model's: mean over the replicas that succeeded holding it
     diverged: bool = False  # some replica recorded a NaN or infinite loss
     weights_identical: bool | None = None  # set by collect (and launch's summary)
     weights_detail: str | None = None
@@ -489,19 +489,42 @@ def _mean(values: list[float | None]) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
+def model_eval_loss(ranks: list[ReplicaReport], *, final: bool = False, by_round: bool = True) -> float | None:
+    """The eval loss of the run's model: the mean over the replicas that hold it, never a stale one.
+
+    A replica's eval loss is that of the model after the last round it took part in, and every replica of one
+    round holds the same global model. So a replica behind its peers (dropped from a round, failed, or being
+    relaunched: its loss is an earlier round's model) is left out: the mean is over the replicas at the latest
+    round among those that have not failed (over the failed ones only when no other reported). ``final``: only
+    the replicas that succeeded, at the last round (what ``collect`` writes). ``by_round=False`` (async runs,
+    whose workers' rounds do not line up) keeps every replica that has not failed."""
+    reported = [r for r in ranks if r.step and isinstance(r.eval_loss, (int, float)) and math.isfinite(r.eval_loss)]
+    if final:
+        holders = [r for r in reported if r.state == ReplicaState.SUCCEEDED]
+    else:
+        holders = [r for r in reported if r.state != ReplicaState.FAILED] or reported
+    if by_round and holders:
+        latest = max(r.round or 0 for r in holders)
+        holders = [r for r in holders if (r.round or 0) == latest]
+    return _mean([r.eval_loss for r in holders])
+
+
 def relaunchable(status: ReplicaStatus) -> bool:
     """Whether a replica's failure is one a relaunch can cure. A backend that reads its service's failure report
     decides (``status.failure``: the provider's own failure, a kill, missing capacity are curable; the job's own
     error or a report it cannot read are not: ``diloco.executors.failures``). Otherwise the exit code does: killed
-    by a signal (SIGKILL, the OOM killer, a spot reclaim's SIGTERM: exit code >= 128) or lost without an exit code
-    is curable; a replica that exited with its own error (1: the trainer raised; 2: bad arguments; 127: could not
+    by a signal (SIGKILL, the OOM killer, a spot reclaim's SIGTERM: exit code >= 128), lost without an exit code,
+    or dropped from a ``min_replicas`` round (75, ``EXIT_DROPPED``: the relaunch rejoins at the next round) is
+    curable; a replica that exited with its own error (1: the trainer raised; 2: bad arguments; 127: could not
     start) would fail the same way again. A replica that hit the run's time limit never is. What is not curable
     fails the run fast, naming it, as without relaunching."""
+    from diloco.executors.failures import EXIT_DROPPED
+
     if status.state != ReplicaState.FAILED or status.timed_out:
         return False
     if status.failure is not None:
         return status.failure.relaunch
-    return status.exit_code is None or status.exit_code >= 128
+    return status.exit_code is None or status.exit_code >= 128 or status.exit_code == EXIT_DROPPED
 
 
 #: The first relaunch's backoff when neither the caller nor ``$DILOCO_RESTART_BACKOFF_S`` says otherwise.
@@ -570,7 +593,7 @@ class RunView:
         state = self.final_state or self.judge(status)  # a run that ended cannot resume: what was seen then holds
         left_behind = self.left_behind(status) if state == RunState.SUCCEEDED else []
         ended = [r.ended_at for r in ranks if r.ended_at is not None]
-        latest = _mean([r.eval_loss for r in ranks if r.step])
+        latest = model_eval_loss(ranks, by_round=self.record.config.get("train", {}).get("mode") != "async")
         report = RunReport(run_id=self.record.run_id, backend=self.record.backend, state=state,
                            created_at=self.record.created_at, rendezvous_uri=self.record.rendezvous_uri,
                            replicas=self.record.replicas, ranks=ranks,
@@ -580,7 +603,8 @@ class RunView:
                            cost_usd=_total([r.cost_usd for r in ranks]),
                            initial_eval_loss=_mean([r.initial_eval_loss for r in ranks]),
                            latest_eval_loss=latest, diverged=any(r.diverged for r in ranks),
-                           final_eval_loss=latest if state == RunState.SUCCEEDED else None,
+                           final_eval_loss=model_eval_loss(ranks, final=True, by_round=True)
+                           if state == RunState.SUCCEEDED else None,
                            warnings=readout.warnings, left_behind=left_behind)
         _add_async_status(report, self.store)
         self._remember(status)

@@ -19,7 +19,8 @@ are coerced where that is lossless (``"3e-4"`` to ``0.0003`` for a ``float`` par
 
 Restarts: every committed round's global state is kept in the store (``diloco.checkpoint``); a replica started
 for a rank of a run already past round 0 (a relaunch, a spot restart, a pod retry) rejoins at the round its peers
-are in when its outer loop is entered (``diloco.manager.ObjectStoreManager.rejoin``, ``diloco.outer``).
+are in when its outer loop is entered (``diloco.manager.ObjectStoreManager.rejoin``, ``diloco.outer``). So does one
+that was dropped from a ``min_replicas`` round (exit 75, below): its peers committed that round without it.
 
 What it records for every trainer: the manager's ``MetricsWriter`` (``diloco.metrics``) is the target of
 ``diloco.report(...)`` for the whole trainer call; it knows ``total_steps`` (from the kwargs, else the trainer's
@@ -40,8 +41,11 @@ TensorBoard (``--tensorboard DIR``): the metrics rows are also written as Tensor
 Exit codes: 0 success; 1 the training failed (the full traceback of the exception on stderr, then one last line
 ``diloco: error: ...``, which is what the CLI quotes; an all-reduce timeout is the one line alone and names the
 round and the missing ranks); 2 bad arguments, environment or trainer kwargs (one line naming the value and the
-fix, nothing trained); 143 on SIGTERM and 130 on SIGINT (prompt exit, so a backend's stop request does not wait
-out a poll loop). Hints name ``diloco launch``'s flags (``--trainer``, ``-k/--trainer-kwargs``) when diloco
+fix, nothing trained); 75 (``EXIT_DROPPED``, sysexits' EX_TEMPFAIL: "try again") dropped from a ``min_replicas``
+round that committed without its late contribution (``DroppedFromRound``), one line naming the round; its rounds
+no longer line up with its peers', and a relaunch cures that (every backend retries it: it rejoins at the next
+round, or adopts the final model when that round was the last); 143 on SIGTERM and 130 on SIGINT (prompt exit, so
+a backend's stop request does not wait out a poll loop). Hints name ``diloco launch``'s flags (``--trainer``, ``-k/--trainer-kwargs``) when diloco
 started the replica (``DILOCO_RUN_ID`` is set), this entrypoint's own flags otherwise.
 """
 
@@ -68,9 +72,12 @@ from diloco.trainer_check import INJECTED, check_trainer_kwargs
 
 DEFAULT_TRAINER = "diloco.trainer:diloco_train"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+#: Dropped from a ``min_replicas`` round (sysexits' EX_TEMPFAIL): curable by a relaunch, which rejoins the run.
+EXIT_DROPPED = 75
 EXIT_SIGINT, EXIT_SIGTERM = 130, 143
 
 if TYPE_CHECKING:
+    from diloco.collectives.gather import DroppedFromRound
     from diloco.executors.base import EntrypointArgs
 
 E = TypeVar("E", bound=BaseException)
@@ -426,6 +433,21 @@ def _find_timeout(exc: BaseException) -> AllReduceTimeout | None:
     return _in_chain(exc, AllReduceTimeout)
 
 
+def _find_dropped(exc: BaseException) -> DroppedFromRound | None:
+    """The ``DroppedFromRound`` behind ``exc``, if any (the outer loop may wrap it). The collectives are loaded
+    by then (only a round raises it), so the import costs nothing."""
+    from diloco.collectives.gather import DroppedFromRound
+
+    return _in_chain(exc, DroppedFromRound)
+
+
+def dropped_line(dropped: DroppedFromRound) -> str:
+    """The one line of a replica dropped from a round: which round, who committed it, and that it comes back."""
+    return (f"rank {dropped.rank}: dropped from round {dropped.round}: its contribution arrived after the round "
+            f"committed with ranks {', '.join(map(str, dropped.members))} (min_replicas {dropped.min_replicas}); "
+            f"it rejoins at the next round when relaunched (exit code {EXIT_DROPPED})")
+
+
 def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) -> int:
     """Run one replica; returns the exit code (see the module docstring).
 
@@ -598,6 +620,12 @@ def run_replica(args: ReplicaArgs, trainer: Callable[..., Any], kwargs: dict[str
         _fail(env, f"{exc} ({exc.hint or fix})")
         return EXIT_USAGE
     except Exception as exc:  # noqa: BLE001 - the one place a replica's failure becomes an exit code
+        dropped = _find_dropped(exc)
+        if dropped is not None:
+            if debug:
+                traceback.print_exc(file=sys.stderr)
+            _fail(env, dropped_line(dropped))
+            return EXIT_DROPPED
         timeout = _find_timeout(exc)
         if timeout is None or debug:
             # Always, not only under DILOCO_DEBUG: the replica's log is the only place a trainer's traceback can

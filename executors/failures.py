@@ -10,6 +10,10 @@ A backend that can read its service's failure report sets ``ReplicaStatus.failur
 (the SageMaker backend reads ``FailureReason``: ``diloco.executors.sagemaker.failures``); ``relaunchable`` in
 ``diloco.orchestrate`` follows it. A backend that leaves it ``None`` is judged by its exit code alone (killed by a
 signal, or lost without one: relaunched). ``summary()`` is the one line ``diloco status`` shows.
+
+One exit code is curable on every backend: ``EXIT_DROPPED`` (75), a replica dropped from a ``min_replicas`` round
+that committed without its late contribution. Nothing about the job is wrong; its rounds no longer line up with its
+peers', and a new attempt rejoins at their next round (``dropped_verdict``).
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from __future__ import annotations
 import enum
 
 from pydantic import BaseModel
+
+from diloco.replica_entrypoint import EXIT_DROPPED
 
 
 class FailureClass(str, enum.Enum):
@@ -26,17 +32,19 @@ class FailureClass(str, enum.Enum):
     INFRASTRUCTURE = "infrastructure"  # the provider's side: an internal error, a lost instance
     KILLED = "killed"  # killed by a signal (the OOM killer, a SIGKILL from outside): a new job may not be
     CAPACITY = "capacity"  # no capacity for the instance type just then
+    DROPPED = "dropped"  # left out of a min_replicas round it was late for: a new attempt rejoins at the next
     UNKNOWN = "unknown"  # a failure report diloco does not know how to read
 
 
 #: The classes a relaunch may cure.
-CURABLE = frozenset({FailureClass.INFRASTRUCTURE, FailureClass.KILLED, FailureClass.CAPACITY})
+CURABLE = frozenset({FailureClass.INFRASTRUCTURE, FailureClass.KILLED, FailureClass.CAPACITY, FailureClass.DROPPED})
 
 _LABELS = {
     FailureClass.USER_ERROR: "cannot heal",
     FailureClass.INFRASTRUCTURE: "infrastructure failure",
     FailureClass.KILLED: "killed",
     FailureClass.CAPACITY: "no capacity",
+    FailureClass.DROPPED: "dropped from a round",
     FailureClass.UNKNOWN: "unknown failure",
 }
 
@@ -58,3 +66,12 @@ class FailureVerdict(BaseModel):
         """``cannot heal (not relaunched): <why>`` / ``killed (relaunchable): <why>``."""
         decision = "relaunchable" if self.relaunch else "not relaunched"
         return f"{_LABELS[self.failure_class]} ({decision}): {self.why}"
+
+
+def dropped_verdict() -> FailureVerdict:
+    """The verdict on a replica that exited ``EXIT_DROPPED``: curable, whatever the backend."""
+    return FailureVerdict.of(FailureClass.DROPPED, f"exited with code {EXIT_DROPPED}: its contribution came after "
+                             "a round committed without it (min_replicas); a relaunch rejoins at the next round")
+
+
+__all__ = ["CURABLE", "EXIT_DROPPED", "FailureClass", "FailureVerdict", "dropped_verdict"]

@@ -87,6 +87,7 @@ from diloco.signals import signals_deferred, terminate_as_interrupt
 
 if TYPE_CHECKING:
     from diloco.doctor import Check, DoctorContext
+    from diloco.executors.failures import FailureVerdict
 
 SUPERVISOR_MODULE = "diloco.executors.local_supervisor"
 HANDLE_FILE = "handle.json"
@@ -503,13 +504,16 @@ class LocalBackend(Backend[LocalBackendConfig, LocalRunHandle]):
                        f"(kill -9, the OOM killer, a reboot?); see {os.path.join(p.log_dir, SUPERVISOR_LOG)}")
         code = int(exit_rec.get("exit_code", 1))
         reason = exit_rec.get("reason")
+        failure = None
         if code == 0:
             native = "succeeded"
         elif cancel_requested:
             native, reason = "cancelled", f"cancelled ({reason})"
         else:
             native = "failed"
-        return self._status(rank, native, job_id, reason=reason, exit_code=code,
+            failure = _dropped(code)
+            reason = "dropped from a round it was late for (exit code 75)" if failure is not None else reason
+        return self._status(rank, native, job_id, reason=reason, exit_code=code, failure=failure,
                             timed_out=bool(exit_rec.get("timed_out")),
                             started_at=exit_rec.get("started_at", started), ended_at=exit_rec.get("ended_at"))
 
@@ -840,3 +844,10 @@ def _touch(path: str) -> None:
 
 __all__ = ["CapacityEstimate", "LocalBackend", "LocalBackendConfig", "LocalProcess", "LocalRunHandle",
            "MachineCapacity", "estimate_capacity", "machine_capacity"]
+
+
+def _dropped(code: int) -> FailureVerdict | None:
+    """The verdict on a replica that exited dropped from a ``min_replicas`` round (curable: it rejoins), else None."""
+    from diloco.executors.failures import EXIT_DROPPED, dropped_verdict
+
+    return dropped_verdict() if code == EXIT_DROPPED else None

@@ -64,17 +64,26 @@ class RoundClosed(DilocoError):
 
 
 class Deadline:
-    """How long a round may still wait for one kind of object; extended while the launcher relaunches a peer."""
+    """How long a round may still wait for one kind of object; extended while the launcher relaunches a peer, and
+    for a peer that rejoined the run to contribute to this very round (``RoundIO.extension``)."""
 
     def __init__(self, io: RoundIO, seconds: float) -> None:
         self._io = io
         self._until = time.monotonic() + seconds
 
     def remaining(self, peer: int, round_: int) -> float:
-        """Seconds left; past the deadline, the relaunch extension recorded for ``peer``, if any."""
+        """Seconds left; past the deadline, the extension ``peer`` is owed, if any."""
+        return self.remaining_for([peer], round_)
+
+    def remaining_for(self, peers: list[int], round_: int) -> float:
+        """Seconds left; past the deadline, the longest extension any of ``peers`` (the missing ones) is owed."""
         remaining = self._until - time.monotonic()
-        if remaining <= 0 and (extension := self._io.relaunch_extension(peer)) > 0:
-            logger.info("round %d: rank %d is being relaunched; waiting %.0fs more", number(round_), peer, extension)
+        if remaining > 0:
+            return remaining
+        owed = [(self._io.extension(peer, round_), peer) for peer in peers]
+        (extension, why), peer = max(owed, default=((0.0, ""), -1))
+        if extension > 0:
+            logger.info("round %d: rank %d %s; waiting %.0fs more", number(round_), peer, why, extension)
             self._until = time.monotonic() + extension
             remaining = extension
         return remaining
@@ -85,8 +94,9 @@ class RoundIO:
 
     def __init__(self, store: ObjectStore, rank: int, world_size: int, *, timeout_s: float, poll_interval_s: float,
                  run_id: str | None, spread: int, stats: AllReduceStats, stats_lock: threading.Lock,
-                 stop: threading.Event) -> None:
+                 stop: threading.Event, trained_s: float = 0.0) -> None:
         self.store = store
+        self.trained_s = trained_s  # how long this rank trained before contributing to the round (rejoin slack)
         self.rank = rank
         self.world_size = world_size
         self.timeout_s = timeout_s
@@ -176,6 +186,34 @@ class RoundIO:
         """Seconds until the relaunch of ``peer`` the launcher recorded runs out (0 when none is recorded)."""
         until = self.relaunch_deadline(peer)
         return max(0.0, until - time.time()) if until is not None else 0.0
+
+    def rejoin_deadline(self, peer: int, round_: int) -> float | None:
+        """When a ``peer`` that rejoined the run to contribute to ``round_`` (``rejoin/rank_RRRR.json``, written by
+        ``RoundDriver.announce_rejoin``) is owed its contribution: the time it rejoined, plus as long as this rank
+        trained for the round, plus one ``timeout_s``. So a relaunched replica, which starts its first round late
+        by its whole restart, gets the time its peers had, and the usual slack on top; one slower than that is
+        still dropped (with ``min_replicas``) or timed out. ``None`` when ``peer`` rejoined for another round."""
+        from diloco.layout import REJOIN_KEY
+
+        try:
+            record = json.loads(self.store.get(REJOIN_KEY.format(rank=peer)))
+        except (StoreError, OSError, ValueError):
+            return None
+        if not isinstance(record, dict) or record.get("round") != round_ or record.get("run_id", "") != (
+                self.run_id or ""):
+            return None
+        at = record.get("at")
+        return float(at) + self.trained_s + self.timeout_s if isinstance(at, (int, float)) else None
+
+    def extension(self, peer: int, round_: int) -> tuple[float, str]:
+        """Seconds more a round past its deadline waits for ``peer``, and why: the launcher is relaunching it
+        (``relaunch_extension``), or it rejoined for this round (``rejoin_deadline``); 0 when neither."""
+        relaunch = self.relaunch_extension(peer)
+        until = self.rejoin_deadline(peer, round_)
+        rejoin = max(0.0, until - time.time()) if until is not None else 0.0
+        if rejoin > relaunch:
+            return rejoin, "rejoined the run for this round"
+        return relaunch, "is being relaunched"
 
     # ---------------------------------------------------------------- verified reads
     def read_verified(self, round_: int, peer: int, what: str, url: str, read: Callable[[], T]) -> T:
@@ -314,6 +352,8 @@ class RoundDriver(Generic[S, P]):
         self._stats_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None  # the latest round's thread
+        self._training_since = time.monotonic()  # since the last round completed here (or this rank started)
+        self._trained_s = 0.0  # how long this rank trained before its latest round started
 
     # ---------------------------------------------------------------- public API
     @property
@@ -332,6 +372,21 @@ class RoundDriver(Generic[S, P]):
         if round_ < 0:
             raise ValueError(f"round index must be >= 0, got {round_}")
         self._round = round_
+
+    def announce_rejoin(self, round_: int) -> None:
+        """Tell the peers this rank rejoined the run and will contribute to the round of zero-based index ``round_``
+        (``rejoin/rank_RRRR.json``): past their deadline they wait for it as long as they trained for that round,
+        plus ``timeout_s`` (``RoundIO.rejoin_deadline``). Best effort: without it the rank is only owed what the
+        launcher recorded for its relaunch."""
+        from diloco.layout import REJOIN_KEY
+
+        record = {"rank": self.rank, "round": round_, "at": time.time(), "run_id": self.run_id or ""}
+        try:
+            self.store.put(REJOIN_KEY.format(rank=self.rank), json.dumps(record).encode())
+        except (StoreError, OSError) as exc:
+            logger.warning("could not tell the peers that rank %d rejoins at round %d: %s", self.rank,
+                           number(round_), exc)
+        self._training_since = time.monotonic()
 
     def has_own_contribution(self, round_: int) -> bool:
         """Whether this rank's contribution for ``round_`` is already in the store (written before a restart)."""
@@ -365,6 +420,7 @@ class RoundDriver(Generic[S, P]):
                 f"before starting round {number(self._round)}"
             )
         targets = as_named(tensors)
+        self._trained_s = time.monotonic() - self._training_since
         snapshot = self._exchange.snapshot(targets)  # a CPU copy now (a device sync on accelerators)
         round_ = self._round
         self._round += 1
@@ -410,7 +466,7 @@ class RoundDriver(Generic[S, P]):
     def _io(self) -> RoundIO:
         return RoundIO(self.store, self.rank, self.world_size, timeout_s=self.timeout_s,
                        poll_interval_s=self.poll_interval_s, run_id=self.run_id, spread=self.spread,
-                       stats=self._stats, stats_lock=self._stats_lock, stop=self._stop)
+                       stats=self._stats, stats_lock=self._stats_lock, stop=self._stop, trained_s=self._trained_s)
 
     def _run_round(self, round_: int, snapshot_box: list[S], uploaded: Future[None],
                    result: Future[dict[str, torch.Tensor]]) -> None:
@@ -462,6 +518,7 @@ class RoundDriver(Generic[S, P]):
                 self._stats.seconds_blocked += time.monotonic() - started
         with self._stats_lock:
             self._stats.rounds += 1
+        self._training_since = time.monotonic()
 
     # ---------------------------------------------------------------- failure latch
     def _check_usable(self) -> None:

@@ -100,12 +100,15 @@ class GatherExchange:
                 break
             present = [r for r in range(io.world_size) if r == io.rank or io.store.exists(key_of(r))]
             missing = [r for r in range(io.world_size) if r not in present]
-            if not missing or (deadline.remaining(missing[0], round_) <= 0 and len(present) >= self.min_replicas):
+            if not missing or (deadline.remaining_for(missing, round_) <= 0 and len(present) >= self.min_replicas):
                 proposal = {"round": round_, "members": present, "proposed_by": io.rank, "run_id": io.run_id or ""}
                 io.store.put_if_absent(manifest_key, json.dumps(proposal).encode())
                 break
             if len(present) < self.min_replicas:
-                io.await_object(round_, missing[0], key_of, deadline)  # times out naming every missing rank
+                if deadline.remaining_for(missing, round_) > 0:  # a missing rank may be owed more time
+                    io.wait_a_poll(round_)
+                else:
+                    io.await_object(round_, missing[0], key_of, deadline)  # times out naming every missing rank
             else:
                 io.wait_a_poll(round_)
         manifest = json.loads(io.store.get(manifest_key))
@@ -115,10 +118,8 @@ class GatherExchange:
             raise CorruptObjectError(f"all-reduce round {number(round_)}: the manifest at "
                                      f"{io.store.url(manifest_key)} is not this round's: {manifest}")
         if io.rank not in members:
-            raise DroppedFromRound(
-                f"all-reduce round {number(round_)}: rank {io.rank}'s contribution arrived after the round "
-                f"committed with ranks {members} (min_replicas {self.min_replicas}), so it was not averaged",
-                hint="the replica is restarted and rejoins at the next round (diloco launch does this)")
+            raise DroppedFromRound(round_=number(round_), rank=io.rank, members=members,
+                                   min_replicas=self.min_replicas)
         if len(members) < io.world_size:
             logger.warning("round %d averages %d of %d replicas: %s (min_replicas %d)", number(round_),
                            len(members), io.world_size, members, self.min_replicas)
@@ -173,7 +174,22 @@ class GatherExchange:
 
 
 class DroppedFromRound(DilocoError):
-    """With ``min_replicas``, this rank's contribution came too late for a round that committed without it."""
+    """With ``min_replicas``, this rank's contribution came too late for a round that committed without it.
+
+    Not an error of the replica's making: its peers went on without it, and its rounds no longer line up with
+    theirs. The replica exits with the dropped exit code (``diloco.replica_entrypoint.EXIT_DROPPED``), which every
+    backend treats as curable; relaunched, it rejoins at its peers' next round from the latest committed one
+    (``diloco.manager.ObjectStoreManager.rejoin``)."""
+
+    def __init__(self, *, round_: int, rank: int, members: list[int], min_replicas: int) -> None:
+        super().__init__(f"all-reduce round {round_}: rank {rank}'s contribution arrived after the round committed "
+                         f"with ranks {members} (min_replicas {min_replicas}), so it was not averaged",
+                         hint="the replica is relaunched and rejoins at the next round (diloco launch does this "
+                              "within --max-restarts)")
+        self.round = round_  # numbered from 1, as in the logs
+        self.rank = rank
+        self.members = members
+        self.min_replicas = min_replicas
 
 
 def _add_window(flat: Mapping[str, torch.Tensor], views: Mapping[str, tuple[int, torch.Tensor]], first: bool) -> None:

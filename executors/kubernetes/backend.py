@@ -25,7 +25,7 @@ from diloco.executors.base import (
     RunState,
     RunStatus,
 )
-from diloco.executors.failures import FailureClass, FailureVerdict
+from diloco.executors.failures import EXIT_DROPPED, FailureClass, FailureVerdict
 from diloco.layout import LOGS_PREFIX
 from diloco.replica_log import ATTEMPT_ENV, LOG_URI_ENV
 
@@ -192,6 +192,9 @@ class KubernetesBackend(Backend[KubernetesBackendConfig, KubernetesRunHandle]):
                 # cannot help (a kill, SIGKILL or the OOM killer's 137, is counted and retried)
                 {"action": "FailIndex", "onExitCodes": {"containerName": CONTAINER, "operator": "In", "values": [
                     TRAINER_ERROR_EXIT, CONFIG_ERROR_EXIT, SIGTERM_EXIT]}},
+                # dropped from a min_replicas round: counted and retried, and the new pod rejoins the next round
+                {"action": "Count", "onExitCodes": {"containerName": CONTAINER, "operator": "In", "values": [
+                    EXIT_DROPPED]}},
             ]},
             "template": {"metadata": {"labels": labels, "annotations": annotations}, "spec": self._pod_spec(spec)},
         }

@@ -16,6 +16,10 @@ The forms on record (the emulator's ``FAILURE_FORMS`` produces each; every one c
 * ``CapacityError: Unable to provision requested ML compute capacity. Please retry using a different ML instance
   type.``: no capacity just then (before any instance is billed).
 
+A replica dropped from a ``min_replicas`` round exits 75 (``EXIT_DROPPED``): "exit code: 75" in any of the
+wordings above, or its own one line ("dropped from round N") where a failure file carries it, is ``DROPPED``,
+relaunched like a kill: the new job rejoins the run at its next round.
+
 Anything else is ``UNKNOWN``, and not relaunched: the wording is the service's to change, and a relaunch of a
 failure diloco does not understand is a paid cold start that may well fail the same way.
 """
@@ -25,7 +29,7 @@ from __future__ import annotations
 import re
 import signal
 
-from diloco.executors.failures import FailureClass, FailureVerdict
+from diloco.executors.failures import EXIT_DROPPED, FailureClass, FailureVerdict, dropped_verdict
 
 #: The exit code in every wording on record: ", exit code: 137", "Exit Code: 1", the toolkit's "ExitCode 1".
 EXIT_CODE_RE = re.compile(r"exit\s?code:?\s*(-?\d+)", re.IGNORECASE)
@@ -33,6 +37,7 @@ _SIGKILL_RE = re.compile(r"\bsignal\s*9\b|\bSIGKILL\b", re.IGNORECASE)
 _OUT_OF_MEMORY_RE = re.compile(r"out of memory|OutOfMemory|\bMemoryError\b", re.IGNORECASE)
 _DENIED_RE = re.compile(r"AccessDenied|Access Denied|\b403\b|Forbidden", re.IGNORECASE)
 _BOOTSTRAP = "diloco bootstrap:"
+_DROPPED_RE = re.compile(r"\bdropped from round \d+", re.IGNORECASE)
 
 
 def exit_code_of(reason: str | None) -> int | None:
@@ -57,6 +62,8 @@ def _one_line(text: str, limit: int = 160) -> str:
 
 
 def _exit_verdict(code: int) -> FailureVerdict:
+    if code == EXIT_DROPPED:
+        return dropped_verdict()
     if code >= 128:
         return FailureVerdict.of(FailureClass.KILLED, f"killed by signal {code - 128} ({_signal_name(code - 128)}): "
                                  "the OOM killer, a kill from outside or the instance going away; a new job may "
@@ -81,6 +88,8 @@ def _algorithm_error(text: str) -> FailureVerdict:
                                      "the job needs; fix the requirements, then launch again")
         return FailureVerdict.of(FailureClass.USER_ERROR, f"the job's bootstrap could not set it up "
                                  f"({_one_line(what)}); a new job would meet it again")
+    if _DROPPED_RE.search(text):
+        return dropped_verdict()
     if _OUT_OF_MEMORY_RE.search(text):
         return FailureVerdict.of(FailureClass.USER_ERROR, "the replica ran out of memory, as a new job would: a "
                                  "smaller batch or model, or a larger --instance-type")
