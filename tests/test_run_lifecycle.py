@@ -1,0 +1,139 @@
+"""A run's lifecycle as the launcher judges it, through the real CLI on the local backend (real replica processes,
+real kills): ``watch`` never relaunches into a run that has ended, and honours the run's own ``--max-restarts``;
+a run whose replica died but can still finish reads as running (with the replica awaiting a relaunch) until
+nothing can help; a run whose launcher died is finished by ``watch``; Ctrl-C says what state the run is in."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+TESTS_DIR = Path(__file__).resolve().parent
+DILOCO = [sys.executable, "-m", "diloco.cli.main"]
+
+#: A two-replica run long enough to kill a replica in (paced steps; a round every 5 of them).
+PACED = ["--replicas", "2", "--backend", "local", "--trainer", "paced_trainer:train", "--sync-every", "5",
+         "-k", "step_s=0.05", "--set", "store.poll_interval_s=0.05"]
+
+
+def env_for(home: Path) -> dict[str, str]:
+    env = {**os.environ, "DILOCO_HOME": str(home), "NO_COLOR": "1", "DILOCO_RESTART_BACKOFF_S": "0"}
+    env.pop("DILOCO_DEBUG", None)
+    return env
+
+
+def cli(*args: str, home: Path, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    """The CLI as a user runs it, from tests/ (so ``paced_trainer:train`` imports), with its own DILOCO_HOME."""
+    return subprocess.run([*DILOCO, *args], capture_output=True, text=True, env=env_for(home), cwd=TESTS_DIR,
+                          timeout=timeout)
+
+
+def background(*args: str, home: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen([*DILOCO, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env_for(home), cwd=TESTS_DIR)
+
+
+def wait_for(path_glob: str, root: Path, timeout: float = 120) -> Path:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = next(iter(root.glob(path_glob)), None)
+        if found is not None:
+            return found
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {path_glob} under {root}")
+
+
+def kill_replica(home: Path, rank: int) -> None:
+    """SIGKILL the replica process of ``rank`` (not its supervisor), once the run has committed its first round."""
+    wait_for("runs/*/store/committed/round_000001/COMMITTED", home)
+    child = json.loads(wait_for(f"runs/*/logs/rank_{rank}/child.json", home).read_text())
+    os.kill(int(child["pid"]), signal.SIGKILL)
+
+
+def until_reported(home: Path, run_id: str, check: str, timeout: float = 60) -> dict:
+    """``diloco status -o json`` once ``check`` (a replica state, e.g. "failed") shows for replica 1."""
+    deadline = time.monotonic() + timeout
+    while True:
+        report = json.loads(cli("status", run_id, "-o", "json", home=home).stdout)
+        if report["ranks"][1]["state"] == check or time.monotonic() > deadline:
+            return report
+        time.sleep(0.1)
+
+
+def processes_of(run_id: str) -> list[int]:
+    """Live processes whose environment carries ``run_id`` (the local backend's replicas and supervisors)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if f"DILOCO_RUN_ID={run_id}".encode() in environ.split(b"\0"):
+            pids.append(int(entry.name))
+    return pids
+
+
+@contextmanager
+def cleaned_up(home: Path, *procs: subprocess.Popen[str]) -> Iterator[None]:
+    """Whatever the test asserts, no launcher, watcher or replica of the runs under ``home`` outlives it."""
+    try:
+        yield
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate(timeout=60)
+        for record in (home / "runs").glob("*.json"):
+            cli("cancel", record.stem, home=home)
+
+
+def test_watch_on_a_run_that_failed_and_was_cancelled_relaunches_nothing(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    launch = background("launch", *PACED, "--steps", "400", "--max-restarts", "0", "--set", "store.timeout_s=15",
+                        "-o", "json", home=home)
+    with cleaned_up(home, launch):
+        kill_replica(home, 1)
+        out, err = launch.communicate(timeout=120)
+        assert launch.returncode == 1, err[-3000:]
+        launched = json.loads(out)
+        assert [r["state"] for r in launched["ranks"]] == ["cancelled", "failed"], launched["ranks"]
+        run_id = launched["run_id"]
+
+        watch = cli("watch", run_id, "-o", "json", home=home)
+        assert watch.returncode == 1, watch.stderr[-3000:]
+        assert f"run {run_id} has already ended (failed)" in watch.stderr
+        assert "relaunching" not in watch.stderr, watch.stderr[-3000:]
+        report = json.loads(watch.stdout)
+        assert report["state"] == "failed" and [r["restarts"] for r in report["ranks"]] == [0, 0], report
+        assert report["ranks"][1]["reason"] == launched["ranks"][1]["reason"]  # still the kill, not a timeout
+        assert not list(home.glob("runs/*/logs/rank_1.try*")), "a replica was relaunched into the run"
+        assert not processes_of(run_id)
+
+
+def test_watch_honours_the_max_restarts_the_run_was_launched_with(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    launch = cli("launch", *PACED, "--steps", "400", "--max-restarts", "0", "--set", "store.timeout_s=60",
+                 "--detach", "-o", "json", home=home)
+    assert launch.returncode == 0, launch.stderr[-3000:]
+    run_id = json.loads(launch.stdout)["run_id"]
+    with cleaned_up(home):
+        kill_replica(home, 1)
+        status = until_reported(home, run_id, "failed")
+        # No relaunch can help (the run said 0): the run is failed although replica 0 still runs.
+        assert status["state"] == "failed" and status["awaiting_relaunch"] == [], status
+
+        watch = cli("watch", run_id, "-o", "json", home=home)
+        assert watch.returncode == 1, watch.stderr[-3000:]
+        assert "relaunching" not in watch.stderr, watch.stderr[-3000:]
+        assert "replica 1 failed; stopping replica(s) 0" in watch.stderr, watch.stderr[-3000:]
+        assert [r["restarts"] for r in json.loads(watch.stdout)["ranks"]] == [0, 0]
+        assert not processes_of(run_id)
