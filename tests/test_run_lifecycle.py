@@ -137,3 +137,65 @@ def test_watch_honours_the_max_restarts_the_run_was_launched_with(tmp_path: Path
         assert "replica 1 failed; stopping replica(s) 0" in watch.stderr, watch.stderr[-3000:]
         assert [r["restarts"] for r in json.loads(watch.stdout)["ranks"]] == [0, 0]
         assert not processes_of(run_id)
+
+
+def test_a_run_whose_launcher_died_reads_as_running_with_the_killed_replica_and_watch_finishes_it(
+        tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    launch = background("launch", *PACED, "--steps", "60", "--set", "store.timeout_s=120", "-o", "json", home=home)
+    with cleaned_up(home, launch):
+        run_id = wait_for("runs/*.json", home).stem
+        wait_for("runs/*/store/committed/round_000001/COMMITTED", home)
+        launch.kill()  # the launcher's terminal went away: nobody relaunches anything now
+        launch.communicate(timeout=60)
+        kill_replica(home, 1)
+
+        status = until_reported(home, run_id, "failed")
+        assert status["state"] == "running" and status["awaiting_relaunch"] == [1], status
+        assert status["ranks"][0]["state"] == "running"
+        table = cli("status", run_id, home=home)
+        assert table.returncode == 0 and f"run {run_id}: running" in table.stdout, table.stdout
+        assert f"if none is waiting, run: diloco watch {run_id}" in table.stderr, table.stderr
+        runs = json.loads(cli("runs", "-o", "json", home=home).stdout)["runs"]
+        assert [r["state"] for r in runs] == ["running"]
+
+        watch = cli("watch", run_id, "--max-restarts", "2", "-o", "json", home=home)
+        assert watch.returncode == 0, watch.stderr[-3000:]
+        assert "relaunching it (restart 1 of 2)" in watch.stderr, watch.stderr[-3000:]
+        report = json.loads(watch.stdout)
+        assert report["state"] == "succeeded" and report["weights_identical"] is True, report
+        assert [r["restarts"] for r in report["ranks"]] == [0, 1] and report["awaiting_relaunch"] == []
+        assert json.loads((home / "runs" / f"{run_id}.json").read_text())["max_restarts"] == 2
+        runs = json.loads(cli("runs", "-o", "json", home=home).stdout)["runs"]
+        assert [r["state"] for r in runs] == ["succeeded"]
+        assert not processes_of(run_id)
+
+
+def test_ctrl_c_in_watch_after_the_run_succeeded_says_it_has_ended_not_that_it_keeps_running(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    launch = cli("launch", *PACED, "--replicas", "1", "--steps", "10", "-o", "json", home=home)
+    assert launch.returncode == 0, launch.stderr[-3000:]
+    run_id = json.loads(launch.stdout)["run_id"]
+    # A store read that does not return until interrupted (a slow store): rank 0's metrics become a FIFO that
+    # nobody writes, so `watch` is still reading the summary of the succeeded run when Ctrl-C comes.
+    metrics = next(home.glob("runs/*/store/metrics/rank_0000.jsonl"))
+    kept = metrics.with_name("kept.jsonl")
+    metrics.rename(kept)
+    os.mkfifo(metrics)
+    watch = background("watch", run_id, home=home)
+    try:
+        assert watch.stderr is not None
+        first = watch.stderr.readline()
+        assert first.startswith(f"run {run_id} has already ended (succeeded)"), first
+        watch.send_signal(signal.SIGINT)
+        _, err = watch.communicate(timeout=60)
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+            watch.communicate(timeout=60)
+        metrics.unlink()
+        kept.rename(metrics)
+    assert watch.returncode == 130, err
+    assert "keeps running" not in err, err
+    assert f"stopped waiting; run {run_id} has ended (succeeded)" in err
+    assert f"diloco collect {run_id}" in err
