@@ -136,6 +136,7 @@ class RunSummary(BaseModel):
     replicas: int
     state: RunState
     rendezvous_uri: str
+    left_behind: list[int] = Field(default_factory=list)  # as in the run's report: a succeeded min_replicas run's
 
 
 def _add_async_status(report: RunReport, store: ObjectStore) -> None:
@@ -660,12 +661,16 @@ class RunView:
         only when it can no longer finish (``can_finish``). While a dead replica awaits its relaunch, or the others
         of a ``min_replicas`` run go on without one that failed for good, the run is ``running``; once every
         replica has ended, a ``min_replicas`` run that finished on at least ``min_replicas`` of them has succeeded
-        (``left_behind`` names the others)."""
+        (``left_behind`` names the others). A run cancelled while a dead replica awaited its relaunch is cancelled
+        (or cancelling), not failed."""
         state = status.state
         if state != RunState.FAILED:
             return state
         if not self.can_finish(status):
-            return RunState.FAILED
+            if self.lost(status):
+                return RunState.FAILED
+            # Cancelled while a dead replica awaited its relaunch: the cancel, not that replica, ended the run.
+            return RunState.of([s.state for s in status.replicas if s.state != ReplicaState.FAILED])
         if any(self.awaits_relaunch(s) for s in status.replicas) or not status.terminal:
             return RunState.RUNNING
         succeeded = sum(1 for s in status.replicas if s.state == ReplicaState.SUCCEEDED)
@@ -884,11 +889,14 @@ def summarize_runs(registry: RunRegistry) -> list[RunSummary]:
     out = []
     for record in registry.list():
         state = RunState(record.final_state) if record.final_state else None
+        left_behind = list(record.left_behind)
         if state is None:
             try:
-                state = RunView(record, registry=registry).report(with_stderr=False).state
+                report = RunView(record, registry=registry).report(with_stderr=False)
+                state, left_behind = report.state, report.left_behind
             except DilocoError:
                 state = RunState.UNKNOWN
         out.append(RunSummary(run_id=record.run_id, created_at=record.created_at, backend=record.backend,
-                              replicas=record.replicas, state=state, rendezvous_uri=record.rendezvous_uri))
+                              replicas=record.replicas, state=state, rendezvous_uri=record.rendezvous_uri,
+                              left_behind=left_behind))
     return out

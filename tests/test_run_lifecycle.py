@@ -129,13 +129,14 @@ def test_watch_honours_the_max_restarts_the_run_was_launched_with(tmp_path: Path
         kill_replica(home, 1)
         status = until_reported(home, run_id, "failed")
         # No relaunch can help (the run said 0): the run is failed although replica 0 still runs.
-        assert status["state"] == "failed" and status["awaiting_relaunch"] == [], status
+        assert status["state"] == "failed" and status["ranks"][0]["state"] == "running", status
 
         watch = cli("watch", run_id, "-o", "json", home=home)
         assert watch.returncode == 1, watch.stderr[-3000:]
         assert "relaunching" not in watch.stderr, watch.stderr[-3000:]
         assert "replica 1 failed; stopping replica(s) 0" in watch.stderr, watch.stderr[-3000:]
         assert [r["restarts"] for r in json.loads(watch.stdout)["ranks"]] == [0, 0]
+        assert status["awaiting_relaunch"] == [] and "diloco watch" not in cli("status", run_id, home=home).stderr
         assert not processes_of(run_id)
 
 
