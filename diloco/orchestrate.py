@@ -646,12 +646,10 @@ class RunView:
         return self.record.replicas - len(self.lost(status)) >= k
 
     def can_finish(self, status: RunStatus) -> bool:
-        """Whether the run can still end with its model: it has not ended, nothing cancelled it (a cancelled
+        """Whether the run can still end with its model: nothing cancelled it (a cancelled
         replica does not come back), and no replica failed for good, or ``min_replicas`` lets the others finish
         without it. Only then is a relaunch of a dead replica of any use: relaunched into a run that cannot finish,
         it would wait for peers that are gone until its round times out."""
-        if self.final_state is not None:
-            return False
         if any(s.state in (ReplicaState.CANCELLING, ReplicaState.CANCELLED) for s in status.replicas):
             return False
         return not self.lost(status) or self.can_go_on_without(status)
@@ -772,7 +770,8 @@ class RunView:
         """Schedule a relaunch for each newly failed replica with restarts left; start the ones that are due.
         Returns the status to judge the run by (re-described after a relaunch)."""
         now = time.monotonic()
-        if not self.can_finish(status):  # cancelled, or failed for good: a relaunched replica would wait in vain
+        if self.final_state is not None or not self.can_finish(status):  # ended, cancelled, or failed for good:
+            # a relaunched replica would wait in vain for peers that are gone
             self._recovering = {}
             return status
         for s in status.replicas:
