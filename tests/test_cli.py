@@ -88,7 +88,8 @@ def test_help_lists_commands_and_exit_codes(home: Path) -> None:
     assert result.returncode == 0
     for name in ("launch", "status", "logs", "collect", "cancel", "runs"):
         assert name in result.stdout
-    assert "4 cancelled, 124 timeout, 130 interrupted" in " ".join(result.stdout.split())
+    text = " ".join(result.stdout.split())
+    assert "4 cancelled, 5 succeeded with replicas left behind (--min-replicas), 124 timeout, 130 interrupted" in text
     assert run_cli(home=home).returncode == 0  # bare `diloco` prints the help too
 
 
