@@ -57,14 +57,16 @@ def kill_replica(home: Path, rank: int) -> None:
     os.kill(int(child["pid"]), signal.SIGKILL)
 
 
-def until_reported(home: Path, run_id: str, check: str, timeout: float = 60) -> dict:
-    """``diloco status -o json`` once ``check`` (a replica state, e.g. "failed") shows for replica 1."""
-    deadline = time.monotonic() + timeout
+def status_once_dead(home: Path, run_id: str, rank: int) -> dict:
+    """``diloco status -o json`` once it shows the killed ``rank`` as ended: its supervisor has recorded how, and
+    has exited (a replica is terminal only then), usually at the first call."""
+    wait_for(f"runs/{run_id}/logs/rank_{rank}/exit.json", home)
+    deadline = time.monotonic() + 60
     while True:
         report = json.loads(cli("status", run_id, "-o", "json", home=home).stdout)
-        if report["ranks"][1]["state"] == check or time.monotonic() > deadline:
+        if report["ranks"][rank]["state"] == "failed" or time.monotonic() > deadline:
             return report
-        time.sleep(0.1)
+        time.sleep(0.2)
 
 
 def processes_of(run_id: str) -> list[int]:
@@ -93,7 +95,8 @@ def cleaned_up(home: Path, *procs: subprocess.Popen[str]) -> Iterator[None]:
                 proc.kill()
             proc.communicate(timeout=60)
         for record in (home / "runs").glob("*.json"):
-            cli("cancel", record.stem, home=home)
+            if processes_of(record.stem):
+                cli("cancel", record.stem, home=home)
 
 
 def test_watch_on_a_run_that_failed_and_was_cancelled_relaunches_nothing(tmp_path: Path) -> None:
@@ -127,7 +130,7 @@ def test_watch_honours_the_max_restarts_the_run_was_launched_with(tmp_path: Path
     run_id = json.loads(launch.stdout)["run_id"]
     with cleaned_up(home):
         kill_replica(home, 1)
-        status = until_reported(home, run_id, "failed")
+        status = status_once_dead(home, run_id, 1)
         # No relaunch can help (the run said 0): the run is failed although replica 0 still runs.
         assert status["state"] == "failed" and status["ranks"][0]["state"] == "running", status
 
@@ -151,7 +154,7 @@ def test_a_run_whose_launcher_died_reads_as_running_with_the_killed_replica_and_
         launch.communicate(timeout=60)
         kill_replica(home, 1)
 
-        status = until_reported(home, run_id, "failed")
+        status = status_once_dead(home, run_id, 1)
         assert status["state"] == "running" and status["awaiting_relaunch"] == [1], status
         assert status["ranks"][0]["state"] == "running"
         table = cli("status", run_id, home=home)
