@@ -88,8 +88,8 @@ def watch(
     """Wait on a run (e.g. one launched with --detach) as launch does: live progress, relaunch of failed or
     preempted replicas, then the summary and launch's exit code. Ctrl-C stops watching, never the run.
 
-    A run that has ended, or can no longer finish, gets its summary and its exit code at once: nothing is
-    relaunched into it.
+    A run that has ended gets its summary and its exit code at once; one that can no longer finish (cancelled,
+    or a replica failed for good) has its remaining replicas stopped first. Nothing is relaunched into either.
 
     \b
     Examples:
