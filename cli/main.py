@@ -3,7 +3,8 @@
 Data goes to stdout (a table, or JSON with ``-o json``), narration and progress to stderr. Exit codes of the
 commands that wait on a run (each command's ``--help`` lists its own, from ``help_texts``): 0 all replicas
 succeeded, 1 a replica failed, 2 usage or config error (nothing launched), 3 launch refused by the service,
-cluster or store (nothing launched or left), 4 cancelled, 124 timeout, 130 interrupted. Heavy modules (torch,
+cluster or store (nothing launched or left), 4 cancelled, 5 succeeded with
+replicas left behind (--min-replicas), 124 timeout, 130 interrupted. Heavy modules (torch,
 boto3, kubernetes) are imported only inside the commands that need them, so ``diloco --help`` starts fast.
 """
 
@@ -95,15 +96,16 @@ def _view(run: str | None) -> Any:
 
 def _outcome_code(report: Any, timed_out: bool, *, weights_checked: bool = True) -> int:
     """0 only when every replica succeeded and (for launch and collect) the final weights were checked and
-    agree: a model that could not be checked is not "every check passed"."""
+    agree: a model that could not be checked is not "every check passed". A ``--min-replicas`` run that succeeded
+    without some replicas (``left_behind``: they failed for good) exits 5: its model is whole, the run was not."""
     from diloco.executors.base import RunState
 
     if timed_out or report.timed_out:
         return exit_codes.TIMEOUT
     if report.state == RunState.SUCCEEDED:
-        if not weights_checked:
-            return exit_codes.OK
-        return exit_codes.OK if report.weights_identical else exit_codes.FAILED
+        if weights_checked and not report.weights_identical:
+            return exit_codes.FAILED
+        return exit_codes.LEFT_BEHIND if report.left_behind else exit_codes.OK
     if report.state == RunState.CANCELLED:
         return exit_codes.CANCELLED
     return exit_codes.FAILED
@@ -125,6 +127,16 @@ def _print_run(report: Any, fmt: OutputFormat) -> None:
 
     _show_warnings(report)
     emit(report, fmt, lambda console: render_run(console, report))
+    _relaunch_hint(report)
+
+
+def _relaunch_hint(report: Any) -> None:
+    """A run that is "running" with a dead replica awaiting its relaunch: say who brings it back (on stderr)."""
+    if not report.awaiting_relaunch:
+        return
+    ranks = ", ".join(map(str, report.awaiting_relaunch))
+    say(f"replica(s) {ranks} died and can rejoin (restarts left): a waiting `diloco launch` or `diloco watch` "
+        f"relaunches them; if none is waiting, run: diloco watch {report.run_id}")
 
 
 def _explain_failures(report: Any) -> None:
@@ -166,9 +178,32 @@ def _wait(view: Any, *, timeout_s: float | None, fail_fast: bool, output: str | 
         return view.wait(**options)
 
 
+def _state_now(view: Any) -> tuple[Any, list[int]]:
+    """The run's state as it stands and the replicas still running (``(None, [])`` if the backend cannot be read
+    now): what a Ctrl-C message should speak of, since the run may have ended while the command waited."""
+    try:
+        status = view.status()
+        return view.final_state or view.judge(status), [s.rank for s in status.replicas if not s.state.is_terminal]
+    except (Exception, KeyboardInterrupt):  # noqa: BLE001 - a second Ctrl-C, or a backend that does not answer
+        return None, []
+
+
 def _interrupted(view: Any, cancel: bool) -> NoReturn:
+    """Ctrl-C while waiting: say what the run is doing now (it may have ended meanwhile: then there is nothing to
+    cancel and it does not "keep running"), cancel it only when asked to (``--cancel-on-interrupt``); exit 130."""
     run_id = view.record.run_id
-    if cancel:
+    state, running = _state_now(view)
+    if state is not None and state.is_terminal and not (cancel and running):
+        if state.value == "succeeded":
+            next_step = f"check its weights and write the model: diloco collect {run_id}"
+        elif running:
+            next_step = (f"replica(s) {', '.join(map(str, running))} still run (they cannot finish): "
+                         f"diloco cancel {run_id}")
+        else:
+            next_step = f"its summary: diloco status {run_id}"
+        say(f"stopped waiting; run {run_id} has ended ({state.value}){', nothing to cancel' if cancel else ''}.\n"
+            f"  {next_step}")
+    elif cancel:
         say(f"interrupted: cancelling run {run_id} (--cancel-on-interrupt)")
         view.cancel()
         say(f"run {run_id} cancelled")

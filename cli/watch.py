@@ -6,6 +6,10 @@ by a ``launch`` whose terminal went away): the same live progress, the same rela
 ``--max-restarts`` and backoff (``diloco.orchestrate.RunView.wait``), the same summary, weights check and exit
 code. Ctrl-C stops watching and never the run.
 
+A run that has ended (succeeded, failed, cancelled), or can no longer finish, is never relaunched into: ``watch``
+prints its summary and exits with its code at once. Relaunches follow the run's own ``--max-restarts`` (recorded at
+launch); ``watch --max-restarts N`` given explicitly changes the run's setting.
+
 ``wait_and_summarize`` is the one function that waits on a run and ends the command the way ``launch`` does; a
 ``launch`` that does not detach is the same thing after submitting.
 """
@@ -17,9 +21,6 @@ import typer
 
 from diloco.cli.errors import command
 from diloco.cli.render import FormatOpt, OutputFormat, say
-
-#: The same default as ``launch --max-restarts``: a replica is relaunched up to three times.
-DEFAULT_MAX_RESTARTS = 3
 
 #: The CLI's main module (``diloco.cli.main``, or ``__main__`` under ``python -m diloco.cli.main``), set by
 #: ``register``: its ``_wait``, ``_print_run`` ... are launch's own, reused here rather than copied.
@@ -38,6 +39,24 @@ def wait_and_summarize(view: Any, *, fmt: OutputFormat, fail_fast: bool, max_res
         report, timed_out = main._wait(view, timeout_s=None, fail_fast=fail_fast, collect=True, max_restarts=max_restarts)
     except KeyboardInterrupt:
         main._interrupted(view, cancel_on_interrupt)
+    summarize(view, report, timed_out, fmt=fmt)
+
+
+def summarize_ended(view: Any, *, fmt: OutputFormat) -> NoReturn:
+    """The summary of a run that has ended, as ``launch`` printed it, and its exit code; nothing is waited on,
+    relaunched or stopped (the weights of a succeeded run are checked, as ``launch`` did)."""
+    from diloco.orchestrate import collect
+
+    try:
+        report, timed_out = collect(view, fail_fast=False, max_restarts=0)
+    except KeyboardInterrupt:
+        _cli_main()._interrupted(view, False)
+    summarize(view, report, timed_out, fmt=fmt)
+
+
+def summarize(view: Any, report: Any, timed_out: bool, *, fmt: OutputFormat) -> NoReturn:
+    """Print a waited-on run's summary, why replicas failed, what to do next, and exit with launch's code."""
+    main = _cli_main()
     run_id = view.record.run_id
     main._print_run(report, fmt)
     main._explain_failures(report)
@@ -59,18 +78,22 @@ def _cli_main() -> ModuleType:
 def watch(
     run: Annotated[str | None, typer.Argument(help="Run id, a unique part of one (e.g. its 8-character suffix), or "
                                                    "'latest' (default).", metavar="RUN", show_default=False)] = None,
-    max_restarts: Annotated[int, typer.Option("--max-restarts", min=0, help="Relaunch a failed replica up to N "
-                                              "times while watching (it rejoins at its peers' round); 0 never.",
-                                              metavar="N")] = DEFAULT_MAX_RESTARTS,
+    max_restarts: Annotated[int | None, typer.Option(
+        "--max-restarts", min=0, show_default=False, metavar="N",
+        help="Relaunch a failed replica up to N times in all (it rejoins at its peers' round); 0 never. Default: "
+             "the run's own launch --max-restarts. Given, it becomes the run's setting.")] = None,
     fail_fast: Annotated[bool, typer.Option(help="Stop the other replicas as soon as one fails for good.")] = True,
     fmt: FormatOpt = OutputFormat.table,
 ) -> None:
     """Wait on a run (e.g. one launched with --detach) as launch does: live progress, relaunch of failed or
     preempted replicas, then the summary and launch's exit code. Ctrl-C stops watching, never the run.
 
+    A run that has ended gets its summary and its exit code at once; one that can no longer finish (cancelled,
+    or a replica failed for good) has its remaining replicas stopped first. Nothing is relaunched into either.
+
     \b
     Examples:
-      diloco watch                      # the latest run; relaunches a killed replica up to 3 times
+      diloco watch                      # the latest run; relaunches as its launch --max-restarts says
       diloco watch 7c98 --max-restarts 5 -o json
       diloco launch -c configs/local.yaml --detach && diloco watch
     """
@@ -78,11 +101,19 @@ def watch(
     view = main._view(run)
     run_id = view.record.run_id
     try:  # from here on, Ctrl-C at any moment only stops watching
-        if view.final_state is not None:
-            say(f"run {run_id} has already ended ({view.final_state.value}); its summary:")
-        else:
-            say(f"watching {run_id} (Ctrl-C stops watching, the run keeps going); logs: diloco logs {run_id} -f")
-        wait_and_summarize(view, fmt=fmt, fail_fast=fail_fast, max_restarts=max_restarts)
+        ended = view.final_state
+        if ended is None:
+            status = view.status()
+            judged = view.judge(status)
+            ended = judged if judged.is_terminal and status.terminal else None
+        if ended is not None:
+            say(f"run {run_id} has already ended ({ended.value}); its summary:")
+            summarize_ended(view, fmt=fmt)
+        if max_restarts is not None and max_restarts != view.max_restarts:
+            view.set_max_restarts(max_restarts)
+            say(f"run {run_id}: a replica is now relaunched up to {max_restarts} time(s) (--max-restarts)")
+        say(f"watching {run_id} (Ctrl-C stops watching, the run keeps going); logs: diloco logs {run_id} -f")
+        wait_and_summarize(view, fmt=fmt, fail_fast=fail_fast, max_restarts=view.max_restarts)
     except KeyboardInterrupt:
         main._interrupted(view, False)
 

@@ -117,6 +117,10 @@ class RunReport(BaseModel):
     #: ``min_replicas`` runs only: ranks that failed for good while the run went on without them (their rounds
     #: were committed by the others; they hold no final weights). Empty when every replica took part to the end.
     left_behind: list[int] = Field(default_factory=list)
+    #: Failed replicas that a relaunch can still bring back (killed or lost, restarts left, the run not cancelled
+    #: and not failed for good): the run is ``running`` and goes on once they rejoin. A waiting ``diloco launch``
+    #: or ``diloco watch`` relaunches them; with nobody waiting, ``diloco watch RUN`` does.
+    awaiting_relaunch: list[int] = Field(default_factory=list)
 
     @property
     def failed(self) -> list[ReplicaReport]:
@@ -132,6 +136,7 @@ class RunSummary(BaseModel):
     replicas: int
     state: RunState
     rendezvous_uri: str
+    left_behind: list[int] = Field(default_factory=list)  # as in the run's report: a succeeded min_replicas run's
 
 
 def _add_async_status(report: RunReport, store: ObjectStore) -> None:
@@ -405,7 +410,8 @@ def launch(cfg: RunConfig, registry: RunRegistry | None = None, *, force: bool =
             owned = True
             require_conditional_create(store, cfg)
             record = RunRecord(run_id=spec.run_id, backend=plan.backend, created_at=time.time(),
-                               rendezvous_uri=uri, replicas=spec.replicas, config=cfg.model_dump(mode="json"))
+                               rendezvous_uri=uri, replicas=spec.replicas, config=cfg.model_dump(mode="json"),
+                               max_restarts=cfg.max_restarts)
             wrote = True
             store.put(RUN_INFO_KEY, json.dumps({"run_id": spec.run_id, "config": record.config},
                                                indent=2).encode())
@@ -559,6 +565,7 @@ class RunView:
         self.backend = backend or backend_for(record)
         self.registry = registry
         self._recovering: dict[int, float] = {}  # rank -> when its relaunch is due (RunView.wait)
+        self._waiter_restarts = 0  # how often the wait in progress relaunches a replica itself (RunView.wait)
 
     @functools.cached_property
     def store(self) -> ObjectStore:
@@ -591,7 +598,11 @@ class RunView:
         progress = {p.rank: p for p in readout.replicas}
         ranks = [_replica_report(s, progress.get(s.rank)) for s in sorted(status.replicas, key=lambda s: s.rank)]
         state = self.final_state or self.judge(status)  # a run that ended cannot resume: what was seen then holds
-        left_behind = self.left_behind(status) if state == RunState.SUCCEEDED else []
+        if self.final_state is not None and self.record.left_behind:
+            left_behind = list(self.record.left_behind)
+        else:
+            left_behind = self.left_behind(status) if state == RunState.SUCCEEDED else []
+        awaiting = [s.rank for s in status.replicas if self.awaits_relaunch(s)] if not state.is_terminal else []
         ended = [r.ended_at for r in ranks if r.ended_at is not None]
         latest = model_eval_loss(ranks, by_round=self.record.config.get("train", {}).get("mode") != "async")
         report = RunReport(run_id=self.record.run_id, backend=self.record.backend, state=state,
@@ -605,7 +616,8 @@ class RunView:
                            latest_eval_loss=latest, diverged=any(r.diverged for r in ranks),
                            final_eval_loss=model_eval_loss(ranks, final=True, by_round=True)
                            if state == RunState.SUCCEEDED else None,
-                           warnings=readout.warnings, left_behind=left_behind)
+                           warnings=readout.warnings, left_behind=left_behind,
+                           awaiting_relaunch=sorted(awaiting))
         _add_async_status(report, self.store)
         self._remember(status)
         if trends:  # one line of eval loss per replica, for `diloco status` (reads each rank's history)
@@ -638,45 +650,90 @@ class RunView:
         value = self.record.config.get("min_replicas")
         return int(value) if isinstance(value, int) else None
 
+    @property
+    def max_restarts(self) -> int:
+        """How many times a replica of this run may be relaunched: the run's own ``--max-restarts`` (recorded at
+        launch, or set since by ``watch --max-restarts``); for a record without it, the resolved config's; 0 when
+        neither says (a run nobody launched to be relaunched, e.g. ``smoke``'s)."""
+        if self.record.max_restarts is not None:
+            return self.record.max_restarts
+        value = self.record.config.get("max_restarts")
+        return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+    def set_max_restarts(self, max_restarts: int) -> None:
+        """Give the run a new ``max_restarts`` (``watch --max-restarts N``), recorded so that every later command
+        (``status``, another ``watch``) judges the run by it too."""
+        self.record.max_restarts = max_restarts
+        if self.registry is not None:
+            self.registry.save(self.record)
+
+    def awaits_relaunch(self, status: ReplicaStatus) -> bool:
+        """Whether a failed replica can still be brought back: it is being relaunched by this view's wait, or it
+        failed in a way a relaunch cures (``relaunchable``) on a backend that relaunches, with restarts left (by the
+        run's ``max_restarts``, or more while a wait that relaunches up to more is in progress). Whether the run
+        itself can still use it is ``can_finish``'s question."""
+        if status.state != ReplicaState.FAILED:
+            return False
+        if status.rank in self._recovering:
+            return True
+        limit = max(self.max_restarts, self._waiter_restarts)
+        return self.backend.supports_relaunch and relaunchable(status) and status.restarts < limit
+
+    def lost(self, status: RunStatus) -> list[int]:
+        """Ranks that failed for good: failed, and no relaunch can bring them back."""
+        return sorted(s.rank for s in status.replicas if s.state == ReplicaState.FAILED and not self.awaits_relaunch(s))
+
     def left_behind(self, status: RunStatus) -> list[int]:
-        """Ranks that failed for good (not being relaunched) in a ``min_replicas`` run."""
-        if self.min_replicas is None:
-            return []
-        return sorted(s.rank for s in status.replicas
-                      if s.state == ReplicaState.FAILED and s.rank not in self._recovering)
+        """Ranks that failed for good in a ``min_replicas`` run (the others went on without them)."""
+        return self.lost(status) if self.min_replicas is not None else []
 
     def can_go_on_without(self, status: RunStatus) -> bool:
         """Whether the run can still finish though some replicas failed for good: only with ``min_replicas``, and
-        only while at least that many replicas have not failed (they commit each round without the others)."""
+        only while at least that many replicas have not (they commit each round without the others)."""
         k = self.min_replicas
         if k is None:
             return False
-        alive = sum(1 for s in status.replicas if s.state != ReplicaState.FAILED
-                    or s.rank in self._recovering)
-        return alive >= k
+        return self.record.replicas - len(self.lost(status)) >= k
+
+    def can_finish(self, status: RunStatus) -> bool:
+        """Whether the run can still end with its model: nothing cancelled it (a cancelled
+        replica does not come back), and no replica failed for good, or ``min_replicas`` lets the others finish
+        without it. Only then is a relaunch of a dead replica of any use: relaunched into a run that cannot finish,
+        it would wait for peers that are gone until its round times out."""
+        if any(s.state in (ReplicaState.CANCELLING, ReplicaState.CANCELLED) for s in status.replicas):
+            return False
+        return not self.lost(status) or self.can_go_on_without(status)
 
     def judge(self, status: RunStatus) -> RunState:
-        """The run's state: the backend's aggregate, except that a ``min_replicas`` run whose replicas have all
-        ended, at least ``min_replicas`` of them successfully and the rest failed, has succeeded."""
+        """The run's state. The backend's aggregate fails a run as soon as one replica fails; here a run has failed
+        only when it can no longer finish (``can_finish``). While a dead replica awaits its relaunch, or the others
+        of a ``min_replicas`` run go on without one that failed for good, the run is ``running``; once every
+        replica has ended, a ``min_replicas`` run that finished on at least ``min_replicas`` of them has succeeded
+        (``left_behind`` names the others). A run cancelled while a dead replica awaited its relaunch is cancelled
+        (or cancelling), not failed."""
         state = status.state
-        k = self.min_replicas
-        if k is None or not status.terminal or state != RunState.FAILED:
+        if state != RunState.FAILED:
             return state
-        states = [s.state for s in status.replicas]
-        succeeded = states.count(ReplicaState.SUCCEEDED)
-        if succeeded >= k and all(x in (ReplicaState.SUCCEEDED, ReplicaState.FAILED) for x in states):
-            return RunState.SUCCEEDED
-        return state
+        if not self.can_finish(status):
+            if self.lost(status):
+                return RunState.FAILED
+            # Cancelled while a dead replica awaited its relaunch: the cancel, not that replica, ended the run.
+            return RunState.of([s.state for s in status.replicas if s.state != ReplicaState.FAILED])
+        if any(self.awaits_relaunch(s) for s in status.replicas) or not status.terminal:
+            return RunState.RUNNING
+        succeeded = sum(1 for s in status.replicas if s.state == ReplicaState.SUCCEEDED)
+        return RunState.SUCCEEDED if succeeded >= (self.min_replicas or self.record.replicas) else RunState.FAILED
 
     def _remember(self, status: RunStatus) -> None:
         """Cache the state of a run whose replicas have all ended, so ``diloco runs`` need not poll it and a later
-        ``status`` still knows it once the backend has forgotten the run (files deleted, a Job's TTL). Only then:
-        a run is "failed" as soon as one replica fails, while the others may still run."""
+        ``status`` still knows it once the backend has forgotten the run (files deleted, a Job's TTL). Only then,
+        and only once no relaunch can change it: a run whose dead replica awaits a relaunch has not ended."""
         state = self.judge(status)
         if self._recovering:
             return  # a failed replica is about to be relaunched: the run has not ended
         if status.terminal and state.is_terminal and self.registry is not None and self.record.final_state is None:
             self.record.final_state = state.value
+            self.record.left_behind = self.left_behind(status) if state == RunState.SUCCEEDED else []
             self.registry.save(self.record)
 
     def cancel(self, ranks: list[int] | None = None) -> RunStatus:
@@ -702,22 +759,39 @@ class RunView:
 
         With ``max_restarts`` > 0 and a backend that ``supports_relaunch``, a replica that failed in a way a restart
         can fix (``relaunchable``: killed, lost) is relaunched for its rank (it rejoins the run at its peers'
-        round, see ``diloco.checkpoint``) up to ``max_restarts`` times, after a backoff of
+        round, see ``diloco.checkpoint``) up to ``max_restarts`` times, while the run can still finish
+        (``can_finish``: never into a cancelled run, nor one failed for good), after a backoff of
         ``restart_backoff_s * 2**restarts`` (default ``restart_backoff()``); ``on_relaunch(rank, attempt, reason)``
         is told first. While a relaunch is pending the failure is not the run's: no fail-fast, and the peers' all-reduce
         waits past its timeout until the time recorded at ``relaunch/rank_RRRR.json`` (``announce_relaunch``).
 
-        Decided means every replica is terminal. With ``fail_fast`` a failure gets the survivors stopped
-        (``on_fail_fast(failed, survivors)`` is told first) and the wait goes on until they have ended; without
-        it the wait returns at the first failure and the survivors are left running (they will wait for the
-        failed one until store.timeout_s).
+        Decided means every replica is terminal. With ``fail_fast`` a failure for good (one no relaunch can
+        cure, beyond what ``min_replicas`` tolerates) gets the survivors stopped (``on_fail_fast(failed,
+        survivors)`` is told first) and the wait goes on until they have ended; without it the wait returns at the
+        first such failure and the survivors are left running (they will wait for the failed one until
+        store.timeout_s). A failure that a relaunch can cure stops nothing, also in a wait that does not relaunch
+        itself (``max_restarts`` 0: ``collect``, ``status --watch``): the run's launcher or a ``diloco watch`` may.
         """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        stopping = False
         if restart_backoff_s is None:
             restart_backoff_s = restart_backoff()
         relaunch = max_restarts > 0 and self.backend.supports_relaunch
         self._recovering = {}
+        self._waiter_restarts = max_restarts if relaunch else 0
+        try:
+            return self._wait(deadline, poll_interval_s, on_update, on_fail_fast, fail_fast, max_restarts,
+                              restart_backoff_s, on_relaunch, relaunch)
+        finally:
+            self._recovering = {}
+            self._waiter_restarts = 0
+
+    def _wait(self, deadline: float | None, poll_interval_s: float,
+              on_update: Callable[[RunReport], None] | None,
+              on_fail_fast: Callable[[ReplicaReport, list[int]], None] | None, fail_fast: bool, max_restarts: int,
+              restart_backoff_s: float, on_relaunch: Callable[[int, int, str], None] | None,
+              relaunch: bool) -> tuple[RunReport, bool]:
+        """``wait``'s loop."""
+        stopping = False
         while True:
             status = self.status()
             if relaunch and not stopping:
@@ -727,7 +801,8 @@ class RunView:
                 on_update(report)
             if status.terminal and not self._recovering:
                 return self._add_stderr(report), False
-            failed = [r for r in report.failed if r.rank not in self._recovering]
+            lost = self.lost(status)
+            failed = [r for r in report.failed if r.rank in lost]
             if failed and not stopping and not self.can_go_on_without(status):
                 if not fail_fast:
                     return self._add_stderr(report), False
@@ -745,6 +820,10 @@ class RunView:
         """Schedule a relaunch for each newly failed replica with restarts left; start the ones that are due.
         Returns the status to judge the run by (re-described after a relaunch)."""
         now = time.monotonic()
+        if self.final_state is not None or not self.can_finish(status):  # ended, cancelled, or failed for good:
+            # a relaunched replica would wait in vain for peers that are gone
+            self._recovering = {}
+            return status
         for s in status.replicas:
             if relaunchable(s) and s.rank not in self._recovering and s.restarts < max_restarts:
                 delay = backoff_s * 2 ** s.restarts
@@ -757,11 +836,16 @@ class RunView:
             handle = self.handle
             if handle is None:
                 break
-            handle = self.backend.relaunch(handle, rank)
+            del self._recovering[rank]
+            try:
+                handle = self.backend.relaunch(handle, rank)
+            except DilocoError:
+                if not self.status().replica(rank).state.is_terminal:
+                    continue  # another waiter (a second `diloco watch`) relaunched it first: it runs again
+                raise
             self.record.handle = handle.model_dump(mode="json")
             if self.registry is not None:
                 self.registry.save(self.record)
-            del self._recovering[rank]
         return self.status() if due else status
 
     def announce_relaunch(self, rank: int, *, attempt: int, ready_in_s: float, reason: str) -> None:
@@ -859,11 +943,14 @@ def summarize_runs(registry: RunRegistry) -> list[RunSummary]:
     out = []
     for record in registry.list():
         state = RunState(record.final_state) if record.final_state else None
+        left_behind = list(record.left_behind)
         if state is None:
             try:
-                state = RunView(record, registry=registry).report(with_stderr=False).state
+                report = RunView(record, registry=registry).report(with_stderr=False)
+                state, left_behind = report.state, report.left_behind
             except DilocoError:
                 state = RunState.UNKNOWN
         out.append(RunSummary(run_id=record.run_id, created_at=record.created_at, backend=record.backend,
-                              replicas=record.replicas, state=state, rendezvous_uri=record.rendezvous_uri))
+                              replicas=record.replicas, state=state, rendezvous_uri=record.rendezvous_uri,
+                              left_behind=left_behind))
     return out

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from diloco import envvars
 from diloco.errors import ConfigError, RunNotFound
@@ -76,6 +76,12 @@ class RunRecord(BaseModel):
     config: dict[str, Any]  # the resolved RunConfig, as JSON (its ``backend`` section rebuilds the backend)
     handle: dict[str, Any] | None = None  # the backend's RunHandle as JSON; None until the first replica started
     final_state: str | None = None  # cached once observed terminal, so `diloco runs` needs no polling
+    #: How many times a replica of the run may be relaunched (``launch --max-restarts``; ``watch --max-restarts``
+    #: changes it). A later ``watch`` relaunches by it, and ``status`` judges by it whether a dead replica can still
+    #: come back. ``None``: recorded by an older diloco (the resolved config's ``max_restarts`` then holds).
+    max_restarts: int | None = None
+    #: Cached with ``final_state``: the replicas a ``min_replicas`` run finished without (they failed for good).
+    left_behind: list[int] = Field(default_factory=list)
 
 
 class RunRegistry:

@@ -50,7 +50,7 @@ def processes_of(run_id: str) -> list[int]:
 def test_with_min_replicas_3_of_4_the_run_finishes_on_3_that_agree_on_every_round(tmp_path: Path) -> None:
     home = tmp_path / "home"
     result = cli(*RUN, "--min-replicas", "3", home=home)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 5, result.stderr[-3000:]  # succeeded, but not every replica: exit 5, not 0
     report = json.loads(result.stdout)
     assert report["state"] == "succeeded" and report["weights_identical"] is True, report
     assert report["left_behind"] == [3]
@@ -66,6 +66,15 @@ def test_with_min_replicas_3_of_4_the_run_finishes_on_3_that_agree_on_every_roun
     assert all(m["members"] == [0, 1, 2] for k, m in manifests.items() if k >= 2), manifests
     assert {2, 3, 4, 5} <= set(manifests), sorted(manifests)
     assert not processes_of(report["run_id"])
+
+    # Every command that judges the run says the same: succeeded, replica 3 left behind, exit 5.
+    watch = cli("watch", report["run_id"], "-o", "json", home=home)
+    assert watch.returncode == 5 and "relaunching" not in watch.stderr, watch.stderr[-2000:]
+    assert json.loads(watch.stdout)["left_behind"] == [3]
+    followed = cli("status", report["run_id"], "--watch", "-o", "json", home=home)
+    assert followed.returncode == 5 and json.loads(followed.stdout)["left_behind"] == [3]
+    runs = json.loads(cli("runs", "-o", "json", home=home).stdout)["runs"]
+    assert [(r["state"], r["left_behind"]) for r in runs] == [("succeeded", [3])]
 
 
 def test_without_min_replicas_the_run_fails_naming_the_replica_and_leaves_no_process(tmp_path: Path) -> None:

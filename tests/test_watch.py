@@ -75,7 +75,7 @@ def test_watch_help_has_examples_and_exit_codes() -> None:
     assert result.exit_code == 0
     text = " ".join(result.stdout.split())
     assert "Examples: diloco watch" in text and "diloco watch 7c98 --max-restarts 5" in text
-    assert "124 timeout, 130 interrupted" in text and "[default: 3; x>=0]" in text
+    assert "124 timeout, 130 interrupted" in text and "Default: the run's own launch --max-restarts" in text
 
 
 def test_ctrl_c_stops_watching_and_never_the_run(tmp_path: Path) -> None:
