@@ -66,7 +66,7 @@ COMMANDS: dict[str, CommandHelp] = {
         (4, "the run was cancelled"),
         (5, _LEFT_BEHIND),
         (124, "a replica reached the run's time limit (--timeout)"),
-        (130, "interrupted (Ctrl-C): stops watching, the run keeps going"),
+        (130, "interrupted (Ctrl-C): stops watching; the run keeps going (or had already ended)"),
     )),
     "status": CommandHelp("Show a run's replicas: state, step, losses, why one failed.", (
         (0, "the run was shown, whatever its state (--watch: it succeeded)"),

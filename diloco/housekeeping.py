@@ -67,12 +67,12 @@ KEPT_RANK = 0
 #: a prefix whose ``run.json`` does not prove it belongs to the run.
 _LAYOUT_KEY = re.compile(r"((p\d+/)?round_\d{6}/(rank|shard)_\d{4}\.safetensors|round_\d{6}/manifest\.json|metrics/rank_\d{4}\.jsonl|progress/rank_\d{4}\.json"
                          r"|final/rank_\d{4}\.safetensors|final/compacted\.json|spec\.json"
-                         r"|committed/round_\d{6}/(state\.safetensors|COMMITTED)|relaunch/rank_\d{4}\.json)")
+                         r"|committed/round_\d{6}/(state\.safetensors|COMMITTED)|(relaunch|rejoin)/rank_\d{4}\.json)")
 #: What only a run still going reads (compacted away once it finished, see ``compact_store``): the rounds'
-#: contributions and manifests, the committed rounds a rejoining replica loads, and the relaunch notes its peers
+#: contributions and manifests, the committed rounds a rejoining replica loads, and the relaunch and rejoin notes its peers
 #: wait on.
 _RUN_TIME_KEY = re.compile(r"(p\d+/)?round_\d{6}/(rank|shard)_\d{4}\.safetensors|round_\d{6}/manifest\.json"
-                           r"|committed/round_\d{6}/(state\.safetensors|COMMITTED)|relaunch/rank_\d{4}\.json")
+                           r"|committed/round_\d{6}/(state\.safetensors|COMMITTED)|(relaunch|rejoin)/rank_\d{4}\.json")
 _FINAL_RANK_KEY = re.compile(r"final/rank_(\d{4})\.safetensors")
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw])")
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -486,7 +486,7 @@ def compact_store(store: ObjectStore, replicas: int, *, check: WeightsCheck | No
     where the replicas ship their output), one copy of the agreed final weights (``collect`` writes the model
     from it) and ``final/compacted.json`` (the verdict, so ``collect``/``watch``/``launch`` need not check again).
     Deleted: the other ranks' copies of the final weights, the rounds' contributions and manifests, the committed
-    rounds and the relaunch notes: only a run still going reads those (a replica rejoining it, its peers waiting),
+    rounds and the relaunch and rejoin notes: only a run still going reads those (a replica rejoining it, its peers waiting),
     and a run whose every replica succeeded is never rejoined. On ``file://`` the directories left empty go too.
 
     Call it only once every replica has succeeded. ``check`` is the weight check the caller (``collect``) already
