@@ -15,8 +15,10 @@ the key, not in every replica minutes later. ``check_trainer_kwargs(fn, kwargs)`
    passes unchanged, since nothing says what else it accepts.
 3. **The trainer's preflight hook**, when it has one (``@diloco.preflight(check)``): ``check(kwargs, context)``
    gets every value the trainer would see (its defaults filled in) and a ``PreflightContext``, and raises
-   ``ConfigError`` naming the key for anything the trainer would reject at start. It must be cheap and must not
-   touch the network; it may look at this machine only when ``context.on_this_machine`` (local replicas).
+   ``ConfigError`` naming the key for anything the trainer would reject at start. It must be cheap; it may look at
+   this machine only when ``context.on_this_machine`` (local replicas), and then reach the network only in one
+   bounded request whose answer the replicas here would need anyway (the Hugging Face trainer asks the Hub once,
+   within seconds, rather than letting every local replica wait a minute on a Hub it cannot reach).
 
 Returns the coerced kwargs (only the keys given, so a run's record shows what the user set).
 """
