@@ -43,20 +43,20 @@ _CLEARED = (
 )
 
 
-def _expected_cost(item: pytest.Item) -> tuple[int, float]:
-    """A sort key, smallest first, for how long ``item`` is expected to take: a test that declares a longer
-    timeout than the default comes first (longest first), then the other ``slow`` (multi-process end-to-end)
-    tests, then the rest. The sort is stable, so within a tier the collection order (and fixture reuse) stays."""
-    timeout = item.get_closest_marker("timeout")
-    declared = float(timeout.args[0]) if timeout is not None and timeout.args else 0.0
-    if declared > float(item.config.getini("timeout") or 0):
-        return 0, -declared
-    return (1 if item.get_closest_marker("slow") is not None else 2), 0.0
+def _expected_cost(item: pytest.Item) -> int:
+    """A sort key, smallest first, for how long ``item`` is expected to take: the ``long`` tests (a minute or more
+    every time), then the other ``slow`` (multi-process end-to-end) tests, then the rest. A declared timeout is
+    no guide: the image tests declare a long one for the first session on a machine, which builds a cached
+    interpreter (under a lock: two workers starting with them would both wait for one build)."""
+    if item.get_closest_marker("long") is not None:
+        return 0
+    return 1 if item.get_closest_marker("slow") is not None else 2
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Longest tests first: pytest-xdist's ``load`` scheduling hands tests out in collection order, so a long test
-    collected late would leave one worker running it alone while the other has finished."""
+    collected late would leave one worker running it alone while the other has finished. The sort is stable:
+    within a tier the collection order (and fixture reuse) stays."""
     items.sort(key=_expected_cost)
 
 

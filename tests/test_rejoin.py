@@ -327,6 +327,7 @@ class HarnessRun:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.timeout(900)  # 36 replica starts (four runs side by side): far longer when the cores are shared
 def test_sigkill_of_a_random_replica_at_every_named_moment_is_survived_with_identical_weights(
         tmp_path: Path) -> None:
