@@ -14,6 +14,9 @@ Fixtures (opt-in, except the two autouse ones at the end: an empty memory:// and
 * ``fault_proxy``: a ``FaultProxy`` in front of moto, with ``AWS_ENDPOINT_URL`` pointing at the proxy.
 * ``bucket_keys``: list a bucket straight from moto.
 * ``managed_policies``: moto with AWS's managed IAM policies loaded (it resets moto: request it first).
+
+Order: the longest tests run first (``pytest_collection_modifyitems``), so that under pytest-xdist the two workers
+share them out at the start instead of one worker finishing alone on a long test at the end.
 """
 
 from __future__ import annotations
@@ -38,6 +41,23 @@ _CLEARED = (
     "AWS_CONTAINER_CREDENTIALS_FULL_URI", "AWS_MAX_ATTEMPTS", "AWS_RETRY_MODE", "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS",
     "DILOCO_S3_URI",
 )
+
+
+def _expected_cost(item: pytest.Item) -> int:
+    """A sort key, smallest first, for how long ``item`` is expected to take: the ``long`` tests (a minute or more
+    every time), then the other ``slow`` (multi-process end-to-end) tests, then the rest. A declared timeout is
+    no guide: the image tests declare a long one for the first session on a machine, which builds a cached
+    interpreter (under a lock: two workers starting with them would both wait for one build)."""
+    if item.get_closest_marker("long") is not None:
+        return 0
+    return 1 if item.get_closest_marker("slow") is not None else 2
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Longest tests first: pytest-xdist's ``load`` scheduling hands tests out in collection order, so a long test
+    collected late would leave one worker running it alone while the other has finished. The sort is stable:
+    within a tier the collection order (and fixture reuse) stays."""
+    items.sort(key=_expected_cost)
 
 
 @pytest.fixture

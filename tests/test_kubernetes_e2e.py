@@ -131,6 +131,7 @@ def processes_of(run_id: str) -> list[int]:
 
 
 # ---------------------------------------------------------------------------------------------------- tests
+@pytest.mark.long
 def test_three_replicas_train_through_s3_survive_an_eviction_and_agree(
         kube: KubernetesEmulator, s3_bucket: str, home: Path, tmp_path: Path) -> None:
     gate = tmp_path / "gate"
@@ -192,6 +193,7 @@ def test_three_replicas_train_through_s3_survive_an_eviction_and_agree(
     assert kube.job(run_id)["status"].get("failed") is None, "an eviction is not a failure"
 
 
+@pytest.mark.long
 def test_an_eviction_after_round_1_is_retried_and_rejoins_with_identical_weights(
         kube: KubernetesEmulator, s3_bucket: str, home: Path, tmp_path: Path) -> None:
     """Issue 11 through Kubernetes: the Job retries the evicted index (not counted); the new pod rejoins from the

@@ -102,6 +102,7 @@ def describe(name: str) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------------- tests
+@pytest.mark.long
 def test_four_replicas_on_sagemaker_train_agree_log_and_collect(
     emulator: SageMakerEmulator, s3_bucket: str, source: Path, home: Path, tmp_path: Path
 ) -> None:
@@ -301,6 +302,7 @@ def test_an_interrupted_spot_job_shows_preempted_and_comes_back(
                                                                              "Training"]
 
 
+@pytest.mark.long
 def test_a_spot_interruption_after_round_1_rejoins_and_the_run_ends_with_identical_weights(
     emulator: SageMakerEmulator, s3_bucket: str, source: Path, home: Path, tmp_path: Path
 ) -> None:
@@ -328,6 +330,7 @@ def test_a_spot_interruption_after_round_1_rejoins_and_the_run_ends_with_identic
     assert any("rank 1 rejoined at step" in line for line in log_lines(f"{run_id}-r1"))
 
 
+@pytest.mark.long
 def test_a_job_that_fails_after_round_1_is_relaunched_as_a_new_job_and_the_run_ends_with_identical_weights(
     emulator: SageMakerEmulator, s3_bucket: str, source: Path, home: Path, tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch

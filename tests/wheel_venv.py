@@ -14,11 +14,16 @@ a ``.pth`` line joins ``sys.path`` after the environment's own site-packages but
 own ``.pth`` files, among them the editable install's finder, are not processed: the checkout's diloco is
 invisible there and every diloco module comes from the wheel (``FreshVenv.imported_from_itself`` checks it).
 
+Both are built once per test session, also under pytest-xdist: the workers share them through the session's common
+temporary folder, the first to need one building it under a file lock while the others wait for it.
+
 Use from a test module: ``from wheel_venv import image_wheel, wheel_venv  # noqa: F401`` (pytest fixtures).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import io
 import json
 import os
@@ -28,7 +33,7 @@ import subprocess
 import sys
 import sysconfig
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -146,13 +151,19 @@ class FreshVenv:
         return [f for f in files if not f.startswith(inside)]
 
 
+def venv_site(path: Path) -> Path:
+    """The site-packages folder of the virtual environment at ``path``, as its own interpreter names it."""
+    return Path(subprocess.run([str(path / "bin" / "python"), "-c",
+                                "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               check=True, capture_output=True, text=True, timeout=120).stdout.strip())
+
+
 def create_fresh_venv(path: Path, wheel: Path) -> FreshVenv:
     """``python -m venv`` at ``path``, this environment's packages borrowed through a ``.pth``, and ``wheel``
     installed into it with pip (``--no-deps``: the dependencies are the borrowed ones)."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True, timeout=120)
     python = path / "bin" / "python"
-    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                               check=True, capture_output=True, text=True).stdout.strip())
+    site = venv_site(path)
     borrowed = dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
     (site / "borrowed_dependencies.pth").write_text("".join(f"{p}\n" for p in borrowed))
     venv = FreshVenv(path=path, site=site, wheel=wheel)
@@ -181,11 +192,37 @@ def where_from(venv: FreshVenv, cwd: Path) -> dict[str, object]:
     return json.loads(done.stdout)
 
 
+# ------------------------------------------------------------------------------------ once per session, shared
+def session_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder every process of this test session shares: the xdist workers' common parent of their own
+    temporary folders (``.../pytest-N/popen-gwK``), or this process's own without xdist."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def built_once(folder: Path, build: Callable[[Path], Path]) -> Path:
+    """``build(folder / "work")``'s result, built by the first process that asks (under a lock on ``folder``)
+    and recorded in ``folder / "built"``; every later caller, in any worker, gets the recorded path. A build that
+    failed records nothing: the next caller builds again (and fails the same way, in its own test)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    record = folder / "built"
+    with (folder / "lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        with contextlib.suppress(FileNotFoundError):
+            return Path(record.read_text())
+        shutil.rmtree(folder / "work", ignore_errors=True)  # what a failed build in another worker left
+        built = build(folder / "work")
+        record.write_text(str(built))
+        return built
+
+
 @pytest.fixture(scope="session")
 def image_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_like_the_image(tmp_path_factory.mktemp("image-wheel"))
+    return built_once(session_folder(tmp_path_factory) / "image-wheel", build_like_the_image)
 
 
 @pytest.fixture(scope="session")
-def wheel_venv(image_wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FreshVenv]:
-    yield create_fresh_venv(tmp_path_factory.mktemp("fresh") / "venv", image_wheel)
+def wheel_venv(image_wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> FreshVenv:
+    path = built_once(session_folder(tmp_path_factory) / "fresh-venv",
+                      lambda work: create_fresh_venv(work / "venv", image_wheel).path)
+    return FreshVenv(path=path, site=venv_site(path), wheel=image_wheel)
