@@ -53,6 +53,17 @@ def _expected_cost(item: pytest.Item) -> int:
     return 1 if item.get_closest_marker("slow") is not None else 2
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Ctrl-C tests send SIGINT to the CLI and expect Python's KeyboardInterrupt there. A shell that starts the
+    suite in the background (``make test &``, ``nohup``) leaves SIGINT ignored, and an ignored signal stays ignored
+    across exec in every process started from here; give it back its default so the tests see what a user's
+    terminal gives."""
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Longest tests first: pytest-xdist's ``load`` scheduling hands tests out in collection order, so a long test
     collected late would leave one worker running it alone while the other has finished. The sort is stable:

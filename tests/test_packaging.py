@@ -46,7 +46,7 @@ def test_torch_range_stays_wide() -> None:
 
 
 def test_backend_names_live_only_in_the_backends_and_the_registry() -> None:
-    """Issue 8's check: the core and the CLI name no backend (they go through diloco.executors). The one other
+    """The core and the CLI name no backend (they go through diloco.executors). The one other
     use of the word, async DiLoCo's own "local" state (the seed's vocabulary), is marked ``# not a backend``."""
     offenders = []
     for folder in ("diloco", "cli"):

@@ -44,7 +44,7 @@ class Source:
     """Where ``from_pretrained`` will find ``name``: a local directory, the Hub, or the cache alone."""
 
     name: str
-    kind: Literal["local", "hub", "cache"]
+    kind: Literal["directory", "hub", "cache"]
 
     @property
     def cache_only(self) -> bool:
@@ -55,7 +55,7 @@ def check_source(field: Field, name: str) -> Source:
     """``name`` (the value of ``-k FIELD=``) resolved, or a ``ConfigError`` naming ``field`` when
     ``from_pretrained`` could only fail: a path that does not exist, or a Hub name neither cached nor reachable."""
     if os.path.exists(os.path.expanduser(name)):
-        return Source(name, "local")
+        return Source(name, "directory")
     if not looks_like_repo_id(name):
         raise ConfigError(f"{field}: {name!r} is not a local directory (no such path here) nor a Hub repo id",
                           hint=f"pass an existing save_pretrained directory, e.g. -k {field}=./my-{field}, or a "
