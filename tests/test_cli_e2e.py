@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
+from run_processes import processes_of
 
 from diloco.codec import decode_tensors
-from diloco.executors.local_supervisor import processes_with_env
 from diloco.runs import RunRegistry
 
 pytestmark = pytest.mark.slow
@@ -37,11 +37,6 @@ def start(*args: str, home: Path, cwd: str | Path) -> subprocess.Popen[str]:
     env = {**os.environ, "DILOCO_HOME": str(home)}
     return subprocess.Popen([DILOCO, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             cwd=cwd)
-
-
-def processes_of(run_id: str) -> list[int]:
-    """Pids whose environment names the run (every replica and supervisor has DILOCO_RUN_ID)."""
-    return sorted(processes_with_env("DILOCO_RUN_ID", run_id))
 
 
 def wait_until_running(home: Path, n: int, timeout: float = 60) -> str:

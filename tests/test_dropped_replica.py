@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from run_processes import processes_of
 
 from diloco.layout import METRICS_KEY
 from diloco.store import ObjectStore
@@ -82,21 +83,6 @@ def eval_loss_of(model_path: str) -> float:
         return _evaluate(model, batches, torch.device("cpu"))
     finally:
         torch.set_num_threads(threads)
-
-
-def processes_of(run_id: str) -> list[int]:
-    """Live processes whose environment carries ``run_id`` (the local backend's replicas and supervisors)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes()
-        except OSError:
-            continue
-        if f"DILOCO_RUN_ID={run_id}".encode() in environ.split(b"\0"):
-            pids.append(int(entry.name))
-    return pids
 
 
 def test_a_dropped_replica_is_relaunched_rejoins_and_the_run_ends_with_one_model(tmp_path: Path) -> None:

@@ -21,8 +21,7 @@ from typing import Any
 
 import pytest
 from emulators.kubernetes import KubernetesEmulator
-
-from diloco.executors.local_supervisor import processes_with_env
+from run_processes import processes_of
 
 pytestmark = pytest.mark.slow
 
@@ -124,10 +123,6 @@ def running(kube: KubernetesEmulator, job: str, count: int) -> dict[int, dict[st
         return found if len(found) >= count else {}
     return kube.wait_for(check, timeout=90)
 
-
-def processes_of(run_id: str) -> list[int]:
-    """Live processes whose environment names the run (every replica's process tree has DILOCO_RUN_ID)."""
-    return sorted(processes_with_env("DILOCO_RUN_ID", run_id))
 
 
 # ---------------------------------------------------------------------------------------------------- tests

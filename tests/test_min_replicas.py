@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from run_processes import processes_of
 
 from diloco.layout import ROUND_MANIFEST_KEY
 from diloco.store import ObjectStore
@@ -30,21 +31,6 @@ def cli(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "DILOCO_HOME": str(home), "NO_COLOR": "1", "DILOCO_RESTART_BACKOFF_S": "0"}
     env.pop("DILOCO_DEBUG", None)
     return subprocess.run([*DILOCO, *args], capture_output=True, text=True, env=env, cwd=TESTS_DIR, timeout=240)
-
-
-def processes_of(run_id: str) -> list[int]:
-    """Live processes whose environment carries ``run_id`` (the local backend's replicas and supervisors)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes()
-        except OSError:
-            continue
-        if f"DILOCO_RUN_ID={run_id}".encode() in environ.split(b"\0"):
-            pids.append(int(entry.name))
-    return pids
 
 
 def test_with_min_replicas_3_of_4_the_run_finishes_on_3_that_agree_on_every_round(tmp_path: Path) -> None:

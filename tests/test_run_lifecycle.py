@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from run_processes import processes_of
+
 TESTS_DIR = Path(__file__).resolve().parent
 DILOCO = [sys.executable, "-m", "diloco.cli.main"]
 
@@ -67,21 +69,6 @@ def status_once_dead(home: Path, run_id: str, rank: int) -> dict:
         if report["ranks"][rank]["state"] == "failed" or time.monotonic() > deadline:
             return report
         time.sleep(0.2)
-
-
-def processes_of(run_id: str) -> list[int]:
-    """Live processes whose environment carries ``run_id`` (the local backend's replicas and supervisors)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes()
-        except OSError:
-            continue
-        if f"DILOCO_RUN_ID={run_id}".encode() in environ.split(b"\0"):
-            pids.append(int(entry.name))
-    return pids
 
 
 @contextmanager

@@ -18,9 +18,8 @@ from typing import Any
 
 import pytest
 from emulators.sagemaker import SageMakerEmulator
+from run_processes import processes_of
 from sagemaker_jobs import cli, log_lines, role, wait_for
-
-from diloco.executors.local_supervisor import processes_with_env
 
 pytestmark = pytest.mark.slow
 
@@ -89,10 +88,6 @@ def launch_args(emulator: SageMakerEmulator, bucket: str, source: Path, *extra: 
 def jobs_of(emulator: SageMakerEmulator) -> dict[str, Any]:
     return {job.name: job for job in emulator.jobs()}
 
-
-def processes_of(run_id: str) -> list[int]:
-    """Live processes whose environment names the run (every job's process tree has DILOCO_RUN_ID)."""
-    return sorted(processes_with_env("DILOCO_RUN_ID", run_id))
 
 
 def describe(name: str) -> dict[str, Any]:
