@@ -319,7 +319,10 @@ def test_interrupt_mid_submit_stops_the_replicas_already_started(tmp_path: Path,
 
 
 LAUNCHER = """
-import json, sys
+import json, signal, sys
+# A launcher in a terminal: hangups at their default even when the suite runs under nohup, which leaves SIGHUP
+# ignored in every process it starts (the backend rightly keeps an ignored hangup ignored).
+signal.signal(signal.SIGHUP, signal.SIG_DFL)
 from diloco.executors.local import LocalBackend, LocalBackendConfig
 from diloco.executors.base import LaunchSpec
 config, spec = json.loads(sys.argv[1]), LaunchSpec.model_validate_json(sys.argv[2])
