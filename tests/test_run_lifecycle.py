@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from polling import wait_for_file as wait_for
 from run_processes import processes_of
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -40,16 +41,6 @@ def cli(*args: str, home: Path, timeout: float = 180) -> subprocess.CompletedPro
 def background(*args: str, home: Path) -> subprocess.Popen[str]:
     return subprocess.Popen([*DILOCO, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env_for(home), cwd=TESTS_DIR)
-
-
-def wait_for(path_glob: str, root: Path, timeout: float = 120) -> Path:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = next(iter(root.glob(path_glob)), None)
-        if found is not None:
-            return found
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {path_glob} under {root}")
 
 
 def kill_replica(home: Path, rank: int) -> None:

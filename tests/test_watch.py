@@ -9,10 +9,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from polling import wait_for_file as wait_for
 
 TESTS_DIR = Path(__file__).resolve().parent
 DILOCO = [sys.executable, "-m", "diloco.cli.main"]
@@ -23,16 +23,6 @@ def cli(*args: str, home: Path, timeout: float = 180) -> subprocess.CompletedPro
     env = {**os.environ, "DILOCO_HOME": str(home), "NO_COLOR": "1", "DILOCO_RESTART_BACKOFF_S": "0"}
     env.pop("DILOCO_DEBUG", None)
     return subprocess.run([*DILOCO, *args], capture_output=True, text=True, env=env, cwd=TESTS_DIR, timeout=timeout)
-
-
-def wait_for(path_glob: str, root: Path, timeout: float = 90) -> Path:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = next(iter(root.glob(path_glob)), None)
-        if found is not None:
-            return found
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {path_glob} under {root}")
 
 
 def test_watch_relaunches_a_killed_replica_of_a_detached_run_and_ends_with_identical_weights(tmp_path: Path) -> None:
