@@ -77,7 +77,7 @@ if TYPE_CHECKING:
     from multiprocessing.sharedctypes import Synchronized
     from multiprocessing.synchronize import Barrier
 
-    from diloco.allreduce import ObjectStoreAllReduce
+    from diloco.collectives.allreduce import ObjectStoreAllReduce
 
 MIB = 2**20
 DEFAULT_SIZES_MIB = (1.0, 16.0, 64.0)
@@ -149,7 +149,7 @@ def rank_main(job: RankJob, barrier: Barrier, results: Queue[Any], shared_comput
         import torch
 
         torch.set_num_threads(1)  # one core's worth per rank, as N replicas on N machines would each have
-        from diloco.allreduce import create_allreduce
+        from diloco.collectives.allreduce import create_allreduce
 
         dtype = getattr(torch, job.dtype_name)
         for size_mib in job.sizes_mib:
@@ -238,7 +238,7 @@ def make_compute(mode: str, seconds: float, barrier: Barrier) -> Callable[[], No
 
 def measure_overlap(job: RankJob, tensor: Any, compute_s: float, barrier: Barrier,
                     uri: str) -> list[OverlapSample]:
-    from diloco.allreduce import create_allreduce
+    from diloco.collectives.allreduce import create_allreduce
 
     compute = make_compute(job.compute_mode, compute_s, barrier)
     samples: list[OverlapSample] = []
@@ -453,7 +453,7 @@ def store_root(store: str, workdir: str) -> Iterator[str]:
 
     # No line per request (and no time spent writing it), and no traceback per failed request: a retried
     # CompleteMultipartUpload of a large object (its first attempt outlived the client's read timeout) fails there
-    # by design and is resolved client-side (diloco.s3).
+    # by design and is resolved client-side (diloco.store.s3).
     logging.getLogger("werkzeug").setLevel(logging.CRITICAL)
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()  # a thread of this process: it outlives every rank process of every world

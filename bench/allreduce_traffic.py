@@ -108,7 +108,7 @@ def measure_rounds(uri: str, case: Case, rounds: int, poll_s: float) -> tuple[li
     """Per measured round: every rank's counts, and the slowest rank's round time (after one warm-up round)."""
     import torch
 
-    from diloco.allreduce import create_allreduce
+    from diloco.collectives.allreduce import create_allreduce
 
     def body(rank: int, barrier: threading.Barrier) -> list[tuple[RankCount, float, float]]:
         out = []
@@ -134,7 +134,7 @@ def measure_rounds(uri: str, case: Case, rounds: int, poll_s: float) -> tuple[li
 def measure_raw(uri: str, world: int, written: int, read: int, rounds: int) -> list[float]:
     """The same bytes as a round, as bare I/O: each rank PUTs ``written`` bytes, then reads ``read`` bytes as
     ranged GETs spread evenly over its peers' objects. Slowest rank, per round."""
-    from diloco.store import ObjectStore
+    from diloco.store.objects import ObjectStore
 
     def body(rank: int, barrier: threading.Barrier) -> list[tuple[float, float]]:
         store = ObjectStore(uri)
@@ -161,7 +161,7 @@ def measure_raw(uri: str, world: int, written: int, read: int, rounds: int) -> l
 def wire_bytes(elements: int, fmt: str) -> int:
     import torch
 
-    from diloco import compression
+    from diloco.collectives import compression
 
     return compression.wire_nbytes({"g": ((elements,), torch.float32)}, fmt)
 

@@ -1,10 +1,10 @@
 """Synchronous vs asynchronous DiLoCo with one replica slowed down, side by side in one run.
 
 Not a test (timings depend on the machine). Why it exists: synchronous rounds wait for the slowest replica, and
-asynchronous DiLoCo (``diloco.async_diloco``, ``train.mode: async``) is meant not to. This bench runs the built-in
+asynchronous DiLoCo (``diloco.replica.async_diloco``, ``train.mode: async``) is meant not to. This bench runs the built-in
 trainer twice with the same model, data, replicas and steps, once per mode, with the last replica slowed
 ``--slow-factor`` times (the built-in trainer's ``slow_rank``/``slow_factor``: it sleeps ``factor - 1`` times its
-own compute time after each inner step), every replica a real ``python -m diloco.replica_entrypoint`` process on
+own compute time after each inner step), every replica a real ``python -m diloco.replica.entrypoint`` process on
 a ``file://`` store in a fresh temporary directory.
 
     .venv/bin/python bench/async_vs_sync.py                 # 4 replicas, 120 steps, H=20, 3x slower replica
@@ -44,7 +44,7 @@ TINY = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32, "batch_size":
 
 def run_mode(mode: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """Launch one run of ``args.replicas`` processes in ``mode``; return its wall time and evaluations."""
-    from diloco.store import ObjectStore
+    from diloco.store.objects import ObjectStore
 
     uri = f"file://{workdir / mode / 'store'}"
     kwargs = {**TINY, "total_steps": args.steps, "sync_every": args.sync_every, "mode": mode,
@@ -53,8 +53,8 @@ def run_mode(mode: str, args: argparse.Namespace, workdir: Path) -> dict[str, An
     began = time.time()
     procs = []
     for rank in range(args.replicas):
-        cmd = [sys.executable, "-m", "diloco.replica_entrypoint", "--rendezvous", uri, "--world-size",
-               str(args.replicas), "--trainer", "diloco.trainer:diloco_train", "--trainer-kwargs-json",
+        cmd = [sys.executable, "-m", "diloco.replica.entrypoint", "--rendezvous", uri, "--world-size",
+               str(args.replicas), "--trainer", "diloco.trainers.gpt:diloco_train", "--trainer-kwargs-json",
                json.dumps(kwargs), "--timeout", "600", "--poll-interval", "0.05"]
         with open(workdir / f"{mode}-r{rank}.log", "w") as log:  # a file, never a pipe that could fill up
             procs.append(subprocess.Popen(cmd, env={**env, "REPLICA_RANK": str(rank)}, stdout=log, stderr=log))

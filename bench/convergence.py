@@ -2,8 +2,8 @@
 
 Why in one process: a tuning sweep needs dozens of runs, and on a 2-core machine a run through the CLI (M replica
 processes meeting in a store) costs minutes. This script runs the *same math* as the built-in trainer and
-``diloco.outer`` without the store: M models stepped in lockstep, each with its own AdamW, its own shard and its
-own batch order (the trainer's seeds), and every H inner steps the outer step of ``diloco.outer._Fragment``
+``diloco.replica.outer`` without the store: M models stepped in lockstep, each with its own AdamW, its own shard and its
+own batch order (the trainer's seeds), and every H inner steps the outer step of ``diloco.replica.outer._Fragment``
 (``global - local`` averaged over the M replicas, ``torch.optim.SGD`` with Nesterov momentum on an fp32 global
 copy, the global weights copied back into every model). Nothing crosses a store, so nothing here measures bytes or
 time; it measures loss. Checked against the real CLI (``diloco launch -c configs/local.yaml``): in-process
@@ -20,7 +20,7 @@ Compared at equal samples and inner steps (``steps`` of batch ``b`` on each of M
 All three evaluate on the same held-out batches (the corpus's last 10 %), after every H steps.
 
 ``python bench/convergence.py --quick --json OUT`` is what ``make bench`` runs: the three methods with the built-in
-trainer's defaults, then DiLoCo with int8 and int4 pseudo-gradients (``diloco.compression``, error feedback on);
+trainer's defaults, then DiLoCo with int8 and int4 pseudo-gradients (``diloco.collectives.compression``, error feedback on);
 ``--full`` adds bf16, DiLoCo with the paper's outer step and the best setting found. One experiment of a tuning sweep::
 
     python bench/convergence.py --sweep diloco,dp --set outer_lr=1 --set outer_momentum=0.5 --set sync_every=25
@@ -52,8 +52,8 @@ from typing import Any
 
 import torch
 
-from diloco.data import eval_batches, load_corpus, sample_batch, split_corpus
-from diloco.model import GPT, GPTConfig, build_model
+from diloco.trainers.data import eval_batches, load_corpus, sample_batch, split_corpus
+from diloco.trainers.gpt_model import GPT, GPTConfig, build_model
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 Curve = list[tuple[int, float]]
@@ -73,7 +73,7 @@ class Setting:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     nesterov: bool = True
-    #: outer momentum ramped linearly from 0 over this many rounds (0: none): diloco.outer's
+    #: outer momentum ramped linearly from 0 over this many rounds (0: none): diloco.replica.outer's
     #: ``outer_momentum_warmup``, the remedy for the first round's overshoot (the trainer's default is 4).
     outer_momentum_warmup: int = 0
     compression: str = "none"
@@ -117,7 +117,7 @@ class Result:
 # ------------------------------------------------------------------------------------------------ the parts
 def inner_lr(setting: Setting, step: int) -> float:
     """The trainer's inner schedule at ``step`` (1-based, global: it never restarts at a round)."""
-    from diloco.trainer import inner_lr_at
+    from diloco.trainers.gpt import inner_lr_at
 
     return inner_lr_at(step, lr=setting.lr, warmup_steps=setting.warmup_steps, total_steps=setting.steps,
                        min_lr_ratio=setting.min_lr_ratio)
@@ -140,7 +140,7 @@ class Replica:
                             generator=self.gen)
 
     def step(self, step: int, batch: tuple[torch.Tensor, torch.Tensor] | None = None) -> float:
-        """One inner step exactly as ``diloco.trainer``'s: forward, backward, clip, AdamW at the scheduled lr."""
+        """One inner step exactly as ``diloco.trainers.gpt``'s: forward, backward, clip, AdamW at the scheduled lr."""
         x, y = batch if batch is not None else self.next_batch()
         _, loss = self.model(x, y)
         self.opt.zero_grad(set_to_none=True)
@@ -162,7 +162,7 @@ def evaluate(model: GPT, batches: Batches) -> float:
 
 
 class OuterStep:
-    """``diloco.outer._Fragment``'s outer step over M in-process replicas: fp32 global copy, SGD (Nesterov),
+    """``diloco.replica.outer._Fragment``'s outer step over M in-process replicas: fp32 global copy, SGD (Nesterov),
     optionally the pseudo-gradients compressed on the wire the way ``store.compression`` does it."""
 
     def __init__(self, setting: Setting, model: GPT) -> None:
@@ -196,12 +196,12 @@ class OuterStep:
 
 
 def wire_codec(fmt: str, error_feedback: bool, world: int) -> Callable[[int, dict[str, torch.Tensor]], dict]:
-    """What a pseudo-gradient looks like after the wire: identity for ``none``; else ``diloco.compression``'s
+    """What a pseudo-gradient looks like after the wire: identity for ``none``; else ``diloco.collectives.compression``'s
     ``ErrorFeedback.compress`` per rank (encode, decode, and the residual kept for the next round when
     ``error_feedback``): exactly the values the all-reduce averages."""
     if fmt == "none":
         return lambda rank, delta: delta
-    from diloco.compression import ErrorFeedback
+    from diloco.collectives.compression import ErrorFeedback
 
     feedback = [ErrorFeedback(fmt, enabled=error_feedback) for _ in range(world)]
     return lambda rank, delta: feedback[rank].compress(delta)[2]
@@ -362,7 +362,7 @@ def trainer_defaults(base: Setting) -> Setting:
     """``base`` with the built-in trainer's current defaults for the knobs the bench compares."""
     import inspect
 
-    from diloco.trainer import diloco_train
+    from diloco.trainers.gpt import diloco_train
 
     defaults = {k: p.default for k, p in inspect.signature(diloco_train).parameters.items()}
     keys = ("lr", "warmup_steps", "min_lr_ratio", "outer_lr", "outer_momentum", "nesterov", "weight_decay",
@@ -372,7 +372,7 @@ def trainer_defaults(base: Setting) -> Setting:
 
 def compression_available() -> bool:
     try:
-        from diloco.compression import ErrorFeedback  # noqa: F401
+        from diloco.collectives.compression import ErrorFeedback  # noqa: F401
     except ImportError:
         return False
     return True
@@ -425,8 +425,8 @@ def build_report(setting: Setting, results: list[Result]) -> dict[str, Any]:
             "Eval loss: the same held-out batches for every method "
             f"({setting.eval_batches} x {setting.eval_batch_size} windows of the corpus's last 10%).",
             "'gap closed': how much of the one-worker-to-data-parallel gap DiLoCo closes (100% = as good as DP).",
-            "In one process, the same math as the trainer and diloco.outer (M models in lockstep, the outer "
-            "Nesterov SGD on an fp32 global copy); compressed formats go through diloco.compression's "
+            "In one process, the same math as the trainer and diloco.replica.outer (M models in lockstep, the outer "
+            "Nesterov SGD on an fp32 global copy); compressed formats go through diloco.collectives.compression's "
             "ErrorFeedback.compress, the values the all-reduce averages. No store: this measures loss, not time.",
         ],
         "plots": [{"file": "convergence.png", "title": "Held-out eval loss at equal samples",

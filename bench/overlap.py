@@ -6,7 +6,7 @@ training loop never waits on the store, even when every store request takes 50 m
 round (upload, polling, downloads, reduction) on a background thread, so ``Work.wait()`` only copies the mean back;
 this bench shows what fraction of wall time is still blocked, next to vanilla DiLoCo (delay 0) in the same run.
 
-What it runs: the built-in trainer (``diloco.trainer:diloco_train``, a small GPT on the bundled corpus, CPU, one
+What it runs: the built-in trainer (``diloco.trainers.gpt:diloco_train``, a small GPT on the bundled corpus, CPU, one
 torch thread), M replicas as spawned processes, meeting through S3 (real boto3/s3fs) on moto's loopback server
 behind ``tests/faultproxy.py``, which delays *every* request (PUT, GET, HEAD, list) by ``--latency-ms`` (default
 50). Fake credentials only; nothing outside a temporary folder and that in-memory server is written.
@@ -49,10 +49,10 @@ MODEL = {"n_layer": 3, "n_head": 4, "n_embd": 96, "block_size": 128, "batch_size
 def replica_main(rank: int, world: int, uri: str, kwargs: dict[str, Any], results: Any) -> None:
     """One replica process: the built-in trainer through the store collective; report wall and blocked time."""
     try:
-        from diloco.allreduce import create_allreduce
-        from diloco.manager import ObjectStoreManager
-        from diloco.metrics import reporting_to
-        from diloco.trainer import diloco_train
+        from diloco.collectives.allreduce import create_allreduce
+        from diloco.replica.manager import ObjectStoreManager
+        from diloco.replica.metrics import reporting_to
+        from diloco.trainers.gpt import diloco_train
 
         allreduce = create_allreduce(uri, rank, world, timeout_s=300, poll_interval_s=0.02)
         manager = ObjectStoreManager(allreduce, total_steps=kwargs["total_steps"])

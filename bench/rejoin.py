@@ -1,7 +1,7 @@
 """What rejoining costs: time from a replica's restart to its first contribution, next to the time of one round.
 
 Not a test (timings depend on the machine): ``python bench/rejoin.py [--replicas N] [--steps S] [--sync-every H]``
-starts N replica processes (``python -m diloco.replica_entrypoint``, the built-in trainer, a ``file://`` store),
+starts N replica processes (``python -m diloco.replica.entrypoint``, the built-in trainer, a ``file://`` store),
 waits until round 2 has committed, SIGKILLs the last rank, starts it again at once and reports, as JSON:
 
 * ``restart_to_first_contribution_s``: from the new process's start to its contribution object of the round it
@@ -11,7 +11,7 @@ waits until round 2 has committed, SIGKILLs the last rank, starts it again at on
 * ``round_s``: the median time between two committed rounds of the run (one round, as the survivors see it);
 * ``committed_round_bytes``: the size of the one object a rejoining replica reads.
 
-Rejoining is one read of the latest committed round (``diloco.checkpoint``), not a replay of the run: the
+Rejoining is one read of the latest committed round (``diloco.replica.checkpoint``), not a replay of the run: the
 numbers should show ``startup_s`` flat in the number of rounds already done.
 """
 
@@ -35,7 +35,7 @@ TINY = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32, "batch_size":
 
 def start_replica(root: Path, rank: int, world: int, kwargs: dict[str, object], attempt: int) -> subprocess.Popen[str]:
     log = open(root / f"rank{rank}.try{attempt}.log", "w")  # noqa: SIM115 - closed with the process
-    cmd = [sys.executable, "-m", "diloco.replica_entrypoint", "--rendezvous", f"file://{root / 'store'}",
+    cmd = [sys.executable, "-m", "diloco.replica.entrypoint", "--rendezvous", f"file://{root / 'store'}",
            "--world-size", str(world), "--rank", str(rank), "--trainer-kwargs-json", json.dumps(kwargs),
            "--timeout", "300", "--poll-interval", "0.02"]
     env = {**os.environ, "DILOCO_RUN_ID": "bench-rejoin", "OMP_NUM_THREADS": "1"}

@@ -5,7 +5,7 @@ on top of the model must not be a multiple of it. The target is at most 2.5x the
 is in flight (an accumulator, one range of a peer's object).
 
 How it measures: each case is N=2 rank processes (spawned children, one torch thread each) that run one round of
-``diloco.allreduce.create_allreduce(strategy=...)`` together. In each rank, after torch and the store's client
+``diloco.collectives.allreduce.create_allreduce(strategy=...)`` together. In each rank, after torch and the store's client
 libraries are imported, the payload (fp32 tensors of the given size, shaped like a model's: a few large matrices
 and some small vectors) is allocated and one warm-up round on a tiny payload has run (threads, connections), the
 rank frees what it can (``gc``, ``malloc_trim``), reads ``VmRSS`` from ``/proc/self/status`` as its baseline and
@@ -111,7 +111,7 @@ def rank_main(args: argparse.Namespace) -> None:
     import torch
 
     torch.set_num_threads(1)
-    from diloco.allreduce import create_allreduce
+    from diloco.collectives.allreduce import create_allreduce
 
     ar = create_allreduce(args.uri, args.rank, args.world, strategy=args.strategy, timeout_s=600,
                           poll_interval_s=0.02)
@@ -172,8 +172,8 @@ def breakdown_main(args: argparse.Namespace) -> None:
     import torch
 
     torch.set_num_threads(1)
-    from diloco.codec import decode_tensors, encode_stream, encode_tensors, read_data, read_header
-    from diloco.store import ObjectStore
+    from diloco.store.codec import decode_tensors, encode_stream, encode_tensors, read_data, read_header
+    from diloco.store.objects import ObjectStore
 
     store = ObjectStore(args.uri)
     store.put("warm", b"x")
@@ -269,7 +269,7 @@ def strategies_available(wanted: Sequence[str]) -> list[str]:
     available = []
     for strategy in wanted:
         try:
-            from diloco.allreduce import create_allreduce
+            from diloco.collectives.allreduce import create_allreduce
 
             create_allreduce(f"memory://probe-{uuid.uuid4().hex[:6]}", 0, 1, strategy=strategy).close()
             available.append(strategy)

@@ -27,7 +27,7 @@ following diloco/collectives (gather.py, sharded.py):
   whatever N is.
 * **requests**: ``store.put`` (gather's object, the reduced shard) is one PUT below two parts, ``put_stream``
   (sharded's contribution) one PUT up to one part; above that CreateMultipartUpload + one UploadPart per part
-  (``--part-mib``, 50 MiB as ``diloco/s3.py``'s ``MULTIPART_CHUNKSIZE``) + CompleteMultipartUpload. Every awaited
+  (``--part-mib``, 50 MiB as ``diloco/store/s3.py``'s ``MULTIPART_CHUNKSIZE``) + CompleteMultipartUpload. Every awaited
   peer object costs at least one HEAD (``exists``; more when a peer is late: ``--polls``). GETs: gather N-1,
   sharded 3(N-1). DELETEs (a rank deletes its previous round's objects) are free on S3 and not counted.
 * **time**: each phase (upload, then the reads it waited for) takes the longer of its bytes at the instance's S3
@@ -39,7 +39,7 @@ following diloco/collectives (gather.py, sharded.py):
   free; cross-region or internet transfer would add a per-GB charge that this model leaves out.
 
 Separately (``commit`` table): after every committed round, one rank uploads the global state (fp32 weights and
-outer momentum: 8P bytes, see ``diloco/checkpoint.py``), which costs as much as a large all-reduce payload.
+outer momentum: 8P bytes, see ``diloco/replica/checkpoint.py``), which costs as much as a large all-reduce payload.
 """
 
 from __future__ import annotations
@@ -68,14 +68,14 @@ GET_USD_PER_1000 = 0.0004
 PUT_RATE_PER_PREFIX = 3500.0
 GET_RATE_PER_PREFIX = 5500.0
 
-#: diloco/s3.py's MULTIPART_CHUNKSIZE (the part size of every multipart upload), duplicated to keep this script
+#: diloco/store/s3.py's MULTIPART_CHUNKSIZE (the part size of every multipart upload), duplicated to keep this script
 #: free of imports; tests/test_scale_model.py checks they agree.
 MULTIPART_CHUNKSIZE = 50 * MIB
-#: S3's limit on the parts of one multipart upload (diloco/s3.py's MAX_PARTS).
+#: S3's limit on the parts of one multipart upload (diloco/store/s3.py's MAX_PARTS).
 MAX_PARTS = 10_000
-#: diloco/codec.py's HEADER_PROBE_BYTES: the ranged GET that reads a streamed object's header.
+#: diloco/store/codec.py's HEADER_PROBE_BYTES: the ranged GET that reads a streamed object's header.
 HEADER_PROBE_BYTES = 64 * 2**10
-#: diloco/compression.py's DEFAULT_BLOCK (elements per fp32 scale in int8/int4), checked the same way.
+#: diloco/collectives/compression.py's DEFAULT_BLOCK (elements per fp32 scale in int8/int4), checked the same way.
 DEFAULT_BLOCK = 256
 
 STRATEGIES = ("gather", "sharded")
@@ -109,7 +109,7 @@ class Assumptions:
     polls_per_object: float = 1.0
     part_bytes: int = MULTIPART_CHUNKSIZE
     block: int = DEFAULT_BLOCK
-    #: How many S3 prefixes one round's objects are spread over (``store.spread``, see diloco/layout.py); each
+    #: How many S3 prefixes one round's objects are spread over (``store.spread``, see diloco/store/layout.py); each
     #: gets the per-prefix request rate once S3 has partitioned the bucket on them.
     prefixes: int = 1
     #: The format the sharded strategy publishes its reduced shards in: "same" as the wire, or "none" (fp32).
@@ -197,7 +197,7 @@ def put_single_max(part_bytes: int) -> int:
 
 
 def too_many_parts(size: int, part_bytes: int = MULTIPART_CHUNKSIZE) -> bool:
-    """Whether ``size`` needs more than S3's 10,000 parts at this part size (488 GiB at 50 MiB): diloco/s3.py
+    """Whether ``size`` needs more than S3's 10,000 parts at this part size (488 GiB at 50 MiB): diloco/store/s3.py
     refuses such an upload today ("more than 10000 parts"), so the model's larger parts are a needed change."""
     return math.ceil(size / part_bytes) > MAX_PARTS
 
@@ -360,7 +360,7 @@ def tables(a: Assumptions, models: Sequence[str] = TABLE_MODELS, worlds: Sequenc
         ("model", "commit bytes", "commit s", "commit $ (N=64)"),
         tuple((m, fmt_bytes(b) + (" ⚠" if too_many_parts(b, a.part_bytes) else ""), fmt_seconds(t), fmt_usd(u))
               for m in models for b, t, u in [commit_cost(MODEL_SIZES[m], 64, a)]),
-        footnote=f"⚠: more than {MAX_PARTS:,} parts of {a.part_bytes // MIB} MiB; diloco/s3.py refuses such an "
+        footnote=f"⚠: more than {MAX_PARTS:,} parts of {a.part_bytes // MIB} MiB; diloco/store/s3.py refuses such an "
                  "upload today, the model assumes parts grown to fit.")
     return [
         variant_table("Bytes read per rank per round", costs, lambda c: fmt_bytes(c.bytes_read), models, worlds),

@@ -1,4 +1,4 @@
-"""`diloco rm` and `diloco prune`: parse, one call into ``diloco.housekeeping``, render.
+"""`diloco rm` and `diloco prune`: parse, one call into ``diloco.launcher.housekeeping``, render.
 
 Both print one row per run considered (a table, or ``-o json``: the same pydantic report) on stdout and a one-line
 summary on stderr. A run that has not ended is never removed: ``rm`` of one exits 1 and says how to stop it;
@@ -114,7 +114,7 @@ def rm(
       diloco rm --prefix s3://my-bucket/diloco/diloco-20261201-093000-7c98
     """
     from diloco.errors import ConfigError
-    from diloco.housekeeping import remove_runs
+    from diloco.launcher.housekeeping import remove_runs
 
     if not runs and not prefix:
         raise ConfigError("rm: nothing to remove", hint="give a RUN (see diloco runs) or --prefix URI")
@@ -141,7 +141,7 @@ def prune(
       diloco prune --older-than 12h
       diloco prune --older-than 2w -o json | jq -r '.runs[] | select(.removed) | .run_id'
     """
-    from diloco.housekeeping import parse_duration, prune_runs
+    from diloco.launcher.housekeeping import parse_duration, prune_runs
 
     seconds = parse_duration(older_than, field="--older-than")
     report = prune_runs(seconds, dry_run=dry_run)

@@ -1,4 +1,4 @@
-"""The ``diloco`` command line: parse, load config, one call into ``diloco.orchestrate``, render.
+"""The ``diloco`` command line: parse, load config, one call into ``diloco.launcher.orchestrate``, render.
 
 Data goes to stdout (a table, or JSON with ``-o json``), narration and progress to stderr. Exit codes of the
 commands that wait on a run (each command's ``--help`` lists its own, from ``help_texts``): 0 all replicas
@@ -82,13 +82,13 @@ def _main(
 
 # ------------------------------------------------------------------------------------------------ helpers
 def _registry() -> Any:
-    from diloco.runs import RunRegistry
+    from diloco.launcher.runs import RunRegistry
 
     return RunRegistry()
 
 
 def _view(run: str | None) -> Any:
-    from diloco.orchestrate import RunView
+    from diloco.launcher.orchestrate import RunView
 
     registry = _registry()
     return RunView(registry.resolve(run), registry=registry)
@@ -149,9 +149,9 @@ def _explain_failures(report: Any) -> None:
 def _wait(view: Any, *, timeout_s: float | None, fail_fast: bool, output: str | None = None,
           collect: bool = False, max_restarts: int = 0) -> Any:
     """Wait on the run with progress on stderr (and, with ``collect``, check and write the model the one way
-    ``diloco.orchestrate.collect`` does); returns ``(report, timed_out)``."""
+    ``diloco.launcher.orchestrate.collect`` does); returns ``(report, timed_out)``."""
     from diloco.cli.progress import RunProgress
-    from diloco.orchestrate import collect as collect_run
+    from diloco.launcher.orchestrate import collect as collect_run
 
     interval = float(view.record.config.get("store", {}).get("poll_interval_s", 1.0))
     with RunProgress(view.record.run_id) as progress:
@@ -338,10 +338,10 @@ def launch(
       diloco launch -c configs/local.yaml --dry-run -o json   # the exact per-replica requests
       diloco launch -c configs/eks.yaml --dry-run -o yaml     # the backend's requests as YAML documents
     """
-    from diloco.config import backend_kind, merge_sources, validate
     from diloco.executors import require_launchable
-    from diloco.orchestrate import RunView, plan_run, preflight
-    from diloco.orchestrate import launch as launch_run
+    from diloco.launcher.config import backend_kind, merge_sources, validate
+    from diloco.launcher.orchestrate import RunView, plan_run, preflight
+    from diloco.launcher.orchestrate import launch as launch_run
 
     flags = {"replicas": replicas, "backend": backend, "train.steps": steps, "train.sync_every": sync_every,
              "train.mode": mode, "train.trainer": trainer, "store.rendezvous": rendezvous, "gpu": gpu, "timeout_s": timeout,
@@ -447,7 +447,7 @@ def logs(
       diloco logs | grep -i error
       diloco logs -o json | jq -r 'select(.stream == "err") | .text'
     """
-    from diloco.logstream import format_record
+    from diloco.executors.logstream import format_record
 
     if tail_n is not None and tail_n < 0:
         raise ConfigError(f"--tail: must be >= 0 (got {tail_n})")
@@ -534,9 +534,9 @@ def collect(
 
 
 def _model_target(output: str | None, run_id: str, force: bool) -> str:
-    """Where collect writes the model, checked before waiting (``diloco.output_path``: a directory gets
+    """Where collect writes the model, checked before waiting (``diloco.launcher.output_path``: a directory gets
     ``<run_id>.safetensors``, missing directories are created at the write); an existing file needs ``--force``."""
-    from diloco.output_path import resolve_output
+    from diloco.launcher.output_path import resolve_output
 
     path = resolve_output(output, f"{run_id}.safetensors")
     if os.path.exists(path) and not force:
@@ -594,7 +594,7 @@ def runs_(fmt: FormatOpt = OutputFormat.table) -> None:
       diloco runs -o json | jq -r '.runs[] | select(.state == "running") | .run_id'
     """
     from diloco.cli.views import render_runs
-    from diloco.orchestrate import summarize_runs
+    from diloco.launcher.orchestrate import summarize_runs
 
     summaries = summarize_runs(_registry())
     emit({"runs": summaries}, fmt, lambda console: render_runs(console, summaries))

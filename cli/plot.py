@@ -1,4 +1,4 @@
-"""`diloco plot`: parse, one call into ``diloco.plot``, render.
+"""`diloco plot`: parse, one call into ``diloco.launcher.plot``, render.
 
 Writes the run's training curves as a PNG (train and eval loss per replica against inner step and wall time, outer
 rounds marked) and prints what it drew on stdout (a table, or ``-o json``). Works while the run is still going:
@@ -43,9 +43,9 @@ def plot(
       diloco plot 7c98 --output curves.png
       diloco plot -o json | jq -r .path
     """
-    from diloco.orchestrate import RunView
-    from diloco.plot import plot_run
-    from diloco.runs import RunRegistry
+    from diloco.launcher.orchestrate import RunView
+    from diloco.launcher.plot import plot_run
+    from diloco.launcher.runs import RunRegistry
 
     registry = RunRegistry()
     view = RunView(registry.resolve(run), registry=registry)

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from rich.console import RenderableType
     from rich.live import Live
 
-    from diloco.orchestrate import RunReport
+    from diloco.launcher.orchestrate import RunReport
 
 
 class RunProgress:

@@ -1,4 +1,4 @@
-"""`diloco smoke` and `diloco doctor`: parse, one call into ``diloco.smoke``/``diloco.doctor``, render.
+"""`diloco smoke` and `diloco doctor`: parse, one call into ``diloco.launcher.smoke``/``diloco.launcher.doctor``, render.
 
 Both print their checks as a table (or ``-o json``, the same pydantic report) on stdout, narration on stderr,
 and exit 0 only when no check failed (1 otherwise, 2 for bad input such as a malformed S3 URI).
@@ -51,7 +51,7 @@ def _checks_table(console: Console, checks: list[Any], title: str) -> None:
 def _render_smoke(console: Console, report: Any) -> None:
     from rich.table import Table
 
-    from diloco.smoke import format_usd
+    from diloco.launcher.smoke import format_usd
 
     _checks_table(console, report.checks, f"diloco smoke: {report.replicas} replica(s) on {report.backend} via "
                                           f"{report.uri}")
@@ -112,7 +112,7 @@ def smoke(
       diloco smoke --backend sagemaker --s3 s3://sagemaker-my-bucket/smoke --role ARN --yes
       diloco smoke -o json | jq .ok
     """
-    from diloco.smoke import resolve_target, run_smoke
+    from diloco.launcher.smoke import resolve_target, run_smoke
 
     flags = {"role": role, "image": image, "instance_type": instance_type, "region": region}
     target = resolve_target(config_path=config, backend=backend, s3=s3, backend_flags=flags)
@@ -154,7 +154,7 @@ def doctor(
       diloco doctor --backend local --s3 s3://my-bucket/diloco
       diloco doctor -c configs/sagemaker.yaml
     """
-    from diloco.doctor import resolve_inputs, run_doctor
+    from diloco.launcher.doctor import resolve_inputs, run_doctor
 
     options = {"role_arn": role, "image_uri": image, "image": image, "namespace": namespace, "kube_context": context}
     ctx = resolve_inputs(backend=backend, s3_uri=s3, config_path=str(config) if config else None, options=options,

@@ -33,12 +33,12 @@ def output_schema() -> dict[str, Any]:
     """One document: which command prints which object, and each object's schema."""
     from pydantic import BaseModel, create_model
 
-    from diloco.doctor import DoctorReport
     from diloco.executors.base import LaunchPlan
-    from diloco.housekeeping import RemovalReport
-    from diloco.orchestrate import RunReport, RunSummary
-    from diloco.plot import PlotReport
-    from diloco.smoke import SmokeReport
+    from diloco.launcher.doctor import DoctorReport
+    from diloco.launcher.housekeeping import RemovalReport
+    from diloco.launcher.orchestrate import RunReport, RunSummary
+    from diloco.launcher.plot import PlotReport
+    from diloco.launcher.smoke import SmokeReport
 
     runs_list: type[BaseModel] = create_model("RunList", runs=(list[RunSummary], ...))
     outputs: dict[str, tuple[type[BaseModel], tuple[str, ...]]] = {

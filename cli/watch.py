@@ -3,7 +3,7 @@
 Why a command of its own: ``launch --detach`` returns at once, and nothing then relaunches a replica that is killed or
 preempted; ``status --watch`` only observes. ``watch`` is the launcher's waiting half for a run started elsewhere (or
 by a ``launch`` whose terminal went away): the same live progress, the same relaunch of failed replicas with
-``--max-restarts`` and backoff (``diloco.orchestrate.RunView.wait``), the same summary, weights check and exit
+``--max-restarts`` and backoff (``diloco.launcher.orchestrate.RunView.wait``), the same summary, weights check and exit
 code. Ctrl-C stops watching and never the run.
 
 A run that has ended (succeeded, failed, cancelled), or can no longer finish, is never relaunched into: ``watch``
@@ -45,7 +45,7 @@ def wait_and_summarize(view: Any, *, fmt: OutputFormat, fail_fast: bool, max_res
 def summarize_ended(view: Any, *, fmt: OutputFormat) -> NoReturn:
     """The summary of a run that has ended, as ``launch`` printed it, and its exit code; nothing is waited on,
     relaunched or stopped (the weights of a succeeded run are checked, as ``launch`` did)."""
-    from diloco.orchestrate import collect
+    from diloco.launcher.orchestrate import collect
 
     try:
         report, timed_out = collect(view, fail_fast=False, max_restarts=0)

@@ -16,5 +16,5 @@ DILOCO_S3_URI = "DILOCO_S3_URI"  # default S3 prefix for `diloco smoke` / `docto
 RESTART_BACKOFF_S = "DILOCO_RESTART_BACKOFF_S"  # seconds before a failed replica's first relaunch (default 2)
 #: A directory on the replica's own disk that outlives its process (SageMaker: /opt/ml/checkpoints, synced to S3 by
 #: CheckpointConfig; local: a per-rank directory in the run directory). The outer loop keeps the inner optimizer's
-#: state there after each committed round, and a rejoining replica reloads it when it matches (diloco.checkpoint).
+#: state there after each committed round, and a rejoining replica reloads it when it matches (diloco.replica.checkpoint).
 CHECKPOINT_DIR = "DILOCO_CHECKPOINT_DIR"

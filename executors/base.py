@@ -47,10 +47,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from diloco import envvars
 from diloco.defaults import DEFAULT_ENTRYPOINT, DEFAULT_MAX_RESTARTS, DEFAULT_TRAINER
 from diloco.executors.failures import FailureVerdict
-from diloco.logstream import LogRecord
+from diloco.executors.logstream import LogRecord
 
 if TYPE_CHECKING:
-    from diloco.doctor import Check, DoctorContext
+    from diloco.launcher.doctor import Check, DoctorContext
 
 __all__ = ["DEFAULT_ENTRYPOINT", "DEFAULT_TRAINER", "LogRecord"]
 
@@ -407,7 +407,7 @@ class Backend(Generic[C, H]):
     def relaunch(self, handle: H, rank: int) -> H:
         """Start replica ``rank`` again (same run, argv and environment) after it ended in failure; returns the
         updated handle, whose ``describe`` counts the restart in ``ReplicaStatus.restarts``. The new replica
-        rejoins the run from its committed rounds (``diloco.checkpoint``). Only when ``supports_relaunch``."""
+        rejoins the run from its committed rounds (``diloco.replica.checkpoint``). Only when ``supports_relaunch``."""
         raise NotImplementedError(f"{type(self).__name__}.relaunch")
 
     def replica_logs(self, handle: H, rank: int, *, follow: bool = False,
@@ -434,7 +434,7 @@ class Backend(Generic[C, H]):
     def logs(self, handle: H, ranks: Sequence[int] | None = None, *, follow: bool = False,
              since: float | None = None) -> Iterator[LogRecord]:
         """Every (or ``ranks``') replica's records, merged in time order; followed until all have ended."""
-        from diloco.logstream import follow_merged, merged
+        from diloco.executors.logstream import follow_merged, merged
 
         selected = range(handle.replicas) if ranks is None else ranks
         streams = [self.replica_logs(handle, rank, follow=follow, since=since) for rank in selected]
@@ -461,7 +461,7 @@ class Backend(Generic[C, H]):
         removed (paths or URIs); with ``dry_run``, what would be, removing nothing. Idempotent: ``[]`` once gone.
 
         Only the backend's own leftovers: the store's objects and the registry record are removed by the caller
-        (``diloco.housekeeping``). The default keeps nothing to remove (a SageMaker job cannot be deleted and its
+        (``diloco.launcher.housekeeping``). The default keeps nothing to remove (a SageMaker job cannot be deleted and its
         logs follow CloudWatch's retention)."""
         return []
 

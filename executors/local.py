@@ -16,7 +16,7 @@ Why it looks the way it does:
   launch that was interrupted half-way.
 * Nothing started is ever unrecorded: the handle is written (``handle.json``, then ``on_progress``) before the first
   replica and after each one, and starting a replica and recording it is one step that Ctrl-C cannot split
-  (``diloco.signals.signals_deferred``). While it submits, SIGTERM and SIGHUP take Ctrl-C's path
+  (``diloco.executors.signals.signals_deferred``). While it submits, SIGTERM and SIGHUP take Ctrl-C's path
   (``terminate_as_interrupt``): whatever was started is stopped before the launcher exits. If the launcher is
   killed outright (``kill -9``) the replicas it had no time to record are still found, by the ``DILOCO_RUN_ID`` in
   their environment, and adopted into the handle so ``status`` and ``cancel`` see them.
@@ -75,6 +75,7 @@ from diloco.executors.local_supervisor import (
     read_json,
     write_json_atomic,
 )
+from diloco.executors.logstream import LogRecord
 from diloco.executors.replica_memory import (  # noqa: F401  (the estimate every backend uses)
     OTHER_TRAINER_MIB,
     REPLICA_BASE_MIB,
@@ -82,12 +83,11 @@ from diloco.executors.replica_memory import (  # noqa: F401  (the estimate every
     builtin_trainer_bytes,
     replica_memory,
 )
-from diloco.logstream import LogRecord
-from diloco.signals import signals_deferred, terminate_as_interrupt
+from diloco.executors.signals import signals_deferred, terminate_as_interrupt
 
 if TYPE_CHECKING:
-    from diloco.doctor import Check, DoctorContext
     from diloco.executors.failures import FailureVerdict
+    from diloco.launcher.doctor import Check, DoctorContext
 
 SUPERVISOR_MODULE = "diloco.executors.local_supervisor"
 HANDLE_FILE = "handle.json"
@@ -111,7 +111,7 @@ class LocalBackendConfig(BackendConfig):
     places_replicas: ClassVar[bool] = False
 
     def default_rendezvous(self, run_id: str) -> str | None:
-        from diloco.runs import default_local_rendezvous
+        from diloco.launcher.runs import default_local_rendezvous
 
         return default_local_rendezvous(run_id)
 
@@ -179,7 +179,7 @@ class LocalBackend(Backend[LocalBackendConfig, LocalRunHandle]):
         """``<log_root>/<run_id>``: logs, exit records and the handle of one run."""
         root = self.config.log_root
         if root is None:
-            from diloco.runs import runs_dir
+            from diloco.launcher.runs import runs_dir
 
             root = str(runs_dir())
         return os.path.join(os.path.abspath(root), run_id)
@@ -282,7 +282,7 @@ class LocalBackend(Backend[LocalBackendConfig, LocalRunHandle]):
         """A launch that was rolled back leaves no run directory (its handle, requests, logs and default store):
         with the record gone nothing could find it again, and ``list_runs`` would show a run that never was.
         Best effort, after every replica is gone; the error that caused the rollback is what matters."""
-        from diloco.housekeeping import remove_run_files
+        from diloco.launcher.housekeeping import remove_run_files
 
         try:
             remove_run_files(handle.run_dir)
@@ -614,7 +614,7 @@ class LocalBackend(Backend[LocalBackendConfig, LocalRunHandle]):
     # ------------------------------------------------------------------ housekeeping
     def remove(self, handle: LocalRunHandle, *, dry_run: bool = False) -> list[str]:
         """The run directory: every replica's logs and exit record, the handle, and the default file:// store."""
-        from diloco.housekeeping import remove_run_files
+        from diloco.launcher.housekeeping import remove_run_files
 
         return remove_run_files(handle.run_dir, dry_run=dry_run)
 
@@ -646,13 +646,13 @@ class LocalBackend(Backend[LocalBackendConfig, LocalRunHandle]):
 
 
 def check_replica_environment(ctx: DoctorContext) -> Check:
-    """Local replicas run ``python -m diloco.replica_entrypoint`` with this interpreter: can it import the
+    """Local replicas run ``python -m diloco.replica.entrypoint`` with this interpreter: can it import the
     replica side (torch included), the way a replica will, in a fresh process?"""
-    from diloco.doctor import Check, Status
+    from diloco.launcher.doctor import Check, Status
 
     name = "replica environment"
     python = ctx.option("python") or sys.executable
-    code = "import torch, safetensors, diloco.replica_entrypoint, diloco.trainer; print(torch.__version__)"
+    code = "import torch, safetensors, diloco.replica.entrypoint, diloco.trainers.gpt; print(torch.__version__)"
     try:
         out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120,
                              stdin=subprocess.DEVNULL)

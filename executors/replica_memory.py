@@ -4,7 +4,7 @@ The local backend checks that the replicas fit this machine; the Kubernetes back
 and limit from the same numbers (a limit below the work is an OOM kill, exit code 137, after the node was paid
 for). The estimates are upper-side and explained: each comes with the words a dry run prints.
 
-* **The built-in trainer** (``diloco.trainer:diloco_train``) is sized from its own knobs (its signature's defaults
+* **The built-in trainer** (``diloco.trainers.gpt:diloco_train``) is sized from its own knobs (its signature's defaults
   when not given): the process, the model's float32 state, the activations, the corpus.
 * **The Hugging Face trainer** (``diloco.trainers.hf:train``) is sized from the parameter count in the model's name
   (``Qwen/Qwen2.5-0.5B``: 0.5 B), per README "Several GPUs per replica": on the host each process keeps the fp32
@@ -46,7 +46,7 @@ HF_AVERAGING_BYTES_PER_PARAM = 4
 CUDA_PROCESS_MIB = 2048
 HF_TRAINER = "diloco.trainers.hf:train"
 MIB = 1024 * 1024
-_VOCAB = 256  # diloco.model.VOCAB_SIZE (the byte values), not imported here: diloco.model imports torch
+_VOCAB = 256  # diloco.trainers.gpt_model.VOCAB_SIZE (the byte values), not imported here: diloco.trainers.gpt_model imports torch
 #: A parameter count in a model's name: ``Qwen2.5-0.5B``, ``Llama-3.1-8B-Instruct``, ``SmolLM-135M``.
 _PARAMS_IN_NAME = re.compile(r"(?<![A-Za-z0-9.])(\d+(?:\.\d+)?)\s*([BbMm])(?![A-Za-z])")
 
@@ -101,7 +101,7 @@ def params_in_name(model: str) -> int | None:
 def builtin_trainer_bytes(trainer_kwargs: dict[str, Any]) -> int:
     """One built-in trainer replica: the process itself, its model's float32 state and its data, from the same
     defaults the trainer uses (its signature). An upper-side estimate, not a measurement."""
-    from diloco.trainer import diloco_train
+    from diloco.trainers.gpt import diloco_train
 
     defaults = {name: p.default for name, p in inspect.signature(diloco_train).parameters.items()
                 if p.default is not inspect.Parameter.empty}

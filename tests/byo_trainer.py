@@ -5,7 +5,7 @@
 # weights) is recorded by the outer loop.
 import torch
 import diloco
-from diloco.outer import make_diloco_outer_loop
+from diloco.replica.outer import make_diloco_outer_loop
 
 def train(*, manager, rank, world_size, total_steps=1000, sync_every=100, lr=1e-3):
     torch.manual_seed(0)                       # the same initial weights and dataset on every replica

@@ -58,7 +58,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    from diloco.replica_log import ship_output
+    from diloco.store.logs import ship_output
 
     shipping = ship_output()  # as the real entrypoint does, when the backend asks for it
     code = main()

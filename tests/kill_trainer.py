@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from diloco.outer import make_diloco_outer_loop
+from diloco.replica.outer import make_diloco_outer_loop
 
 
 class _KillingManager:

@@ -10,7 +10,7 @@ store), so a relaunched replica trains at its peers' pace, as one on a healthy m
 The other ranks hold back their contribution to each round in ``hold_rounds`` until the late rank has rejoined the
 run for that round (its ``rejoin/rank_RRRR.json`` names it): peers whose rounds take longer than a relaunch, as on
 any real model, so the relaunched replica finds them still in the run however slowly this machine starts it.
-Everything else is ``diloco.trainer.diloco_train`` with the kwargs given.
+Everything else is ``diloco.trainers.gpt.diloco_train`` with the kwargs given.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 from diloco.errors import ObjectNotFound
-from diloco.layout import REJOIN_KEY, ROUND_MANIFEST_KEY
+from diloco.store.layout import REJOIN_KEY, ROUND_MANIFEST_KEY
 
 #: Where an attempt claims a round it holds back (under the run's rendezvous root).
 CLAIM_KEY = "late_trainer/round_{number:06d}"
@@ -76,7 +76,7 @@ class LateManager:
 def train(*, manager: Any, rank: int, world_size: int, late_rank: int = -1, late_rounds: str | int = "",
           hold_rounds: str | int = "", **kwargs: Any) -> dict[str, Any]:
     """``diloco_train`` on every rank, the managers holding back ``late_rounds`` / ``hold_rounds`` (see above)."""
-    from diloco.trainer import diloco_train
+    from diloco.trainers.gpt import diloco_train
 
     manager = LateManager(manager, late_rank=late_rank, late=late_round_numbers(late_rounds),
                           hold=late_round_numbers(hold_rounds))

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from diloco.outer import make_diloco_outer_loop
+from diloco.replica.outer import make_diloco_outer_loop
 
 
 def train(*, manager, rank, world_size, total_steps=40, sync_every=5, step_s=0.1, exit_rank=-1, exit_at_step=0):

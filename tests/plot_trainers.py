@@ -1,5 +1,5 @@
 """Trainers for the ``diloco plot`` tests, run by the real replica entrypoint (``--trainer plot_trainers:<fn>``):
-they write metric rows in the store's schema (``diloco.metrics``) exactly as the outer loop would, without torch,
+they write metric rows in the store's schema (``diloco.replica.metrics``) exactly as the outer loop would, without torch,
 so a test can say which points the plot must show."""
 
 from __future__ import annotations

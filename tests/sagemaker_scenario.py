@@ -79,7 +79,7 @@ def run_watched_launch(emulator: Any, *, bucket: str, home: Path, workdir: Path,
                        patience_s: float = 180.0) -> WatchedRun:
     """Launch ``replicas`` jobs and wait on them (shell 1); once every job trains, ``status`` (shell 2), then
     ``logs -f`` (shell 3) until it has shown every rank, then ``cancel`` (shell 4); wait for every command to end."""
-    from diloco.runs import RunRegistry
+    from diloco.launcher.runs import RunRegistry
 
     env = cli_env(emulator, home)
     cli = [sys.executable, "-m", "diloco.cli.main"]

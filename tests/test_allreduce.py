@@ -12,10 +12,10 @@ import pytest
 import torch
 from ranks import run_ranks  # tests/ is on sys.path
 
-from diloco.allreduce import AllReduceStats, ObjectStoreAllReduce, average, contribution_key
-from diloco.codec import decode_tensors, encode_stream, encode_tensors
+from diloco.collectives.allreduce import AllReduceStats, ObjectStoreAllReduce, average, contribution_key
 from diloco.errors import AllReduceTimeout, ConfigError, CorruptObjectError, DilocoError, StoreError
-from diloco.store import ObjectStore
+from diloco.store.codec import decode_tensors, encode_stream, encode_tensors
+from diloco.store.objects import ObjectStore
 
 POLL = 0.01
 
@@ -243,7 +243,7 @@ def test_a_peer_being_relaunched_extends_the_wait_past_the_timeout(uri: str) -> 
     past its own timeout instead of failing, and gets the mean once rank 1's contribution lands."""
     import json
 
-    from diloco.layout import RELAUNCH_KEY
+    from diloco.store.layout import RELAUNCH_KEY
 
     r0 = make(uri, 0, 2, timeout_s=0.2)
     r0.store.put(RELAUNCH_KEY.format(rank=1), json.dumps({"until": time.time() + 20}).encode())
@@ -259,7 +259,7 @@ def test_a_peer_being_relaunched_extends_the_wait_past_the_timeout(uri: str) -> 
 def test_an_expired_relaunch_record_does_not_extend_the_wait(uri: str) -> None:
     import json
 
-    from diloco.layout import RELAUNCH_KEY
+    from diloco.store.layout import RELAUNCH_KEY
 
     r0 = make(uri, 0, 2, timeout_s=0.2)
     r0.store.put(RELAUNCH_KEY.format(rank=1), json.dumps({"until": time.time() - 1}).encode())
@@ -365,8 +365,8 @@ def test_rounds_over_a_real_s3_api(s3_uri: str, bucket_keys: Callable[[str], lis
 def test_a_peer_object_larger_than_one_read_window_is_accumulated_window_by_window(
         tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Tensors straddling the ranged-read windows (one 4 MiB chunk each here) are added at the right offsets."""
-    from diloco import codec
     from diloco.collectives import gather
+    from diloco.store import codec
 
     monkeypatch.setattr(gather, "WINDOW_BYTES", codec.CHUNK_BYTES)
     uri = f"file://{tmp_path}/rdv"

@@ -1,4 +1,4 @@
-"""Asynchronous DiLoCo (diloco.async_diloco) on real memory://, file:// and loopback-S3 stores, with threads.
+"""Asynchronous DiLoCo (diloco.replica.async_diloco) on real memory://, file:// and loopback-S3 stores, with threads.
 
 Every row of the seed's startup-selection and failure tables is a test here, and so are the resume, cache,
 cumulative-delta and late-completion cases of issue 13. The multi-process training runs are in test_async_e2e.py.
@@ -18,7 +18,8 @@ import pytest
 import torch
 from torch import nn
 
-from diloco.async_diloco import (
+from diloco.errors import ConfigError
+from diloco.replica.async_diloco import (
     GLOBAL_KEY,
     LATEST_KEY,
     MASTER_STATE_FILE,
@@ -34,9 +35,8 @@ from diloco.async_diloco import (
     delta_norm,
     resolve_node_id,
 )
-from diloco.codec import encode_tensors
-from diloco.errors import ConfigError
-from diloco.store import ObjectStore
+from diloco.store.codec import encode_tensors
+from diloco.store.objects import ObjectStore
 
 INNER = 5
 TARGET = torch.randn(8, 8, generator=torch.Generator().manual_seed(99))
@@ -443,7 +443,7 @@ def test_failure_upload_keeps_the_baseline_then_sends_the_cumulative_delta(
     worker.train(INNER)
     assert worker.results[-1].pushed
     (key,) = store.child("async").list("deltas/")
-    from diloco.codec import decode_tensors
+    from diloco.store.codec import decode_tensors
 
     sent, _ = decode_tensors(store.child("async").get(key))
     cumulative = compute_pseudo_gradient(start, cpu_state(worker.model))
@@ -561,7 +561,7 @@ def test_restarted_worker_sends_no_oversized_first_delta(store: ObjectStore, tmp
         first = delta_norm(compute_pseudo_gradient(restarted.coord.baseline, cpu_state(restarted.model)))
         sent = [k for k in store.child("async").list("deltas/") if "-a-" in k]
         assert restarted.results[-1].pushed and sent
-        from diloco.codec import decode_tensors
+        from diloco.store.codec import decode_tensors
 
         first_sent = delta_norm(decode_tensors(store.child("async").get(sent[-1]))[0])
         # The first delta after the restart is the size of a normal one, not the distance between globals

@@ -1,5 +1,5 @@
 """End to end, asynchronous DiLoCo: a master and 3 workers as real replica processes
-(``python -m diloco.replica_entrypoint`` with the built-in trainer in ``mode="async"``) train the built-in model
+(``python -m diloco.replica.entrypoint`` with the built-in trainer in ``mode="async"``) train the built-in model
 through a ``file://`` store and through the loopback S3 server, to an eval loss clearly below its start.
 
 Also: every rank exports the same final global weights, and the published metadata (what ``diloco status``
@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from diloco import envvars
-from diloco.async_diloco import read_async_status
-from diloco.codec import decode_tensors
-from diloco.store import ObjectStore
+from diloco.replica.async_diloco import read_async_status
+from diloco.store.codec import decode_tensors
+from diloco.store.objects import ObjectStore
 
 pytestmark = pytest.mark.slow
 
@@ -38,8 +38,8 @@ def launch(tmp_path: Path, uri: str, world_size: int, kwargs: dict, extra_env: d
     procs = []
     for rank in range(world_size):
         err = open(tmp_path / f"r{rank}.err", "w")
-        cmd = [sys.executable, "-m", "diloco.replica_entrypoint", "--rendezvous", uri, "--world-size",
-               str(world_size), "--trainer", "diloco.trainer:diloco_train", "--trainer-kwargs-json",
+        cmd = [sys.executable, "-m", "diloco.replica.entrypoint", "--rendezvous", uri, "--world-size",
+               str(world_size), "--trainer", "diloco.trainers.gpt:diloco_train", "--trainer-kwargs-json",
                json.dumps(kwargs), "--timeout", "120", "--poll-interval", "0.05"]
         procs.append((rank, subprocess.Popen(cmd, cwd=tmp_path, env={**env, envvars.REPLICA_RANK: str(rank)},
                                              stdout=subprocess.DEVNULL, stderr=err), err))

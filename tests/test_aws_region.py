@@ -39,7 +39,7 @@ def backend(region: str | None = None):  # type: ignore[no-untyped-def]
 
 
 def doctor_row(region: str | None = None):  # type: ignore[no-untyped-def]
-    from diloco.doctor import DoctorContext, check_region
+    from diloco.launcher.doctor import DoctorContext, check_region
 
     return check_region(DoctorContext.for_backend("sagemaker", "s3://any-bucket/x", region=region))
 

@@ -1,4 +1,4 @@
-"""Committed rounds in the store (diloco.checkpoint): written once, verified on read, old ones deleted."""
+"""Committed rounds in the store (diloco.replica.checkpoint): written once, verified on read, old ones deleted."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from diloco.checkpoint import RoundCheckpoints, data_key, marker_key
 from diloco.errors import CorruptObjectError
-from diloco.store import ObjectStore
+from diloco.replica.checkpoint import RoundCheckpoints, data_key, marker_key
+from diloco.store.objects import ObjectStore
 
 
 @pytest.fixture(params=["memory", "file"])
@@ -46,7 +46,7 @@ def test_the_marker_is_created_once_whichever_rank_commits(store: ObjectStore) -
 
 def test_data_without_its_marker_is_not_committed_and_a_survivor_completes_it(store: ObjectStore) -> None:
     """A writer killed between the data and the marker: readers ignore the round until a peer writes the marker."""
-    from diloco.codec import encode_tensors
+    from diloco.store.codec import encode_tensors
 
     rounds = RoundCheckpoints(store, run_id="run-a", world_size=2)
     store.put(data_key(1), encode_tensors(state(1.0), rounds._identity(1)))  # the killed writer's data, no marker
@@ -67,7 +67,7 @@ def test_a_round_whose_data_another_rank_re_encoded_still_reads(store: ObjectSto
     """Where the store ignores conditional create, the second of two ranks finishing a round together overwrites
     the first one's data with its own encoding of the same state (safetensors orders its header differently every
     time), so the marker that landed names other bytes. The round is still the committed state."""
-    from diloco.codec import encode_tensors
+    from diloco.store.codec import encode_tensors
 
     first = RoundCheckpoints(store, run_id="run-a", world_size=2)
     assert first.commit(1, state(1.0))

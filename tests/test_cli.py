@@ -18,7 +18,7 @@ from diloco.cli.main import app
 from diloco.executors.base import EntrypointArgs, LaunchSpec, RunState
 from diloco.executors.local import LocalBackend, LocalBackendConfig, LocalProcess, LocalRunHandle
 from diloco.executors.local_supervisor import group_members
-from diloco.runs import RunRecord, RunRegistry
+from diloco.launcher.runs import RunRecord, RunRegistry
 
 DILOCO = str(Path(sys.executable).with_name("diloco"))
 TESTS_DIR = str(Path(__file__).parent)
@@ -124,7 +124,7 @@ def test_dry_run_prints_requests_and_launches_nothing(home: Path) -> None:
     assert [r["rank"] for r in plan["requests"]] == [0, 1, 2, 3]
     for r in plan["requests"]:
         req = r
-        assert req["argv"][1:3] == ["-m", "diloco.replica_entrypoint"]
+        assert req["argv"][1:3] == ["-m", "diloco.replica.entrypoint"]
         assert req["env"]["REPLICA_RANK"] == str(r["rank"]) and req["env"]["WORLD_SIZE"] == "4"
         assert req["env"]["DILOCO_RUN_ID"] == run_id
         # every replica names the run's spec object (published by the launch) and its checksum, nothing else
@@ -281,7 +281,7 @@ def test_unwritable_diloco_home_is_a_usage_error_naming_it(tmp_path: Path) -> No
 
 def test_failure_why_prefers_the_informative_cause() -> None:
     from diloco.cli.views import failure_why
-    from diloco.orchestrate import ReplicaReport
+    from diloco.launcher.orchestrate import ReplicaReport
 
     def rep(reason: str | None, tail: list[str]) -> ReplicaReport:
         return ReplicaReport(rank=0, state=RunState.FAILED, reason=reason, stderr_tail=tail)

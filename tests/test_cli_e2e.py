@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from run_processes import processes_of
 
-from diloco.codec import decode_tensors
-from diloco.runs import RunRegistry
+from diloco.launcher.runs import RunRegistry
+from diloco.store.codec import decode_tensors
 
 pytestmark = pytest.mark.slow
 

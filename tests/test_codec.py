@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from diloco.codec import FORMAT, decode_tensors, encode_tensors
 from diloco.errors import CorruptObjectError
+from diloco.store.codec import FORMAT, decode_tensors, encode_tensors
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int8, torch.uint8,
           torch.bool]
@@ -91,7 +91,7 @@ def test_decode_accepts_plain_safetensors_written_by_a_trainer(tmp_path) -> None
     save_pretrained (``format: pt``) are accepted; only ``decode_tensors`` (contributions) insists on ours."""
     from safetensors.torch import save, save_file
 
-    from diloco.codec import decode
+    from diloco.store.codec import decode
 
     path = tmp_path / "plain.safetensors"
     save_file({"w": torch.arange(4.0)}, str(path))
@@ -104,7 +104,7 @@ def test_decode_accepts_plain_safetensors_written_by_a_trainer(tmp_path) -> None
 
 
 def test_decode_still_verifies_our_checksum_when_present() -> None:
-    from diloco.codec import decode
+    from diloco.store.codec import decode
 
     data = bytearray(encode_tensors({"t": torch.arange(64, dtype=torch.float32)}, {"rank": 0}))
     assert torch.equal(decode(bytes(data), expect={"rank": 0})[0]["t"], torch.arange(64, dtype=torch.float32))

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from diloco.codec import (
+from diloco.errors import CorruptObjectError, ObjectNotFound
+from diloco.store.codec import (
     CHUNK_BYTES,
     HEADER_PROBE_BYTES,
     decode,
@@ -24,8 +25,7 @@ from diloco.codec import (
     read_header,
     tensors_from_data,
 )
-from diloco.errors import CorruptObjectError, ObjectNotFound
-from diloco.store import ObjectStore
+from diloco.store.objects import ObjectStore
 
 CHUNK = 64  # bytes: many chunks from small tensors
 
@@ -179,7 +179,7 @@ def test_truncated_object_fails_the_range_that_reaches_its_end(store: ObjectStor
 def test_foreign_or_unstreamed_objects_are_rejected(store: ObjectStore) -> None:
     from safetensors.torch import save
 
-    from diloco.codec import encode_tensors
+    from diloco.store.codec import encode_tensors
 
     store.put("plain", save({"w": torch.ones(4)}))
     with pytest.raises(CorruptObjectError, match="plain has format None"):
@@ -202,7 +202,7 @@ def test_a_large_header_costs_a_second_ranged_read(store: ObjectStore) -> None:
 
 
 def test_read_object_reads_a_whole_streamed_object_in_one_verified_get(store: ObjectStore, tmp_path: Path) -> None:
-    from diloco.codec import read_object
+    from diloco.store.codec import read_object
 
     tensors = sample()
     publish(store, "obj", tensors)

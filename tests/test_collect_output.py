@@ -11,7 +11,7 @@ from store_cli import launch_small_run, run_cli
 
 def same_model(a: Path, b: Path) -> bool:
     """Two model files hold the same tensors (bitwise) and metadata (their headers' key order may differ)."""
-    from diloco.codec import decode
+    from diloco.store.codec import decode
 
     (ta, ma), (tb, mb) = decode(a.read_bytes()), decode(b.read_bytes())
     return ma == mb and sorted(ta) == sorted(tb) and all(ta[k].equal(tb[k]) for k in ta)

@@ -16,9 +16,9 @@ import torch
 from ranks import run_ranks
 from torch import nn
 
-from diloco.allreduce import create_allreduce
-from diloco.manager import ObjectStoreManager
-from diloco.outer import make_diloco_outer_loop
+from diloco.collectives.allreduce import create_allreduce
+from diloco.replica.manager import ObjectStoreManager
+from diloco.replica.outer import make_diloco_outer_loop
 
 WORLD = 3
 STEPS = 12

@@ -1,4 +1,4 @@
-"""The wire formats of diloco.compression: error bounds, sizes, determinism, edge cases, tag checks, and error
+"""The wire formats of diloco.collectives.compression: error bounds, sizes, determinism, edge cases, tag checks, and error
 feedback keeping the sum of what was sent close to the sum of the true pseudo-gradients."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load, save
 
-from diloco.compression import (
+from diloco.collectives.compression import (
     DEFAULT_BLOCK,
     FORMATS,
     ErrorFeedback,
@@ -17,7 +17,7 @@ from diloco.compression import (
     wire_nbytes,
 )
 from diloco.errors import ConfigError, CorruptObjectError
-from diloco.model import GPTConfig, build_model
+from diloco.trainers.gpt_model import GPTConfig, build_model
 
 
 def model_like_payload(seed: int = 0) -> dict[str, torch.Tensor]:

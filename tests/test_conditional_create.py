@@ -20,10 +20,10 @@ import pytest
 from faultproxy import FaultProxy
 
 from diloco.cli import exit_codes
-from diloco.config import validate
 from diloco.errors import ConfigError
-from diloco.orchestrate import require_conditional_create
-from diloco.store import ObjectStore
+from diloco.launcher.config import validate
+from diloco.launcher.orchestrate import require_conditional_create
+from diloco.store.objects import ObjectStore
 
 TESTS_DIR = str(Path(__file__).parent)
 DILOCO = [sys.executable, "-m", "diloco.cli.main"]

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from diloco.config import RunConfig, merge_sources, resolve_config, validate
 from diloco.errors import ConfigError
 from diloco.executors.kubernetes import KubernetesBackendConfig as EKSBackendConfig
 from diloco.executors.local import LocalBackendConfig
 from diloco.executors.sagemaker import SageMakerBackendConfig
+from diloco.launcher.config import RunConfig, merge_sources, resolve_config, validate
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -33,7 +33,7 @@ def test_defaults_are_a_valid_local_run() -> None:
     cfg = resolve_config()
     assert cfg == RunConfig()
     assert isinstance(cfg.backend, LocalBackendConfig)
-    assert cfg.train.trainer == "diloco.trainer:diloco_train"
+    assert cfg.train.trainer == "diloco.trainers.gpt:diloco_train"
     assert cfg.store.rendezvous is None
 
 
@@ -112,7 +112,7 @@ def test_shipped_local_config_is_the_four_replica_demo() -> None:
     cfg = resolve_config(CONFIGS / "local.yaml")
     assert cfg.replicas == 4
     assert cfg.backend.kind == "local"
-    assert cfg.train.trainer == "diloco.trainer:diloco_train"
+    assert cfg.train.trainer == "diloco.trainers.gpt:diloco_train"
     assert cfg.train.steps % cfg.train.sync_every == 0 and cfg.train.steps // cfg.train.sync_every >= 2
 
 

@@ -17,8 +17,8 @@ from faultproxy import FaultProxy
 from typer.testing import CliRunner
 
 from diloco.cli.main import app
-from diloco.doctor import DoctorContext, Status, run_doctor
 from diloco.executors.sagemaker import grants_object_access
+from diloco.launcher.doctor import DoctorContext, Status, run_doctor
 
 ROLE_TRUST = {"Version": "2012-10-17", "Statement": [
     {"Effect": "Allow", "Principal": {"Service": "sagemaker.amazonaws.com"}, "Action": "sts:AssumeRole"}]}

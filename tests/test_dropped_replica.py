@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 from run_processes import processes_of
 
-from diloco.layout import METRICS_KEY
-from diloco.store import ObjectStore
+from diloco.store.layout import METRICS_KEY
+from diloco.store.objects import ObjectStore
 
 TESTS_DIR = Path(__file__).resolve().parent
 DILOCO = str(Path(sys.executable).with_name("diloco"))
@@ -63,9 +63,9 @@ def eval_loss_of(model_path: str) -> float:
     import torch
     from safetensors import safe_open
 
-    from diloco.data import eval_batches, load_corpus, split_corpus
-    from diloco.model import GPT, GPTConfig
-    from diloco.trainer import _evaluate
+    from diloco.trainers.data import eval_batches, load_corpus, split_corpus
+    from diloco.trainers.gpt import _evaluate
+    from diloco.trainers.gpt_model import GPT, GPTConfig
 
     with safe_open(model_path, framework="pt") as f:
         config = GPTConfig.from_json(f.metadata()["model_config"])

@@ -1,6 +1,6 @@
 """The replica entrypoint: where rank, world size and rendezvous come from, and how each failure exits.
 
-Run both in process (``main(argv, env)``) and as real ``python -m diloco.replica_entrypoint`` subprocesses. The
+Run both in process (``main(argv, env)``) and as real ``python -m diloco.replica.entrypoint`` subprocesses. The
 trainers are real functions in a module written to ``tmp_path`` (``python -m`` puts its cwd on ``sys.path``).
 """
 
@@ -20,9 +20,9 @@ import uuid
 import pytest
 
 from diloco import envvars
-from diloco.metrics import read_replica
-from diloco.replica_entrypoint import DEFAULT_TRAINER, UsageError, main, resolve_args
-from diloco.store import ObjectStore
+from diloco.replica.entrypoint import DEFAULT_TRAINER, UsageError, main, resolve_args
+from diloco.replica.metrics import read_replica
+from diloco.store.objects import ObjectStore
 
 PROBE = textwrap.dedent('''
     """Trainers for the entrypoint tests."""
@@ -98,7 +98,7 @@ def _uri() -> str:
 
 
 def _run(args: list[str], cwd, env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "diloco.replica_entrypoint", *args], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "diloco.replica.entrypoint", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -167,7 +167,7 @@ BASE = ["--rendezvous", "memory://usage", "--world-size", "2"]
     (["--world-size", "2", "--rank", "0"], {}, "no rendezvous URI"),
     ([*BASE, "--rank", "0", "--trainer-module", "no_such_module_xyz", "--trainer-fn", "f"], {},
      "trainer module 'no_such_module_xyz' not found"),
-    ([*BASE, "--rank", "0", "--trainer", "diloco.trainer:nope"], {}, "has no function 'nope'"),
+    ([*BASE, "--rank", "0", "--trainer", "diloco.trainers.gpt:nope"], {}, "has no function 'nope'"),
     ([*BASE, "--rank", "0", "--trainer", "no_colon"], {}, "--trainer='no_colon' is not MODULE:FN"),
     ([*BASE, "--rank", "0", "--trainer-kwargs-json", "{oops"], {}, "--trainer-kwargs-json is not valid JSON"),
     ([*BASE, "--rank", "0", "--trainer-kwargs-json", "[1]"], {}, "is a JSON list, not an object"),
@@ -272,7 +272,7 @@ def test_subprocess_training_failure_exits_1(probe_dir) -> None:
 def test_sigterm_stops_the_replica_promptly_with_143(probe_dir) -> None:
     marker = probe_dir / "started"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "diloco.replica_entrypoint", "--rendezvous", f"file://{probe_dir}/rdv",
+        [sys.executable, "-m", "diloco.replica.entrypoint", "--rendezvous", f"file://{probe_dir}/rdv",
          "--world-size", "1", "--trainer", "probe_trainer:sleep",
          "--trainer-kwargs-json", json.dumps({"marker": str(marker)})],
         cwd=probe_dir, env=_env(REPLICA_RANK="0"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -295,7 +295,7 @@ def test_sigterm_stops_the_replica_promptly_with_143(probe_dir) -> None:
 def test_only_the_first_sigterm_interrupts_later_ones_cannot_break_the_clean_up() -> None:
     import signal
 
-    from diloco.replica_entrypoint import Terminated, _on_sigterm
+    from diloco.replica.entrypoint import Terminated, _on_sigterm
 
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
@@ -313,8 +313,8 @@ LAUNCHED = {envvars.RUN_ID: "run-7"}  # every backend sets the run id: the repli
 @pytest.mark.parametrize("extra, env, wanted, unwanted", [
     (["--trainer", "no_such_module_xyz:train"], LAUNCHED, "check --trainer and", "--trainer-module"),
     (["--trainer", "no_such_module_xyz:train"], {}, "check --trainer-module and", None),
-    (["--trainer", "diloco.trainer:nope"], LAUNCHED, "check the function name in --trainer)", "--trainer-fn"),
-    (["--trainer", "diloco.trainer:nope"], {}, "check the function name in --trainer-fn", None),
+    (["--trainer", "diloco.trainers.gpt:nope"], LAUNCHED, "check the function name in --trainer)", "--trainer-fn"),
+    (["--trainer", "diloco.trainers.gpt:nope"], {}, "check the function name in --trainer-fn", None),
     (["--trainer-kwargs-json", '{"lr": "abc"}'], LAUNCHED, "fix it with -k/--trainer-kwargs lr=VALUE",
      "--trainer-kwargs-json"),
     (["--trainer-kwargs-json", '{"lr": "abc"}'], {}, "fix it in --trainer-kwargs-json", "-k/"),

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from store_cli import launch_small_run, run_cli, store_dir
 
-from diloco.housekeeping import COMPACTED_KEY
-from diloco.layout import FINAL_KEY, METRICS_KEY, PROGRESS_KEY, RUN_INFO_KEY, SPEC_KEY
+from diloco.launcher.housekeeping import COMPACTED_KEY
+from diloco.store.layout import FINAL_KEY, METRICS_KEY, PROGRESS_KEY, RUN_INFO_KEY, SPEC_KEY
 
 REPLICAS = 2
 
@@ -69,7 +69,9 @@ def test_watch_and_collect_on_a_finished_run_reuse_the_recorded_verdict_without_
     assert "torch" not in imported_modules(collected.stderr) and "safetensors" not in imported_modules(
         collected.stderr)
 
-    from diloco.codec import decode  # the model file, read back here: rank 0's tensors, the run's metadata
+    from diloco.store.codec import (
+        decode,  # the model file, read back here: rank 0's tensors, the run's metadata
+    )
 
     kept, kept_meta = decode((store_dir(home, run_id) / FINAL_KEY.format(rank=0)).read_bytes())
     tensors, meta = decode(model.read_bytes())

@@ -129,7 +129,7 @@ def test_a_replica_started_by_hand_checks_the_hub_itself(tmp_path: Path, home: P
     kwargs = {"model_config": {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
                                "num_hidden_layers": 1, "num_attention_heads": 2},
               "tokenizer": "gpt2", "data": str(corpus), "total_steps": 2, "sync_every": 1, "block_size": 16}
-    argv = [sys.executable, "-m", "diloco.replica_entrypoint", "--rendezvous", f"file://{tmp_path / 'rdv'}",
+    argv = [sys.executable, "-m", "diloco.replica.entrypoint", "--rendezvous", f"file://{tmp_path / 'rdv'}",
             "--world-size", "1", "--rank", "0", "--trainer", "diloco.trainers.hf:train",
             "--trainer-kwargs-json", json.dumps(kwargs), "--timeout", "60"]
     result = run_bounded(argv, env=hf_env(tmp_path, home, HF_ENDPOINT=refused_endpoint), cwd=tmp_path)

@@ -17,8 +17,8 @@ from typer.testing import CliRunner
 
 from diloco.cli.main import app
 from diloco.errors import ConfigError
-from diloco.layout import METRICS_KEY
-from diloco.store import ObjectStore
+from diloco.store.layout import METRICS_KEY
+from diloco.store.objects import ObjectStore
 from diloco.trainers import hf
 
 runner = CliRunner()
@@ -157,9 +157,9 @@ def test_a_rejoining_sampler_skips_exactly_what_the_steps_done_took(count: int) 
 def test_a_restarted_replica_rejoins_and_trains_only_the_remaining_steps(tokenizer_dir: Path, tmp_path: Path) -> None:
     """Started again in a run whose round 2 is committed, the trainer runs steps 5..6 (round 3) from round 2's
     weights, its data position and inner schedule moved on by the 4 steps done, instead of 6 more steps."""
-    from diloco.allreduce import ObjectStoreAllReduce
-    from diloco.checkpoint import RoundCheckpoints
-    from diloco.manager import ObjectStoreManager
+    from diloco.collectives.allreduce import ObjectStoreAllReduce
+    from diloco.replica.checkpoint import RoundCheckpoints
+    from diloco.replica.manager import ObjectStoreManager
 
     uri = f"file://{tmp_path}/store"
 

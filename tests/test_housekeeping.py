@@ -23,10 +23,10 @@ from diloco.cli.main import app
 from diloco.executors.base import EntrypointArgs, LaunchSpec
 from diloco.executors.local import LocalBackend, LocalBackendConfig, LocalRunHandle
 from diloco.executors.local_supervisor import EXIT_FILE
-from diloco.housekeeping import COMPACTED_KEY, compact_store, compacted_verdict, parse_duration
-from diloco.layout import FINAL_KEY, METRICS_KEY, RUN_INFO_KEY
-from diloco.runs import RunRecord, RunRegistry
-from diloco.store import ObjectStore
+from diloco.launcher.housekeeping import COMPACTED_KEY, compact_store, compacted_verdict, parse_duration
+from diloco.launcher.runs import RunRecord, RunRegistry
+from diloco.store.layout import FINAL_KEY, METRICS_KEY, RUN_INFO_KEY
+from diloco.store.objects import ObjectStore
 
 TESTS_DIR = str(Path(__file__).parent)
 runner = CliRunner()
@@ -312,7 +312,7 @@ def _weights(seed: int = 0) -> dict[str, Any]:
 
 
 def _finished_store(tmp_path: Path, replicas: int = 3, *, differ: bool = False, uri: str | None = None) -> ObjectStore:
-    from diloco.codec import encode_tensors
+    from diloco.store.codec import encode_tensors
 
     store = ObjectStore(uri or f"file://{tmp_path}/store")
     store.put(RUN_INFO_KEY, b'{"run_id": "x"}')
@@ -404,7 +404,7 @@ def test_collect_keeps_one_copy_and_reports_identical_when_run_again(
     second = invoke("collect", run_id, "--output", str(tmp_path / "b.safetensors"))
     assert second.exit_code == 0, second.output
     assert "final weights: identical: 2 replica(s) hold identical final weights" in second.stdout
-    from diloco.codec import decode
+    from diloco.store.codec import decode
 
     (a, a_meta), (b, b_meta) = (decode((tmp_path / f"{n}.safetensors").read_bytes()) for n in "ab")
     assert a_meta == b_meta and sorted(a) == sorted(b) and all(a[k].equal(b[k]) for k in a)  # the same model
@@ -417,7 +417,7 @@ def test_collect_keeps_one_copy_and_reports_identical_when_run_again(
 def test_importing_the_commands_does_not_import_heavy_modules() -> None:
     import subprocess
 
-    code = ("import sys, diloco.cli.housekeeping, diloco.housekeeping\n"
+    code = ("import sys, diloco.cli.housekeeping, diloco.launcher.housekeeping\n"
             "print(sorted(m for m in ('torch', 'boto3', 'botocore', 'kubernetes', 'safetensors') "
             "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)

@@ -1,4 +1,4 @@
-"""End to end: real replica processes (``python -m diloco.replica_entrypoint``) train the built-in model with
+"""End to end: real replica processes (``python -m diloco.replica.entrypoint``) train the built-in model with
 DiLoCo, meeting only through a ``file://`` store.
 
 What must hold: every rank exports bitwise-identical global weights; the held-out loss falls well below where it
@@ -19,11 +19,11 @@ import pytest
 import torch
 
 from diloco import envvars
-from diloco.codec import decode_tensors
-from diloco.metrics import read_progress
-from diloco.model import GPTConfig
-from diloco.store import ObjectStore
-from diloco.weights import check_final_weights
+from diloco.launcher.weights import check_final_weights
+from diloco.replica.metrics import read_progress
+from diloco.store.codec import decode_tensors
+from diloco.store.objects import ObjectStore
+from diloco.trainers.gpt_model import GPTConfig
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +36,7 @@ GUARD_S = 240  # only against a hang: the runs take seconds
 
 
 def _launch(tmp_path: Path, ranks: list[int], world_size: int, kwargs: dict, timeout_s: float,
-            trainer: str = "diloco.trainer:diloco_train") -> list[tuple]:
+            trainer: str = "diloco.trainers.gpt:diloco_train") -> list[tuple]:
     """Start one replica process per rank (rank via ``REPLICA_RANK``, as every backend sets it); wait for all."""
     uri = f"file://{tmp_path / 'rdv'}"
     env = {k: v for k, v in os.environ.items() if k not in (envvars.SM_MODEL_DIR, envvars.JOB_COMPLETION_INDEX)}
@@ -44,7 +44,7 @@ def _launch(tmp_path: Path, ranks: list[int], world_size: int, kwargs: dict, tim
     procs = []
     for rank in ranks:
         out, err = open(tmp_path / f"r{rank}.out", "w"), open(tmp_path / f"r{rank}.err", "w")
-        cmd = [sys.executable, "-m", "diloco.replica_entrypoint", "--rendezvous", uri,
+        cmd = [sys.executable, "-m", "diloco.replica.entrypoint", "--rendezvous", uri,
                "--world-size", str(world_size), "--trainer", trainer,
                "--trainer-kwargs-json", json.dumps(kwargs), "--timeout", str(timeout_s), "--poll-interval", "0.05"]
         procs.append((rank, subprocess.Popen(cmd, cwd=tmp_path, env={**env, envvars.REPLICA_RANK: str(rank)},

@@ -219,10 +219,10 @@ def test_interrupting_a_smoke_leaves_no_directory_and_no_process(tmp_path: Path,
         cli.close()
 
 
-# ---------------------------------------------------------------------------------------------- diloco.signals
+# ---------------------------------------------------------------------------------------------- diloco.executors.signals
 SIGNALS_SCRIPT = r"""
 import os, signal, threading
-from diloco.signals import Terminated, signals_deferred, terminate_as_interrupt
+from diloco.executors.signals import Terminated, signals_deferred, terminate_as_interrupt
 
 def outcome(fn):
     try:

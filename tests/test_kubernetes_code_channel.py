@@ -69,7 +69,7 @@ def source(tmp_path: Path) -> Path:
     folder = tmp_path / "src"
     folder.mkdir()
     (folder / "cc_trainer.py").write_text(
-        "from diloco.trainer import diloco_train\n\n\n"
+        "from diloco.trainers.gpt import diloco_train\n\n\n"
         "def train(**kwargs):\n"
         "    print('cc_trainer: the shipped source is importable', flush=True)\n"
         "    return diloco_train(**kwargs)\n")

@@ -3,7 +3,7 @@ client, the Kubernetes API emulator and moto's S3.
 
 Nothing is patched: the CLI finds the cluster through ``KUBECONFIG`` (the emulator's kubeconfig) and S3 through
 ``AWS_ENDPOINT_URL``. The emulator runs every pod as a local process from the Job's pod template, so each replica
-is the real ``python -m diloco.replica_entrypoint``; the environment the emulator gives every container (the S3
+is the real ``python -m diloco.replica.entrypoint``; the environment the emulator gives every container (the S3
 endpoint, credentials, a ``PYTHONPATH`` with the test trainers) stands for what IRSA and the image provide.
 """
 
@@ -38,7 +38,7 @@ import pathlib
 import time
 
 from diloco.errors import ConfigError
-from diloco.trainer import diloco_train
+from diloco.trainers.gpt import diloco_train
 
 
 def gated(*, gate, **kwargs):
@@ -142,7 +142,7 @@ def test_three_replicas_train_through_s3_survive_an_eviction_and_agree(
     assert spec["backoffLimitPerIndex"] == 3 and spec["maxFailedIndexes"] == 0, "--max-restarts' default"
     assert spec["template"]["spec"]["restartPolicy"] == "Never"
     container = spec["template"]["spec"]["containers"][0]
-    assert container["image"] == IMAGE and container["command"] == ["python", "-m", "diloco.replica_entrypoint"]
+    assert container["image"] == IMAGE and container["command"] == ["python", "-m", "diloco.replica.entrypoint"]
     env = {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
     assert env["WORLD_SIZE"] == "3" and env["DILOCO_RUN_ID"] == run_id
     assert env["RENDEZVOUS_URI"] == f"s3://{s3_bucket}/e2e/{run_id}"
@@ -335,8 +335,8 @@ def test_doctor_checks_context_api_namespace_identity_and_permissions(kube: Kube
                                                                       tmp_path: Path) -> None:
     from moto.core import DEFAULT_ACCOUNT_ID
 
-    from diloco.doctor import DoctorContext
     from diloco.executors.kubernetes import KubernetesBackend, check_cluster
+    from diloco.launcher.doctor import DoctorContext
 
     result = cli("doctor", "--backend", "eks", "--namespace", NAMESPACE, "--image", IMAGE, "-o", "json",
                  home=home, cwd=tmp_path)

@@ -376,8 +376,8 @@ def test_a_replica_ships_its_own_and_its_childrens_output_and_its_exit_code(tmp_
     import subprocess
     import sys
 
-    from diloco.replica_log import read_attempts
-    from diloco.store import ObjectStore
+    from diloco.store.logs import read_attempts
+    from diloco.store.objects import ObjectStore
 
     script = ("import subprocess, sys\n"
               "print('from the replica', flush=True)\n"
@@ -386,7 +386,7 @@ def test_a_replica_ships_its_own_and_its_childrens_output_and_its_exit_code(tmp_
               "print('no newline at the end', end='')\n")
     env = {**os.environ, "DILOCO_LOG_URI": (tmp_path / "logs").as_uri(), "REPLICA_RANK": "3",
            "DILOCO_LOG_ATTEMPT": "pod-3-abcde", "PYTHONUNBUFFERED": "1"}
-    runner = ("import runpy, sys\nfrom diloco.replica_log import ship_output\nshipping = ship_output()\n"
+    runner = ("import runpy, sys\nfrom diloco.store.logs import ship_output\nshipping = ship_output()\n"
               f"code = 0\ntry:\n    runpy.run_path({str(tmp_path / 'replica.py')!r})\nexcept SystemExit as e:\n"
               "    code = e.code or 0\nshipping.close(7)\n")
     (tmp_path / "replica.py").write_text(script)

@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from diloco.config import load_yaml, validate
 from diloco.executors.base import EntrypointArgs, LaunchSpec
 from diloco.executors.kubernetes import KubernetesBackend, KubernetesBackendConfig, failure_reason
+from diloco.launcher.config import load_yaml, validate
 
 REPO = Path(__file__).resolve().parent.parent
 RENDEZVOUS = "s3://bucket/prefix/run-1"
@@ -25,7 +25,7 @@ DLC = "public.ecr.aws/deep-learning-containers/pytorch-training"
 GIB = 1024 ** 3
 
 
-def _spec(*, procs: int | None = None, gpu: str | None = None, trainer: str = "diloco.trainer:diloco_train",
+def _spec(*, procs: int | None = None, gpu: str | None = None, trainer: str = "diloco.trainers.gpt:diloco_train",
           trainer_kwargs: dict[str, Any] | None = None, rendezvous: str = RENDEZVOUS) -> LaunchSpec:
     args = EntrypointArgs(rendezvous_uri=rendezvous, world_size=2, trainer=trainer,
                           trainer_kwargs=trainer_kwargs or {}, procs_per_replica=procs)
@@ -75,7 +75,7 @@ def test_without_an_image_the_pods_fetch_the_code_channel_and_run_the_bootstrap_
     assert shared in init["volumeMounts"] and shared in replica["volumeMounts"]
     assert {"name": "diloco", "emptyDir": {}} in pod["volumes"]
     assert replica["command"] == ["python", "/opt/diloco/code/diloco_bootstrap.py"]
-    assert replica["args"][:2] == ["-m", "diloco.replica_entrypoint"]
+    assert replica["args"][:2] == ["-m", "diloco.replica.entrypoint"]
     env = _env(replica)
     assert (env["DILOCO_BOOTSTRAP_SITE"], env["DILOCO_BOOTSTRAP_WORKDIR"], env["DILOCO_BOOTSTRAP_FAILURE_FILE"]) == \
         ("/opt/diloco/site", "/opt/diloco/work", "/dev/termination-log")
@@ -92,7 +92,7 @@ def test_a_ready_image_keeps_the_plain_entrypoint_and_nothing_to_fetch() -> None
     replica, = pod["containers"]
     assert "initContainers" not in pod and "volumes" not in pod and "volumeMounts" not in replica
     assert replica["image"] == "registry.example/diloco:1"
-    assert replica["command"] == ["python", "-m", "diloco.replica_entrypoint"]
+    assert replica["command"] == ["python", "-m", "diloco.replica.entrypoint"]
     assert not any(name.startswith("DILOCO_BOOTSTRAP") for name in _env(replica))
 
 
@@ -144,7 +144,7 @@ def test_the_shipped_qwen_config_gets_at_least_the_readmes_host_memory_estimate(
     data["store"]["rendezvous"] = "s3://bucket/diloco-rdv/{run_id}"
     data["train"]["trainer_kwargs"]["data"] = "s3://bucket/corpus/"
     data["gpu"] = "NVIDIA-A10G"
-    from diloco.orchestrate import plan_run
+    from diloco.launcher.orchestrate import plan_run
 
     _, plan = plan_run(validate(data), "run-qwen")
     container = _pod(plan.requests[0])["containers"][0]
@@ -185,8 +185,8 @@ def test_an_oom_killed_replica_names_its_limit_and_the_fix() -> None:
 
 
 def test_bad_sizes_are_refused_naming_the_field() -> None:
-    from diloco.config import backend_config
     from diloco.errors import ConfigError
+    from diloco.launcher.config import backend_config
 
     for field, value in (("shm_size", "1GB"), ("memory", "lots")):
         with pytest.raises(ConfigError) as caught:

@@ -242,9 +242,9 @@ def test_doctor_lists_the_nodes_that_would_take_a_replica_and_warns_when_none_wo
     from emulators.kube_nodes import eks_node, karpenter_node, stock_eks_nodes
     from emulators.kubernetes import KubernetesEmulator
 
-    from diloco.doctor import DoctorContext
     from diloco.executors.kubernetes.api import load_api_client
     from diloco.executors.kubernetes.doctor import check_nodes
+    from diloco.launcher.doctor import DoctorContext
 
     gpu_taint = {"key": "nvidia.com/gpu", "value": "true", "effect": "NoSchedule"}
     nodes = [*stock_eks_nodes(), karpenter_node("k-1", "g5.48xlarge"), eks_node("small", "g5.xlarge"),

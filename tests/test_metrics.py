@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from diloco.allreduce import AllReduceStats
-from diloco.metrics import (
+from diloco.collectives.allreduce import AllReduceStats
+from diloco.replica.metrics import (
     MetricsWriter,
     read_history,
     read_progress,
@@ -23,7 +23,7 @@ from diloco.metrics import (
     report,
     reporting_to,
 )
-from diloco.store import ObjectStore
+from diloco.store.objects import ObjectStore
 
 
 def new_store() -> ObjectStore:
@@ -104,7 +104,7 @@ def test_the_newest_of_history_and_progress_wins_and_final_means_finished() -> N
 def test_report_values_that_are_not_numbers_are_dropped_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:
     store = new_store()
     w = writer(store)
-    caplog.set_level(logging.WARNING, logger="diloco.metrics")
+    caplog.set_level(logging.WARNING, logger="diloco.replica.metrics")
     with reporting_to(w):
         w.begin(0)
         for _ in range(3):
@@ -160,7 +160,7 @@ def test_a_failing_store_never_fails_training(tmp_path: Path, caplog: pytest.Log
     (tmp_path / "a-file").write_text("not a directory")
     store = ObjectStore(f"file://{tmp_path}/a-file/store", retries=0)
     w = writer(store, progress_interval_s=0.001)
-    caplog.set_level(logging.WARNING, logger="diloco.metrics")
+    caplog.set_level(logging.WARNING, logger="diloco.replica.metrics")
     w.begin(0)
     for step in range(1, 5):
         w.on_step(step)

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from run_processes import processes_of
 
-from diloco.layout import ROUND_MANIFEST_KEY
-from diloco.store import ObjectStore
+from diloco.store.layout import ROUND_MANIFEST_KEY
+from diloco.store.objects import ObjectStore
 
 TESTS_DIR = Path(__file__).resolve().parent
 DILOCO = [sys.executable, "-m", "diloco.cli.main"]

@@ -26,8 +26,8 @@ from diloco.cli.main import app
 from diloco.errors import ConfigError
 from diloco.executors.base import EntrypointArgs, LaunchSpec
 from diloco.executors.local import LocalBackend, LocalBackendConfig, MachineCapacity, estimate_capacity
-from diloco.layout import METRICS_KEY
-from diloco.store import ObjectStore
+from diloco.store.layout import METRICS_KEY
+from diloco.store.objects import ObjectStore
 from diloco.trainers import hf
 
 runner = CliRunner()
@@ -100,8 +100,8 @@ REJOINING = textwrap.dedent('''
 
     import torch
 
-    from diloco.local_group import current_local_group, supports_local_processes
-    from diloco.outer import make_diloco_outer_loop
+    from diloco.replica.local_group import current_local_group, supports_local_processes
+    from diloco.replica.outer import make_diloco_outer_loop
     from diloco.trainers.hf import tensors_digest
 
 
@@ -133,7 +133,7 @@ def run_replica(tmp_path: Path, trainer: str, **kwargs: Any) -> subprocess.Compl
     """One replica of 2 local processes (a world of 1), as a backend starts it."""
     env = {k: v for k, v in os.environ.items() if k not in ("DILOCO_RUN_ID", "LOCAL_RANK")}
     return subprocess.run(
-        [sys.executable, "-m", "diloco.replica_entrypoint", "--rendezvous", f"file://{tmp_path}/store",
+        [sys.executable, "-m", "diloco.replica.entrypoint", "--rendezvous", f"file://{tmp_path}/store",
          "--world-size", "1", "--rank", "0", "--trainer", trainer, "--procs-per-replica", "2", "--timeout", "30",
          "--trainer-kwargs-json", json.dumps(kwargs)], cwd=tmp_path, env=env, capture_output=True, text=True,
         timeout=180)
@@ -167,7 +167,7 @@ def test_a_failed_local_process_fails_its_replica_which_then_rejoins_on_every_lo
 
 def test_a_one_process_trainer_asked_for_more_is_refused_naming_the_flag(tmp_path: Path,
                                                                          capsys: pytest.CaptureFixture[str]) -> None:
-    from diloco.replica_entrypoint import EXIT_USAGE, main
+    from diloco.replica.entrypoint import EXIT_USAGE, main
 
     code = main(["--rendezvous", f"file://{tmp_path}/store", "--world-size", "1", "--rank", "0",
                  "--procs-per-replica", "2"], env={})
@@ -177,12 +177,12 @@ def test_a_one_process_trainer_asked_for_more_is_refused_naming_the_flag(tmp_pat
 
 
 def test_launch_can_refuse_more_processes_of_a_one_process_trainer_before_anything_starts() -> None:
-    from diloco.local_group import check_procs_per_replica
-    from diloco.trainer import diloco_train
+    from diloco.replica.local_group import check_procs_per_replica
+    from diloco.trainers.gpt import diloco_train
 
-    with pytest.raises(ConfigError, match=r"--procs-per-replica 2\): trainer diloco.trainer:diloco_train runs one"):
-        check_procs_per_replica(2, diloco_train, "diloco.trainer:diloco_train")
-    check_procs_per_replica(1, diloco_train, "diloco.trainer:diloco_train")
+    with pytest.raises(ConfigError, match=r"--procs-per-replica 2\): trainer diloco.trainers.gpt:diloco_train runs one"):
+        check_procs_per_replica(2, diloco_train, "diloco.trainers.gpt:diloco_train")
+    check_procs_per_replica(1, diloco_train, "diloco.trainers.gpt:diloco_train")
     check_procs_per_replica(4, hf.train, "diloco.trainers.hf:train")
 
 

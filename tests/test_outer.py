@@ -14,13 +14,13 @@ from ranks import run_ranks  # tests/ is on sys.path
 from torch import nn
 
 import diloco
-from diloco.allreduce import ObjectStoreAllReduce, contribution_key
-from diloco.codec import decode_tensors
+from diloco.collectives.allreduce import ObjectStoreAllReduce, contribution_key
 from diloco.errors import AllReduceTimeout
-from diloco.manager import ObjectStoreManager
-from diloco.metrics import read_history, read_replica
-from diloco.outer import make_diloco_outer_loop, pseudo_gradient
-from diloco.weights import check_final_weights
+from diloco.launcher.weights import check_final_weights
+from diloco.replica.manager import ObjectStoreManager
+from diloco.replica.metrics import read_history, read_replica
+from diloco.replica.outer import make_diloco_outer_loop, pseudo_gradient
+from diloco.store.codec import decode_tensors
 
 
 def new_uri() -> str:

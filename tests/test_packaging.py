@@ -117,7 +117,7 @@ import json
 import sys
 from pathlib import Path
 
-from diloco.trainer import diloco_train
+from diloco.trainers.gpt import diloco_train
 
 
 def train(*, rank, **kwargs):

@@ -13,11 +13,11 @@ import pytest
 import torch
 from ranks import run_ranks
 
-from diloco.allreduce import average, contribution_key, create_allreduce
+from diloco.collectives.allreduce import average, contribution_key, create_allreduce
 from diloco.collectives.gather import DroppedFromRound
 from diloco.errors import AllReduceTimeout, ConfigError
-from diloco.layout import REJOIN_KEY, ROUND_MANIFEST_KEY
-from diloco.store import ObjectStore
+from diloco.store.layout import REJOIN_KEY, ROUND_MANIFEST_KEY
+from diloco.store.objects import ObjectStore
 
 POLL = 0.01
 
@@ -136,7 +136,7 @@ def test_a_rejoined_rank_that_stays_late_is_dropped_again_once_its_time_is_up(tm
 
 
 def test_a_dropped_rank_says_which_round_and_exits_with_the_dropped_code() -> None:
-    from diloco.replica_entrypoint import EXIT_DROPPED, dropped_line
+    from diloco.replica.entrypoint import EXIT_DROPPED, dropped_line
 
     dropped = DroppedFromRound(round_=3, rank=2, members=[0, 1], min_replicas=2)
     assert (dropped.round, dropped.rank, dropped.members) == (3, 2, [0, 1]) and EXIT_DROPPED == 75
@@ -148,7 +148,7 @@ def test_a_dropped_rank_says_which_round_and_exits_with_the_dropped_code() -> No
 @pytest.mark.parametrize(("exit_code", "curable"), [(75, True), (1, False), (2, False), (137, True), (None, True)])
 def test_a_dropped_replica_is_relaunchable_and_its_own_error_is_not(exit_code: int | None, curable: bool) -> None:
     from diloco.executors.base import ReplicaState, ReplicaStatus
-    from diloco.orchestrate import relaunchable
+    from diloco.launcher.orchestrate import relaunchable
 
     assert relaunchable(ReplicaStatus(rank=2, state=ReplicaState.FAILED, exit_code=exit_code)) is curable
     assert not relaunchable(ReplicaStatus(rank=2, state=ReplicaState.FAILED, exit_code=exit_code, timed_out=True))
@@ -164,7 +164,7 @@ def test_sagemaker_reads_a_dropped_replica_as_curable(reason: str) -> None:
     from diloco.executors.base import ReplicaState, ReplicaStatus
     from diloco.executors.failures import FailureClass
     from diloco.executors.sagemaker.failures import classify_failure
-    from diloco.orchestrate import relaunchable
+    from diloco.launcher.orchestrate import relaunchable
 
     verdict = classify_failure(reason)
     assert (verdict.failure_class, verdict.relaunch) == (FailureClass.DROPPED, True), verdict
@@ -190,7 +190,7 @@ def test_the_kubernetes_job_retries_a_dropped_replica_against_its_per_index_limi
     from diloco.executors.kubernetes import KubernetesBackend, KubernetesBackendConfig
     from diloco.executors.kubernetes.pods import failure_action
 
-    args = EntrypointArgs(rendezvous_uri="s3://bucket/runs/run-1", world_size=3, trainer="diloco.trainer:diloco_train",
+    args = EntrypointArgs(rendezvous_uri="s3://bucket/runs/run-1", world_size=3, trainer="diloco.trainers.gpt:diloco_train",
                           min_replicas=2)
     spec = LaunchSpec(run_id="run-1", replicas=3, entrypoint_args=args, max_restarts=3)
     job = KubernetesBackend(KubernetesBackendConfig(image="registry.example/diloco:1")).plan(spec).requests[0]

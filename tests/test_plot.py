@@ -15,10 +15,10 @@ from typer.testing import CliRunner
 
 from diloco.cli.main import app
 from diloco.errors import ConfigError
-from diloco.layout import METRICS_KEY, PROGRESS_KEY
-from diloco.metrics import MetricRow
-from diloco.plot import curve_of, output_path, plot_run
-from diloco.store import ObjectStore
+from diloco.launcher.plot import curve_of, output_path, plot_run
+from diloco.replica.metrics import MetricRow
+from diloco.store.layout import METRICS_KEY, PROGRESS_KEY
+from diloco.store.objects import ObjectStore
 
 TESTS_DIR = Path(__file__).parent
 runner = CliRunner()
@@ -126,7 +126,7 @@ def test_curve_points_rounds_and_no_duplicate_final_point() -> None:
 
 
 def test_eval_trend_is_one_line_from_first_to_latest() -> None:
-    from diloco.plot import eval_trend, sparkline
+    from diloco.launcher.plot import eval_trend, sparkline
 
     rows = [MetricRow(kind="init", step=0, eval_loss=5.0), MetricRow(kind="round", step=4, eval_loss=4.5),
             MetricRow(kind="progress", step=6, eval_loss=9.0), MetricRow(kind="round", step=8, eval_loss=4.0)]
@@ -141,7 +141,7 @@ def test_the_cli_and_the_hf_trainer_module_import_nothing_heavy() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, diloco.cli.main, diloco.cli.plot, diloco.plot, diloco.trainers.hf\n"
+    code = ("import sys, diloco.cli.main, diloco.cli.plot, diloco.launcher.plot, diloco.trainers.hf\n"
             "print(sorted(m for m in ('torch', 'matplotlib', 'transformers', 'tokenizers', 'pyarrow') "
             "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
@@ -204,7 +204,7 @@ def test_a_live_runs_progress_row_adds_a_point_only_for_a_loss_measured_at_its_s
 def test_the_figure_draws_exactly_the_reported_series_and_notes() -> None:
     """The figure's own artists (matplotlib's API, not pixels): one line per rank and panel with the reported
     points and label, and the note as text in a panel that has nothing to show."""
-    from diloco.plot import build_figure, legend_label
+    from diloco.launcher.plot import build_figure, legend_label
 
     rows = [MetricRow(kind="init", time=100.0, step=0, round=0),
             MetricRow(kind="round", time=101.0, step=4, round=1, train_loss=4.0)]

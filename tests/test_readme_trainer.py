@@ -98,7 +98,7 @@ def test_the_readme_trainer_gives_every_replica_its_own_batches(home: Path, tmp_
     assert None not in first_round.values()
     assert first_round[0] != first_round[1], f"both replicas trained on the same batches: {first_round}"
 
-    from diloco.config import StoreConfig
+    from diloco.launcher.config import StoreConfig
 
     record = json.loads((home / "runs" / f"{run_id}.json").read_text())
     used = record["config"]["store"]["poll_interval_s"]

@@ -24,10 +24,10 @@ import torch
 from ranks import run_ranks  # tests/ is on sys.path
 from torch import nn
 
-from diloco.allreduce import ObjectStoreAllReduce, contribution_key
-from diloco.checkpoint import RoundCheckpoints
-from diloco.manager import ObjectStoreManager
-from diloco.outer import make_diloco_outer_loop
+from diloco.collectives.allreduce import ObjectStoreAllReduce, contribution_key
+from diloco.replica.checkpoint import RoundCheckpoints
+from diloco.replica.manager import ObjectStoreManager
+from diloco.replica.outer import make_diloco_outer_loop
 
 WORLD, SYNC_EVERY, ROUNDS = 3, 4, 5
 TOTAL = SYNC_EVERY * ROUNDS
@@ -165,7 +165,7 @@ def test_a_rank_that_died_after_uploading_waits_for_that_round_instead_of_contri
 def test_a_trainer_without_the_hook_rejoins_with_fresh_inner_state_and_the_log_says_so(
         caplog: pytest.LogCaptureFixture) -> None:
     uri = new_uri()
-    with caplog.at_level("WARNING", logger="diloco.outer"):
+    with caplog.at_level("WARNING", logger="diloco.replica.outer"):
         finals = run_with_a_death(uri, 2, 6, lambda: train(uri, 2, hook=False))
     assert_identical(finals)
     assert any("fresh inner state" in r.getMessage() for r in caplog.records)
@@ -178,7 +178,7 @@ def test_a_rejoined_rank_restores_its_inner_optimizer_state_and_the_run_ends_as_
     checkpoint directory (``exp_avg`` as saved), and since it continues the exact same inner trajectory, every rank
     ends with the weights of a run in which nobody died. Without the directory, the fresh AdamW moments give other
     weights: the restored state is what makes the difference."""
-    from diloco.checkpoint import InnerOptimizerState
+    from diloco.replica.checkpoint import InnerOptimizerState
 
     clean_uri = new_uri()
     clean = run_ranks(WORLD, lambda rank: train(clean_uri, rank, adamw=True), timeout=60)
@@ -201,7 +201,7 @@ def test_a_rejoined_rank_restores_its_inner_optimizer_state_and_the_run_ends_as_
             train(uri, rank, die_after_step=6, adamw=True, checkpoint_dir=ckpt)
         return restart()
 
-    with caplog.at_level("INFO", logger="diloco.outer"):
+    with caplog.at_level("INFO", logger="diloco.replica.outer"):
         finals = run_ranks(WORLD, life, timeout=60)
     assert_identical(finals)
     assert_identical([finals[0], clean[0]])  # as if rank 1 had never died
@@ -237,7 +237,7 @@ def test_inner_optimizer_state_saved_for_an_older_round_is_ignored_with_a_log_li
         shutil.copytree(old, Path(ckpt) / "rank_0002")  # the directory went back to round 1
         return train(uri, rank, adamw=True, checkpoint_dir=ckpt, loops=loops)
 
-    with caplog.at_level("INFO", logger="diloco.outer"):
+    with caplog.at_level("INFO", logger="diloco.replica.outer"):
         finals = run_ranks(WORLD, life, timeout=60)
     assert_identical(finals)
     assert loops[0].rejoined_round == 2 and not loops[0].inner_state_restored  # type: ignore[attr-defined]
@@ -382,7 +382,7 @@ def test_sigkill_of_a_random_replica_at_every_named_moment_is_survived_with_iden
 def test_only_failures_a_relaunch_can_cure_are_relaunched(exit_code: int | None, timed_out: bool,
                                                         expected: bool) -> None:
     from diloco.executors.base import ReplicaState, ReplicaStatus
-    from diloco.orchestrate import relaunchable
+    from diloco.launcher.orchestrate import relaunchable
 
     status = ReplicaStatus(rank=0, state=ReplicaState.FAILED, exit_code=exit_code, timed_out=timed_out)
     assert relaunchable(status) is expected

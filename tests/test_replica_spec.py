@@ -29,7 +29,7 @@ BLOB = "".join(f"{i:04d}-abcdefghij;" for i in range(4096 // 16))[:4096]
 ECHO_TRAINER = '''
 import hashlib
 
-from diloco.trainer import diloco_train
+from diloco.trainers.gpt import diloco_train
 
 
 def train(*, blob: str, **kwargs):
@@ -117,7 +117,7 @@ def _publish(tmp_path: Path, run_id: str = "run-a") -> LaunchSpec:
 
 
 def test_the_spec_expands_into_the_entrypoints_flags_and_explicit_flags_win(tmp_path: Path) -> None:
-    from diloco.replica_entrypoint import expand_spec, resolve_args
+    from diloco.replica.entrypoint import expand_spec, resolve_args
 
     spec = _publish(tmp_path)
     argv = expand_spec([*spec.entrypoint_argv(), "--rank", "0", "--timeout", "7"], {"DILOCO_RUN_ID": "run-a"})
@@ -148,7 +148,7 @@ def test_a_spec_object_that_is_not_this_runs_is_refused_with_exit_2(tmp_path: Pa
         path.write_text(json.dumps({"format": "diloco.replica-spec/1", "run_id": "run-a", "settings": {}}))
         argv = argv[:2]
     env = {**os.environ, "DILOCO_RUN_ID": "run-a", "REPLICA_RANK": "0"}
-    out = subprocess.run([sys.executable, "-m", "diloco.replica_entrypoint", *argv], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "diloco.replica.entrypoint", *argv], capture_output=True, text=True,
                          env=env, cwd=tmp_path, timeout=120)
     assert out.returncode == 2, out.stderr
     last = out.stderr.strip().splitlines()[-1]

@@ -23,9 +23,9 @@ from faultproxy import FaultProxy
 from diloco.cli import exit_codes
 from diloco.executors.base import EntrypointArgs, LaunchSpec
 from diloco.executors.local import LocalBackend, LocalBackendConfig, LocalRunHandle
-from diloco.layout import RUN_INFO_KEY, SPEC_KEY
-from diloco.runs import RunRecord, RunRegistry
-from diloco.store import ObjectStore
+from diloco.launcher.runs import RunRecord, RunRegistry
+from diloco.store.layout import RUN_INFO_KEY, SPEC_KEY
+from diloco.store.objects import ObjectStore
 
 TESTS_DIR = str(Path(__file__).parent)
 DILOCO = [sys.executable, "-m", "diloco.cli.main"]

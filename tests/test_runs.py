@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from diloco.errors import ConfigError, RunNotFound
-from diloco.runs import RunRecord, RunRegistry, default_local_rendezvous, diloco_home, new_run_id
+from diloco.launcher.runs import RunRecord, RunRegistry, default_local_rendezvous, diloco_home, new_run_id
 
 
 def record(run_id: str, created_at: float) -> RunRecord:

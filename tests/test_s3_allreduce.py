@@ -16,7 +16,7 @@ import pytest
 import torch
 from faultproxy import FaultProxy
 
-from diloco.allreduce import AllReduceStats, ObjectStoreAllReduce, average
+from diloco.collectives.allreduce import AllReduceStats, ObjectStoreAllReduce, average
 from diloco.errors import AllReduceTimeout, CorruptObjectError
 
 
@@ -153,7 +153,7 @@ def test_sharded_over_s3_is_exact_and_reads_within_5_percent_of_the_bound(s3_uri
     counted for one round within 5% of 2S(N-1)/N (S = 8 MiB of fp32)."""
     from ranks import run_ranks as run_rank_fns
 
-    from diloco.allreduce import ShardedAllReduce
+    from diloco.collectives.allreduce import ShardedAllReduce
 
     elements = 2 * 2**20
 
@@ -176,7 +176,7 @@ def test_sharded_over_s3_is_exact_and_reads_within_5_percent_of_the_bound(s3_uri
 def test_sharded_absorbs_transient_faults_and_a_cut_off_ranged_read(s3_uri: str, fault_proxy: FaultProxy) -> None:
     from ranks import run_ranks as run_rank_fns
 
-    from diloco.allreduce import ShardedAllReduce
+    from diloco.collectives.allreduce import ShardedAllReduce
 
     drops = fault_proxy.add("drop", probability=0.1)
     cut = fault_proxy.add("truncate", method="GET", path=r"rank_0001", times=1)

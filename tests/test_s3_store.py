@@ -12,10 +12,10 @@ import time
 import pytest
 from faultproxy import FaultProxy
 
-from diloco.codec import decode_tensors, encode_tensors
 from diloco.errors import ConfigError, CorruptObjectError, ObjectNotFound, StoreError
-from diloco.s3 import S3AccessDenied, S3BucketNotFound, parse_s3_uri, s3_storage_options
-from diloco.store import ObjectStore
+from diloco.store.codec import decode_tensors, encode_tensors
+from diloco.store.objects import ObjectStore
+from diloco.store.s3 import S3AccessDenied, S3BucketNotFound, parse_s3_uri, s3_storage_options
 
 MiB = 2**20
 
@@ -186,7 +186,7 @@ def test_endpoint_comes_from_the_standard_aws_environment(
 
 def test_storage_options_and_uri_parsing() -> None:
     opts = s3_storage_options()
-    assert ObjectStore("s3://my-bucket/x").fs.retries == 1  # s3fs's own retry loop off (see diloco/s3.py)
+    assert ObjectStore("s3://my-bucket/x").fs.retries == 1  # s3fs's own retry loop off (see diloco/store/s3.py)
     assert opts["config_kwargs"]["retries"] == {"mode": "standard", "max_attempts": 3}
     assert "endpoint_url" not in opts and "endpoint_url" not in opts.get("client_kwargs", {})
     assert parse_s3_uri("s3://my-bucket/a/b/") == ("my-bucket", "a/b")
@@ -281,7 +281,7 @@ def test_get_range_is_one_ranged_get_and_size_one_head(s3_uri: str, fault_proxy:
 def test_streamed_object_ranges_verify_over_s3(s3_uri: str, fault_proxy: FaultProxy) -> None:
     import torch
 
-    from diloco.codec import encode_stream, read_data, read_header, tensors_from_data
+    from diloco.store.codec import encode_stream, read_data, read_header, tensors_from_data
 
     store = ObjectStore(s3_uri, storage_options={"multipart_chunksize": 5 * MiB})
     w = torch.arange(3 * MiB, dtype=torch.float32)  # 12 MiB: a multipart upload of streamed views

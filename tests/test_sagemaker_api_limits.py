@@ -171,8 +171,8 @@ def test_every_watcher_in_one_process_shares_one_poll_schedule(emulator: SageMak
 
 # ---------------------------------------------------------------------------------------------------- throttling
 def run_view(backend: SageMakerBackend, handle: Any, bucket: str) -> Any:
-    from diloco.orchestrate import RunView
-    from diloco.runs import RunRecord
+    from diloco.launcher.orchestrate import RunView
+    from diloco.launcher.runs import RunRecord
 
     record = RunRecord(run_id=handle.run_id, backend="sagemaker", created_at=time.time(),
                        rendezvous_uri=f"s3://{bucket}/limits/{handle.run_id}", replicas=handle.replicas,

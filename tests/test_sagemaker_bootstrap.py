@@ -200,7 +200,7 @@ def make_wheel(directory: Path, name: str, version: str, module_text: str) -> Pa
 
 
 USES_REQUIREMENT = '''
-from diloco.trainer import diloco_train
+from diloco.trainers.gpt import diloco_train
 
 
 def train(**kwargs):

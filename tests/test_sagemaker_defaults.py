@@ -124,8 +124,8 @@ def test_the_newest_admitted_image_follows_both_ranges(torch: str, python: str, 
 
 
 def test_the_dry_run_and_doctor_name_the_default_image(tmp_path: Path) -> None:
-    from diloco.doctor import DoctorContext
     from diloco.executors.sagemaker.doctor import check_training_image
+    from diloco.launcher.doctor import DoctorContext
 
     version, py = _expected_default()
     env = {**os.environ, "DILOCO_HOME": str(tmp_path / "home"), "NO_COLOR": "1"}

@@ -31,7 +31,7 @@ SHIPPED_TRAINER = '''
 import json
 import sys
 
-from diloco.trainer import diloco_train
+from diloco.trainers.gpt import diloco_train
 
 
 def train(**kwargs):

@@ -118,8 +118,8 @@ print(json.dumps({"versions": found, "prefix": sys.prefix, "base": sys.base_pref
 STORE_PROBE_TRAINER = '''
 import importlib.metadata, json, os
 
-from diloco.store import ObjectStore
-from diloco.trainer import diloco_train
+from diloco.store.objects import ObjectStore
+from diloco.trainers.gpt import diloco_train
 
 
 def train(*, manager, rank, world_size, **kwargs):
@@ -267,7 +267,7 @@ def unpack_model_artifact(uri: str, into: Path) -> Path:
 
 
 def download_prefix(root: str, prefix: str, into: Path) -> Path:
-    from diloco.store import ObjectStore
+    from diloco.store.objects import ObjectStore
 
     store = ObjectStore(root)
     for key in store.list(prefix):

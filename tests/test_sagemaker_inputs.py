@@ -259,7 +259,7 @@ def test_doctors_fix_for_a_role_without_s3_access_matches_the_buckets_name(
     """(A role with AmazonSageMakerFullAccess and a plain bucket: tests/test_doctor.py.)"""
     import boto3
 
-    from diloco.doctor import DoctorContext, Status, run_doctor
+    from diloco.launcher.doctor import DoctorContext, Status, run_doctor
 
     boto3.client("s3").create_bucket(Bucket=bucket)
     arn = boto3.client("iam").create_role(RoleName="diloco-fix",
@@ -276,8 +276,8 @@ def test_doctors_fix_for_a_role_without_s3_access_matches_the_buckets_name(
 # ---------------------------------------------------------------------------------------------------- doctor
 def test_doctors_quota_row_is_one_line_when_the_endpoint_is_not_the_quotas_api(aws_env: str) -> None:
     """moto (``AWS_ENDPOINT_URL``) has no Service Quotas API and answers HTTP 500 with an HTML page."""
-    from diloco.doctor import DoctorContext, Status
     from diloco.executors.sagemaker import check_quotas
+    from diloco.launcher.doctor import DoctorContext, Status
 
     [check] = check_quotas(DoctorContext.for_backend("sagemaker", None, region="us-east-1"))
     assert check.status == Status.WARN

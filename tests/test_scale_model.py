@@ -13,7 +13,8 @@ from types import ModuleType
 import pytest
 import torch
 
-from diloco import codec, compression, s3
+from diloco.collectives import compression
+from diloco.store import codec, s3
 
 ROOT = Path(__file__).resolve().parents[1]
 

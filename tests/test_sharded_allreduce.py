@@ -18,8 +18,7 @@ import pytest
 import torch
 from ranks import run_ranks  # tests/ is on sys.path
 
-from diloco import codec
-from diloco.allreduce import (
+from diloco.collectives.allreduce import (
     ObjectStoreAllReduce,
     ShardedAllReduce,
     average,
@@ -27,8 +26,9 @@ from diloco.allreduce import (
     create_allreduce,
 )
 from diloco.errors import AllReduceTimeout, ConfigError, CorruptObjectError
-from diloco.layout import reduced_shard_key
-from diloco.store import ObjectStore
+from diloco.store import codec
+from diloco.store.layout import reduced_shard_key
+from diloco.store.objects import ObjectStore
 
 POLL = 0.01
 FORMATS = ("none", "bf16", "int8", "int4")

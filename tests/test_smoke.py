@@ -18,8 +18,8 @@ from faultproxy import FaultProxy
 from typer.testing import CliRunner
 
 from diloco.cli.main import app
-from diloco.s3 import resolve_s3_uri
-from diloco.smoke import ROUNDS, run_smoke
+from diloco.launcher.smoke import ROUNDS, run_smoke
+from diloco.store.s3 import resolve_s3_uri
 
 
 def smoke(*args: str) -> tuple[int, dict[str, Any], str]:

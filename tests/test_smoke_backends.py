@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 
 from diloco.cli.main import app
 from diloco.executors.sagemaker import BOOTSTRAP_S, IMAGE_START_S, PRICE_TABLE_USD_PER_HOUR
-from diloco.smoke import EXPECTED_WORK_S, ROUNDS, SmokeReport, format_usd
+from diloco.launcher.smoke import EXPECTED_WORK_S, ROUNDS, SmokeReport, format_usd
 
 DILOCO = [sys.executable, "-m", "diloco.cli.main"]
 INSTANCE = "ml.m5.xlarge"

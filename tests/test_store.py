@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from diloco.errors import ObjectNotFound, StoreError
-from diloco.store import ObjectStore, split_uri
+from diloco.store.objects import ObjectStore, split_uri
 
 
 @pytest.fixture(params=["memory", "file"])
@@ -147,7 +147,7 @@ def test_split_uri() -> None:
 
 # ---------------------------------------------------------------------------------------------- streaming, traffic
 def test_traffic_counts_bytes_and_requests_per_operation(store: ObjectStore) -> None:
-    from diloco.store import StoreTraffic
+    from diloco.store.objects import StoreTraffic
 
     assert store.traffic == StoreTraffic(0, 0, {})
     store.put("a", b"12345")

@@ -20,9 +20,9 @@ from typer.testing import CliRunner
 
 from diloco.cli.main import app
 from diloco.errors import ConfigError
-from diloco.layout import METRICS_KEY
-from diloco.store import ObjectStore
-from diloco.tensorboard import check_tensorboard
+from diloco.replica.tensorboard import check_tensorboard
+from diloco.store.layout import METRICS_KEY
+from diloco.store.objects import ObjectStore
 
 runner = CliRunner()
 TINY = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32, "batch_size": 8, "eval_batches": 2,
@@ -87,7 +87,7 @@ def test_runs_into_one_directory_stay_apart_with_one_event_per_step(home: Path, 
 
 
 def test_an_s3_prefix_receives_the_event_files_through_the_store(tmp_path: Path, s3_uri: str) -> None:
-    from diloco.replica_entrypoint import EXIT_OK, main
+    from diloco.replica.entrypoint import EXIT_OK, main
 
     prefix = f"{s3_uri}/tb"
     kwargs = {"total_steps": 4, "sync_every": 2, **TINY}
@@ -122,7 +122,7 @@ BLOCK_TENSORBOARD = textwrap.dedent('''
 
 
     sys.meta_path.insert(0, NoTensorBoard())
-    from diloco.replica_entrypoint import main
+    from diloco.replica.entrypoint import main
 
     sys.exit(main(sys.argv[1:]))
 ''')
@@ -213,8 +213,8 @@ def test_the_writer_gives_every_tag_one_event_per_step_with_progress_between_rou
     step (the shortest interval): rounds at 4 and 8, evaluations amending them, the final row at 8."""
     import time
 
-    from diloco.metrics import MIN_RATE_WINDOW_S, MetricsWriter
-    from diloco.tensorboard import TensorBoardWriter
+    from diloco.replica.metrics import MIN_RATE_WINDOW_S, MetricsWriter
+    from diloco.replica.tensorboard import TensorBoardWriter
 
     store = ObjectStore("memory://tensorboard-writer")
     metrics = MetricsWriter(store, 0, total_steps=8, progress_interval_s=1e-6)

@@ -15,15 +15,22 @@ import pytest
 import torch
 from ranks import run_ranks  # tests/ is on sys.path
 
-from diloco.allreduce import ObjectStoreAllReduce
-from diloco.codec import decode_tensors
-from diloco.data import corpus_files, eval_batches, load_corpus, sample_batch, split_corpus, stdlib_dir
+from diloco.collectives.allreduce import ObjectStoreAllReduce
 from diloco.errors import ConfigError
-from diloco.manager import ObjectStoreManager
-from diloco.metrics import read_progress
-from diloco.model import GPT, GPTConfig, build_model, split_fragments
-from diloco.trainer import diloco_train, inner_lr_at
-from diloco.weights import check_final_weights
+from diloco.launcher.weights import check_final_weights
+from diloco.replica.manager import ObjectStoreManager
+from diloco.replica.metrics import read_progress
+from diloco.store.codec import decode_tensors
+from diloco.trainers.data import (
+    corpus_files,
+    eval_batches,
+    load_corpus,
+    sample_batch,
+    split_corpus,
+    stdlib_dir,
+)
+from diloco.trainers.gpt import diloco_train, inner_lr_at
+from diloco.trainers.gpt_model import GPT, GPTConfig, build_model, split_fragments
 
 TINY = dict(n_layer=1, n_head=2, n_embd=32, block_size=32, batch_size=8, eval_batches=2,
             max_corpus_bytes=60_000)

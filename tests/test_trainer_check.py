@@ -13,8 +13,8 @@ import torch
 
 import diloco
 from diloco.errors import ConfigError
-from diloco.trainer import diloco_train
-from diloco.trainer_check import PreflightContext, check_trainer_kwargs, preflight_of
+from diloco.trainers.gpt import diloco_train
+from diloco.trainers.preflight import PreflightContext, check_trainer_kwargs, preflight_of
 
 
 def typed(*, manager: Any, rank: int, world_size: int, total_steps: int = 10, lr: float = 1e-3,
@@ -108,7 +108,7 @@ def test_a_preflight_hook_gets_every_value_and_the_context() -> None:
 
 # ---------------------------------------------------------------------------------------------- built-in trainer
 @pytest.mark.parametrize("kwargs, needle", [
-    ({"lrr": 0.1}, "'lrr' is not a parameter of diloco.trainer:diloco_train (did you mean 'lr'?)"),
+    ({"lrr": 0.1}, "'lrr' is not a parameter of diloco.trainers.gpt:diloco_train (did you mean 'lr'?)"),
     ({"n_embd": 33}, "n_embd (33) must be a multiple of n_head (2)"),
     ({"total_steps": 61, "sync_every": 20}, "total_steps (61) must be a multiple of sync_every (20)"),
     ({"fragments": 5}, "fragments must be between 1 and 4"),

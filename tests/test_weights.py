@@ -14,9 +14,9 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from diloco.codec import decode, encode_tensors
-from diloco.store import ObjectStore
-from diloco.weights import check_final_weights, write_final_weights, write_model
+from diloco.launcher.weights import check_final_weights, write_final_weights, write_model
+from diloco.store.codec import decode, encode_tensors
+from diloco.store.objects import ObjectStore
 
 
 def new_store() -> ObjectStore:

@@ -177,7 +177,7 @@ def create_fresh_venv(path: Path, wheel: Path) -> FreshVenv:
 #: Run by the fresh venv's python: where diloco, its metadata and the console script come from.
 WHERE_FROM = """
 import importlib.metadata, json, sys
-import diloco, diloco.allreduce, diloco.collectives, diloco.executors.local, diloco.cli.main
+import diloco, diloco.collectives.allreduce, diloco.collectives, diloco.executors.local, diloco.cli.main
 dist = importlib.metadata.distribution("diloco")
 print(json.dumps({"files": sorted(m.__file__ for n, m in sys.modules.items()
                                   if n.split(".")[0] == "diloco" and getattr(m, "__file__", None)),

@@ -1,6 +1,6 @@
 """Collectives over an object store: the mean all-reduce that is the replicas' only way to exchange tensors.
 
-One protocol (``Collective``, what ``diloco.manager.ObjectStoreManager`` takes), two sibling implementations:
+One protocol (``Collective``, what ``diloco.replica.manager.ObjectStoreManager`` takes), two sibling implementations:
 
 * ``ObjectStoreAllReduce`` (``store.allreduce: gather``, ``diloco.collectives.gather``): every rank reads every
   peer's whole contribution. S written, (N-1)·S read, 1 PUT + (N-1) GETs per rank per round.
@@ -10,7 +10,7 @@ One protocol (``Collective``, what ``diloco.manager.ObjectStoreManager`` takes),
 Both are a ``RoundDriver`` (``diloco.collectives.driver``: round counter, background round thread, ``Work``,
 polling, verified reads, deletion, stats) around their own ``Exchange``; neither subclasses the other. The wire
 format (``store.compression``, with error feedback) is ``diloco.collectives.wire``; the arithmetic they share
-(fp32, rank order, so bitwise-identical means) is ``diloco.collectives.reduce``; the keys are ``diloco.layout``.
+(fp32, rank order, so bitwise-identical means) is ``diloco.collectives.reduce``; the keys are ``diloco.store.layout``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from diloco.collectives.reduce import Tensors, average, number
 from diloco.collectives.sharded import ShardedAllReduce
 
 if TYPE_CHECKING:
-    from diloco.store import ObjectStore
+    from diloco.store.objects import ObjectStore
 
 STRATEGIES: tuple[str, ...] = ("gather", "sharded")
 

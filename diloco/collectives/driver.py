@@ -33,8 +33,8 @@ from diloco.errors import (
     ObjectNotFound,
     StoreError,
 )
-from diloco.layout import check_spread, contribution_key
-from diloco.store import ObjectStore
+from diloco.store.layout import check_spread, contribution_key
+from diloco.store.objects import ObjectStore
 
 if TYPE_CHECKING:
     import torch
@@ -172,8 +172,8 @@ class RoundIO:
 
     def relaunch_deadline(self, peer: int) -> float | None:
         """The wall-clock time until which the launcher said ``peer`` is being relaunched, if it said so
-        (``relaunch/rank_RRRR.json``, written by ``diloco.orchestrate``)."""
-        from diloco.layout import RELAUNCH_KEY
+        (``relaunch/rank_RRRR.json``, written by ``diloco.launcher.orchestrate``)."""
+        from diloco.store.layout import RELAUNCH_KEY
 
         try:
             record = json.loads(self.store.get(RELAUNCH_KEY.format(rank=peer)))
@@ -193,7 +193,7 @@ class RoundIO:
         trained for the round, plus one ``timeout_s``. So a relaunched replica, which starts its first round late
         by its whole restart, gets the time its peers had, and the usual slack on top; one slower than that is
         still dropped (with ``min_replicas``) or timed out. ``None`` when ``peer`` rejoined for another round."""
-        from diloco.layout import REJOIN_KEY
+        from diloco.store.layout import REJOIN_KEY
 
         try:
             record = json.loads(self.store.get(REJOIN_KEY.format(rank=peer)))
@@ -365,7 +365,7 @@ class RoundDriver(Generic[S, P]):
         """Start counting at ``round_`` (zero-based) instead of 0: a restarted rank rejoining its peers.
 
         Only before this instance ran any round (the counter is the only state, so this is the whole rejoin);
-        ``diloco.manager.ObjectStoreManager.rejoin`` decides which round that is from the committed rounds.
+        ``diloco.replica.manager.ObjectStoreManager.rejoin`` decides which round that is from the committed rounds.
         """
         if self._pending is not None or self._round != 0:
             raise RuntimeError(f"resume_at({round_}) after round {number(self._round - 1)} already started here")
@@ -378,7 +378,7 @@ class RoundDriver(Generic[S, P]):
         (``rejoin/rank_RRRR.json``): past their deadline they wait for it as long as they trained for that round,
         plus ``timeout_s`` (``RoundIO.rejoin_deadline``). Best effort: without it the rank is only owed what the
         launcher recorded for its relaunch."""
-        from diloco.layout import REJOIN_KEY
+        from diloco.store.layout import REJOIN_KEY
 
         record = {"rank": self.rank, "round": round_, "at": time.time(), "run_id": self.run_id or ""}
         try:

@@ -16,13 +16,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from diloco import codec
-from diloco.codec import decode_tensors
 from diloco.collectives.driver import Deadline, RoundDriver, RoundIO
 from diloco.collectives.reduce import accumulate, accumulation_dtype, finish_mean, layout_of, number
 from diloco.collectives.wire import PayloadCodec
 from diloco.errors import ConfigError, CorruptObjectError, DilocoError
-from diloco.layout import ROUND_MANIFEST_KEY, check_spread, contribution_key
+from diloco.store import codec
+from diloco.store.codec import decode_tensors
+from diloco.store.layout import ROUND_MANIFEST_KEY, check_spread, contribution_key
 
 if TYPE_CHECKING:
     import torch
@@ -177,9 +177,9 @@ class DroppedFromRound(DilocoError):
     """With ``min_replicas``, this rank's contribution came too late for a round that committed without it.
 
     Not an error of the replica's making: its peers went on without it, and its rounds no longer line up with
-    theirs. The replica exits with the dropped exit code (``diloco.replica_entrypoint.EXIT_DROPPED``), which every
+    theirs. The replica exits with the dropped exit code (``diloco.replica.entrypoint.EXIT_DROPPED``), which every
     backend treats as curable; relaunched, it rejoins at its peers' next round from the latest committed one
-    (``diloco.manager.ObjectStoreManager.rejoin``)."""
+    (``diloco.replica.manager.ObjectStoreManager.rejoin``)."""
 
     def __init__(self, *, round_: int, rank: int, members: list[int], min_replicas: int) -> None:
         super().__init__(f"all-reduce round {round_}: rank {rank}'s contribution arrived after the round committed "

@@ -6,7 +6,7 @@ elements (L a multiple of the block, so no block straddles two shards). Rank r o
 
 1. **Publish.** Each rank writes ONE object, ``round_NNNNNN/rank_RRRR.safetensors``, holding its N shards as N
    uint8 tensors ``shard_0000``..: each is one shard's wire bytes (the compression format's tensors, packed),
-   padded to the same P bytes, with a SHA-256 per shard (``diloco.codec.encode_stream`` with ``chunk_bytes = P``,
+   padded to the same P bytes, with a SHA-256 per shard (``diloco.store.codec.encode_stream`` with ``chunk_bytes = P``,
    so every shard is exactly one verified chunk).
 2. **Reduce-scatter.** Rank r reads shard r of every peer's object, in rank order 0..N-1: ``codec.read_header``
    then ``codec.read_data`` of exactly that shard's P bytes (one ranged GET, verified against its digest), decodes
@@ -43,11 +43,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from diloco import codec
 from diloco.collectives.driver import RoundDriver, RoundIO
 from diloco.collectives.wire import PayloadCodec
 from diloco.errors import CorruptObjectError
-from diloco.layout import check_spread, contribution_key, reduced_shard_key
+from diloco.store import codec
+from diloco.store.layout import check_spread, contribution_key, reduced_shard_key
 
 if TYPE_CHECKING:
     import torch

@@ -1,6 +1,6 @@
 """What a contribution looks like on the wire: the run's compression format, with error feedback, per rank.
 
-``store.compression: none`` sends the tensors as they are; any other format goes through ``diloco.compression``:
+``store.compression: none`` sends the tensors as they are; any other format goes through ``diloco.collectives.compression``:
 the rank encodes ``x + residual`` and keeps what the format lost for the next round (error feedback), and it
 averages the *decoded* version of its own contribution, exactly what its peers decode from its object, so every
 rank sums identical values and the means stay bitwise identical.
@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from diloco import compression
+from diloco.collectives import compression
 from diloco.errors import CorruptObjectError
 
 if TYPE_CHECKING:

@@ -2,7 +2,7 @@
 
 ``train`` is a ``trainer_fn`` (``diloco launch --trainer diloco.trainers.hf:train -k model=... -k data=...``), with
 ``manager``, ``rank`` and ``world_size`` injected by the replica entrypoint. It follows the built-in trainer
-(``diloco.trainer``): flat, commented defaults; build the model and the inner AdamW; enter
+(``diloco.trainers.gpt``): flat, commented defaults; build the model and the inner AdamW; enter
 ``make_diloco_outer_loop`` (its hook on ``inner_optimizer.step`` runs the outer round every ``sync_every`` steps);
 evaluate after each round with ``diloco.report``. What it adds is what a real model needs:
 
@@ -11,7 +11,7 @@ evaluate after each round with ``diloco.report``. What it adds is what a real mo
   fresh model, initialised from ``seed`` so every replica starts from identical weights without a broadcast.
   A hub name (``model`` or ``tokenizer``) is checked first (``diloco.trainers.hub``): from the cache when the
   Hub cannot be reached, else a one-line ``ConfigError`` in seconds, before torch is imported.
-* **Data**: ``data=`` a local file or directory, or an ``s3://`` prefix (read through ``diloco.store``, so the
+* **Data**: ``data=`` a local file or directory, or an ``s3://`` prefix (read through ``diloco.store.objects``, so the
   run's S3 settings apply), holding ``.txt``/``.md`` (one document per file), ``.jsonl`` (one document per line,
   ``text_field``) and ``.parquet`` (column ``text_field``; needs pyarrow) files, read in key order. Documents are
   tokenized with the model's tokenizer (or ``tokenizer=``), joined with EOS and packed into ``block_size`` blocks.
@@ -24,7 +24,7 @@ evaluate after each round with ``diloco.report``. What it adds is what a real mo
 * **Inner loop**: bf16 (or fp16 with a loss scaler) autocast on GPU, fp32 weights; ``grad_accum`` micro-batches
   per inner step; gradient clipping; linear warmup then cosine decay to ``min_lr_ratio * lr``.
 * **Several processes per replica** (``--procs-per-replica K``, default one per GPU): the replica entrypoint
-  starts K processes with torch's elastic launcher (``diloco.local_group``); each wraps the model in DDP and
+  starts K processes with torch's elastic launcher (``diloco.replica.local_group``); each wraps the model in DDP and
   reads every K-th block of the replica's shard (a disjoint sub-shard), so ``batch_size`` is per process and a
   replica steps on ``K * batch_size * grad_accum`` blocks. Only local rank 0 talks to the store, evaluates,
   reports and saves; the round's mean reaches the others by broadcast, so every process ends on the same
@@ -57,15 +57,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from diloco.errors import ConfigError
-from diloco.local_group import supports_local_processes
-from diloco.trainer_check import PreflightContext, preflight
+from diloco.replica.local_group import supports_local_processes
+from diloco.trainers.preflight import PreflightContext, preflight
 
 if TYPE_CHECKING:
     import torch
 
-    from diloco.local_group import LocalGroup
-    from diloco.manager import ObjectStoreManager
-    from diloco.store import ObjectStore
+    from diloco.replica.local_group import LocalGroup
+    from diloco.replica.manager import ObjectStoreManager
+    from diloco.store.objects import ObjectStore
     from diloco.trainers.hub import Field as HubField
 
 log = logging.getLogger("diloco.trainers.hf")
@@ -132,8 +132,8 @@ def train(
     import torch
 
     from diloco import report
-    from diloco.local_group import current_local_group
-    from diloco.outer import make_diloco_outer_loop
+    from diloco.replica.local_group import current_local_group
+    from diloco.replica.outer import make_diloco_outer_loop
 
     if not 0 <= rank < world_size:
         raise ConfigError(f"rank {rank} is outside 0..{world_size - 1} for world_size {world_size}")
@@ -472,7 +472,7 @@ def _read(path: str) -> bytes:
 
 
 def _store(uri: str) -> ObjectStore:
-    from diloco.store import ObjectStore
+    from diloco.store.objects import ObjectStore
 
     return ObjectStore(uri)
 

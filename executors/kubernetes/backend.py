@@ -26,11 +26,11 @@ from diloco.executors.base import (
     RunStatus,
 )
 from diloco.executors.failures import EXIT_DROPPED, FailureClass, FailureVerdict
-from diloco.layout import LOGS_PREFIX
-from diloco.replica_log import ATTEMPT_ENV, LOG_URI_ENV
+from diloco.store.layout import LOGS_PREFIX
+from diloco.store.logs import ATTEMPT_ENV, LOG_URI_ENV
 
 if TYPE_CHECKING:
-    from diloco.doctor import Check, DoctorContext
+    from diloco.launcher.doctor import Check, DoctorContext
 
 #: Labels and annotations diloco puts on the Job and its pods.
 from diloco.executors.kubernetes.api import _status_of, _timing, api_error, load_api_client
@@ -214,7 +214,7 @@ class KubernetesBackend(Backend[KubernetesBackendConfig, KubernetesRunHandle]):
         return f"{spec.entrypoint_args.rendezvous_uri.rstrip('/')}/{LOGS_PREFIX}"
 
     def _ship_logs(self, container: dict[str, Any], spec: LaunchSpec) -> None:
-        """Ask the replica to ship its log to the store (``diloco.replica_log``), each attempt under its pod's name."""
+        """Ask the replica to ship its log to the store (``diloco.store.logs``), each attempt under its pod's name."""
         container["env"] += [{"name": LOG_URI_ENV, "value": self.log_uri(spec)},
                              {"name": ATTEMPT_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
 
@@ -378,7 +378,7 @@ class KubernetesBackend(Backend[KubernetesBackendConfig, KubernetesRunHandle]):
         """Undo a launch whose Job exists or may: delete it (foreground) and wait, bounded by the pods' grace
         period, until it is gone, so no pod still writes to the run's store when the launcher clears it. Signals
         are held meanwhile; a second Ctrl-C only ends the wait."""
-        from diloco.signals import signals_deferred
+        from diloco.executors.signals import signals_deferred
 
         with signals_deferred() as hurry:
             if not self._delete_quietly(handle):
@@ -522,11 +522,11 @@ class KubernetesBackend(Backend[KubernetesBackendConfig, KubernetesRunHandle]):
         return status
 
     def _shipped_attempts(self, handle: KubernetesRunHandle, rank: int) -> list[Any]:
-        """The attempts replica ``rank`` shipped to the store (``diloco.replica_log``), oldest first; [] without."""
+        """The attempts replica ``rank`` shipped to the store (``diloco.store.logs``), oldest first; [] without."""
         if not handle.log_uri:
             return []
-        from diloco.replica_log import read_attempts
-        from diloco.store import ObjectStore
+        from diloco.store.logs import read_attempts
+        from diloco.store.objects import ObjectStore
 
         try:
             return list(read_attempts(ObjectStore(handle.log_uri, retries=1), rank).values())
@@ -711,7 +711,7 @@ class KubernetesBackend(Backend[KubernetesBackendConfig, KubernetesRunHandle]):
     def _state_dir(self, run_id: str) -> Path:
         if self.config.state_dir:
             return Path(self.config.state_dir).expanduser() / run_id
-        from diloco.runs import runs_dir
+        from diloco.launcher.runs import runs_dir
 
         return runs_dir() / run_id / "eks"
 

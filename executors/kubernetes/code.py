@@ -118,7 +118,7 @@ def ship_code(spec: LaunchSpec, cfg: KubernetesBackendConfig) -> None:
     """Upload the wheel, the bootstrap and the source tarball to ``code_uri`` (before the Job exists)."""
     from diloco.errors import BackendError, DilocoError
     from diloco.executors.code_channel import code_files, source_directory
-    from diloco.store import ObjectStore
+    from diloco.store.objects import ObjectStore
 
     files = code_files(source_directory(cfg.source_dir), cfg.max_source_mb)
     store = ObjectStore(code_uri(spec))
@@ -196,14 +196,14 @@ def pod_memory(spec: LaunchSpec, cfg: KubernetesBackendConfig, *, gpus: int, pro
 
 def store_env(spec: LaunchSpec) -> dict[str, str]:
     """The store settings the launch used that pods need to reach the same S3 (never credentials): the region
-    (resolved as ``diloco.aws_region`` does, given as ``AWS_REGION`` and as ``AWS_DEFAULT_REGION``, the one
+    (resolved as ``diloco.store.aws_region`` does, given as ``AWS_REGION`` and as ``AWS_DEFAULT_REGION``, the one
     botocore reads) and the endpoint of an S3-compatible store."""
     if not spec.entrypoint_args.rendezvous_uri.startswith("s3://"):
         return {}
     env = {name: os.environ[name].strip() for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")
            if os.environ.get(name, "").strip()}
     try:
-        from diloco.aws_region import resolve_region
+        from diloco.store.aws_region import resolve_region
 
         region, _ = resolve_region(None)
     except Exception:  # noqa: BLE001 - no boto3 or a broken profile: the pods' own settings decide

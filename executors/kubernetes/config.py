@@ -158,7 +158,7 @@ class KubernetesRunHandle(RunHandle):
     job_name: str = ""
     job_uid: str = ""
     kube_context: str | None = None
-    #: Where the replicas ship their own logs and exit codes (``diloco.replica_log``); "" for runs without.
+    #: Where the replicas ship their own logs and exit codes (``diloco.store.logs``); "" for runs without.
     log_uri: str = ""
 
 

@@ -1,5 +1,5 @@
 """One replica's log on Kubernetes: every attempt's pod log read incrementally, and the replica's own shipped copy
-(``diloco.replica_log``) for whatever the kubelet can no longer serve.
+(``diloco.store.logs``) for whatever the kubelet can no longer serve.
 
 What real kubelets do, and what this reader does about it:
 
@@ -39,11 +39,11 @@ from diloco.executors.base import LogRecord
 from diloco.executors.kubernetes.api import _lines, _status_of, api_error
 from diloco.executors.kubernetes.config import CONTAINER, TIMEOUT, KubernetesRunHandle
 from diloco.executors.kubernetes.pods import _Boundary, _PodLog, parse_time, split_log_line
-from diloco.replica_log import FLUSH_EVERY_S
+from diloco.store.logs import FLUSH_EVERY_S
 
 if TYPE_CHECKING:
     from diloco.executors.kubernetes.backend import KubernetesBackend
-    from diloco.replica_log import ShippedAttempt
+    from diloco.store.logs import ShippedAttempt
 
 #: How far before the last line read a read starts: the kubelet's whole-second ``since`` plus the ``Date``
 #: header's second and some clock difference between the API server and the node.
@@ -278,7 +278,7 @@ class ReplicaLogReader:
     # ------------------------------------------------------------------ the replica's shipped log
     def _store_handle(self) -> Any:
         if self._store is None and self.handle.log_uri:
-            from diloco.store import ObjectStore
+            from diloco.store.objects import ObjectStore
 
             self._store = ObjectStore(self.handle.log_uri, retries=1)
         return self._store
@@ -288,7 +288,7 @@ class ReplicaLogReader:
         store = self._store_handle()
         if store is None or not need:
             return
-        from diloco.replica_log import read_attempts
+        from diloco.store.logs import read_attempts
 
         try:
             self.shipped = read_attempts(store, self.rank, known=self.shipped)

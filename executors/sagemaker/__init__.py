@@ -12,7 +12,7 @@ How a run maps onto SageMaker, and why:
   (spot) as a unit, while separate jobs let one replica be preempted and come back alone.
 * **Names.** ``<run_id>-r<rank>``, valid SageMaker names (``[a-zA-Z0-9](-*[a-zA-Z0-9])*``, at most 63 chars). Run
   ids are unique (time + random), and SageMaker never lets a name be reused, even after the job ended.
-* **What a job runs.** ``ContainerEntrypoint``/``ContainerArguments`` run ``python -m diloco.replica_entrypoint``
+* **What a job runs.** ``ContainerEntrypoint``/``ContainerArguments`` run ``python -m diloco.replica.entrypoint``
   with one token per list element: ``--spec <rendezvous>/spec.json --spec-sha256 HEX`` for a launched run, whose
   settings (trainer kwargs of any size) the job reads from S3, so no element nears SageMaker's 256 characters. With ``ContainerEntrypoint`` set, SageMaker's training toolkit does not run, so
   no ``SM_*`` variable exists: the job's ``Environment`` carries the common contract (``DILOCO_RUN_ID``,

@@ -24,10 +24,10 @@ from diloco.executors.base import (
     RunState,
     RunStatus,
 )
-from diloco.logstream import LogRecord
+from diloco.executors.logstream import LogRecord
 
 if TYPE_CHECKING:
-    from diloco.doctor import Check, DoctorContext
+    from diloco.launcher.doctor import Check, DoctorContext
 
 from diloco.executors.code_channel import bootstrap_environment, code_files, source_directory
 from diloco.executors.sagemaker.cloudwatch import (
@@ -191,9 +191,9 @@ class SageMakerBackend(Backend[SageMakerBackendConfig, SageMakerRunHandle]):
 
     # ------------------------------------------------------------------ AWS plumbing
     def region(self) -> str:
-        """``--region``, else ``AWS_REGION``, ``AWS_DEFAULT_REGION``, the profile's (``diloco.aws_region``: boto3
+        """``--region``, else ``AWS_REGION``, ``AWS_DEFAULT_REGION``, the profile's (``diloco.store.aws_region``: boto3
         alone would ignore ``AWS_REGION``); ``ConfigError`` if none names one."""
-        from diloco.aws_region import REGION_HINT, resolve_region
+        from diloco.store.aws_region import REGION_HINT, resolve_region
 
         region, _ = resolve_region(self.config.region)
         if not region:
@@ -394,7 +394,7 @@ class SageMakerBackend(Backend[SageMakerBackendConfig, SageMakerRunHandle]):
         Signals are held meanwhile, so a second Ctrl-C cannot cut the rollback in two; it only hurries it (the
         wait for the stopped jobs ends, and their late output may then land under ``base``). A job that cannot
         be stopped is reported after the rest is done."""
-        from diloco.signals import signals_deferred
+        from diloco.executors.signals import signals_deferred
 
         names = [*handle.job_names, *([failing] if failing else [])]
         problem: BackendError | None = None

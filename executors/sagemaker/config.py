@@ -81,7 +81,7 @@ class SageMakerBackendConfig(BackendConfig):
     """One single-instance SageMaker Training Job per replica."""
 
     kind: Literal["sagemaker"] = "sagemaker"
-    region: str | None = None  # default: AWS_REGION, AWS_DEFAULT_REGION, the profile's (diloco.aws_region)
+    region: str | None = None  # default: AWS_REGION, AWS_DEFAULT_REGION, the profile's (diloco.store.aws_region)
     role_arn: str | None = None  # execution role; it (not you) needs S3 access to the rendezvous prefix
     image_uri: str | None = None  # a ready image with diloco and your code; default: AWS's PyTorch image + shipping
     # AWS's PyTorch image (without image_uri): its PyTorch version, default the newest sagemaker-core's tables list

@@ -210,7 +210,7 @@ class BackendConformance:
         (tmp_path / "record.json").write_text(json.dumps(saved))
         code = (
             "import json, sys\n"
-            "from diloco.config import backend_config\n"
+            "from diloco.launcher.config import backend_config\n"
             "from diloco.executors import create_backend\n"
             "saved = json.load(open(sys.argv[1]))\n"
             "backend = create_backend(backend_config(saved['config']))\n"

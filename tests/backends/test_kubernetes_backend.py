@@ -146,9 +146,9 @@ def test_the_manifest_is_strictly_valid_for_the_oldest_and_current_supported_kub
 
 
 def test_bad_settings_fail_before_anything_with_the_field_named() -> None:
-    from diloco.config import backend_config
     from diloco.errors import ConfigError
     from diloco.executors.kubernetes import job_name_for, parse_gpu
+    from diloco.launcher.config import backend_config
 
     cases = {
         "image": ("registry.example/Diloco:latest", "backend.image: not a valid image reference"),

@@ -102,8 +102,8 @@ def quotas(aws_env: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 def test_doctor_reads_the_accounts_training_and_warm_pool_quotas(
     quotas: Any, options: dict[str, Any], expected: dict[str, tuple[str, str]]
 ) -> None:
-    from diloco.doctor import DoctorContext
     from diloco.executors.sagemaker import check_quotas
+    from diloco.launcher.doctor import DoctorContext
 
     ctx = DoctorContext.for_backend("sagemaker", None, region="us-east-1", **options)
     checks = {c.name: c for c in check_quotas(ctx)}
@@ -114,8 +114,8 @@ def test_doctor_reads_the_accounts_training_and_warm_pool_quotas(
 
 
 def test_doctor_warns_when_the_quotas_cannot_be_read(aws_env: str) -> None:
-    from diloco.doctor import DoctorContext
     from diloco.executors.sagemaker import check_quotas
+    from diloco.launcher.doctor import DoctorContext
 
     [check] = check_quotas(DoctorContext.for_backend("sagemaker", None, region="us-east-1"))
     assert check.status.value == "warn" and check.detail.startswith("cannot read the SageMaker quotas")

@@ -2,7 +2,7 @@
 
 Replicas never connect to each other. Per round, each rank writes ONE object holding every tensor it contributes,
 ``round_{NNNNNN}/rank_{RRRR}.safetensors`` at the root of the rendezvous URI (or under ``p{K}/`` with a request
-``spread``, see ``diloco.layout``), then reads what it needs of its peers' objects and averages. Two strategies
+``spread``, see ``diloco.store.layout``), then reads what it needs of its peers' objects and averages. Two strategies
 (``store.allreduce``), sibling implementations of one protocol (``diloco.collectives``):
 
 =========  ==================  =====================  ==================================================
@@ -51,7 +51,7 @@ Round semantics (what a caller can rely on, whatever the strategy):
   rank exist at any time, and after the last round one round's remain (the run's owner deletes the prefix).
 * **Rejoining.** A restarted rank calls ``resume_at(k)`` before its first round: the counter is the only state.
   Which k, and why a contribution is never recomputed for a round that already holds one, is
-  ``diloco.manager.ObjectStoreManager.rejoin``'s business. Error-feedback residuals start empty after a rejoin.
+  ``diloco.replica.manager.ObjectStoreManager.rejoin``'s business. Error-feedback residuals start empty after a rejoin.
 * **Partial participation** (``min_replicas = K``, gather only, opt-in). When a round's deadline passes with at
   least K contributions, it commits with those: every rank adopts the round's manifest
   (``round_NNNNNN/manifest.json``, created exactly once), sums the members' contributions in rank order and
@@ -59,7 +59,7 @@ Round semantics (what a caller can rely on, whatever the strategy):
   averaged; its rank raises ``DroppedFromRound`` (the replica exits 75) and rejoins at the next round once
   relaunched. Without ``min_replicas`` nothing is ever averaged over a partial set.
 * **Relaunch in progress.** Past ``timeout_s``, a peer the launcher is relaunching (``relaunch/rank_RRRR.json``
-  with an ``until`` wall-clock time, see ``diloco.layout``) extends the wait until then instead of timing out.
+  with an ``until`` wall-clock time, see ``diloco.store.layout``) extends the wait until then instead of timing out.
 * **Rejoined peer.** A restarted rank announces the round it rejoins for (``rejoin/rank_RRRR.json``, with the
   time; a first start announces round 1); past ``timeout_s`` its peers wait for it until that time plus as long as
   they trained for the round plus ``timeout_s``, since it started that round late by its whole restart (or a slow
@@ -72,7 +72,7 @@ from diloco.collectives import STRATEGIES, Collective, ObjectStoreAllReduce, Sha
 from diloco.collectives.driver import READ_ATTEMPTS, AllReduceStats, AllReduceWork, RoundDriver
 from diloco.collectives.reduce import Tensors, accumulation_dtype, as_named, average, number
 from diloco.errors import ConfigError
-from diloco.layout import contribution_key as _spread_contribution_key
+from diloco.store.layout import contribution_key as _spread_contribution_key
 
 
 def contribution_key(round_: int, rank: int) -> str:

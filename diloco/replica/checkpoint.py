@@ -6,7 +6,7 @@ global (outer) weights of every fragment, the outer optimizer's momentum, and th
 the fragment schedule: round N syncs fragment ``N % F``). Every rank holds those bits identically after each
 outer step, so any rank may write them, and the first to finish the round does.
 
-Layout (under the rendezvous root, see ``diloco.layout``)::
+Layout (under the rendezvous root, see ``diloco.store.layout``)::
 
     committed/round_NNNNNN/state.safetensors   the global state after round NNNNNN (numbered from 1, as in logs)
     committed/round_NNNNNN/COMMITTED           the marker: JSON naming the run, the world size, the round and
@@ -23,8 +23,8 @@ Retention: the rank that created round N's marker deletes round ``N - keep`` (de
 lists the latest round and then finds it gone (it would have to be ``keep`` rounds late) lists again.
 
 Verification on read (``read``): the marker's run id, world size and round; the data's SHA-256 against the
-marker; the safetensors checksum and identity metadata (``diloco.codec``); the tensor layout is checked by the
-caller that loads it (``diloco.outer.DiLoCo.load_round``), against its own model. Tensors are safetensors only.
+marker; the safetensors checksum and identity metadata (``diloco.store.codec``); the tensor layout is checked by the
+caller that loads it (``diloco.replica.outer.DiLoCo.load_round``), against its own model. Tensors are safetensors only.
 
 On a store that ignores conditional create (an S3-compatible store that drops ``If-None-Match``), two ranks that
 finish a round together both write the state, then a marker naming their own bytes; their tensors are equal but
@@ -43,14 +43,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from diloco.codec import decode_tensors, encode_tensors, tensor_digest
 from diloco.errors import CorruptObjectError, ObjectNotFound, StoreError
-from diloco.layout import COMMITTED_DATA_KEY, COMMITTED_MARKER_KEY, COMMITTED_PREFIX
+from diloco.store.codec import decode_tensors, encode_tensors, tensor_digest
+from diloco.store.layout import COMMITTED_DATA_KEY, COMMITTED_MARKER_KEY, COMMITTED_PREFIX
 
 if TYPE_CHECKING:
     import torch
 
-    from diloco.store import ObjectStore
+    from diloco.store.objects import ObjectStore
 
 logger = logging.getLogger(__name__)
 

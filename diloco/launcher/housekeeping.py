@@ -7,7 +7,7 @@ can simply be repeated (the record, which is what finds the rest, goes last):
    own prefix: a listing is of ``<prefix>/`` and never of a sibling such as ``<prefix>-2/``. Everything under the
    prefix is removed only when the store's ``run.json`` names this run (``launch`` refuses a prefix that is not
    empty, so then every object there arrived with or after this run); without that proof only the keys of the
-   store layout (``diloco.layout``) are removed, and a prefix whose ``run.json`` names another run is left alone;
+   store layout (``diloco.store.layout``) are removed, and a prefix whose ``run.json`` names another run is left alone;
 2. what its backend keeps of its own (the local backend: the run directory with logs and exit records), by asking
    the backend (``Backend.remove``): nothing here knows a backend's files;
 3. its record in the run registry.
@@ -50,20 +50,20 @@ from pydantic import BaseModel, Field
 
 from diloco.errors import ConfigError, CorruptObjectError, DilocoError, ObjectNotFound
 from diloco.executors.base import ReplicaState, RunState
-from diloco.layout import FINAL_KEY, RUN_INFO_KEY
-from diloco.runs import RunRecord, RunRegistry
+from diloco.launcher.runs import RunRecord, RunRegistry
+from diloco.store.layout import FINAL_KEY, RUN_INFO_KEY
 
 if TYPE_CHECKING:
     from diloco.executors.base import Backend, RunHandle
-    from diloco.store import ObjectStore
-    from diloco.weights import WeightsCheck
+    from diloco.launcher.weights import WeightsCheck
+    from diloco.store.objects import ObjectStore
 
 #: Written by ``compact_store``: the weight check's verdict and the checksum of the one copy kept.
 COMPACTED_KEY = "final/compacted.json"
 #: The rank whose final weights a compacted store keeps.
 KEPT_RANK = 0
 
-#: Keys the replicas and the launcher write (``diloco.layout``, ``diloco.allreduce``): the only ones removed from
+#: Keys the replicas and the launcher write (``diloco.store.layout``, ``diloco.collectives.allreduce``): the only ones removed from
 #: a prefix whose ``run.json`` does not prove it belongs to the run.
 _LAYOUT_KEY = re.compile(r"((p\d+/)?round_\d{6}/(rank|shard)_\d{4}\.safetensors|round_\d{6}/manifest\.json|metrics/rank_\d{4}\.jsonl|progress/rank_\d{4}\.json"
                          r"|final/rank_\d{4}\.safetensors|final/compacted\.json|spec\.json"
@@ -180,7 +180,7 @@ def run_condition(record: RunRecord) -> RunCondition:
     cached once every replica had ended (a run that ended cannot resume). A replica still going always keeps the
     run, whatever the cache says (a run is "failed" as soon as one replica fails, while the others may still run).
     The backend is asked in any case: it knows when the run ended, and it removes its own files."""
-    from diloco.orchestrate import RunView
+    from diloco.launcher.orchestrate import RunView
 
     cached = RunState(record.final_state) if record.final_state else None
     final = cached if cached is not None and cached.is_terminal else None
@@ -228,7 +228,7 @@ def remove_runs(refs: Sequence[str], *, registry: RunRegistry | None = None, dry
     """``diloco rm``: every ref is resolved first (an unknown or ambiguous one raises ``RunNotFound`` and nothing is
     removed), then each run that has ended is removed; one still going is kept with the reason. ``prefixes``: store
     URIs to remove as ``remove_prefix`` does, after the runs."""
-    from diloco.store import split_uri
+    from diloco.store.objects import split_uri
 
     registry = registry or RunRegistry()
     records: dict[str, RunRecord] = {}
@@ -248,7 +248,7 @@ def remove_runs(refs: Sequence[str], *, registry: RunRegistry | None = None, dry
 
 def remove_prefix(uri: str, *, registry: RunRegistry, dry_run: bool = False) -> RunRemoval:
     """Remove the objects under one store prefix that has no run record here (see the module docstring)."""
-    from diloco.store import ObjectStore
+    from diloco.store.objects import ObjectStore
 
     uri = uri.rstrip("/")
     store = ObjectStore(uri)
@@ -290,8 +290,8 @@ def _run_info(store: ObjectStore) -> dict[str, Any]:
 
 def _backend_listing(run_id: str, config: dict[str, Any]) -> tuple[Any, str | None]:
     """What the run's backend (rebuilt from its recorded config) sees of it: ``(listing or None, problem)``."""
-    from diloco.config import backend_config
     from diloco.executors import create_backend
+    from diloco.launcher.config import backend_config
 
     try:
         backend = create_backend(backend_config(config.get("backend") or {}))
@@ -383,7 +383,7 @@ class StoreRemoval:
 
 def remove_store_objects(uri: str, run_id: str, *, dry_run: bool = False) -> StoreRemoval:
     """Delete run ``run_id``'s objects under ``uri`` (only there: see the module docstring for which)."""
-    from diloco.store import ObjectStore
+    from diloco.store.objects import ObjectStore
 
     store = ObjectStore(uri)
     owner, note = store_owner(store)  # first: a denied or missing bucket fails here, explained and retried
@@ -450,7 +450,7 @@ def _remove_empty_directories(root: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- local backend files
-#: What a local run directory (``diloco.runs``: ``<log_root>/<run_id>/``) holds; one of them must be there before
+#: What a local run directory (``diloco.launcher.runs``: ``<log_root>/<run_id>/``) holds; one of them must be there before
 #: ``remove_run_files`` deletes a directory, so a wrong path can never take an unrelated directory with it.
 _RUN_DIR_ENTRIES = ("handle.json", "logs", "store", "cancel_requested")
 
@@ -496,7 +496,7 @@ def compact_store(store: ObjectStore, replicas: int, *, check: WeightsCheck | No
     marker = read_marker(store)
     if marker is None:
         if check is None:
-            from diloco.weights import check_final_weights
+            from diloco.launcher.weights import check_final_weights
 
             check = check_final_weights(store, replicas)
         if check.identical is not True:
@@ -569,7 +569,7 @@ def compacted_verdict(store: ObjectStore, world_size: int, *, with_tensors: bool
     the kept object when the store still says of it what it said when it was hashed (``fingerprint``), else one
     read and a SHA-256 of its bytes; never torch. With it, the kept copy is also decoded (torch), checksum verified.
     """
-    from diloco.weights import WeightsCheck
+    from diloco.launcher.weights import WeightsCheck
 
     marker = read_marker(store)
     if marker is None or marker.world_size != world_size:
@@ -595,7 +595,7 @@ def compacted_verdict(store: ObjectStore, world_size: int, *, with_tensors: bool
     _refresh_fingerprint(store, marker, before)
     if not with_tensors:
         return recorded
-    from diloco.codec import decode
+    from diloco.store.codec import decode
 
     try:
         recorded.tensors, recorded.metadata = decode(data, source=url)

@@ -112,7 +112,7 @@ class RunRegistry:
                               hint="set DILOCO_HOME to a writable directory") from None
 
     def save(self, record: RunRecord) -> None:
-        from diloco.store import write_file_atomic
+        from diloco.store.objects import write_file_atomic
 
         self.prepare()
         write_file_atomic(str(self.path(record.run_id)), record.model_dump_json(indent=2).encode())

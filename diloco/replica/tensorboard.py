@@ -8,7 +8,7 @@ Why it looks the way it does:
   way: one that cannot be created or written (a read-only mount, a path under a regular file) is refused at
   launch, in one line, before any replica starts (``diloco.local_dirs``).
 * **The same rows as the store's metrics.** A ``TensorBoardWriter`` is a listener of the replica's
-  ``diloco.metrics.MetricsWriter``: it sees each history row (``init``, every ``round``, ``final``) once its losses
+  ``diloco.replica.metrics.MetricsWriter``: it sees each history row (``init``, every ``round``, ``final``) once its losses
   are final, and writes its numbers as scalars against the inner step: train and eval loss, the round, the
   seconds blocked in sync, the bytes written and read (cumulative), tokens/s and anything the trainer reported
   under another name (``extra/<name>``). Progress snapshots between rounds add only tokens/s: their losses are
@@ -20,7 +20,7 @@ Why it looks the way it does:
 * **One run per launch, one per rank.** The launcher gives each run its own directory under DIR
   (``run_directory``: ``DIR/<run_id>``), and each rank writes ``rank_RRRR/`` under it, so ``tensorboard --logdir
   DIR`` lists every run's replicas side by side (``<run_id>/rank_0000``, ...) and two runs into one DIR stay two
-  curves. A replica started by hand (``python -m diloco.replica_entrypoint --tensorboard DIR``) writes
+  curves. A replica started by hand (``python -m diloco.replica.entrypoint --tensorboard DIR``) writes
   ``DIR/rank_RRRR/``.
 * **Local or S3.** A local directory is written by torch's ``SummaryWriter`` directly. An ``s3://`` prefix is
   written through diloco's own store layer (the run's S3 settings, endpoint and credentials apply): the events
@@ -45,7 +45,7 @@ from typing import Any
 from diloco.errors import ConfigError
 from diloco.local_dirs import absolute_path, check_writable_dir, refuse_scheme_without_slashes
 
-log = logging.getLogger("diloco.tensorboard")
+log = logging.getLogger("diloco.replica.tensorboard")
 FIELD = "metrics.tensorboard (--tensorboard)"
 
 #: Metrics row field -> TensorBoard tag.
@@ -129,7 +129,7 @@ class TensorBoardWriter:
         self._store: Any = None
         self._tmp: str | None = None
         if directory.startswith("s3://"):
-            from diloco.store import ObjectStore
+            from diloco.store.objects import ObjectStore
 
             self._store = ObjectStore(directory.rstrip("/"))
             self._tmp = tempfile.mkdtemp(prefix="diloco-tb-")

@@ -3,7 +3,7 @@
 Synchronous rounds wait for the slowest replica. Here nobody waits: every node (the master included) trains on its
 own, and at each inner boundary (``step % inner_steps == 0``) uploads its pseudo-gradient ``baseline - current``
 to the run's object store. The master's background *outer thread* picks deltas up, applies one Nesterov outer
-step per delta to its fp32 global copy (torch ``SGD(momentum, nesterov)``, as ``diloco.outer`` does for the
+step per delta to its fp32 global copy (torch ``SGD(momentum, nesterov)``, as ``diloco.replica.outer`` does for the
 synchronous loop) and publishes each new global version. Workers poll for new versions and install them.
 
 Store layout (under ``prefix``, default ``async/``)::
@@ -40,7 +40,7 @@ to where it was.
   exists, the checkpoint's baseline is restored and the next boundary sends that progress as part of its delta.
 * ``load_state_dict`` refuses another role's or another node's checkpoint.
 
-Everything that crosses the store is safetensors (``diloco.codec``), never pickle; so is the local state.
+Everything that crosses the store is safetensors (``diloco.store.codec``), never pickle; so is the local state.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from diloco.store import ObjectStore
+    from diloco.store.objects import ObjectStore
 
 #: The seed's word for this node (its own state at startup; the last-resort node id): not a backend name.
 LOCAL = "local"  # not a backend
@@ -255,16 +255,16 @@ def install_state(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> int:
 
 
 def save_tensor_file(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any]) -> None:
-    """Safetensors with checksum (``diloco.codec``), written atomically."""
-    from diloco.codec import encode_tensors
-    from diloco.store import write_file_atomic
+    """Safetensors with checksum (``diloco.store.codec``), written atomically."""
+    from diloco.store.codec import encode_tensors
+    from diloco.store.objects import write_file_atomic
 
     write_file_atomic(str(path), encode_tensors(tensors, {k: str(v) for k, v in metadata.items()}))
 
 
 def load_tensor_file(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """``save_tensor_file``'s inverse; ``CorruptObjectError`` when the file is damaged."""
-    from diloco.codec import decode_tensors
+    from diloco.store.codec import decode_tensors
 
     return decode_tensors(path.read_bytes(), source=str(path))
 
@@ -400,7 +400,7 @@ class AsyncDiLoCoCoordinator:
 
     def __init__(self, config: Any, model: nn.Module, *, store: ObjectStore | None = None,
                  state_dir: str | os.PathLike[str] | None = None, logger: logging.Logger | None = None) -> None:
-        from diloco.store import ObjectStore
+        from diloco.store.objects import ObjectStore
 
         self.config = coordinator_config(config)
         self.model = model
@@ -595,7 +595,7 @@ class AsyncDiLoCoCoordinator:
 
     def _upload(self, job: _UploadJob) -> bool:
         """Upload one delta; only then advance the baseline, and only if no global was installed meanwhile."""
-        from diloco.codec import encode_tensors
+        from diloco.store.codec import encode_tensors
 
         key = f"{DELTA_PREFIX}{time.time_ns():020d}-{self.node_id}-{job.seq:08d}.safetensors"
         meta = {"node_id": self.node_id, "base_version": job.base_version, "seq": job.seq,
@@ -715,7 +715,7 @@ class AsyncDiLoCoCoordinator:
     def _fetch_global(self, remote: _Remote) -> dict[str, torch.Tensor] | None:
         """Global ``remote.version`` from the local cache, else the store (cached); a corrupt cache entry is
         deleted and downloaded again. ``None`` (with a warning) when the store cannot deliver it."""
-        from diloco.codec import decode_tensors
+        from diloco.store.codec import decode_tensors
 
         path = self.cache_dir / f"global_v{remote.version:012d}.safetensors"
         if path.exists():
@@ -736,7 +736,7 @@ class AsyncDiLoCoCoordinator:
         return tensors
 
     def _write_cache(self, path: Path, data: bytes) -> None:
-        from diloco.store import write_file_atomic
+        from diloco.store.objects import write_file_atomic
 
         try:
             write_file_atomic(str(path), data)
@@ -757,7 +757,7 @@ class AsyncDiLoCoCoordinator:
     def process_deltas(self) -> int:
         """Apply every delta waiting in the store, oldest first; publish and persist after each. Returns how many
         were applied (rejected and unreadable ones are deleted too)."""
-        from diloco.codec import decode_tensors
+        from diloco.store.codec import decode_tensors
 
         assert self.outer is not None
         applied = 0
@@ -789,7 +789,7 @@ class AsyncDiLoCoCoordinator:
 
     def publish(self) -> int:
         """Write the master's global as a new version: data first, then ``latest.json`` (the commit)."""
-        from diloco.codec import encode_tensors
+        from diloco.store.codec import encode_tensors
 
         assert self.outer is not None
         version, tensors = self.outer.snapshot()
@@ -936,8 +936,8 @@ def run_builtin_async(*, manager: Any, rank: int, world_size: int, model: nn.Mod
     """
     import hashlib
 
-    from diloco.metrics import report
-    from diloco.weights import write_final_weights
+    from diloco.launcher.weights import write_final_weights
+    from diloco.replica.metrics import report
 
     store: ObjectStore = manager.store
     metrics = getattr(manager, "metrics", None)

@@ -1,6 +1,6 @@
 """Training curves as a PNG: train and eval loss per replica against inner step and wall time, outer rounds marked.
 
-``diloco plot`` reads exactly what ``diloco status`` reads (``diloco.metrics``: each rank's history rows and its
+``diloco plot`` reads exactly what ``diloco status`` reads (``diloco.replica.metrics``: each rank's history rows and its
 latest progress row), so it works the same for a finished run and for one still training: a running rank simply
 has fewer points, and its progress row adds the newest step only with a loss measured since the last round
 (``curve_of``). Nothing here needs torch; matplotlib is imported inside ``build_figure`` only (the ``plot``
@@ -22,8 +22,8 @@ from typing import Any
 from pydantic import BaseModel
 
 from diloco.errors import ConfigError
-from diloco.metrics import MetricRow, parse_history, read_history
-from diloco.store import ObjectStore
+from diloco.replica.metrics import MetricRow, parse_history, read_history
+from diloco.store.objects import ObjectStore
 
 
 @dataclass
@@ -92,8 +92,8 @@ def load_curves(store: ObjectStore, world_size: int) -> tuple[list[RankCurve], l
 def _progress_row(store: ObjectStore, rank: int, history: list[MetricRow]) -> list[MetricRow]:
     """The progress row when it is newer than the history (a running rank between rounds), else nothing."""
     from diloco.errors import ObjectNotFound
-    from diloco.layout import PROGRESS_KEY
-    from diloco.metrics import _Problems
+    from diloco.replica.metrics import _Problems
+    from diloco.store.layout import PROGRESS_KEY
 
     try:
         text = store.get(PROGRESS_KEY.format(rank=rank)).decode(errors="replace")
@@ -143,9 +143,9 @@ def _add(points: list[tuple[int, float, float]], point: tuple[int, float, float]
 
 def output_path(output: str | None, run_id: str) -> str:
     """Where the PNG goes: ``output`` (a file, or a directory for ``<run_id>-curves.png``: see
-    ``diloco.output_path``), default the current directory. An existing file is replaced: a plot is redrawn as a
+    ``diloco.launcher.output_path``), default the current directory. An existing file is replaced: a plot is redrawn as a
     run goes on."""
-    from diloco.output_path import resolve_output
+    from diloco.launcher.output_path import resolve_output
 
     path = resolve_output(output, f"{run_id}-curves.png")
     if not path.lower().endswith(".png"):
@@ -198,8 +198,8 @@ def draw_curves(curves: list[RankCurve], path: str, *, title: str,
     missing directories created); returns the empty panels' notes."""
     import io
 
-    from diloco.output_path import make_parent
-    from diloco.store import write_file_atomic
+    from diloco.launcher.output_path import make_parent
+    from diloco.store.objects import write_file_atomic
 
     labels = labels or {c.rank: legend_label(c.rank, None, finished=c.finished) for c in curves}
     figure, notes = build_figure(curves, labels, title=title)

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 from diloco.errors import ConfigError, StoreError
 
 if TYPE_CHECKING:
-    from diloco.store import Chunk, ObjectStore
+    from diloco.store.objects import Chunk, ObjectStore
 
 #: S3 allows at most this many parts in one multipart upload.
 MAX_PARTS = 10_000

@@ -7,7 +7,7 @@ equal to NaN as a number, but two replicas holding the same NaN payloads *do* ag
 would send the user hunting for a synchronisation bug that does not exist. A max abs difference is reported only
 when it is a finite number, so no report ever carries NaN or Infinity (which JSON cannot represent).
 
-Objects read here may be ours (``diloco.codec.encode_tensors``: checksum verified) or plain safetensors written
+Objects read here may be ours (``diloco.store.codec.encode_tensors``: checksum verified) or plain safetensors written
 by a trainer itself (``safetensors.torch.save_file``, ``save_pretrained``): both are accepted.
 
 torch is imported inside the functions: the CLI imports this module.
@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING, Any
 
 from diloco import envvars
 from diloco.errors import CorruptObjectError, ObjectNotFound
-from diloco.layout import FINAL_KEY
+from diloco.store.layout import FINAL_KEY
 
 if TYPE_CHECKING:
     import torch
 
-    from diloco.store import ObjectStore
+    from diloco.store.objects import ObjectStore
 
 #: The model file a replica also writes into ``$SM_MODEL_DIR`` on SageMaker (uploaded as the job's model).
 SM_MODEL_FILE = "model.safetensors"
@@ -53,7 +53,7 @@ class WeightsCheck:
     max_abs_diff: float | None = None  # only when finite; None for NaN/inf differences or layout mismatches
     tensors: dict[str, torch.Tensor] | None = field(default=None, repr=False)  # rank 0's, when identical
     metadata: dict[str, str] = field(default_factory=dict)  # rank 0's, when identical
-    #: A compacted store's verdict (``diloco.housekeeping.compacted_verdict``): the one copy kept and the SHA-256
+    #: A compacted store's verdict (``diloco.launcher.housekeeping.compacted_verdict``): the one copy kept and the SHA-256
     #: of its bytes when checked, so the model can be written from those bytes without decoding them.
     kept_key: str | None = None
     kept_sha256: str | None = None
@@ -65,8 +65,8 @@ def write_final_weights(store: ObjectStore, rank: int, tensors: Mapping[str, tor
     """Encode ``tensors`` once and put them at ``final/rank_RRRR.safetensors``; on SageMaker also into
     ``$SM_MODEL_DIR/model.safetensors`` (atomically: a half-written file is never what SageMaker uploads).
     Returns the store key."""
-    from diloco.codec import encode_tensors
-    from diloco.store import write_file_atomic
+    from diloco.store.codec import encode_tensors
+    from diloco.store.objects import write_file_atomic
 
     data = encode_tensors(tensors, metadata)
     key = FINAL_KEY.format(rank=rank)
@@ -84,9 +84,9 @@ def check_final_weights(store: ObjectStore, world_size: int, ranks: Sequence[int
     ``ranks`` limits the check to those ranks (a ``min_replicas`` run that finished without some replicas: they
     hold no final weights). Holds at most two ranks' tensors in memory at a time. A missing object gives
     ``identical=None``; an unreadable one (corrupt, checksum mismatch) gives ``identical=False`` naming it.
-    A compacted store holds one copy: its recorded verdict is ``diloco.housekeeping.compacted_verdict``'s.
+    A compacted store holds one copy: its recorded verdict is ``diloco.launcher.housekeeping.compacted_verdict``'s.
     """
-    from diloco.codec import decode
+    from diloco.store.codec import decode
 
     checked = list(range(world_size)) if ranks is None else sorted(ranks)
     if not checked:
@@ -178,13 +178,13 @@ def write_model(path: str, tensors: Any, meta: Mapping[str, str], run_id: str) -
 
     The writer's ``rank`` is dropped (the file is the run's model, not one replica's); ``format`` and the checksum
     are set afresh, so a plain-safetensors input gets them too."""
-    from diloco.codec import encode_tensors
-    from diloco.output_path import make_parent
-    from diloco.store import write_file_atomic
+    from diloco.launcher.output_path import make_parent
+    from diloco.store.codec import encode_tensors
+    from diloco.store.objects import write_file_atomic
 
     keep = {k: v for k, v in meta.items() if k not in ("rank", "format", "sha256")}
     path = os.path.abspath(path)
-    make_parent(path)  # ``--output`` may name directories that do not exist yet (diloco.output_path)
+    make_parent(path)  # ``--output`` may name directories that do not exist yet (diloco.launcher.output_path)
     write_file_atomic(path, encode_tensors(tensors, {**keep, "run_id": run_id}))
     return path
 
@@ -193,14 +193,14 @@ def write_agreed_model(store: ObjectStore, check: WeightsCheck, path: str, run_i
     """Write the model of an ``identical`` check to ``path``; returns its absolute path.
 
     With the check's tensors in hand, ``write_model``. A compacted store's reused verdict has none: the kept copy
-    is read, its bytes must still hash to what was checked, and when it is ours (``diloco.codec`` checksum in its
+    is read, its bytes must still hash to what was checked, and when it is ours (``diloco.store.codec`` checksum in its
     metadata) the model file is those bytes with the model's metadata in the header (``with_model_metadata``), no
     torch needed; a plain safetensors copy (written by a trainer itself) is decoded and written as usual."""
     import hashlib
 
-    from diloco.codec import FORMAT, decode
-    from diloco.output_path import make_parent
-    from diloco.store import write_file_atomic
+    from diloco.launcher.output_path import make_parent
+    from diloco.store.codec import FORMAT, decode
+    from diloco.store.objects import write_file_atomic
 
     if check.tensors is not None:
         return write_model(path, check.tensors, check.metadata, run_id)

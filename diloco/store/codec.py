@@ -36,7 +36,7 @@ from diloco.errors import CorruptObjectError
 if TYPE_CHECKING:
     import torch
 
-    from diloco.store import ObjectStore
+    from diloco.store.objects import ObjectStore
 
 FORMAT = "diloco.tensors/1"
 _CHECKSUM_KEY = "sha256"

@@ -18,7 +18,7 @@ Replicas never talk to each other; everything they share goes through here. The 
   exactly what one round cost, without trusting a formula.
 * Transient failures (throttling, dropped connections, timeouts) are retried a bounded number of times with
   exponential backoff and jitter; then a ``StoreError`` naming the key and the operation is raised. (On S3 this
-  loop sits on top of botocore's per-request retries; ``diloco/s3.py`` documents the total bound.)
+  loop sits on top of botocore's per-request retries; ``diloco/store/s3.py`` documents the total bound.)
 
 Keys are ``/``-separated paths relative to the store's root URI. Objects whose basename starts with ``.`` are
 in-flight temporaries and are never listed.
@@ -134,7 +134,7 @@ def _filesystem(protocol: str, storage_options: dict[str, Any]) -> fsspec.Abstra
     """A filesystem that never serves a stale listing and is not shared through fsspec's instance cache."""
     options = dict(storage_options)
     if protocol == "s3":
-        from diloco.s3 import s3_storage_options  # lazy: boto/s3fs only when an s3:// URI is used
+        from diloco.store.s3 import s3_storage_options  # lazy: boto/s3fs only when an s3:// URI is used
 
         options = {**s3_storage_options(), **options}
     options.setdefault("skip_instance_cache", True)
@@ -143,7 +143,7 @@ def _filesystem(protocol: str, storage_options: dict[str, Any]) -> fsspec.Abstra
     try:
         fs = fsspec.filesystem(protocol, **options)
         if protocol == "s3":
-            from diloco.s3 import configure_filesystem
+            from diloco.store.s3 import configure_filesystem
 
             configure_filesystem(fs)
         return fs
@@ -178,11 +178,11 @@ class ObjectStore:
         self.max_backoff_s = max_backoff_s
         self._storage_options = dict(storage_options or {})
         options = dict(self._storage_options)
-        # S3 only (diloco/s3.py): extra transient error types, clearer permanent errors, multipart part size.
+        # S3 only (diloco/store/s3.py): extra transient error types, clearer permanent errors, multipart part size.
         self._transient: tuple[type[BaseException], ...] = (OSError, ConnectionError, TimeoutError)
         self._put_kwargs: dict[str, Any] = {}
         if self.protocol == "s3":
-            from diloco import s3
+            from diloco.store import s3
 
             self._transient += s3.transient_errors()
             self._put_kwargs = s3.pop_put_kwargs(options)
@@ -243,7 +243,7 @@ class ObjectStore:
 
     def _describe(self, exc: BaseException) -> str:
         if self.protocol == "s3":
-            from diloco.s3 import describe_error
+            from diloco.store.s3 import describe_error
 
             return describe_error(exc)
         return f"{type(exc).__name__}: {exc}"
@@ -251,7 +251,7 @@ class ObjectStore:
     def _explain(self, op: str, key: str, exc: BaseException) -> BaseException | None:
         if self.protocol != "s3":
             return None
-        from diloco.s3 import explain_error
+        from diloco.store.s3 import explain_error
 
         return explain_error(op, self.url(key), exc)
 
@@ -270,7 +270,7 @@ class ObjectStore:
         elif self.protocol == "s3" and len(data) >= 2 * self._put_kwargs["chunksize"]:
             # Above s3fs's own threshold: the same multipart sequence, but the parts are views of ``data`` (s3fs
             # copies up to 10 parts at once, and botocore copies a bytes body again), and every part is counted.
-            from diloco import s3
+            from diloco.store import s3
 
             s3.put_stream(self, key, [data], single_put_max=0)
             return
@@ -291,7 +291,7 @@ class ObjectStore:
         if self._local:
             written = self._write_local_stream(key, _size_checked(chunks, size, self.url(key)))
         elif self.protocol == "s3":
-            from diloco import s3
+            from diloco.store import s3
 
             written = s3.put_stream(self, key, chunks, expected_size=size)
             return written
@@ -367,7 +367,7 @@ class ObjectStore:
         if self._local:
             read: Callable[[], bytearray] = lambda: _read_local_range(path, start, end)  # noqa: E731
         elif self.protocol == "s3":
-            from diloco import s3
+            from diloco.store import s3
 
             read = lambda: s3.read_range(self.fs, path, start, end)  # noqa: E731
         else:

@@ -19,7 +19,7 @@ Why it looks the way it does:
   "stopped by SIGTERM") and exits with the root cause's code, so the CLI and the Kubernetes failure policy see
   what they would see for a one-process replica.
 
-Not yet: the inner optimizer's per-replica checkpoints (``$DILOCO_CHECKPOINT_DIR``, ``diloco.checkpoint``) are off in
+Not yet: the inner optimizer's per-replica checkpoints (``$DILOCO_CHECKPOINT_DIR``, ``diloco.replica.checkpoint``) are off in
 a multi-process replica (``LocalGroupManager`` has no ``rounds``), because every local process would have to restore
 the same state; a rejoining multi-process replica starts its inner optimizer fresh, as the log says.
 
@@ -42,9 +42,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 if TYPE_CHECKING:
     import torch
 
-    from diloco.checkpoint import CommittedRound
+    from diloco.replica.checkpoint import CommittedRound
 
-log = logging.getLogger("diloco.local_group")
+log = logging.getLogger("diloco.replica.local_group")
 
 #: Set by the launching process for its children: the directory each child writes its last error line into. Its
 #: presence (with torch's ``LOCAL_RANK``) is what makes a replica entrypoint a child instead of a launcher.
@@ -86,7 +86,7 @@ def check_procs_per_replica(requested: int | None, trainer: Callable[..., Any], 
     if requested is not None and requested > 1 and not trainer_supports_local_processes(trainer):
         raise ConfigError(f"train.procs_per_replica (--procs-per-replica {requested}): trainer {trainer_name} runs "
                           f"one process per replica",
-                          hint="use a trainer marked @diloco.local_group.supports_local_processes (e.g. "
+                          hint="use a trainer marked @diloco.replica.local_group.supports_local_processes (e.g. "
                                "diloco.trainers.hf:train), or drop --procs-per-replica")
 
 
@@ -245,9 +245,9 @@ class _BroadcastWork:
 
 
 class LocalGroupManager:
-    """The outer loop's ``Manager`` (``diloco.outer.Manager``) for one process of a multi-process replica.
+    """The outer loop's ``Manager`` (``diloco.replica.outer.Manager``) for one process of a multi-process replica.
 
-    On local rank 0 every call goes to the real manager (``diloco.manager.ObjectStoreManager``) and what the other
+    On local rank 0 every call goes to the real manager (``diloco.replica.manager.ObjectStoreManager``) and what the other
     ranks need from it is broadcast; on the other ranks nothing touches the store: they receive. ``metrics`` and
     ``store`` exist only on local rank 0, so the outer loop records progress and exports the final weights once
     per replica."""
@@ -362,7 +362,7 @@ class LocalGroupManager:
         self._step = round_
         if state is not None:
             return state
-        from diloco.checkpoint import CommittedRound
+        from diloco.replica.checkpoint import CommittedRound
 
         return CommittedRound(round=round_, tensors=tensors, run_id=run_id)
 
@@ -408,7 +408,7 @@ def write_child_error(env: Mapping[str, str], message: str, *, derived: bool = F
 
 
 def launch_local_processes(procs: int, child_argv: list[str], *, timeout_s: float) -> ChildFailure | None:
-    """Run ``python -m diloco.replica_entrypoint <child_argv>`` as ``procs`` local processes under torch's elastic
+    """Run ``python -m diloco.replica.entrypoint <child_argv>`` as ``procs`` local processes under torch's elastic
     launcher and wait for them; ``None`` when all succeeded, else the root cause.
 
     Raises torch's ``SignalException`` when this process is stopped (SIGTERM): the launcher has then stopped the
@@ -419,7 +419,7 @@ def launch_local_processes(procs: int, child_argv: list[str], *, timeout_s: floa
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=procs, run_id=f"diloco-{uuid.uuid4().hex[:12]}",
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.5,
                           rdzv_configs={"timeout": int(max(900.0, timeout_s))})
-    args = ["-u", "-m", "diloco.replica_entrypoint", *child_argv]
+    args = ["-u", "-m", "diloco.replica.entrypoint", *child_argv]
     with tempfile.TemporaryDirectory(prefix="diloco-local-") as errors, _children_env(errors):
         try:
             elastic_launch(config, sys.executable)(*args)

@@ -1,22 +1,22 @@
 """Where things live in a run's rendezvous store: one place, shared by the replicas and the orchestrator.
 
-    round_NNNNNN/rank_RRRR.safetensors   each rank's contribution to one all-reduce round (see diloco.allreduce);
+    round_NNNNNN/rank_RRRR.safetensors   each rank's contribution to one all-reduce round (see diloco.collectives.allreduce);
                                          NNNNNN is the round's zero-based index: round 1 is round_000000
     round_NNNNNN/manifest.json           with min_replicas only: the ranks whose contributions that round averages,
                                          created exactly once (diloco.collectives.gather)
     round_NNNNNN/shard_SSSS.safetensors  sharded all-reduce only: the mean of shard SSSS of that round, published by
                                          its owner (rank SSSS) for the others to read (diloco.collectives.sharded)
-    metrics/rank_RRRR.jsonl              each rank's history: init, one row per outer round, final (diloco.metrics)
+    metrics/rank_RRRR.jsonl              each rank's history: init, one row per outer round, final (diloco.replica.metrics)
     progress/rank_RRRR.json              each rank's latest progress row, overwritten every few seconds
     final/rank_RRRR.safetensors          each rank's final global weights (identical across ranks)
     final/compacted.json                 after collect found every copy identical: the one copy kept and its hash
     committed/round_NNNNNN/{state.safetensors,COMMITTED}
-                                         the global state after round NNNNNN (from 1), marker last (diloco.checkpoint)
+                                         the global state after round NNNNNN (from 1), marker last (diloco.replica.checkpoint)
     relaunch/rank_RRRR.json              a relaunch of rank RRRR in progress: peers extend their wait (launcher)
     rejoin/rank_RRRR.json                rank RRRR rejoined the run for one round: peers owe it that round's time
     logs/rank_RRRR/<attempt>/chunk_NNNNNN.json, end.json
                                          a replica's own output and exit code, where a backend asks the replicas
-                                         to ship them (diloco.replica_log): it outlives the pods
+                                         to ship them (diloco.store.logs): it outlives the pods
     run.json                             the launcher's record of the run (id and resolved config)
     spec.json                            the replicas' settings (``EntrypointArgs`` as JSON), written by the
                                          launcher before any replica starts and read by each (``--spec``)
@@ -43,7 +43,7 @@ RUN_INFO_KEY = "run.json"
 SPEC_KEY = "spec.json"
 LOGS_PREFIX = "logs"
 
-# Committed rounds (diloco.checkpoint): the global state after round N (numbered from 1), data then marker.
+# Committed rounds (diloco.replica.checkpoint): the global state after round N (numbered from 1), data then marker.
 COMMITTED_PREFIX = "committed/"
 COMMITTED_DATA_KEY = "committed/round_{round:06d}/state.safetensors"
 COMMITTED_MARKER_KEY = "committed/round_{round:06d}/COMMITTED"

@@ -1,4 +1,4 @@
-"""``python -m diloco.replica_entrypoint``: what every replica job runs, on every backend.
+"""``python -m diloco.replica.entrypoint``: what every replica job runs, on every backend.
 
 It resolves who this replica is, builds the object-store all-reduce and its manager, imports the trainer and
 calls it with ``manager=``, ``rank=`` and ``world_size=`` injected next to the user's kwargs.
@@ -8,35 +8,35 @@ Where the values come from (an explicit flag always wins over the environment):
 * rank: ``--rank``, else ``REPLICA_RANK`` (set by every diloco backend), else ``JOB_COMPLETION_INDEX``
   (Kubernetes Indexed Jobs);
 * world size: ``--world-size``, else ``WORLD_SIZE``; rendezvous: ``--rendezvous``, else ``RENDEZVOUS_URI``;
-* trainer: ``--trainer module:fn`` or ``--trainer-module``/``--trainer-fn`` (default ``diloco.trainer:diloco_train``);
+* trainer: ``--trainer module:fn`` or ``--trainer-module``/``--trainer-fn`` (default ``diloco.trainers.gpt:diloco_train``);
 * every setting at once: ``--spec URI`` (what ``diloco launch`` passes), the run's spec object (``ReplicaSpec``:
   the launcher's ``EntrypointArgs`` as JSON in the store), checked against ``--spec-sha256``, its format, the run
   id and its own location, then expanded into the flags above (flags given next to it win).
 
 Before anything touches the store, the trainer kwargs are checked against the trainer's signature, its type
-annotations and its preflight hook (``diloco.trainer_check``), with the replica's own machine as the target; values
+annotations and its preflight hook (``diloco.trainers.preflight``), with the replica's own machine as the target; values
 are coerced where that is lossless (``"3e-4"`` to ``0.0003`` for a ``float`` parameter).
 
-Restarts: every committed round's global state is kept in the store (``diloco.checkpoint``); a replica started
+Restarts: every committed round's global state is kept in the store (``diloco.replica.checkpoint``); a replica started
 for a rank of a run already past round 0 (a relaunch, a spot restart, a pod retry) rejoins at the round its peers
-are in when its outer loop is entered (``diloco.manager.ObjectStoreManager.rejoin``, ``diloco.outer``). So does one
+are in when its outer loop is entered (``diloco.replica.manager.ObjectStoreManager.rejoin``, ``diloco.replica.outer``). So does one
 that was dropped from a ``min_replicas`` round (exit 75, below): its peers committed that round without it.
 
-What it records for every trainer: the manager's ``MetricsWriter`` (``diloco.metrics``) is the target of
+What it records for every trainer: the manager's ``MetricsWriter`` (``diloco.replica.metrics``) is the target of
 ``diloco.report(...)`` for the whole trainer call; it knows ``total_steps`` (from the kwargs, else the trainer's
 default); the outer loop records progress and the final global weights; after the trainer returns, a trainer
 that recorded anything but never left an outer loop gets its ``final`` row here.
 
 Several local processes (``--procs-per-replica K``, default one per visible GPU for a trainer marked
-``@diloco.local_group.supports_local_processes``, else 1): this process checks everything above, then starts K
-copies of itself with torch's elastic launcher and waits (``diloco.local_group``). Each child joins the replica's
+``@diloco.replica.local_group.supports_local_processes``, else 1): this process checks everything above, then starts K
+copies of itself with torch's elastic launcher and waits (``diloco.replica.local_group``). Each child joins the replica's
 local process group (NCCL on GPUs, gloo on CPU); local rank 0 alone builds the store all-reduce, the manager, the
 metrics and the TensorBoard writer, and the others receive each round's result by broadcast. The replica exits with
 the root cause's code and its ``diloco: error:`` line comes last; its log holds every child's lines, prefixed
 ``[rank R.L]``.
 
 TensorBoard (``--tensorboard DIR``): the metrics rows are also written as TensorBoard events under
-``DIR/rank_RRRR`` (``diloco.tensorboard``); without the ``tensorboard`` package the replica exits 2 before training.
+``DIR/rank_RRRR`` (``diloco.replica.tensorboard``); without the ``tensorboard`` package the replica exits 2 before training.
 
 Exit codes: 0 success; 1 the training failed (the full traceback of the exception on stderr, then one last line
 ``diloco: error: ...``, which is what the CLI quotes; an all-reduce timeout is the one line alone and names the
@@ -67,10 +67,10 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from diloco import envvars
 from diloco.errors import AllReduceTimeout, ConfigError, error_line
-from diloco.metrics import DEFAULT_PROGRESS_INTERVAL_S
-from diloco.trainer_check import INJECTED, check_trainer_kwargs
+from diloco.replica.metrics import DEFAULT_PROGRESS_INTERVAL_S
+from diloco.trainers.preflight import INJECTED, check_trainer_kwargs
 
-DEFAULT_TRAINER = "diloco.trainer:diloco_train"
+DEFAULT_TRAINER = "diloco.trainers.gpt:diloco_train"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 #: Dropped from a ``min_replicas`` round (sysexits' EX_TEMPFAIL): curable by a relaunch, which rejoins the run.
 EXIT_DROPPED = 75
@@ -110,10 +110,10 @@ class ReplicaArgs:
     poll_interval_s: float = 1.0
     run_id: str | None = None  # from DILOCO_RUN_ID; tags every contribution so runs never mix in one prefix
     progress_interval_s: float = DEFAULT_PROGRESS_INTERVAL_S
-    allreduce: str = "gather"  # the collective: "gather" or "sharded" (diloco.allreduce.create_allreduce)
+    allreduce: str = "gather"  # the collective: "gather" or "sharded" (diloco.collectives.allreduce.create_allreduce)
     compression: str = "none"  # the pseudo-gradient's wire format
     error_feedback: bool = True  # keep a lossy format's residual for the next round
-    spread: int = 1  # prefixes a round's keys are spread over (diloco.layout)
+    spread: int = 1  # prefixes a round's keys are spread over (diloco.store.layout)
     min_replicas: int | None = None  # partial participation; None: every round needs every replica
     procs_per_replica: int | None = None  # local processes in this replica (None: every GPU, else 1)
     tensorboard: str | None = None  # also write TensorBoard events here
@@ -140,11 +140,11 @@ class _Parser(argparse.ArgumentParser):
     """argparse that raises instead of printing usage and exiting, so every error is our one line."""
 
     def error(self, message: str) -> NoReturn:
-        raise UsageError(message, "see python -m diloco.replica_entrypoint --help")
+        raise UsageError(message, "see python -m diloco.replica.entrypoint --help")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m diloco.replica_entrypoint",
+    p = _Parser(prog="python -m diloco.replica.entrypoint",
                 description="Run one DiLoCo replica: all-reduce through an object store, then the trainer.")
     p.add_argument("--rendezvous", metavar="URI", help=f"rendezvous store root (else ${envvars.RENDEZVOUS_URI})")
     p.add_argument("--world-size", metavar="N", help=f"number of replicas (else ${envvars.WORLD_SIZE})")
@@ -204,7 +204,7 @@ def read_spec(uri: str, sha256: str | None, run_id: str | None) -> EntrypointArg
 
     from diloco.errors import ObjectNotFound
     from diloco.executors.base import SPEC_FORMAT, ReplicaSpec
-    from diloco.store import ObjectStore
+    from diloco.store.objects import ObjectStore
 
     folder, _, key = uri.rstrip("/").rpartition("/")
     if not folder or not key or "://" not in folder:
@@ -304,7 +304,7 @@ def _trainer(spec: str | None, module: str | None, fn: str | None) -> tuple[str,
     """``--trainer M:F`` or ``--trainer-module``/``--trainer-fn``; both given must agree."""
     if spec is not None:
         if spec.count(":") != 1 or not all(spec.split(":")):
-            raise UsageError(f"--trainer={spec!r} is not MODULE:FN", "e.g. --trainer diloco.trainer:diloco_train")
+            raise UsageError(f"--trainer={spec!r} is not MODULE:FN", "e.g. --trainer diloco.trainers.gpt:diloco_train")
         s_module, s_fn = spec.split(":")
         if (module and module != s_module) or (fn and fn != s_fn):
             raise UsageError(f"--trainer {spec} disagrees with --trainer-module/--trainer-fn",
@@ -453,10 +453,10 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
 
     A replica of K > 1 local processes (``--procs-per-replica``) is this function twice over: the process the
     backend started checks everything, then launches K children with torch's elastic launcher and waits
-    (``run_local_processes``); each child (``diloco.local_group.is_child``) trains as one process of the replica's
+    (``run_local_processes``); each child (``diloco.replica.local_group.is_child``) trains as one process of the replica's
     local group (``run_replica``)."""
     from diloco.errors import DilocoError
-    from diloco.local_group import is_child
+    from diloco.replica.local_group import is_child
 
     env = os.environ if env is None else env
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -486,7 +486,7 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
 
 def check_tensorboard_flag(directory: str) -> None:
     """``--tensorboard DIR`` usable here (the package importable, DIR a kind we write), before any store traffic."""
-    from diloco.tensorboard import check_tensorboard
+    from diloco.replica.tensorboard import check_tensorboard
 
     try:
         check_tensorboard(directory)
@@ -495,9 +495,9 @@ def check_tensorboard_flag(directory: str) -> None:
 
 
 def procs_per_replica(args: ReplicaArgs, trainer: Callable[..., Any]) -> int:
-    """Local processes for this replica (``diloco.local_group.resolve_procs_per_replica``); ``UsageError`` when the
+    """Local processes for this replica (``diloco.replica.local_group.resolve_procs_per_replica``); ``UsageError`` when the
     trainer or the machine cannot run the number asked for."""
-    from diloco.local_group import resolve_procs_per_replica
+    from diloco.replica.local_group import resolve_procs_per_replica
 
     if args.procs_per_replica == 1:
         return 1  # no torch import for the common case
@@ -512,7 +512,7 @@ def run_local_processes(args: ReplicaArgs, procs: int, argv: list[str]) -> int:
     """Start ``procs`` copies of this entrypoint as the replica's local process group and wait for them; the exit
     code (and the last ``diloco: error:`` line) is the root cause's. SIGTERM stops them all (the elastic launcher
     forwards it), and exits 143."""
-    from diloco.local_group import launch_local_processes
+    from diloco.replica.local_group import launch_local_processes
 
     restore_logging = setup_logging(args.rank)
     saved = _signal_handlers()
@@ -561,7 +561,7 @@ def _restore_signal_handlers(saved: Mapping[int, Any]) -> None:
 def run_replica(args: ReplicaArgs, trainer: Callable[..., Any], kwargs: dict[str, Any],
                 env: Mapping[str, str]) -> int:
     """Train as this replica (or, in a multi-process replica, as one of its local processes); the exit code."""
-    from diloco.local_group import is_child
+    from diloco.replica.local_group import is_child
 
     debug = env.get(envvars.DILOCO_DEBUG, "") not in ("", "0")
     child = is_child(env)
@@ -572,23 +572,23 @@ def run_replica(args: ReplicaArgs, trainer: Callable[..., Any], kwargs: dict[str
     if _in_main_thread():
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        from diloco.metrics import reporting_to
+        from diloco.replica.metrics import reporting_to
 
         group = None
         if child:
-            from diloco.local_group import init_local_group
+            from diloco.replica.local_group import init_local_group
 
             group = init_local_group(env, timeout_s=args.timeout_s)
         manager: Any = None
         if group is None or group.is_leader:
             allreduce, manager = _store_manager(args, trainer, kwargs)
             if args.tensorboard is not None:
-                from diloco.tensorboard import TensorBoardWriter
+                from diloco.replica.tensorboard import TensorBoardWriter
 
                 board = TensorBoardWriter(args.tensorboard, args.rank)
                 manager.metrics.add_listener(board.on_row)
         if group is not None:
-            from diloco.local_group import LocalGroupManager
+            from diloco.replica.local_group import LocalGroupManager
 
             manager = LocalGroupManager(manager, group, rank=args.rank, world_size=args.world_size)
             log.info("replica %d/%d, local process %d/%d (%s on %s), trainer %s:%s", args.rank, args.world_size,
@@ -644,7 +644,7 @@ def run_replica(args: ReplicaArgs, trainer: Callable[..., Any], kwargs: dict[str
         if allreduce is not None:
             allreduce.close(wait=False)  # failed or stopped: never wait for an upload (no-op after success)
         if child:
-            from diloco.local_group import leave_local_group
+            from diloco.replica.local_group import leave_local_group
 
             leave_local_group()
         if previous is not None:
@@ -655,9 +655,9 @@ def run_replica(args: ReplicaArgs, trainer: Callable[..., Any], kwargs: dict[str
 
 def _store_manager(args: ReplicaArgs, trainer: Callable[..., Any], kwargs: Mapping[str, Any]) -> tuple[Any, Any]:
     """The replica's object-store all-reduce and the manager over it (in a multi-process replica: local rank 0's)."""
-    from diloco.allreduce import create_allreduce
-    from diloco.checkpoint import RoundCheckpoints
-    from diloco.manager import ObjectStoreManager
+    from diloco.collectives.allreduce import create_allreduce
+    from diloco.replica.checkpoint import RoundCheckpoints
+    from diloco.replica.manager import ObjectStoreManager
 
     allreduce = create_allreduce(args.rendezvous, args.rank, args.world_size, strategy=args.allreduce,
                                  compression=args.compression, error_feedback=args.error_feedback,
@@ -672,7 +672,7 @@ def _store_manager(args: ReplicaArgs, trainer: Callable[..., Any], kwargs: Mappi
 def _fail(env: Mapping[str, str], message: str, *, derived: bool = False) -> None:
     """The one ``diloco: error:`` line; in a local process of a multi-process replica also kept for the launching
     process, which repeats the root cause's line last (``derived``: this error relays another process's)."""
-    from diloco.local_group import write_child_error
+    from diloco.replica.local_group import write_child_error
 
     error_line(message)
     write_child_error(env, message, derived=derived)
@@ -680,7 +680,7 @@ def _fail(env: Mapping[str, str], message: str, *, derived: bool = False) -> Non
 
 def _relayed(exc: BaseException) -> bool:
     """Whether ``exc`` only relays local rank 0's failure to another local process (``LocalRoundFailed``)."""
-    from diloco.local_group import LocalRoundFailed
+    from diloco.replica.local_group import LocalRoundFailed
 
     return _in_chain(exc, LocalRoundFailed) is not None
 
@@ -698,7 +698,7 @@ def _in_main_thread() -> bool:
 
 
 if __name__ == "__main__":
-    from diloco.replica_log import ship_output
+    from diloco.store.logs import ship_output
 
     shipping = ship_output()  # the replica's own log into the run's store, when the backend asks for it
     code = main()

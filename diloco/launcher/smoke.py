@@ -42,12 +42,12 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
-from diloco.doctor import Check, Status
 from diloco.errors import ConfigError
+from diloco.launcher.doctor import Check, Status
 
 if TYPE_CHECKING:
     from diloco.executors.base import Backend, LaunchPlan, LaunchSpec
-    from diloco.runs import RunRecord
+    from diloco.launcher.runs import RunRecord
 
 #: The tiny model and schedule: seconds per round on a laptop core, yet the full DiLoCo path.
 TINY_TRAINER_KWARGS: dict[str, Any] = {
@@ -152,7 +152,7 @@ def run_smoke(
 
     Ctrl-C, SIGTERM and SIGHUP stop it the same way: the replicas are stopped (and waited for), then, unless
     ``keep``, its store prefix and temporary directory are deleted, and ``KeyboardInterrupt`` propagates."""
-    from diloco.signals import terminate_as_interrupt
+    from diloco.executors.signals import terminate_as_interrupt
 
     with terminate_as_interrupt():
         return _run_smoke(s3_uri=s3_uri, replicas=replicas, keep=keep, timeout_s=timeout_s,
@@ -173,8 +173,8 @@ def resolve_target(*, config_path: str | Path | None = None, backend: str | None
     (``config_path``), switched by ``backend``, with the backend flags (``{"role": ARN}``) the chosen backend takes
     (one it does not take is a ``ConfigError``); the store from ``s3``, else the config's s3:// rendezvous, else
     ``$DILOCO_S3_URI``. A given config must be valid as a whole (with the smoke's store as its rendezvous)."""
-    from diloco.config import backend_config, merge_sources, validate
-    from diloco.s3 import resolve_s3_uri
+    from diloco.launcher.config import backend_config, merge_sources, validate
+    from diloco.store.s3 import resolve_s3_uri
 
     data = merge_sources(config_path, {"backend": backend}, backend_flags=dict(backend_flags or {}))
     store = data.get("store") if isinstance(data.get("store"), dict) else {}
@@ -225,13 +225,13 @@ def _run_smoke(
 ) -> SmokeReport:
     """``run_smoke``'s body, run with SIGTERM and SIGHUP taking Ctrl-C's path."""
     from diloco.executors.base import ReplicaState
-    from diloco.metrics import read_history
-    from diloco.orchestrate import RunView
-    from diloco.runs import RunRecord
-    from diloco.s3 import parse_s3_uri
-    from diloco.signals import signals_deferred
-    from diloco.store import ObjectStore
-    from diloco.weights import check_final_weights
+    from diloco.executors.signals import signals_deferred
+    from diloco.launcher.orchestrate import RunView
+    from diloco.launcher.runs import RunRecord
+    from diloco.launcher.weights import check_final_weights
+    from diloco.replica.metrics import read_history
+    from diloco.store.objects import ObjectStore
+    from diloco.store.s3 import parse_s3_uri
 
     say = progress or (lambda _msg: None)
     if not 1 <= replicas <= MAX_REPLICAS:
@@ -384,7 +384,7 @@ def _where_logs_are(work_dir: str, run_id: str, job_ids: list[str]) -> str:
 def _stop_replicas(view: Any, patience_s: float = 30.0) -> None:
     """Stop the smoke's replicas and wait until they have ended, so nothing writes into the directory about to be
     deleted. Signals are held meanwhile; another Ctrl-C only hurries the stop (a second cancel kills at once)."""
-    from diloco.signals import signals_deferred
+    from diloco.executors.signals import signals_deferred
 
     with signals_deferred() as hurry:
         if view.status().terminal:
@@ -403,7 +403,7 @@ def _await_rollback(view: Any, patience_s: float = 30.0) -> None:
     """After a failed submit, whose backend has already asked what it created to stop: wait until those replicas
     (the ones with a job id) have ended, so nothing (a stopped job's last upload, a replica's last write) lands in
     the prefix after the clean-up. Signals are held meanwhile."""
-    from diloco.signals import signals_deferred
+    from diloco.executors.signals import signals_deferred
 
     with signals_deferred():
         deadline = time.monotonic() + patience_s
@@ -429,8 +429,8 @@ def _smoke_fields(work_dir: str) -> dict[str, Any]:
 def _smoke_backend(choice: str | Mapping[str, Any] | None, work_dir: str) -> Backend[Any, Any]:
     """The backend to run on: ``choice`` (a name or a section; default: the default backend) with the smoke's
     preferences (``_smoke_fields``) where it has such fields. ``ConfigError`` for an invalid section."""
-    from diloco.config import backend_config
     from diloco.executors import config_type, create_backend
+    from diloco.launcher.config import backend_config
 
     section = _as_section(choice)
     fields = config_type(section["kind"]).model_fields

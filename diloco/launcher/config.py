@@ -45,7 +45,7 @@ class StoreConfig(_Strict):
     timeout_s: float = Field(1800.0, gt=0)  # how long a replica waits for its peers in one round
     #: How often a waiting replica looks for its peers' uploads (the default's cost and latency: diloco.defaults).
     poll_interval_s: float = Field(DEFAULT_POLL_INTERVAL_S, gt=0)
-    #: How a round's pseudo-gradients are averaged (diloco.allreduce): "gather" (every rank reads every peer's
+    #: How a round's pseudo-gradients are averaged (diloco.collectives.allreduce): "gather" (every rank reads every peer's
     #: object, (N-1)*S bytes) or "sharded" (reduce-scatter + all-gather through the store, under 2*S bytes).
     allreduce: Literal["gather", "sharded"] = "gather"
     #: The pseudo-gradient's format on the wire; fp32 accumulation after decode, per-block scales for integers.
@@ -53,7 +53,7 @@ class StoreConfig(_Strict):
     #: Keep what a lossy format dropped and add it to the next round's contribution (error feedback).
     error_feedback: bool = True
     #: Spread a round's keys over this many prefixes (``p{i mod P}/``): at large N, S3's per-prefix request rate,
-    #: not bandwidth, limits a round first (diloco.layout).
+    #: not bandwidth, limits a round first (diloco.store.layout).
     spread: int = Field(1, ge=1, le=4096)
 
 
@@ -65,7 +65,7 @@ class TrainConfig(_Strict):
     sync_every: int = Field(50, ge=1)  # inner steps between outer rounds (DiLoCo's H)
     trainer_kwargs: dict[str, Any] = Field(default_factory=dict)  # model/data knobs of the trainer
     #: "sync": DiLoCo rounds; "async": rank 0 is a master applying each replica's delta as it arrives
-    #: (diloco.async_diloco); passed to the trainer as ``mode`` only when "async".
+    #: (diloco.replica.async_diloco); passed to the trainer as ``mode`` only when "async".
     mode: Literal["sync", "async"] = "sync"
     #: Local processes per replica (inner data parallelism over the instance's devices); ``null``: every GPU of
     #: the instance, 1 on a CPU-only machine.

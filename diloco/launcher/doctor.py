@@ -26,8 +26,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from diloco.config import resolve_config
 from diloco.executors import DEFAULT_BACKEND
+from diloco.launcher.config import resolve_config
 
 PROBE_DIR = "_diloco_doctor"
 _ECR_RE = re.compile(
@@ -103,9 +103,9 @@ class DoctorContext:
         return self.resolved_region()[0]
 
     def resolved_region(self) -> tuple[str | None, str | None]:
-        """``(region, where it came from)`` (``diloco.aws_region``), resolved once."""
+        """``(region, where it came from)`` (``diloco.store.aws_region``), resolved once."""
         if self._region is None:
-            from diloco.aws_region import resolve_region
+            from diloco.store.aws_region import resolve_region
 
             self._region = resolve_region(self.option("region"))
         return self._region
@@ -129,7 +129,7 @@ class DoctorContext:
         """A boto3 client with short timeouts and 2 attempts (unless AWS_MAX_ATTEMPTS/AWS_RETRY_MODE say else)."""
         from botocore.config import Config
 
-        from diloco.s3 import retry_config
+        from diloco.store.s3 import retry_config
 
         config = Config(connect_timeout=3, read_timeout=10, **retry_config(2))
         return self.session().client(service, region_name=region, config=config)
@@ -159,7 +159,7 @@ def explain_aws_error(exc: BaseException, action: str) -> tuple[str, str]:
     if isinstance(exc, bx.ProfileNotFound):
         return (str(exc), "set AWS_PROFILE to a profile in ~/.aws/config (`aws configure list-profiles`)")
     if isinstance(exc, bx.NoRegionError):
-        from diloco.aws_region import REGION_HINT
+        from diloco.store.aws_region import REGION_HINT
 
         return ("no AWS region configured", REGION_HINT)
     if isinstance(exc, (bx.EndpointConnectionError, bx.ConnectTimeoutError, bx.ConnectionClosedError,
@@ -216,7 +216,7 @@ def check_region(ctx: DoctorContext) -> Check:
     name = "aws region"
     if ctx.file_store_ok and not ctx.s3_uri:
         return skip_check(name, "no --s3: replicas meet in a file:// store")
-    from diloco.aws_region import REGION_HINT
+    from diloco.store.aws_region import REGION_HINT
 
     try:
         region, source = ctx.resolved_region()
@@ -268,7 +268,7 @@ def check_read_write(ctx: DoctorContext) -> list[Check]:
         return [skip_check(rw, "no S3 URI"), skip_check(cc, "no S3 URI")]
     if _failed(ctx, "s3 bucket"):
         return [skip_check(rw, "bucket not reachable (see above)"), skip_check(cc, "bucket not reachable (see above)")]
-    from diloco.store import ObjectStore, probe_conditional_create
+    from diloco.store.objects import ObjectStore, probe_conditional_create
 
     probe_dir = "/".join(p for p in (ctx.prefix, PROBE_DIR, uuid.uuid4().hex) if p)
     store = ObjectStore(f"s3://{ctx.bucket}/{probe_dir}", retries=1, backoff_s=0.2)
@@ -352,7 +352,7 @@ def check_run_directory(ctx: DoctorContext) -> Check:
     import shutil
     import tempfile
 
-    from diloco.runs import runs_dir
+    from diloco.launcher.runs import runs_dir
 
     name = "run directory"
     target = runs_dir()
@@ -395,7 +395,7 @@ def resolve_inputs(
     ``options`` are flag values for the backend's config fields (e.g. ``{"role_arn": ...}``); a flag a backend
     has no field for is ignored, so one ``--image`` serves backends that call the field differently.
     """
-    from diloco.s3 import resolve_s3_uri
+    from diloco.store.s3 import resolve_s3_uri
 
     cfg = resolve_config(config_path) if config_path is not None else None
     kind = backend or (cfg.backend.kind if cfg is not None else DEFAULT_BACKEND)

@@ -4,7 +4,7 @@ torchft's Manager runs quorums, heals joiners and swallows collective errors int
 step is discarded and retried by a smaller quorum. Here the replica set is fixed for the whole run, and a round that
 some rank skipped can never be repaired (the ranks' round counters would drift apart). A replica that *dies*, or
 is dropped from a ``min_replicas`` round it was late for (it exits 75), is different: the launcher relaunches it
-and it rejoins (``rejoin``: the latest committed round, ``diloco.checkpoint``,
+and it rejoins (``rejoin``: the latest committed round, ``diloco.replica.checkpoint``,
 loaded by the outer loop; its peers just wait a little longer). So the one rule that differs from torchft is:
 
 * **Errors are loud.** A failed all-reduce re-raises from ``Work.wait()`` and the replica fails (the orchestrator
@@ -33,15 +33,15 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from diloco.allreduce import AllReduceStats, AllReduceWork, Collective, Tensors
+from diloco.collectives.allreduce import AllReduceStats, AllReduceWork, Collective, Tensors
 from diloco.errors import DilocoError
-from diloco.metrics import DEFAULT_PROGRESS_INTERVAL_S, MetricsWriter
+from diloco.replica.metrics import DEFAULT_PROGRESS_INTERVAL_S, MetricsWriter
 
 if TYPE_CHECKING:
     import torch
 
-    from diloco.checkpoint import CommittedRound, RoundCheckpoints
-    from diloco.store import ObjectStore
+    from diloco.replica.checkpoint import CommittedRound, RoundCheckpoints
+    from diloco.store.objects import ObjectStore
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class ManagedWork:
 
 class ObjectStoreManager:
     """torchft-style ``Manager`` for a fixed set of replicas meeting through a store collective
-    (``diloco.collectives.Collective``: gather or sharded, as ``diloco.allreduce.create_allreduce`` built it)."""
+    (``diloco.collectives.Collective``: gather or sharded, as ``diloco.collectives.allreduce.create_allreduce`` built it)."""
 
     def __init__(
         self,
@@ -78,7 +78,7 @@ class ObjectStoreManager:
         rounds: RoundCheckpoints | None = None,
     ) -> None:
         """``total_steps`` (when known) and ``progress_interval_s`` configure the replica's metrics; ``rounds``
-        (a ``diloco.checkpoint.RoundCheckpoints``) turns on committing each round and rejoining from them."""
+        (a ``diloco.replica.checkpoint.RoundCheckpoints``) turns on committing each round and rejoining from them."""
         self._allreduce = allreduce
         self.rounds = rounds
         self.metrics = MetricsWriter(allreduce.store, allreduce.rank, total_steps=total_steps,

@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field
 
-from diloco.config import RunConfig, backend_config
 from diloco.errors import ConfigError, DilocoError, LaunchRefused
 from diloco.executors import create_backend
 from diloco.executors.base import (
@@ -38,16 +37,17 @@ from diloco.executors.base import (
     RunStatus,
 )
 from diloco.executors.failures import FailureVerdict
-from diloco.layout import RUN_INFO_KEY, SPEC_KEY
-from diloco.logstream import LogRecord, follow_merged, merged, tail
-from diloco.metrics import ReplicaProgress, read_progress
-from diloco.runs import RunRecord, RunRegistry, new_run_id
-from diloco.signals import terminate_as_interrupt
-from diloco.weights import WeightsCheck, check_final_weights, write_agreed_model
+from diloco.executors.logstream import LogRecord, follow_merged, merged, tail
+from diloco.executors.signals import terminate_as_interrupt
+from diloco.launcher.config import RunConfig, backend_config
+from diloco.launcher.runs import RunRecord, RunRegistry, new_run_id
+from diloco.launcher.weights import WeightsCheck, check_final_weights, write_agreed_model
+from diloco.replica.metrics import ReplicaProgress, read_progress
+from diloco.store.layout import RUN_INFO_KEY, SPEC_KEY
 
 if TYPE_CHECKING:
     from diloco.executors.base import Backend
-    from diloco.store import ObjectStore
+    from diloco.store.objects import ObjectStore
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ class RunSummary(BaseModel):
 def _add_async_status(report: RunReport, store: ObjectStore) -> None:
     """Async runs (``train.mode: async``): the published global version, each replica's last upload and its
     staleness, from the master's metadata. A synchronous run has none: one missing object, nothing changes."""
-    from diloco.async_diloco import read_async_status
+    from diloco.replica.async_diloco import read_async_status
 
     try:
         published = read_async_status(store)
@@ -189,10 +189,10 @@ def build_spec(cfg: RunConfig, run_id: str) -> LaunchSpec:
 
 
 def _tensorboard_for(cfg: RunConfig, run_id: str) -> str | None:
-    """The run's own TensorBoard directory, ``DIR/<run_id>`` (``diloco.tensorboard.run_directory``), or None."""
+    """The run's own TensorBoard directory, ``DIR/<run_id>`` (``diloco.replica.tensorboard.run_directory``), or None."""
     if cfg.metrics.tensorboard is None:
         return None
-    from diloco.tensorboard import run_directory
+    from diloco.replica.tensorboard import run_directory
 
     return run_directory(cfg.metrics.tensorboard, run_id)
 
@@ -215,7 +215,7 @@ def check_trainer(cfg: RunConfig) -> RunConfig:
     import importlib
     import sys
 
-    from diloco.trainer_check import check_trainer_kwargs
+    from diloco.trainers.preflight import check_trainer_kwargs
 
     local = cfg.backend.default_check_trainer_locally()
     module_name, fn_name = cfg.train.trainer.split(":", 1)
@@ -248,7 +248,7 @@ def check_trainer(cfg: RunConfig) -> RunConfig:
         raise ConfigError(f"train.trainer: {module_name!r} has no function {fn_name!r}"
                           + (f" (it has: {', '.join(public[:8])})" if public else ""),
                           hint="use --trainer module:function")
-    from diloco.local_group import check_procs_per_replica
+    from diloco.replica.local_group import check_procs_per_replica
 
     check_procs_per_replica(cfg.train.procs_per_replica, fn, cfg.train.trainer)
     owned = {"total_steps": cfg.train.steps, "sync_every": cfg.train.sync_every, **_mode_kwarg(cfg)}
@@ -297,7 +297,7 @@ def check_rendezvous(uri: str, *, probe: bool) -> None:
     check_writable_dir(raw, "store.rendezvous")
     if not probe:
         return
-    from diloco.store import ObjectStore
+    from diloco.store.objects import ObjectStore
 
     probe_key = f".diloco-probe-{os.getpid()}"
     try:
@@ -324,10 +324,10 @@ def require_conditional_create(store: ObjectStore, cfg: RunConfig) -> None:
 
     Only remote stores are asked (a local disk's hard link and ``memory://``'s lock always create once), and only
     when a setting needs it (``conditional_create_settings``); the probe is doctor's "s3 conditional create"
-    (``diloco.store.probe_conditional_create``) on a hidden key under the run's own, still empty prefix."""
+    (``diloco.store.objects.probe_conditional_create``) on a hidden key under the run's own, still empty prefix."""
     import uuid
 
-    from diloco.store import probe_conditional_create
+    from diloco.store.objects import probe_conditional_create
 
     needs = conditional_create_settings(cfg)
     if not needs or store.protocol in ("file", "memory"):
@@ -351,7 +351,7 @@ def preflight(cfg: RunConfig) -> RunConfig:
             update={"rendezvous": local_store_uri(cfg.store.rendezvous)})})
     check_rendezvous(rendezvous_for(cfg, "{run_id}"), probe=False)
     if cfg.metrics.tensorboard is not None:
-        from diloco.tensorboard import check_tensorboard, normalized
+        from diloco.replica.tensorboard import check_tensorboard, normalized
 
         check_tensorboard(cfg.metrics.tensorboard, on_this_machine=not cfg.backend.places_replicas)
         cfg = cfg.model_copy(update={"metrics": cfg.metrics.model_copy(
@@ -379,7 +379,7 @@ def launch(cfg: RunConfig, registry: RunRegistry | None = None, *, force: bool =
     (checked below), so everything there came with this launch. ``ConfigError`` stays a usage error (exit 2); any
     other diloco error becomes ``LaunchRefused`` (exit 3) with the refusal's own message.
     """
-    from diloco.store import ObjectStore
+    from diloco.store.objects import ObjectStore
 
     cfg = preflight(cfg)  # before anything is created, DILOCO_HOME included
     backend, plan = plan_run(cfg)
@@ -391,7 +391,7 @@ def launch(cfg: RunConfig, registry: RunRegistry | None = None, *, force: bool =
     spec = plan.spec
     uri = spec.entrypoint_args.rendezvous_uri
     if cfg.metrics.tensorboard is not None:  # first: its probe leaves nothing, the rendezvous probe a directory
-        from diloco.tensorboard import check_tensorboard
+        from diloco.replica.tensorboard import check_tensorboard
 
         check_tensorboard(cfg.metrics.tensorboard, on_this_machine=not cfg.backend.places_replicas, probe=True)
     check_rendezvous(uri, probe=True)
@@ -444,9 +444,9 @@ def withdraw_store(store: ObjectStore, *, wrote: bool = True) -> list[str]:
     be removed. Signals are held meanwhile, so a second Ctrl-C cannot leave half of it; one retry per request, so
     an unreachable store (often the very reason the launch failed) does not hold the launcher for long.
     ``wrote``: whether the launch itself wrote anything (if the store cannot be listed, ``run.json`` may remain)."""
-    from diloco.housekeeping import object_sizes
-    from diloco.signals import signals_deferred
-    from diloco.store import ObjectStore
+    from diloco.executors.signals import signals_deferred
+    from diloco.launcher.housekeeping import object_sizes
+    from diloco.store.objects import ObjectStore
 
     quick = ObjectStore(store.uri, retries=1)
     with signals_deferred():
@@ -570,7 +570,7 @@ class RunView:
     @functools.cached_property
     def store(self) -> ObjectStore:
         """The run's rendezvous store, opened on first use (``diloco logs`` never needs it)."""
-        from diloco.store import ObjectStore
+        from diloco.store.objects import ObjectStore
 
         return ObjectStore(self.record.rendezvous_uri)
 
@@ -621,7 +621,7 @@ class RunView:
         _add_async_status(report, self.store)
         self._remember(status)
         if trends:  # one line of eval loss per replica, for `diloco status` (reads each rank's history)
-            from diloco.plot import eval_trends
+            from diloco.launcher.plot import eval_trends
 
             for rank, trend in eval_trends(self.store, self.record.replicas).items():
                 report.ranks[rank].eval_trend = trend
@@ -759,7 +759,7 @@ class RunView:
 
         With ``max_restarts`` > 0 and a backend that ``supports_relaunch``, a replica that failed in a way a restart
         can fix (``relaunchable``: killed, lost) is relaunched for its rank (it rejoins the run at its peers'
-        round, see ``diloco.checkpoint``) up to ``max_restarts`` times, while the run can still finish
+        round, see ``diloco.replica.checkpoint``) up to ``max_restarts`` times, while the run can still finish
         (``can_finish``: never into a cancelled run, nor one failed for good), after a backoff of
         ``restart_backoff_s * 2**restarts`` (default ``restart_backoff()``); ``on_relaunch(rank, attempt, reason)``
         is told first. While a relaunch is pending the failure is not the run's: no fail-fast, and the peers' all-reduce
@@ -851,8 +851,8 @@ class RunView:
     def announce_relaunch(self, rank: int, *, attempt: int, ready_in_s: float, reason: str) -> None:
         """Record in the store that ``rank`` is being relaunched, so its peers' all-reduce keeps waiting for it
         until ``until`` (the backoff plus one more ``store.timeout_s``, time for the new replica to start and
-        contribute) instead of timing out (``diloco.allreduce``)."""
-        from diloco.layout import RELAUNCH_KEY
+        contribute) instead of timing out (``diloco.collectives.allreduce``)."""
+        from diloco.store.layout import RELAUNCH_KEY
 
         grace = float((self.record.config.get("store") or {}).get("timeout_s", 1800.0))
         record = {"rank": rank, "attempt": attempt, "reason": reason, "at": time.time(),
@@ -899,7 +899,7 @@ def add_weights_verdict(view: RunView, report: RunReport) -> WeightsCheck | None
     """Fill ``report.weights_*`` for a succeeded run; returns the check (with rank 0's tensors when identical)."""
     if report.state != RunState.SUCCEEDED:
         return None
-    from diloco.housekeeping import compacted_verdict
+    from diloco.launcher.housekeeping import compacted_verdict
 
     ranks = [r.rank for r in report.ranks if r.state == ReplicaState.SUCCEEDED] if report.left_behind else None
     # A compacted store's recorded verdict is reused while its kept copy is unchanged: no torch on a finished run.
@@ -929,7 +929,7 @@ def collect(view: RunView, *, output: str | None = None, timeout_s: float | None
     if output is not None and check is not None and check.identical:
         report.model_path = write_agreed_model(view.store, check, output, view.record.run_id)
     if check is not None and check.identical and not report.left_behind:  # one copy of the agreed model is enough
-        from diloco.housekeeping import compact_store
+        from diloco.launcher.housekeeping import compact_store
 
         try:
             compact_store(view.store, view.record.replicas, check=check)

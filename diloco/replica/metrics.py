@@ -14,7 +14,7 @@ number is dropped with one warning in the replica's log; a NaN or infinite loss 
 ``diverged: true`` (JSON has no NaN) and stays flagged. ``step``, ``round`` and the other fields the loop records
 are refused (``ValueError``), so a trainer cannot contradict the loop.
 
-**In the store** (``diloco.layout``), per rank:
+**In the store** (``diloco.store.layout``), per rank:
 
 * ``metrics/rank_RRRR.jsonl``: the history, one JSON row per line: ``init`` (when the outer loop is entered),
   ``round`` (after every outer round), ``final`` (when the loop is left after training). A ``report()`` made
@@ -27,11 +27,11 @@ are refused (``ValueError``), so a trainer cannot contradict the loop.
 
 Every row is a full snapshot: ``kind, time, step, total_steps, round, train_loss, eval_loss, tokens,
 tokens_per_s, sync_s, bytes_written, bytes_read, diverged, extra``. ``round`` counts completed outer rounds (0
-before the first; see "round numbering" in ``diloco.outer``). ``tokens_per_s`` is measured over the window since
+before the first; see "round numbering" in ``diloco.replica.outer``). ``tokens_per_s`` is measured over the window since
 the previous row (sync included), and over the whole run in the ``final`` row.
 
 **Listeners** (``MetricsWriter.add_listener``): each history row is also handed, once its values are final, to
-the listeners, and so is each progress snapshot; ``diloco.tensorboard`` writes them as TensorBoard events.
+the listeners, and so is each progress snapshot; ``diloco.replica.tensorboard`` writes them as TensorBoard events.
 
 **For readers** (``read_progress``): every row is validated field by field. A bad field (``"train_loss": "abc"``)
 or an unreadable line is skipped, and each (rank, field) problem becomes exactly one warning string, returned to
@@ -53,13 +53,13 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, Field
 
 from diloco.errors import ObjectNotFound
-from diloco.layout import METRICS_KEY, PROGRESS_KEY
+from diloco.store.layout import METRICS_KEY, PROGRESS_KEY
 
 if TYPE_CHECKING:
-    from diloco.allreduce import AllReduceStats
-    from diloco.store import ObjectStore
+    from diloco.collectives.allreduce import AllReduceStats
+    from diloco.store.objects import ObjectStore
 
-log = logging.getLogger("diloco.metrics")
+log = logging.getLogger("diloco.replica.metrics")
 
 DEFAULT_PROGRESS_INTERVAL_S = 5.0
 #: The shortest window tokens/s is measured over (shorter ones are noise: a row right after another).
@@ -172,7 +172,7 @@ class MetricsWriter:
         self._listeners: list[Callable[[dict[str, Any]], None]] = []
 
     def add_listener(self, listener: Callable[[dict[str, Any]], None]) -> None:
-        """Also give every row to ``listener`` (e.g. ``diloco.tensorboard.TensorBoardWriter.on_row``): each history
+        """Also give every row to ``listener`` (e.g. ``diloco.replica.tensorboard.TensorBoardWriter.on_row``): each history
         row once, when it is closed (its losses final), and each progress snapshot when it is written. A listener
         that raises is logged once and kept: metrics never fail a training run."""
         with self._lock:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from diloco.store import ObjectStore
+    from diloco.store.objects import ObjectStore
 
 #: Where the replica ships its log (a store URI); unset: no shipping.
 LOG_URI_ENV = "DILOCO_LOG_URI"
@@ -184,7 +184,7 @@ def ship_output(env: Mapping[str, str] | None = None) -> LogShipper | None:
         return None
     attempt = environ.get(ATTEMPT_ENV, "").strip() or f"{time.time_ns()}-{os.getpid()}"
     try:
-        from diloco.store import ObjectStore
+        from diloco.store.objects import ObjectStore
 
         store = ObjectStore(uri, retries=2)
     except Exception:  # noqa: BLE001 - no shipping is better than no training

@@ -3,7 +3,7 @@
 Why: a pseudo-gradient is the whole model's size every round, and the store's bandwidth is what a DiLoCo round
 costs. Streaming DiLoCo sends 4-bit outer gradients without loss (arXiv 2501.18512), INTELLECT-1 sent int8
 (arXiv 2412.01152). This module is pure tensor arithmetic (no I/O): the all-reduce encodes its contribution with
-``encode`` (or ``ErrorFeedback.compress``), stores the wire tensors with ``diloco.codec`` (safetensors, never
+``encode`` (or ``ErrorFeedback.compress``), stores the wire tensors with ``diloco.store.codec`` (safetensors, never
 pickle) and turns every peer's wire tensors back into fp32 with ``decode`` before it accumulates (in fp32, in rank
 order: the caller's job).
 
