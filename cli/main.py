@@ -19,6 +19,7 @@ import typer
 from diloco.cli import exit_codes
 from diloco.cli.errors import command
 from diloco.cli.help_texts import ENVIRONMENT, TOP_EPILOG
+from diloco.cli.model_flags import LaunchCommand, given_backend_flags, given_run_flags
 from diloco.cli.render import FormatOpt, OutputFormat, emit, say, to_jsonable
 from diloco.errors import ConfigError, error_line
 
@@ -48,12 +49,6 @@ def _complete_run_ids(incomplete: str) -> list[str]:
     except Exception:  # noqa: BLE001 - completion must never print a traceback into the shell
         return []
     return [i for i in reversed(ids) if incomplete in i] + (["latest"] if "latest".startswith(incomplete) else [])
-
-
-def _complete_backends(incomplete: str) -> list[str]:
-    from diloco.executors import backend_names
-
-    return [name for name in backend_names() if name.startswith(incomplete)]
 
 
 RunArg = Annotated[str | None, typer.Argument(help="Run id, a unique part of one (e.g. its 8-character suffix), or "
@@ -236,76 +231,18 @@ def _parse_ranks(text: str | None, replicas: int) -> list[int] | None:
 
 
 # ------------------------------------------------------------------------------------------------ commands
-@app.command(epilog=EPILOG)
+@app.command(epilog=EPILOG, cls=LaunchCommand)
 @command
 def launch(
-    replicas: Annotated[int | None, typer.Option("--replicas", "-n", help="Number of replicas.",
-                                                    metavar="N", show_default=False)] = None,
-    backend: Annotated[str | None, typer.Option("--backend", "-b", help="Where replicas run (local, sagemaker, "
-                                                   "eks, or an installed third-party backend).", metavar="NAME",
-                                                   show_default=False, autocompletion=_complete_backends)] = None,
+    ctx: typer.Context,
     config: Annotated[Path | None, typer.Option("--config", "-c", help="YAML run config (see configs/).",
                                                    metavar="FILE", show_default=False)] = None,
-    steps: Annotated[int | None, typer.Option(help="Inner steps per replica (train.steps).",
-                                                 metavar="N", show_default=False)] = None,
-    sync_every: Annotated[int | None, typer.Option(help="Inner steps per outer round (train.sync_every).",
-                                                      metavar="H", show_default=False)] = None,
-    mode: Annotated[str | None, typer.Option(help="sync (DiLoCo rounds) or async (rank 0 is a master applying "
-                                                  "deltas as they arrive) (train.mode).", metavar="MODE",
-                                             show_default=False)] = None,
-    trainer: Annotated[str | None, typer.Option(help="Trainer function, module:fn (train.trainer).",
-                                                   metavar="MODULE:FN", show_default=False)] = None,
     trainer_kwargs: Annotated[list[str] | None, typer.Option(
         "--trainer-kwargs", "-k", help="key=value for the trainer (repeatable; values parsed as YAML).",
         metavar="KEY=VALUE", show_default=False)] = None,
-    rendezvous: Annotated[str | None, typer.Option(help="Store URI the replicas meet in; {run_id} expands.",
-                                                      metavar="URI", show_default=False)] = None,
-    timeout: Annotated[float | None, typer.Option("--timeout", help="Wall-clock limit per replica, seconds "
-                                                   "(timeout_s; default 86400 = one day).", metavar="SECONDS",
-                                                   show_default=False)] = None,
-    allreduce: Annotated[str | None, typer.Option(help="How rounds are averaged: gather or sharded "
-                                                       "(store.allreduce).", metavar="STRATEGY",
-                                                  show_default=False)] = None,
-    compression: Annotated[str | None, typer.Option(help="Pseudo-gradient wire format: none, bf16, int8 or int4 "
-                                                         "(store.compression).", metavar="FORMAT",
-                                                    show_default=False)] = None,
-    min_replicas: Annotated[int | None, typer.Option("--min-replicas", help="Commit a round whose deadline passed "
-                                                     "with at least K contributions (min_replicas; default: "
-                                                     "every round needs every replica).", metavar="K",
-                                                     show_default=False)] = None,
-    procs_per_replica: Annotated[int | None, typer.Option("--procs-per-replica", help="Local processes per "
-                                                          "replica, data-parallel over its devices "
-                                                          "(train.procs_per_replica; default: every GPU, 1 on "
-                                                          "CPU).", metavar="K", show_default=False)] = None,
-    tensorboard: Annotated[str | None, typer.Option(help="Also write metrics as TensorBoard events to DIR "
-                                                         "(metrics.tensorboard).", metavar="DIR",
-                                                    show_default=False)] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="dotted.key=value config override "
                                                       "(repeatable; applied last).", metavar="KEY=VALUE",
                                                       show_default=False)] = None,
-    gpu: Annotated[str | None, typer.Option(help="Accelerator per replica, e.g. A10G (backends that place "
-                                                 "replicas).", metavar="TYPE", show_default=False,
-                                            rich_help_panel="Backend")] = None,
-    image: Annotated[str | None, typer.Option(help="Container image (container backends).", metavar="URI",
-                                               show_default=False, rich_help_panel="Backend")] = None,
-    role: Annotated[str | None, typer.Option(help="Execution role ARN (backends that assume one).", metavar="ARN",
-                                              show_default=False, rich_help_panel="Backend")] = None,
-    region: Annotated[str | None, typer.Option(help="Cloud region (default: AWS_REGION, AWS_DEFAULT_REGION, the profile's).", metavar="REGION",
-                                                show_default=False, rich_help_panel="Backend")] = None,
-    instance_type: Annotated[str | None, typer.Option(help="Instance type per replica.", metavar="TYPE",
-                                                       show_default=False, rich_help_panel="Backend")] = None,
-    namespace: Annotated[str | None, typer.Option(help="Kubernetes namespace.", metavar="NS", show_default=False,
-                                                   rich_help_panel="Backend")] = None,
-    context: Annotated[str | None, typer.Option(help="kubeconfig context.", metavar="NAME", show_default=False,
-                                                 rich_help_panel="Backend")] = None,
-    spot: Annotated[bool | None, typer.Option("--spot/--no-spot", help="Preemptible (spot) capacity.",
-                                               show_default=False, rich_help_panel="Backend")] = None,
-    keep_alive: Annotated[int | None, typer.Option(help="Keep instances warm this long after a job (warm pools).",
-                                                    metavar="SECONDS", show_default=False,
-                                                    rich_help_panel="Backend")] = None,
-    source_dir: Annotated[Path | None, typer.Option(help="Your code, shipped to every replica (backends without "
-                                                         "a ready image).", metavar="DIR", show_default=False,
-                                                     rich_help_panel="Backend")] = None,
     detach: Annotated[bool, typer.Option("--detach", "-d", help="Return after submitting; print the run id.")
                       ] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would be launched; launch nothing.")
@@ -316,16 +253,12 @@ def launch(
     cancel_on_interrupt: Annotated[bool, typer.Option(help="Ctrl-C cancels the run instead of only detaching.")
                                    ] = False,
     fail_fast: Annotated[bool, typer.Option(help="Stop the other replicas as soon as one fails.")] = True,
-    max_restarts: Annotated[int | None, typer.Option("--max-restarts", min=0, help="Start a killed or lost "
-                                                     "replica again up to N times (it rejoins at its peers' "
-                                                     "round; on EKS the Job's per-index retry); 0 never "
-                                                     "(max_restarts; default 3).", metavar="N",
-                                                     show_default=False)] = None,
     fmt: FormatOpt = OutputFormat.table,
 ) -> None:
     """Launch a DiLoCo run and (unless --detach) wait for it with live progress, then print the summary.
 
-    Precedence: defaults < --config YAML < flags < --trainer-kwargs < --set. Invalid settings fail before
+    Precedence: defaults < --config YAML < flags < --trainer-kwargs < --set. The run flags and each backend's
+    options come from the config models (a backend installed as a package brings its own). Invalid settings fail before
     anything starts (exit 2); a launch the service, cluster or store refuses (a quota, a missing bucket or
     namespace) exits 3, and like Ctrl-C during the submission it leaves nothing: what it started is stopped,
     what it wrote is removed. Ctrl-C after that stops waiting; the run keeps going unless --cancel-on-interrupt.
@@ -343,14 +276,7 @@ def launch(
     from diloco.launcher.orchestrate import RunView, plan_run, preflight
     from diloco.launcher.orchestrate import launch as launch_run
 
-    flags = {"replicas": replicas, "backend": backend, "train.steps": steps, "train.sync_every": sync_every,
-             "train.mode": mode, "train.trainer": trainer, "store.rendezvous": rendezvous, "gpu": gpu, "timeout_s": timeout,
-             "store.allreduce": allreduce, "store.compression": compression, "min_replicas": min_replicas,
-             "train.procs_per_replica": procs_per_replica, "metrics.tensorboard": tensorboard,
-             "max_restarts": max_restarts}
-    backend_flags = {"image": image, "role": role, "region": region, "instance_type": instance_type,
-                     "namespace": namespace, "context": context, "spot": spot, "keep_alive": keep_alive,
-                     "source_dir": str(source_dir) if source_dir is not None else None}
+    flags, backend_flags = given_run_flags(ctx), given_backend_flags(ctx)
     registry = _registry()  # a DILOCO_HOME that is a file fails here, even for --dry-run
     data = merge_sources(config, flags, set_, trainer_kwargs, backend_flags)
     require_launchable(backend_kind(data))  # a backend not shipped yet fails before anything else

@@ -13,6 +13,7 @@ import typer
 
 from diloco.cli import exit_codes
 from diloco.cli.errors import command
+from diloco.cli.model_flags import BackendFlagsCommand, given_backend_flags
 from diloco.cli.render import FormatOpt, OutputFormat, emit, say
 
 if TYPE_CHECKING:
@@ -74,20 +75,12 @@ def _render_smoke(console: Console, report: Any) -> None:
 
 
 def smoke(
+    ctx: typer.Context,
     backend: Annotated[str | None, typer.Option("--backend", "-b", help="Where the replicas run (default: the "
                                                    "config's, else local processes).", metavar="NAME",
                                                    show_default=False, autocompletion=_complete_backends)] = None,
     s3: S3Opt = None,
     config: ConfigOpt = None,
-    role: Annotated[str | None, typer.Option("--role", help="Execution role ARN, for backends that take one.",
-                                                metavar="ARN", show_default=False)] = None,
-    image: Annotated[str | None, typer.Option("--image", help="Ready image URI, for backends that take one.",
-                                                 metavar="URI", show_default=False)] = None,
-    instance_type: Annotated[str | None, typer.Option("--instance-type", help="Instance type per replica, for "
-                                                         "backends that take one.", metavar="TYPE",
-                                                         show_default=False)] = None,
-    region: Annotated[str | None, typer.Option("--region", help="Cloud region, for backends that take one.",
-                                                  metavar="REGION", show_default=False)] = None,
     replicas: Annotated[int, typer.Option("--replicas", "-n", help="Number of replicas.", metavar="N")] = 2,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Run it even though it costs money (the backend bills "
                                          "for it); without it such a smoke only says how much and exits 2.")
@@ -114,8 +107,7 @@ def smoke(
     """
     from diloco.launcher.smoke import resolve_target, run_smoke
 
-    flags = {"role": role, "image": image, "instance_type": instance_type, "region": region}
-    target = resolve_target(config_path=config, backend=backend, s3=s3, backend_flags=flags)
+    target = resolve_target(config_path=config, backend=backend, s3=s3, backend_flags=given_backend_flags(ctx))
     report = run_smoke(s3_uri=target.s3_uri, backend=target.backend, replicas=replicas, keep=keep, yes=yes,
                        timeout_s=timeout, progress=say)
     emit(report, fmt, lambda console: _render_smoke(console, report))
@@ -124,18 +116,11 @@ def smoke(
 
 
 def doctor(
+    ctx: typer.Context,
     backend: Annotated[str | None, typer.Option("--backend", "-b", help="Backend name (default: the config's, else "
                                                    "local).", metavar="NAME", show_default=False)] = None,
     s3: S3Opt = None,
     config: ConfigOpt = None,
-    role: Annotated[str | None, typer.Option("--role", help="SageMaker execution role ARN (else the config's "
-                                                "backend.role_arn).", show_default=False)] = None,
-    image: Annotated[str | None, typer.Option("--image", help="Training image URI (else the config's).",
-                                                 show_default=False)] = None,
-    namespace: Annotated[str | None, typer.Option("--namespace", help="Kubernetes namespace (eks).",
-                                                     show_default=False)] = None,
-    context: Annotated[str | None, typer.Option("--context", help="kubeconfig context (eks).",
-                                                   show_default=False)] = None,
     gpu: Annotated[str | None, typer.Option("--gpu", help="The launch's --gpu (eks: lists the nodes that would "
                                             "take a replica).", show_default=False)] = None,
     procs_per_replica: Annotated[int | None, typer.Option("--procs-per-replica", min=1, help="The launch's "
@@ -156,7 +141,7 @@ def doctor(
     """
     from diloco.launcher.doctor import resolve_inputs, run_doctor
 
-    options = {"role_arn": role, "image_uri": image, "image": image, "namespace": namespace, "kube_context": context}
+    options = _doctor_options(backend, config, given_backend_flags(ctx))
     ctx = resolve_inputs(backend=backend, s3_uri=s3, config_path=str(config) if config else None, options=options,
                          gpu=gpu, procs_per_replica=procs_per_replica)
     report = run_doctor(ctx)
@@ -168,7 +153,19 @@ def doctor(
         raise typer.Exit(exit_codes.FAILED)
 
 
+def _doctor_options(backend: str | None, config: Path | None, given: dict[str, Any]) -> dict[str, Any]:
+    """The backend flags given, as the config fields of the backend the doctor checks (the flag's, else the
+    config's, else the default); one that backend does not take is refused as on ``launch``."""
+    from diloco.executors.flags import route_backend_flags
+    from diloco.launcher.config import backend_kind, load_yaml
+
+    if not given:
+        return {}
+    kind = backend or backend_kind(load_yaml(config) if config is not None else {})
+    return route_backend_flags(kind, given)
+
+
 def register(app: typer.Typer, epilog: str) -> None:
-    """Add ``smoke`` and ``doctor`` to ``app``."""
-    app.command("smoke", epilog=epilog)(command(smoke))
-    app.command("doctor", epilog=epilog)(command(doctor))
+    """Add ``smoke`` and ``doctor`` to ``app``; their backend options come from every registered backend."""
+    app.command("smoke", epilog=epilog, cls=BackendFlagsCommand)(command(smoke))
+    app.command("doctor", epilog=epilog, cls=BackendFlagsCommand)(command(doctor))

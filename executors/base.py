@@ -47,6 +47,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from diloco import envvars
 from diloco.defaults import DEFAULT_ENTRYPOINT, DEFAULT_MAX_RESTARTS, DEFAULT_TRAINER
 from diloco.executors.failures import FailureVerdict
+from diloco.executors.flags import FlagSpec, model_flags
 from diloco.executors.logstream import LogRecord
 
 if TYPE_CHECKING:
@@ -349,10 +350,21 @@ class BackendConfig(BaseModel):
     rendezvous_schemes: ClassVar[tuple[str, ...]] = ("s3",)
     #: Whether the backend places replicas on machines it chooses (so ``gpu`` means something).
     places_replicas: ClassVar[bool] = True
-    #: ``diloco launch`` flags this backend takes -> its config fields, e.g. ``{"role": "role_arn"}``. The CLI
-    #: has a fixed set of such flags (``--image``, ``--role``, ``--region``, ``--instance-type``, ``--namespace``,
-    #: ``--context``, ``--spot``, ``--keep-alive``, ``--source-dir``); one a backend does not list is refused.
+    #: The flags this backend takes -> its config fields, e.g. ``{"role": "role_arn"}``: derived from the fields
+    #: that declare one (``json_schema_extra=cli_flag("--role", metavar="ARN")``, help from the description),
+    #: never written by hand. ``diloco launch``, ``smoke`` and ``doctor`` offer every registered backend's flags
+    #: and route each to the backend the run uses; one that backend does not declare is refused.
     flags: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        cls.flags = {spec.key: spec.path.removeprefix("backend.") for spec in cls.flag_specs()}
+
+    @classmethod
+    def flag_specs(cls) -> list[FlagSpec]:
+        """The flags this backend's fields declare, in field order (paths from the run config: ``backend.*``)."""
+        return list(model_flags(cls, "backend."))
 
     def default_rendezvous(self, run_id: str) -> str | None:
         """The rendezvous to use when none is configured; ``None`` means the user must give one."""

@@ -21,6 +21,7 @@ from diloco.defaults import DEFAULT_MAX_RESTARTS, DEFAULT_POLL_INTERVAL_S, DEFAU
 from diloco.errors import ConfigError
 from diloco.executors import DEFAULT_BACKEND
 from diloco.executors.base import BackendConfig
+from diloco.executors.flags import cli_flag
 
 DEFAULT_TIMEOUT_S = 86400.0
 #: Trainer keyword arguments the replica entrypoint passes itself.
@@ -41,15 +42,21 @@ class _Strict(BaseModel):
 class StoreConfig(_Strict):
     """Where the replicas meet, and how patiently they wait for each other."""
 
-    rendezvous: str | None = None  # URI; "{run_id}" expands; local default: file://$DILOCO_HOME/runs/<id>/store
+    #: Local default: file://$DILOCO_HOME/runs/<id>/store.
+    rendezvous: str | None = Field(None, description="Store URI the replicas meet in; {run_id} expands.",
+                                   json_schema_extra=cli_flag("--rendezvous", metavar="URI", note=""))
     timeout_s: float = Field(1800.0, gt=0)  # how long a replica waits for its peers in one round
     #: How often a waiting replica looks for its peers' uploads (the default's cost and latency: diloco.defaults).
     poll_interval_s: float = Field(DEFAULT_POLL_INTERVAL_S, gt=0)
     #: How a round's pseudo-gradients are averaged (diloco.collectives.allreduce): "gather" (every rank reads every peer's
     #: object, (N-1)*S bytes) or "sharded" (reduce-scatter + all-gather through the store, under 2*S bytes).
-    allreduce: Literal["gather", "sharded"] = "gather"
+    allreduce: Literal["gather", "sharded"] = Field("gather", description="How rounds are averaged: gather or "
+                                                    "sharded.",
+                                                    json_schema_extra=cli_flag("--allreduce", metavar="STRATEGY"))
     #: The pseudo-gradient's format on the wire; fp32 accumulation after decode, per-block scales for integers.
-    compression: Literal["none", "bf16", "int8", "int4"] = "none"
+    compression: Literal["none", "bf16", "int8", "int4"] = Field(
+        "none", description="Pseudo-gradient wire format: none, bf16, int8 or int4.",
+        json_schema_extra=cli_flag("--compression", metavar="FORMAT"))
     #: Keep what a lossy format dropped and add it to the next round's contribution (error feedback).
     error_feedback: bool = True
     #: Spread a round's keys over this many prefixes (``p{i mod P}/``): at large N, S3's per-prefix request rate,
@@ -60,42 +67,65 @@ class StoreConfig(_Strict):
 class TrainConfig(_Strict):
     """What each replica runs: ``trainer`` is called with ``total_steps``, ``sync_every`` and ``trainer_kwargs``."""
 
-    trainer: str = DEFAULT_TRAINER  # "package.module:function"
-    steps: int = Field(200, ge=1)  # inner steps per replica (the trainer's total_steps)
-    sync_every: int = Field(50, ge=1)  # inner steps between outer rounds (DiLoCo's H)
+    trainer: str = Field(DEFAULT_TRAINER, description="Trainer function, module:fn.",
+                         json_schema_extra=cli_flag("--trainer", metavar="MODULE:FN"))
+    steps: int = Field(200, ge=1, description="Inner steps per replica (the trainer's total_steps).",
+                       json_schema_extra=cli_flag("--steps", metavar="N"))
+    sync_every: int = Field(50, ge=1, description="Inner steps per outer round (DiLoCo's H).",
+                            json_schema_extra=cli_flag("--sync-every", metavar="H"))
     trainer_kwargs: dict[str, Any] = Field(default_factory=dict)  # model/data knobs of the trainer
     #: "sync": DiLoCo rounds; "async": rank 0 is a master applying each replica's delta as it arrives
     #: (diloco.replica.async_diloco); passed to the trainer as ``mode`` only when "async".
-    mode: Literal["sync", "async"] = "sync"
+    mode: Literal["sync", "async"] = Field("sync", description="sync (DiLoCo rounds) or async (rank 0 is a "
+                                           "master applying deltas as they arrive).",
+                                           json_schema_extra=cli_flag("--mode", metavar="MODE"))
     #: Local processes per replica (inner data parallelism over the instance's devices); ``null``: every GPU of
     #: the instance, 1 on a CPU-only machine.
-    procs_per_replica: int | None = Field(None, ge=1)
+    procs_per_replica: int | None = Field(None, ge=1, description="Local processes per replica, data-parallel "
+                                          "over its devices.", json_schema_extra=cli_flag(
+                                              "--procs-per-replica", metavar="K",
+                                              note="train.procs_per_replica; default: every GPU, 1 on CPU"))
 
 
 class MetricsConfig(_Strict):
     """Where metrics go besides the store (which always holds them)."""
 
-    tensorboard: str | None = None  # a directory (or URI) the replicas also write TensorBoard events to
+    tensorboard: str | None = Field(None, description="Also write metrics as TensorBoard events to DIR (a "
+                                    "directory or URI).",
+                                    json_schema_extra=cli_flag("--tensorboard", metavar="DIR"))
 
 
 class RunConfig(_Strict):
     """One DiLoCo run: N replicas of one trainer on one backend, meeting in one store."""
 
-    replicas: int = Field(2, ge=1)
-    backend: SerializeAsAny[BackendConfig] = Field(default_factory=lambda: _backend_section({}))
+    replicas: int = Field(2, ge=1, description="Number of replicas.",
+                          json_schema_extra=cli_flag("--replicas", "-n", metavar="N", note=""))
+    backend: SerializeAsAny[BackendConfig] = Field(
+        default_factory=lambda: _backend_section({}),
+        description="Where replicas run (local, sagemaker, eks, or an installed third-party backend).",
+        json_schema_extra=cli_flag("--backend", "-b", metavar="NAME", note="", type="str"))
     store: StoreConfig = Field(default_factory=StoreConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
-    gpu: str | None = None  # accelerator per replica (sagemaker/eks)
+    gpu: str | None = Field(None, description="Accelerator per replica, e.g. A10G (backends that place "
+                            "replicas).", json_schema_extra=cli_flag("--gpu", metavar="TYPE", note=""))
     #: Partial participation: a round whose deadline passed with at least this many contributions commits with
     #: those (``null``: every round waits for every replica).
-    min_replicas: int | None = Field(None, ge=1)
+    min_replicas: int | None = Field(None, ge=1, description="Commit a round whose deadline passed with at least "
+                                     "K contributions.", json_schema_extra=cli_flag(
+                                         "--min-replicas", metavar="K",
+                                         note="min_replicas; default: every round needs every replica"))
     #: Wall-clock limit per replica job (default one day, SageMaker's own default MaxRuntimeInSeconds), so a trainer
     #: that hangs before its first sync cannot run for ever; ``null`` in YAML removes the limit.
-    timeout_s: float | None = Field(DEFAULT_TIMEOUT_S, gt=0)
+    timeout_s: float | None = Field(DEFAULT_TIMEOUT_S, gt=0, description="Wall-clock limit per replica, seconds.",
+                                    json_schema_extra=cli_flag("--timeout", metavar="SECONDS",
+                                                               note="timeout_s; default 86400 = one day"))
     #: How many times a replica killed or lost (a signal, the OOM killer) is started again for its rank
     #: (``--max-restarts``); a replica that failed with its own error is never (it would fail the same way).
-    max_restarts: int = Field(DEFAULT_MAX_RESTARTS, ge=0)
+    max_restarts: int = Field(DEFAULT_MAX_RESTARTS, ge=0, description="Start a killed or lost replica again up "
+                              "to N times (it rejoins at its peers' round; on EKS the Job's per-index retry); 0 "
+                              "never.", json_schema_extra=cli_flag("--max-restarts", metavar="N", minimum=0,
+                                                                  note="max_restarts; default 3"))
 
     @model_validator(mode="before")
     @classmethod
@@ -391,27 +421,12 @@ def merge_sources(
 
 
 def _backend_flags(data: dict[str, Any], flags: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
-    """Backend flags (``{"role": ARN}``) as dotted config keys of the chosen backend (``backend.role_arn``).
+    """Backend flags (``{"role": ARN}``) as dotted config keys of the chosen backend (``backend.role_arn``);
+    one the chosen backend does not declare is a ``ConfigError`` (``diloco.executors.flags``)."""
+    from diloco.executors.flags import route_backend_flags
 
-    ``ConfigError`` for a flag the chosen backend has no setting for, so ``--role`` on a local run is an error,
-    not silently ignored.
-    """
-    from diloco.executors import config_type
-
-    given = {k: v for k, v in given.items() if v is not None}
-    if not given:
-        return {}
     kind = flags.get("backend") or backend_kind(data)
-    mapping = config_type(kind).flags
-    out = {}
-    for flag, value in given.items():
-        field_name = mapping.get(flag)
-        if field_name is None:
-            takes = ", ".join(f"--{f.replace('_', '-')}" for f in mapping) or "none"
-            raise ConfigError(f"--{flag.replace('_', '-')}: the {kind} backend has no such setting "
-                              f"(its flags: {takes})")
-        out[f"backend.{field_name}"] = value
-    return out
+    return {f"backend.{field}": value for field, value in route_backend_flags(kind, given).items()}
 
 
 def backend_kind(data: dict[str, Any]) -> str:

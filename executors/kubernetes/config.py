@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -12,6 +12,7 @@ from diloco.executors.base import (
     RunHandle,
 )
 from diloco.executors.code_channel import DEFAULT_MAX_SOURCE_MB
+from diloco.executors.flags import cli_flag
 
 if TYPE_CHECKING:
     pass
@@ -82,14 +83,20 @@ class KubernetesBackendConfig(BackendConfig):
     kind: Literal["eks"] = "eks"
     # A ready image with diloco installed (docker/Dockerfile). Default: AWS's public PyTorch training image for
     # EC2/EKS (CPU or CUDA build by whether the replica has GPUs) and the code channel (executors/kubernetes/code.py)
-    image: str | None = None
+    image: str | None = Field(None, description="A ready image with diloco installed (default: AWS's public "
+                              "PyTorch image, your code shipped).",
+                              json_schema_extra=cli_flag("--image", metavar="URI"))
     framework_version: str = "2.9.0"  # the default image's PyTorch
     py_version: str = "py312"  # the default image's Python
-    source_dir: str | None = None  # your code, shipped to every pod (without image); default: the cwd
+    source_dir: str | None = Field(None, description="Your code, shipped to every pod without image (default: "
+                                   "the current directory).",
+                                   json_schema_extra=cli_flag("--source-dir", metavar="DIR"))
     max_source_mb: float = Field(DEFAULT_MAX_SOURCE_MB, gt=0)  # refuse to ship a larger source directory
-    namespace: str = "default"
+    namespace: str = Field("default", description="Kubernetes namespace.",
+                           json_schema_extra=cli_flag("--namespace", metavar="NS"))
     service_account: str | None = None  # with IRSA / Pod Identity access to the rendezvous prefix
-    kube_context: str | None = None  # default: the kubeconfig's current context
+    kube_context: str | None = Field(None, description="kubeconfig context (default: its current one).",
+                                     json_schema_extra=cli_flag("--context", metavar="NAME"))
     kubeconfig: str | None = None  # default: $KUBECONFIG or ~/.kube/config; inside a pod: the in-cluster config
     cpu: str = "2"  # request per replica
     memory: str | None = None  # request and limit per replica; default: estimated for the work (replica_memory)
@@ -115,9 +122,6 @@ class KubernetesBackendConfig(BackendConfig):
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
     log_poll_interval_s: float = Field(1.0, gt=0)  # how often `diloco logs -f` looks for a new attempt
     state_dir: str | None = None  # where cancels and final states are kept; default $DILOCO_HOME/runs/<run>/eks
-
-    flags: ClassVar[dict[str, str]] = {"image": "image", "namespace": "namespace", "context": "kube_context",
-                                       "source_dir": "source_dir"}
 
     @model_validator(mode="after")
     def _check(self) -> KubernetesBackendConfig:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
@@ -15,6 +15,7 @@ from diloco.executors.base import (
     BackendConfig,
     RunHandle,
 )
+from diloco.executors.flags import cli_flag
 from diloco.executors.gpus import GPUS, canonical_gpu
 
 if TYPE_CHECKING:
@@ -81,27 +82,35 @@ class SageMakerBackendConfig(BackendConfig):
     """One single-instance SageMaker Training Job per replica."""
 
     kind: Literal["sagemaker"] = "sagemaker"
-    region: str | None = None  # default: AWS_REGION, AWS_DEFAULT_REGION, the profile's (diloco.store.aws_region)
-    role_arn: str | None = None  # execution role; it (not you) needs S3 access to the rendezvous prefix
-    image_uri: str | None = None  # a ready image with diloco and your code; default: AWS's PyTorch image + shipping
+    region: str | None = Field(None, description="Cloud region (default: AWS_REGION, AWS_DEFAULT_REGION, the "
+                               "profile's).", json_schema_extra=cli_flag("--region", metavar="REGION", note=""))
+    #: It (not you) needs S3 access to the rendezvous prefix.
+    role_arn: str | None = Field(None, description="Execution role ARN the training jobs assume.",
+                                 json_schema_extra=cli_flag("--role", metavar="ARN"))
+    image_uri: str | None = Field(None, description="A ready image with diloco and your code (default: AWS's "
+                                  "PyTorch image, your code shipped).",
+                                  json_schema_extra=cli_flag("--image", metavar="URI"))
     # AWS's PyTorch image (without image_uri): its PyTorch version, default the newest sagemaker-core's tables list
     # that diloco's torch requirement admits (default_image_versions); its Python, default that version's newest
     framework_version: str | None = None
     py_version: str | None = None
-    source_dir: str | None = None  # your code, shipped to every job (without image_uri); default: the cwd
+    source_dir: str | None = Field(None, description="Your code, shipped to every job without image_uri "
+                                   "(default: the current directory).",
+                                   json_schema_extra=cli_flag("--source-dir", metavar="DIR"))
     max_source_mb: float = Field(50.0, gt=0)  # refuse to ship a larger source directory
-    instance_type: str = "ml.m5.xlarge"
+    instance_type: str = Field("ml.m5.xlarge", description="Instance type per replica (default: the one --gpu "
+                               "names, else ml.m5.xlarge).",
+                               json_schema_extra=cli_flag("--instance-type", metavar="TYPE"))
     volume_size_gb: int = Field(30, ge=1)
     output_s3_uri: str | None = None  # where SageMaker uploads $SM_MODEL_DIR; default: <rendezvous>/sagemaker
-    keep_alive_period_s: int = Field(0, ge=0, le=KEEP_ALIVE_MAX_S)  # warm pool; needs a warm-pool quota (default 0)
-    use_spot: bool = False
+    keep_alive_period_s: int = Field(0, ge=0, le=KEEP_ALIVE_MAX_S, description="Keep instances warm this long "
+                                     "after a job (warm pools; needs a warm-pool quota).",
+                                     json_schema_extra=cli_flag("--keep-alive", metavar="SECONDS"))
+    use_spot: bool = Field(False, description="Preemptible (spot) capacity.",
+                           json_schema_extra=cli_flag("--spot"))
     max_wait_s: int | None = Field(None, ge=1)  # spot only, >= the time limit; default default_spot_wait_s()
     log_poll_interval_s: float = Field(5.0, gt=0)  # how often `diloco logs -f` reads CloudWatch
     tags: dict[str, str] = Field(default_factory=dict)
-
-    flags: ClassVar[dict[str, str]] = {"role": "role_arn", "image": "image_uri", "region": "region",
-                                       "instance_type": "instance_type", "spot": "use_spot",
-                                       "keep_alive": "keep_alive_period_s", "source_dir": "source_dir"}
 
 
 class SageMakerRunHandle(RunHandle):
