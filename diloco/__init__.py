@@ -12,6 +12,8 @@ What a trainer may call from here:
   outside one); see ``diloco.replica.metrics``.
 * ``@diloco.preflight(check)``: give a trainer function a check that ``diloco launch`` runs before launching;
   see ``diloco.trainers.preflight``.
+* ``@diloco.memory_estimate(estimate)``: say how much host memory the trainer takes for its kwargs, so the local
+  capacity check and the Kubernetes memory request size replicas from it; see ``diloco.trainers.preflight``.
 """
 
 from __future__ import annotations
@@ -38,3 +40,12 @@ def preflight(check: Callable[..., None]) -> Callable[[_F], _F]:
     from diloco.trainers.preflight import preflight as _preflight
 
     return _preflight(check)
+
+
+def memory_estimate(estimate: Callable[..., Any]) -> Callable[[_F], _F]:
+    """``@diloco.memory_estimate(estimate)``: ``estimate(trainer_kwargs)`` returns a
+    ``diloco.trainers.preflight.MemoryEstimate`` (or None when the kwargs do not say). See
+    ``diloco.trainers.preflight``."""
+    from diloco.trainers.preflight import memory_estimate as _memory_estimate
+
+    return _memory_estimate(estimate)

@@ -78,9 +78,7 @@ from diloco.executors.local_supervisor import (
 from diloco.executors.logstream import LogRecord
 from diloco.executors.replica_memory import (  # noqa: F401  (the estimate every backend uses)
     OTHER_TRAINER_MIB,
-    REPLICA_BASE_MIB,
     SUPERVISOR_MIB,
-    builtin_trainer_bytes,
     replica_memory,
 )
 from diloco.executors.signals import signals_deferred, terminate_as_interrupt
@@ -103,8 +101,8 @@ class LocalBackendConfig(BackendConfig):
     grace_period_s: float = Field(10.0, ge=0)  # SIGTERM -> SIGKILL on cancel
     python: str | None = None  # interpreter for the replicas; default: the one running diloco
     oversubscribe: bool = False  # launch even when the replicas exceed this machine's cores or memory
-    # One replica's memory for the capacity check; default: estimated for the built-in trainer, else 512 MiB. Its
-    # supervisor's 16 MiB (SUPERVISOR_MIB) is counted on top either way.
+    # One replica's memory for the capacity check; default: the trainer's own estimate (@diloco.memory_estimate),
+    # else 512 MiB. Its supervisor's 16 MiB (SUPERVISOR_MIB) is counted on top either way.
     memory_per_replica_mb: int | None = Field(None, gt=0)
 
     rendezvous_schemes: ClassVar[tuple[str, ...]] = ("file", "s3")

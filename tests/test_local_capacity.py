@@ -60,6 +60,43 @@ def test_other_trainers_get_the_documented_default_or_the_configured_size() -> N
     assert sized.basis.startswith("backend.memory_per_replica_mb")
 
 
+SIZED_TRAINER = """
+import diloco
+from diloco.trainers.preflight import MemoryEstimate
+
+
+def _estimate(kwargs):
+    if "hidden" not in kwargs:
+        return None  # these kwargs do not say: the backend's fallback
+    return MemoryEstimate(process_bytes=kwargs["hidden"] * 1024 * 1024, basis="my trainer's hidden size",
+                          shared_bytes=64 * 1024 * 1024, shared_basis="for my buffer")
+
+
+@diloco.memory_estimate(_estimate)
+def train(*, manager, total_steps, sync_every, rank=0, world_size=1, hidden=8):
+    pass
+"""
+
+
+def test_a_trainer_that_declares_its_estimate_is_sized_by_it_on_every_backend(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from diloco.executors.replica_memory import CUDA_PROCESS_MIB, process_memory
+
+    (tmp_path / "sized_trainer.py").write_text(SIZED_TRAINER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    args = EntrypointArgs(rendezvous_uri="file:///unused", world_size=2, trainer="sized_trainer:train",
+                          trainer_kwargs={"hidden": 3000})
+    estimate = estimate_capacity(LaunchSpec(run_id="cap", replicas=2, entrypoint_args=args))
+    assert estimate.per_replica_bytes == (3000 + 64 + SUPERVISOR_MIB) * MIB
+    assert "my trainer's hidden size" in estimate.basis
+    total, basis = process_memory("sized_trainer:train", {"hidden": 3000}, procs=2, gpu=True, setting="backend.memory")
+    assert total == 2 * (3000 + CUDA_PROCESS_MIB) * MIB + 64 * MIB  # what a Kubernetes pod requests
+    assert "for my buffer" in basis and "on a GPU" in basis
+    unsized = args.model_copy(update={"trainer_kwargs": {}})
+    fallback = estimate_capacity(LaunchSpec(run_id="cap", replicas=2, entrypoint_args=unsized))
+    assert fallback.per_replica_bytes == (OTHER_TRAINER_MIB + SUPERVISOR_MIB) * MIB, "an estimate that cannot say"
+
+
 def test_cores_and_memory_each_limit_the_replicas() -> None:
     per = (OTHER_TRAINER_MIB + SUPERVISOR_MIB) * MIB
     by_cores = estimate_capacity(other_spec(9), machine=MachineCapacity(cores=2, memory_bytes=512 * GIB))

@@ -58,7 +58,14 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from diloco.errors import ConfigError
 from diloco.replica.local_group import supports_local_processes
-from diloco.trainers.preflight import PreflightContext, preflight
+from diloco.trainers.preflight import (
+    MIB,
+    MemoryEstimate,
+    PreflightContext,
+    memory_estimate,
+    params_in_name,
+    preflight,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -86,8 +93,30 @@ def _preflight(kwargs: dict[str, Any], context: PreflightContext) -> None:
     check_config(kwargs, on_this_machine=context.on_this_machine)
 
 
+#: This trainer's process before its model: torch, transformers, tokenizers and the data loader.
+PROCESS_BASE_MIB = 1536
+#: Host bytes per parameter of each process (12 of DiLoCo's fp32 state, 4 of the CPU load).
+BYTES_PER_PARAM = 16
+#: Host bytes per parameter local process 0 holds on top while averaging (one peer's contribution).
+AVERAGING_BYTES_PER_PARAM = 4
+
+
+def _memory(kwargs: Mapping[str, Any]) -> MemoryEstimate | None:
+    """Sized from the parameter count in the model's name (``Qwen/Qwen2.5-0.5B``: 0.5 B), per README "Several GPUs
+    per replica": on the host each process keeps the fp32 global copy, the outer momentum and the pseudo-gradient
+    and loads the model on the CPU first, and local process 0 holds one peer's contribution while averaging. A
+    name without a size says nothing (the backend's fallback, which names the setting to use)."""
+    params = params_in_name(str(kwargs.get("model") or ""))
+    if params is None:
+        return None
+    return MemoryEstimate(PROCESS_BASE_MIB * MIB + BYTES_PER_PARAM * params,
+                          f"the Hugging Face trainer with {params / 1e9:g} B parameters, from the model's name",
+                          shared_bytes=AVERAGING_BYTES_PER_PARAM * params, shared_basis="for averaging")
+
+
 @supports_local_processes
 @preflight(_preflight)
+@memory_estimate(_memory)
 def train(
     *,
     manager: ObjectStoreManager,

@@ -21,6 +21,10 @@ the key, not in every replica minutes later. ``check_trainer_kwargs(fn, kwargs)`
    within seconds, rather than letting every local replica wait a minute on a Hub it cannot reach).
 
 Returns the coerced kwargs (only the keys given, so a run's record shows what the user set).
+
+A trainer may also declare how much host memory it takes, ``@diloco.memory_estimate(estimate)``: ``estimate(kwargs)``
+returns a ``MemoryEstimate`` (or None when the kwargs do not say), and the backends size replicas from it (the local
+capacity check, the Kubernetes memory request; ``diloco.executors.replica_memory``) instead of guessing.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import math
+import re
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -76,6 +81,73 @@ def preflight_of(fn: Callable[..., Any]) -> PreflightCheck | None:
     """The preflight hook of ``fn``, if it has one."""
     check = getattr(fn, PREFLIGHT_ATTR, None)
     return check if callable(check) else None
+
+
+# ---------------------------------------------------------------------------------------------- memory estimate
+#: The attribute ``memory_estimate`` sets on a trainer function.
+MEMORY_ESTIMATE_ATTR = "__diloco_memory_estimate__"
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Host memory a trainer expects to take, as a backend sizes a replica from it (upper-side, explained).
+
+    ``process_bytes`` is one training process of a replica (without the CUDA context a GPU process adds: the
+    backend counts that); ``shared_bytes`` comes once per replica on top (a buffer only local process 0 holds);
+    ``basis`` is what the numbers rest on, in words a dry run prints ("the built-in trainer's model and data")."""
+
+    process_bytes: int
+    basis: str
+    shared_bytes: int = 0
+    shared_basis: str = ""
+
+
+#: ``estimate(trainer_kwargs) -> MemoryEstimate | None``: the kwargs as given (the trainer's own defaults are for
+#: the estimator to fill in); ``None`` when these kwargs do not say enough (the backend's fallback applies).
+MemoryEstimator = Callable[[Mapping[str, Any]], "MemoryEstimate | None"]
+
+
+def memory_estimate(estimate: MemoryEstimator) -> Callable[[F], F]:
+    """Decorator giving a trainer function its memory estimate: ``@diloco.memory_estimate(estimate)``.
+
+    The local backend checks that the replicas fit this machine from it and the Kubernetes backend sizes each
+    pod's memory request from it, so a trainer that knows its size is neither refused nor OOM-killed for a
+    guess. It must be cheap and pure (no torch, no network): it runs in the launcher, before anything starts.
+    A trainer without one gets the backends' documented fallback. The function itself is returned unchanged."""
+    if not callable(estimate):
+        raise TypeError(f"memory_estimate() takes the estimate function, got {type(estimate).__name__}")
+
+    def attach(fn: F) -> F:
+        setattr(fn, MEMORY_ESTIMATE_ATTR, estimate)
+        return fn
+
+    return attach
+
+
+def memory_estimate_of(fn: Callable[..., Any]) -> MemoryEstimator | None:
+    """The memory estimate of ``fn``, if it has one."""
+    estimate = getattr(fn, MEMORY_ESTIMATE_ATTR, None)
+    return estimate if callable(estimate) else None
+
+
+def signature_defaults(fn: Callable[..., Any]) -> dict[str, Any]:
+    """``fn``'s keyword defaults: what an estimator fills in for the kwargs not given."""
+    return {name: p.default for name, p in inspect.signature(fn).parameters.items()
+            if p.default is not inspect.Parameter.empty}
+
+
+#: A parameter count in a model's name: ``Qwen2.5-0.5B``, ``Llama-3.1-8B-Instruct``, ``SmolLM-135M``.
+_PARAMS_IN_NAME = re.compile(r"(?<![A-Za-z0-9.])(\d+(?:\.\d+)?)\s*([BbMm])(?![A-Za-z])")
+
+
+def params_in_name(model: str) -> int | None:
+    """The parameter count a model's name states (``Qwen/Qwen2.5-0.5B`` -> 500,000,000), or None."""
+    found = _PARAMS_IN_NAME.findall(model.rsplit("/", 1)[-1])
+    if not found:
+        return None
+    number, unit = found[-1]
+    return int(float(number) * (1e9 if unit in "Bb" else 1e6))
 
 
 def check_trainer_kwargs(
