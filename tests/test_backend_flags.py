@@ -170,3 +170,37 @@ def test_launch_help_loads_config_models_but_no_backend_sdk(tmp_path: Path) -> N
                          env={**os.environ, "DILOCO_HOME": str(tmp_path)})
     assert "--instance-type" in out.stdout
     assert out.stderr.strip().splitlines()[-1] == "[]", out.stderr
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["status", "--help"]])
+def test_other_commands_never_load_the_config_models(argv: list[str], tmp_path: Path) -> None:
+    """The options are built when ``launch``, ``smoke`` or ``doctor`` is parsed, not when the CLI is imported."""
+    code = (f"import sys\nfrom diloco.cli.main import main\ntry:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
+            "print(sorted(m for m in ('diloco.launcher.config', 'diloco.executors.sagemaker', "
+            "'diloco.executors.kubernetes') if m in sys.modules), file=sys.stderr)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=GUARD_S,
+                         env={**os.environ, "DILOCO_HOME": str(tmp_path)})
+    assert "Usage: diloco" in out.stdout
+    assert out.stderr.strip().splitlines()[-1] == "[]", out.stderr
+
+
+#: What ``diloco launch --help`` has always offered: each flag with its short form and metavar, and where it is.
+LAUNCH_FLAGS = {
+    "Options:": ["-n, --replicas N", "-b, --backend NAME", "-c, --config FILE", "--steps N", "--sync-every H",
+                 "--mode MODE", "--trainer MODULE:FN", "-k, --trainer-kwargs KEY=VALUE", "--rendezvous URI",
+                 "--timeout SECONDS", "--allreduce STRATEGY", "--compression FORMAT", "--min-replicas K",
+                 "--procs-per-replica K", "--tensorboard DIR", "--set KEY=VALUE", "--gpu TYPE", "-d, --detach",
+                 "--dry-run", "--force", "--max-restarts N"],
+    "Backend options (sagemaker):": ["--image URI", "--role ARN", "--region REGION", "--instance-type TYPE",
+                                     "--spot / --no-spot", "--keep-alive SECONDS", "--source-dir DIR"],
+    "Backend options (eks):": ["--image URI", "--namespace NS", "--context NAME", "--source-dir DIR"],
+}
+
+
+def test_launch_keeps_every_flag_its_short_form_and_metavar(tmp_path: Path) -> None:
+    result = diloco("launch", "--help", site=None, home=tmp_path)
+    assert result.returncode == 0, result.stderr
+    for title, flags in LAUNCH_FLAGS.items():
+        rows = [line.strip() for line in section(result.stdout, title).splitlines()]
+        for flag in flags:
+            assert any(row.startswith(flag) for row in rows), (title, flag)
