@@ -29,6 +29,8 @@ per poll instead of N (SageMaker throttles ``DescribeTrainingJob``; an Indexed J
 A handle is a pydantic model the backend defines (``handle_type``); it is JSON in the run registry, so a later CLI
 process can manage a run it did not launch. Backend configuration is a pydantic model the backend owns
 (``config_type``); the run config's ``backend`` section is validated against it, and the backend is built from it.
+Its fields may declare command-line flags (``cli_flag``, ``diloco.executors.flags``): ``diloco launch``, ``smoke``
+and ``doctor`` offer them under the backend's own help section.
 
 Every replica gets the same environment on every backend (``LaunchSpec.replica_env``): ``DILOCO_RUN_ID``,
 ``REPLICA_RANK``, ``WORLD_SIZE``, ``RENDEZVOUS_URI``, plus the backend's native variables.
