@@ -230,20 +230,21 @@ class Run:
                                                                on_relaunch))
         return self._ended(report, timed_out, timeout_s)
 
-    def collect(self, output: str | os.PathLike[str] | None = None, *, timeout_s: float | None = None,
+    def collect(self, output: str | os.PathLike[str] | None = "./", *, timeout_s: float | None = None,
                 force: bool = False, fail_fast: bool = True, max_restarts: int = 0,
                 poll_interval_s: float | None = None, on_update: Callable[[RunReport], None] | None = None,
                 on_fail_fast: Callable[[ReplicaReport, list[int]], None] | None = None,
                 on_relaunch: Callable[[int, int, str], None] | None = None) -> RunReport:
         """Wait for the run (as ``wait``), check that every replica's final weights are bitwise identical, and
-        write the agreed model to ``output`` (see ``model_target``; ``force`` overwrites a file).
+        write the agreed model to ``output`` (a file or a directory, see ``model_target``; ``force`` overwrites a
+        file; ``None`` checks the weights and writes nothing).
 
         ``report.weights_identical`` is the verdict (``None``: not checkable, e.g. the run failed) and
         ``report.model_path`` where the model went (``None``: not written, because the run did not succeed or the
         weights disagree or could not be checked; ``report.weights_detail`` says why)."""
         from diloco.launcher.orchestrate import collect
 
-        target = model_target(output, self.run_id, force=force)
+        target = None if output is None else model_target(output, self.run_id, force=force)
         report, timed_out = collect(self.view, output=target,
                                     **self._wait_options(timeout_s, fail_fast, max_restarts, poll_interval_s,
                                                          on_update, on_fail_fast, on_relaunch))
