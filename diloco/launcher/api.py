@@ -67,7 +67,7 @@ def _dotted(overrides: Mapping[str, Any]) -> dict[str, Any]:
 
 def resolve(config: ConfigSource = None, /, **overrides: Any) -> RunConfig:
     """The validated run configuration: ``config`` (see ``ConfigSource``) with ``overrides`` applied last, as the
-    CLI's flags and ``--set`` are. ``backend="sagemaker"`` switching to another kind than the config's drops the
+    CLI's flags and ``--set`` are. A ``backend`` override naming another kind than the config's drops the
     config's backend options (they belong to the other backend), as ``--backend`` does.
 
     ``ConfigError`` (one line naming the setting and the fix) for anything invalid, including a backend this
