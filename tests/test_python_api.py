@@ -120,6 +120,17 @@ def test_bad_settings_raise_one_config_error_and_launch_nothing(home: Path) -> N
         api.get_run()
 
 
+def test_an_attached_launch_returns_the_ended_run(home: Path) -> None:
+    run = api.launch(REPO / "configs" / "local.yaml", detach=False, replicas=2,
+                     train={"steps": 10, "sync_every": 10, "trainer_kwargs": {"n_embd": 16, "eval_batches": 1,
+                                                                            "max_corpus_bytes": 200_000}})
+    assert run.has_ended()
+    report = run.status()
+    assert report.state == RunState.SUCCEEDED and [r.step for r in report.ranks] == [10, 10]
+    out = run.collect(f"{home / 'models'}/")  # a string: a pathlib.Path would drop the "/" that means a directory
+    assert out.weights_identical is True and Path(out.model_path).parent == home / "models"
+
+
 def test_a_plan_is_the_dry_run_and_creates_nothing(home: Path) -> None:
     plan = api.plan(REPO / "configs" / "local.yaml", replicas=3, train__steps=100)
     assert plan.backend == "local" and plan.spec.replicas == 3 and len(plan.requests) == 3

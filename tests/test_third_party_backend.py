@@ -105,3 +105,11 @@ def test_the_wheel_ships_the_suite_and_its_stand_in_replica() -> None:
         names = set(zf.namelist())
     assert {"diloco/executors/testing/__init__.py", "diloco/executors/testing/conformance.py",
             "diloco/executors/testing/fake_replica.py"} <= names
+
+
+def test_the_stand_in_replica_needs_no_pytest() -> None:
+    """A replica imports ``diloco.executors.testing.fake_replica`` where only diloco is installed."""
+    code = ("import sys, diloco.executors.testing.fake_replica\n"
+            "print(sorted(m for m in ('pytest', 'torch', 'boto3') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr

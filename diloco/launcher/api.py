@@ -157,8 +157,9 @@ def list_runs(*, registry: RunRegistry | None = None) -> list[RunSummary]:
 
 def model_target(output: str | os.PathLike[str] | None, run_id: str, *, force: bool = False) -> str:
     """Where ``collect`` writes a run's model: ``output`` as a file, or a directory (an existing one, or a path
-    ending in ``/``) to hold ``<run_id>.safetensors``; ``None`` is the current directory. ``ConfigError`` for an
-    existing file unless ``force`` (checked before waiting, so a long wait does not end in a refusal)."""
+    ending in ``/``, as a string: a ``pathlib.Path`` drops the ``/``) to hold ``<run_id>.safetensors``; ``None`` is
+    the current directory. ``ConfigError`` for an existing file unless ``force`` (checked before waiting, so a
+    long wait does not end in a refusal)."""
     from diloco.launcher.output_path import resolve_output
 
     path = resolve_output(None if output is None else os.fspath(output), f"{run_id}.safetensors")
