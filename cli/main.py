@@ -152,8 +152,8 @@ def _explain_failures(report: Any) -> None:
 
 def _wait(view: Any, *, timeout_s: float | None, fail_fast: bool, output: str | None = None,
           collect: bool = False, max_restarts: int = 0) -> Any:
-    """Wait on the run with progress on stderr (and, with ``collect``, check and write the model the one way
-    ``diloco.launcher.orchestrate.collect`` does); returns ``(report, timed_out)``."""
+    """Wait on the run with progress on stderr (``Run.wait``; with ``collect``, ``Run.collect``: check the
+    weights and write the model to ``output`` unless it is None); returns ``(report, timed_out)``."""
     from diloco.cli.progress import RunProgress
     from diloco.launcher import api
 

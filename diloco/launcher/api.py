@@ -53,8 +53,9 @@ class RunWaitTimeout(DilocoError, TimeoutError):
 # ---------------------------------------------------------------------------------------------- configuration
 def _dotted(overrides: Mapping[str, Any]) -> dict[str, Any]:
     """Keyword overrides as dotted config keys: ``train__steps=5`` and ``{"train.steps": 5}`` both mean
-    ``train.steps``; a mapping value sets each of its keys (``train={"steps": 5}`` keeps the other train settings),
-    except ``trainer_kwargs``, whose mapping is merged key by key too."""
+    ``train.steps``; a mapping value sets each of its keys, at any depth (``train={"steps": 5}`` keeps the other
+    train settings, ``train={"trainer_kwargs": {"lr": 0.01}}`` the other trainer kwargs). A ``backend`` mapping is
+    the whole backend section, as in a config file."""
     out: dict[str, Any] = {}
     for key, value in overrides.items():
         key = key.replace("__", ".")
