@@ -1,4 +1,5 @@
-"""The backend contract (``ServerlessExecutor``): one run of N replicas, planned, submitted, described, cancelled and logged as a whole.
+"""The backend contract, ``ServerlessExecutor``: one run of N replicas, planned, submitted, described, cancelled
+and logged as a whole.
 
 A *run* is N replica jobs that never talk to each other except through the rendezvous store. A backend (local
 processes, SageMaker Training Jobs, a Kubernetes Indexed Job, or a third party's) is a thin translator between that
