@@ -82,11 +82,15 @@ def _registry() -> Any:
     return RunRegistry()
 
 
-def _view(run: str | None) -> Any:
-    from diloco.launcher.orchestrate import RunView
+def _run(run: str | None) -> Any:
+    """The run a command names (``diloco.launcher.api.Run``), through the Python API the commands are a layer on."""
+    from diloco.launcher import api
 
-    registry = _registry()
-    return RunView(registry.resolve(run), registry=registry)
+    return api.get_run(run, registry=_registry())
+
+
+def _view(run: str | None) -> Any:
+    return _run(run).view
 
 
 def _outcome_code(report: Any, timed_out: bool, *, weights_checked: bool = True) -> int:
@@ -143,12 +147,11 @@ def _explain_failures(report: Any) -> None:
 
 def _wait(view: Any, *, timeout_s: float | None, fail_fast: bool, output: str | None = None,
           collect: bool = False, max_restarts: int = 0) -> Any:
-    """Wait on the run with progress on stderr (and, with ``collect``, check and write the model the one way
-    ``diloco.launcher.orchestrate.collect`` does); returns ``(report, timed_out)``."""
+    """Wait on the run with progress on stderr (``Run.wait``; with ``collect``, ``Run.collect``: check the
+    weights and write the model to ``output`` unless it is None); returns ``(report, timed_out)``."""
     from diloco.cli.progress import RunProgress
-    from diloco.launcher.orchestrate import collect as collect_run
+    from diloco.launcher import api
 
-    interval = float(view.record.config.get("store", {}).get("poll_interval_s", 1.0))
     with RunProgress(view.record.run_id) as progress:
         def stopping(failed: Any, survivors: list[int]) -> None:
             if survivors:
@@ -165,12 +168,14 @@ def _wait(view: Any, *, timeout_s: float | None, fail_fast: bool, output: str | 
         def relaunching(rank: int, attempt: int, reason: str) -> None:
             progress.note(f"replica {rank} failed ({reason}); relaunching it (restart {attempt} of {max_restarts})")
 
-        options = {"timeout_s": timeout_s, "poll_interval_s": min(max(interval, 0.2), 2.0),
-                   "on_update": update, "on_fail_fast": stopping, "fail_fast": fail_fast,
+        options = {"timeout_s": timeout_s, "on_update": update, "on_fail_fast": stopping, "fail_fast": fail_fast,
                    "max_restarts": max_restarts, "on_relaunch": relaunching}
-        if collect:
-            return collect_run(view, output=output, **options)
-        return view.wait(**options)
+        run = api.Run(view)
+        try:  # the output was checked before waiting (``_model_target``): here it is only written
+            report = run.collect(output, force=True, **options) if collect else run.wait(**options)
+        except api.RunWaitTimeout as exc:
+            return exc.report, True
+        return report, False
 
 
 def _state_now(view: Any) -> tuple[Any, list[int]]:
@@ -271,21 +276,18 @@ def launch(
       diloco launch -c configs/local.yaml --dry-run -o json   # the exact per-replica requests
       diloco launch -c configs/eks.yaml --dry-run -o yaml     # the backend's requests as YAML documents
     """
-    from diloco.executors import require_launchable
-    from diloco.launcher.config import backend_kind, merge_sources, validate
-    from diloco.launcher.orchestrate import RunView, plan_run, preflight
-    from diloco.launcher.orchestrate import launch as launch_run
+    from diloco.launcher import api
+    from diloco.launcher.config import merge_sources
 
     flags, backend_flags = given_run_flags(ctx), given_backend_flags(ctx)
     registry = _registry()  # a DILOCO_HOME that is a file fails here, even for --dry-run
     data = merge_sources(config, flags, set_, trainer_kwargs, backend_flags)
-    require_launchable(backend_kind(data))  # a backend not shipped yet fails before anything else
-    cfg = validate(data)
+    cfg = api.resolve(data)  # a backend not shipped yet fails before anything else
 
     if dry_run:
         from diloco.cli.views import render_plan
 
-        _, plan = plan_run(preflight(cfg))
+        plan = api.plan(cfg)
         _announce_plan(plan)
         for note in plan.notes:
             say(f"note: {note}")
@@ -297,16 +299,16 @@ def launch(
         emit(plan, fmt, lambda console: render_plan(console, plan))
         return
 
-    record, backend_impl = launch_run(cfg, registry, force=force, on_plan=_announce_plan)
+    run = api.launch(cfg, registry=registry, force=force, on_plan=_announce_plan)
+    record, view = run.record, run.view
     run_id = record.run_id
     say(f"launched {run_id}: {record.replicas} replica(s) on {record.backend}, meeting at "
         f"{record.rendezvous_uri}")
-    view = RunView(record, backend_impl, registry=registry)
     if detach:
         say(f"  watch:   diloco watch {run_id}   (waits, relaunching failed replicas)\n"
             f"  status:  diloco status {run_id}\n  logs:    diloco logs {run_id} -f\n"
             f"  collect: diloco collect {run_id}\n  cancel:  diloco cancel {run_id}")
-        emit(view.report(with_stderr=False), fmt, lambda console: console.print(run_id))
+        emit(run.status(with_stderr=False), fmt, lambda console: console.print(run_id))
         return
 
     on_ctrl_c = "cancels the run" if cancel_on_interrupt else "stops waiting, the run keeps going"
@@ -334,12 +336,12 @@ def status(
       diloco status 7c98 --watch     # a run by any unique part of its id
       diloco status -o json | jq -r '.ranks[] | "\\(.rank) \\(.state) \\(.step)"'
     """
-    view = _view(run)
+    found = _run(run)
     if not watch:
-        _print_run(view.report(trends=True), fmt)
+        _print_run(found.status(trends=True), fmt)
         return
     try:
-        report, _ = _wait(view, timeout_s=None, fail_fast=False)
+        report, _ = _wait(found.view, timeout_s=None, fail_fast=False)
     except KeyboardInterrupt:
         say("stopped watching; the run is unaffected")
         raise typer.Exit(exit_codes.INTERRUPTED) from None
@@ -377,8 +379,8 @@ def logs(
 
     if tail_n is not None and tail_n < 0:
         raise ConfigError(f"--tail: must be >= 0 (got {tail_n})")
-    view = _view(run)
-    ranks = _parse_ranks(replica, view.record.replicas)
+    found = _run(run)
+    ranks = _parse_ranks(replica, found.replicas)
     color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
     palette = ["36", "33", "35", "32", "34", "31"]
 
@@ -394,18 +396,18 @@ def logs(
     out = sys.stdout
     printed = 0
     try:
-        for record in view.log_lines(ranks=ranks, follow=follow, tail_n=tail_n):
+        for record in found.logs(ranks=ranks, follow=follow, tail=tail_n):
             out.write(line(record) + "\n")
             printed += 1
             if follow:
                 out.flush()
         out.flush()
         if not printed:  # say why nothing came, on stderr, so a pipe still gets only log lines
-            why = "it has not been submitted" if view.handle is None else \
+            why = "it has not been submitted" if not found.submitted else \
                 "its replicas have written nothing yet, or the backend no longer has their logs"
-            say(f"no log lines for run {view.record.run_id}: {why}")
+            say(f"no log lines for run {found.run_id}: {why}")
     except KeyboardInterrupt:
-        say(f"stopped following; run {view.record.run_id} is unaffected")
+        say(f"stopped following; run {found.run_id} is unaffected")
         raise typer.Exit(exit_codes.INTERRUPTED) from None
 
 
@@ -462,13 +464,9 @@ def collect(
 def _model_target(output: str | None, run_id: str, force: bool) -> str:
     """Where collect writes the model, checked before waiting (``diloco.launcher.output_path``: a directory gets
     ``<run_id>.safetensors``, missing directories are created at the write); an existing file needs ``--force``."""
-    from diloco.launcher.output_path import resolve_output
+    from diloco.launcher import api
 
-    path = resolve_output(output, f"{run_id}.safetensors")
-    if os.path.exists(path) and not force:
-        raise ConfigError(f"--output: {path} already exists", hint="pass --force to overwrite it, or choose another "
-                                                                     "path")
-    return path
+    return api.model_target(output, run_id, force=force)
 
 
 @app.command(epilog=EPILOG)
@@ -491,17 +489,15 @@ def cancel(
     """
     from diloco.cli.views import render_cancel
 
-    view = _view(run)
-    run_id = view.record.run_id
-    before = view.status()
-    if before.terminal:
+    found = _run(run)
+    run_id = found.run_id
+    if found.has_ended():
         say(f"run {run_id} already finished; nothing to cancel")
-        report = view.report(before, with_stderr=False)
+        report = found.status(with_stderr=False)
     else:
         say(f"cancelling run {run_id} ...")
         try:
-            status = view.cancel()
-            report = view.wait(poll_interval_s=0.2)[0] if wait else view.report(status, with_stderr=False)
+            report = found.cancel(wait=wait)
         except KeyboardInterrupt:
             say(f"stopped waiting; the replicas of {run_id} are being stopped all the same "
                 f"(`diloco cancel {run_id}` again stops them at once)")
@@ -520,9 +516,9 @@ def runs_(fmt: FormatOpt = OutputFormat.table) -> None:
       diloco runs -o json | jq -r '.runs[] | select(.state == "running") | .run_id'
     """
     from diloco.cli.views import render_runs
-    from diloco.launcher.orchestrate import summarize_runs
+    from diloco.launcher import api
 
-    summaries = summarize_runs(_registry())
+    summaries = api.list_runs(registry=_registry())
     emit({"runs": summaries}, fmt, lambda console: render_runs(console, summaries))
 
 

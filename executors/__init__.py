@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from diloco.errors import ConfigError
 
 if TYPE_CHECKING:
-    from diloco.executors.base import Backend, BackendConfig
+    from diloco.executors.base import BackendConfig, ServerlessExecutor
 
 ENTRY_POINT_GROUP = "diloco.backends"
 #: The backend used when a config names none.
@@ -54,7 +54,7 @@ def backend_names() -> list[str]:
     return list(_registered())
 
 
-def backend_class(name: str) -> type[Backend[Any, Any]]:
+def backend_class(name: str) -> type[ServerlessExecutor[Any, Any]]:
     """Import backend ``name``'s class. ``ConfigError`` (one line, nothing launched) for an unknown name, a backend
     that cannot be imported, or one that this version does not ship yet."""
     registered = _registered()
@@ -79,7 +79,7 @@ def config_type(name: str) -> type[BackendConfig]:
     return backend_class(name).config_type
 
 
-def require_launchable(name: str) -> type[Backend[Any, Any]]:
+def require_launchable(name: str) -> type[ServerlessExecutor[Any, Any]]:
     """Backend ``name``'s class, or the one-line ``ConfigError`` saying why it cannot launch in this version."""
     cls = backend_class(name)
     if cls.unavailable_reason:
@@ -89,7 +89,7 @@ def require_launchable(name: str) -> type[Backend[Any, Any]]:
     return cls
 
 
-def create_backend(config: BackendConfig) -> Backend[Any, Any]:
+def create_backend(config: BackendConfig) -> ServerlessExecutor[Any, Any]:
     """The backend for a validated config section. ``ConfigError`` if this version cannot run it yet."""
     return require_launchable(config.kind)(config)
 

@@ -1,4 +1,5 @@
-"""The backend contract: one run of N replicas, planned, submitted, described, cancelled and logged as a whole.
+"""The backend contract, ``ServerlessExecutor``: one run of N replicas, planned, submitted, described, cancelled
+and logged as a whole.
 
 A *run* is N replica jobs that never talk to each other except through the rendezvous store. A backend (local
 processes, SageMaker Training Jobs, a Kubernetes Indexed Job, or a third party's) is a thin translator between that
@@ -55,7 +56,7 @@ from diloco.executors.logstream import LogRecord
 if TYPE_CHECKING:
     from diloco.launcher.doctor import Check, DoctorContext
 
-__all__ = ["DEFAULT_ENTRYPOINT", "DEFAULT_TRAINER", "LogRecord"]
+__all__ = ["DEFAULT_ENTRYPOINT", "DEFAULT_TRAINER", "Backend", "LogRecord", "ServerlessExecutor"]
 
 
 # ---------------------------------------------------------------------------------------------- states
@@ -382,12 +383,14 @@ H = TypeVar("H", bound=RunHandle)
 C = TypeVar("C", bound=BackendConfig)
 
 
-class Backend(Generic[C, H]):
-    """What every backend implements; defaults for what most backends have nothing special to do about.
+class ServerlessExecutor(Generic[C, H]):
+    """The contract every backend implements (the design's name for it); defaults for what most backends have
+    nothing special to do about.
 
     Subclasses set ``name``, ``config_type`` and ``handle_type`` and implement ``plan``, ``submit``, ``describe``,
     ``cancel`` and ``replica_logs`` (or ``logs``). ``STATES`` documents every state name the backend's service
-    reports and the ``ReplicaState`` it means; the conformance suite (tests/backends) checks it.
+    reports and the ``ReplicaState`` it means; the shipped conformance suite (``diloco.executors.testing``) checks
+    it, and a third party's backend runs the same suite from its own tests.
     """
 
     name: ClassVar[str]
@@ -495,3 +498,7 @@ class Backend(Generic[C, H]):
     @classmethod
     def map_state(cls, native: str | None) -> ReplicaState:
         return map_state(cls.STATES, native)
+
+
+#: The contract's other name: backends written against ``Backend`` keep working unchanged.
+Backend = ServerlessExecutor

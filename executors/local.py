@@ -48,7 +48,6 @@ from pydantic import BaseModel, Field
 from diloco import envvars
 from diloco.errors import BackendError, ConfigError, DilocoError
 from diloco.executors.base import (
-    Backend,
     BackendConfig,
     LaunchPlan,
     LaunchSpec,
@@ -57,6 +56,7 @@ from diloco.executors.base import (
     RunHandle,
     RunListing,
     RunStatus,
+    ServerlessExecutor,
 )
 from diloco.executors.local_supervisor import (
     CANCEL_MARKER,
@@ -144,7 +144,7 @@ class LocalRunHandle(RunHandle):
         return next((p for p in self.processes if p.rank == rank), None)
 
 
-class LocalBackend(Backend[LocalBackendConfig, LocalRunHandle]):
+class LocalBackend(ServerlessExecutor[LocalBackendConfig, LocalRunHandle]):
     """Replicas as supervised local processes. See the module docstring for the guarantees."""
 
     name: ClassVar[str] = "local"

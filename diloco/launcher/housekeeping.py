@@ -54,7 +54,7 @@ from diloco.launcher.runs import RunRecord, RunRegistry
 from diloco.store.layout import FINAL_KEY, RUN_INFO_KEY
 
 if TYPE_CHECKING:
-    from diloco.executors.base import Backend, RunHandle
+    from diloco.executors.base import RunHandle, ServerlessExecutor
     from diloco.launcher.weights import WeightsCheck
     from diloco.store.objects import ObjectStore
 
@@ -165,7 +165,7 @@ class RunCondition:
     going: list[int] = field(default_factory=list)  # replicas the backend reports as not ended yet
     unknown: list[int] = field(default_factory=list)  # replicas whose state the backend cannot tell
     ended_at: float | None = None
-    backend: Backend[Any, Any] | None = None
+    backend: ServerlessExecutor[Any, Any] | None = None
     handle: RunHandle | None = None
     problem: str | None = None  # why the backend could not be asked
 

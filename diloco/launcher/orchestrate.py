@@ -46,7 +46,7 @@ from diloco.replica.metrics import ReplicaProgress, read_progress
 from diloco.store.layout import RUN_INFO_KEY, SPEC_KEY
 
 if TYPE_CHECKING:
-    from diloco.executors.base import Backend
+    from diloco.executors.base import ServerlessExecutor
     from diloco.store.objects import ObjectStore
 
 logger = logging.getLogger(__name__)
@@ -359,14 +359,14 @@ def preflight(cfg: RunConfig) -> RunConfig:
     return cfg
 
 
-def plan_run(cfg: RunConfig, run_id: str | None = None) -> tuple[Backend[Any, Any], LaunchPlan]:
+def plan_run(cfg: RunConfig, run_id: str | None = None) -> tuple[ServerlessExecutor[Any, Any], LaunchPlan]:
     """The backend and its dry-run plan. Pure: no process, no directory, no registry entry, no network."""
     backend = create_backend(cfg.backend)
     return backend, backend.plan(build_spec(cfg, run_id or new_run_id()))
 
 
 def launch(cfg: RunConfig, registry: RunRegistry | None = None, *, force: bool = False,
-           on_plan: Callable[[LaunchPlan], None] | None = None) -> tuple[RunRecord, Backend[Any, Any]]:
+           on_plan: Callable[[LaunchPlan], None] | None = None) -> tuple[RunRecord, ServerlessExecutor[Any, Any]]:
     """Plan, check the rendezvous is unused, record the run, publish its objects, submit. ``on_plan`` sees the plan
     before anything is created (the CLI prints its cost and warnings).
 
@@ -468,7 +468,7 @@ def withdraw_store(store: ObjectStore, *, wrote: bool = True) -> list[str]:
         return left
 
 
-def backend_for(record: RunRecord) -> Backend[Any, Any]:
+def backend_for(record: RunRecord) -> ServerlessExecutor[Any, Any]:
     """The backend that manages ``record``'s replicas, rebuilt from the config recorded at launch."""
     return create_backend(backend_config(record.config.get("backend") or {}))
 
@@ -559,7 +559,7 @@ def restart_backoff() -> float:
 class RunView:
     """A run being observed: its record, backend and store, described on demand."""
 
-    def __init__(self, record: RunRecord, backend: Backend[Any, Any] | None = None,
+    def __init__(self, record: RunRecord, backend: ServerlessExecutor[Any, Any] | None = None,
                  registry: RunRegistry | None = None) -> None:
         self.record = record
         self.backend = backend or backend_for(record)

@@ -46,7 +46,7 @@ from diloco.errors import ConfigError
 from diloco.launcher.doctor import Check, Status
 
 if TYPE_CHECKING:
-    from diloco.executors.base import Backend, LaunchPlan, LaunchSpec
+    from diloco.executors.base import LaunchPlan, LaunchSpec, ServerlessExecutor
     from diloco.launcher.runs import RunRecord
 
 #: The tiny model and schedule: seconds per round on a laptop core, yet the full DiLoCo path.
@@ -337,7 +337,7 @@ def _run_smoke(
                 shutil.rmtree(work_dir, ignore_errors=True)  # kept only with --keep, or for a failure's logs
 
 
-def _remove_backend_leftovers(backend: Backend[Any, Any], record: RunRecord | None,
+def _remove_backend_leftovers(backend: ServerlessExecutor[Any, Any], record: RunRecord | None,
                               say: Callable[[str], None]) -> None:
     """What the backend keeps of the smoke's run besides the store (``Backend.remove``); reported, never raised."""
     if record is None or record.handle is None:
@@ -359,7 +359,7 @@ def _smoke_spec(run_id: str, replicas: int, uri: str, timeout_s: float, poll_int
     return LaunchSpec(run_id=run_id, replicas=replicas, entrypoint_args=args, timeout_s=timeout_s)
 
 
-def _expected_cost(backend: Backend[Any, Any], plan: LaunchPlan, yes: bool) -> tuple[float | None, str | None]:
+def _expected_cost(backend: ServerlessExecutor[Any, Any], plan: LaunchPlan, yes: bool) -> tuple[float | None, str | None]:
     """The backend's estimate of the plan's cost; ``ConfigError`` (nothing created) when it is not free and the
     user has not said ``yes``."""
     estimate = backend.estimate_cost(plan, EXPECTED_WORK_S)
@@ -426,7 +426,7 @@ def _smoke_fields(work_dir: str) -> dict[str, Any]:
     return {"log_root": os.path.join(work_dir, "logs"), "grace_period_s": 2.0, "source_dir": source}
 
 
-def _smoke_backend(choice: str | Mapping[str, Any] | None, work_dir: str) -> Backend[Any, Any]:
+def _smoke_backend(choice: str | Mapping[str, Any] | None, work_dir: str) -> ServerlessExecutor[Any, Any]:
     """The backend to run on: ``choice`` (a name or a section; default: the default backend) with the smoke's
     preferences (``_smoke_fields``) where it has such fields. ``ConfigError`` for an invalid section."""
     from diloco.executors import config_type, create_backend

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from diloco import envvars
 from diloco.errors import BackendError
 from diloco.executors.base import (
-    Backend,
     LaunchPlan,
     LaunchSpec,
     LogRecord,
@@ -24,6 +23,7 @@ from diloco.executors.base import (
     RunListing,
     RunState,
     RunStatus,
+    ServerlessExecutor,
 )
 from diloco.executors.failures import EXIT_DROPPED, FailureClass, FailureVerdict
 from diloco.store.layout import LOGS_PREFIX
@@ -112,7 +112,7 @@ class PodSizing:
 
 
 # ---------------------------------------------------------------------------------------------- the backend
-class KubernetesBackend(Backend[KubernetesBackendConfig, KubernetesRunHandle]):
+class KubernetesBackend(ServerlessExecutor[KubernetesBackendConfig, KubernetesRunHandle]):
     """Replicas as the indexes of one Indexed Job (see the module docstring for the design)."""
 
     name: ClassVar[str] = "eks"

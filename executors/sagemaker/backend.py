@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from diloco.envvars import CHECKPOINT_DIR
 from diloco.errors import BackendError, ConfigError
 from diloco.executors.base import (
-    Backend,
     LaunchPlan,
     LaunchSpec,
     ReplicaState,
@@ -23,6 +22,7 @@ from diloco.executors.base import (
     RunListing,
     RunState,
     RunStatus,
+    ServerlessExecutor,
 )
 from diloco.executors.logstream import LogRecord
 
@@ -147,7 +147,7 @@ def _ts(value: Any) -> float | None:
     return value.timestamp() if hasattr(value, "timestamp") else (float(value) if value is not None else None)
 
 
-class SageMakerBackend(Backend[SageMakerBackendConfig, SageMakerRunHandle]):
+class SageMakerBackend(ServerlessExecutor[SageMakerBackendConfig, SageMakerRunHandle]):
     """Replicas as single-instance SageMaker Training Jobs (see the module docstring for the design)."""
 
     name: ClassVar[str] = "sagemaker"

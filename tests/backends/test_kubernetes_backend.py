@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conformance import BackendCase, BackendConformance
 from emulators.kubernetes import KubernetesEmulator
 
-from diloco.executors.base import Backend, LaunchPlan, LaunchSpec
+from diloco.executors.base import LaunchPlan, LaunchSpec, ServerlessExecutor
 from diloco.executors.kubernetes import KubernetesBackend, KubernetesBackendConfig
+from diloco.executors.testing import BackendCase, BackendConformance
 
 NAMESPACE = "conformance"
 
@@ -38,13 +38,14 @@ class KubernetesCase(BackendCase):
         self.emulator = emulator
         self.root = root
 
-    def backend(self) -> Backend[Any, Any]:
+    def backend(self) -> ServerlessExecutor[Any, Any]:
         return KubernetesBackend(KubernetesBackendConfig(
             image="python:3.11-slim", namespace=NAMESPACE, kubeconfig=str(self.emulator.kubeconfig),
             grace_period_s=1, max_failed_indexes=2, state_dir=str(self.root / "state"), log_poll_interval_s=0.2))
 
     @contextlib.contextmanager
-    def break_submit_at(self, backend: Backend[Any, Any], plan: LaunchPlan, k: int) -> Iterator[LaunchPlan]:
+    def break_submit_at(self, backend: ServerlessExecutor[Any, Any], plan: LaunchPlan,
+                        k: int) -> Iterator[LaunchPlan]:
         """The namespace's ResourceQuota refuses the Job (admission's 403), as a full namespace does."""
         self.emulator.deny_quota("jobs", times=1)
         yield plan
@@ -62,7 +63,7 @@ class KubernetesCase(BackendCase):
         with self.emulator.cluster.store.lock:
             return [dict(j) for j in self.emulator.cluster.store.items("jobs", NAMESPACE)]
 
-    def documented_states(self, backend: Backend[Any, Any]) -> list[str]:
+    def documented_states(self, backend: ServerlessExecutor[Any, Any]) -> list[str]:
         """Every pod phase and Job condition type of the Kubernetes API (what the backend maps from)."""
         return ["Pending", "Running", "Succeeded", "Failed", "Unknown",
                 "Complete", "Failed", "FailureTarget", "SuccessCriteriaMet", "Suspended"]

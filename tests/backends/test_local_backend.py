@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conformance import BackendCase, BackendConformance
 
-from diloco.executors.base import Backend, LaunchPlan
+from diloco.executors.base import LaunchPlan, ServerlessExecutor
 from diloco.executors.local import LocalBackend, LocalBackendConfig
 from diloco.executors.local_supervisor import processes_with_env
+from diloco.executors.testing import BackendCase, BackendConformance
 
 
 def processes_of_run(run_id: str) -> list[str]:
@@ -31,11 +31,12 @@ class LocalCase(BackendCase):
     def __init__(self, root: Path) -> None:
         self.root = root
 
-    def backend(self) -> Backend[Any, Any]:
+    def backend(self) -> ServerlessExecutor[Any, Any]:
         return LocalBackend(LocalBackendConfig(log_root=str(self.root / "runs"), grace_period_s=1.0))
 
     @contextlib.contextmanager
-    def break_submit_at(self, backend: Backend[Any, Any], plan: LaunchPlan, k: int) -> Iterator[LaunchPlan]:
+    def break_submit_at(self, backend: ServerlessExecutor[Any, Any], plan: LaunchPlan,
+                        k: int) -> Iterator[LaunchPlan]:
         broken = plan.model_copy(deep=True)
         broken.requests[k]["cwd"] = str(self.root / "no-such-directory")  # the spawn of replica k fails
         yield broken

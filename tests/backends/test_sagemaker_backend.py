@@ -14,11 +14,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from conformance import TESTS_DIR, BackendCase, BackendConformance
 from emulators.sagemaker import SageMakerEmulator
 
-from diloco.executors.base import Backend, EntrypointArgs, LaunchPlan, LaunchSpec
+from diloco.executors.base import EntrypointArgs, LaunchPlan, LaunchSpec, ServerlessExecutor
 from diloco.executors.sagemaker import SageMakerBackend, SageMakerBackendConfig
+from diloco.executors.testing import FAKE_REPLICA, BackendCase, BackendConformance
 
 
 class SageMakerCase(BackendCase):
@@ -28,7 +28,7 @@ class SageMakerCase(BackendCase):
         self.emulator = emulator
         self.bucket = bucket
 
-    def backend(self) -> Backend[Any, Any]:
+    def backend(self) -> ServerlessExecutor[Any, Any]:
         return SageMakerBackend(SageMakerBackendConfig(
             role_arn=f"arn:aws:iam::{self.emulator.account_id}:role/diloco-conformance", region="us-east-1",
             image_uri="diloco-ready-image:test", log_poll_interval_s=0.2))
@@ -37,11 +37,11 @@ class SageMakerCase(BackendCase):
         """The suite's fake replicas, meeting (nominally) in S3: SageMaker jobs cannot reach a file:// store."""
         args = EntrypointArgs(rendezvous_uri=f"s3://{self.bucket}/conformance/{run_id}", world_size=replicas,
                               trainer="fake:train", trainer_kwargs=dict(behaviour))
-        return LaunchSpec(run_id=run_id, replicas=replicas, entrypoint="fake_replica", entrypoint_args=args,
-                          env={"PYTHONPATH": TESTS_DIR})
+        return LaunchSpec(run_id=run_id, replicas=replicas, entrypoint=FAKE_REPLICA, entrypoint_args=args)
 
     @contextlib.contextmanager
-    def break_submit_at(self, backend: Backend[Any, Any], plan: LaunchPlan, k: int) -> Iterator[LaunchPlan]:
+    def break_submit_at(self, backend: ServerlessExecutor[Any, Any], plan: LaunchPlan,
+                        k: int) -> Iterator[LaunchPlan]:
         """The service refuses replica k's job for quota (ResourceLimitExceeded), as an exhausted account does."""
         self.emulator.refuse_create(nth=k + 1)
         yield plan
@@ -50,7 +50,7 @@ class SageMakerCase(BackendCase):
         """Jobs of the run still InProgress or Stopping, and any of their processes still alive."""
         return [j.name for j in self.emulator.jobs() if j.name.startswith(run_id) and (j.running or j.pid())]
 
-    def documented_states(self, backend: Backend[Any, Any]) -> list[str]:
+    def documented_states(self, backend: ServerlessExecutor[Any, Any]) -> list[str]:
         """Every SecondaryStatus and TrainingJobStatus in botocore's SageMaker model."""
         import botocore.session
 
@@ -127,9 +127,8 @@ def test_a_failed_job_is_relaunched_as_a_new_job_with_the_same_request_and_follo
 ) -> None:
     """A crashed replica (exit 137, not a spot interruption) gets a new training job for its rank: the failed job's
     request under the next attempt's name; describe and logs follow the new job, cancel stops all of the rank's."""
-    from conformance import wait_for_output, wait_until
-
     from diloco.executors.base import ReplicaState
+    from diloco.executors.testing import wait_for_output, wait_until
 
     with SageMakerEmulator(aws_endpoint=aws_env, root_dir=tmp_path / "sagemaker", stop_grace_s=1.0,
                            log_flush_s=0.1) as emulator:

@@ -1,8 +1,12 @@
-"""The conformance suite every backend passes (the fsspec ``tests/abstract`` pattern).
+"""The conformance suite every backend passes (the fsspec ``tests/abstract`` pattern), shipped in the package so a
+third party's backend runs the same tests as the built-in ones from its own test module.
 
 A backend's test module subclasses ``BackendConformance`` and provides a ``case`` fixture returning a
-``BackendCase``: how to build the backend, a spec that runs ``tests/fake_replica.py`` in every replica, how to make
-creating replica k fail, and how to see what is still alive for a run. Every test here then runs against it::
+``BackendCase``: how to build the backend, a spec that runs ``diloco.executors.testing.fake_replica`` in every
+replica, how to make creating replica k fail, and how to see what is still alive for a run. Every test here then
+runs against it::
+
+    from diloco.executors.testing import BackendCase, BackendConformance
 
     class TestLocal(BackendConformance):
         @pytest.fixture
@@ -10,6 +14,7 @@ creating replica k fail, and how to see what is still alive for a run. Every tes
 
 The replicas are tiny processes (``fake_replica``: print lines, sleep, exit with a code, ignore SIGTERM), so the
 suite checks the contract (plan, submit, describe, cancel, logs, a restarted CLI) and nothing about training.
+The suite needs pytest (the only requirement beyond diloco itself); the replicas need only diloco.
 """
 
 from __future__ import annotations
@@ -27,16 +32,19 @@ import pytest
 
 from diloco.errors import DilocoError
 from diloco.executors.base import (
-    Backend,
     EntrypointArgs,
     LaunchPlan,
     LaunchSpec,
     ReplicaState,
     RunState,
     RunStatus,
+    ServerlessExecutor,
 )
 
-TESTS_DIR = str(Path(__file__).resolve().parent.parent)
+#: The module every replica of the suite runs with ``python -m``.
+FAKE_REPLICA = "diloco.executors.testing.fake_replica"
+
+__all__ = ["FAKE_REPLICA", "BackendCase", "BackendConformance", "wait_for_output", "wait_until"]
 
 
 class BackendCase:
@@ -48,17 +56,16 @@ class BackendCase:
     #: How long a replica may take to show up as running / to end, in seconds (cloud emulators are slower).
     patience_s: float = 30.0
 
-    def backend(self) -> Backend[Any, Any]:
+    def backend(self) -> ServerlessExecutor[Any, Any]:
         raise NotImplementedError
 
     def spec(self, run_id: str, replicas: int = 2, **behaviour: Any) -> LaunchSpec:
-        """A spec whose replicas run ``tests/fake_replica.py`` with ``behaviour`` as its kwargs."""
+        """A spec whose replicas run ``fake_replica`` with ``behaviour`` as its kwargs."""
         args = EntrypointArgs(rendezvous_uri="file:///unused", world_size=replicas, trainer="fake:train",
                               trainer_kwargs=dict(behaviour))
-        return LaunchSpec(run_id=run_id, replicas=replicas, entrypoint="fake_replica", entrypoint_args=args,
-                          env={"PYTHONPATH": TESTS_DIR})
+        return LaunchSpec(run_id=run_id, replicas=replicas, entrypoint=FAKE_REPLICA, entrypoint_args=args)
 
-    def break_submit_at(self, backend: Backend[Any, Any], plan: LaunchPlan,
+    def break_submit_at(self, backend: ServerlessExecutor[Any, Any], plan: LaunchPlan,
                         k: int) -> AbstractContextManager[LaunchPlan]:
         """A context giving a plan whose submission fails when creating replica ``k`` (or, for a one-object
         backend, fails outright), with the service's own kind of error."""
@@ -68,7 +75,7 @@ class BackendCase:
         """What of run ``run_id`` is still alive or still exists on the backend (processes, jobs, pods)."""
         raise NotImplementedError
 
-    def documented_states(self, backend: Backend[Any, Any]) -> list[str]:
+    def documented_states(self, backend: ServerlessExecutor[Any, Any]) -> list[str]:
         """Every state name the backend's service documents (the suite checks each maps)."""
         return list(backend.STATES)
 
@@ -81,7 +88,7 @@ def _run_id(name: str) -> str:
     return f"conf-{name}-{int(time.time() * 1000) % 10**8}"
 
 
-def wait_for_output(backend: Backend[Any, Any], handle: Any, text: str, timeout: float) -> None:
+def wait_for_output(backend: ServerlessExecutor[Any, Any], handle: Any, text: str, timeout: float) -> None:
     """Until every replica has written a line containing ``text`` (fake_replica prints only after it has set up
     its signal handling, so a cancel after this cannot beat the replica's own start)."""
     deadline = time.monotonic() + timeout
@@ -93,7 +100,7 @@ def wait_for_output(backend: Backend[Any, Any], handle: Any, text: str, timeout:
         time.sleep(0.2)
 
 
-def wait_until(backend: Backend[Any, Any], handle: Any, states: set[ReplicaState], timeout: float) -> RunStatus:
+def wait_until(backend: ServerlessExecutor[Any, Any], handle: Any, states: set[ReplicaState], timeout: float) -> RunStatus:
     """Describe until every replica is in ``states``; the last status (the test asserts on it)."""
     deadline = time.monotonic() + timeout
     while True:
