@@ -82,6 +82,18 @@ def test_the_cli_plans_a_run_on_the_third_party_backend(project: Path) -> None:
     assert plan["backend"] == "subproc" and [r["rank"] for r in plan["requests"]] == [0, 1, 2]
     assert plan["requests"][0]["argv"][1:3] == ["-m", "diloco.replica.entrypoint"]
 
+    # The backend's own flag: declared on its config model, listed in its help panel, routed into its config.
+    helped = subprocess.run([sys.executable, "-m", "diloco.cli.main", "launch", "--help"], cwd=project, env=env,
+                            capture_output=True, text=True, timeout=240)
+    assert helped.returncode == 0, helped.stderr
+    panel = helped.stdout.split("Backend options (subproc)", 1)
+    assert len(panel) == 2 and "--subproc-grace" in panel[1], helped.stdout
+    flagged = subprocess.run([sys.executable, "-m", "diloco.cli.main", "launch", "--backend", "subproc",
+                              "--subproc-grace", "2.5", "--dry-run", "-o", "json"], cwd=project, env=env,
+                             capture_output=True, text=True, timeout=240)
+    assert flagged.returncode == 0, flagged.stderr
+    assert {r["grace_s"] for r in json.loads(flagged.stdout)["requests"]} == {2.5}
+
     bad = subprocess.run([sys.executable, "-m", "diloco.cli.main", "launch", "--backend", "subproc", "--set",
                           "backend.grace=2", "--dry-run"], cwd=project, env=env, capture_output=True, text=True,
                          timeout=240)

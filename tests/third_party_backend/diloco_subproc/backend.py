@@ -1,7 +1,8 @@
 """A third party's diloco backend: each replica is a subprocess under a small runner of its own (``runner.py``),
 which keeps the replica's state in files, so any later process can describe, cancel and read the run.
 
-It imports only diloco's contract (``diloco.executors.base``) and the error it raises (``diloco.errors``).
+It imports only diloco's contract (``diloco.executors.base`` and ``diloco.executors.flags``, which declares
+its ``--subproc-grace`` flag) and the error it raises (``diloco.errors``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import ClassVar, Literal
 
+from pydantic import Field
+
 from diloco.errors import BackendError
 from diloco.executors.base import (
     BackendConfig,
@@ -28,6 +31,7 @@ from diloco.executors.base import (
     RunStatus,
     ServerlessExecutor,
 )
+from diloco.executors.flags import cli_flag
 
 
 class SubprocConfig(BackendConfig):
@@ -35,7 +39,8 @@ class SubprocConfig(BackendConfig):
 
     kind: Literal["subproc"] = "subproc"
     root: str = os.path.join(tempfile.gettempdir(), "diloco-subproc")  # one directory per run under it
-    grace_s: float = 1.0  # cancel: SIGTERM, then SIGKILL after this long
+    grace_s: float = Field(1.0, gt=0, description="Seconds a cancelled replica has between SIGTERM and SIGKILL.",
+                           json_schema_extra=cli_flag("--subproc-grace", metavar="SECONDS"))
 
     rendezvous_schemes: ClassVar[tuple[str, ...]] = ("file", "s3")
     places_replicas: ClassVar[bool] = False
@@ -65,6 +70,7 @@ class SubprocBackend(ServerlessExecutor[SubprocConfig, SubprocHandle]):
 
     def plan(self, spec: LaunchSpec) -> LaunchPlan:
         requests = [{"rank": rank, "argv": spec.argv(sys.executable), "env": spec.replica_env(rank),
+                     "grace_s": self.config.grace_s,
                      "cwd": os.getcwd()} for rank in range(spec.replicas)]
         return LaunchPlan(backend=self.name, spec=spec, requests=requests)
 
@@ -82,7 +88,7 @@ class SubprocBackend(ServerlessExecutor[SubprocConfig, SubprocHandle]):
             where.mkdir(parents=True, exist_ok=True)
             try:
                 runner = subprocess.Popen(
-                    [sys.executable, "-m", "diloco_subproc.runner", str(where), str(self.config.grace_s), "--",
+                    [sys.executable, "-m", "diloco_subproc.runner", str(where), str(request["grace_s"]), "--",
                      *request["argv"]],
                     cwd=request["cwd"], env={**os.environ, **request["env"]}, start_new_session=True,
                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
