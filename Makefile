@@ -11,7 +11,7 @@ TEST_WORKERS ?= 2
 TEST_SCHEDULING := --dist load --maxschedchunk 2
 BIN := $(VENV)/bin
 
-.PHONY: setup test demo lint bench clean
+.PHONY: setup test docs demo lint bench clean
 
 $(BIN)/diloco: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,8 +24,12 @@ $(BIN)/diloco: pyproject.toml
 
 setup: $(BIN)/diloco
 
-test: setup
+test: setup docs
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(TEST_SCHEDULING)
+
+# The documentation site, strictly: a broken link or a page missing from mkdocs.yml's nav fails the build.
+docs: setup
+	$(BIN)/mkdocs build --strict --site-dir build/site
 
 demo: setup
 	$(BIN)/diloco launch --config configs/local.yaml

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from readme_blocks import section
 
 from diloco.errors import ConfigError
 from diloco.executors.base import EntrypointArgs, LaunchSpec
@@ -161,8 +162,7 @@ def test_a_replica_bigger_than_the_memory_is_refused_with_the_memory_in_the_mess
 
 
 def capacity_section() -> str:
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    return readme.split("### How many local replicas this machine can hold", 1)[1].split("\n#", 1)[0]
+    return section("How many local replicas this machine can hold")
 
 
 def test_the_size_a_refusal_states_for_a_custom_trainer_is_the_one_readme_states(tmp_path: Path) -> None:

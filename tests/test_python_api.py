@@ -137,3 +137,14 @@ def test_a_plan_is_the_dry_run_and_creates_nothing(home: Path) -> None:
     cfg = api.resolve(REPO / "configs" / "local.yaml", train={"steps": 100})
     assert cfg.train.steps == 100 and cfg.train.sync_every == 50  # the file's other train settings stay
     assert api.list_runs() == [] and not home.exists()
+
+
+def test_readmes_python_api_block_is_the_tested_example() -> None:
+    """README shows the example's lines, so what a reader copies is what this module runs."""
+    from tests.readme_blocks import section
+
+    text = section("Python API")
+    block = text.split("```python\n", 1)[1].split("```", 1)[0]
+    example = EXAMPLE.read_text()
+    missing = [line for line in block.splitlines() if line.strip() and line.strip() not in example]
+    assert not missing, f"README's Python API lines not in {EXAMPLE.name}: {missing}"

@@ -6,7 +6,7 @@ cannot be reached, retries for over a minute and then fails with a traceback in 
 answers first, once per process: a copy in the Hugging Face cache is used as it is (``cache_only``: load it with
 ``local_files_only``); otherwise, with ``HF_HUB_OFFLINE=1`` or a Hub that does not answer one request within
 ``PROBE_TIMEOUT_S``, it raises a one-line ``ConfigError`` naming the field and the fix (a local
-``save_pretrained`` directory, which README shows how to build offline).
+``save_pretrained`` directory, which docs/trainers.md shows how to build offline).
 
 The probe is one ``HEAD`` of the Hub's model listing at ``HF_ENDPOINT`` (default ``https://huggingface.co``), through
 the environment's proxy settings, in a daemon thread joined with a deadline, so that a name lookup that hangs is
@@ -63,7 +63,7 @@ def check_source(field: Field, name: str) -> Source:
     if in_cache(name, field):
         return Source(name, "cache" if offline() or hub_unreachable() is not None else "hub")
     fix = (f"pass a local save_pretrained directory, e.g. -k {field}=./my-{field}"
-           + (": README's 'Without the Hub' builds one offline in a few lines" if field == "tokenizer" else "")
+           + (": docs/trainers.md, 'Without the Hub', builds one offline in a few lines" if field == "tokenizer" else "")
            + "; or fill the Hugging Face cache where the Hub is reachable")
     if offline():
         raise ConfigError(f"{field}: {name!r} is not a local directory, HF_HUB_OFFLINE=1 is set and the Hugging "
