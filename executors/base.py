@@ -52,6 +52,7 @@ from diloco.defaults import DEFAULT_ENTRYPOINT, DEFAULT_MAX_RESTARTS, DEFAULT_TR
 from diloco.executors.failures import FailureVerdict
 from diloco.executors.flags import FlagSpec, model_flags
 from diloco.executors.logstream import LogRecord
+from diloco.replica.settings import SETTINGS_FORMAT, ReplicaSettings, SettingsObject
 
 if TYPE_CHECKING:
     from diloco.launcher.doctor import Check, DoctorContext
@@ -126,27 +127,11 @@ def map_state(table: Mapping[str, ReplicaState], native: str | None) -> ReplicaS
 
 
 # ---------------------------------------------------------------------------------------------- specs
-class EntrypointArgs(BaseModel):
-    """What the replica entrypoint needs: the one record of a replica's settings. ``diloco launch`` publishes it
-    as the run's spec object (``ReplicaSpec``, ``spec.json`` in the store) and every replica reads it from there
-    (``--spec``); ``to_argv`` renders the same settings as the entrypoint's own flags, for running it by hand and
-    for specs without a spec object. A field this version does not know is refused, never silently dropped."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    rendezvous_uri: str
-    world_size: int = Field(ge=1)
-    trainer: str = DEFAULT_TRAINER  # "module:function"
-    trainer_kwargs: dict[str, Any] = Field(default_factory=dict)
-    timeout_s: float | None = None  # all-reduce poll timeout inside the replica
-    poll_interval_s: float | None = None  # how often a waiting replica polls the store (entrypoint default: 1 s)
-    allreduce: str = "gather"  # store.allreduce
-    compression: str = "none"  # store.compression
-    error_feedback: bool = True  # store.error_feedback
-    spread: int = 1  # store.spread
-    min_replicas: int | None = None  # partial participation (None: every round needs every replica)
-    procs_per_replica: int | None = None  # local processes per replica (None: the replica's own default)
-    tensorboard: str | None = None  # metrics.tensorboard
+class EntrypointArgs(ReplicaSettings):
+    """The replica settings (``diloco.replica.settings.ReplicaSettings``, where every field is declared), with
+    their rendering as the entrypoint's own flags. ``diloco launch`` publishes them as the run's spec object
+    (``ReplicaSpec``, ``spec.json`` in the store) and every replica reads them from there (``--spec``);
+    ``to_argv`` is for running the entrypoint by hand and for specs without a spec object."""
 
     def to_argv(self) -> list[str]:
         """The entrypoint's arguments, one token per list element (as SageMaker's ContainerArguments wants)."""
@@ -162,6 +147,8 @@ class EntrypointArgs(BaseModel):
             argv += ["--timeout", f"{self.timeout_s:g}"]
         if self.poll_interval_s is not None:
             argv += ["--poll-interval", f"{self.poll_interval_s:g}"]
+        if self.progress_interval_s is not None:
+            argv += ["--progress-interval", f"{self.progress_interval_s:g}"]
         # Only settings that differ from the entrypoint's defaults, so a plain run's command stays short.
         if self.allreduce != "gather":
             argv += ["--allreduce", self.allreduce]
@@ -180,28 +167,9 @@ class EntrypointArgs(BaseModel):
         return argv
 
 
-#: The format tag of the spec object (``ReplicaSpec``), checked by the replica that reads it.
-SPEC_FORMAT = "diloco.replica-spec/1"
-
-
-class ReplicaSpec(BaseModel):
-    """The spec object: the run's ``EntrypointArgs``, published in its store before any replica starts.
-
-    Why an object and not arguments: a backend's command line can be short (SageMaker allows 256 characters per
-    ContainerArguments element), and trainer settings are any length. A replica finds it through one short
-    argument, ``--spec URI``, and checks it like every object it reads: the format, the run it belongs to, the
-    SHA-256 its command line names (``--spec-sha256``), that its rendezvous is the folder it lies in, and every
-    setting's type."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    format: str = SPEC_FORMAT
-    run_id: str
-    entrypoint_args: EntrypointArgs
-
-    def to_bytes(self) -> bytes:
-        """Canonical JSON (sorted keys), so its SHA-256 is a pure function of the settings."""
-        return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True).encode()
+#: The spec object: the run's settings as published in its store (``diloco.replica.settings``).
+ReplicaSpec = SettingsObject
+SPEC_FORMAT = SETTINGS_FORMAT
 
 
 class LaunchSpec(BaseModel):
@@ -224,7 +192,7 @@ class LaunchSpec(BaseModel):
 
     def spec_object(self) -> bytes:
         """The bytes to publish at ``spec_uri`` before any replica starts."""
-        return ReplicaSpec(run_id=self.run_id, entrypoint_args=self.entrypoint_args).to_bytes()
+        return SettingsObject(run_id=self.run_id, settings=self.entrypoint_args).to_bytes()
 
     def entrypoint_argv(self) -> list[str]:
         """The entrypoint's arguments, one token per element: the spec object's URI and checksum when there is

@@ -76,7 +76,7 @@ def test_4kb_of_trainer_kwargs_reach_every_local_replica_through_the_spec_object
         logs = cli("logs", report["run_id"], "-r", str(rank), home=home, cwd=source)
         assert f"[r{rank}] {received_line()}" in logs.stdout.splitlines(), logs.stdout[-2000:]
     spec = json.loads((home / "runs" / report["run_id"] / "store" / "spec.json").read_text())
-    assert spec["run_id"] == report["run_id"] and spec["entrypoint_args"]["trainer_kwargs"]["blob"] == BLOB
+    assert spec["run_id"] == report["run_id"] and spec["settings"]["trainer_kwargs"]["blob"] == BLOB
 
 
 @pytest.mark.slow

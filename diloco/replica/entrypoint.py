@@ -197,13 +197,10 @@ def expand_spec(argv: list[str], env: Mapping[str, str]) -> list[str]:
 
 
 def read_spec(uri: str, sha256: str | None, run_id: str | None) -> EntrypointArgs:
-    """The ``EntrypointArgs`` in the spec object at ``uri``, verified (see ``ReplicaSpec``)."""
-    import hashlib
-
-    from pydantic import ValidationError
-
+    """The settings in the spec object at ``uri``, verified (``diloco.replica.settings.verify_settings_object``)."""
     from diloco.errors import ObjectNotFound
-    from diloco.executors.base import SPEC_FORMAT, ReplicaSpec
+    from diloco.executors.base import EntrypointArgs
+    from diloco.replica.settings import SettingsRefused, verify_settings_object
     from diloco.store.objects import ObjectStore
 
     folder, _, key = uri.rstrip("/").rpartition("/")
@@ -215,26 +212,11 @@ def read_spec(uri: str, sha256: str | None, run_id: str | None) -> EntrypointArg
         raise UsageError(f"the run's settings at {uri} do not exist",
                          "the launch that started this replica removed them when it failed, or --spec names the "
                          "wrong object") from None
-    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256.lower():
-        raise UsageError(f"the run's settings at {uri} are not the ones this replica was started with (their "
-                         f"SHA-256 is not --spec-sha256 {sha256})", "the object was replaced; launch the run again")
     try:
-        spec = ReplicaSpec.model_validate_json(data)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ())) or "the object"
-        raise UsageError(f"the run's settings at {uri} are unreadable: {where}: {first.get('msg')}",
-                         "launch the run with the same diloco version as the replica's image") from None
-    if spec.format != SPEC_FORMAT:
-        raise UsageError(f"{uri} is a {spec.format!r} object, not {SPEC_FORMAT!r}",
-                         "launch the run with the same diloco version as the replica's image")
-    if run_id is not None and spec.run_id != run_id:
-        raise UsageError(f"{uri} holds the settings of run {spec.run_id}, not of this replica's run {run_id}",
-                         "give each run its own rendezvous prefix (diloco launch does)")
-    if spec.entrypoint_args.rendezvous_uri.rstrip("/") != folder:
-        raise UsageError(f"{uri} names rendezvous {spec.entrypoint_args.rendezvous_uri}, not the folder it lies "
-                         f"in ({folder})", "the object was copied from another run; launch the run again")
-    return spec.entrypoint_args
+        settings = verify_settings_object(data, uri, sha256=sha256, run_id=run_id)
+    except SettingsRefused as exc:
+        raise UsageError(exc.what, exc.fix) from None
+    return EntrypointArgs(**settings.model_dump())
 
 
 def resolve_args(argv: list[str], env: Mapping[str, str]) -> ReplicaArgs:

@@ -18,7 +18,7 @@
                                          a replica's own output and exit code, where a backend asks the replicas
                                          to ship them (diloco.store.logs): it outlives the pods
     run.json                             the launcher's record of the run (id and resolved config)
-    spec.json                            the replicas' settings (``EntrypointArgs`` as JSON), written by the
+    spec.json                            the replicas' settings (``diloco.replica.settings``), written by the
                                          launcher before any replica starts and read by each (``--spec``)
     sagemaker/{code,output,checkpoints}/ the SageMaker backend's code channel, job outputs and spot checkpoints
 
