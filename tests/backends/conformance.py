@@ -55,7 +55,7 @@ class BackendCase:
         """A spec whose replicas run ``tests/fake_replica.py`` with ``behaviour`` as its kwargs."""
         args = EntrypointArgs(rendezvous_uri="file:///unused", world_size=replicas, trainer="fake:train",
                               trainer_kwargs=dict(behaviour))
-        return LaunchSpec(run_id=run_id, replicas=replicas, entrypoint="fake_replica", entrypoint_args=args,
+        return LaunchSpec(run_id=run_id, replicas=replicas, entrypoint="support.fake_replica", entrypoint_args=args,
                           env={"PYTHONPATH": TESTS_DIR})
 
     def break_submit_at(self, backend: Backend[Any, Any], plan: LaunchPlan,

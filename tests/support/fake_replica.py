@@ -1,0 +1,86 @@
+"""A stand-in replica for backend tests, and do-nothing trainers for CLI tests.
+
+``python -m fake_replica`` with the entrypoint's arguments is the stand-in replica.
+
+Behaviour comes from ``--trainer-kwargs-json`` (the executor's contract is only "run this module with these
+args and env"): print ``lines`` lines to stdout and one to stderr, optionally spawn a grandchild, optionally
+ignore SIGTERM (or log each one's sender to ``term_log``), sleep, then exit with ``exit`` (or ``fail_exit`` on ``fail_rank``). ``env_out`` is a directory
+where each rank writes what it saw (argv, cwd, environment) as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+
+def main() -> int:
+    argv = sys.argv[1:]
+    kwargs = json.loads(argv[argv.index("--trainer-kwargs-json") + 1])
+    rank = int(os.environ.get("REPLICA_RANK") or os.environ["JOB_COMPLETION_INDEX"])
+    if kwargs.get("env_out"):
+        seen = {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "pid": os.getpid(),
+                "pgid": os.getpgrp()}
+        with open(os.path.join(kwargs["env_out"], f"rank_{rank}.json"), "w") as f:
+            json.dump(seen, f)
+    if kwargs.get("ignore_term"):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if kwargs.get("term_log"):  # record who sent each SIGTERM; exit 143 half a second after the first
+        def wait_for_terms() -> None:
+            while True:
+                info = signal.sigwaitinfo({signal.SIGTERM})
+                with open(kwargs["term_log"], "a") as f:
+                    f.write(f"SIGTERM from {info.si_pid}\n")
+                threading.Timer(0.5, os._exit, args=(143,)).start()
+
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # delivered to sigwaitinfo only
+        threading.Thread(target=wait_for_terms, daemon=True).start()
+    if kwargs.get("spawn_child"):
+        # A grandchild that outlives us unless someone kills the whole process group.
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        if kwargs.get("pid_out"):
+            with open(os.path.join(kwargs["pid_out"], f"grandchild_{rank}"), "w") as f:
+                f.write(str(child.pid))
+    for i in range(int(kwargs.get("lines", 3))):
+        print(f"rank {rank} line {i}")
+        time.sleep(float(kwargs.get("line_gap", 0.0)))
+    print(f"rank {rank} says hello on stderr", file=sys.stderr)
+    time.sleep(float(kwargs.get("sleep", 0.0)))
+    if rank == kwargs.get("fail_rank"):
+        print(f"rank {rank}: injected failure", file=sys.stderr)
+        return int(kwargs.get("fail_exit", 3))
+    return int(kwargs.get("exit", 0))
+
+
+if __name__ == "__main__":
+    from diloco.store.logs import ship_output
+
+    shipping = ship_output()  # as the real entrypoint does, when the backend asks for it
+    code = main()
+    if shipping is not None:
+        shipping.close(code)
+    sys.exit(code)
+
+
+# ---------------------------------------------------------------------------------------------- CLI trainers
+# Trainer functions for tests that launch through the real CLI (``--trainer support.fake_replica:<fn>``, run from the
+# tests directory, which a local replica's ``python -m`` puts on its path): replicas that do nothing but exist.
+
+
+def idle(*, manager: object, rank: int, world_size: int, total_steps: int, sync_every: int,
+         sleep_s: float = 600.0, **_: object) -> None:
+    """Sleep; stops promptly on SIGTERM (the replica entrypoint's own handler)."""
+    time.sleep(sleep_s)
+
+
+def stubborn(*, manager: object, rank: int, world_size: int, total_steps: int, sync_every: int,
+             sleep_s: float = 600.0, **_: object) -> None:
+    """Ignore SIGTERM and sleep: only a SIGKILL stops it (a trainer stuck in native code, in effect)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    print(f"rank {rank} ignores SIGTERM", flush=True)
+    time.sleep(sleep_s)
