@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support.commands import DILOCO_SCRIPT as DILOCO
 from typer.testing import CliRunner
 
 from diloco.cli.main import app
@@ -20,8 +21,7 @@ from diloco.executors.local import LocalBackend, LocalBackendConfig, LocalProces
 from diloco.executors.local_supervisor import group_members
 from diloco.launcher.runs import RunRecord, RunRegistry
 
-DILOCO = str(Path(sys.executable).with_name("diloco"))
-TESTS_DIR = str(Path(__file__).resolve().parents[2])
+TESTS_DIR = str(Path(__file__).resolve().parents[1])
 runner = CliRunner()
 
 

@@ -10,11 +10,11 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from support.commands import DILOCO_SCRIPT as DILOCO
 from support.run_processes import processes_of
 
 from diloco.launcher.runs import RunRegistry
@@ -22,7 +22,6 @@ from diloco.store.codec import decode_tensors
 
 pytestmark = pytest.mark.slow
 
-DILOCO = str(Path(sys.executable).with_name("diloco"))
 ROOT = Path(__file__).resolve().parents[2]
 TESTS_DIR = str(ROOT / "tests")
 

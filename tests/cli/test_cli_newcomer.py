@@ -5,16 +5,15 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from support.commands import DILOCO_SCRIPT as DILOCO
 from typer.testing import CliRunner
 
 from diloco.cli.main import app
 
-DILOCO = str(Path(sys.executable).with_name("diloco"))
-TESTS_DIR = str(Path(__file__).resolve().parents[2])
+TESTS_DIR = str(Path(__file__).resolve().parents[1])
 runner = CliRunner()
 
 

@@ -25,11 +25,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.commands import DILOCO_MODULE as DILOCO
 
 from diloco.executors.local_supervisor import processes_with_env
 
-TESTS_DIR = str(Path(__file__).resolve().parents[2])
-DILOCO = [sys.executable, "-m", "diloco.cli.main"]
+TESTS_DIR = str(Path(__file__).resolve().parents[1])
 
 
 def processes_of_run(run_id: str) -> list[int]:

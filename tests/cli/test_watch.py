@@ -8,14 +8,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from support.commands import DILOCO_MODULE as DILOCO
 from support.polling import wait_for_file as wait_for
 
-TESTS_DIR = Path(__file__).resolve().parents[2]
-DILOCO = [sys.executable, "-m", "diloco.cli.main"]
+TESTS_DIR = Path(__file__).resolve().parents[1]
 
 
 def cli(*args: str, home: Path, timeout: float = 180) -> subprocess.CompletedProcess[str]:

@@ -24,7 +24,7 @@ from emulators.kubernetes import KubernetesEmulator
 from kubernetes import client, config
 
 NS = "default"
-SHM_PEERS = Path(__file__).resolve().parents[2] / "support" / "shm_peers.py"
+SHM_PEERS = Path(__file__).resolve().parents[1] / "support" / "shm_peers.py"
 MIB = 1024 * 1024
 #: Four ranks with two 10 MiB segments each: 80 MiB, more than the runtime's 64 MiB /dev/shm.
 PEERS = ["--procs", "4", "--segments", "2", "--size-mib", "10"]

@@ -28,7 +28,7 @@ from diloco.launcher.runs import RunRecord, RunRegistry
 from diloco.store.layout import FINAL_KEY, METRICS_KEY, RUN_INFO_KEY
 from diloco.store.objects import ObjectStore
 
-TESTS_DIR = str(Path(__file__).resolve().parents[2])
+TESTS_DIR = str(Path(__file__).resolve().parents[1])
 runner = CliRunner()
 DAY = 86400.0
 

@@ -20,7 +20,7 @@ from diloco.replica.metrics import MetricRow
 from diloco.store.layout import METRICS_KEY, PROGRESS_KEY
 from diloco.store.objects import ObjectStore
 
-TESTS_DIR = Path(__file__).resolve().parents[2]
+TESTS_DIR = Path(__file__).resolve().parents[1]
 runner = CliRunner()
 
 

@@ -14,19 +14,18 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from emulators.sagemaker import SageMakerEmulator
+from support.commands import DILOCO_MODULE as DILOCO
 
 from diloco.cli import exit_codes
 
 pytestmark = pytest.mark.slow
 
-DILOCO = [sys.executable, "-m", "diloco.cli.main"]
 TINY = ["--steps", "4", "--sync-every", "2", "-k", "n_layer=1", "-k", "n_embd=16", "-k", "eval_batches=1",
         "-k", "threads=1"]
 SLOW_TRAINER = '''

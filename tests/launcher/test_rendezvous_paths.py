@@ -8,15 +8,14 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from support.commands import DILOCO_SCRIPT as DILOCO
 from support.readonly import read_only
 
 from diloco.cli import exit_codes
 
-DILOCO = str(Path(sys.executable).with_name("diloco"))
 LAUNCH = ["launch", "-n", "2", "--steps", "2", "--sync-every", "1"]
 
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from support.commands import DILOCO_MODULE as DILOCO
 from support.faultproxy import FaultProxy
 
 from diloco.cli import exit_codes
@@ -27,8 +27,7 @@ from diloco.launcher.runs import RunRecord, RunRegistry
 from diloco.store.layout import RUN_INFO_KEY, SPEC_KEY
 from diloco.store.objects import ObjectStore
 
-TESTS_DIR = str(Path(__file__).resolve().parents[2])
-DILOCO = [sys.executable, "-m", "diloco.cli.main"]
+TESTS_DIR = str(Path(__file__).resolve().parents[1])
 
 
 def cli(*args: str, home: Path, cwd: Path | str = TESTS_DIR) -> subprocess.CompletedProcess[str]:

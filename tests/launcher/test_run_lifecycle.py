@@ -9,17 +9,16 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from support.commands import DILOCO_MODULE as DILOCO
 from support.polling import wait_for_file as wait_for
 from support.run_processes import processes_of
 
-TESTS_DIR = Path(__file__).resolve().parents[2]
-DILOCO = [sys.executable, "-m", "diloco.cli.main"]
+TESTS_DIR = Path(__file__).resolve().parents[1]
 
 #: A two-replica run long enough to kill a replica in (paced steps; a round every 5 of them).
 PACED = ["--replicas", "2", "--backend", "local", "--trainer", "support.paced_trainer:train", "--sync-every", "5",

@@ -31,7 +31,7 @@ TINY = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32, "batch_size":
         "max_corpus_bytes": 150_000}
 METRIC_KEYS = {"kind", "round", "step", "total_steps", "train_loss", "eval_loss", "tokens", "tokens_per_s",
                "sync_s", "bytes_written", "bytes_read", "time", "diverged", "extra"}
-TESTS_DIR = Path(__file__).resolve().parents[2]
+TESTS_DIR = Path(__file__).resolve().parents[1]
 GUARD_S = 240  # only against a hang: the runs take seconds
 
 

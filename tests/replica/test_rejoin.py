@@ -11,7 +11,6 @@ import os
 import random
 import re
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.commands import DILOCO_SCRIPT as DILOCO
 from support.ranks import run_ranks  # tests/ is on sys.path
 from torch import nn
 
@@ -246,8 +246,7 @@ def test_inner_optimizer_state_saved_for_an_older_round_is_ignored_with_a_log_li
 
 
 # ---------------------------------------------------------------- the kill harness: real processes, real launcher
-DILOCO = str(Path(sys.executable).with_name("diloco"))
-TESTS_DIR = Path(__file__).resolve().parents[2]
+TESTS_DIR = Path(__file__).resolve().parents[1]
 #: The issue's 20 seeded trials, in 4 runs of 4 replicas with 5 kills each (the runs share their start-up: four
 #: torch imports per run instead of per trial). The four runs are independent (each its own home, store and
 #: checkpoint directory) and go side by side: most of a run is its replicas waiting on a relaunched peer.

@@ -17,10 +17,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.commands import DILOCO_MODULE as DILOCO
 
 from diloco.executors.base import EntrypointArgs, LaunchSpec
 
-DILOCO = [sys.executable, "-m", "diloco.cli.main"]
 TINY = ["--steps", "4", "--sync-every", "2", "-k", "n_layer=1", "-k", "n_embd=16", "-k", "eval_batches=1",
         "-k", "threads=1"]
 #: 4 KB of one trainer setting: far beyond one 256-character ContainerArguments element.

@@ -15,6 +15,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from support.commands import DILOCO_SCRIPT as DILOCO
 from support.readonly import read_only
 from typer.testing import CliRunner
 
@@ -152,7 +153,6 @@ def test_check_tensorboard_refuses_what_it_cannot_write(directory: str, message:
     check_tensorboard("s3://bucket/tb")  # accepted: written through the store
 
 
-DILOCO = str(Path(sys.executable).with_name("diloco"))
 LAUNCH = ["launch", "-n", "2", "--steps", "2", "--sync-every", "1", *(f"-k{k}={v}" for k, v in TINY.items())]
 
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from support.commands import DILOCO_MODULE as DILOCO
 from support.faultproxy import FaultProxy
 
 from diloco.cli import exit_codes
@@ -25,8 +25,7 @@ from diloco.launcher.config import validate
 from diloco.launcher.orchestrate import require_conditional_create
 from diloco.store.objects import ObjectStore
 
-TESTS_DIR = str(Path(__file__).resolve().parents[2])
-DILOCO = [sys.executable, "-m", "diloco.cli.main"]
+TESTS_DIR = str(Path(__file__).resolve().parents[1])
 
 
 def cli(*args: str, home: Path) -> subprocess.CompletedProcess[str]:

@@ -11,6 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 
 #: ``tests/``: the directory that makes ``support.*`` importable, for replica processes' cwd or PYTHONPATH.
-TESTS_DIR = Path(__file__).resolve().parents[2]
+TESTS_DIR = Path(__file__).resolve().parents[1]
 #: The repository root (README, configs, docs).
 REPO = TESTS_DIR.parent

@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-DILOCO = str(Path(sys.executable).with_name("diloco"))
-TESTS_DIR = str(Path(__file__).resolve().parents[2])
+from support.commands import DILOCO_SCRIPT as DILOCO
+
+TESTS_DIR = str(Path(__file__).resolve().parents[1])
 
 
 def run_cli(*args: str, home: Path, columns: int | None = None, timeout: float = 120

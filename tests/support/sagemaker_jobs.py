@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from support.commands import DILOCO_MODULE as DILOCO
+
 #: The CLI as a user runs it, from this interpreter's environment.
-DILOCO = [sys.executable, "-m", "diloco.cli.main"]
 LOG_GROUP = "/aws/sagemaker/TrainingJobs"
 
 

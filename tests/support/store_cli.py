@@ -9,8 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-DILOCO = str(Path(sys.executable).with_name("diloco"))
-TESTS_DIR = str(Path(__file__).resolve().parents[2])
+from support.commands import DILOCO_SCRIPT as DILOCO
+
+TESTS_DIR = str(Path(__file__).resolve().parents[1])
 
 
 def run_cli(*args: str, home: Path, cwd: str = TESTS_DIR, python_flags: str = "",

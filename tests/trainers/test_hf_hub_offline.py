@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 from readme_blocks import block_starting
+from support.commands import DILOCO_SCRIPT as DILOCO
 
-DILOCO = str(Path(sys.executable).with_name("diloco"))
 #: A launch that fails before starting anything takes a CLI start and one bounded Hub probe; an unfixed launch
 #: starts replicas that retry the Hub for over a minute. Past this the test fails (and cleans up) instead of
 #: waiting for them.

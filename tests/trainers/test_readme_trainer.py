@@ -13,14 +13,13 @@ import os
 import shlex
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from readme_blocks import block_starting, blocks
+from support.commands import DILOCO_SCRIPT as DILOCO
 
-DILOCO = str(Path(sys.executable).with_name("diloco"))
-TESTS_DIR = Path(__file__).resolve().parents[2]
+TESTS_DIR = Path(__file__).resolve().parents[1]
 SECTION = "Bring your own trainer"
 #: Bound on one small launch (2 replicas, 2 rounds of a 17-parameter model): only against a hang.
 GUARD_S = 240

@@ -13,7 +13,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,11 +20,11 @@ from typing import Any
 
 import pytest
 from emulators.kubernetes import KubernetesEmulator
+from support.commands import DILOCO_MODULE as DILOCO
 from support.run_processes import processes_of
 
 pytestmark = pytest.mark.slow
 
-DILOCO = [sys.executable, "-m", "diloco.cli.main"]
 TESTS_DIR = str(Path(__file__).resolve().parents[2])
 NAMESPACE = "diloco"
 IMAGE = "registry.example/diloco:e2e"

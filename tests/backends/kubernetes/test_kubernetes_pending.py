@@ -14,7 +14,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,13 +22,13 @@ from typing import Any
 import pytest
 from emulators.kube_nodes import stock_eks_nodes
 from emulators.kubernetes import KubernetesEmulator
+from support.commands import DILOCO_MODULE as DILOCO
 from support.polling import until
 
 from diloco.executors.base import EntrypointArgs, LaunchSpec
 from diloco.executors.kubernetes import KubernetesBackend, KubernetesBackendConfig
 
 NAMESPACE = "pending"
-DILOCO = [sys.executable, "-m", "diloco.cli.main"]
 TIMEOUT_S = 1.5  # the pending timeout these tests set; every wait below is bounded by a multiple of it
 
 

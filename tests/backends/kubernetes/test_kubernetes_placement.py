@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from support.commands import DILOCO_MODULE as DILOCO
 from support.polling import until
 
 from diloco.errors import ConfigError
@@ -24,7 +24,6 @@ from diloco.executors.gpus import canonical_gpu
 from diloco.executors.kubernetes import KubernetesBackend, KubernetesBackendConfig
 from diloco.executors.kubernetes.placement import node_fits, node_matches
 
-DILOCO = [sys.executable, "-m", "diloco.cli.main"]
 GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
 
 

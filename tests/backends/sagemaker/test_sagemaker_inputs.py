@@ -19,7 +19,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,8 +26,8 @@ from typing import Any
 
 import pytest
 from emulators.sagemaker import SageMakerEmulator
+from support.commands import DILOCO_MODULE as DILOCO
 
-DILOCO = [sys.executable, "-m", "diloco.cli.main"]
 ROLE = "arn:aws:iam::000000000000:role/diloco-inputs"
 IMAGE = "000000000000.dkr.ecr.us-east-1.amazonaws.com/diloco:1"  # a ready image: nothing to ship
 TABLE_A100 = 37.688  # diloco's price table, ml.p4d.24xlarge (us-east-1); the Price List API is not asked here

@@ -13,20 +13,19 @@ import io
 import json
 import os
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from emulators.sagemaker import SageMakerEmulator
 from rich.console import Console
+from support.commands import DILOCO_MODULE as DILOCO
 from typer.testing import CliRunner
 
 from diloco.cli.main import app
 from diloco.executors.sagemaker import BOOTSTRAP_S, IMAGE_START_S, PRICE_TABLE_USD_PER_HOUR
 from diloco.launcher.smoke import EXPECTED_WORK_S, ROUNDS, SmokeReport, format_usd
 
-DILOCO = [sys.executable, "-m", "diloco.cli.main"]
 INSTANCE = "ml.m5.xlarge"
 
 
