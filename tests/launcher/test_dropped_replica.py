@@ -12,18 +12,18 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from support.commands import DILOCO_SCRIPT as DILOCO
+from support.pacing import round_deadline_s
 from support.run_processes import processes_of
 
 from diloco.store.layout import METRICS_KEY
 from diloco.store.objects import ObjectStore
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
-DILOCO = str(Path(sys.executable).with_name("diloco"))
 pytestmark = pytest.mark.slow
 
 #: The built-in trainer, tiny: 6 rounds of 5 steps on 3 replicas, any 2 of which may commit a round.
@@ -34,18 +34,25 @@ SYNC_EVERY, ROUNDS = 5, 6
 
 def launch_args(*, late_rounds: str, hold_rounds: str, rounds: int = ROUNDS, extra: tuple[str, ...] = ()) -> list[str]:
     """``diloco launch`` of the tiny model on 3 replicas, rank 2 late for ``late_rounds``, the others holding
-    ``hold_rounds`` until it has rejoined (``late_trainer``)."""
+    ``hold_rounds`` until it has rejoined (``late_trainer``).
+
+    The round deadline (``store.timeout_s``) must be one the two on-time ranks never miss, or a round would commit
+    with a member short: a fixed few seconds is missed on a loaded machine, so it is scaled by the replica start-up
+    measured when the test runs (support/pacing.py), with 4 s as its floor on an idle machine. The late rank's drop
+    does not ride on it (``late_trainer`` holds back until the round has committed)."""
+    deadline_s = round_deadline_s(4.0)
     knobs = {**MODEL, "late_rank": 2, "late_rounds": late_rounds, "hold_rounds": hold_rounds}
     return ["launch", "-n", "3", "--trainer", "support.late_trainer:train", "--steps", str(rounds * SYNC_EVERY),
             "--sync-every", str(SYNC_EVERY), "--min-replicas", "2",
             *[a for k, v in knobs.items() for a in ("-k", f"{k}={v}")],
-            "--set", "store.timeout_s=4", "--set", "store.poll_interval_s=0.05", "-o", "json", *extra]
+            "--set", f"store.timeout_s={deadline_s:.1f}", "--set", "store.poll_interval_s=0.05", "-o", "json", *extra]
 
 
 def cli(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "DILOCO_HOME": str(home), "NO_COLOR": "1", "DILOCO_RESTART_BACKOFF_S": "0"}
     env.pop("DILOCO_DEBUG", None)
-    return subprocess.run([DILOCO, *args], capture_output=True, text=True, env=env, cwd=TESTS_DIR, timeout=300)
+    return subprocess.run([DILOCO, *args], capture_output=True, text=True, env=env, cwd=TESTS_DIR,
+                          timeout=300 + ROUNDS * round_deadline_s(4.0))  # a hang's bound: every round may wait out its deadline
 
 
 def round_losses(store: ObjectStore, rank: int) -> dict[int, float]:
