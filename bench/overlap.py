@@ -109,7 +109,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from faultproxy import FaultProxy
+    from support.faultproxy import FaultProxy
 
     args = parse_args(argv)
     sync_every = 4 if args.quick else 10

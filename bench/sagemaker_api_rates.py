@@ -44,7 +44,7 @@ def fake_aws_environment(home: Path) -> None:
 def run(replicas: int, history: int) -> dict:
     import boto3
     from emulators.sagemaker import SageMakerEmulator
-    from sagemaker_scenario import image_interpreter, rate_rows, run_watched_launch
+    from support.sagemaker_scenario import image_interpreter, rate_rows, run_watched_launch
 
     with tempfile.TemporaryDirectory(prefix="api-rates-") as tmp:
         root = Path(tmp)

@@ -4,7 +4,7 @@ configuration field with its type, default and description.
 Both pages are written from the code itself (the Typer app through click, the pydantic config models), so they
 cannot drift from it: ``python -m diloco.cli.reference --write docs/reference/`` writes them,
 ``python -m diloco.cli.reference --check docs/reference/`` exits 1 while a page on disk differs from what the code
-gives (``tests/test_docs.py`` runs the same comparison). A field's description is its ``Field(description=...)``
+gives (``tests/project/test_docs.py`` runs the same comparison). A field's description is its ``Field(description=...)``
 when it has one, else the comment the model's source gives it (``#:`` lines above it, or a trailing ``#``), which
 is where this project's models document their fields.
 """

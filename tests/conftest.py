@@ -28,8 +28,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from faultproxy import FaultProxy  # tests/ is on sys.path (pytest's default rootdir-relative import)
 from fsspec.implementations.memory import MemoryFileSystem
+
+# The shared helpers assert too: rewrite them as pytest rewrites test modules, before the first import of them.
+pytest.register_assert_rewrite("support")
+
+from support.faultproxy import FaultProxy  # noqa: E402 (tests/ is on sys.path: pytest's rootdir-relative import)
 
 BUCKET = "diloco-test-bucket"
 REGION = "us-east-1"

@@ -311,7 +311,7 @@ class AllReduceWork:
 
     @property
     def _upload(self) -> Future[None]:
-        """The upload's future under its former name (tests/test_rejoin.py waits on it; prefer
+        """The upload's future under its former name (tests/replica/test_rejoin.py waits on it; prefer
         ``wait_for_upload``)."""
         return self._uploaded
 

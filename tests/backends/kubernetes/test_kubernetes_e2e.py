@@ -1,0 +1,375 @@
+"""``diloco`` on the Kubernetes backend (``--backend eks``), end to end: the real CLI, the real ``kubernetes``
+client, the Kubernetes API emulator and moto's S3.
+
+Nothing is patched: the CLI finds the cluster through ``KUBECONFIG`` (the emulator's kubeconfig) and S3 through
+``AWS_ENDPOINT_URL``. The emulator runs every pod as a local process from the Job's pod template, so each replica
+is the real ``python -m diloco.replica.entrypoint``; the environment the emulator gives every container (the S3
+endpoint, credentials, a ``PYTHONPATH`` with the test trainers) stands for what IRSA and the image provide.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from emulators.kubernetes import KubernetesEmulator
+from support.commands import DILOCO_MODULE as DILOCO
+from support.run_processes import processes_of
+
+pytestmark = pytest.mark.slow
+
+TESTS_DIR = str(Path(__file__).resolve().parents[2])
+NAMESPACE = "diloco"
+IMAGE = "registry.example/diloco:e2e"
+TINY = ["--steps", "20", "--sync-every", "10", "-k", "n_layer=1", "-k", "n_embd=16", "-k", "eval_batches=1",
+        "-k", "threads=1"]
+
+#: Trainers baked into the "image" (a folder on the pods' PYTHONPATH).
+TRAINERS = '''
+import pathlib
+import time
+
+from diloco.errors import ConfigError
+from diloco.trainers.gpt import diloco_train
+
+
+def gated(*, gate, **kwargs):
+    """The real trainer, once ``gate`` exists: a test can disrupt a replica before its first round."""
+    print("waiting for the gate", flush=True)
+    while not pathlib.Path(gate).exists():
+        time.sleep(0.05)
+    return diloco_train(**kwargs)
+
+
+def bad_config_on(*, manager, rank, world_size, total_steps, sync_every, bad_rank=1):
+    """Rank ``bad_rank`` finds its configuration invalid (the entrypoint exits 2); the others wait for it."""
+    if rank == bad_rank:
+        raise ConfigError(f"rank {rank}: learning rate must be positive (got -1)")
+    time.sleep(120)
+'''
+
+
+# ---------------------------------------------------------------------------------------------------- fixtures
+@pytest.fixture
+def image_dir(tmp_path: Path) -> Path:
+    folder = tmp_path / "image"
+    folder.mkdir()
+    (folder / "k8s_trainers.py").write_text(TRAINERS)
+    (folder / "paced_trainer.py").write_text((Path(__file__).resolve().parents[2] / "support" / "paced_trainer.py").read_text())
+    return folder
+
+
+@pytest.fixture
+def kube(aws_env: str, s3_bucket: str, tmp_path: Path, image_dir: Path,
+         monkeypatch: pytest.MonkeyPatch) -> Iterator[KubernetesEmulator]:
+    """The emulator, its pods reaching moto like IRSA-credentialed pods reach S3; the CLI finds it by KUBECONFIG."""
+    node_env = {key: os.environ[key] for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+                                                 "AWS_DEFAULT_REGION", "AWS_REGION", "AWS_ENDPOINT_URL",
+                                                 "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE",
+                                                 "AWS_EC2_METADATA_DISABLED")}
+    node_env["PYTHONPATH"] = os.pathsep.join([str(image_dir), TESTS_DIR])
+    node_env["OMP_NUM_THREADS"] = "1"
+    with KubernetesEmulator(tmp_path / "kube", namespace=NAMESPACE, node_env=node_env) as emulator:
+        monkeypatch.setenv("KUBECONFIG", str(emulator.kubeconfig))
+        yield emulator
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Path:
+    return tmp_path / "home"
+
+
+def cli(*args: str, home: Path, cwd: Path, timeout: float = 240,
+        env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    full = {**os.environ, "DILOCO_HOME": str(home), "NO_COLOR": "1", **(env or {})}
+    full.pop("DILOCO_DEBUG", None)
+    return subprocess.run([*DILOCO, *args], capture_output=True, text=True, env=full, cwd=cwd, timeout=timeout)
+
+
+def start_cli(*args: str, home: Path, cwd: Path, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    full = {**os.environ, "DILOCO_HOME": str(home), "NO_COLOR": "1", **(env or {})}
+    full.pop("DILOCO_DEBUG", None)
+    return subprocess.Popen([*DILOCO, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full,
+                            cwd=cwd)
+
+
+def launch_args(bucket: str, *extra: str) -> list[str]:
+    return ["launch", "--backend", "eks", "--image", IMAGE, "--namespace", NAMESPACE,
+            "--rendezvous", f"s3://{bucket}/e2e/{{run_id}}", "--set", "store.poll_interval_s=0.2",
+            "--set", "backend.grace_period_s=2", "--set", "backend.log_poll_interval_s=0.2", *extra]
+
+
+def by_index(kube: KubernetesEmulator, job: str) -> dict[int, list[dict[str, Any]]]:
+    found: dict[int, list[dict[str, Any]]] = {}
+    for pod in kube.pods(job):
+        found.setdefault(int(pod["metadata"]["annotations"]["batch.kubernetes.io/job-completion-index"]),
+                         []).append(pod)
+    return found
+
+
+def running(kube: KubernetesEmulator, job: str, count: int) -> dict[int, dict[str, Any]]:
+    """Wait until ``count`` indexes have a running pod; the running pod of each."""
+    def check() -> dict[int, dict[str, Any]]:
+        found = {i: p for i, pods in by_index(kube, job).items() for p in pods
+                 if p["status"].get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")}
+        return found if len(found) >= count else {}
+    return kube.wait_for(check, timeout=90)
+
+
+
+# ---------------------------------------------------------------------------------------------------- tests
+@pytest.mark.long
+def test_three_replicas_train_through_s3_survive_an_eviction_and_agree(
+        kube: KubernetesEmulator, s3_bucket: str, home: Path, tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    launch = cli(*launch_args(s3_bucket, "--replicas", "3", "--trainer", "k8s_trainers:gated", "-k",
+                              f"gate={gate}", *TINY, "--detach", "-o", "json"), home=home, cwd=tmp_path)
+    assert launch.returncode == 0, launch.stderr[-3000:]
+    run_id = json.loads(launch.stdout)["run_id"]
+
+    job = kube.job(run_id)
+    assert job is not None, "the Job is named after the run"
+    spec = job["spec"]
+    assert (spec["completionMode"], spec["completions"], spec["parallelism"]) == ("Indexed", 3, 3)
+    assert spec["backoffLimitPerIndex"] == 3 and spec["maxFailedIndexes"] == 0, "--max-restarts' default"
+    assert spec["template"]["spec"]["restartPolicy"] == "Never"
+    container = spec["template"]["spec"]["containers"][0]
+    assert container["image"] == IMAGE and container["command"] == ["python", "-m", "diloco.replica.entrypoint"]
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+    assert env["WORLD_SIZE"] == "3" and env["DILOCO_RUN_ID"] == run_id
+    assert env["RENDEZVOUS_URI"] == f"s3://{s3_bucket}/e2e/{run_id}"
+    assert env["REPLICA_RANK"] == {"fieldRef": {"apiVersion": "v1", "fieldPath":
+                                                "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}
+
+    follow = start_cli("logs", run_id, "-f", home=home, cwd=tmp_path)
+    assert follow.stdout is not None and follow.stderr is not None
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(follow.stdout.readline, "")), daemon=True)
+    reader.start()
+    # A node drain evicts replica 1 before the first round (once `logs -f` has shown it waiting): the job
+    # controller retries it, not counted, and `logs -f` goes on with the new pod of the same index.
+    victim = running(kube, run_id, 3)[1]["metadata"]["name"]
+    kube.wait_for(lambda: any(line.startswith("[r1] waiting for the gate") for line in list(lines)), timeout=90)
+    kube.evict(victim)
+    kube.wait_for(lambda: any(p["metadata"]["name"] != victim and "waiting for the gate" in kube.pod_log(
+        p["metadata"]["name"]) for p in by_index(kube, run_id).get(1, [])), timeout=90)
+    gate.write_text("open")
+    follow.wait(timeout=240)
+    reader.join(timeout=10)
+    assert follow.returncode == 0, follow.stderr.read()[-3000:]
+    lines = [line.rstrip("\n") for line in lines]
+    assert lines and all(line[:4] in {"[r0]", "[r1]", "[r2]"} for line in lines), lines[:5]
+    for rank in range(3):
+        assert any(line.startswith(f"[r{rank}] waiting for the gate") for line in lines), rank
+    assert sum(1 for line in lines if line.startswith("[r1] waiting for the gate")) == 2, "both attempts of r1"
+
+    status = cli("status", run_id, "-o", "json", home=home, cwd=tmp_path)
+    assert status.returncode == 0, status.stderr
+    report = json.loads(status.stdout)
+    assert report["state"] == "succeeded" and report["backend"] == "eks"
+    assert [r["state"] for r in report["ranks"]] == ["succeeded"] * 3
+    assert report["ranks"][1]["restarts"] == 1 and report["ranks"][0]["restarts"] == 0
+    assert all(r["job_id"].startswith(f"{run_id}-{r['rank']}-") for r in report["ranks"])
+
+    collect = cli("collect", run_id, "--output", str(tmp_path / "model.safetensors"), "-o", "json", home=home,
+                  cwd=tmp_path)
+    assert collect.returncode == 0, collect.stderr[-3000:]
+    result = json.loads(collect.stdout)
+    assert result["weights_identical"] is True, result["weights_detail"]
+    assert Path(result["model_path"]).is_file()
+    assert kube.job(run_id)["status"].get("failed") is None, "an eviction is not a failure"
+
+
+@pytest.mark.long
+def test_an_eviction_after_round_1_is_retried_and_rejoins_with_identical_weights(
+        kube: KubernetesEmulator, s3_bucket: str, home: Path, tmp_path: Path) -> None:
+    """Issue 11 through Kubernetes: the Job retries the evicted index (not counted); the new pod rejoins from the
+    latest committed round and the run ends as if nothing happened."""
+    import boto3
+
+    launch = cli(*launch_args(s3_bucket, "--replicas", "2", "--trainer", "support.paced_trainer:train", "--steps", "40",
+                              "--sync-every", "5", "--detach", "-o", "json"), home=home, cwd=tmp_path)
+    assert launch.returncode == 0, launch.stderr[-3000:]
+    run_id = json.loads(launch.stdout)["run_id"]
+    committed = f"e2e/{run_id}/committed/round_000001/COMMITTED"
+    s3 = boto3.client("s3")
+    kube.wait_for(lambda: s3.list_objects_v2(Bucket=s3_bucket, Prefix=committed).get("KeyCount", 0) > 0,
+                  timeout=120)
+    victim = running(kube, run_id, 2)[1]["metadata"]["name"]
+    kube.evict(victim)
+
+    collect = cli("collect", run_id, "--output", str(tmp_path / "model.safetensors"), "-o", "json", home=home,
+                  cwd=tmp_path)
+    assert collect.returncode == 0, collect.stderr[-3000:]
+    report = json.loads(collect.stdout)
+    assert report["weights_identical"] is True, report["weights_detail"]
+    assert [r["restarts"] for r in report["ranks"]] == [0, 1]
+    retried = [p for p in by_index(kube, run_id).get(1, []) if p["metadata"]["name"] != victim]
+    assert retried and "rank 1 rejoined at step" in kube.pod_log(retried[-1]["metadata"]["name"])
+
+
+def test_cancel_mid_run_deletes_the_job_and_leaves_no_process(kube: KubernetesEmulator, s3_bucket: str,
+                                                               home: Path, tmp_path: Path) -> None:
+    launch = cli(*launch_args(s3_bucket, "--replicas", "2", "--trainer", "support.cli_trainers:slow", "--steps", "400",
+                              "--sync-every", "100", "--detach", "-o", "json"), home=home, cwd=tmp_path)
+    assert launch.returncode == 0, launch.stderr[-3000:]
+    run_id = json.loads(launch.stdout)["run_id"]
+    running(kube, run_id, 2)
+    assert processes_of(run_id)
+
+    cancel = cli("cancel", run_id, "-o", "json", home=home, cwd=tmp_path)
+    assert cancel.returncode == 0, cancel.stderr
+    assert json.loads(cancel.stdout)["state"] == "cancelled"
+    kube.wait_for(lambda: kube.job(run_id) is None, timeout=30)
+    assert kube.pods(run_id) == [] and kube.live_processes() == [] and processes_of(run_id) == []
+
+
+def test_a_configuration_error_fails_its_replica_at_once_and_stops_the_run(kube: KubernetesEmulator,
+                                                                             s3_bucket: str, home: Path,
+                                                                             tmp_path: Path) -> None:
+    """Exit code 2 fails the index whatever backoffLimitPerIndex allows, and maxFailedIndexes=0 makes the Job
+    stop the others itself (--no-fail-fast: the CLI leaves that to the cluster)."""
+    launch = cli(*launch_args(s3_bucket, "--replicas", "2", "--trainer", "k8s_trainers:bad_config_on",
+                              "--set", "backend.backoff_limit_per_index=3", "--no-fail-fast"), home=home, cwd=tmp_path)
+    assert launch.returncode == 1, launch.stderr[-3000:]
+    assert "replica 1 failed with exit code 2: configuration error (exit code 2, not retried): rank 1: learning " \
+           "rate must be positive (got -1)" in launch.stderr
+    run_id = launch.stderr.split("launched ", 1)[1].split(":", 1)[0]
+
+    def failed_job() -> dict[str, Any] | None:
+        job = kube.job(run_id)
+        return job if job and any(c["type"] == "Failed" for c in job["status"].get("conditions", [])) else None
+    job = kube.wait_for(failed_job, timeout=60)
+    # The replica the Job stopped ends with SIGTERM's 143, which the failure policy counts too: "0,1".
+    assert job["status"]["failedIndexes"] in ("1", "0,1")
+    assert next(c for c in job["status"]["conditions"] if c["type"] == "Failed")["reason"] == \
+        "MaxFailedIndexesExceeded"
+    assert len(by_index(kube, run_id)[1]) == 1, "exit code 2 is not retried"
+    kube.wait_for(lambda: not kube.live_processes(), timeout=30)
+
+    collect = cli("collect", run_id, "-o", "json", home=home, cwd=tmp_path)
+    assert collect.returncode == 1
+    report = json.loads(collect.stdout)
+    assert [r["state"] for r in report["ranks"]] == ["cancelled", "failed"]
+    assert report["ranks"][1]["exit_code"] == 2 and report["ranks"][1]["restarts"] == 0
+    assert "stopped because the Job failed (MaxFailedIndexesExceeded" in report["ranks"][0]["reason"]
+    assert "replica 1 failed with exit code 2" in collect.stderr
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_bad_input_is_one_line_and_creates_nothing(kube: KubernetesEmulator, s3_bucket: str, home: Path,
+                                                    tmp_path: Path) -> None:
+    unreachable = kube.write_kubeconfig(tmp_path / "unreachable.yaml", server=f"http://127.0.0.1:{_closed_port()}")
+    rendezvous = ["--rendezvous", f"s3://{s3_bucket}/bad/{{run_id}}"]
+    cases: list[tuple[list[str], dict[str, str], int, str]] = [
+        (["launch", "--backend", "eks", "--set", "backend.shm_size=1GB", *rendezvous], {}, 2,
+         "backend.shm_size: must be a Kubernetes quantity"),
+        (["launch", "--backend", "eks", "--image", IMAGE, "--namespace", "Team_A", *rendezvous], {}, 2,
+         "backend.namespace: must be a DNS-1123 label"),
+        (["launch", "--backend", "eks", "--image", IMAGE, "--set", "backend.memory=8GB", *rendezvous], {}, 2,
+         "backend.memory: must be a Kubernetes quantity"),
+        (["launch", "--backend", "eks", "--image", IMAGE, *rendezvous], {"KUBECONFIG": str(tmp_path / "missing")}, 2,
+         f"backend.kubeconfig: {tmp_path / 'missing'} does not exist"),
+        (["launch", "--backend", "eks", "--image", IMAGE, *rendezvous], {"KUBECONFIG": str(unreachable)}, 3,
+         "the Kubernetes API at 127.0.0.1:"),
+    ]
+    started = [(args, code, message, start_cli(*args, home=home, cwd=tmp_path, env=env))
+               for args, env, code, message in cases]  # independent: run them side by side
+    for args, code, message, process in started:
+        _, stderr = process.communicate(timeout=240)
+        errors = [line for line in stderr.splitlines() if line.startswith("diloco: error:")]
+        assert (process.returncode, len(errors)) == (code, 1), (args, stderr)
+        assert message in errors[0], (args, errors[0])
+    with kube.cluster.store.lock:
+        assert kube.cluster.store.items("jobs") == [], "nothing was created"
+    assert not list((home / "runs").glob("*.json")) if (home / "runs").exists() else True
+
+
+def test_dry_run_prints_a_job_valid_for_kubernetes_1_29_and_1_33_and_contacts_no_cluster(tmp_path: Path,
+                                                                                          home: Path) -> None:
+    import kubernetes_validate
+
+    result = cli("launch", "--backend", "eks", "--image", IMAGE, "--namespace", NAMESPACE, "--replicas", "4",
+                 "--gpu", "NVIDIA-A10G:2", "--rendezvous", "s3://bucket/prefix/{run_id}", "--set",
+                 "backend.service_account=diloco-trainer", "--set", "backend.backoff_limit_per_index=2",
+                 "--dry-run", "-o", "json", home=home, cwd=tmp_path,
+                 env={"KUBECONFIG": str(tmp_path / "no-cluster-here")})
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert plan["backend"] == "eks" and len(plan["requests"]) == 1
+    job = plan["requests"][0]
+    for version in ("1.29.0", "1.33.0"):
+        kubernetes_validate.validate(job, version, strict=True)
+    pod = job["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert container["resources"]["requests"] == {"cpu": "2", "memory": container["resources"]["limits"]["memory"],
+                                                  "nvidia.com/gpu": "2"}
+    terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert {"key": "nvidia.com/gpu.product", "operator": "In", "values": ["NVIDIA-A10G"]} in terms[-1][
+        "matchExpressions"] and "nodeSelector" not in pod
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    assert pod["serviceAccountName"] == "diloco-trainer"
+    assert job["spec"]["podFailurePolicy"]["rules"][0] == {
+        "action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
+    assert job["spec"]["podFailurePolicy"]["rules"][1]["onExitCodes"]["values"] == [1, 2, 143]
+    assert job["spec"]["activeDeadlineSeconds"] == 86400 and job["spec"]["ttlSecondsAfterFinished"] == 86400
+    assert job["metadata"]["annotations"]["diloco.dev/run-id"] == plan["spec"]["run_id"]
+    assert not (home / "runs").exists() or not list((home / "runs").iterdir()), "a dry run records nothing"
+
+
+def test_doctor_checks_context_api_namespace_identity_and_permissions(kube: KubernetesEmulator, home: Path,
+                                                                      tmp_path: Path) -> None:
+    from moto.core import DEFAULT_ACCOUNT_ID
+
+    from diloco.executors.kubernetes import KubernetesBackend, check_cluster
+    from diloco.launcher.doctor import DoctorContext
+
+    result = cli("doctor", "--backend", "eks", "--namespace", NAMESPACE, "--image", IMAGE, "-o", "json",
+                 home=home, cwd=tmp_path)
+    checks = {c["name"]: c for c in json.loads(result.stdout)["checks"]}
+    assert checks["kubernetes context"]["status"] == "pass"
+    assert checks["kubernetes API"]["status"] == "pass" and "v1.33" in checks["kubernetes API"]["detail"]
+    assert checks["kubernetes namespace"]["status"] == "pass"
+    assert checks["kubernetes permissions"]["status"] == "pass"
+    assert checks["service account"]["status"] == "warn", "no service account: pods run as 'default'"
+
+    # The identity the pods get: an IRSA role annotation on the configured service account.
+    role = f"arn:aws:iam::{DEFAULT_ACCOUNT_ID}:role/diloco-e2e"
+    kube.add_service_account("diloco-trainer", annotations={"eks.amazonaws.com/role-arn": role})
+    kube.add_service_account("plain")
+    for account, status, words in (("diloco-trainer", "pass", f"IRSA role {role}"),
+                                   ("plain", "warn", "has no eks.amazonaws.com/role-arn annotation"),
+                                   ("absent", "fail", "does not exist")):
+        ctx = DoctorContext.for_backend("eks", namespace=NAMESPACE, image=IMAGE, service_account=account)
+        found = {c.name: c for c in check_cluster(ctx)}["service account"]
+        assert (found.status.value, words in found.detail) == (status, True), found
+
+    kube.deny("create", "jobs", group="batch")
+    kube.deny("get", "pods", subresource="log")
+    ctx = DoctorContext.for_backend("eks", namespace="nowhere", image="Bad Image")
+    found = {c.name: c for c in KubernetesBackend.doctor_checks(ctx)}
+    assert found["kubernetes permissions"].status.value == "fail"
+    assert "create jobs.batch" in found["kubernetes permissions"].detail
+    assert "get pods/log" in found["kubernetes permissions"].detail
+    assert found["kubernetes namespace"].status.value == "fail"
+    assert "kubectl create namespace nowhere" in (found["kubernetes namespace"].fix or "")
+    assert found["training image"].status.value == "fail"
+
+    unreachable = kube.write_kubeconfig(tmp_path / "down.yaml", server=f"http://127.0.0.1:{_closed_port()}")
+    ctx = DoctorContext.for_backend("eks", namespace=NAMESPACE, image=IMAGE, kubeconfig=str(unreachable))
+    found = {c.name: c for c in check_cluster(ctx)}
+    assert found["kubernetes API"].status.value == "fail" and "unreachable" in found["kubernetes API"].detail
+    assert found["kubernetes namespace"].status.value == "skip"

@@ -1,0 +1,125 @@
+"""A killed replica on EKS is retried by the Indexed Job itself, as many times as ``--max-restarts`` says (the same
+flag, with the same default, as on every backend), and the run completes with identical weights.
+
+End to end through the real CLI, the real ``kubernetes`` client, the Kubernetes API emulator and moto's S3 (the
+fixtures of tests/test_kubernetes_e2e.py). A kill is what a node does to a container: SIGKILL of the container's
+process (``kill -9``), or the kernel's OOM killer (the emulator's ``oom_kill``: exit 137, reason ``OOMKilled``).
+"""
+
+# ruff: noqa: F811 - the e2e module's fixtures are imported, and test parameters name them
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+from backends.kubernetes.test_kubernetes_e2e import (  # noqa: F401 - fixtures, used by name
+    NAMESPACE,
+    by_index,
+    cli,
+    home,
+    image_dir,
+    kube,
+    launch_args,
+    running,
+    start_cli,
+)
+from emulators.kubernetes import KubernetesEmulator
+
+pytestmark = pytest.mark.slow
+
+PACED = ["--trainer", "support.paced_trainer:train", "--steps", "40", "--sync-every", "5"]
+
+
+def container_pid(kube: KubernetesEmulator, pod: dict[str, Any]) -> int:
+    """The pid of the pod's running replica container: what ``kill -9`` on its node would hit."""
+    with kube.cluster.store.lock:
+        runtime = kube.cluster.runtimes[pod["metadata"]["uid"]]
+        run = runtime.runs["replica"][-1]
+        assert run.process is not None and run.exit_code is None
+        return run.process.pid
+
+
+def committed(s3_bucket: str, run_id: str, round_number: int) -> bool:
+    import boto3
+
+    key = f"e2e/{run_id}/committed/round_{round_number:06d}/COMMITTED"
+    return boto3.client("s3").list_objects_v2(Bucket=s3_bucket, Prefix=key).get("KeyCount", 0) > 0
+
+
+def test_max_restarts_is_the_jobs_per_index_retry_limit(tmp_path: Path, home: Path) -> None:
+    def limit(*extra: str) -> int:
+        result = cli("launch", "--backend", "eks", "--image", "registry.example/diloco:1", "--rendezvous",
+                     "s3://bucket/prefix/{run_id}", *extra, "--dry-run", "-o", "json", home=home, cwd=tmp_path,
+                     env={"KUBECONFIG": str(tmp_path / "no-cluster")})
+        assert result.returncode == 0, result.stderr
+        return int(json.loads(result.stdout)["requests"][0]["spec"]["backoffLimitPerIndex"])
+
+    assert limit() == 3, "the default recovers, as on every backend"
+    assert limit("--max-restarts", "5") == 5
+    assert limit("--max-restarts", "0") == 0
+    assert limit("--max-restarts", "5", "--set", "backend.backoff_limit_per_index=1") == 1, "the backend's own wins"
+
+
+def test_a_sigkill_and_an_oom_kill_with_default_flags_end_in_a_completed_run_with_identical_weights(
+        kube: KubernetesEmulator, s3_bucket: str, home: Path, tmp_path: Path) -> None:
+    launch = cli(*launch_args(s3_bucket, "--replicas", "2", *PACED, "--detach", "-o", "json"), home=home,
+                 cwd=tmp_path)
+    assert launch.returncode == 0, launch.stderr[-3000:]
+    run_id = json.loads(launch.stdout)["run_id"]
+
+    kube.wait_for(lambda: committed(s3_bucket, run_id, 1), timeout=120)
+    victim = running(kube, run_id, 2)[1]
+    os.kill(container_pid(kube, victim), signal.SIGKILL)
+    kube.wait_for(lambda: any(p["metadata"]["name"] != victim["metadata"]["name"] and "rejoined at step" in
+                              kube.pod_log(p["metadata"]["name"]) for p in by_index(kube, run_id).get(1, [])),
+                  timeout=120)
+    kube.wait_for(lambda: committed(s3_bucket, run_id, 3), timeout=120)
+    kube.oom_kill(running(kube, run_id, 2)[0]["metadata"]["name"])
+
+    collect = cli("collect", run_id, "--output", str(tmp_path / "model.safetensors"), "-o", "json", home=home,
+                  cwd=tmp_path)
+    assert collect.returncode == 0, collect.stderr[-3000:]
+    report = json.loads(collect.stdout)
+    assert report["state"] == "succeeded" and report["weights_identical"] is True, report["weights_detail"]
+    assert [r["restarts"] for r in report["ranks"]] == [1, 1]
+    first = by_index(kube, run_id)
+    reasons = {i: [(p["status"]["containerStatuses"][0]["state"].get("terminated") or {}).get("reason")
+                   for p in pods] for i, pods in first.items()}
+    assert "OOMKilled" in reasons[0] and "Error" in reasons[1], reasons
+    assert kube.job(run_id)["status"].get("failed") == 2, "both kills counted against the retries"
+
+
+def test_with_max_restarts_0_the_same_kill_fails_the_run(kube: KubernetesEmulator, s3_bucket: str, home: Path,
+                                                         tmp_path: Path) -> None:
+    launch = start_cli(*launch_args(s3_bucket, "--replicas", "2", *PACED, "--max-restarts", "0"), home=home,
+                       cwd=tmp_path)
+    try:
+        pods = running(kube, _job_of(kube), 2)
+        os.kill(container_pid(kube, pods[1]), signal.SIGKILL)
+        _, stderr = launch.communicate(timeout=240)
+    finally:
+        if launch.poll() is None:
+            launch.kill()
+            launch.wait()
+    assert launch.returncode == 1, stderr[-3000:]
+    assert "replica 1 failed with exit code 137" in stderr, stderr[-3000:]
+    run_id = stderr.split("launched ", 1)[1].split(":", 1)[0]
+    kube.wait_for(lambda: not kube.live_processes(), timeout=60)
+    status = cli("status", run_id, "-o", "json", home=home, cwd=tmp_path)
+    assert status.returncode == 0, status.stderr
+    ranks = json.loads(status.stdout)["ranks"]
+    assert (ranks[1]["state"], ranks[1]["exit_code"], ranks[1]["restarts"]) == ("failed", 137, 0), ranks[1]
+
+
+def _job_of(kube: KubernetesEmulator) -> str:
+    """The one Job the test's launch creates."""
+    def find() -> str | None:
+        with kube.cluster.store.lock:
+            jobs = kube.cluster.store.items("jobs", NAMESPACE)
+            return jobs[0]["metadata"]["name"] if jobs else None
+    return kube.wait_for(find, timeout=120)
+

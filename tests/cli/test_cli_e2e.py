@@ -1,0 +1,170 @@
+"""End to end through the installed ``diloco`` console script, with the real replica entrypoint and trainer.
+
+Steps are kept small so the whole file runs in well under a minute on two cores; the full demo is
+``diloco launch --config configs/local.yaml``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from support.commands import DILOCO_SCRIPT as DILOCO
+from support.run_processes import processes_of
+
+from diloco.launcher.runs import RunRegistry
+from diloco.store.codec import decode_tensors
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+TESTS_DIR = str(ROOT / "tests")
+
+
+def cli(*args: str, home: Path, cwd: str | Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "DILOCO_HOME": str(home)}
+    env.pop("DILOCO_DEBUG", None)
+    return subprocess.run([DILOCO, *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
+
+
+def start(*args: str, home: Path, cwd: str | Path) -> subprocess.Popen[str]:
+    env = {**os.environ, "DILOCO_HOME": str(home)}
+    return subprocess.Popen([DILOCO, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            cwd=cwd)
+
+
+def wait_until_running(home: Path, n: int, timeout: float = 60) -> str:
+    """The run id of the only run in ``home`` once all ``n`` replicas report training progress."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ids = RunRegistry(home).ids()
+        if ids:
+            status = cli("status", ids[0], "-o", "json", home=home, cwd=TESTS_DIR)
+            if status.returncode == 0:
+                reps = json.loads(status.stdout)["ranks"]
+                if len(reps) == n and all(r["state"] == "running" and r["step"] is not None for r in reps):
+                    return ids[0]
+        time.sleep(0.3)
+    raise AssertionError("the run did not start in time")
+
+
+def test_four_replicas_train_agree_and_report(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    launch = cli("launch", "--config", str(ROOT / "configs" / "local.yaml"), "--replicas", "4", "--backend",
+                 "local", "--steps", "40", "--sync-every", "20", "--set", "train.trainer_kwargs.eval_batches=4",
+                 "-o", "json", home=home, cwd=tmp_path)
+    assert launch.returncode == 0, launch.stderr
+    summary = json.loads(launch.stdout)
+    run_id = summary["run_id"]
+    assert summary["state"] == "succeeded" and summary["weights_identical"] is True
+    assert "launched " + run_id in launch.stderr  # narration on stderr, data on stdout
+
+    collect = cli("collect", "-o", "json", "--output", str(tmp_path / "model.safetensors"), home=home, cwd=tmp_path)
+    assert collect.returncode == 0, collect.stderr
+    report = json.loads(collect.stdout)
+    assert report["run_id"] == run_id and report["state"] == "succeeded"
+    assert [r["state"] for r in report["ranks"]] == ["succeeded"] * 4
+    assert report["weights_identical"] is True
+    for rep in report["ranks"]:
+        assert rep["step"] == 40 and rep["round"] == 2 and rep["finished_training"]
+        assert rep["eval_loss"] < rep["initial_eval_loss"]
+    assert report["final_eval_loss"] < report["initial_eval_loss"]
+
+    # The written model is the agreed weights, bit for bit.
+    assert report["model_path"] == str(tmp_path / "model.safetensors")
+    model, meta = decode_tensors((tmp_path / "model.safetensors").read_bytes())
+    final0, _ = decode_tensors((home / "runs" / run_id / "store" / "final" / "rank_0000.safetensors").read_bytes())
+    assert meta["run_id"] == run_id and set(model) == set(final0)
+    assert all(model[k].equal(final0[k]) for k in model)
+
+    shown = cli("status", run_id, home=home, cwd=tmp_path).stdout  # a one-line eval-loss trend per replica
+    trends = [line.split() for line in shown.splitlines() if line.rstrip().endswith("%)")]
+    assert [t[0] for t in trends] == ["r0", "r1", "r2", "r3"], shown
+
+    logs = cli("logs", run_id, home=home, cwd=tmp_path)
+    assert logs.returncode == 0
+    lines = logs.stdout.splitlines()
+    prefixes = {line.split(" ", 1)[0] for line in lines}
+    assert prefixes == {"[r0]", "[r1]", "[r2]", "[r3]"}
+    for rank in range(4):
+        assert any(line.startswith(f"[r{rank}] ") and "replica" in line and "finished" in line for line in lines)
+    assert processes_of(run_id) == []
+
+
+def test_crashing_replica_fails_launch_and_collect_naming_it(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    args = ("--replicas", "3", "--trainer", "support.cli_trainers:crash_at_rank", "--steps", "2", "--sync-every", "1")
+    launch = cli("launch", *args, home=home, cwd=TESTS_DIR)
+    assert launch.returncode == 1, launch.stderr
+    assert "replica 1 failed with exit code 1" in launch.stderr
+    assert "RuntimeError: injected failure at rank 1" in launch.stderr  # the last lines of its stderr
+    assert "stopping replica(s) 0, 2" in launch.stderr  # fail-fast: the others cannot finish without it
+    run_id = RunRegistry(home).ids()[-1]
+    assert processes_of(run_id) == []
+
+    detached = cli("launch", *args, "--detach", home=home, cwd=TESTS_DIR)
+    assert detached.returncode == 0, detached.stderr
+    run_id = detached.stdout.strip()
+    assert run_id.startswith("diloco-")
+    collect = cli("collect", run_id, "-o", "json", home=home, cwd=TESTS_DIR)
+    assert collect.returncode == 1
+    report = json.loads(collect.stdout)
+    assert report["state"] == "failed"
+    assert [r["state"] for r in report["ranks"]] == ["cancelled", "failed", "cancelled"]
+    assert report["ranks"][1]["exit_code"] == 1
+    assert "replica 1 failed with exit code 1" in collect.stderr
+    assert processes_of(run_id) == []
+
+
+def test_cancel_mid_run_stops_everything_and_waiters_exit_4(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    launch = start("launch", "--replicas", "2", "--trainer", "support.cli_trainers:slow", "--steps", "4000",
+                   "--sync-every", "10", home=home, cwd=TESTS_DIR)
+    try:
+        run_id = wait_until_running(home, 2)
+        collect = start("collect", run_id, home=home, cwd=TESTS_DIR)
+        cancel = cli("cancel", run_id, home=home, cwd=TESTS_DIR)
+        assert cancel.returncode == 0, cancel.stderr
+        assert launch.wait(timeout=60) == 4
+        assert collect.wait(timeout=60) == 4
+        assert processes_of(run_id) == []
+        status = json.loads(cli("status", run_id, "-o", "json", home=home, cwd=TESTS_DIR).stdout)
+        assert status["state"] == "cancelled"
+    finally:
+        launch.kill()
+
+
+def test_ctrl_c_stops_waiting_but_not_the_run(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    launch = start("launch", "--replicas", "2", "--trainer", "support.cli_trainers:slow", "--steps", "4000",
+                   "--sync-every", "10", home=home, cwd=TESTS_DIR)
+    run_id = wait_until_running(home, 2)
+    launch.send_signal(signal.SIGINT)
+    _, err = launch.communicate(timeout=60)
+    try:
+        assert launch.returncode == 130
+        assert f"diloco cancel {run_id}" in err
+        status = json.loads(cli("status", run_id, "-o", "json", home=home, cwd=TESTS_DIR).stdout)
+        assert [r["state"] for r in status["ranks"]] == ["running", "running"]
+    finally:
+        assert cli("cancel", run_id, home=home, cwd=TESTS_DIR).returncode == 0
+    assert processes_of(run_id) == []
+
+
+def test_ctrl_c_with_cancel_on_interrupt_cancels(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    launch = start("launch", "--replicas", "2", "--trainer", "support.cli_trainers:slow", "--steps", "4000",
+                   "--sync-every", "10", "--cancel-on-interrupt", home=home, cwd=TESTS_DIR)
+    run_id = wait_until_running(home, 2)
+    launch.send_signal(signal.SIGINT)
+    _, err = launch.communicate(timeout=60)
+    assert launch.returncode == 130
+    assert f"run {run_id} cancelled" in err
+    assert processes_of(run_id) == []
+    status = json.loads(cli("status", run_id, "-o", "json", home=home, cwd=TESTS_DIR).stdout)
+    assert status["state"] == "cancelled"

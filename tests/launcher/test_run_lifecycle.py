@@ -1,0 +1,182 @@
+"""A run's lifecycle as the launcher judges it, through the real CLI on the local backend (real replica processes,
+real kills): ``watch`` never relaunches into a run that has ended, and honours the run's own ``--max-restarts``;
+a run whose replica died but can still finish reads as running (with the replica awaiting a relaunch) until
+nothing can help; a run whose launcher died is finished by ``watch``; Ctrl-C says what state the run is in."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from support.commands import DILOCO_MODULE as DILOCO
+from support.polling import wait_for_file as wait_for
+from support.run_processes import processes_of
+
+TESTS_DIR = Path(__file__).resolve().parents[1]
+
+#: A two-replica run long enough to kill a replica in (paced steps; a round every 5 of them).
+PACED = ["--replicas", "2", "--backend", "local", "--trainer", "support.paced_trainer:train", "--sync-every", "5",
+         "-k", "step_s=0.05", "--set", "store.poll_interval_s=0.05"]
+
+
+def env_for(home: Path) -> dict[str, str]:
+    env = {**os.environ, "DILOCO_HOME": str(home), "NO_COLOR": "1", "DILOCO_RESTART_BACKOFF_S": "0"}
+    env.pop("DILOCO_DEBUG", None)
+    return env
+
+
+def cli(*args: str, home: Path, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    """The CLI as a user runs it, from tests/ (so ``support.paced_trainer:train`` imports), with its own DILOCO_HOME."""
+    return subprocess.run([*DILOCO, *args], capture_output=True, text=True, env=env_for(home), cwd=TESTS_DIR,
+                          timeout=timeout)
+
+
+def background(*args: str, home: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen([*DILOCO, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env_for(home), cwd=TESTS_DIR)
+
+
+def kill_replica(home: Path, rank: int) -> None:
+    """SIGKILL the replica process of ``rank`` (not its supervisor), once the run has committed its first round."""
+    wait_for("runs/*/store/committed/round_000001/COMMITTED", home)
+    child = json.loads(wait_for(f"runs/*/logs/rank_{rank}/child.json", home).read_text())
+    os.kill(int(child["pid"]), signal.SIGKILL)
+
+
+def status_once_dead(home: Path, run_id: str, rank: int) -> dict:
+    """``diloco status -o json`` once it shows the killed ``rank`` as ended: its supervisor has recorded how, and
+    has exited (a replica is terminal only then), usually at the first call."""
+    wait_for(f"runs/{run_id}/logs/rank_{rank}/exit.json", home)
+    deadline = time.monotonic() + 60
+    while True:
+        report = json.loads(cli("status", run_id, "-o", "json", home=home).stdout)
+        if report["ranks"][rank]["state"] == "failed" or time.monotonic() > deadline:
+            return report
+        time.sleep(0.2)
+
+
+@contextmanager
+def cleaned_up(home: Path, *procs: subprocess.Popen[str]) -> Iterator[None]:
+    """Whatever the test asserts, no launcher, watcher or replica of the runs under ``home`` outlives it."""
+    try:
+        yield
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate(timeout=60)
+        for record in (home / "runs").glob("*.json"):
+            if processes_of(record.stem):
+                cli("cancel", record.stem, home=home)
+
+
+def test_watch_on_a_run_that_failed_and_was_cancelled_relaunches_nothing(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    launch = background("launch", *PACED, "--steps", "400", "--max-restarts", "0", "--set", "store.timeout_s=15",
+                        "-o", "json", home=home)
+    with cleaned_up(home, launch):
+        kill_replica(home, 1)
+        out, err = launch.communicate(timeout=120)
+        assert launch.returncode == 1, err[-3000:]
+        launched = json.loads(out)
+        assert [r["state"] for r in launched["ranks"]] == ["cancelled", "failed"], launched["ranks"]
+        run_id = launched["run_id"]
+
+        watch = cli("watch", run_id, "-o", "json", home=home)
+        assert watch.returncode == 1, watch.stderr[-3000:]
+        assert f"run {run_id} has already ended (failed)" in watch.stderr
+        assert "relaunching" not in watch.stderr, watch.stderr[-3000:]
+        report = json.loads(watch.stdout)
+        assert report["state"] == "failed" and [r["restarts"] for r in report["ranks"]] == [0, 0], report
+        assert report["ranks"][1]["reason"] == launched["ranks"][1]["reason"]  # still the kill, not a timeout
+        assert not list(home.glob("runs/*/logs/rank_1.try*")), "a replica was relaunched into the run"
+        assert not processes_of(run_id)
+
+
+def test_watch_honours_the_max_restarts_the_run_was_launched_with(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    launch = cli("launch", *PACED, "--steps", "400", "--max-restarts", "0", "--set", "store.timeout_s=60",
+                 "--detach", "-o", "json", home=home)
+    assert launch.returncode == 0, launch.stderr[-3000:]
+    run_id = json.loads(launch.stdout)["run_id"]
+    with cleaned_up(home):
+        kill_replica(home, 1)
+        status = status_once_dead(home, run_id, 1)
+        # No relaunch can help (the run said 0): the run is failed although replica 0 still runs.
+        assert status["state"] == "failed" and status["ranks"][0]["state"] == "running", status
+
+        watch = cli("watch", run_id, "-o", "json", home=home)
+        assert watch.returncode == 1, watch.stderr[-3000:]
+        assert "relaunching" not in watch.stderr, watch.stderr[-3000:]
+        assert "replica 1 failed; stopping replica(s) 0" in watch.stderr, watch.stderr[-3000:]
+        assert [r["restarts"] for r in json.loads(watch.stdout)["ranks"]] == [0, 0]
+        assert status["awaiting_relaunch"] == [] and "diloco watch" not in cli("status", run_id, home=home).stderr
+        assert not processes_of(run_id)
+
+
+def test_a_run_whose_launcher_died_reads_as_running_with_the_killed_replica_and_watch_finishes_it(
+        tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    launch = background("launch", *PACED, "--steps", "60", "--set", "store.timeout_s=120", "-o", "json", home=home)
+    with cleaned_up(home, launch):
+        run_id = wait_for("runs/*.json", home).stem
+        wait_for("runs/*/store/committed/round_000001/COMMITTED", home)
+        launch.kill()  # the launcher's terminal went away: nobody relaunches anything now
+        launch.communicate(timeout=60)
+        kill_replica(home, 1)
+
+        status = status_once_dead(home, run_id, 1)
+        assert status["state"] == "running" and status["awaiting_relaunch"] == [1], status
+        assert status["ranks"][0]["state"] == "running"
+        table = cli("status", run_id, home=home)
+        assert table.returncode == 0 and f"run {run_id}: running" in table.stdout, table.stdout
+        assert f"if none is waiting, run: diloco watch {run_id}" in table.stderr, table.stderr
+        runs = json.loads(cli("runs", "-o", "json", home=home).stdout)["runs"]
+        assert [r["state"] for r in runs] == ["running"]
+
+        watch = cli("watch", run_id, "--max-restarts", "2", "-o", "json", home=home)
+        assert watch.returncode == 0, watch.stderr[-3000:]
+        assert "relaunching it (restart 1 of 2)" in watch.stderr, watch.stderr[-3000:]
+        report = json.loads(watch.stdout)
+        assert report["state"] == "succeeded" and report["weights_identical"] is True, report
+        assert [r["restarts"] for r in report["ranks"]] == [0, 1] and report["awaiting_relaunch"] == []
+        assert json.loads((home / "runs" / f"{run_id}.json").read_text())["max_restarts"] == 2
+        runs = json.loads(cli("runs", "-o", "json", home=home).stdout)["runs"]
+        assert [r["state"] for r in runs] == ["succeeded"]
+        assert not processes_of(run_id)
+
+
+def test_ctrl_c_in_watch_after_the_run_succeeded_says_it_has_ended_not_that_it_keeps_running(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    launch = cli("launch", *PACED, "--replicas", "1", "--steps", "10", "-o", "json", home=home)
+    assert launch.returncode == 0, launch.stderr[-3000:]
+    run_id = json.loads(launch.stdout)["run_id"]
+    # A store read that does not return until interrupted (a slow store): rank 0's metrics become a FIFO that
+    # nobody writes, so `watch` is still reading the summary of the succeeded run when Ctrl-C comes.
+    metrics = next(home.glob("runs/*/store/metrics/rank_0000.jsonl"))
+    kept = metrics.with_name("kept.jsonl")
+    metrics.rename(kept)
+    os.mkfifo(metrics)
+    watch = background("watch", run_id, home=home)
+    try:
+        assert watch.stderr is not None
+        first = watch.stderr.readline()
+        assert first.startswith(f"run {run_id} has already ended (succeeded)"), first
+        watch.send_signal(signal.SIGINT)
+        _, err = watch.communicate(timeout=60)
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+            watch.communicate(timeout=60)
+        metrics.unlink()
+        kept.rename(metrics)
+    assert watch.returncode == 130, err
+    assert "keeps running" not in err, err
+    assert f"stopped waiting; run {run_id} has ended (succeeded)" in err
+    assert f"diloco collect {run_id}" in err

@@ -1,0 +1,172 @@
+"""End to end: real replica processes (``python -m diloco.replica.entrypoint``) train the built-in model with
+DiLoCo, meeting only through a ``file://`` store.
+
+What must hold: every rank exports bitwise-identical global weights; the held-out loss falls well below where it
+started; the metrics follow the schema; old rounds are deleted; a missing peer makes the others fail naming the
+round and the rank, instead of hanging. And the README's bring-your-own-trainer example, which records nothing
+itself, ends with a full progress record and checked final weights all the same.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from diloco import envvars
+from diloco.launcher.weights import check_final_weights
+from diloco.replica.metrics import read_progress
+from diloco.store.codec import decode_tensors
+from diloco.store.objects import ObjectStore
+from diloco.trainers.gpt_model import GPTConfig
+
+pytestmark = pytest.mark.slow
+
+TINY = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32, "batch_size": 8, "eval_batches": 4,
+        "max_corpus_bytes": 150_000}
+METRIC_KEYS = {"kind", "round", "step", "total_steps", "train_loss", "eval_loss", "tokens", "tokens_per_s",
+               "sync_s", "bytes_written", "bytes_read", "time", "diverged", "extra"}
+TESTS_DIR = Path(__file__).resolve().parents[1]
+GUARD_S = 240  # only against a hang: the runs take seconds
+
+
+def _launch(tmp_path: Path, ranks: list[int], world_size: int, kwargs: dict, timeout_s: float,
+            trainer: str = "diloco.trainers.gpt:diloco_train") -> list[tuple]:
+    """Start one replica process per rank (rank via ``REPLICA_RANK``, as every backend sets it); wait for all."""
+    uri = f"file://{tmp_path / 'rdv'}"
+    env = {k: v for k, v in os.environ.items() if k not in (envvars.SM_MODEL_DIR, envvars.JOB_COMPLETION_INDEX)}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), env.get("PYTHONPATH")]))  # byo_trainer
+    procs = []
+    for rank in ranks:
+        out, err = open(tmp_path / f"r{rank}.out", "w"), open(tmp_path / f"r{rank}.err", "w")
+        cmd = [sys.executable, "-m", "diloco.replica.entrypoint", "--rendezvous", uri,
+               "--world-size", str(world_size), "--trainer", trainer,
+               "--trainer-kwargs-json", json.dumps(kwargs), "--timeout", str(timeout_s), "--poll-interval", "0.05"]
+        procs.append((rank, subprocess.Popen(cmd, cwd=tmp_path, env={**env, envvars.REPLICA_RANK: str(rank)},
+                                             stdout=out, stderr=err), out, err))
+    results = []
+    try:
+        for rank, proc, out, err in procs:
+            proc.wait(timeout=GUARD_S)
+            out.close()
+            err.close()
+            results.append((rank, proc.returncode, (tmp_path / f"r{rank}.out").read_text(),
+                            (tmp_path / f"r{rank}.err").read_text()))
+    finally:
+        for _, proc, out, err in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            out.close()
+            err.close()
+    return results
+
+
+def test_three_replicas_train_to_identical_weights_and_lower_loss(tmp_path) -> None:
+    kwargs = {**TINY, "total_steps": 60, "sync_every": 20}
+    results = _launch(tmp_path, [0, 1, 2], 3, kwargs, timeout_s=120)
+    for rank, code, out, err in results:
+        assert code == 0, f"rank {rank} exited {code}:\n{err}"
+        assert f"[rank {rank}]" in out and "round 3 step 60/60" in out
+
+    store = ObjectStore(f"file://{tmp_path / 'rdv'}")
+    # 1. Every rank exported the same global weights, bit for bit, with the config needed to rebuild them.
+    finals = [decode_tensors(store.get(f"final/rank_{r:04d}.safetensors"), expect={"rank": r, "step": 60})
+              for r in range(3)]
+    reference, meta0 = finals[0]
+    assert GPTConfig.from_json(meta0["model_config"]) == GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=32)
+    for tensors, meta in finals[1:]:
+        assert tensors.keys() == reference.keys()
+        assert all(torch.equal(tensors[k], reference[k]) for k in reference)
+        assert meta["model_config"] == meta0["model_config"]
+
+    # 2. Metrics: the schema, one row per round, and a loss that clearly fell.
+    runs = []
+    for r in range(3):
+        rows = [json.loads(line) for line in store.get(f"metrics/rank_{r:04d}.jsonl").decode().splitlines()]
+        assert [row["kind"] for row in rows] == ["init", "round", "round", "round", "final"]
+        assert all(set(row) == METRIC_KEYS for row in rows)
+        assert [row["step"] for row in rows] == [0, 20, 40, 60, 60]
+        assert all(row["total_steps"] == 60 for row in rows)
+        assert [row["round"] for row in rows] == [0, 1, 2, 3, 3]
+        assert rows[-1]["bytes_read"] > 0 and rows[-1]["bytes_written"] > 0  # it really exchanged
+        runs.append(rows)
+    init = {rows[0]["eval_loss"] for rows in runs}
+    final = {rows[-1]["eval_loss"] for rows in runs}
+    assert len(init) == 1 and len(final) == 1  # same start, same global model, same held-out batches
+    assert final.pop() < init.pop() - 1.0
+    # Disjoint shards: the replicas trained on different data between syncs.
+    assert len({rows[1]["train_loss"] for rows in runs}) == 3
+
+    # 3. Old rounds were cleaned up: only the last round's objects remain.
+    rounds = [k for k in store.list() if k.startswith("round_")]
+    assert rounds == [f"round_000002/rank_{r:04d}.safetensors" for r in range(3)]
+
+
+def test_streaming_diloco_two_fragments_with_overlap_through_two_processes(tmp_path) -> None:
+    """F=2, fragment_sync_delay=1: 4 all-reduce rounds (one per fragment every 10 steps), each launched a step
+    before its wait; every round is waited for before the next one starts, so the k-1 deletion stays safe."""
+    kwargs = {**TINY, "total_steps": 40, "sync_every": 20, "fragments": 2, "fragment_sync_delay": 1}
+    results = _launch(tmp_path, [0, 1], 2, kwargs, timeout_s=120)
+    for rank, code, out, err in results:
+        assert code == 0, f"rank {rank} exited {code}:\n{err}"
+        assert "round 4 step 40/40" in out  # one numbering: each fragment's sync is a round
+
+    store = ObjectStore(f"file://{tmp_path / 'rdv'}")
+    finals = [decode_tensors(store.get(f"final/rank_{r:04d}.safetensors"))[0] for r in range(2)]
+    assert finals[0].keys() == finals[1].keys()
+    assert all(torch.equal(finals[0][k], finals[1][k]) for k in finals[0])
+    rows = [[json.loads(line) for line in store.get(f"metrics/rank_{r:04d}.jsonl").decode().splitlines()]
+            for r in range(2)]
+    for per_rank in rows:
+        assert [row["kind"] for row in per_rank] == ["init", "round", "round", "round", "round", "final"]
+        assert [row["round"] for row in per_rank] == [0, 1, 2, 3, 4, 4]
+        assert per_rank[-1]["eval_loss"] < per_rank[0]["eval_loss"]
+    assert rows[0][-1]["eval_loss"] == rows[1][-1]["eval_loss"]  # measured on the identical global weights
+    # 40 steps / (20 // 2) = 4 rounds (0..3); the older ones were deleted by their writers.
+    assert [k for k in store.list() if k.startswith("round_")] == [f"round_000003/rank_{r:04d}.safetensors"
+                                                                   for r in range(2)]
+
+
+def test_missing_peer_fails_the_others_naming_round_and_rank(tmp_path) -> None:
+    kwargs = {**TINY, "total_steps": 10, "sync_every": 10}
+    results = _launch(tmp_path, [0, 1], 3, kwargs, timeout_s=3)  # rank 2 never starts
+    for rank, code, _, err in results:
+        assert code == 1, f"rank {rank} exited {code}:\n{err}"
+        last = err.strip().splitlines()[-1]
+        assert last.startswith(f"diloco: error: rank {rank}: all-reduce round 1 timed out"), err  # from 1
+        assert "waiting for rank(s) 2" in last
+        assert "Traceback" not in err
+    store = ObjectStore(f"file://{tmp_path / 'rdv'}")
+    assert not [k for k in store.list() if k.startswith("final/")]  # nobody exported half-trained weights
+
+
+def test_the_readme_trainer_gets_a_full_progress_record_and_checked_weights(tmp_path) -> None:
+    """Issue 7 items 6 and 9: README's own trainer (tests/byo_trainer.py) writes no metrics and no weights itself;
+    the outer loop records step/total, round, sync time and bytes, the one report() line adds loss and tok/s, and
+    every rank exports the same global weights. ``lr`` arrives as the string "3e-4" (what YAML 1.1 makes of it)
+    and is converted from the default's kind (lr=1e-3), so the trainer runs."""
+    kwargs = {"total_steps": 40, "sync_every": 20, "lr": "3e-4"}
+    results = _launch(tmp_path, [0, 1], 2, kwargs, timeout_s=120, trainer="support.byo_trainer:train")
+    for rank, code, out, err in results:
+        assert code == 0, f"rank {rank} exited {code}:\n{err}"
+        assert "round 2 step 40/40" in out  # the loop's own log line per round
+
+    store = ObjectStore(f"file://{tmp_path / 'rdv'}")
+    readout = read_progress(store, 2)
+    assert readout.warnings == []
+    for rep in readout.replicas:
+        assert (rep.step, rep.total_steps, rep.round, rep.finished_training) == (40, 40, 2, True)
+        assert rep.train_loss is not None and rep.train_loss > 0 and not rep.diverged
+        assert rep.tokens == 40 * 32 and rep.tokens_per_s is not None and rep.tokens_per_s > 0
+        assert rep.sync_s is not None and rep.sync_s >= 0
+        assert rep.bytes_written and rep.bytes_read  # it really exchanged through the store
+    check = check_final_weights(store, 2)
+    assert check.identical is True, check.detail
+    assert sorted(check.tensors or {}) == ["bias", "weight"] and check.value_count == 17
+    assert check.metadata["step"] == "40" and check.metadata["round"] == "2"
