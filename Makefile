@@ -24,7 +24,7 @@ $(BIN)/diloco: pyproject.toml
 
 setup: $(BIN)/diloco
 
-test: setup
+test: setup lint
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(TEST_SCHEDULING)
 
 demo: setup
