@@ -7,6 +7,7 @@ hidden inside a function fails here as well. A new layer rule is one line in ``R
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
@@ -32,11 +33,11 @@ class Rule:
     """Modules for which ``applies(source)`` holds never import a module inside one of ``forbidden``."""
 
     name: str
-    applies: object  # Callable[[str], bool]; kept loose so a rule stays one line
+    applies: Callable[[str], bool]
     forbidden: tuple[str, ...]
 
     def broken_by(self, edge: Edge) -> bool:
-        return self.applies(edge.source) and any(within(edge.target, p) for p in self.forbidden)  # type: ignore[operator]
+        return self.applies(edge.source) and any(within(edge.target, p) for p in self.forbidden)
 
 
 RULES = (
@@ -72,3 +73,16 @@ def test_layer_rule(rule: Rule) -> None:
     assert not broken, f"rule broken: {rule.name}\n" + "\n".join(
         f"{edge.where()}: {edge.source} imports {edge.target}" for edge in broken
     )
+
+
+def test_a_violating_import_is_named_with_its_line_and_rule() -> None:
+    """The checks themselves can fail: a replica-side arrow to the launcher breaks the first rule, and two
+    modules importing each other (at run time) are a cycle; a typing-only arrow back closes none."""
+    bad = Edge("diloco.replica.outer", "diloco.launcher.config", "diloco/replica/outer.py", 7)
+    assert [rule.name for rule in RULES if rule.broken_by(bad)] == [RULES[0].name]
+    back = Edge("diloco.launcher.config", "diloco.replica.outer", "diloco/launcher/config.py", 3)
+    [chain] = cycles([bad, back])
+    assert describe_cycle(chain) == ("diloco.launcher.config (diloco/launcher/config.py:3) -> "
+                                     "diloco.replica.outer (diloco/replica/outer.py:7) -> diloco.launcher.config")
+    typed = Edge(back.source, back.target, back.path, back.line, typing_only=True)
+    assert cycles([bad, typed]) == []
