@@ -24,7 +24,7 @@ $(BIN)/diloco: pyproject.toml
 
 setup: $(BIN)/diloco
 
-test: setup docs
+test: setup lint docs
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(TEST_SCHEDULING)
 
 # The documentation site, strictly: a broken link or a page missing from mkdocs.yml's nav fails the build.

@@ -14,17 +14,13 @@ launch); ``watch --max-restarts N`` given explicitly changes the run's setting.
 ``launch`` that does not detach is the same thing after submitting.
 """
 
-from types import ModuleType
 from typing import Annotated, Any, NoReturn
 
 import typer
 
+from diloco.cli import waiting
 from diloco.cli.errors import command
 from diloco.cli.render import FormatOpt, OutputFormat, say
-
-#: The CLI's main module (``diloco.cli.main``, or ``__main__`` under ``python -m diloco.cli.main``), set by
-#: ``register``: its ``_wait``, ``_print_run`` ... are launch's own, reused here rather than copied.
-_main: ModuleType | None = None
 
 
 def wait_and_summarize(view: Any, *, fmt: OutputFormat, fail_fast: bool, max_restarts: int,
@@ -34,11 +30,10 @@ def wait_and_summarize(view: Any, *, fmt: OutputFormat, fail_fast: bool, max_res
 
     Ctrl-C stops waiting (``launch --cancel-on-interrupt`` cancels instead) and exits 130.
     """
-    main = _cli_main()
     try:
-        report, timed_out = main._wait(view, timeout_s=None, fail_fast=fail_fast, collect=True, max_restarts=max_restarts)
+        report, timed_out = waiting.wait(view, timeout_s=None, fail_fast=fail_fast, collect=True, max_restarts=max_restarts)
     except KeyboardInterrupt:
-        main._interrupted(view, cancel_on_interrupt)
+        waiting.interrupted(view, cancel_on_interrupt)
     summarize(view, report, timed_out, fmt=fmt)
 
 
@@ -50,29 +45,20 @@ def summarize_ended(view: Any, *, fmt: OutputFormat) -> NoReturn:
     try:
         report, timed_out = collect(view, fail_fast=False, max_restarts=0)
     except KeyboardInterrupt:
-        _cli_main()._interrupted(view, False)
+        waiting.interrupted(view, False)
     summarize(view, report, timed_out, fmt=fmt)
 
 
 def summarize(view: Any, report: Any, timed_out: bool, *, fmt: OutputFormat) -> NoReturn:
     """Print a waited-on run's summary, why replicas failed, what to do next, and exit with launch's code."""
-    main = _cli_main()
     run_id = view.record.run_id
-    main._print_run(report, fmt)
-    main._explain_failures(report)
+    waiting.print_run(report, fmt)
+    waiting.explain_failures(report)
     if report.state.value == "succeeded" and report.weights_identical:
         say(f"write the model with: diloco collect {run_id}")
     elif report.state.value == "succeeded" and report.weights_identical is None:
         say(f"the final weights could not be checked: {report.weights_detail}")
-    raise typer.Exit(main._outcome_code(report, timed_out))
-
-
-def _cli_main() -> ModuleType:
-    if _main is None:
-        import diloco.cli.main as main
-
-        return main
-    return _main
+    raise typer.Exit(waiting.outcome_code(report, timed_out))
 
 
 def watch(
@@ -97,8 +83,7 @@ def watch(
       diloco watch 7c98 --max-restarts 5 -o json
       diloco launch -c configs/local.yaml --detach && diloco watch
     """
-    main = _cli_main()
-    view = main._view(run)
+    view = waiting.view_of(run)
     run_id = view.record.run_id
     try:  # from here on, Ctrl-C at any moment only stops watching
         ended = view.final_state
@@ -115,11 +100,9 @@ def watch(
         say(f"watching {run_id} (Ctrl-C stops watching, the run keeps going); logs: diloco logs {run_id} -f")
         wait_and_summarize(view, fmt=fmt, fail_fast=fail_fast, max_restarts=view.max_restarts)
     except KeyboardInterrupt:
-        main._interrupted(view, False)
+        waiting.interrupted(view, False)
 
 
-def register(app: typer.Typer, epilog: str, main: ModuleType) -> None:
-    """Add ``watch`` to the CLI; ``main`` is the CLI's main module, whose waiting helpers ``watch`` shares."""
-    global _main
-    _main = main
+def register(app: typer.Typer, epilog: str) -> None:
+    """Add ``watch`` to the CLI (its waiting helpers are ``launch``'s own, in ``diloco.cli.waiting``)."""
     app.command(epilog=epilog)(command(watch))

@@ -40,7 +40,6 @@ Every replica gets the same environment on every backend (``LaunchSpec.replica_e
 from __future__ import annotations
 
 import enum
-import json
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
@@ -52,12 +51,14 @@ from diloco.defaults import DEFAULT_ENTRYPOINT, DEFAULT_MAX_RESTARTS, DEFAULT_TR
 from diloco.executors.failures import FailureVerdict
 from diloco.executors.flags import FlagSpec, model_flags
 from diloco.executors.logstream import LogRecord
-from diloco.replica.settings import SETTINGS_FORMAT, ReplicaSettings, SettingsObject
+from diloco.replica.settings import SettingsObject
+from diloco.replica.spec import SPEC_FORMAT, EntrypointArgs, ReplicaSpec
 
 if TYPE_CHECKING:
-    from diloco.launcher.doctor import Check, DoctorContext
+    from diloco.executors.checks import Check, DoctorContext
 
-__all__ = ["DEFAULT_ENTRYPOINT", "DEFAULT_TRAINER", "Backend", "LogRecord", "ServerlessExecutor"]
+__all__ = ["DEFAULT_ENTRYPOINT", "DEFAULT_TRAINER", "SPEC_FORMAT", "Backend", "EntrypointArgs", "LogRecord",
+           "ReplicaSpec", "ServerlessExecutor"]
 
 
 # ---------------------------------------------------------------------------------------------- states
@@ -127,51 +128,6 @@ def map_state(table: Mapping[str, ReplicaState], native: str | None) -> ReplicaS
 
 
 # ---------------------------------------------------------------------------------------------- specs
-class EntrypointArgs(ReplicaSettings):
-    """The replica settings (``diloco.replica.settings.ReplicaSettings``, where every field is declared), with
-    their rendering as the entrypoint's own flags. ``diloco launch`` publishes them as the run's spec object
-    (``ReplicaSpec``, ``spec.json`` in the store) and every replica reads them from there (``--spec``);
-    ``to_argv`` is for running the entrypoint by hand and for specs without a spec object."""
-
-    def to_argv(self) -> list[str]:
-        """The entrypoint's arguments, one token per list element (as SageMaker's ContainerArguments wants)."""
-        module, fn = self.trainer.split(":", 1)
-        argv = [
-            "--rendezvous", self.rendezvous_uri,
-            "--world-size", str(self.world_size),
-            "--trainer-module", module,
-            "--trainer-fn", fn,
-            "--trainer-kwargs-json", json.dumps(self.trainer_kwargs, sort_keys=True, separators=(",", ":")),
-        ]
-        if self.timeout_s is not None:
-            argv += ["--timeout", f"{self.timeout_s:g}"]
-        if self.poll_interval_s is not None:
-            argv += ["--poll-interval", f"{self.poll_interval_s:g}"]
-        if self.progress_interval_s is not None:
-            argv += ["--progress-interval", f"{self.progress_interval_s:g}"]
-        # Only settings that differ from the entrypoint's defaults, so a plain run's command stays short.
-        if self.allreduce != "gather":
-            argv += ["--allreduce", self.allreduce]
-        if self.compression != "none":
-            argv += ["--compression", self.compression]
-        if not self.error_feedback:
-            argv += ["--no-error-feedback"]
-        if self.spread != 1:
-            argv += ["--spread", str(self.spread)]
-        if self.min_replicas is not None:
-            argv += ["--min-replicas", str(self.min_replicas)]
-        if self.procs_per_replica is not None:
-            argv += ["--procs-per-replica", str(self.procs_per_replica)]
-        if self.tensorboard is not None:
-            argv += ["--tensorboard", self.tensorboard]
-        return argv
-
-
-#: The spec object: the run's settings as published in its store (``diloco.replica.settings``).
-ReplicaSpec = SettingsObject
-SPEC_FORMAT = SETTINGS_FORMAT
-
-
 class LaunchSpec(BaseModel):
     """Backend-neutral description of one run: ``replicas`` identical copies of one entrypoint."""
 

@@ -22,7 +22,7 @@ import enum
 
 from pydantic import BaseModel
 
-from diloco.replica.entrypoint import EXIT_DROPPED
+from diloco.replica_exit import EXIT_DROPPED
 
 
 class FailureClass(str, enum.Enum):

@@ -84,8 +84,8 @@ from diloco.executors.replica_memory import (  # noqa: F401  (the estimate every
 from diloco.executors.signals import signals_deferred, terminate_as_interrupt
 
 if TYPE_CHECKING:
+    from diloco.executors.checks import Check, DoctorContext
     from diloco.executors.failures import FailureVerdict
-    from diloco.launcher.doctor import Check, DoctorContext
 
 SUPERVISOR_MODULE = "diloco.executors.local_supervisor"
 HANDLE_FILE = "handle.json"
@@ -109,7 +109,7 @@ class LocalBackendConfig(BackendConfig):
     places_replicas: ClassVar[bool] = False
 
     def default_rendezvous(self, run_id: str) -> str | None:
-        from diloco.launcher.runs import default_local_rendezvous
+        from diloco.run_dirs import default_local_rendezvous
 
         return default_local_rendezvous(run_id)
 
@@ -177,7 +177,7 @@ class LocalBackend(ServerlessExecutor[LocalBackendConfig, LocalRunHandle]):
         """``<log_root>/<run_id>``: logs, exit records and the handle of one run."""
         root = self.config.log_root
         if root is None:
-            from diloco.launcher.runs import runs_dir
+            from diloco.run_dirs import runs_dir
 
             root = str(runs_dir())
         return os.path.join(os.path.abspath(root), run_id)
@@ -280,7 +280,7 @@ class LocalBackend(ServerlessExecutor[LocalBackendConfig, LocalRunHandle]):
         """A launch that was rolled back leaves no run directory (its handle, requests, logs and default store):
         with the record gone nothing could find it again, and ``list_runs`` would show a run that never was.
         Best effort, after every replica is gone; the error that caused the rollback is what matters."""
-        from diloco.launcher.housekeeping import remove_run_files
+        from diloco.run_dirs import remove_run_files
 
         try:
             remove_run_files(handle.run_dir)
@@ -612,7 +612,7 @@ class LocalBackend(ServerlessExecutor[LocalBackendConfig, LocalRunHandle]):
     # ------------------------------------------------------------------ housekeeping
     def remove(self, handle: LocalRunHandle, *, dry_run: bool = False) -> list[str]:
         """The run directory: every replica's logs and exit record, the handle, and the default file:// store."""
-        from diloco.launcher.housekeeping import remove_run_files
+        from diloco.run_dirs import remove_run_files
 
         return remove_run_files(handle.run_dir, dry_run=dry_run)
 
@@ -646,7 +646,7 @@ class LocalBackend(ServerlessExecutor[LocalBackendConfig, LocalRunHandle]):
 def check_replica_environment(ctx: DoctorContext) -> Check:
     """Local replicas run ``python -m diloco.replica.entrypoint`` with this interpreter: can it import the
     replica side (torch included), the way a replica will, in a fresh process?"""
-    from diloco.launcher.doctor import Check, Status
+    from diloco.executors.checks import Check, Status
 
     name = "replica environment"
     python = ctx.option("python") or sys.executable

@@ -177,7 +177,7 @@ class DroppedFromRound(DilocoError):
     """With ``min_replicas``, this rank's contribution came too late for a round that committed without it.
 
     Not an error of the replica's making: its peers went on without it, and its rounds no longer line up with
-    theirs. The replica exits with the dropped exit code (``diloco.replica.entrypoint.EXIT_DROPPED``), which every
+    theirs. The replica exits with the dropped exit code (``diloco.replica_exit.EXIT_DROPPED``), which every
     backend treats as curable; relaunched, it rejoins at its peers' next round from the latest committed one
     (``diloco.replica.manager.ObjectStoreManager.rejoin``)."""
 

@@ -445,7 +445,7 @@ def withdraw_store(store: ObjectStore, *, wrote: bool = True) -> list[str]:
     an unreachable store (often the very reason the launch failed) does not hold the launcher for long.
     ``wrote``: whether the launch itself wrote anything (if the store cannot be listed, ``run.json`` may remain)."""
     from diloco.executors.signals import signals_deferred
-    from diloco.launcher.housekeeping import object_sizes
+    from diloco.launcher.compaction import object_sizes
     from diloco.store.objects import ObjectStore
 
     quick = ObjectStore(store.uri, retries=1)
@@ -899,7 +899,7 @@ def add_weights_verdict(view: RunView, report: RunReport) -> WeightsCheck | None
     """Fill ``report.weights_*`` for a succeeded run; returns the check (with rank 0's tensors when identical)."""
     if report.state != RunState.SUCCEEDED:
         return None
-    from diloco.launcher.housekeeping import compacted_verdict
+    from diloco.launcher.compaction import compacted_verdict
 
     ranks = [r.rank for r in report.ranks if r.state == ReplicaState.SUCCEEDED] if report.left_behind else None
     # A compacted store's recorded verdict is reused while its kept copy is unchanged: no torch on a finished run.
@@ -929,7 +929,7 @@ def collect(view: RunView, *, output: str | None = None, timeout_s: float | None
     if output is not None and check is not None and check.identical:
         report.model_path = write_agreed_model(view.store, check, output, view.record.run_id)
     if check is not None and check.identical and not report.left_behind:  # one copy of the agreed model is enough
-        from diloco.launcher.housekeeping import compact_store
+        from diloco.launcher.compaction import compact_store
 
         try:
             compact_store(view.store, view.record.replicas, check=check)

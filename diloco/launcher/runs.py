@@ -23,21 +23,14 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from diloco import envvars
 from diloco.errors import ConfigError, RunNotFound
+from diloco.run_dirs import default_local_rendezvous, diloco_home, runs_dir
 
 RECORD_VERSION = 2  # 2: one run-level backend handle; "replicas" is the count
 LATEST = "latest"
 
-
-def diloco_home() -> Path:
-    """``$DILOCO_HOME``, else ``~/.diloco``."""
-    home = os.environ.get(envvars.DILOCO_HOME)
-    return Path(home).expanduser().resolve() if home else Path.home() / ".diloco"
-
-
-def runs_dir() -> Path:
-    return diloco_home() / "runs"
+__all__ = ["LATEST", "RunRecord", "RunRegistry", "default_local_rendezvous", "diloco_home", "new_run_id",
+           "runs_dir"]
 
 
 #: The suffix's alphabet: digits and lowercase letters without i, l, o and u (Crockford's base 32), so a suffix
@@ -57,11 +50,6 @@ def new_run_id(now: float | None = None) -> str:
     stamp = _dt.datetime.fromtimestamp(now if now is not None else time.time(), tz=_dt.timezone.utc)
     suffix = "".join(secrets.choice(SUFFIX_ALPHABET) for _ in range(SUFFIX_LENGTH))
     return f"diloco-{stamp:%Y%m%d-%H%M%S}-{suffix}"
-
-
-def default_local_rendezvous(run_id: str) -> str:
-    """``file://$DILOCO_HOME/runs/<run_id>/store``: each local run meets in its own fresh directory."""
-    return f"file://{runs_dir() / run_id / 'store'}"
 
 
 class RunRecord(BaseModel):

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel
 
 from diloco.errors import ConfigError
-from diloco.launcher.doctor import Check, Status
+from diloco.executors.checks import Check, Status
 
 if TYPE_CHECKING:
     from diloco.executors.base import LaunchPlan, LaunchSpec, ServerlessExecutor

@@ -1,4 +1,4 @@
-"""Final weights: how a replica exports them, how ``collect`` checks that every replica agrees, and the model file.
+"""Final weights on the launcher side: how ``collect`` checks that every replica agrees, and the model file.
 
 Every replica ends a DiLoCo run holding the same *global* weights (the outer step is computed from identical
 inputs in the same order on every rank), so the check is **bitwise**: two replicas agree when every tensor has the
@@ -10,7 +10,8 @@ when it is a finite number, so no report ever carries NaN or Infinity (which JSO
 Objects read here may be ours (``diloco.store.codec.encode_tensors``: checksum verified) or plain safetensors written
 by a trainer itself (``safetensors.torch.save_file``, ``save_pretrained``): both are accepted.
 
-torch is imported inside the functions: the CLI imports this module.
+A replica exports its final weights with ``diloco.replica.final_weights``; torch is imported inside the
+functions: the CLI imports this module.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from diloco import envvars
 from diloco.errors import CorruptObjectError, ObjectNotFound
 from diloco.store.layout import FINAL_KEY
 
@@ -30,10 +30,7 @@ if TYPE_CHECKING:
 
     from diloco.store.objects import ObjectStore
 
-#: The model file a replica also writes into ``$SM_MODEL_DIR`` on SageMaker (uploaded as the job's model).
-SM_MODEL_FILE = "model.safetensors"
-
-
+#: The record both sides share (keys ``FINAL_KEY``) is written by ``diloco.replica.final_weights``.
 @dataclass
 class WeightsCheck:
     """The verdict on every replica's ``final/rank_RRRR.safetensors``.
@@ -53,28 +50,10 @@ class WeightsCheck:
     max_abs_diff: float | None = None  # only when finite; None for NaN/inf differences or layout mismatches
     tensors: dict[str, torch.Tensor] | None = field(default=None, repr=False)  # rank 0's, when identical
     metadata: dict[str, str] = field(default_factory=dict)  # rank 0's, when identical
-    #: A compacted store's verdict (``diloco.launcher.housekeeping.compacted_verdict``): the one copy kept and the SHA-256
+    #: A compacted store's verdict (``diloco.launcher.compaction.compacted_verdict``): the one copy kept and the SHA-256
     #: of its bytes when checked, so the model can be written from those bytes without decoding them.
     kept_key: str | None = None
     kept_sha256: str | None = None
-
-
-# ---------------------------------------------------------------------------------------------- export
-def write_final_weights(store: ObjectStore, rank: int, tensors: Mapping[str, torch.Tensor],
-                        metadata: Mapping[str, str | int]) -> str:
-    """Encode ``tensors`` once and put them at ``final/rank_RRRR.safetensors``; on SageMaker also into
-    ``$SM_MODEL_DIR/model.safetensors`` (atomically: a half-written file is never what SageMaker uploads).
-    Returns the store key."""
-    from diloco.store.codec import encode_tensors
-    from diloco.store.objects import write_file_atomic
-
-    data = encode_tensors(tensors, metadata)
-    key = FINAL_KEY.format(rank=rank)
-    store.put(key, data)
-    model_dir = os.environ.get(envvars.SM_MODEL_DIR)
-    if model_dir:
-        write_file_atomic(os.path.join(model_dir, SM_MODEL_FILE), data)
-    return key
 
 
 # ---------------------------------------------------------------------------------------------- check
@@ -84,7 +63,7 @@ def check_final_weights(store: ObjectStore, world_size: int, ranks: Sequence[int
     ``ranks`` limits the check to those ranks (a ``min_replicas`` run that finished without some replicas: they
     hold no final weights). Holds at most two ranks' tensors in memory at a time. A missing object gives
     ``identical=None``; an unreadable one (corrupt, checksum mismatch) gives ``identical=False`` naming it.
-    A compacted store holds one copy: its recorded verdict is ``diloco.launcher.housekeeping.compacted_verdict``'s.
+    A compacted store holds one copy: its recorded verdict is ``diloco.launcher.compaction.compacted_verdict``'s.
     """
     from diloco.store.codec import decode
 

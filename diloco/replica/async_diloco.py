@@ -936,7 +936,7 @@ def run_builtin_async(*, manager: Any, rank: int, world_size: int, model: nn.Mod
     """
     import hashlib
 
-    from diloco.launcher.weights import write_final_weights
+    from diloco.replica.final_weights import write_final_weights
     from diloco.replica.metrics import report
 
     store: ObjectStore = manager.store

@@ -68,17 +68,14 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 from diloco import envvars
 from diloco.errors import AllReduceTimeout, ConfigError, error_line
 from diloco.replica.metrics import DEFAULT_PROGRESS_INTERVAL_S
+from diloco.replica_exit import EXIT_DROPPED, EXIT_FAILED, EXIT_OK, EXIT_SIGINT, EXIT_SIGTERM, EXIT_USAGE
 from diloco.trainers.preflight import INJECTED, check_trainer_kwargs
 
 DEFAULT_TRAINER = "diloco.trainers.gpt:diloco_train"
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-#: Dropped from a ``min_replicas`` round (sysexits' EX_TEMPFAIL): curable by a relaunch, which rejoins the run.
-EXIT_DROPPED = 75
-EXIT_SIGINT, EXIT_SIGTERM = 130, 143
 
 if TYPE_CHECKING:
     from diloco.collectives.gather import DroppedFromRound
-    from diloco.executors.base import EntrypointArgs
+    from diloco.replica.spec import EntrypointArgs
 
 E = TypeVar("E", bound=BaseException)
 log = logging.getLogger("diloco.replica")
@@ -199,8 +196,8 @@ def expand_spec(argv: list[str], env: Mapping[str, str]) -> list[str]:
 def read_spec(uri: str, sha256: str | None, run_id: str | None) -> EntrypointArgs:
     """The settings in the spec object at ``uri``, verified (``diloco.replica.settings.verify_settings_object``)."""
     from diloco.errors import ObjectNotFound
-    from diloco.executors.base import EntrypointArgs
     from diloco.replica.settings import SettingsRefused, verify_settings_object
+    from diloco.replica.spec import EntrypointArgs
     from diloco.store.objects import ObjectStore
 
     folder, _, key = uri.rstrip("/").rpartition("/")

@@ -427,7 +427,7 @@ class DiLoCo:
         ``final`` metrics row. A failed export raises: a run whose model was not saved has not succeeded."""
         store = getattr(self.manager, "store", None)
         if store is not None and self._metrics is not None:
-            from diloco.launcher.weights import write_final_weights
+            from diloco.replica.final_weights import write_final_weights
 
             key = write_final_weights(store, getattr(self.manager, "rank", 0), self.global_state_dict(), {
                 "rank": getattr(self.manager, "rank", 0), "world_size": getattr(self.manager, "world_size", 1),

@@ -180,20 +180,22 @@ class ObjectStore:
         options = dict(self._storage_options)
         # S3 only (diloco/store/s3.py): extra transient error types, clearer permanent errors, multipart part size.
         self._transient: tuple[type[BaseException], ...] = (OSError, ConnectionError, TimeoutError)
-        self._put_kwargs: dict[str, Any] = {}
+        self.put_kwargs: dict[str, Any] = {}
         if self.protocol == "s3":
             from diloco.store import s3
 
             self._transient += s3.transient_errors()
-            self._put_kwargs = s3.pop_put_kwargs(options)
+            self.put_kwargs = s3.pop_put_kwargs(options)
         self.fs = _filesystem(self.protocol, options)
         self._local = isinstance(self.fs, LocalFileSystem)
-        self._traffic = _TrafficCounter()
+        #: Public, with ``put_kwargs``, ``with_retries`` and ``invalidate``: ``diloco.store.s3``'s upload paths count,
+        #: size, retry and invalidate through the same store instance.
+        self.traffic_counter = _TrafficCounter()
 
     @property
     def traffic(self) -> StoreTraffic:
         """A snapshot of this instance's traffic so far (see ``StoreTraffic``)."""
-        return self._traffic.snapshot()
+        return self.traffic_counter.snapshot()
 
     # ---------------------------------------------------------------- paths
     def path(self, key: str) -> str:
@@ -212,12 +214,12 @@ class ObjectStore:
                            max_backoff_s=self.max_backoff_s, storage_options=self._storage_options)
 
     # ---------------------------------------------------------------- retries
-    def _retry(self, op: str, key: str, fn: Callable[[], T]) -> T:
+    def with_retries(self, op: str, key: str, fn: Callable[[], T]) -> T:
         """Run ``fn``; retry transient errors with capped exponential backoff and full jitter."""
         attempt = 0
         while True:
             try:
-                self._traffic.request(op)
+                self.traffic_counter.request(op)
                 return fn()
             except _PERMANENT as exc:
                 self._raise_explained(op, key, exc)
@@ -255,7 +257,9 @@ class ObjectStore:
 
         return explain_error(op, self.url(key), exc)
 
-    def _invalidate(self, path: str) -> None:
+    def invalidate(self, path: str) -> None:
+        """Drop the filesystem's cached listing of ``path``: called after a write that went around ``fs`` (the S3
+        conditional create and multipart upload in ``diloco.store.s3``), so the next read sees it."""
         try:
             self.fs.invalidate_cache(path)
         except Exception:  # noqa: BLE001 - a cache that cannot be cleared is not an error
@@ -266,8 +270,8 @@ class ObjectStore:
         """Write ``data`` at ``key`` atomically (overwrites)."""
         path = self.path(key)
         if self._local:
-            self._retry("put", key, lambda: write_file_atomic(path, data))
-        elif self.protocol == "s3" and len(data) >= 2 * self._put_kwargs["chunksize"]:
+            self.with_retries("put", key, lambda: write_file_atomic(path, data))
+        elif self.protocol == "s3" and len(data) >= 2 * self.put_kwargs["chunksize"]:
             # Above s3fs's own threshold: the same multipart sequence, but the parts are views of ``data`` (s3fs
             # copies up to 10 parts at once, and botocore copies a bytes body again), and every part is counted.
             from diloco.store import s3
@@ -275,8 +279,8 @@ class ObjectStore:
             s3.put_stream(self, key, [data], single_put_max=0)
             return
         else:
-            self._retry("put", key, lambda: self.fs.pipe_file(path, data, **self._put_kwargs))
-        self._traffic.wrote(len(data))
+            self.with_retries("put", key, lambda: self.fs.pipe_file(path, data, **self.put_kwargs))
+        self.traffic_counter.wrote(len(data))
 
     def put_stream(self, key: str, chunks: Iterable[Chunk], size: int | None = None) -> int:
         """Write the concatenation of ``chunks`` at ``key`` atomically, without ever holding all of it; -> bytes.
@@ -298,15 +302,15 @@ class ObjectStore:
         else:  # memory:// holds whole objects anyway
             data = b"".join(bytes(c) for c in chunks)
             _checked_size(len(data), size, self.url(key))
-            self._retry("put", key, lambda: self.fs.pipe_file(self.path(key), data))
+            self.with_retries("put", key, lambda: self.fs.pipe_file(self.path(key), data))
             written = len(data)
-        self._traffic.wrote(written)
+        self.traffic_counter.wrote(written)
         return written
 
     def _write_local_stream(self, key: str, chunks: Iterable[Chunk]) -> int:
         """One attempt (an iterator cannot be replayed): temp file, fsync, then rename (``write_file_atomic``)."""
         path = self.path(key)
-        self._traffic.request("put")
+        self.traffic_counter.request("put")
         try:
             return write_file_atomic(path, chunks)
         except _PERMANENT as exc:
@@ -332,7 +336,7 @@ class ObjectStore:
                             return False
                         self.fs.pipe_file(path, data)
                 else:
-                    self.fs.pipe_file(path, data, mode="create", **self._put_kwargs)
+                    self.fs.pipe_file(path, data, mode="create", **self.put_kwargs)
             except FileExistsError:
                 # On S3 an earlier attempt (ours, or botocore's own retry) may have landed before its response
                 # was lost: the object is ours if it holds exactly our bytes (see the docstring).
@@ -340,19 +344,19 @@ class ObjectStore:
                         and self.fs.cat_file(path) == data)
             return True
 
-        created = self._retry("put_if_absent", key, create)
+        created = self.with_retries("put_if_absent", key, create)
         if created:
-            self._traffic.wrote(len(data))
+            self.traffic_counter.wrote(len(data))
         return created
 
     def get(self, key: str) -> bytes:
         """The bytes of ``key``; ``ObjectNotFound`` if it does not exist."""
         path = self.path(key)
         try:
-            data = self._retry("get", key, lambda: self.fs.cat_file(path))
+            data = self.with_retries("get", key, lambda: self.fs.cat_file(path))
         except FileNotFoundError as exc:
             raise ObjectNotFound(f"no object at {self.url(key)}") from exc
-        self._traffic.read(len(data))
+        self.traffic_counter.read(len(data))
         return data
 
     def get_range(self, key: str, start: int, end: int) -> bytearray:
@@ -373,10 +377,10 @@ class ObjectStore:
         else:
             read = lambda: bytearray(self.fs.cat_file(path, start=start, end=end) if end > start else b"")  # noqa: E731
         try:
-            data = self._retry("get_range", key, read)
+            data = self.with_retries("get_range", key, read)
         except FileNotFoundError as exc:
             raise ObjectNotFound(f"no object at {self.url(key)}") from exc
-        self._traffic.read(len(data))
+        self.traffic_counter.read(len(data))
         return data
 
     def size(self, key: str) -> int:
@@ -384,14 +388,14 @@ class ObjectStore:
         path = self.path(key)
 
         def info() -> int:
-            self._invalidate(path)
+            self.invalidate(path)
             found = self.fs.info(path)
             if found.get("type") == "directory":
                 raise FileNotFoundError(path)
             return int(found["size"])
 
         try:
-            return self._retry("size", key, info)
+            return self.with_retries("size", key, info)
         except FileNotFoundError as exc:
             if (better := self._explain("size", key, exc)) is not None:
                 raise better from exc
@@ -402,7 +406,7 @@ class ObjectStore:
         path = self.path(key)
 
         def probe() -> bool:
-            self._invalidate(path)
+            self.invalidate(path)
             try:
                 info = self.fs.info(path)
             except FileNotFoundError as exc:
@@ -411,14 +415,14 @@ class ObjectStore:
                 return False
             return info.get("type") != "directory"
 
-        return self._retry("exists", key, probe)
+        return self.with_retries("exists", key, probe)
 
     def list(self, prefix: str = "") -> list[str]:
         """Keys under ``prefix`` (recursive), relative to the root, sorted; temporaries excluded."""
         base = self.path(prefix)
 
         def find() -> list[str]:
-            self._invalidate(base)
+            self.invalidate(base)
             try:
                 paths: Iterable[str] = self.fs.find(base)
             except FileNotFoundError as exc:
@@ -429,7 +433,7 @@ class ObjectStore:
 
         root = self._root.rstrip("/") + "/"
         keys = []
-        for p in self._retry("list", prefix, find):
+        for p in self.with_retries("list", prefix, find):
             if self.protocol == "memory":
                 p = "/" + p.lstrip("/")
             rel = p[len(root):] if p.startswith(root) else p
@@ -447,7 +451,7 @@ class ObjectStore:
             except FileNotFoundError:
                 pass
 
-        self._retry("delete", key, rm)
+        self.with_retries("delete", key, rm)
 
     def delete_prefix(self, prefix: str) -> None:
         """Delete every object under ``prefix`` (and the prefix itself on local disks)."""

@@ -11,7 +11,7 @@ Retries happen in exactly two layers, so they never multiply into minutes of sil
 1. botocore, per HTTP request: ``standard`` mode, 3 attempts (throttling such as ``503 SlowDown``, 5xx, dropped
    connections, timeouts), backoff ``random(0, 1) * 2**n`` seconds, i.e. at most 1 + 2 s. ``AWS_MAX_ATTEMPTS`` and
    ``AWS_RETRY_MODE`` override both numbers when set.
-2. ``ObjectStore._retry``, per store operation: 5 retries with capped exponential backoff (0.1 s doubling, at most
+2. ``ObjectStore.with_retries``, per store operation: 5 retries with capped exponential backoff (0.1 s doubling, at most
    ~4.7 s of sleep in total); it also covers what botocore cannot retry (a body cut off mid-read).
 
 s3fs's own retry loop is switched off (``retries=1`` means one try): left on, it would wrap the botocore layer in
@@ -114,7 +114,7 @@ def s3_storage_options() -> dict[str, Any]:
 def configure_filesystem(fs: Any) -> None:
     """Switch off s3fs's own retry loop on ``fs`` (a class attribute, not a constructor option).
 
-    ``retries`` counts tries in s3fs, so 1 means a single try; botocore and ``ObjectStore._retry`` remain.
+    ``retries`` counts tries in s3fs, so 1 means a single try; botocore and ``ObjectStore.with_retries`` remain.
     """
     fs.retries = 1
 
@@ -233,7 +233,7 @@ def put_stream(store: ObjectStore, key: str, chunks: Iterable[Chunk], *, expecte
     views of the chunks themselves, handed to botocore as a file-like body (a ``bytes`` body costs botocore one
     more copy of the part, a ``bytearray`` three), so the caller's chunks must not change until the part holding
     them was sent. Atomic: nothing is visible before CompleteMultipartUpload, and a failed upload is aborted."""
-    part_size = int(store._put_kwargs["chunksize"])
+    part_size = int(store.put_kwargs["chunksize"])
     limit = part_size if single_put_max is None else single_put_max
     upload = _MultipartUpload(store, key, part_size)
     pending: list[memoryview] = []
@@ -263,7 +263,7 @@ def put_stream(store: ObjectStore, key: str, chunks: Iterable[Chunk], *, expecte
     except BaseException:
         upload.abort()
         raise
-    store._traffic.wrote(total)
+    store.traffic_counter.wrote(total)
     return total
 
 
@@ -322,9 +322,9 @@ class ViewsReader(io.RawIOBase):
 
 def _put_object(store: ObjectStore, key: str, views: list[memoryview]) -> None:
     bucket, s3_key, _ = store.fs.split_path(store.path(key))
-    store._retry("put", key, lambda: store.fs.call_s3("put_object", Bucket=bucket, Key=s3_key,
+    store.with_retries("put", key, lambda: store.fs.call_s3("put_object", Bucket=bucket, Key=s3_key,
                                                       Body=ViewsReader(views)))
-    store._invalidate(store.path(key))
+    store.invalidate(store.path(key))
 
 
 def multipart_etag(part_etags: list[str]) -> str:
@@ -354,7 +354,7 @@ class _MultipartUpload:
         """Start uploading ``views`` (joined) as the next part, starting the upload first if needed; waits while
         ``PARTS_IN_FLIGHT`` parts are already on their way, and raises the first failed part's error."""
         if self.upload_id is None:
-            created = self.store._retry("create_multipart", self.key, lambda: self.store.fs.call_s3(
+            created = self.store.with_retries("create_multipart", self.key, lambda: self.store.fs.call_s3(
                 "create_multipart_upload", Bucket=self.bucket, Key=self.s3_key))
             self.upload_id = created["UploadId"]
         if self.part_count >= MAX_PARTS:
@@ -373,7 +373,7 @@ class _MultipartUpload:
         self._sending.append(self._pool.submit(self._upload_part, self.part_count, views))
 
     def _upload_part(self, number: int, views: list[memoryview]) -> dict[str, Any]:
-        out = self.store._retry("put_part", self.key, lambda: self.store.fs.call_s3(
+        out = self.store.with_retries("put_part", self.key, lambda: self.store.fs.call_s3(
             "upload_part", Bucket=self.bucket, Key=self.s3_key, UploadId=self.upload_id, PartNumber=number,
             Body=ViewsReader(views)))
         return {"PartNumber": number, "ETag": out["ETag"]}
@@ -405,9 +405,9 @@ class _MultipartUpload:
                 if not self._landed():
                     raise
 
-        self.store._retry("complete_multipart", self.key, attempt)
+        self.store.with_retries("complete_multipart", self.key, attempt)
         self.upload_id = None  # completed: nothing to abort
-        self.store._invalidate(self.store.path(self.key))
+        self.store.invalidate(self.store.path(self.key))
 
     def _landed(self) -> bool:
         """Whether the object at our key is the one this upload's parts make (its multipart ETag matches)."""
@@ -423,7 +423,7 @@ class _MultipartUpload:
         if self.upload_id is None:
             return
         try:
-            self.store._traffic.request("abort_multipart")
+            self.store.traffic_counter.request("abort_multipart")
             self.store.fs.call_s3("abort_multipart_upload", Bucket=self.bucket, Key=self.s3_key,
                                   UploadId=self.upload_id)
         except Exception:  # noqa: BLE001 - the original error is the one worth raising

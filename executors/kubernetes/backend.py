@@ -30,7 +30,7 @@ from diloco.store.layout import LOGS_PREFIX
 from diloco.store.logs import ATTEMPT_ENV, LOG_URI_ENV
 
 if TYPE_CHECKING:
-    from diloco.launcher.doctor import Check, DoctorContext
+    from diloco.executors.checks import Check, DoctorContext
 
 #: Labels and annotations diloco puts on the Job and its pods.
 from diloco.executors.kubernetes.api import _status_of, _timing, api_error, load_api_client
@@ -711,7 +711,7 @@ class KubernetesBackend(ServerlessExecutor[KubernetesBackendConfig, KubernetesRu
     def _state_dir(self, run_id: str) -> Path:
         if self.config.state_dir:
             return Path(self.config.state_dir).expanduser() / run_id
-        from diloco.launcher.runs import runs_dir
+        from diloco.run_dirs import runs_dir
 
         return runs_dir() / run_id / "eks"
 

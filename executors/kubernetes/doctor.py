@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from diloco.errors import ConfigError
 
 if TYPE_CHECKING:
-    from diloco.launcher.doctor import Check, DoctorContext
+    from diloco.executors.checks import Check, DoctorContext
 
 #: Labels and annotations diloco puts on the Job and its pods.
 from diloco.executors.kubernetes.api import api_error, load_api_client
@@ -32,7 +32,7 @@ PERMISSIONS = [("create", "batch", "jobs", ""), ("get", "batch", "jobs", ""), ("
 def check_cluster(ctx: DoctorContext) -> list[Check]:
     """Client, context, API server, namespace, service account (IRSA or Pod Identity) and RBAC, in order; a
     failure skips what depends on it."""
-    from diloco.launcher.doctor import Check, Status, skip_check
+    from diloco.executors.checks import Check, Status, skip_check
 
     names = ("kubernetes client", "kubernetes context", "kubernetes API", "kubernetes namespace", "service account",
              "kubernetes permissions", NODES_CHECK)
@@ -76,7 +76,7 @@ def _context_name(ctx: DoctorContext) -> str:
 def _check_server(api: Any, host: str) -> Check:
     from kubernetes import client
 
-    from diloco.launcher.doctor import Check, Status
+    from diloco.executors.checks import Check, Status
 
     name = "kubernetes API"
     try:
@@ -96,7 +96,7 @@ def _check_server(api: Any, host: str) -> Check:
 def _check_namespace(api: Any, namespace: str) -> Check:
     from kubernetes import client
 
-    from diloco.launcher.doctor import Check, Status
+    from diloco.executors.checks import Check, Status
 
     name = "kubernetes namespace"
     try:
@@ -117,7 +117,7 @@ def _check_service_account(ctx: DoctorContext, api: Any, namespace: str) -> Chec
     """The pods' identity for S3: an IRSA role annotation, or an EKS Pod Identity association."""
     from kubernetes import client
 
-    from diloco.launcher.doctor import Check, Status
+    from diloco.executors.checks import Check, Status
 
     name = "service account"
     account = ctx.option("service_account")
@@ -188,7 +188,7 @@ def _check_permissions(api: Any, namespace: str) -> Check:
     """SelfSubjectAccessReview for everything the backend does in the namespace."""
     from kubernetes import client
 
-    from diloco.launcher.doctor import Check, Status
+    from diloco.executors.checks import Check, Status
 
     name = "kubernetes permissions"
     auth = client.AuthorizationV1Api(api)
@@ -223,9 +223,9 @@ def check_nodes(ctx: DoctorContext, api: Any) -> Check:
     cluster-scoped RBAC a namespaced user often lacks; then the row says so."""
     from kubernetes import client
 
+    from diloco.executors.checks import Check, Status
     from diloco.executors.kubernetes.placement import describe_selector, gpu_terms_for, node_fits
     from diloco.executors.kubernetes.pods import replica_gpus
-    from diloco.launcher.doctor import Check, Status
 
     try:
         gpus, product = replica_gpus(ctx.gpu, ctx.procs_per_replica)
@@ -267,7 +267,7 @@ def _node_name(node: dict[str, Any]) -> str:
 
 def check_image_reference(ctx: DoctorContext) -> Check:
     """The image reference is well formed; an ECR image must also exist (``check_image``)."""
-    from diloco.launcher.doctor import Check, Status, check_image
+    from diloco.executors.checks import Check, Status, check_image
 
     image = ctx.option("image")
     if not image:

@@ -27,7 +27,7 @@ from diloco.executors.base import (
 from diloco.executors.logstream import LogRecord
 
 if TYPE_CHECKING:
-    from diloco.launcher.doctor import Check, DoctorContext
+    from diloco.executors.checks import Check, DoctorContext
 
 from diloco.executors.code_channel import bootstrap_environment, code_files, source_directory
 from diloco.executors.sagemaker.cloudwatch import (

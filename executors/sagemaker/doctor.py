@@ -8,7 +8,7 @@ import re
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from diloco.launcher.doctor import Check, DoctorContext
+    from diloco.executors.checks import Check, DoctorContext
 
 from diloco.errors import ConfigError
 from diloco.executors.sagemaker.config import (
@@ -31,7 +31,7 @@ def check_role(ctx: DoctorContext) -> Check:
     """The execution role exists and SageMaker may assume it."""
     from urllib.parse import unquote
 
-    from diloco.launcher.doctor import Check, Status, fail_check
+    from diloco.executors.checks import Check, Status, fail_check
 
     role_arn = ctx.option("role_arn")
     if not role_arn:
@@ -79,7 +79,7 @@ def _document(doc: Any) -> dict[str, Any]:
 def grants_object_access(document: Any, bucket: str, prefix: str) -> bool:
     """Whether some Allow statement covers s3:PutObject on ``bucket/prefix/...`` (IAM wildcards; Deny and
     conditions ignored: it is a hint, which is why a miss is only a warning)."""
-    from diloco.launcher.doctor import PROBE_DIR
+    from diloco.executors.checks import PROBE_DIR
 
     target = f"arn:aws:s3:::{bucket}/{prefix + '/' if prefix else ''}{PROBE_DIR}"
     for st in _as_list(_document(document).get("Statement")):
@@ -95,7 +95,7 @@ def grants_object_access(document: Any, bucket: str, prefix: str) -> bool:
 
 def check_role_bucket(ctx: DoctorContext) -> Check:
     """The seed's gotcha: AmazonSageMakerFullAccess covers only buckets named like *sagemaker*."""
-    from diloco.launcher.doctor import Check, Status, fail_check, skip_check
+    from diloco.executors.checks import Check, Status, fail_check, skip_check
 
     name = "role can reach bucket"
     role_arn = ctx.option("role_arn")
@@ -149,8 +149,8 @@ def check_training_image(ctx: DoctorContext) -> Check:
     that diloco picks (the newest in sagemaker-core's tables within diloco's torch requirement), named with the
     versions that chose it, since a launch ships the code onto it."""
     from diloco.errors import ConfigError
+    from diloco.executors.checks import Check, Status, check_image, skip_check
     from diloco.executors.sagemaker.config import diloco_ranges, training_image_uri
-    from diloco.launcher.doctor import Check, Status, check_image, skip_check
 
     if ctx.option("image_uri"):
         return check_image(ctx, ctx.option("image_uri"))
@@ -178,7 +178,7 @@ def _sagemaker_core_version() -> str:
 
 def check_logs(ctx: DoctorContext) -> Check:
     """``diloco logs`` reads the jobs' output from CloudWatch Logs."""
-    from diloco.launcher.doctor import Check, Status, fail_check
+    from diloco.executors.checks import Check, Status, fail_check
 
     name = "cloudwatch logs"
     try:
@@ -196,7 +196,7 @@ def check_logs(ctx: DoctorContext) -> Check:
 def check_quotas(ctx: DoctorContext) -> list[Check]:
     """The account's SageMaker quotas for the chosen instance type (Service Quotas): training jobs (spot ones with
     --spot) and, with a keep-alive, warm pools, whose default quota of 0 makes SageMaker ignore the setting."""
-    from diloco.launcher.doctor import Check, Status, fail_check
+    from diloco.executors.checks import Check, Status, fail_check
 
     instance_type = ctx.option("instance_type") or SageMakerBackendConfig.model_fields["instance_type"].default
     spot = bool(ctx.option("use_spot"))
@@ -240,7 +240,7 @@ def _not_the_quotas_api(exc: BaseException, endpoint: str) -> Check | None:
     """A row for an endpoint that answered with a server error or a web page instead of the Service Quotas API
     (``AWS_ENDPOINT_URL`` pointing every service at an S3-compatible store or an emulator does that): one line
     naming the status and the page's title, never the page."""
-    from diloco.launcher.doctor import Check, Status
+    from diloco.executors.checks import Check, Status
 
     response = getattr(exc, "response", None)
     if not isinstance(response, dict):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from support.store_cli import launch_small_run, run_cli, store_dir
 
-from diloco.launcher.housekeeping import COMPACTED_KEY
+from diloco.launcher.compaction import COMPACTED_KEY
 from diloco.store.layout import FINAL_KEY, METRICS_KEY, PROGRESS_KEY, RUN_INFO_KEY, SPEC_KEY
 
 REPLICAS = 2

@@ -23,7 +23,8 @@ from diloco.cli.main import app
 from diloco.executors.base import EntrypointArgs, LaunchSpec
 from diloco.executors.local import LocalBackend, LocalBackendConfig, LocalRunHandle
 from diloco.executors.local_supervisor import EXIT_FILE
-from diloco.launcher.housekeeping import COMPACTED_KEY, compact_store, compacted_verdict, parse_duration
+from diloco.launcher.compaction import COMPACTED_KEY, compact_store, compacted_verdict
+from diloco.launcher.housekeeping import parse_duration
 from diloco.launcher.runs import RunRecord, RunRegistry
 from diloco.store.layout import FINAL_KEY, METRICS_KEY, RUN_INFO_KEY
 from diloco.store.objects import ObjectStore

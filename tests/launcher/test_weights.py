@@ -14,7 +14,8 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from diloco.launcher.weights import check_final_weights, write_final_weights, write_model
+from diloco.launcher.weights import check_final_weights, write_model
+from diloco.replica.final_weights import write_final_weights
 from diloco.store.codec import decode, encode_tensors
 from diloco.store.objects import ObjectStore
 
