@@ -11,7 +11,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
-
 from support.import_graph import Edge, build, cycles, describe_cycle, within
 
 LAUNCHER, CLI, EXECUTORS = "diloco.launcher", "diloco.cli", "diloco.executors"
