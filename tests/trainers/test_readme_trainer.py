@@ -103,7 +103,7 @@ def test_the_readme_trainer_gives_every_replica_its_own_batches(home: Path, tmp_
     used = record["config"]["store"]["poll_interval_s"]
     assert used == StoreConfig().poll_interval_s <= 0.25, used  # not 1 s: a round is noticed in a few tenths
     spec = json.loads((store / "spec.json").read_text())
-    assert spec["entrypoint_args"]["poll_interval_s"] == used  # what the replicas polled at
+    assert spec["settings"]["poll_interval_s"] == used  # what the replicas polled at
 
 
 @pytest.mark.parametrize("option", ["--replicas", "--steps", "--sync-every", "--trainer-kwargs"])
