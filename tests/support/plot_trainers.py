@@ -30,6 +30,11 @@ def fail_before_eval(*, manager: Any, rank: int, world_size: int, total_steps: i
     rows.append(_row(kind="round", step=sync_every, round=1, total_steps=total_steps, train_loss=4.0 - rank / 10))
     _history(manager, rank, rows)
     if rank == fail_rank:
+        # Fail only once every other rank has written its round: fail-fast stops them at once, and a rank that
+        # was still starting (a loaded machine) would otherwise leave no curve to plot.
+        others = [f"metrics/rank_{r:04d}.jsonl" for r in range(world_size) if r != rank]
+        while not all(manager.store.exists(key) for key in others):
+            time.sleep(0.05)
         raise RuntimeError(f"injected failure at rank {rank}")
     time.sleep(120)
 
