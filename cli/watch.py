@@ -40,13 +40,13 @@ def wait_and_summarize(view: Any, *, fmt: OutputFormat, fail_fast: bool, max_res
 def summarize_ended(view: Any, *, fmt: OutputFormat) -> NoReturn:
     """The summary of a run that has ended, as ``launch`` printed it, and its exit code; nothing is waited on,
     relaunched or stopped (the weights of a succeeded run are checked, as ``launch`` did)."""
-    from diloco.launcher.orchestrate import collect
+    from diloco.launcher import api
 
-    try:
-        report, timed_out = collect(view, fail_fast=False, max_restarts=0)
+    try:  # no timeout: an ended run is read, never waited on
+        report = api.Run(view).collect(None, fail_fast=False, max_restarts=0)
     except KeyboardInterrupt:
         waiting.interrupted(view, False)
-    summarize(view, report, timed_out, fmt=fmt)
+    summarize(view, report, False, fmt=fmt)
 
 
 def summarize(view: Any, report: Any, timed_out: bool, *, fmt: OutputFormat) -> NoReturn:
