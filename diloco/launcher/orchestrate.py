@@ -44,6 +44,7 @@ from diloco.launcher.runs import RunRecord, RunRegistry, new_run_id
 from diloco.launcher.weights import WeightsCheck, check_final_weights, write_agreed_model
 from diloco.replica.metrics import ReplicaProgress, read_progress
 from diloco.store.layout import RUN_INFO_KEY, SPEC_KEY
+from diloco.store.settings import StoreSettings
 
 if TYPE_CHECKING:
     from diloco.executors.base import ServerlessExecutor
@@ -176,13 +177,11 @@ def build_spec(cfg: RunConfig, run_id: str) -> LaunchSpec:
     no backend's argument limits bound them."""
     trainer_kwargs = {"total_steps": cfg.train.steps, "sync_every": cfg.train.sync_every, **_mode_kwarg(cfg),
                       **cfg.train.trainer_kwargs}
+    store_settings = cfg.store.model_dump(include=set(StoreSettings.model_fields))  # all of them, by name
     args = EntrypointArgs(rendezvous_uri=rendezvous_for(cfg, run_id), world_size=cfg.replicas,
-                          trainer=cfg.train.trainer, trainer_kwargs=trainer_kwargs, timeout_s=cfg.store.timeout_s,
-                          poll_interval_s=cfg.store.poll_interval_s, allreduce=cfg.store.allreduce,
-                          compression=cfg.store.compression, error_feedback=cfg.store.error_feedback,
-                          spread=cfg.store.spread,
-                          min_replicas=cfg.min_replicas, procs_per_replica=cfg.train.procs_per_replica,
-                          tensorboard=_tensorboard_for(cfg, run_id))
+                          trainer=cfg.train.trainer, trainer_kwargs=trainer_kwargs,
+                          procs_per_replica=cfg.train.procs_per_replica, tensorboard=_tensorboard_for(cfg, run_id),
+                          **store_settings)
     return LaunchSpec(run_id=run_id, replicas=cfg.replicas, entrypoint_args=args, gpu=cfg.gpu,
                       timeout_s=cfg.timeout_s, spec_uri=f"{args.rendezvous_uri}/{SPEC_KEY}",
                       max_restarts=cfg.max_restarts)
@@ -316,7 +315,8 @@ def conditional_create_settings(cfg: RunConfig) -> list[str]:
     """The run's settings whose correctness rests on the store creating a key exactly once (``put_if_absent``):
     with ``min_replicas``, each round's member set (``round_NNNNNN/manifest.json``) is the first proposal
     created, and every rank adopts it; a store that overwrites instead lets two ranks average different sets."""
-    return [f"--min-replicas {cfg.min_replicas} (min_replicas)"] if cfg.min_replicas is not None else []
+    k = cfg.store.min_replicas
+    return [f"--min-replicas {k} (store.min_replicas)"] if k is not None else []
 
 
 def require_conditional_create(store: ObjectStore, cfg: RunConfig) -> None:
@@ -646,8 +646,11 @@ class RunView:
     @property
     def min_replicas(self) -> int | None:
         """The run's ``min_replicas`` (partial participation), as recorded at launch; ``None`` when every round
-        needs every replica."""
-        value = self.record.config.get("min_replicas")
+        needs every replica. Records written before the setting moved into ``store:`` keep it at the top."""
+        store = self.record.config.get("store")
+        value = store.get("min_replicas") if isinstance(store, dict) else None
+        if value is None:
+            value = self.record.config.get("min_replicas")
         return int(value) if isinstance(value, int) else None
 
     @property

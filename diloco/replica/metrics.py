@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field
 
+from diloco.defaults import DEFAULT_PROGRESS_INTERVAL_S
 from diloco.errors import ObjectNotFound
 from diloco.store.layout import METRICS_KEY, PROGRESS_KEY
 
@@ -61,7 +62,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("diloco.replica.metrics")
 
-DEFAULT_PROGRESS_INTERVAL_S = 5.0
 #: The shortest window tokens/s is measured over (shorter ones are noise: a row right after another).
 MIN_RATE_WINDOW_S = 1.0
 #: Fields the outer loop records itself; ``report()`` refuses them.

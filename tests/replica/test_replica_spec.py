@@ -116,14 +116,13 @@ def _publish(tmp_path: Path, run_id: str = "run-a") -> LaunchSpec:
     return spec
 
 
-def test_the_spec_expands_into_the_entrypoints_flags_and_explicit_flags_win(tmp_path: Path) -> None:
-    from diloco.replica.entrypoint import expand_spec, resolve_args
+def test_the_spec_gives_every_setting_and_explicit_flags_win(tmp_path: Path) -> None:
+    from diloco.replica.entrypoint import resolve_args
 
     spec = _publish(tmp_path)
-    argv = expand_spec([*spec.entrypoint_argv(), "--rank", "0", "--timeout", "7"], {"DILOCO_RUN_ID": "run-a"})
-    args = resolve_args(argv, {})
-    assert args.trainer_kwargs == {"blob": BLOB} and args.rendezvous == spec.entrypoint_args.rendezvous_uri
-    assert (args.trainer_module, args.trainer_fn, args.rank, args.timeout_s) == ("echo_trainer", "train", 0, 7.0)
+    args = resolve_args([*spec.entrypoint_argv(), "--rank", "0", "--timeout", "7"], {"DILOCO_RUN_ID": "run-a"})
+    assert args.settings == spec.entrypoint_args.model_copy(update={"timeout_s": 7.0})
+    assert (args.rank, args.run_id) == (0, "run-a")
 
 
 @pytest.mark.parametrize(("tamper", "message"), [

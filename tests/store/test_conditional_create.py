@@ -60,7 +60,7 @@ def test_launch_with_min_replicas_is_refused_on_a_store_that_ignores_if_none_mat
 
 def test_the_probe_passes_where_if_none_match_is_honoured_and_only_runs_that_need_it_ask(
         s3_uri: str, fault_proxy: FaultProxy) -> None:
-    needs = validate({"replicas": 4, "min_replicas": 3, "store": {"rendezvous": s3_uri}})
+    needs = validate({"replicas": 4, "store": {"rendezvous": s3_uri, "min_replicas": 3}})
     require_conditional_create(ObjectStore(s3_uri), needs)  # moto honours it: no error
     assert fault_proxy.requests("PUT"), "the probe ran"
     assert ObjectStore(s3_uri).list() == []
