@@ -40,9 +40,9 @@ from diloco.executors.failures import FailureVerdict
 from diloco.executors.logstream import LogRecord, follow_merged, merged, tail
 from diloco.executors.signals import terminate_as_interrupt
 from diloco.launcher.config import RunConfig, backend_config
+from diloco.launcher.progress import ReplicaProgress, read_progress
 from diloco.launcher.runs import RunRecord, RunRegistry, new_run_id
 from diloco.launcher.weights import WeightsCheck, check_final_weights, write_agreed_model
-from diloco.replica.metrics import ReplicaProgress, read_progress
 from diloco.store.layout import RUN_INFO_KEY, SPEC_KEY
 from diloco.store.settings import StoreSettings
 

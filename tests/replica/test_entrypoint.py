@@ -21,8 +21,8 @@ import pytest
 
 from diloco import envvars
 from diloco.defaults import DEFAULT_POLL_INTERVAL_S, DEFAULT_TRAINER
+from diloco.launcher.progress import read_replica
 from diloco.replica.entrypoint import main, resolve_args
-from diloco.replica.metrics import read_replica
 from diloco.replica.settings import ReplicaSettings
 from diloco.store.objects import ObjectStore
 

@@ -17,9 +17,9 @@ from support.ranks import run_ranks  # tests/ is on sys.path
 
 from diloco.collectives.allreduce import ObjectStoreAllReduce
 from diloco.errors import ConfigError
+from diloco.launcher.progress import read_progress
 from diloco.launcher.weights import check_final_weights
 from diloco.replica.manager import ObjectStoreManager
-from diloco.replica.metrics import read_progress
 from diloco.store.codec import decode_tensors
 from diloco.trainers.data import (
     corpus_files,
