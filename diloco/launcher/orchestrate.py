@@ -188,10 +188,10 @@ def build_spec(cfg: RunConfig, run_id: str) -> LaunchSpec:
 
 
 def _tensorboard_for(cfg: RunConfig, run_id: str) -> str | None:
-    """The run's own TensorBoard directory, ``DIR/<run_id>`` (``diloco.replica.tensorboard.run_directory``), or None."""
+    """The run's own TensorBoard directory, ``DIR/<run_id>`` (``diloco.replica.tensorboard_dirs.run_directory``), or None."""
     if cfg.metrics.tensorboard is None:
         return None
-    from diloco.replica.tensorboard import run_directory
+    from diloco.replica.tensorboard_dirs import run_directory
 
     return run_directory(cfg.metrics.tensorboard, run_id)
 
@@ -351,7 +351,7 @@ def preflight(cfg: RunConfig) -> RunConfig:
             update={"rendezvous": local_store_uri(cfg.store.rendezvous)})})
     check_rendezvous(rendezvous_for(cfg, "{run_id}"), probe=False)
     if cfg.metrics.tensorboard is not None:
-        from diloco.replica.tensorboard import check_tensorboard, normalized
+        from diloco.replica.tensorboard_dirs import check_tensorboard, normalized
 
         check_tensorboard(cfg.metrics.tensorboard, on_this_machine=not cfg.backend.places_replicas)
         cfg = cfg.model_copy(update={"metrics": cfg.metrics.model_copy(
@@ -391,7 +391,7 @@ def launch(cfg: RunConfig, registry: RunRegistry | None = None, *, force: bool =
     spec = plan.spec
     uri = spec.entrypoint_args.rendezvous_uri
     if cfg.metrics.tensorboard is not None:  # first: its probe leaves nothing, the rendezvous probe a directory
-        from diloco.replica.tensorboard import check_tensorboard
+        from diloco.replica.tensorboard_dirs import check_tensorboard
 
         check_tensorboard(cfg.metrics.tensorboard, on_this_machine=not cfg.backend.places_replicas, probe=True)
     check_rendezvous(uri, probe=True)

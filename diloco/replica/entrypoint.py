@@ -410,7 +410,7 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
 
 def check_tensorboard_flag(directory: str) -> None:
     """``--tensorboard DIR`` usable here (the package importable, DIR a kind we write), before any store traffic."""
-    from diloco.replica.tensorboard import check_tensorboard
+    from diloco.replica.tensorboard_dirs import check_tensorboard
 
     try:
         check_tensorboard(directory)
