@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from support.commands import DILOCO_MODULE as DILOCO
+from support.commands import run_cli as cli
 
 from diloco.executors.base import EntrypointArgs, LaunchSpec
 
@@ -37,12 +37,6 @@ def train(*, blob: str, **kwargs):
     print(f"blob received: {len(blob)} chars, sha256 {hashlib.sha256(blob.encode()).hexdigest()}", flush=True)
     return diloco_train(**kwargs)
 '''
-
-
-def cli(*args: str, home: Path, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "DILOCO_HOME": str(home), "NO_COLOR": "1"}
-    env.pop("DILOCO_DEBUG", None)
-    return subprocess.run([*DILOCO, *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
 
 
 def received_line() -> str:

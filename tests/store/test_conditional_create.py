@@ -10,13 +10,11 @@ with one line naming the setting and the fix; the same probe passes on moto itse
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from support.commands import DILOCO_MODULE as DILOCO
+from support.commands import run_cli as cli
 from support.faultproxy import FaultProxy
 
 from diloco.cli import exit_codes
@@ -26,12 +24,6 @@ from diloco.launcher.orchestrate import require_conditional_create
 from diloco.store.objects import ObjectStore
 
 TESTS_DIR = str(Path(__file__).resolve().parents[1])
-
-
-def cli(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "DILOCO_HOME": str(home), "NO_COLOR": "1"}
-    env.pop("DILOCO_DEBUG", None)
-    return subprocess.run([*DILOCO, *args], capture_output=True, text=True, env=env, cwd=TESTS_DIR, timeout=120)
 
 
 @pytest.fixture
