@@ -585,7 +585,8 @@ def _store_manager(args: ReplicaArgs, trainer: Callable[..., Any], kwargs: Mappi
 
     allreduce = create_allreduce(args.settings.rendezvous_uri, args.rank, args.settings.world_size, args.settings,
                                  run_id=args.run_id)
-    rounds = RoundCheckpoints(allreduce.store, run_id=args.run_id, world_size=args.settings.world_size)
+    rounds = RoundCheckpoints(allreduce.store, run_id=args.run_id, world_size=args.settings.world_size,
+                              keep=args.settings.keep_rounds)
     manager = ObjectStoreManager(allreduce, total_steps=total_steps_of(trainer, kwargs),
                                  progress_interval_s=args.settings.progress_interval_s, rounds=rounds)
     return allreduce, manager

@@ -60,6 +60,10 @@ class StoreSettings(BaseModel):
         json_schema_extra={**cli_flag("--min-replicas", metavar="K", note="store.min_replicas; default: every "
                                       "round needs every replica"), **replica_flag(metavar="K")})
 
+    keep_rounds: int = Field(3, ge=1, description="Committed rounds kept in the store (each one the global state "
+                             "a relaunched replica rejoins from); older ones are deleted as new ones commit.",
+                             json_schema_extra=replica_flag(metavar="K"))
+
     @model_validator(mode="after")
     def _participation_needs_gather(self) -> StoreSettings:
         if self.min_replicas is not None and self.allreduce == "sharded":
