@@ -82,6 +82,10 @@ class Setting:
     weight_decay: float = 0.0
     seed: int = 1337
     iid: bool = False  # True: every replica samples the whole training region (a diagnostic: no shard drift)
+    #: The papers' regime: this many data-parallel steps first (batch M x b, the same samples), then each method
+    #: continues from that checkpoint (weights, AdamW state, every replica's place in its data) for ``steps``
+    #: more; 0: every method starts from the seed's initialisation.
+    warm_start: int = 0
     # model and data, as configs/local.yaml
     n_layer: int = 2
     n_head: int = 2
@@ -96,7 +100,8 @@ class Setting:
         return (f"M={self.replicas} H={self.sync_every} olr={self.outer_lr:g} mom={self.outer_momentum:g}"
                 f"{'' if self.nesterov else ' heavy-ball'} lr={self.lr:g} {sched}"
                 + (f" mwu{self.outer_momentum_warmup}" if self.outer_momentum_warmup else "")
-                + (" iid" if self.iid else "") + (f" {self.compression}{'' if self.error_feedback else ' no-EF'}" if self.compression != "none"
+                + (" iid" if self.iid else "") + (f" warm{self.warm_start}" if self.warm_start else "")
+                + (f" {self.compression}{'' if self.error_feedback else ' no-EF'}" if self.compression != "none"
                    else ""))
 
 
@@ -234,6 +239,8 @@ def run_diloco(setting: Setting) -> Result:
     began = time.perf_counter()
     replicas = [Replica(setting, config, shard, r, setting.batch_size)
                 for r, shard in enumerate(_shards(setting, corpus))]
+    if setting.warm_start:
+        warm_up(setting, config, replicas)
     outer = OuterStep(setting, replicas[0].model)
     result = Result("diloco", setting, [(0, evaluate(replicas[0].model, batches))])
     for step in range(1, setting.steps + 1):
@@ -252,6 +259,8 @@ def run_dp(setting: Setting) -> Result:
     began = time.perf_counter()
     samplers = [Replica(setting, config, shard, r, setting.batch_size)
                 for r, shard in enumerate(_shards(setting, corpus))]
+    if setting.warm_start:
+        warm_up(setting, config, samplers)
     model = samplers[0]
     result = Result("dp", setting, [(0, evaluate(model.model, batches))])
     for step in range(1, setting.steps + 1):
@@ -276,6 +285,35 @@ def run_single(setting: Setting) -> Result:
             result.curve.append((step, evaluate(worker.model, batches)))
     result.seconds = time.perf_counter() - began
     return result
+
+
+#: Warm-up checkpoints already computed in this process, by the settings that shape them.
+_WARM: dict[tuple[Any, ...], dict[str, Any]] = {}
+
+
+def warm_up(setting: Setting, config: GPTConfig, replicas: list[Replica]) -> None:
+    """Put ``replicas`` where ``setting.warm_start`` data-parallel steps leave a run: every model and AdamW state
+    the data-parallel model's, every replica's batch generator where those steps left it (data-parallel draws one
+    batch from each replica's shard per step, so each method then sees the same samples). Computed once per
+    process for each warm-up (the methods compared share it)."""
+    import copy
+
+    key = (setting.warm_start, setting.replicas, setting.batch_size, setting.lr, setting.seed, setting.iid,
+           setting.weight_decay, setting.grad_clip, setting.max_corpus_bytes, config.to_json())
+    if key not in _WARM:
+        warm = dataclasses.replace(setting, steps=setting.warm_start, warm_start=0, warmup_steps=0, min_lr_ratio=1.0)
+        samplers = [Replica(warm, config, r.data, rank, setting.batch_size) for rank, r in enumerate(replicas)]
+        for step in range(1, warm.steps + 1):
+            parts = [s.next_batch() for s in samplers]
+            samplers[0].step(step, (torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])))
+        _WARM[key] = {"model": copy.deepcopy(samplers[0].model.state_dict()),
+                      "opt": copy.deepcopy(samplers[0].opt.state_dict()),
+                      "gens": [s.gen.get_state() for s in samplers]}
+    state = _WARM[key]
+    for r, gen_state in zip(replicas, state["gens"], strict=True):
+        r.model.load_state_dict(state["model"])
+        r.opt.load_state_dict(copy.deepcopy(state["opt"]))
+        r.gen.set_state(gen_state)
 
 
 METHODS: dict[str, Callable[[Setting], Result]] = {"diloco": run_diloco, "dp": run_dp, "single": run_single}
