@@ -142,20 +142,21 @@ class RunSummary(BaseModel):
 def _add_async_status(report: RunReport, store: ObjectStore) -> None:
     """Async runs (``train.mode: async``): the published global version, each replica's last upload and its
     staleness, from the master's metadata. A synchronous run has none: one missing object, nothing changes."""
-    from diloco.replica.async_diloco import read_async_status
+    from diloco.launcher.async_status import read_async_status
+    from diloco.replica.async_diloco.record import node_of_rank
 
     try:
         published = read_async_status(store)
     except Exception:  # noqa: BLE001 - status must show the run even when this extra read fails
         return
-    if not published:
+    if published is None:
         return
-    report.async_global_version = int(published.get("version", 0))
-    workers = published.get("workers") or {}
+    report.async_global_version = published.version
     for rep in report.ranks:
-        worker = workers.get(f"replica-{rep.rank}") or {}
-        rep.async_last_upload_at = worker.get("last_upload_time")
-        rep.async_staleness = worker.get("staleness")
+        worker = published.workers.get(node_of_rank(rep.rank))
+        if worker is not None:
+            rep.async_last_upload_at = worker.last_upload_time
+            rep.async_staleness = worker.staleness
 
 
 # ---------------------------------------------------------------------------------------------- plan/launch
