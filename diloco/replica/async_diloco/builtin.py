@@ -131,7 +131,7 @@ def _finish(coord: AsyncDiLoCoCoordinator, world_size: int, timeout_s: float) ->
         version = coord.publish_final()
         assert coord.outer is not None
         version, snapshot = coord.outer.snapshot()
-        coord._install(snapshot, version)
+        coord.install(snapshot, version)
         return version
     coord.store.put(DONE_KEY.format(node=coord.node_id), b"{}")
     coord.stop()
@@ -141,5 +141,5 @@ def _finish(coord: AsyncDiLoCoCoordinator, world_size: int, timeout_s: float) ->
             raise TimeoutError(f"async: the master published no final global within {timeout_s:.0f} s")
         time.sleep(0.2)
     version, tensors = final
-    coord._install(tensors, version)
+    coord.install(tensors, version)
     return version

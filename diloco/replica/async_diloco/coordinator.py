@@ -252,7 +252,7 @@ class AsyncDiLoCoCoordinator:
         if selection == "bootstrap":
             self.outer.adopt(cpu_state(self.model), 0)
         version, snapshot = self.outer.snapshot()
-        self._install(snapshot, version)
+        self.install(snapshot, version)
         if remote is None or remote.version < version or selection == "bootstrap":
             self._publish_safely()
         self._spawn("diloco-async-outer", self._outer_loop)
@@ -279,7 +279,7 @@ class AsyncDiLoCoCoordinator:
             return
         tensors = self._fetch_global(remote)
         if tensors is not None:
-            self._install(tensors, remote.version)
+            self.install(tensors, remote.version)
 
     # ---------------------------------------------------------------- the training-thread callback
     def after_optimizer_step(self, model: nn.Module, step: int) -> SyncResult:
@@ -378,7 +378,7 @@ class AsyncDiLoCoCoordinator:
         if self.outer is not None:
             if self.outer.outer_step > self._last_global_step:
                 version, snapshot = self.outer.snapshot()
-                self._install(snapshot, version)
+                self.install(snapshot, version)
                 return True
             return False
         if self.config.async_global_poll:
@@ -388,7 +388,7 @@ class AsyncDiLoCoCoordinator:
             return False
         fetched = self._fetch_newer()
         if fetched is not None:
-            self._install(fetched[1], fetched[0])
+            self.install(fetched[1], fetched[0])
             return True
         return False
 
@@ -414,7 +414,7 @@ class AsyncDiLoCoCoordinator:
             ready, self._ready = self._ready, None
         if ready is None or ready[0] <= self._last_global_step:
             return False
-        self._install(ready[1], ready[0])
+        self.install(ready[1], ready[0])
         return True
 
     def wait_for_poll(self, timeout: float = 30.0) -> None:
@@ -423,7 +423,7 @@ class AsyncDiLoCoCoordinator:
         while self._poll_busy.is_set() and time.monotonic() < deadline:
             time.sleep(0.01)
 
-    def _install(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
+    def install(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
         """Install a global into the live model (training thread only) and make the whole model the baseline."""
         install_state(self.model, tensors)
         with self._lock:
@@ -487,16 +487,14 @@ class AsyncDiLoCoCoordinator:
             self.log.warning("could not cache the global at %s: %s", path, exc)
 
     def fetch_final(self) -> tuple[int, dict[str, torch.Tensor]] | None:
-        """The final version the master published (``final.json``) and its weights; ``None`` until there is one.
-        ``RuntimeError`` when it is announced but cannot be read."""
+        """The final version the master published (``final.json``) and its weights; ``None`` until there is one,
+        or while it cannot be read (logged; a relaunched master may be publishing it again, as other bytes of the
+        same weights): the caller asks again until its deadline."""
         record = self._read_remote(warn="final version", key=FINAL_KEY)
         if record is None:
             return None
         tensors = self._fetch_global(record)
-        if tensors is None:
-            raise RuntimeError(f"async: the final global version {record.version} could not be read from "
-                               f"{self.store.url(record.key)}")
-        return record.version, tensors
+        return None if tensors is None else (record.version, tensors)
 
     # ---------------------------------------------------------------- the master's outer thread
     def _outer_loop(self) -> None:
@@ -635,7 +633,7 @@ class AsyncDiLoCoCoordinator:
         if self.outer is not None and outer and int(outer["outer_step"]) > self.outer.outer_step:
             self.outer.adopt(outer["global"], int(outer["outer_step"]), momentum=outer.get("momentum"))
             version, snapshot = self.outer.snapshot()
-            self._install(snapshot, version)
+            self.install(snapshot, version)
             return
         if self._last_global_step > ckpt_version:
             with self._lock:
