@@ -156,7 +156,7 @@ def rank_main(job: RankJob, barrier: Barrier, results: Queue[Any], shared_comput
             numel = max(1, int(size_mib * MIB) // dtype.itemsize)
             tensor = torch.empty(numel, dtype=dtype)
             uri = f"{job.root_uri}/w{job.world_size}-{size_label(size_mib)}"
-            with create_allreduce(uri, job.rank, job.world_size, strategy=job.strategy, timeout_s=RANK_TIMEOUT_S,
+            with create_allreduce(uri, job.rank, job.world_size, allreduce=job.strategy, timeout_s=RANK_TIMEOUT_S,
                                   poll_interval_s=job.poll_interval_s) as allreduce:
                 samples = [measure_blocking_round(allreduce, tensor, barrier, job)
                            for _ in range(WARMUP_ROUNDS + job.rounds)][WARMUP_ROUNDS:]
@@ -242,7 +242,7 @@ def measure_overlap(job: RankJob, tensor: Any, compute_s: float, barrier: Barrie
 
     compute = make_compute(job.compute_mode, compute_s, barrier)
     samples: list[OverlapSample] = []
-    with create_allreduce(uri, job.rank, job.world_size, strategy=job.strategy, timeout_s=RANK_TIMEOUT_S,
+    with create_allreduce(uri, job.rank, job.world_size, allreduce=job.strategy, timeout_s=RANK_TIMEOUT_S,
                           poll_interval_s=job.poll_interval_s) as allreduce:
         measure_blocking_round(allreduce, tensor, barrier, job)  # warm-up
         for _ in range(job.rounds):

@@ -112,7 +112,7 @@ def measure_rounds(uri: str, case: Case, rounds: int, poll_s: float) -> tuple[li
 
     def body(rank: int, barrier: threading.Barrier) -> list[tuple[RankCount, float, float]]:
         out = []
-        with create_allreduce(uri, rank, case.world, strategy=case.strategy, compression=case.compression,
+        with create_allreduce(uri, rank, case.world, allreduce=case.strategy, compression=case.compression,
                               timeout_s=TIMEOUT_S, poll_interval_s=poll_s) as ar:
             for k in range(1 + rounds):
                 t = torch.randn(case.elements, generator=torch.Generator().manual_seed(rank * 1000 + k))

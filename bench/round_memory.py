@@ -5,7 +5,7 @@ on top of the model must not be a multiple of it. The target is at most 2.5x the
 is in flight (an accumulator, one range of a peer's object).
 
 How it measures: each case is N=2 rank processes (spawned children, one torch thread each) that run one round of
-``diloco.collectives.allreduce.create_allreduce(strategy=...)`` together. In each rank, after torch and the store's client
+``diloco.collectives.allreduce.create_allreduce(allreduce=...)`` together. In each rank, after torch and the store's client
 libraries are imported, the payload (fp32 tensors of the given size, shaped like a model's: a few large matrices
 and some small vectors) is allocated and one warm-up round on a tiny payload has run (threads, connections), the
 rank frees what it can (``gc``, ``malloc_trim``), reads ``VmRSS`` from ``/proc/self/status`` as its baseline and
@@ -113,7 +113,7 @@ def rank_main(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     from diloco.collectives.allreduce import create_allreduce
 
-    ar = create_allreduce(args.uri, args.rank, args.world, strategy=args.strategy, timeout_s=600,
+    ar = create_allreduce(args.uri, args.rank, args.world, allreduce=args.strategy, timeout_s=600,
                           poll_interval_s=0.02)
     warm = {"w": torch.full((1024,), float(args.rank + 1))}
     ar.allreduce(warm)  # imports, threads, connections: not the round's cost
@@ -271,7 +271,7 @@ def strategies_available(wanted: Sequence[str]) -> list[str]:
         try:
             from diloco.collectives.allreduce import create_allreduce
 
-            create_allreduce(f"memory://probe-{uuid.uuid4().hex[:6]}", 0, 1, strategy=strategy).close()
+            create_allreduce(f"memory://probe-{uuid.uuid4().hex[:6]}", 0, 1, allreduce=strategy).close()
             available.append(strategy)
         except ConfigError as exc:
             print(f"skipping strategy {strategy}: {exc}", file=sys.stderr)

@@ -15,3 +15,5 @@ DEFAULT_MAX_RESTARTS = 3
 #: hour of waiting, and stays far below S3's 5,500 GET/HEAD per second per prefix up to a thousand replicas. On a
 #: ``file://`` store it is a stat. Configs for huge runs or long rounds may raise it (``configs/sagemaker.yaml``).
 DEFAULT_POLL_INTERVAL_S = 0.2
+#: Seconds between the progress rows a replica writes between outer rounds (``diloco status`` reads the latest).
+DEFAULT_PROGRESS_INTERVAL_S = 5.0

@@ -4,6 +4,11 @@ the one-line format every error is printed in, by the CLI and the replicas alike
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
 
 #: Starts every error line; the CLI finds a replica's own error in its stderr by it.
 ERROR_PREFIX = "diloco: error: "
@@ -13,6 +18,25 @@ def error_line(message: object) -> None:
     """``diloco: error: <message>`` on stderr, collapsed to one line."""
     sys.stderr.write(f"{ERROR_PREFIX}{' '.join(str(message).split())}\n")
     sys.stderr.flush()
+
+
+def validation_line(exc: ValidationError, *, names: Mapping[str, str] | None = None) -> str:
+    """``field: message`` for the first problem pydantic found, the one line a user reads. ``names`` says how to
+    name a top-level field (the replica entrypoint names each by the flag or environment variable that gave it);
+    a rule across fields names its field first in its message (``"min_replicas: ..."``)."""
+    first = exc.errors(include_url=False)[0]
+    loc = [str(p) for p in first.get("loc", ())]
+    message = str((first.get("ctx") or {}).get("error") or first.get("msg"))
+    names = names or {}
+    if not loc:
+        field, _, rest = message.partition(": ")
+        return f"{names[field]}: {rest}" if field in names else message
+    where = names.get(loc[0], ".".join(loc)) if len(loc) == 1 else ".".join(loc)
+    if first.get("type") == "missing":
+        return f"{where}: required"
+    if first.get("type") != "value_error":
+        message += f" (got {first.get('input')!r})"
+    return f"{where}: {message}"
 
 
 class DilocoError(Exception):

@@ -11,8 +11,9 @@ carrying a declaration in its ``json_schema_extra``; the flag's help is the fiel
         partition: str | None = Field(None, description="Slurm partition for the replicas.",
                                       json_schema_extra=cli_flag("--partition", metavar="NAME"))
 
-This module only reads and writes the declarations (standard library and pydantic's ``FieldInfo``); building
-click options from them is the CLI's job (``diloco.cli.model_flags``), so a backend never imports the CLI.
+The declaration itself is plain data (``diloco.flags``, re-exported here), so replica-side models carry it too.
+This module reads the declarations (standard library and pydantic's ``FieldInfo``); building click options from
+them is the CLI's job (``diloco.cli.model_flags``), so a backend never imports the CLI.
 """
 
 from __future__ import annotations
@@ -24,28 +25,9 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-#: The key in a field's ``json_schema_extra`` that holds its flag declaration.
-FLAG_KEY = "cli_flag"
+from diloco.flags import FLAG_KEY, cli_flag
 
 __all__ = ["FLAG_KEY", "FlagSpec", "cli_flag", "flag_key", "flag_of", "model_flags", "route_backend_flags"]
-
-
-def cli_flag(name: str, *aliases: str, metavar: str | None = None, note: str | None = None,
-             type: str | None = None, minimum: int | None = None) -> dict[str, Any]:
-    """The ``json_schema_extra`` that makes a field a flag.
-
-    ``name`` is the long flag (``--sync-every``); ``aliases`` are short ones (``-n``). ``note`` is appended to the
-    help in parentheses (default: the field's dotted path, so ``--steps`` says it sets ``train.steps``; ``""``
-    for none). ``type`` overrides the value type the annotation implies (``"str"``, ``"int"``, ``"float"``,
-    ``"bool"``); ``minimum`` refuses smaller integers while parsing. Plain data, so it also shows in the JSON
-    schema of the config, where a generated reference can name each setting's flag."""
-    if not name.startswith("--"):
-        raise ValueError(f"cli_flag: a flag name starts with '--' (got {name!r})")
-    spec: dict[str, Any] = {"name": name, "aliases": list(aliases)}
-    for key, value in (("metavar", metavar), ("note", note), ("type", type), ("minimum", minimum)):
-        if value is not None:
-            spec[key] = value
-    return {FLAG_KEY: spec}
 
 
 @dataclass(frozen=True)

@@ -68,11 +68,14 @@ Round semantics (what a caller can rely on, whatever the strategy):
 
 from __future__ import annotations
 
+from typing import Any
+
 from diloco.collectives import STRATEGIES, Collective, ObjectStoreAllReduce, ShardedAllReduce
 from diloco.collectives.driver import READ_ATTEMPTS, AllReduceStats, AllReduceWork, RoundDriver
 from diloco.collectives.reduce import Tensors, accumulation_dtype, as_named, average, number
 from diloco.errors import ConfigError
 from diloco.store.layout import contribution_key as _spread_contribution_key
+from diloco.store.settings import StoreSettings
 
 
 def contribution_key(round_: int, rank: int) -> str:
@@ -81,36 +84,32 @@ def contribution_key(round_: int, rank: int) -> str:
     return _spread_contribution_key(round_, rank)
 
 
-def create_allreduce(
-    uri: str,
-    rank: int,
-    world_size: int,
-    *,
-    strategy: str = "gather",
-    compression: str = "none",
-    error_feedback: bool = True,
-    min_replicas: int | None = None,
-    timeout_s: float = 1800,
-    poll_interval_s: float = 1.0,
-    run_id: str | None = None,
-    spread: int = 1,
-) -> RoundDriver:  # type: ignore[type-arg]
-    """The collective a replica's manager talks to, as the run config asks for it (``store.allreduce``,
-    ``store.compression``, ``store.error_feedback``, ``store.spread``, ``min_replicas``).
+def create_allreduce(uri: str, rank: int, world_size: int, settings: StoreSettings | None = None, *,
+                     run_id: str | None = None, **fields: Any) -> RoundDriver:  # type: ignore[type-arg]
+    """The collective a replica's manager talks to, as the store settings ask for it
+    (``diloco.replica.settings.StoreSettings``: ``allreduce``, ``compression``, ``error_feedback``, ``spread``,
+    ``min_replicas``, ``timeout_s``, ``poll_interval_s``). ``fields`` set some of them by name over ``settings``
+    (``create_allreduce(uri, 0, 4, allreduce="sharded")``); ``settings`` may be a replica's whole settings.
 
-    ``ConfigError`` naming the setting when this build cannot do what was asked."""
-    if strategy not in STRATEGIES:
-        raise ConfigError(f"store.allreduce must be one of {', '.join(STRATEGIES)}, got {strategy!r}",
-                          hint="gather reads (N-1)x the payload per round; sharded under 2x")
-    if strategy == "sharded":
-        if min_replicas is not None and min_replicas != world_size:
-            raise ConfigError("min_replicas works with store.allreduce: gather only (a missing rank's shard of the "
-                              "sharded all-reduce would have no owner)", hint="use --allreduce gather")
-        return ShardedAllReduce(uri, rank, world_size, timeout_s=timeout_s, poll_interval_s=poll_interval_s,
-                                run_id=run_id, compression=compression, error_feedback=error_feedback, spread=spread)
-    return ObjectStoreAllReduce(uri, rank, world_size, timeout_s=timeout_s, poll_interval_s=poll_interval_s,
-                                run_id=run_id, compression=compression, error_feedback=error_feedback, spread=spread,
-                                min_replicas=min_replicas)
+    ``ConfigError`` naming the setting when the settings break one of their rules."""
+    from pydantic import ValidationError
+
+    from diloco.errors import validation_line
+    from diloco.store.settings import min_replicas_problem
+
+    base = settings.model_dump(include=set(StoreSettings.model_fields)) if settings is not None else {}
+    try:
+        s = StoreSettings.model_validate({**base, **fields})
+    except ValidationError as exc:
+        raise ConfigError(f"store.{validation_line(exc)}", hint="see docs/reference/configuration.md") from None
+    problem = min_replicas_problem(s.min_replicas, world_size)
+    if problem:
+        raise ConfigError(f"store.min_replicas: {problem}", hint="lower --min-replicas")
+    common = dict(timeout_s=s.timeout_s, poll_interval_s=s.poll_interval_s, run_id=run_id,
+                  compression=s.compression, error_feedback=s.error_feedback, spread=s.spread)
+    if s.allreduce == "sharded":
+        return ShardedAllReduce(uri, rank, world_size, **common)
+    return ObjectStoreAllReduce(uri, rank, world_size, min_replicas=s.min_replicas, **common)
 
 
 __all__ = ["READ_ATTEMPTS", "STRATEGIES", "AllReduceStats", "AllReduceWork", "Collective", "ObjectStoreAllReduce",

@@ -17,19 +17,19 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, model_validator
 
-from diloco.defaults import DEFAULT_MAX_RESTARTS, DEFAULT_POLL_INTERVAL_S, DEFAULT_TRAINER
+from diloco.defaults import DEFAULT_MAX_RESTARTS, DEFAULT_TRAINER
 from diloco.errors import ConfigError
 from diloco.executors import DEFAULT_BACKEND
 from diloco.executors.base import BackendConfig
 from diloco.executors.flags import cli_flag
+from diloco.replica.settings import TrainerRef
+from diloco.store.settings import StoreSettings, min_replicas_problem
+from diloco.trainers.preflight import INJECTED
 
 DEFAULT_TIMEOUT_S = 86400.0
-#: Trainer keyword arguments the replica entrypoint passes itself.
-INJECTED = ("manager", "rank", "world_size")
 #: Trainer keyword arguments the launcher owns: set by ``train.steps``/``train.sync_every`` or injected.
 RESERVED_TRAINER_KWARGS = {"total_steps": "train.steps", "sync_every": "train.sync_every", "mode": "train.mode",
                            **dict.fromkeys(INJECTED)}
-_TRAINER_RE = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
 _PLACEHOLDER_RE = re.compile(r"<[a-z0-9][a-z0-9-]*>")
 _BRACES_RE = re.compile(r"\{[^{}]*\}")
 _SCHEMES = ("file", "s3")
@@ -39,35 +39,21 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class StoreConfig(_Strict):
-    """Where the replicas meet, and how patiently they wait for each other."""
+class StoreConfig(StoreSettings):
+    """Where the replicas meet (``rendezvous``), and how they exchange and wait for each other: every other field
+    is the replicas' own store settings (``diloco.store.settings.StoreSettings``, declared there once)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=False)
 
     #: Local default: file://$DILOCO_HOME/runs/<id>/store.
     rendezvous: str | None = Field(None, description="Store URI the replicas meet in; {run_id} expands.",
                                    json_schema_extra=cli_flag("--rendezvous", metavar="URI", note=""))
-    timeout_s: float = Field(1800.0, gt=0)  # how long a replica waits for its peers in one round
-    #: How often a waiting replica looks for its peers' uploads (the default's cost and latency: diloco.defaults).
-    poll_interval_s: float = Field(DEFAULT_POLL_INTERVAL_S, gt=0)
-    #: How a round's pseudo-gradients are averaged (diloco.collectives.allreduce): "gather" (every rank reads every peer's
-    #: object, (N-1)*S bytes) or "sharded" (reduce-scatter + all-gather through the store, under 2*S bytes).
-    allreduce: Literal["gather", "sharded"] = Field("gather", description="How rounds are averaged: gather or "
-                                                    "sharded.",
-                                                    json_schema_extra=cli_flag("--allreduce", metavar="STRATEGY"))
-    #: The pseudo-gradient's format on the wire; fp32 accumulation after decode, per-block scales for integers.
-    compression: Literal["none", "bf16", "int8", "int4"] = Field(
-        "none", description="Pseudo-gradient wire format: none, bf16, int8 or int4.",
-        json_schema_extra=cli_flag("--compression", metavar="FORMAT"))
-    #: Keep what a lossy format dropped and add it to the next round's contribution (error feedback).
-    error_feedback: bool = True
-    #: Spread a round's keys over this many prefixes (``p{i mod P}/``): at large N, S3's per-prefix request rate,
-    #: not bandwidth, limits a round first (diloco.store.layout).
-    spread: int = Field(1, ge=1, le=4096)
 
 
 class TrainConfig(_Strict):
     """What each replica runs: ``trainer`` is called with ``total_steps``, ``sync_every`` and ``trainer_kwargs``."""
 
-    trainer: str = Field(DEFAULT_TRAINER, description="Trainer function, module:fn.",
+    trainer: TrainerRef = Field(DEFAULT_TRAINER, description="Trainer function, module:fn.",
                          json_schema_extra=cli_flag("--trainer", metavar="MODULE:FN"))
     steps: int = Field(200, ge=1, description="Inner steps per replica (the trainer's total_steps).",
                        json_schema_extra=cli_flag("--steps", metavar="N"))
@@ -109,12 +95,6 @@ class RunConfig(_Strict):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     gpu: str | None = Field(None, description="Accelerator per replica, e.g. A10G (backends that place "
                             "replicas).", json_schema_extra=cli_flag("--gpu", metavar="TYPE", note=""))
-    #: Partial participation: a round whose deadline passed with at least this many contributions commits with
-    #: those (``null``: every round waits for every replica).
-    min_replicas: int | None = Field(None, ge=1, description="Commit a round whose deadline passed with at least "
-                                     "K contributions.", json_schema_extra=cli_flag(
-                                         "--min-replicas", metavar="K",
-                                         note="min_replicas; default: every round needs every replica"))
     #: Wall-clock limit per replica job (default one day, SageMaker's own default MaxRuntimeInSeconds), so a trainer
     #: that hangs before its first sync cannot run for ever; ``null`` in YAML removes the limit.
     timeout_s: float | None = Field(DEFAULT_TIMEOUT_S, gt=0, description="Wall-clock limit per replica, seconds.",
@@ -141,8 +121,6 @@ class RunConfig(_Strict):
     def _check(self) -> RunConfig:
         """Cross-field rules; messages start with the dotted field name (see ``format_validation_error``)."""
         t = self.train
-        if not _TRAINER_RE.match(t.trainer):
-            raise ValueError(f"train.trainer: must look like 'package.module:function' (got {t.trainer!r})")
         for key, owner in RESERVED_TRAINER_KWARGS.items():
             if key in t.trainer_kwargs:
                 fix = f"set {owner} instead" if owner else "the replica entrypoint injects it"
@@ -150,11 +128,9 @@ class RunConfig(_Strict):
         if t.steps % t.sync_every:
             raise ValueError(f"train.steps: must be a multiple of train.sync_every ({t.sync_every}) so the run "
                              f"ends on an outer sync (got {t.steps})")
-        if self.min_replicas is not None and self.min_replicas > self.replicas:
-            raise ValueError(f"min_replicas: must be at most replicas ({self.replicas}) (got {self.min_replicas})")
-        if self.min_replicas is not None and self.store.allreduce == "sharded":
-            raise ValueError("min_replicas: partial participation needs store.allreduce gather (a sharded round "
-                             "cannot go on without a member: its shard would be missing); drop one of the two")
+        problem = min_replicas_problem(self.store.min_replicas, self.replicas)
+        if problem:
+            raise ValueError(f"store.min_replicas: {problem}")
         uri = self.store.rendezvous
         kind, reachable = self.backend.kind, self.backend.rendezvous_schemes
         if uri is not None:
@@ -285,8 +261,14 @@ def format_validation_error(exc: ValidationError, *, root: type[BaseModel] | Non
         msg = f"{path or 'config'}: must be a mapping of keys to values (got {_short(got)})"
     elif typ == "literal_error":
         msg = f"{path}: must be {ctx.get('expected', '?')} (got {_short(got)})"
-    elif typ == "value_error" and not inner:
-        msg = str(ctx.get("error", err["msg"]))
+    elif typ == "value_error":
+        text = str(ctx.get("error", err["msg"]))
+        if not inner:  # the run config's own rules name their fields in full
+            msg = text
+        elif _model_at(root or RunConfig, inner) is not None:  # a section's rule names the field it is about
+            msg = f"{path}.{text}"
+        else:  # a field's own rule
+            msg = f"{path}: {text}"
     else:
         msg = f"{path}: {err['msg']} (got {_short(got)})"
     if len(errors) > 1:

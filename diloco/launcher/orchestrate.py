@@ -40,10 +40,11 @@ from diloco.executors.failures import FailureVerdict
 from diloco.executors.logstream import LogRecord, follow_merged, merged, tail
 from diloco.executors.signals import terminate_as_interrupt
 from diloco.launcher.config import RunConfig, backend_config
+from diloco.launcher.progress import ReplicaProgress, read_progress
 from diloco.launcher.runs import RunRecord, RunRegistry, new_run_id
 from diloco.launcher.weights import WeightsCheck, check_final_weights, write_agreed_model
-from diloco.replica.metrics import ReplicaProgress, read_progress
 from diloco.store.layout import RUN_INFO_KEY, SPEC_KEY
+from diloco.store.settings import StoreSettings
 
 if TYPE_CHECKING:
     from diloco.executors.base import ServerlessExecutor
@@ -177,23 +178,21 @@ def build_spec(cfg: RunConfig, run_id: str) -> LaunchSpec:
     no backend's argument limits bound them."""
     trainer_kwargs = {"total_steps": cfg.train.steps, "sync_every": cfg.train.sync_every, **_mode_kwarg(cfg),
                       **cfg.train.trainer_kwargs}
+    store_settings = cfg.store.model_dump(include=set(StoreSettings.model_fields))  # all of them, by name
     args = EntrypointArgs(rendezvous_uri=rendezvous_for(cfg, run_id), world_size=cfg.replicas,
-                          trainer=cfg.train.trainer, trainer_kwargs=trainer_kwargs, timeout_s=cfg.store.timeout_s,
-                          poll_interval_s=cfg.store.poll_interval_s, allreduce=cfg.store.allreduce,
-                          compression=cfg.store.compression, error_feedback=cfg.store.error_feedback,
-                          spread=cfg.store.spread,
-                          min_replicas=cfg.min_replicas, procs_per_replica=cfg.train.procs_per_replica,
-                          tensorboard=_tensorboard_for(cfg, run_id))
+                          trainer=cfg.train.trainer, trainer_kwargs=trainer_kwargs,
+                          procs_per_replica=cfg.train.procs_per_replica, tensorboard=_tensorboard_for(cfg, run_id),
+                          **store_settings)
     return LaunchSpec(run_id=run_id, replicas=cfg.replicas, entrypoint_args=args, gpu=cfg.gpu,
                       timeout_s=cfg.timeout_s, spec_uri=f"{args.rendezvous_uri}/{SPEC_KEY}",
                       max_restarts=cfg.max_restarts)
 
 
 def _tensorboard_for(cfg: RunConfig, run_id: str) -> str | None:
-    """The run's own TensorBoard directory, ``DIR/<run_id>`` (``diloco.replica.tensorboard.run_directory``), or None."""
+    """The run's own TensorBoard directory, ``DIR/<run_id>`` (``diloco.replica.tensorboard_dirs.run_directory``), or None."""
     if cfg.metrics.tensorboard is None:
         return None
-    from diloco.replica.tensorboard import run_directory
+    from diloco.replica.tensorboard_dirs import run_directory
 
     return run_directory(cfg.metrics.tensorboard, run_id)
 
@@ -317,7 +316,8 @@ def conditional_create_settings(cfg: RunConfig) -> list[str]:
     """The run's settings whose correctness rests on the store creating a key exactly once (``put_if_absent``):
     with ``min_replicas``, each round's member set (``round_NNNNNN/manifest.json``) is the first proposal
     created, and every rank adopts it; a store that overwrites instead lets two ranks average different sets."""
-    return [f"--min-replicas {cfg.min_replicas} (min_replicas)"] if cfg.min_replicas is not None else []
+    k = cfg.store.min_replicas
+    return [f"--min-replicas {k} (store.min_replicas)"] if k is not None else []
 
 
 def require_conditional_create(store: ObjectStore, cfg: RunConfig) -> None:
@@ -352,7 +352,7 @@ def preflight(cfg: RunConfig) -> RunConfig:
             update={"rendezvous": local_store_uri(cfg.store.rendezvous)})})
     check_rendezvous(rendezvous_for(cfg, "{run_id}"), probe=False)
     if cfg.metrics.tensorboard is not None:
-        from diloco.replica.tensorboard import check_tensorboard, normalized
+        from diloco.replica.tensorboard_dirs import check_tensorboard, normalized
 
         check_tensorboard(cfg.metrics.tensorboard, on_this_machine=not cfg.backend.places_replicas)
         cfg = cfg.model_copy(update={"metrics": cfg.metrics.model_copy(
@@ -392,7 +392,7 @@ def launch(cfg: RunConfig, registry: RunRegistry | None = None, *, force: bool =
     spec = plan.spec
     uri = spec.entrypoint_args.rendezvous_uri
     if cfg.metrics.tensorboard is not None:  # first: its probe leaves nothing, the rendezvous probe a directory
-        from diloco.replica.tensorboard import check_tensorboard
+        from diloco.replica.tensorboard_dirs import check_tensorboard
 
         check_tensorboard(cfg.metrics.tensorboard, on_this_machine=not cfg.backend.places_replicas, probe=True)
     check_rendezvous(uri, probe=True)
@@ -649,8 +649,11 @@ class RunView:
     @property
     def min_replicas(self) -> int | None:
         """The run's ``min_replicas`` (partial participation), as recorded at launch; ``None`` when every round
-        needs every replica."""
-        value = self.record.config.get("min_replicas")
+        needs every replica. Records written before the setting moved into ``store:`` keep it at the top."""
+        store = self.record.config.get("store")
+        value = store.get("min_replicas") if isinstance(store, dict) else None
+        if value is None:
+            value = self.record.config.get("min_replicas")
         return int(value) if isinstance(value, int) else None
 
     @property

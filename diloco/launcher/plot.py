@@ -22,7 +22,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from diloco.errors import ConfigError
-from diloco.replica.metrics import MetricRow, parse_history, read_history
+from diloco.replica.metric_rows import MetricRow, RowProblems, parse_history, read_history
 from diloco.store.objects import ObjectStore
 
 
@@ -92,14 +92,13 @@ def load_curves(store: ObjectStore, world_size: int) -> tuple[list[RankCurve], l
 def _progress_row(store: ObjectStore, rank: int, history: list[MetricRow]) -> list[MetricRow]:
     """The progress row when it is newer than the history (a running rank between rounds), else nothing."""
     from diloco.errors import ObjectNotFound
-    from diloco.replica.metrics import _Problems
     from diloco.store.layout import PROGRESS_KEY
 
     try:
         text = store.get(PROGRESS_KEY.format(rank=rank)).decode(errors="replace")
     except ObjectNotFound:
         return []
-    rows = parse_history(text.replace("\n", " "), _Problems(rank))
+    rows = parse_history(text.replace("\n", " "), RowProblems(rank))
     if not rows or rows[-1].kind == "final":
         return []
     newest = rows[-1]

@@ -229,7 +229,7 @@ def _run_smoke(
     from diloco.launcher.orchestrate import RunView
     from diloco.launcher.runs import RunRecord
     from diloco.launcher.weights import check_final_weights
-    from diloco.replica.metrics import read_history
+    from diloco.replica.metric_rows import read_history
     from diloco.store.objects import ObjectStore
     from diloco.store.s3 import parse_s3_uri
 

@@ -3,15 +3,18 @@
 It resolves who this replica is, builds the object-store all-reduce and its manager, imports the trainer and
 calls it with ``manager=``, ``rank=`` and ``world_size=`` injected next to the user's kwargs.
 
-Where the values come from (an explicit flag always wins over the environment):
+Where the settings come from: the settings model (``diloco.replica.settings.ReplicaSettings``) declares every
+one, and this entrypoint's flags are generated from it (``--help`` lists them). For each setting, first set wins:
 
-* rank: ``--rank``, else ``REPLICA_RANK`` (set by every diloco backend), else ``JOB_COMPLETION_INDEX``
-  (Kubernetes Indexed Jobs);
-* world size: ``--world-size``, else ``WORLD_SIZE``; rendezvous: ``--rendezvous``, else ``RENDEZVOUS_URI``;
-* trainer: ``--trainer module:fn`` or ``--trainer-module``/``--trainer-fn`` (default ``diloco.trainers.gpt:diloco_train``);
-* every setting at once: ``--spec URI`` (what ``diloco launch`` passes), the run's spec object (``ReplicaSpec``:
-  the launcher's ``EntrypointArgs`` as JSON in the store), checked against ``--spec-sha256``, its format, the run
-  id and its own location, then expanded into the flags above (flags given next to it win).
+* its flag (``--world-size``, ``--trainer``, ``--trainer-kwargs-json``, ...);
+* every setting at once: ``--spec URI`` (what ``diloco launch`` passes), the run's settings object, checked
+  against ``--spec-sha256``, its format, the run id and its own location; or ``--settings-json JSON``, the same
+  settings inline (what a multi-process replica hands its local processes);
+* the environment variable the field names: ``RENDEZVOUS_URI``, ``WORLD_SIZE`` (every backend sets them);
+* the field's default.
+
+The rank is not a setting (it differs per replica): ``--rank``, else ``REPLICA_RANK`` (set by every diloco
+backend), else ``JOB_COMPLETION_INDEX`` (Kubernetes Indexed Jobs).
 
 Before anything touches the store, the trainer kwargs are checked against the trainer's signature, its type
 annotations and its preflight hook (``diloco.trainers.preflight``), with the replica's own machine as the target; values
@@ -55,27 +58,25 @@ import argparse
 import contextlib
 import importlib
 import inspect
-import json
 import logging
 import os
 import signal
 import sys
 import traceback
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
-from diloco import envvars
-from diloco.errors import AllReduceTimeout, ConfigError, error_line
-from diloco.replica.metrics import DEFAULT_PROGRESS_INTERVAL_S
-from diloco.replica_exit import EXIT_DROPPED, EXIT_FAILED, EXIT_OK, EXIT_SIGINT, EXIT_SIGTERM, EXIT_USAGE
-from diloco.trainers.preflight import INJECTED, check_trainer_kwargs
+from pydantic import ValidationError
 
-DEFAULT_TRAINER = "diloco.trainers.gpt:diloco_train"
+from diloco import envvars
+from diloco.errors import AllReduceTimeout, ConfigError, error_line, validation_line
+from diloco.replica.settings import FLAGS, ReplicaSettings, replica_flags
+from diloco.replica_exit import EXIT_DROPPED, EXIT_FAILED, EXIT_OK, EXIT_SIGINT, EXIT_SIGTERM, EXIT_USAGE
+from diloco.trainers.preflight import check_trainer_kwargs
 
 if TYPE_CHECKING:
     from diloco.collectives.gather import DroppedFromRound
-    from diloco.replica.spec import EntrypointArgs
 
 E = TypeVar("E", bound=BaseException)
 log = logging.getLogger("diloco.replica")
@@ -95,25 +96,11 @@ class Terminated(BaseException):
 
 @dataclass(frozen=True)
 class ReplicaArgs:
-    """The fully resolved, validated inputs of one replica."""
+    """The fully resolved, validated inputs of one replica: the run's settings and who this replica is."""
 
-    rendezvous: str
-    world_size: int
+    settings: ReplicaSettings
     rank: int
-    trainer_module: str
-    trainer_fn: str
-    trainer_kwargs: dict[str, Any] = field(default_factory=dict)
-    timeout_s: float = 1800.0
-    poll_interval_s: float = 1.0
     run_id: str | None = None  # from DILOCO_RUN_ID; tags every contribution so runs never mix in one prefix
-    progress_interval_s: float = DEFAULT_PROGRESS_INTERVAL_S
-    allreduce: str = "gather"  # the collective: "gather" or "sharded" (diloco.collectives.allreduce.create_allreduce)
-    compression: str = "none"  # the pseudo-gradient's wire format
-    error_feedback: bool = True  # keep a lossy format's residual for the next round
-    spread: int = 1  # prefixes a round's keys are spread over (diloco.store.layout)
-    min_replicas: int | None = None  # partial participation; None: every round needs every replica
-    procs_per_replica: int | None = None  # local processes in this replica (None: every GPU, else 1)
-    tensorboard: str | None = None  # also write TensorBoard events here
 
     @property
     def launched(self) -> bool:
@@ -121,16 +108,15 @@ class ReplicaArgs:
         launch's flags, which the user typed, instead of this entrypoint's."""
         return bool(self.run_id)
 
-    def flag(self, entrypoint_flag: str) -> str:
-        """The flag a user should change for ``entrypoint_flag``, in the command they ran."""
-        if not self.launched:
-            return entrypoint_flag
-        return _LAUNCH_FLAGS.get(entrypoint_flag, entrypoint_flag)
+    def flag(self, field: str) -> str:
+        """The flag a user should change for the settings ``field``, in the command they ran."""
+        if self.launched and field in _LAUNCH_FLAGS:
+            return _LAUNCH_FLAGS[field]
+        return FLAGS[field].name
 
 
-#: This entrypoint's flags -> ``diloco launch``'s flags that set them.
-_LAUNCH_FLAGS = {"--trainer-kwargs-json": "-k/--trainer-kwargs", "--trainer-module": "--trainer",
-                 "--trainer-fn": "--trainer", "--trainer": "--trainer"}
+#: Settings fields -> the ``diloco launch`` flags that set them, for hints to a user who launched the run.
+_LAUNCH_FLAGS = {"trainer_kwargs": "-k/--trainer-kwargs", "trainer": "--trainer"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -141,63 +127,117 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The entrypoint's flags: one per settings field (``diloco.replica.settings.replica_flags``), the rank, and
+    the two ways to give every setting at once."""
     p = _Parser(prog="python -m diloco.replica.entrypoint",
-                description="Run one DiLoCo replica: all-reduce through an object store, then the trainer.")
-    p.add_argument("--rendezvous", metavar="URI", help=f"rendezvous store root (else ${envvars.RENDEZVOUS_URI})")
-    p.add_argument("--world-size", metavar="N", help=f"number of replicas (else ${envvars.WORLD_SIZE})")
+                description="Run one DiLoCo replica: all-reduce through an object store, then the trainer. Every "
+                            "setting comes from --spec (what diloco launch passes) or --settings-json; a flag "
+                            "given as well wins.")
+    p.add_argument("--spec", metavar="URI", help="read every setting from the run's settings object at URI")
+    p.add_argument("--spec-sha256", metavar="HEX",
+                   help="the settings object's SHA-256: any other bytes are refused")
+    p.add_argument("--settings-json", metavar="JSON", help="every setting as one JSON object")
     p.add_argument("--rank", metavar="R", help=f"this replica's rank (else ${envvars.REPLICA_RANK}, "
                                                f"else ${envvars.JOB_COMPLETION_INDEX})")
-    p.add_argument("--trainer", metavar="MODULE:FN", help=f"trainer function (default {DEFAULT_TRAINER})")
-    p.add_argument("--trainer-module", metavar="MODULE", help="trainer module (with --trainer-fn)")
-    p.add_argument("--trainer-fn", metavar="FN", help="trainer function name in --trainer-module")
-    p.add_argument("--trainer-kwargs-json", metavar="JSON", default="{}",
-                   help="JSON object of keyword arguments for the trainer")
-    p.add_argument("--timeout", metavar="S", default="1800", help="all-reduce wait per round, seconds")
-    p.add_argument("--poll-interval", metavar="S", default="1.0", help="all-reduce poll interval, seconds")
-    p.add_argument("--progress-interval", metavar="S", default=str(DEFAULT_PROGRESS_INTERVAL_S),
-                   help="seconds between progress rows written between outer rounds")
-    p.add_argument("--allreduce", choices=["gather", "sharded"], default="gather",
-                   help="how a round is averaged: every rank reads every peer (gather) or reduce-scatter + "
-                        "all-gather through the store (sharded)")
-    p.add_argument("--compression", choices=["none", "bf16", "int8", "int4"], default="none",
-                   help="the pseudo-gradient's format on the wire")
-    p.add_argument("--no-error-feedback", dest="error_feedback", action="store_false",
-                   help="drop what a lossy format loses instead of adding it to the next round")
-    p.add_argument("--spread", metavar="P", help="spread a round's keys over P prefixes (default 1)")
-    p.add_argument("--min-replicas", metavar="K", help="commit a late round with at least K contributions")
-    p.add_argument("--procs-per-replica", metavar="K", help="local processes in this replica (default: every "
-                                                              "GPU, 1 without one)")
-    p.add_argument("--tensorboard", metavar="DIR", help="also write metrics as TensorBoard events to DIR")
-    _add_spec_flags(p)
+    for flag in replica_flags():
+        default = ReplicaSettings.model_fields[flag.field].get_default(call_default_factory=True)
+        where = "".join(f", else ${name}" for name in flag.env)
+        shown = "" if flag.required or default in (None, {}) else f"; default {default}"
+        help_text = f"{flag.help.rstrip('.')} ({flag.field}{where}{shown})."
+        if flag.kind == "bool":
+            p.add_argument(flag.name, dest=flag.field, action=argparse.BooleanOptionalAction, default=None,
+                           help=help_text)
+        else:
+            p.add_argument(flag.name, dest=flag.field, metavar=flag.metavar, help=help_text)
     return p
 
 
-def _add_spec_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--spec", metavar="URI", help="read every setting from the run's spec object at URI (what "
-                                                 "diloco launch passes); flags given as well win")
-    p.add_argument("--spec-sha256", metavar="HEX", help="the spec object's SHA-256: any other bytes are refused")
+def resolve_args(argv: list[str], env: Mapping[str, str]) -> ReplicaArgs:
+    """Parse ``argv`` and fill gaps from ``env``; ``UsageError`` names the first bad value and its fix.
+
+    Every setting: its flag, else the settings object (``--spec``) or ``--settings-json``, else the environment
+    variable its field names (``RENDEZVOUS_URI``, ``WORLD_SIZE``), else the field's default. A store that cannot
+    be read raises its ``StoreError`` (exit 1: it may work next time)."""
+    ns = build_parser().parse_args(argv)
+    run_id = env.get(envvars.RUN_ID) or None
+    base = _base_settings(ns, run_id)
+    given: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for flag in replica_flags():
+        raw = getattr(ns, flag.field)
+        source = flag.name
+        if raw is None and flag.field not in base:
+            set_vars = [name for name in flag.env if env.get(name, "").strip()]
+            source, raw = (set_vars[0], env[set_vars[0]]) if set_vars else (flag.name, None)
+        if raw is None:
+            continue
+        try:
+            given[flag.field] = flag.parse(raw) if isinstance(raw, str) else raw
+        except ValueError as exc:
+            raise UsageError(f"{source} {exc}", f"pass {flag.name} {flag.metavar or 'VALUE'}") from None
+        sources[flag.field] = source
+    settings = _validated({**base, **given}, sources)
+    rank = _rank(ns.rank, env)
+    if not 0 <= rank < settings.world_size:
+        raise UsageError(f"rank {rank} is outside the world of size {settings.world_size}",
+                         f"rank must be in 0..{settings.world_size - 1}")
+    return ReplicaArgs(settings=settings, rank=rank, run_id=run_id)
 
 
-def expand_spec(argv: list[str], env: Mapping[str, str]) -> list[str]:
-    """``argv`` with ``--spec URI`` replaced by the spec object's settings as flags (the explicit flags after
-    them, so they win); ``argv`` itself when there is no ``--spec``. ``UsageError`` (exit 2: waiting cannot fix
-    it) when the object is missing, is not a spec of this run, or is not the bytes ``--spec-sha256`` names; a
-    store that cannot be read raises its ``StoreError`` (exit 1)."""
-    pre = _Parser(add_help=False, allow_abbrev=False)
-    _add_spec_flags(pre)
-    ns, rest = pre.parse_known_args(argv)
-    if ns.spec is None:
-        if ns.spec_sha256 is not None:
-            raise UsageError("--spec-sha256 without --spec", "pass --spec URI too, or drop --spec-sha256")
-        return argv
-    return [*read_spec(ns.spec, ns.spec_sha256, env.get(envvars.RUN_ID) or None).to_argv(), *rest]
+def _base_settings(ns: argparse.Namespace, run_id: str | None) -> dict[str, Any]:
+    """The settings ``--spec`` or ``--settings-json`` give, as the fields they set (empty without either)."""
+    from diloco.replica.settings import SettingsRefused, parse_settings_json
+
+    if ns.spec_sha256 is not None and ns.spec is None:
+        raise UsageError("--spec-sha256 without --spec", "pass --spec URI too, or drop --spec-sha256")
+    if ns.spec is not None and ns.settings_json is not None:
+        raise UsageError("--spec and --settings-json both give every setting", "pass only one of the two")
+    if ns.spec is not None:
+        return read_spec(ns.spec, ns.spec_sha256, run_id).model_dump(exclude_unset=True)
+    if ns.settings_json is not None:
+        try:
+            return parse_settings_json(ns.settings_json).model_dump(exclude_unset=True)
+        except SettingsRefused as exc:
+            raise UsageError(exc.what, exc.fix) from None
+    return {}
 
 
-def read_spec(uri: str, sha256: str | None, run_id: str | None) -> EntrypointArgs:
+def _validated(data: Mapping[str, Any], sources: Mapping[str, str]) -> ReplicaSettings:
+    """The settings model over ``data``; a missing or bad value is a ``UsageError`` naming where it came from
+    (``sources``: field -> the flag or environment variable that gave it; else the field's flag)."""
+    for flag in replica_flags():
+        if flag.required and flag.field not in data:
+            env = "".join(f" or set {name}" for name in flag.env)
+            raise UsageError(f"no {flag.field.replace('_', ' ')}",
+                             f"pass {flag.name} {flag.metavar or 'VALUE'}{env}")
+    try:
+        return ReplicaSettings.model_validate(dict(data))
+    except ValidationError as exc:
+        names = {**{f.field: f.name for f in replica_flags()}, **sources}
+        raise UsageError(validation_line(exc, names=names),
+                         "see python -m diloco.replica.entrypoint --help") from None
+
+
+def _rank(flag: str | None, env: Mapping[str, str]) -> int:
+    """``--rank``, else ``REPLICA_RANK``, else ``JOB_COMPLETION_INDEX``; empty values count as unset."""
+    sources = [("--rank", flag), (envvars.REPLICA_RANK, env.get(envvars.REPLICA_RANK)),
+               (envvars.JOB_COMPLETION_INDEX, env.get(envvars.JOB_COMPLETION_INDEX))]
+    for source, raw in sources:
+        if raw is None or raw.strip() == "":
+            continue
+        try:
+            return int(raw.strip())
+        except ValueError:
+            raise UsageError(f"{source}={raw!r} is not an integer",
+                             f"set {source} to a whole number") from None
+    raise UsageError("no rank",
+                     f"pass --rank R or set {envvars.REPLICA_RANK} or {envvars.JOB_COMPLETION_INDEX}")
+
+
+def read_spec(uri: str, sha256: str | None, run_id: str | None) -> ReplicaSettings:
     """The settings in the spec object at ``uri``, verified (``diloco.replica.settings.verify_settings_object``)."""
     from diloco.errors import ObjectNotFound
     from diloco.replica.settings import SettingsRefused, verify_settings_object
-    from diloco.replica.spec import EntrypointArgs
     from diloco.store.objects import ObjectStore
 
     folder, _, key = uri.rstrip("/").rpartition("/")
@@ -210,125 +250,30 @@ def read_spec(uri: str, sha256: str | None, run_id: str | None) -> EntrypointArg
                          "the launch that started this replica removed them when it failed, or --spec names the "
                          "wrong object") from None
     try:
-        settings = verify_settings_object(data, uri, sha256=sha256, run_id=run_id)
+        return verify_settings_object(data, uri, sha256=sha256, run_id=run_id)
     except SettingsRefused as exc:
         raise UsageError(exc.what, exc.fix) from None
-    return EntrypointArgs(**settings.model_dump())
-
-
-def resolve_args(argv: list[str], env: Mapping[str, str]) -> ReplicaArgs:
-    """Parse ``argv`` and fill gaps from ``env``; ``UsageError`` names the first bad value and its fix."""
-    ns = build_parser().parse_args(argv)
-    rendezvous = ns.rendezvous or env.get(envvars.RENDEZVOUS_URI) or ""
-    if not rendezvous.strip():
-        raise UsageError("no rendezvous URI", f"pass --rendezvous URI or set {envvars.RENDEZVOUS_URI}")
-
-    world_size = _int_from("--world-size", ns.world_size, env, [envvars.WORLD_SIZE])
-    if world_size is None:
-        raise UsageError("no world size", f"pass --world-size N or set {envvars.WORLD_SIZE}")
-    if world_size < 1:
-        raise UsageError(f"world size is {world_size}", "it must be >= 1")
-    rank = _int_from("--rank", ns.rank, env, [envvars.REPLICA_RANK, envvars.JOB_COMPLETION_INDEX])
-    if rank is None:
-        raise UsageError("no rank", f"pass --rank R or set {envvars.REPLICA_RANK} or {envvars.JOB_COMPLETION_INDEX}")
-    if not 0 <= rank < world_size:
-        raise UsageError(f"rank {rank} is outside the world of size {world_size}",
-                         f"rank must be in 0..{world_size - 1}")
-
-    module, fn = _trainer(ns.trainer, ns.trainer_module, ns.trainer_fn)
-    kwargs = _kwargs(ns.trainer_kwargs_json)
-    timeout_s = _positive_float("--timeout", ns.timeout)
-    poll_s = _positive_float("--poll-interval", ns.poll_interval)
-    progress_s = _positive_float("--progress-interval", ns.progress_interval)
-    min_replicas = _int_from("--min-replicas", ns.min_replicas, env, [])
-    if min_replicas is not None and not 1 <= min_replicas <= world_size:
-        raise UsageError(f"--min-replicas is {min_replicas}", f"it must be in 1..{world_size} (the world size)")
-    spread = _int_from("--spread", ns.spread, env, [])
-    if spread is not None and spread < 1:
-        raise UsageError(f"--spread is {spread}", "it must be >= 1")
-    procs = _int_from("--procs-per-replica", ns.procs_per_replica, env, [])
-    if procs is not None and procs < 1:
-        raise UsageError(f"--procs-per-replica is {procs}", "it must be >= 1")
-    return ReplicaArgs(rendezvous=rendezvous, world_size=world_size, rank=rank, trainer_module=module,
-                       trainer_fn=fn, trainer_kwargs=kwargs, timeout_s=timeout_s, poll_interval_s=poll_s,
-                       run_id=env.get(envvars.RUN_ID) or None, progress_interval_s=progress_s,
-                       allreduce=ns.allreduce, compression=ns.compression, error_feedback=ns.error_feedback, spread=spread or 1,
-                       min_replicas=min_replicas, procs_per_replica=procs, tensorboard=ns.tensorboard)
-
-
-def _int_from(flag: str, value: str | None, env: Mapping[str, str], names: list[str]) -> int | None:
-    """The flag's value, else the first set environment variable among ``names``, as an int (or None)."""
-    sources = [(flag, value)] + [(n, env.get(n)) for n in names]
-    for source, raw in sources:
-        if raw is None or raw.strip() == "":
-            continue
-        try:
-            return int(raw.strip())
-        except ValueError:
-            raise UsageError(f"{source}={raw!r} is not an integer", f"set {source} to a whole number") from None
-    return None
-
-
-def _positive_float(flag: str, raw: str) -> float:
-    try:
-        value = float(raw)
-    except ValueError:
-        raise UsageError(f"{flag}={raw!r} is not a number", f"pass {flag} in seconds, e.g. {flag} 60") from None
-    if not value > 0:
-        raise UsageError(f"{flag} is {raw}", f"{flag} must be > 0 seconds")
-    return value
-
-
-def _trainer(spec: str | None, module: str | None, fn: str | None) -> tuple[str, str]:
-    """``--trainer M:F`` or ``--trainer-module``/``--trainer-fn``; both given must agree."""
-    if spec is not None:
-        if spec.count(":") != 1 or not all(spec.split(":")):
-            raise UsageError(f"--trainer={spec!r} is not MODULE:FN", "e.g. --trainer diloco.trainers.gpt:diloco_train")
-        s_module, s_fn = spec.split(":")
-        if (module and module != s_module) or (fn and fn != s_fn):
-            raise UsageError(f"--trainer {spec} disagrees with --trainer-module/--trainer-fn",
-                             "pass only one of the two forms")
-        return s_module, s_fn
-    d_module, d_fn = DEFAULT_TRAINER.split(":")
-    if module and not fn and module != d_module:
-        raise UsageError(f"--trainer-module {module} without --trainer-fn", "pass --trainer-fn FN too")
-    return module or d_module, fn or d_fn
-
-
-def _kwargs(text: str) -> dict[str, Any]:
-    try:
-        kwargs = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise UsageError(f"--trainer-kwargs-json is not valid JSON: {exc}",
-                         "pass a JSON object, e.g. '{\"total_steps\": 100}'") from None
-    if not isinstance(kwargs, dict):
-        raise UsageError(f"--trainer-kwargs-json is a JSON {type(kwargs).__name__}, not an object",
-                         "pass a JSON object, e.g. '{\"total_steps\": 100}'")
-    clash = sorted(set(kwargs) & set(INJECTED))
-    if clash:
-        raise UsageError(f"--trainer-kwargs-json sets {', '.join(clash)}, which the entrypoint injects",
-                         f"remove {', '.join(clash)} from the trainer kwargs")
-    return kwargs
 
 
 def load_trainer(args: ReplicaArgs) -> Callable[..., Any]:
     """Import the trainer function, before any store traffic."""
     try:
-        mod = importlib.import_module(args.trainer_module)
+        mod = importlib.import_module(args.settings.trainer_module)
     except ModuleNotFoundError as exc:
-        if exc.name and (args.trainer_module == exc.name or args.trainer_module.startswith(exc.name + ".")):
-            raise UsageError(f"trainer module {args.trainer_module!r} not found",
-                             f"check {args.flag('--trainer-module')} and that the module is installed in this "
+        module = args.settings.trainer_module
+        if exc.name and (module == exc.name or module.startswith(exc.name + ".")):
+            raise UsageError(f"trainer module {args.settings.trainer_module!r} not found",
+                             f"check {args.flag('trainer')} and that the module is installed in this "
                              f"image") from None
-        raise UsageError(f"trainer module {args.trainer_module!r} failed to import: {exc}",
+        raise UsageError(f"trainer module {args.settings.trainer_module!r} failed to import: {exc}",
                          "install the module it needs in this image") from None
     except ImportError as exc:
-        raise UsageError(f"trainer module {args.trainer_module!r} failed to import: {exc}",
+        raise UsageError(f"trainer module {args.settings.trainer_module!r} failed to import: {exc}",
                          "install the module it needs in this image") from None
-    fn = getattr(mod, args.trainer_fn, None)
+    fn = getattr(mod, args.settings.trainer_fn, None)
     if not callable(fn):
-        raise UsageError(f"trainer module {args.trainer_module!r} has no function {args.trainer_fn!r}",
-                         f"check the function name in {args.flag('--trainer-fn')}")
+        raise UsageError(f"trainer module {args.settings.trainer_module!r} has no function {args.settings.trainer_fn!r}",
+                         f"check the function name in {args.flag('trainer')}")
     return fn
 
 
@@ -336,7 +281,8 @@ def checked_kwargs(trainer: Callable[..., Any], args: ReplicaArgs) -> dict[str, 
     """The trainer kwargs checked against the trainer (signature, annotations, preflight hook) and coerced;
     ``UsageError`` naming the key otherwise. This replica's machine is where it runs."""
     try:
-        return check_trainer_kwargs(trainer, args.trainer_kwargs, world_size=args.world_size, on_this_machine=True)
+        return check_trainer_kwargs(trainer, args.settings.trainer_kwargs, world_size=args.settings.world_size,
+                                    on_this_machine=True)
     except ConfigError as exc:
         hint = exc.hint or ""
         if not args.launched and (not hint or "-k/--trainer-kwargs" in hint):
@@ -442,16 +388,15 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
     child = is_child(env)
     try:
         try:
-            argv = expand_spec(argv, env)  # the settings as flags, so a replica's local processes need no read
+            args = resolve_args(argv, env)
         except (DilocoError, OSError) as exc:  # the store could not be read: no usage error, nothing trained
             hint = getattr(exc, "hint", None)
             _fail(env, f"could not read the run's settings: {exc}" + (f" ({hint})" if hint else ""))
             return EXIT_FAILED
-        args = resolve_args(argv, env)
         trainer = load_trainer(args)
         kwargs = checked_kwargs(trainer, args)
-        if args.tensorboard is not None:
-            check_tensorboard_flag(args.tensorboard)
+        if args.settings.tensorboard is not None:
+            check_tensorboard_flag(args.settings.tensorboard)
         procs = 1 if child else procs_per_replica(args, trainer)
     except UsageError as exc:
         _fail(env, str(exc))
@@ -459,13 +404,13 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
     except SystemExit as exc:  # --help
         return exc.code if isinstance(exc.code, int) else EXIT_OK
     if procs > 1:
-        return run_local_processes(args, procs, argv)
+        return run_local_processes(args, procs)
     return run_replica(args, trainer, kwargs, env)
 
 
 def check_tensorboard_flag(directory: str) -> None:
     """``--tensorboard DIR`` usable here (the package importable, DIR a kind we write), before any store traffic."""
-    from diloco.replica.tensorboard import check_tensorboard
+    from diloco.replica.tensorboard_dirs import check_tensorboard
 
     try:
         check_tensorboard(directory)
@@ -478,29 +423,29 @@ def procs_per_replica(args: ReplicaArgs, trainer: Callable[..., Any]) -> int:
     trainer or the machine cannot run the number asked for."""
     from diloco.replica.local_group import resolve_procs_per_replica
 
-    if args.procs_per_replica == 1:
+    if args.settings.procs_per_replica == 1:
         return 1  # no torch import for the common case
     try:
-        return resolve_procs_per_replica(args.procs_per_replica, trainer,
-                                         f"{args.trainer_module}:{args.trainer_fn}")
+        return resolve_procs_per_replica(args.settings.procs_per_replica, trainer,
+                                         f"{args.settings.trainer_module}:{args.settings.trainer_fn}")
     except ConfigError as exc:
         raise UsageError(str(exc), exc.hint or "see diloco launch --help") from None
 
 
-def run_local_processes(args: ReplicaArgs, procs: int, argv: list[str]) -> int:
+def run_local_processes(args: ReplicaArgs, procs: int) -> int:
     """Start ``procs`` copies of this entrypoint as the replica's local process group and wait for them; the exit
     code (and the last ``diloco: error:`` line) is the root cause's. SIGTERM stops them all (the elastic launcher
-    forwards it), and exits 143."""
+    forwards it), and exits 143. The children get the settings this process resolved as one token, so they read
+    no settings object."""
     from diloco.replica.local_group import launch_local_processes
 
     restore_logging = setup_logging(args.rank)
     saved = _signal_handlers()
-    child_argv = [*argv, "--rank", str(args.rank), "--world-size", str(args.world_size),
-                  "--rendezvous", args.rendezvous]
-    log.info("replica %d/%d: %d local processes (torch elastic launch), trainer %s:%s", args.rank, args.world_size,
-             procs, args.trainer_module, args.trainer_fn)
+    child_argv = ["--settings-json", args.settings.model_dump_json(), "--rank", str(args.rank)]
+    log.info("replica %d/%d: %d local processes (torch elastic launch), trainer %s:%s", args.rank, args.settings.world_size,
+             procs, args.settings.trainer_module, args.settings.trainer_fn)
     try:
-        failure = launch_local_processes(procs, child_argv, timeout_s=args.timeout_s)
+        failure = launch_local_processes(procs, child_argv, timeout_s=args.settings.timeout_s)
         if failure is None:
             log.info("replica %d finished (%d local processes)", args.rank, procs)
             return EXIT_OK
@@ -557,27 +502,27 @@ def run_replica(args: ReplicaArgs, trainer: Callable[..., Any], kwargs: dict[str
         if child:
             from diloco.replica.local_group import init_local_group
 
-            group = init_local_group(env, timeout_s=args.timeout_s)
+            group = init_local_group(env, timeout_s=args.settings.timeout_s)
         manager: Any = None
         if group is None or group.is_leader:
             allreduce, manager = _store_manager(args, trainer, kwargs)
-            if args.tensorboard is not None:
+            if args.settings.tensorboard is not None:
                 from diloco.replica.tensorboard import TensorBoardWriter
 
-                board = TensorBoardWriter(args.tensorboard, args.rank)
+                board = TensorBoardWriter(args.settings.tensorboard, args.rank)
                 manager.metrics.add_listener(board.on_row)
         if group is not None:
             from diloco.replica.local_group import LocalGroupManager
 
-            manager = LocalGroupManager(manager, group, rank=args.rank, world_size=args.world_size)
-            log.info("replica %d/%d, local process %d/%d (%s on %s), trainer %s:%s", args.rank, args.world_size,
-                     group.rank, group.size, group.backend, group.device, args.trainer_module, args.trainer_fn)
+            manager = LocalGroupManager(manager, group, rank=args.rank, world_size=args.settings.world_size)
+            log.info("replica %d/%d, local process %d/%d (%s on %s), trainer %s:%s", args.rank, args.settings.world_size,
+                     group.rank, group.size, group.backend, group.device, args.settings.trainer_module, args.settings.trainer_fn)
         else:
-            log.info("replica %d/%d, rendezvous %s, trainer %s:%s", args.rank, args.world_size, args.rendezvous,
-                     args.trainer_module, args.trainer_fn)
+            log.info("replica %d/%d, rendezvous %s, trainer %s:%s", args.rank, args.settings.world_size, args.settings.rendezvous_uri,
+                     args.settings.trainer_module, args.settings.trainer_fn)
         metrics = manager.metrics
         with reporting_to(metrics) if metrics is not None else contextlib.nullcontext():
-            trainer(manager=manager, rank=args.rank, world_size=args.world_size, **kwargs)
+            trainer(manager=manager, rank=args.rank, world_size=args.settings.world_size, **kwargs)
         if metrics is not None:
             metrics.close()  # a `final` row for a trainer that recorded progress outside an outer loop
         if board is not None:
@@ -594,7 +539,7 @@ def run_replica(args: ReplicaArgs, trainer: Callable[..., Any], kwargs: dict[str
     except ConfigError as exc:
         if debug:
             traceback.print_exc(file=sys.stderr)
-        fix = (f"fix it with {args.flag('--trainer-kwargs-json')} KEY=VALUE and relaunch" if args.launched
+        fix = (f"fix it with {args.flag('trainer_kwargs')} KEY=VALUE and relaunch" if args.launched
                else "fix the value named above and relaunch")
         _fail(env, f"{exc} ({exc.hint or fix})")
         return EXIT_USAGE
@@ -638,13 +583,12 @@ def _store_manager(args: ReplicaArgs, trainer: Callable[..., Any], kwargs: Mappi
     from diloco.replica.checkpoint import RoundCheckpoints
     from diloco.replica.manager import ObjectStoreManager
 
-    allreduce = create_allreduce(args.rendezvous, args.rank, args.world_size, strategy=args.allreduce,
-                                 compression=args.compression, error_feedback=args.error_feedback,
-                                 min_replicas=args.min_replicas, timeout_s=args.timeout_s,
-                                 poll_interval_s=args.poll_interval_s, run_id=args.run_id, spread=args.spread)
-    rounds = RoundCheckpoints(allreduce.store, run_id=args.run_id, world_size=args.world_size)
+    allreduce = create_allreduce(args.settings.rendezvous_uri, args.rank, args.settings.world_size, args.settings,
+                                 run_id=args.run_id)
+    rounds = RoundCheckpoints(allreduce.store, run_id=args.run_id, world_size=args.settings.world_size,
+                              keep=args.settings.keep_rounds)
     manager = ObjectStoreManager(allreduce, total_steps=total_steps_of(trainer, kwargs),
-                                 progress_interval_s=args.progress_interval_s, rounds=rounds)
+                                 progress_interval_s=args.settings.progress_interval_s, rounds=rounds)
     return allreduce, manager
 
 

@@ -34,8 +34,9 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from diloco.collectives.allreduce import AllReduceStats, AllReduceWork, Collective, Tensors
+from diloco.defaults import DEFAULT_PROGRESS_INTERVAL_S
 from diloco.errors import DilocoError
-from diloco.replica.metrics import DEFAULT_PROGRESS_INTERVAL_S, MetricsWriter
+from diloco.replica.metrics import MetricsWriter
 
 if TYPE_CHECKING:
     import torch

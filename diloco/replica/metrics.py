@@ -1,4 +1,4 @@
-"""Per-replica progress: ``report()`` for trainers, the writer the outer loop drives, and the reader the CLI uses.
+"""Per-replica progress, the replica's half: ``report()`` for trainers and the writer the outer loop drives.
 
 **For trainers.** The DiLoCo outer loop records on its own what it knows: the inner step, the total steps (when the
 launcher passed ``total_steps``), the outer round, the seconds blocked in sync and the bytes written and read.
@@ -14,29 +14,11 @@ number is dropped with one warning in the replica's log; a NaN or infinite loss 
 ``diverged: true`` (JSON has no NaN) and stays flagged. ``step``, ``round`` and the other fields the loop records
 are refused (``ValueError``), so a trainer cannot contradict the loop.
 
-**In the store** (``diloco.store.layout``), per rank:
-
-* ``metrics/rank_RRRR.jsonl``: the history, one JSON row per line: ``init`` (when the outer loop is entered),
-  ``round`` (after every outer round), ``final`` (when the loop is left after training). A ``report()`` made
-  after a round and before the next inner step (typically an evaluation) amends that round's row, so each row
-  carries the losses of the model it describes. Object stores cannot append, so the object is rewritten whole,
-  but only when a row is added or amended: once or twice per round, a few hundred bytes per round.
-* ``progress/rank_RRRR.json``: one row, the latest snapshot, overwritten at most every ``progress_interval_s``
-  (5 s by default) between rounds. It is a separate object so that the frequent write stays one small PUT of
-  constant size however long the run is, and the table moves before the first round.
-
-Every row is a full snapshot: ``kind, time, step, total_steps, round, train_loss, eval_loss, tokens,
-tokens_per_s, sync_s, bytes_written, bytes_read, diverged, extra``. ``round`` counts completed outer rounds (0
-before the first; see "round numbering" in ``diloco.replica.outer``). ``tokens_per_s`` is measured over the window since
-the previous row (sync included), and over the whole run in the ``final`` row.
-
 **Listeners** (``MetricsWriter.add_listener``): each history row is also handed, once its values are final, to
 the listeners, and so is each progress snapshot; ``diloco.replica.tensorboard`` writes them as TensorBoard events.
 
-**For readers** (``read_progress``): every row is validated field by field. A bad field (``"train_loss": "abc"``)
-or an unreadable line is skipped, and each (rank, field) problem becomes exactly one warning string, returned to
-the caller so the CLI can print it once. Non-finite losses are reported as divergence (``diverged: true``, value
-``None``), never as NaN.
+The rows and where they live are the record the writer and its reader share (``diloco.replica.metric_rows``);
+the launcher reads them back (``diloco.launcher.progress``).
 """
 
 from __future__ import annotations
@@ -50,9 +32,14 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, Field
-
-from diloco.errors import ObjectNotFound
+from diloco.defaults import DEFAULT_PROGRESS_INTERVAL_S
+from diloco.replica.metric_rows import (
+    LOSS_FIELDS,
+    RECORDED_BY_THE_LOOP,
+    describe_row,
+    read_history,
+    show_value,
+)
 from diloco.store.layout import METRICS_KEY, PROGRESS_KEY
 
 if TYPE_CHECKING:
@@ -61,14 +48,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("diloco.replica.metrics")
 
-DEFAULT_PROGRESS_INTERVAL_S = 5.0
 #: The shortest window tokens/s is measured over (shorter ones are noise: a row right after another).
 MIN_RATE_WINDOW_S = 1.0
-#: Fields the outer loop records itself; ``report()`` refuses them.
-RECORDED_BY_THE_LOOP = frozenset({"kind", "time", "step", "round", "tokens_per_s", "sync_s", "bytes_written",
-                                  "bytes_read", "diverged", "extra"})
-LOSS_FIELDS = ("train_loss", "eval_loss")
-HISTORY_KINDS = ("init", "round", "final")
 
 
 # ================================================================================================ report()
@@ -290,7 +271,7 @@ class MetricsWriter:
             count = _as_count(value)
             if count is None:
                 self._warn_once(f"bad:{name}", f"diloco.report: tokens must be a whole number >= 0, got "
-                                               f"{_show(value)}; ignored")
+                                               f"{show_value(value)}; ignored")
             else:
                 self._tokens = (self._tokens or 0) + count
             return
@@ -298,13 +279,13 @@ class MetricsWriter:
             count = _as_count(value)
             if count is None or count < 1:
                 self._warn_once(f"bad:{name}", f"diloco.report: total_steps must be a whole number >= 1, got "
-                                               f"{_show(value)}; ignored")
+                                               f"{show_value(value)}; ignored")
             else:
                 self.total_steps = count
             return
         number = _as_number(value)
         if number is None:
-            self._warn_once(f"bad:{name}", f"diloco.report: {name} must be a number, got {_show(value)}; ignored")
+            self._warn_once(f"bad:{name}", f"diloco.report: {name} must be a number, got {show_value(value)}; ignored")
             return
         finite = number if math.isfinite(number) else None
         if name in LOSS_FIELDS:
@@ -400,21 +381,6 @@ class MetricsWriter:
             log.warning("%s", message)
 
 
-def describe_row(row: Mapping[str, Any]) -> str:
-    """The one log line of a history row: ``round 3 step 60/60 train_loss 2.1 eval_loss 2.3 tok/s 9,000 ...``."""
-    total = row.get("total_steps")
-    step = f"{row.get('step')}/{total}" if total else f"{row.get('step')}"
-
-    def num(key: str, spec: str) -> str:
-        value = row.get(key)
-        return "-" if value is None else format(value, spec)
-
-    prefix = "final: " if row.get("kind") == "final" else ""
-    text = (f"{prefix}round {row.get('round')} step {step} train_loss {num('train_loss', '.4f')} "
-            f"eval_loss {num('eval_loss', '.4f')} tok/s {num('tokens_per_s', ',.0f')} sync_s {num('sync_s', '.2f')}")
-    return text + (" DIVERGED" if row.get("diverged") else "")
-
-
 def _as_number(value: Any) -> float | None:
     """A float from a Python or numpy number or a one-element tensor; ``None`` for anything else (text, bools)."""
     if isinstance(value, (bool, str, bytes)) or value is None:
@@ -430,239 +396,3 @@ def _as_count(value: Any) -> int | None:
     if number is None or not math.isfinite(number) or number < 0 or number != int(number):
         return None
     return int(number)
-
-
-def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-# ================================================================================================ reader
-class MetricRow(BaseModel):
-    """One validated metrics row (history or progress). ``None`` means "not recorded" (or dropped as invalid)."""
-
-    kind: str = "progress"
-    time: float | None = None
-    step: int | None = None
-    total_steps: int | None = None
-    round: int | None = None
-    train_loss: float | None = None
-    eval_loss: float | None = None
-    tokens: int | None = None
-    tokens_per_s: float | None = None
-    sync_s: float | None = None
-    bytes_written: int | None = None
-    bytes_read: int | None = None
-    diverged: bool = False  # a loss was NaN or infinite (then recorded as None)
-    extra: dict[str, float | None] = Field(default_factory=dict)
-
-
-class ReplicaProgress(BaseModel):
-    """One replica's progress as the CLI shows it: the newest row's values, plus what the history adds."""
-
-    rank: int
-    step: int | None = None
-    total_steps: int | None = None
-    round: int | None = None
-    train_loss: float | None = None
-    eval_loss: float | None = None
-    initial_eval_loss: float | None = None  # the eval loss before the first outer round
-    tokens: int | None = None
-    tokens_per_s: float | None = None
-    sync_s: float | None = None
-    bytes_written: int | None = None
-    bytes_read: int | None = None
-    diverged: bool = False  # some recorded loss was NaN or infinite
-    finished_training: bool = False  # the newest row is the ``final`` one
-    updated_at: float | None = None  # time of the newest row (seconds since the epoch)
-    extra: dict[str, float | None] = Field(default_factory=dict)
-
-
-class MetricsReadout(BaseModel):
-    """Every rank's progress, in rank order, and one warning per (rank, field) that had to be skipped."""
-
-    replicas: list[ReplicaProgress]
-    warnings: list[str] = Field(default_factory=list)
-
-    def by_rank(self) -> dict[int, ReplicaProgress]:
-        return {r.rank: r for r in self.replicas}
-
-
-class _Problems:
-    """Collects invalid fields per name, so each becomes one warning with a count and an example."""
-
-    def __init__(self, rank: int) -> None:
-        self.rank = rank
-        self.fields: dict[str, tuple[str, int, Any]] = {}  # field -> (expected, count, first bad value)
-        self.bad_lines = 0
-        self.first_bad_line: str | None = None
-
-    def field(self, name: str, expected: str, value: Any) -> None:
-        what, n, example = self.fields.get(name, (expected, 0, value))
-        self.fields[name] = (what, n + 1, example)
-
-    def line(self, text: str) -> None:
-        self.bad_lines += 1
-        if self.first_bad_line is None:
-            self.first_bad_line = text
-
-    def warnings(self) -> list[str]:
-        out = []
-        if self.bad_lines:
-            out.append(f"rank {self.rank}: {self.bad_lines} metrics line(s) are not JSON objects "
-                       f"(e.g. {_show(self.first_bad_line)}); skipped")
-        for name, (expected, n, example) in self.fields.items():
-            out.append(f"rank {self.rank}: metrics field {name!r} is not {expected} (e.g. {_show(example)}) in "
-                       f"{n} row(s); ignored")
-        return out
-
-
-_COUNT_FIELDS = ("step", "total_steps", "round", "tokens", "bytes_written", "bytes_read")
-_RATE_FIELDS = ("time", "tokens_per_s", "sync_s")
-
-
-def parse_row(raw: Mapping[str, Any], problems: _Problems) -> MetricRow:
-    """Validate ``raw`` field by field: keep what is valid, report the rest, map non-finite losses to divergence.
-    Unknown top-level keys are ignored (newer writers may add keys)."""
-    values: dict[str, Any] = {}
-    kind = raw.get("kind", "progress")
-    if isinstance(kind, str):
-        values["kind"] = kind
-    else:
-        problems.field("kind", "a string", kind)
-    for name in _COUNT_FIELDS:
-        if raw.get(name) is not None:
-            count = _json_count(raw[name])
-            if count is None:
-                problems.field(name, "a whole number >= 0", raw[name])
-            values[name] = count
-    for name in _RATE_FIELDS:
-        if raw.get(name) is not None:
-            number = _json_number(raw[name])
-            if number is None or not math.isfinite(number) or number < 0:
-                problems.field(name, "a finite number >= 0", raw[name])
-                number = None
-            values[name] = number
-    diverged = raw.get("diverged", False)
-    if not isinstance(diverged, bool):
-        problems.field("diverged", "true or false", diverged)
-        diverged = False
-    for name in LOSS_FIELDS:
-        if raw.get(name) is not None:
-            number = _json_number(raw[name])
-            if number is None:
-                problems.field(name, "a number", raw[name])
-            elif not math.isfinite(number):
-                diverged, number = True, None
-            values[name] = number
-    values["diverged"] = diverged
-    values["extra"] = _parse_extra(raw.get("extra"), problems)
-    return MetricRow(**values)
-
-
-def _parse_extra(extra: Any, problems: _Problems) -> dict[str, float | None]:
-    if extra is None:
-        return {}
-    if not isinstance(extra, dict):
-        problems.field("extra", "an object of numbers", extra)
-        return {}
-    out: dict[str, float | None] = {}
-    for name, value in extra.items():
-        number = _json_number(value) if value is not None else None
-        if value is not None and number is None:
-            problems.field(f"extra.{name}", "a number", value)
-            continue
-        out[str(name)] = number if number is not None and math.isfinite(number) else None
-    return out
-
-
-def _json_number(value: Any) -> float | None:
-    """A JSON number (int or float, NaN/Infinity included as Python parses them); never a string or a bool."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value)
-
-
-def _json_count(value: Any) -> int | None:
-    number = _json_number(value)
-    if number is None or not math.isfinite(number) or number < 0 or number != int(number):
-        return None
-    return int(number)
-
-
-def parse_history(text: str, problems: _Problems) -> list[MetricRow]:
-    """The valid rows of a ``metrics/rank_RRRR.jsonl`` body, in order."""
-    rows = []
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        try:
-            raw = json.loads(line)
-        except ValueError:
-            problems.line(line)
-            continue
-        if not isinstance(raw, dict):
-            problems.line(line)
-            continue
-        rows.append(parse_row(raw, problems))
-    return rows
-
-
-def summarize(rank: int, history: list[MetricRow], progress: MetricRow | None) -> ReplicaProgress:
-    """Fold one rank's rows into its progress: values from the newest row (history wins a tie), the initial
-    eval loss from the history, divergence from any row."""
-    rows = list(history) + ([progress] if progress is not None else [])
-    out = ReplicaProgress(rank=rank)
-    if not rows:
-        return out
-    latest = history[-1] if history else progress
-    if progress is not None and history and (progress.time or 0.0) > (history[-1].time or 0.0):
-        latest = progress
-    assert latest is not None
-    out = ReplicaProgress(
-        rank=rank, step=latest.step, total_steps=latest.total_steps, round=latest.round,
-        train_loss=latest.train_loss, eval_loss=latest.eval_loss, tokens=latest.tokens,
-        tokens_per_s=latest.tokens_per_s, sync_s=latest.sync_s, bytes_written=latest.bytes_written,
-        bytes_read=latest.bytes_read, updated_at=latest.time, extra=dict(latest.extra),
-        diverged=any(r.diverged for r in rows), finished_training=latest.kind == "final",
-    )
-    before_training = [r for r in history if r.kind == "init" or r.round == 0]
-    out.initial_eval_loss = next((r.eval_loss for r in before_training if r.eval_loss is not None), None)
-    return out
-
-
-def read_history(store: ObjectStore, rank: int) -> tuple[list[MetricRow], list[str]]:
-    """One rank's validated history rows (none yet when the object does not exist) and its warnings."""
-    problems = _Problems(rank)
-    rows = parse_history(_get_text(store, METRICS_KEY.format(rank=rank)) or "", problems)
-    return rows, problems.warnings()
-
-
-def read_replica(store: ObjectStore, rank: int) -> tuple[ReplicaProgress, list[str]]:
-    """One rank's progress (history and progress objects) and its warnings."""
-    problems = _Problems(rank)
-    history = parse_history(_get_text(store, METRICS_KEY.format(rank=rank)) or "", problems)
-    progress = None
-    text = _get_text(store, PROGRESS_KEY.format(rank=rank))
-    if text is not None and text.strip():
-        rows = parse_history(text.replace("\n", " "), problems)
-        progress = rows[-1] if rows else None
-    return summarize(rank, history, progress), problems.warnings()
-
-
-def read_progress(store: ObjectStore, world_size: int) -> MetricsReadout:
-    """Every rank's progress; absent objects mean "nothing reported yet". Store errors other than a missing
-    object propagate (the caller decides whether a failed poll matters)."""
-    replicas, warnings = [], []
-    for rank in range(world_size):
-        progress, problems = read_replica(store, rank)
-        replicas.append(progress)
-        warnings += problems
-    return MetricsReadout(replicas=replicas, warnings=warnings)
-
-
-def _get_text(store: ObjectStore, key: str) -> str | None:
-    try:
-        return store.get(key).decode(errors="replace")
-    except ObjectNotFound:
-        return None

@@ -18,7 +18,7 @@ Why it looks the way it does:
   held until a later step shows that no history row claims its step (each round's own row carries the round's
   rate), so a live board's rate is one snapshot behind. A curve never doubles back on itself.
 * **One run per launch, one per rank.** The launcher gives each run its own directory under DIR
-  (``run_directory``: ``DIR/<run_id>``), and each rank writes ``rank_RRRR/`` under it, so ``tensorboard --logdir
+  (``diloco.replica.tensorboard_dirs.run_directory``: ``DIR/<run_id>``), and each rank writes ``rank_RRRR/`` under it, so ``tensorboard --logdir
   DIR`` lists every run's replicas side by side (``<run_id>/rank_0000``, ...) and two runs into one DIR stay two
   curves. A replica started by hand (``python -m diloco.replica.entrypoint --tensorboard DIR``) writes
   ``DIR/rank_RRRR/``.
@@ -33,7 +33,6 @@ Tensors never go through here: only numbers.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import math
 import os
@@ -42,11 +41,9 @@ import tempfile
 from collections.abc import Mapping
 from typing import Any
 
-from diloco.errors import ConfigError
-from diloco.local_dirs import absolute_path, check_writable_dir, refuse_scheme_without_slashes
+from diloco.replica.tensorboard_dirs import check_tensorboard, local_directory, rank_dir
 
 log = logging.getLogger("diloco.replica.tensorboard")
-FIELD = "metrics.tensorboard (--tensorboard)"
 
 #: Metrics row field -> TensorBoard tag.
 SCALARS = {
@@ -56,66 +53,6 @@ SCALARS = {
 }
 #: Rows after which the event files are flushed (and uploaded to S3).
 _FLUSHING_KINDS = ("init", "round", "final")
-_INSTALL_HINT = "pip install tensorboard (or the diloco[hf] extra), or drop --tensorboard"
-
-
-def check_tensorboard(directory: str, *, on_this_machine: bool = True, probe: bool = False) -> None:
-    """Whether ``--tensorboard DIR`` can work: a local directory that can be created and written, or an ``s3://``
-    prefix, and the ``tensorboard`` package importable here (found, not imported). ``ConfigError`` naming the flag
-    otherwise. ``probe`` (at launch) also writes and deletes one temporary file where DIR will be created
-    (``diloco.local_dirs.check_writable_dir``).
-
-    ``on_this_machine=False`` (a backend that runs the replicas on machines of its own: SageMaker, EKS): the
-    package is the image's business (each replica checks it at start), and a local directory would stay on those
-    machines, so only an ``s3://`` prefix is accepted."""
-    if not isinstance(directory, str) or not directory.strip():
-        raise ConfigError(f"{FIELD}: empty directory",
-                          hint="pass a local directory or an s3:// prefix, e.g. --tensorboard ./tb")
-    refuse_scheme_without_slashes(directory, FIELD, example="s3://<bucket>/tb")
-    scheme = _scheme(directory)
-    if scheme not in ("", "file", "s3"):
-        raise ConfigError(f"{FIELD}: {directory} is a {scheme}:// URI; events are written to a local directory or "
-                          f"an s3:// prefix", hint="pass a local directory or an s3:// prefix")
-    if not on_this_machine:
-        if scheme != "s3":
-            raise ConfigError(f"{FIELD}: {directory} would be written on the replicas' own machines, which this "
-                              f"backend does not keep",
-                              hint="pass an s3:// prefix, e.g. --tensorboard s3://<bucket>/tb/")
-        return
-    try:
-        found = importlib.util.find_spec("tensorboard") is not None
-    except (ImportError, ValueError):
-        found = False
-    if not found:
-        raise ConfigError(f"{FIELD}: the tensorboard package is not installed here", hint=_INSTALL_HINT)
-    if scheme != "s3":
-        check_writable_dir(local_directory(directory), FIELD, probe=probe)
-
-
-def _scheme(directory: str) -> str:
-    return directory.split("://", 1)[0].lower() if "://" in directory else ""
-
-
-def local_directory(directory: str) -> str:
-    """A local DIR (a path, ``~/...``, relative, or ``file://``) as the absolute path it names here."""
-    return absolute_path(directory[len("file://"):] if _scheme(directory) == "file" else directory)
-
-
-def normalized(directory: str) -> str:
-    """DIR as the launcher records it: an ``s3://`` prefix without its trailing slash, a local directory as its
-    absolute path (resolved against the launcher's working directory, ``~`` expanded), so the replicas and a
-    later relaunch from another directory write to the same place."""
-    return directory.rstrip("/") if _scheme(directory) == "s3" else local_directory(directory)
-
-
-def run_directory(directory: str, run_id: str) -> str:
-    """The run's own directory under DIR (``DIR/<run_id>``), given to its replicas: runs into one DIR stay apart."""
-    return f"{normalized(directory)}/{run_id}"
-
-
-def rank_dir(rank: int) -> str:
-    """Each rank's run directory under DIR."""
-    return f"rank_{rank:04d}"
 
 
 class TensorBoardWriter:

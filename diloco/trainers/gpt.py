@@ -102,7 +102,9 @@ def diloco_train(
     # schedule: total inner steps, and an outer round every sync_every of them
     total_steps: int = 200,
     sync_every: int = 50,
-    # model (a GPTConfig)
+    # model (a GPTConfig), and the weights every replica starts from: None (the seed's initialisation), or a
+    # safetensors file of this model's parameters (a path or a store URI, e.g. a collected model) for a warm start
+    init_from: str | None = None,
     n_layer: int = 2,
     n_head: int = 2,
     n_embd: int = 64,
@@ -171,8 +173,11 @@ def diloco_train(
                                 block_size=block_size, seed=seed)
     train_gen = torch.Generator().manual_seed(seed + 7919 * (rank + 1))  # per-rank batch order
 
-    # --- model: the common seed makes every rank's initial weights identical (no broadcast needed)
+    # --- model: the common seed (or the common init_from file) makes every rank's initial weights identical (no
+    # broadcast needed)
     model = build_model(config, seed=seed, device=dev)
+    if init_from is not None:
+        load_initial_weights(model, init_from)
     inner_opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
     position = [0]  # inner steps taken in the run so far (a rejoining replica starts where the run is)
     inner_step = _inner_step(model, inner_opt, split.train, train_gen, dev, batch_size=batch_size,
@@ -239,6 +244,53 @@ def diloco_train(
             "final_eval_loss": eval_loss, "final_key": key}
 
 
+def load_initial_weights(model: torch.nn.Module, source: str) -> None:
+    """Copy the parameters in the safetensors file ``source`` (a local path or a store URI: ``s3://``,
+    ``file://``) into ``model``: every name and shape must match the model's parameters, else a ``ConfigError``
+    naming ``init_from`` and what differs. A collected model (``diloco collect``) or a trainer's own export fits."""
+    import torch
+    from safetensors.torch import load
+
+    data = read_init_file(source)
+    try:
+        tensors = load(data)
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types for bad bytes
+        raise ConfigError(f"init_from: {source} is not a safetensors file ({type(exc).__name__}: {exc})",
+                          hint="point init_from at a model file, e.g. one written by diloco collect") from None
+    params = dict(model.named_parameters())
+    missing, unexpected = sorted(set(params) - set(tensors)), sorted(set(tensors) - set(params))
+    wrong = [n for n in params if n in tensors and tuple(tensors[n].shape) != tuple(params[n].shape)]
+    if missing or unexpected or wrong:
+        what = (f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}" if unexpected
+                else f"{wrong[0]} is {tuple(tensors[wrong[0]].shape)}, the model's {tuple(params[wrong[0]].shape)}")
+        raise ConfigError(f"init_from: {source} does not fit this model ({what})",
+                          hint="give the model the same n_layer, n_head, n_embd and block_size as the file's")
+    with torch.no_grad():
+        for name, param in params.items():
+            param.copy_(tensors[name].to(device=param.device, dtype=param.dtype))
+    log.info("initial weights from %s (%d tensors)", source, len(params))
+
+
+def read_init_file(source: str) -> bytes:
+    """The bytes of ``init_from``: a local file, or an object named by its store URI; ``ConfigError`` when absent."""
+    from pathlib import Path
+
+    from diloco.errors import ObjectNotFound
+    from diloco.store.objects import ObjectStore
+
+    if "://" not in source:
+        try:
+            return Path(source).expanduser().read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"init_from: cannot read {source}: {exc.strerror or exc}",
+                              hint="give the path of a safetensors model file") from None
+    folder, _, key = source.rstrip("/").rpartition("/")
+    try:
+        return ObjectStore(folder).get(key)
+    except ObjectNotFound:
+        raise ConfigError(f"init_from: no object at {source}", hint="give the URI of a safetensors model file") from None
+
+
 # ------------------------------------------------------------------------------------------------ checks
 #: Minimum of every integer knob.
 _INT_MINIMUMS = {"total_steps": 1, "sync_every": 1, "n_layer": 1, "n_head": 1, "n_embd": 1, "block_size": 1,
@@ -289,6 +341,9 @@ def check_config(values: Mapping[str, Any], *, world_size: int | None = None, on
     corpus = values.get("corpus")
     if corpus is not None and not isinstance(corpus, str):
         raise ConfigError(f"corpus must be a path (a string), got {corpus!r}")
+    init_from = values.get("init_from")
+    if init_from is not None and (not isinstance(init_from, str) or not init_from.strip()):
+        raise ConfigError(f"init_from must be a path or a store URI of a safetensors file, got {init_from!r}")
     if on_this_machine:
         if device not in ("auto", "cpu"):
             _resolve_device(device)

@@ -7,14 +7,13 @@ Steps are kept small so the whole file runs in well under a minute on two cores;
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
-from support.commands import DILOCO_SCRIPT as DILOCO
+from support.commands import run_cli, start_cli
 from support.run_processes import processes_of
 
 from diloco.launcher.runs import RunRegistry
@@ -26,16 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 TESTS_DIR = str(ROOT / "tests")
 
 
-def cli(*args: str, home: Path, cwd: str | Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "DILOCO_HOME": str(home)}
-    env.pop("DILOCO_DEBUG", None)
-    return subprocess.run([DILOCO, *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
-
-
-def start(*args: str, home: Path, cwd: str | Path) -> subprocess.Popen[str]:
-    env = {**os.environ, "DILOCO_HOME": str(home)}
-    return subprocess.Popen([DILOCO, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            cwd=cwd)
+cli = partial(run_cli, script=True)
+start = partial(start_cli, script=True)
 
 
 def wait_until_running(home: Path, n: int, timeout: float = 60) -> str:

@@ -20,12 +20,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from support.commands import DILOCO_MODULE as DILOCO
+from support.polling import wait_for
 
 from diloco.executors.local_supervisor import processes_with_env
 
@@ -35,17 +36,6 @@ TESTS_DIR = str(Path(__file__).resolve().parents[1])
 def processes_of_run(run_id: str) -> list[int]:
     """Live processes of the run: every supervisor, replica and child carries ``DILOCO_RUN_ID`` in its environment."""
     return sorted(processes_with_env("DILOCO_RUN_ID", run_id))
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float = 60.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not met within {timeout:g}s")
-        time.sleep(0.02)
 
 
 class Cli:
@@ -112,7 +102,7 @@ def launch_sixty(cli: Cli) -> tuple[subprocess.Popen[str], dict[str, Any]]:
         handle = (record or {}).get("handle") or {}
         return record if len(handle.get("processes", [])) >= 3 else None
 
-    record = wait_for(some_recorded, what="the launch's record lists 3 replicas")
+    record = wait_for(some_recorded, "the launch's record lists 3 replicas")
     assert not record["handle"]["complete"], "the submission ended before it could be interrupted"
     return proc, record
 
@@ -163,8 +153,7 @@ def launch_stubborn(cli: Cli, grace_s: float) -> str:
     assert out.returncode == 0, out.stderr
     run_id = out.stdout.strip()
     logs = [cli.home / "runs" / run_id / "logs" / f"rank_{r}" / "stdout.log" for r in range(2)]
-    wait_for(lambda: all(p.exists() and "ignores SIGTERM" in p.read_text() for p in logs),
-             what="both replicas ignore SIGTERM")
+    wait_for(lambda: all(p.exists() and "ignores SIGTERM" in p.read_text() for p in logs), "both replicas ignore SIGTERM")
     return run_id
 
 
@@ -172,13 +161,13 @@ def test_ctrl_c_during_cancel_still_ends_every_replica_that_ignores_sigterm(cli:
     run_id = launch_stubborn(cli, grace_s=5)
     canceller = cli.start("cancel", run_id)
     markers = [cli.home / "runs" / run_id / "logs" / f"rank_{r}" / "cancel_requested" for r in range(2)]
-    wait_for(lambda: all(m.exists() for m in markers), what="cancel has asked both replicas")
+    wait_for(lambda: all(m.exists() for m in markers), "cancel has asked both replicas")
     time.sleep(0.5)  # into its wait: a Ctrl-C within ms of the ask sometimes exits -SIGINT, not 130 (a CLI race)
     canceller.send_signal(signal.SIGINT)
     assert canceller.wait(timeout=60) == 130, cli.stderr_of(canceller)
     assert processes_of_run(run_id), "the replicas ignore SIGTERM: only the escalation can end them"
 
-    wait_for(lambda: processes_of_run(run_id) == [], timeout=60, what="the supervisors' own SIGKILL")
+    wait_for(lambda: processes_of_run(run_id) == [], "the supervisors' own SIGKILL", 60)
     status = json.loads(cli.run("status", run_id, "-o", "json").stdout)
     assert status["state"] == "cancelled"
     assert [r["exit_code"] for r in status["ranks"]] == [137, 137]  # SIGKILLed after the grace period
@@ -206,10 +195,9 @@ def test_interrupting_a_smoke_leaves_no_directory_and_no_process(tmp_path: Path,
     cli = Cli(tmp_path, TMPDIR=str(tmp))  # where the smoke makes its temporary directory
     try:
         smoke = cli.start("smoke")
-        run_id = wait_for(lambda: (m := re.search(r"smoke (smoke-[\w-]+):", cli.stderr_of(smoke))) and m.group(1),
-                          what="the smoke names its run")
+        run_id = wait_for(lambda: (m := re.search(r"smoke (smoke-[\w-]+):", cli.stderr_of(smoke))) and m.group(1), "the smoke names its run")
         assert any(p.name.startswith("diloco-smoke-") for p in tmp.iterdir())
-        wait_for(lambda: len(processes_of_run(run_id)) >= 4, what="both replicas are running")
+        wait_for(lambda: len(processes_of_run(run_id)) >= 4, "both replicas are running")
 
         smoke.send_signal(sig)
         assert smoke.wait(timeout=120) == 130, cli.stderr_of(smoke)

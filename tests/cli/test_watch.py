@@ -7,21 +7,18 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
+from functools import partial
 from pathlib import Path
 
 import pytest
-from support.commands import DILOCO_MODULE as DILOCO
+from support.commands import run_cli, start_cli
 from support.polling import wait_for_file as wait_for
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
 
 
-def cli(*args: str, home: Path, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    """The CLI as a user runs it, from tests/ (so ``support.paced_trainer:train`` imports), with its own DILOCO_HOME."""
-    env = {**os.environ, "DILOCO_HOME": str(home), "NO_COLOR": "1", "DILOCO_RESTART_BACKOFF_S": "0"}
-    env.pop("DILOCO_DEBUG", None)
-    return subprocess.run([*DILOCO, *args], capture_output=True, text=True, env=env, cwd=TESTS_DIR, timeout=timeout)
+#: The CLI from tests/ (so ``support.paced_trainer:train`` imports), relaunching without a backoff.
+cli = partial(run_cli, restart_backoff_s=0, timeout=180)
 
 
 def test_watch_relaunches_a_killed_replica_of_a_detached_run_and_ends_with_identical_weights(tmp_path: Path) -> None:
@@ -77,9 +74,7 @@ def test_ctrl_c_stops_watching_and_never_the_run(tmp_path: Path) -> None:
                  "--sync-every", "100", "--detach", "-o", "json", home=home)
     assert launch.returncode == 0, launch.stderr[-3000:]
     run_id = json.loads(launch.stdout)["run_id"]
-    env = {**os.environ, "DILOCO_HOME": str(home), "NO_COLOR": "1"}
-    watch = subprocess.Popen([*DILOCO, "watch", run_id], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env=env, cwd=TESTS_DIR)
+    watch = start_cli("watch", run_id, home=home)
     try:
         assert watch.stderr is not None
         first = watch.stderr.readline()  # printed once it has found the run and starts waiting

@@ -40,7 +40,7 @@ def train(uri: str, rank: int, strategy: str, compression: str, error_feedback: 
     model = build_model()
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    allreduce = create_allreduce(uri, rank, WORLD, strategy=strategy, compression=compression,
+    allreduce = create_allreduce(uri, rank, WORLD, allreduce=strategy, compression=compression,
                                  error_feedback=error_feedback, timeout_s=30, poll_interval_s=0.005)
     manager = ObjectStoreManager(allreduce, total_steps=STEPS)
     data = torch.Generator().manual_seed(rank)

@@ -82,10 +82,10 @@ def test_fewer_than_min_replicas_is_a_timeout_naming_the_missing_ranks(tmp_path:
 
 
 def test_min_replicas_is_checked_and_refused_for_sharded() -> None:
-    with pytest.raises(ConfigError, match=r"min_replicas must be an integer in \[1, 4\]"):
+    with pytest.raises(ConfigError, match=r"store.min_replicas: must be at most the number of replicas \(4\)"):
         create_allreduce("memory://x", 0, 4, min_replicas=5)
-    with pytest.raises(ConfigError, match="gather only"):
-        create_allreduce("memory://x", 0, 4, strategy="sharded", min_replicas=3)
+    with pytest.raises(ConfigError, match="store.min_replicas: partial participation needs allreduce gather"):
+        create_allreduce("memory://x", 0, 4, allreduce="sharded", min_replicas=3)
 
 
 # ---------------------------------------------------------------------------------------------- dropped and rejoined

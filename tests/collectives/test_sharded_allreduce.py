@@ -85,7 +85,7 @@ def test_every_compression_format_gives_identical_results_on_every_rank(fmt: str
 
         def rank_fn(rank: int, strategy: str = strategy, uri: str = uri) -> list[dict[str, torch.Tensor]]:
             outs = []
-            with create_allreduce(uri, rank, world, strategy=strategy, compression=fmt, timeout_s=20,
+            with create_allreduce(uri, rank, world, allreduce=strategy, compression=fmt, timeout_s=20,
                                   poll_interval_s=POLL) as ar:
                 for k in range(rounds):
                     tensors = {name: t * (k + 1) for name, t in order_sensitive(rank).items() if name != "h"}
@@ -210,7 +210,7 @@ def test_spread_puts_the_round_keys_under_several_prefixes(strategy: str, tmp_pa
     uri = f"file://{tmp_path}/rdv"
 
     def rank_fn(rank: int) -> torch.Tensor:
-        with create_allreduce(uri, rank, world, strategy=strategy, spread=spread, timeout_s=20,
+        with create_allreduce(uri, rank, world, allreduce=strategy, spread=spread, timeout_s=20,
                               poll_interval_s=POLL) as ar:
             t = torch.full((300,), float(rank))
             ar.allreduce([t])
@@ -290,10 +290,10 @@ def test_a_leftover_of_another_run_is_rejected(uri: str) -> None:
 
 # ---------------------------------------------------------------- construction
 def test_create_allreduce_builds_the_strategy_asked_for_and_names_bad_settings() -> None:
-    assert isinstance(create_allreduce("memory://x", 0, 2, strategy="sharded"), ShardedAllReduce)
+    assert isinstance(create_allreduce("memory://x", 0, 2, allreduce="sharded"), ShardedAllReduce)
     assert isinstance(create_allreduce("memory://x", 0, 2), ObjectStoreAllReduce)
     with pytest.raises(ConfigError, match="store.allreduce"):
-        create_allreduce("memory://x", 0, 2, strategy="ring")
+        create_allreduce("memory://x", 0, 2, allreduce="ring")
     with pytest.raises(ConfigError, match="store.compression"):
         create_allreduce("memory://x", 0, 2, compression="fp8")
     with pytest.raises(ConfigError, match="store.spread"):

@@ -10,13 +10,12 @@ until they committed without it), so the drop is certain whatever the machine's 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
-from support.commands import DILOCO_SCRIPT as DILOCO
+from support.commands import run_cli
 from support.pacing import round_deadline_s
 from support.run_processes import processes_of
 
@@ -48,11 +47,8 @@ def launch_args(*, late_rounds: str, hold_rounds: str, rounds: int = ROUNDS, ext
             "--set", f"store.timeout_s={deadline_s:.1f}", "--set", "store.poll_interval_s=0.05", "-o", "json", *extra]
 
 
-def cli(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "DILOCO_HOME": str(home), "NO_COLOR": "1", "DILOCO_RESTART_BACKOFF_S": "0"}
-    env.pop("DILOCO_DEBUG", None)
-    return subprocess.run([DILOCO, *args], capture_output=True, text=True, env=env, cwd=TESTS_DIR,
-                          timeout=300 + ROUNDS * round_deadline_s(4.0))  # a hang's bound: every round may wait out its deadline
+#: A hang's bound: every round may wait out its deadline.
+cli = partial(run_cli, restart_backoff_s=0, timeout=300 + ROUNDS * round_deadline_s(4.0), script=True)
 
 
 def round_losses(store: ObjectStore, rank: int) -> dict[int, float]:

@@ -6,12 +6,11 @@ replica process is left behind."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
+from functools import partial
 from pathlib import Path
 
 import pytest
-from support.commands import DILOCO_MODULE as DILOCO
+from support.commands import run_cli
 from support.pacing import round_deadline_s
 from support.run_processes import processes_of
 
@@ -35,11 +34,8 @@ def run_args() -> list[str]:
             "--set", "store.poll_interval_s=0.05", "--set", f"store.timeout_s={deadline_s:.1f}", "-o", "json"]
 
 
-def cli(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "DILOCO_HOME": str(home), "NO_COLOR": "1", "DILOCO_RESTART_BACKOFF_S": "0"}
-    env.pop("DILOCO_DEBUG", None)
-    return subprocess.run([*DILOCO, *args], capture_output=True, text=True, env=env, cwd=TESTS_DIR,
-                          timeout=240 + 6 * round_deadline_s(4.0))  # a hang's bound: every round may wait out its deadline
+#: A hang's bound: every round may wait out its deadline.
+cli = partial(run_cli, restart_backoff_s=0, timeout=240 + 6 * round_deadline_s(4.0))
 
 
 def test_with_min_replicas_3_of_4_the_run_finishes_on_3_that_agree_on_every_round(tmp_path: Path) -> None:

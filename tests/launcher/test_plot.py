@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from diloco.cli.main import app
 from diloco.errors import ConfigError
 from diloco.launcher.plot import curve_of, output_path, plot_run
-from diloco.replica.metrics import MetricRow
+from diloco.replica.metric_rows import MetricRow
 from diloco.store.layout import METRICS_KEY, PROGRESS_KEY
 from diloco.store.objects import ObjectStore
 

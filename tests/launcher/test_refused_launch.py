@@ -11,7 +11,6 @@ store refused (2 when diloco itself refuses the input before any call), 130 for 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 from collections.abc import Callable, Iterator
@@ -21,6 +20,8 @@ from typing import Any
 import pytest
 from emulators.sagemaker import SageMakerEmulator
 from support.commands import DILOCO_MODULE as DILOCO
+from support.commands import cli_env
+from support.commands import run_cli as cli
 
 from diloco.cli import exit_codes
 
@@ -36,17 +37,6 @@ def train(*, manager, rank, world_size, total_steps=1, sync_every=1):
     print(f"slow trainer started on rank {rank}", flush=True)
     time.sleep(120)
 '''
-
-
-def cli_env(home: Path) -> dict[str, str]:
-    env = {**os.environ, "DILOCO_HOME": str(home), "NO_COLOR": "1"}
-    env.pop("DILOCO_DEBUG", None)
-    return env
-
-
-def cli(*args: str, home: Path, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*DILOCO, *args], capture_output=True, text=True, env=cli_env(home), cwd=cwd,
-                          timeout=timeout)
 
 
 def error_line(stderr: str) -> str:

@@ -10,14 +10,12 @@ nothing. Real processes (``fake_replica``), real S3 traffic to moto through the 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from support.commands import DILOCO_MODULE as DILOCO
+from support.commands import run_cli as cli
 from support.faultproxy import FaultProxy
 
 from diloco.cli import exit_codes
@@ -28,12 +26,6 @@ from diloco.store.layout import RUN_INFO_KEY, SPEC_KEY
 from diloco.store.objects import ObjectStore
 
 TESTS_DIR = str(Path(__file__).resolve().parents[1])
-
-
-def cli(*args: str, home: Path, cwd: Path | str = TESTS_DIR) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "DILOCO_HOME": str(home), "NO_COLOR": "1"}
-    env.pop("DILOCO_DEBUG", None)
-    return subprocess.run([*DILOCO, *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=120)
 
 
 def test_a_refused_launch_that_could_not_clean_up_names_rm_prefix_which_then_removes_it(

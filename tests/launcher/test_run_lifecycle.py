@@ -12,9 +12,10 @@ import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
-from support.commands import DILOCO_MODULE as DILOCO
+from support.commands import run_cli, start_cli
 from support.polling import wait_for_file as wait_for
 from support.run_processes import processes_of
 
@@ -25,21 +26,9 @@ PACED = ["--replicas", "2", "--backend", "local", "--trainer", "support.paced_tr
          "-k", "step_s=0.05", "--set", "store.poll_interval_s=0.05"]
 
 
-def env_for(home: Path) -> dict[str, str]:
-    env = {**os.environ, "DILOCO_HOME": str(home), "NO_COLOR": "1", "DILOCO_RESTART_BACKOFF_S": "0"}
-    env.pop("DILOCO_DEBUG", None)
-    return env
-
-
-def cli(*args: str, home: Path, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    """The CLI as a user runs it, from tests/ (so ``support.paced_trainer:train`` imports), with its own DILOCO_HOME."""
-    return subprocess.run([*DILOCO, *args], capture_output=True, text=True, env=env_for(home), cwd=TESTS_DIR,
-                          timeout=timeout)
-
-
-def background(*args: str, home: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen([*DILOCO, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env_for(home), cwd=TESTS_DIR)
+#: The CLI from tests/ (so ``support.paced_trainer:train`` imports), relaunching without a backoff.
+cli = partial(run_cli, restart_backoff_s=0, timeout=180)
+background = partial(start_cli, restart_backoff_s=0)
 
 
 def kill_replica(home: Path, rank: int) -> None:

@@ -53,7 +53,7 @@ def test_the_reference_names_every_command_option_and_config_field() -> None:
             if param.param_type_name == "option" and not param.hidden:
                 assert all(opt in cli for opt in param.opts), (name, param.opts)
     config = reference.configuration_page()
-    assert "`store.allreduce`" in config and "`train.sync_every`" in config and "`min_replicas`" in config
+    assert "`store.allreduce`" in config and "`train.sync_every`" in config and "`store.min_replicas`" in config
     for name in BUILTIN_BACKENDS:
         for field in config_type(name).model_fields:
             assert f"`backend.{field}`" in config, (name, field)

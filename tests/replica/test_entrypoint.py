@@ -20,8 +20,10 @@ import uuid
 import pytest
 
 from diloco import envvars
-from diloco.replica.entrypoint import DEFAULT_TRAINER, UsageError, main, resolve_args
-from diloco.replica.metrics import read_replica
+from diloco.defaults import DEFAULT_POLL_INTERVAL_S, DEFAULT_TRAINER
+from diloco.launcher.progress import read_replica
+from diloco.replica.entrypoint import main, resolve_args
+from diloco.replica.settings import ReplicaSettings
 from diloco.store.objects import ObjectStore
 
 PROBE = textwrap.dedent('''
@@ -133,24 +135,32 @@ def test_rank_precedence_flag_then_replica_rank_then_job_completion_index(argv, 
 def test_world_size_and_rendezvous_from_env_and_flags_win() -> None:
     env = {envvars.WORLD_SIZE: "3", envvars.RENDEZVOUS_URI: "file:///tmp/env-rdv", envvars.REPLICA_RANK: "2"}
     args = resolve_args([], env)
-    assert (args.world_size, args.rendezvous, args.rank) == (3, "file:///tmp/env-rdv", 2)
+    assert (args.settings.world_size, args.settings.rendezvous_uri, args.rank) == (3, "file:///tmp/env-rdv", 2)
     args = resolve_args(["--world-size", "5", "--rendezvous", "memory://flag", "--rank", "4"], env)
-    assert (args.world_size, args.rendezvous, args.rank) == (5, "memory://flag", 4)
+    assert (args.settings.world_size, args.settings.rendezvous_uri, args.rank) == (5, "memory://flag", 4)
 
 
-def test_trainer_forms_and_defaults() -> None:
+def test_every_setting_has_its_flag_and_the_defaults_are_the_models() -> None:
     base = ["--rendezvous", "memory://x", "--world-size", "1", "--rank", "0"]
-    a = resolve_args(base, {})
-    assert f"{a.trainer_module}:{a.trainer_fn}" == DEFAULT_TRAINER
-    assert (a.trainer_kwargs, a.timeout_s, a.poll_interval_s) == ({}, 1800.0, 1.0)
+    a = resolve_args(base, {}).settings
+    assert a.trainer == DEFAULT_TRAINER
+    assert (a.trainer_kwargs, a.timeout_s, a.poll_interval_s) == ({}, 1800.0, DEFAULT_POLL_INTERVAL_S)
     b = resolve_args([*base, "--trainer", "pkg.mod:fn", "--trainer-kwargs-json", '{"x": 1}', "--timeout", "5",
-                      "--poll-interval", "0.25"], {})
+                      "--poll-interval", "0.25", "--no-error-feedback", "--compression", "int8", "--spread", "3"],
+                     {}).settings
     assert (b.trainer_module, b.trainer_fn, b.trainer_kwargs, b.timeout_s, b.poll_interval_s) == (
         "pkg.mod", "fn", {"x": 1}, 5.0, 0.25)
-    c = resolve_args([*base, "--trainer-module", "pkg.mod", "--trainer-fn", "fn"], {})
-    assert (c.trainer_module, c.trainer_fn) == ("pkg.mod", "fn")
-    with pytest.raises(UsageError, match="disagrees"):
-        resolve_args([*base, "--trainer", "pkg.mod:fn", "--trainer-fn", "other"], {})
+    assert (b.error_feedback, b.compression, b.spread) == (False, "int8", 3)
+
+
+def test_flags_win_over_settings_json_which_wins_over_the_environment() -> None:
+    settings = ReplicaSettings(rendezvous_uri="memory://json", world_size=4, compression="int4", spread=2)
+    env = {envvars.RENDEZVOUS_URI: "memory://env", envvars.WORLD_SIZE: "9", envvars.REPLICA_RANK: "3"}
+    args = resolve_args(["--settings-json", settings.to_json(), "--spread", "5"], env)
+    assert args.rank == 3
+    assert args.settings == settings.model_copy(update={"spread": 5})
+    # The argv a replica without a settings object gets is read back into the very same settings.
+    assert resolve_args([*settings.to_argv(), "--rank", "0"], {}).settings == settings
 
 
 # ---------------------------------------------------------------------------------------------- usage errors
@@ -161,19 +171,25 @@ BASE = ["--rendezvous", "memory://usage", "--world-size", "2"]
     ([*BASE, "--rank", "2"], {}, "rank 2 is outside the world of size 2"),
     ([*BASE, "--rank", "-1"], {}, "rank -1 is outside"),
     (BASE, {envvars.REPLICA_RANK: "abc"}, "REPLICA_RANK='abc' is not an integer"),
-    (["--rendezvous", "memory://x", "--rank", "0"], {envvars.WORLD_SIZE: "two"}, "WORLD_SIZE='two'"),
-    (["--rendezvous", "memory://x", "--rank", "0"], {}, "no world size"),
+    (["--rendezvous", "memory://x", "--rank", "0"], {envvars.WORLD_SIZE: "two"}, "WORLD_SIZE: "),
+    (["--rendezvous", "memory://x", "--rank", "0"], {}, "no world size (pass --world-size N or set WORLD_SIZE)"),
     (BASE, {}, "no rank"),
-    (["--world-size", "2", "--rank", "0"], {}, "no rendezvous URI"),
-    ([*BASE, "--rank", "0", "--trainer-module", "no_such_module_xyz", "--trainer-fn", "f"], {},
-     "trainer module 'no_such_module_xyz' not found"),
+    (["--world-size", "2", "--rank", "0"], {}, "no rendezvous uri (pass --rendezvous URI or set RENDEZVOUS_URI)"),
+    ([*BASE, "--rank", "0", "--world-size", "0"], {}, "--world-size: Input should be greater than or equal to 1"),
+    ([*BASE, "--rank", "0", "--trainer", "no_such_module_xyz:f"], {}, "trainer module 'no_such_module_xyz' not found"),
     ([*BASE, "--rank", "0", "--trainer", "diloco.trainers.gpt:nope"], {}, "has no function 'nope'"),
-    ([*BASE, "--rank", "0", "--trainer", "no_colon"], {}, "--trainer='no_colon' is not MODULE:FN"),
+    ([*BASE, "--rank", "0", "--trainer", "no_colon"], {}, "--trainer: must look like 'package.module:function'"),
     ([*BASE, "--rank", "0", "--trainer-kwargs-json", "{oops"], {}, "--trainer-kwargs-json is not valid JSON"),
     ([*BASE, "--rank", "0", "--trainer-kwargs-json", "[1]"], {}, "is a JSON list, not an object"),
-    ([*BASE, "--rank", "0", "--trainer-kwargs-json", '{"rank": 1}'], {}, "sets rank, which the entrypoint"),
+    ([*BASE, "--rank", "0", "--trainer-kwargs-json", '{"rank": 1}'], {}, "set rank, which each replica is given"),
     ([*BASE, "--rank", "0", "--trainer-kwargs-json", '{"learning_rate": 1}'], {}, "learning_rate"),
-    ([*BASE, "--rank", "0", "--timeout", "0"], {}, "--timeout"),
+    ([*BASE, "--rank", "0", "--timeout", "0"], {}, "--timeout: Input should be greater than 0"),
+    ([*BASE, "--rank", "0", "--compression", "fp8"], {}, "--compression: Input should be 'none', 'bf16'"),
+    ([*BASE, "--rank", "0", "--min-replicas", "3"], {}, "--min-replicas: must be at most the number of replicas"),
+    ([*BASE, "--rank", "0", "--min-replicas", "2", "--allreduce", "sharded"], {}, "--min-replicas: partial "
+     "participation needs allreduce gather"),
+    ([*BASE, "--rank", "0", "--spec-sha256", "ab"], {}, "--spec-sha256 without --spec"),
+    ([*BASE, "--rank", "0", "--settings-json", '{"world_size": 2}'], {}, "--settings-json: rendezvous_uri: required"),
     ([*BASE, "--rank", "0", "--bogus"], {}, "unrecognized arguments: --bogus"),
 ])
 def test_usage_errors_exit_2_with_one_line_naming_the_field(argv, env, needle, capsys) -> None:
@@ -255,7 +271,7 @@ def test_subprocess_usage_errors_are_one_line_without_traceback(tmp_path) -> Non
 
 def test_subprocess_runs_the_trainer_with_env_rank(probe_dir) -> None:
     uri = f"file://{probe_dir}/rdv"
-    r = _run(["--trainer-module", "probe_trainer", "--trainer-fn", "record", "--trainer-kwargs-json", "{}"],
+    r = _run(["--trainer", "probe_trainer:record", "--trainer-kwargs-json", "{}"],
              probe_dir, _env(RENDEZVOUS_URI=uri, WORLD_SIZE="2", JOB_COMPLETION_INDEX="1"))
     assert r.returncode == 0, r.stderr
     assert json.loads(ObjectStore(uri).get("probe/rank_1.json"))["rank"] == 1
@@ -311,10 +327,8 @@ LAUNCHED = {envvars.RUN_ID: "run-7"}  # every backend sets the run id: the repli
 
 
 @pytest.mark.parametrize("extra, env, wanted, unwanted", [
-    (["--trainer", "no_such_module_xyz:train"], LAUNCHED, "check --trainer and", "--trainer-module"),
-    (["--trainer", "no_such_module_xyz:train"], {}, "check --trainer-module and", None),
-    (["--trainer", "diloco.trainers.gpt:nope"], LAUNCHED, "check the function name in --trainer)", "--trainer-fn"),
-    (["--trainer", "diloco.trainers.gpt:nope"], {}, "check the function name in --trainer-fn", None),
+    (["--trainer", "no_such_module_xyz:train"], LAUNCHED, "check --trainer and", None),
+    (["--trainer", "diloco.trainers.gpt:nope"], LAUNCHED, "check the function name in --trainer)", None),
     (["--trainer-kwargs-json", '{"lr": "abc"}'], LAUNCHED, "fix it with -k/--trainer-kwargs lr=VALUE",
      "--trainer-kwargs-json"),
     (["--trainer-kwargs-json", '{"lr": "abc"}'], {}, "fix it in --trainer-kwargs-json", "-k/"),

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from diloco import envvars
+from diloco.launcher.progress import read_progress
 from diloco.launcher.weights import check_final_weights
-from diloco.replica.metrics import read_progress
 from diloco.store.codec import decode_tensors
 from diloco.store.objects import ObjectStore
 from diloco.trainers.gpt_model import GPTConfig

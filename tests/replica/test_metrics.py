@@ -15,14 +15,9 @@ from typing import Any
 import pytest
 
 from diloco.collectives.allreduce import AllReduceStats
-from diloco.replica.metrics import (
-    MetricsWriter,
-    read_history,
-    read_progress,
-    read_replica,
-    report,
-    reporting_to,
-)
+from diloco.launcher.progress import read_progress, read_replica
+from diloco.replica.metric_rows import read_history
+from diloco.replica.metrics import MetricsWriter, report, reporting_to
 from diloco.store.objects import ObjectStore
 
 

@@ -16,9 +16,10 @@ from torch import nn
 import diloco
 from diloco.collectives.allreduce import ObjectStoreAllReduce, contribution_key
 from diloco.errors import AllReduceTimeout
+from diloco.launcher.progress import read_replica
 from diloco.launcher.weights import check_final_weights
 from diloco.replica.manager import ObjectStoreManager
-from diloco.replica.metrics import read_history, read_replica
+from diloco.replica.metric_rows import read_history
 from diloco.replica.outer import make_diloco_outer_loop, pseudo_gradient
 from diloco.store.codec import decode_tensors
 

@@ -386,3 +386,16 @@ def test_only_failures_a_relaunch_can_cure_are_relaunched(exit_code: int | None,
     status = ReplicaStatus(rank=0, state=ReplicaState.FAILED, exit_code=exit_code, timed_out=timed_out)
     assert relaunchable(status) is expected
     assert relaunchable(status.model_copy(update={"state": ReplicaState.CANCELLED})) is False
+
+
+def test_keep_rounds_bounds_the_committed_rounds_a_run_leaves_in_the_store(tmp_path: Path) -> None:
+    """``store.keep_rounds`` (``--keep-rounds`` on the entrypoint): only the newest K committed rounds stay."""
+    from diloco.replica.entrypoint import main
+
+    store = tmp_path / "store"
+    kwargs = {"total_steps": 8, "sync_every": 2, "n_embd": 16, "eval_batches": 1, "max_corpus_bytes": 100_000}
+    argv = ["--rendezvous", store.as_uri(), "--world-size", "1", "--rank", "0", "--keep-rounds", "2",
+            "--trainer-kwargs-json", json.dumps(kwargs)]
+    assert main(argv, {}) == 0
+    kept = sorted(p.parent.name for p in (store / "committed").glob("*/*"))  # a file store keeps empty folders
+    assert kept == ["round_000003", "round_000003", "round_000004", "round_000004"]

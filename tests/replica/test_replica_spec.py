@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from support.commands import DILOCO_MODULE as DILOCO
+from support.commands import run_cli as cli
 
 from diloco.executors.base import EntrypointArgs, LaunchSpec
 
@@ -37,12 +37,6 @@ def train(*, blob: str, **kwargs):
     print(f"blob received: {len(blob)} chars, sha256 {hashlib.sha256(blob.encode()).hexdigest()}", flush=True)
     return diloco_train(**kwargs)
 '''
-
-
-def cli(*args: str, home: Path, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "DILOCO_HOME": str(home), "NO_COLOR": "1"}
-    env.pop("DILOCO_DEBUG", None)
-    return subprocess.run([*DILOCO, *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
 
 
 def received_line() -> str:
@@ -116,14 +110,13 @@ def _publish(tmp_path: Path, run_id: str = "run-a") -> LaunchSpec:
     return spec
 
 
-def test_the_spec_expands_into_the_entrypoints_flags_and_explicit_flags_win(tmp_path: Path) -> None:
-    from diloco.replica.entrypoint import expand_spec, resolve_args
+def test_the_spec_gives_every_setting_and_explicit_flags_win(tmp_path: Path) -> None:
+    from diloco.replica.entrypoint import resolve_args
 
     spec = _publish(tmp_path)
-    argv = expand_spec([*spec.entrypoint_argv(), "--rank", "0", "--timeout", "7"], {"DILOCO_RUN_ID": "run-a"})
-    args = resolve_args(argv, {})
-    assert args.trainer_kwargs == {"blob": BLOB} and args.rendezvous == spec.entrypoint_args.rendezvous_uri
-    assert (args.trainer_module, args.trainer_fn, args.rank, args.timeout_s) == ("echo_trainer", "train", 0, 7.0)
+    args = resolve_args([*spec.entrypoint_argv(), "--rank", "0", "--timeout", "7"], {"DILOCO_RUN_ID": "run-a"})
+    assert args.settings == spec.entrypoint_args.model_copy(update={"timeout_s": 7.0})
+    assert (args.rank, args.run_id) == (0, "run-a")
 
 
 @pytest.mark.parametrize(("tamper", "message"), [

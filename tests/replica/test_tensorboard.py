@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 from diloco.cli.main import app
 from diloco.errors import ConfigError
-from diloco.replica.tensorboard import check_tensorboard
+from diloco.replica.tensorboard_dirs import check_tensorboard
 from diloco.store.layout import METRICS_KEY
 from diloco.store.objects import ObjectStore
 

@@ -10,13 +10,11 @@ with one line naming the setting and the fix; the same probe passes on moto itse
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from support.commands import DILOCO_MODULE as DILOCO
+from support.commands import run_cli as cli
 from support.faultproxy import FaultProxy
 
 from diloco.cli import exit_codes
@@ -26,12 +24,6 @@ from diloco.launcher.orchestrate import require_conditional_create
 from diloco.store.objects import ObjectStore
 
 TESTS_DIR = str(Path(__file__).resolve().parents[1])
-
-
-def cli(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "DILOCO_HOME": str(home), "NO_COLOR": "1"}
-    env.pop("DILOCO_DEBUG", None)
-    return subprocess.run([*DILOCO, *args], capture_output=True, text=True, env=env, cwd=TESTS_DIR, timeout=120)
 
 
 @pytest.fixture
@@ -60,7 +52,7 @@ def test_launch_with_min_replicas_is_refused_on_a_store_that_ignores_if_none_mat
 
 def test_the_probe_passes_where_if_none_match_is_honoured_and_only_runs_that_need_it_ask(
         s3_uri: str, fault_proxy: FaultProxy) -> None:
-    needs = validate({"replicas": 4, "min_replicas": 3, "store": {"rendezvous": s3_uri}})
+    needs = validate({"replicas": 4, "store": {"rendezvous": s3_uri, "min_replicas": 3}})
     require_conditional_create(ObjectStore(s3_uri), needs)  # moto honours it: no error
     assert fault_proxy.requests("PUT"), "the probe ran"
     assert ObjectStore(s3_uri).list() == []

@@ -8,25 +8,19 @@ process behind.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import time
 from pathlib import Path
 
-from support.commands import DILOCO_SCRIPT as DILOCO
+from support import commands
 
 TESTS_DIR = str(Path(__file__).resolve().parents[1])
 
 
 def run_cli(*args: str, home: Path, columns: int | None = None, timeout: float = 120
             ) -> subprocess.CompletedProcess[str]:
-    """``diloco ARGS`` as a user types it, piped (not a terminal), optionally with ``COLUMNS`` set."""
-    env = {**os.environ, "DILOCO_HOME": str(home), "NO_COLOR": "1"}
-    for name in ("DILOCO_DEBUG", "COLUMNS", "LINES"):
-        env.pop(name, None)
-    if columns is not None:
-        env["COLUMNS"] = str(columns)
-    return subprocess.run([DILOCO, *args], capture_output=True, text=True, env=env, cwd=TESTS_DIR, timeout=timeout)
+    """``diloco ARGS`` as a user types it (the console script), piped (not a terminal), optionally with ``COLUMNS``."""
+    return commands.run_cli(*args, home=home, columns=columns, timeout=timeout, script=True)
 
 
 class RealRuns:

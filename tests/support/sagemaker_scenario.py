@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from support.polling import wait_for
+
 TESTS_DIR = Path(__file__).resolve().parents[1]
 READY_IMAGE = "diloco-ready-image:test"
 
@@ -63,18 +65,6 @@ def cli_env(emulator: Any, home: Path) -> dict[str, str]:
     return env
 
 
-def _until(predicate: Callable[[], Any], what: str, timeout_s: float, alive: Callable[[], bool]) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        if not alive():
-            raise RuntimeError(f"the launch ended while waiting for {what}")
-        time.sleep(0.2)
-    raise TimeoutError(f"timed out waiting for {what}")
-
-
 def run_watched_launch(emulator: Any, *, bucket: str, home: Path, workdir: Path, replicas: int = 8,
                        patience_s: float = 180.0) -> WatchedRun:
     """Launch ``replicas`` jobs and wait on them (shell 1); once every job trains, ``status`` (shell 2), then
@@ -106,10 +96,10 @@ def run_watched_launch(emulator: Any, *, bucket: str, home: Path, workdir: Path,
             return records[0] if records else None
 
         alive = lambda: launch.poll() is None  # noqa: E731
-        record = _until(recorded, "the launch to create every job", patience_s, alive)
+        record = wait_for(recorded, "the launch to create every job", patience_s, alive=alive)
         reached("jobs created")
         names = record.handle["job_names"]
-        _until(lambda: all(emulator.job(n).secondary == "Training" for n in names), "every job to train",
+        wait_for(lambda: all(emulator.job(n).secondary == "Training" for n in names), "every job to train",
                patience_s, alive)
         reached("every job training")
         shells["status"] = _run([*cli, "status", record.run_id], env, patience_s)
@@ -118,7 +108,7 @@ def run_watched_launch(emulator: Any, *, bucket: str, home: Path, workdir: Path,
                                   stdout=handles["logs"][0], stderr=handles["logs"][1], text=True)
         every_rank = lambda: all(f"[r{r}] rank {r} tick" in files["logs"][0].read_text()  # noqa: E731
                                  for r in range(replicas))
-        _until(every_rank, "logs -f to show every rank", patience_s, alive)
+        wait_for(every_rank, "logs -f to show every rank", patience_s, alive=alive)
         reached("logs -f showed every rank")
         shells["cancel"] = _run([*cli, "cancel", record.run_id], env, patience_s)
         reached("cancel returned")

@@ -17,10 +17,11 @@ from support.ranks import run_ranks  # tests/ is on sys.path
 
 from diloco.collectives.allreduce import ObjectStoreAllReduce
 from diloco.errors import ConfigError
+from diloco.launcher.progress import read_progress
 from diloco.launcher.weights import check_final_weights
 from diloco.replica.manager import ObjectStoreManager
-from diloco.replica.metrics import read_progress
 from diloco.store.codec import decode_tensors
+from diloco.store.objects import ObjectStore
 from diloco.trainers.data import (
     corpus_files,
     eval_batches,
@@ -279,3 +280,24 @@ def test_the_schedule_changes_training_and_a_fixed_eval_batch_size_compares_batc
     assert constant["final_eval_loss"] != decayed["final_eval_loss"]
     small, large = run(batch_size=4, eval_batch_size=8), run(batch_size=16, eval_batch_size=8)
     assert small["init_eval_loss"] == large["init_eval_loss"] == constant["init_eval_loss"]  # TINY: batch 8
+
+
+# ---------------------------------------------------------------------------------------------- init_from
+def test_init_from_starts_every_replica_from_a_collected_model(tmp_path) -> None:
+    """A warm start: a run's final weights, as ``diloco collect`` writes them, are where a new run begins (its
+    first evaluation is the old run's last), from a path or a store URI; a file of another model is refused."""
+    first_uri = f"memory://init-{uuid.uuid4().hex[:8]}"
+    first = diloco_train(manager=_manager(first_uri), rank=0, world_size=1, total_steps=4, sync_every=2, **TINY)
+    model_file = tmp_path / "model.safetensors"
+    model_file.write_bytes(ObjectStore(first_uri).get(first["final_key"]))
+    for source in (str(model_file), model_file.as_uri()):
+        again = diloco_train(manager=_manager(f"memory://init-{uuid.uuid4().hex[:8]}"), rank=0, world_size=1,
+                             total_steps=2, sync_every=2, init_from=source, **TINY)
+        assert again["init_eval_loss"] == first["final_eval_loss"]
+    other = {**TINY, "n_embd": 16}
+    with pytest.raises(ConfigError, match=r"init_from: .* does not fit this model \(.*is \(.*16\)"):
+        diloco_train(manager=_manager(f"memory://init-{uuid.uuid4().hex[:8]}"), rank=0, world_size=1, total_steps=2,
+                     sync_every=2, init_from=str(model_file), **other)
+    with pytest.raises(ConfigError, match="init_from: cannot read"):
+        diloco_train(manager=_manager(f"memory://init-{uuid.uuid4().hex[:8]}"), rank=0, world_size=1, total_steps=2,
+                     sync_every=2, init_from=str(tmp_path / "missing.safetensors"), **TINY)

@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 from emulators import sagemaker_image
 from emulators.kubernetes import KubernetesEmulator
+from support.commands import run_cli
 
 from diloco.executors.base import EntrypointArgs, LaunchSpec
 from diloco.executors.code_channel import BOOTSTRAP_FILE, BOOTSTRAP_SCRIPT, SOURCE_ARCHIVE
@@ -137,13 +138,6 @@ def test_the_init_step_copies_the_code_channel_of_a_file_store(source: Path, tmp
 
 
 # ---------------------------------------------------------------------------------------------------- in the cluster
-def _cli(*args: str, home: Path, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "DILOCO_HOME": str(home), "NO_COLOR": "1"}
-    env.pop("DILOCO_DEBUG", None)
-    return subprocess.run([sys.executable, "-m", "diloco.cli.main", *args], capture_output=True, text=True, env=env,
-                          cwd=cwd, timeout=timeout)
-
-
 def _node_env(wheelhouse: Path | None = None) -> dict[str, str]:
     env = {k: os.environ[k] for k in IDENTITY_ENV}
     env["OMP_NUM_THREADS"] = "1"
@@ -167,7 +161,7 @@ def test_a_launch_the_cluster_refuses_leaves_no_code_in_the_store(plain_kube: Ku
     import boto3
 
     plain_kube.deny("create", "jobs", group="batch")
-    launch = _cli("launch", "--backend", "eks", "--namespace", NAMESPACE, "--source-dir", str(source),
+    launch = run_cli("launch", "--backend", "eks", "--namespace", NAMESPACE, "--source-dir", str(source),
                   "--rendezvous", f"s3://{s3_bucket}/refused/{{run_id}}", *TINY, home=tmp_path / "home", cwd=tmp_path)
     assert launch.returncode == 3, launch.stderr[-3000:]
     assert "could not create Job" in launch.stderr
@@ -180,7 +174,7 @@ def test_an_oom_killed_replica_shows_its_limit_and_the_fix_in_status(plain_kube:
     """A ready image (the dev interpreter), the memory derived for the work; the kernel's OOM kill of one replica
     (the emulator's knob: exit code 137, reason OOMKilled) reads as such in `diloco status`, with the fix."""
     home = tmp_path / "home"
-    launch = _cli("launch", "--backend", "eks", "--namespace", NAMESPACE, "--image", "registry.example/diloco:1",
+    launch = run_cli("launch", "--backend", "eks", "--namespace", NAMESPACE, "--image", "registry.example/diloco:1",
                   "--replicas", "2", "--trainer", "support.cli_trainers:slow", "--steps", "4000", "--sync-every", "1000",
                   "--rendezvous", f"s3://{s3_bucket}/oom/{{run_id}}", "--set", "backend.grace_period_s=1",
                   "--detach", "-o", "json",
@@ -197,14 +191,14 @@ def test_an_oom_killed_replica_shows_its_limit_and_the_fix_in_status(plain_kube:
     plain_kube.oom_kill(victim)
 
     def oom_reason() -> str | None:
-        status = _cli("status", run_id, "-o", "json", home=home, cwd=tmp_path)
+        status = run_cli("status", run_id, "-o", "json", home=home, cwd=tmp_path)
         reason = json.loads(status.stdout)["ranks"][1].get("reason") or "" if status.returncode in (0, 1) else ""
         return reason if "OOMKilled" in reason else None
     reason = plain_kube.wait_for(oom_reason, timeout=60, interval=0.5)
     assert f"limit ({limit})" in reason and f"raise backend.memory (--set backend.memory=<more>, now {limit})" in \
         reason, reason
     # Whether the Job failed at this kill or retries the replica, nothing of the run may keep running.
-    cancel = _cli("cancel", run_id, home=home, cwd=tmp_path)
+    cancel = run_cli("cancel", run_id, home=home, cwd=tmp_path)
     assert cancel.returncode in (0, 1), cancel.stderr
     plain_kube.wait_for(lambda: not plain_kube.live_processes(), timeout=60)
 
@@ -227,7 +221,7 @@ def cluster(aws_env: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, image
 def test_without_an_image_two_replicas_train_on_the_public_image_to_identical_weights(
         cluster: KubernetesEmulator, s3_bucket: str, source: Path, tmp_path: Path) -> None:
     home = tmp_path / "home"
-    launch = _cli("launch", "--backend", "eks", "--namespace", NAMESPACE, "--replicas", "2", "--source-dir",
+    launch = run_cli("launch", "--backend", "eks", "--namespace", NAMESPACE, "--replicas", "2", "--source-dir",
                   str(source), "--trainer", "cc_trainer:train", "--rendezvous", f"s3://{s3_bucket}/cc/{{run_id}}",
                   "--set", "store.poll_interval_s=0.2", "--set", "backend.grace_period_s=2", *TINY, "-o", "json",
                   home=home, cwd=tmp_path, timeout=IMAGE_LAUNCH_TIMEOUT_S)

@@ -13,7 +13,6 @@ import json
 import os
 import re
 import socket
-import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +20,8 @@ from typing import Any
 
 import pytest
 from emulators.kubernetes import KubernetesEmulator
-from support.commands import DILOCO_MODULE as DILOCO
+from support.commands import run_cli as cli
+from support.commands import start_cli
 from support.run_processes import processes_of
 
 pytestmark = pytest.mark.slow
@@ -85,20 +85,6 @@ def kube(aws_env: str, s3_bucket: str, tmp_path: Path, image_dir: Path,
 @pytest.fixture
 def home(tmp_path: Path) -> Path:
     return tmp_path / "home"
-
-
-def cli(*args: str, home: Path, cwd: Path, timeout: float = 240,
-        env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    full = {**os.environ, "DILOCO_HOME": str(home), "NO_COLOR": "1", **(env or {})}
-    full.pop("DILOCO_DEBUG", None)
-    return subprocess.run([*DILOCO, *args], capture_output=True, text=True, env=full, cwd=cwd, timeout=timeout)
-
-
-def start_cli(*args: str, home: Path, cwd: Path, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    full = {**os.environ, "DILOCO_HOME": str(home), "NO_COLOR": "1", **(env or {})}
-    full.pop("DILOCO_DEBUG", None)
-    return subprocess.Popen([*DILOCO, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full,
-                            cwd=cwd)
 
 
 def launch_args(bucket: str, *extra: str) -> list[str]:

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from emulators.kubernetes import KubernetesEmulator
+from support.polling import wait_for
 
 from diloco.executors.base import EntrypointArgs, LaunchSpec, LogRecord
 from diloco.executors.kubernetes import KubernetesBackend, KubernetesBackendConfig
@@ -55,16 +56,6 @@ def expected(rank: int, lines: int) -> list[str]:
 
 def texts(records: list[LogRecord], rank: int) -> list[str]:
     return [r.text for r in records if r.rank == rank and not r.text.startswith("[")]
-
-
-def wait_until(check: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"not within {timeout:g}s: {what}"
-        time.sleep(0.05)
 
 
 def pod_of(kube: KubernetesEmulator, job: str, rank: int, phase: str | None = None) -> dict[str, Any] | None:
@@ -110,10 +101,10 @@ def _rotation_case(kube: KubernetesEmulator, tmp_path: Path, run_id: str, **over
 def _read_across_a_rotation(kube: KubernetesEmulator, backend: KubernetesBackend, handle: Any,
                             run_id: str) -> list[LogRecord]:
     backend.describe(handle)  # the client's first calls are slow on a loaded machine; not during the reads
-    list(backend.replica_logs(wait_until(lambda: _ran(kube, run_id, handle, 5), 60, "5 lines"), 0))
+    list(backend.replica_logs(wait_for(lambda: _ran(kube, run_id, handle, 5), "5 lines", 60), 0))
     pod = pod_of(kube, run_id, 0)
     assert pod is not None
-    wait_until(lambda: "line 35" in kube.pod_log(pod["metadata"]["name"]), 60, "35 lines")
+    wait_for(lambda: "line 35" in kube.pod_log(pod["metadata"]["name"]), "35 lines", 60)
     kube.rotate_log(pod["metadata"]["name"])  # the lines since the first read are no longer served
     list(backend.replica_logs(handle, 0))
     backend.wait(handle, timeout_s=60, poll_interval_s=0.1)
@@ -157,13 +148,13 @@ def test_logs_and_restarts_outlive_the_job_for_a_new_process(kube: KubernetesEmu
     restarts, from the replicas' shipped logs and what the cancel recorded."""
     backend = backend_for(kube, tmp_path)
     handle = backend.submit(backend.plan(spec_for(tmp_path, "outlive-1", lines=3, sleep=60)))
-    first = wait_until(lambda: pod_of(kube, "outlive-1", 1, "Running"), 60, "rank 1 running")
+    first = wait_for(lambda: pod_of(kube, "outlive-1", 1, "Running"), "rank 1 running", 60)
     shipped = tmp_path / "store" / "outlive-1" / "logs" / "rank_0001"
-    wait_until(lambda: len({c.parent for c in shipped.glob("*/chunk_*")}) == 1, 30, "rank 1's lines shipped")
+    wait_for(lambda: len({c.parent for c in shipped.glob("*/chunk_*")}) == 1, "rank 1's lines shipped", 30)
     kube.evict(first["metadata"]["name"])  # SIGTERM: the stand-in replica dies at once, as a SIGKILL would
-    wait_until(lambda: len({c.parent for c in shipped.glob("*/chunk_*")}) == 2, 60, "rank 1 retried and shipped")
+    wait_for(lambda: len({c.parent for c in shipped.glob("*/chunk_*")}) == 2, "rank 1 retried and shipped", 60)
     backend.cancel(handle)
-    wait_until(lambda: kube.job("outlive-1") is None, 60, "the Job deleted")
+    wait_for(lambda: kube.job("outlive-1") is None, "the Job deleted", 60)
     assert kube.pods("outlive-1") == []
 
     later = backend_for(kube, tmp_path)
@@ -186,7 +177,7 @@ def test_a_finished_run_deleted_by_its_ttl_still_reads_as_succeeded_with_its_log
                                                                                   tmp_path: Path) -> None:
     backend = backend_for(kube, tmp_path, ttl_seconds_after_finished=0)
     handle = backend.submit(backend.plan(spec_for(tmp_path, "ttl-1", lines=4)))
-    wait_until(lambda: kube.job("ttl-1") is None, 60, "the Job deleted by its TTL")
+    wait_for(lambda: kube.job("ttl-1") is None, "the Job deleted by its TTL", 60)
     later = backend_for(kube, tmp_path, state_dir=str(tmp_path / "fresh"))
     status = later.describe(handle)
     assert [(r.state.value, r.exit_code, r.restarts) for r in status.replicas] == [("succeeded", 0, 0)] * 2
@@ -223,12 +214,12 @@ def test_follow_started_at_every_phase_gets_every_line_once_and_ends_with_the_ru
 
     handle = backend.submit(plan)
     follow("before the pods exist", handle)
-    wait_until(lambda: len(kube.pods("follow-1")) == 2, 30, "two pending pods")
+    wait_for(lambda: len(kube.pods("follow-1")) == 2, "two pending pods", 30)
     follow("while pending", handle)
     time.sleep(0.5)
     kube.release(hold)
-    wait_until(lambda: (p := pod_of(kube, "follow-1", 1)) is not None and "line 10" in kube.pod_log(
-        p["metadata"]["name"]), 60, "rank 1 mid-run")
+    wait_for(lambda: (p := pod_of(kube, "follow-1", 1)) is not None and "line 10" in kube.pod_log(
+        p["metadata"]["name"]), "rank 1 mid-run", 60)
     follow("mid-run", handle)
     status = backend.wait(handle, timeout_s=60, poll_interval_s=0.1)
     assert status.state.value == "succeeded"
@@ -261,13 +252,13 @@ def test_follow_goes_on_through_a_kubelet_that_does_not_answer(kube: KubernetesE
 
     thread = threading.Thread(target=follow, daemon=True)
     thread.start()
-    wait_until(lambda: any(r.rank == 0 and r.text == "rank 0 line 8" for r in list(records)), 60,
-               "replica 0 followed")
+    wait_for(lambda: any(r.rank == 0 and r.text == "rank 0 line 8" for r in list(records)),
+               "replica 0 followed", 60)
     pod = pod_of(kube, "lost-1", 0)
     assert pod is not None
     fault = kube.kubelet_unreachable(pod["metadata"]["name"])
-    wait_until(lambda: any(r.text.startswith("[diloco] the log of pod") for r in list(records)), 30,
-               "the follower noticed")
+    wait_for(lambda: any(r.text.startswith("[diloco] the log of pod") for r in list(records)),
+               "the follower noticed", 30)
     time.sleep(1.0)  # the follower backs off and tries again meanwhile; it must not give up
     kube.kubelet_reachable_again(fault)
     thread.join(timeout=90)
@@ -338,16 +329,16 @@ def test_logs_follow_across_a_log_rotation_and_a_node_going_notready_shows_every
     reader = threading.Thread(target=lambda: out.extend(iter(follow.stdout.readline, "")), daemon=True)
     reader.start()
     try:
-        wait_until(lambda: {"[r0] rank 0 line 20\n", "[r1] rank 1 line 20\n"} <= set(out), 120,
-                   "both replicas followed to the gate")
+        wait_for(lambda: {"[r0] rank 0 line 20\n", "[r1] rank 1 line 20\n"} <= set(out),
+                   "both replicas followed to the gate", 120)
         kept = pod_of(kube, run_id, 0)
         assert kept is not None
         kube.rotate_log(kept["metadata"]["name"])  # the kubelet rotates replica 0's log while it is followed
         lost = pod_of(kube, run_id, 1)
         assert lost is not None
         kube.set_node_ready(lost["spec"]["nodeName"], False)  # a spot reclaim: its process dies with the machine
-        wait_until(lambda: (p := pod_of(kube, run_id, 1)) is not None and p["metadata"].get("deletionTimestamp"),
-                   60, "the lost pod evicted")
+        wait_for(lambda: (p := pod_of(kube, run_id, 1)) is not None and p["metadata"].get("deletionTimestamp"), "the lost pod evicted",
+                   60)
         kube.set_node_ready(lost["spec"]["nodeName"], True)  # back: the pod ends Failed, the Job starts another
         (tmp_path / "gate").write_text("open")
         follow.wait(timeout=240)

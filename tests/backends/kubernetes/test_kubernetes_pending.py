@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import Any
 import pytest
 from emulators.kube_nodes import stock_eks_nodes
 from emulators.kubernetes import KubernetesEmulator
-from support.commands import DILOCO_MODULE as DILOCO
+from support.commands import run_cli, start_cli
 from support.polling import until
 
 from diloco.executors.base import EntrypointArgs, LaunchSpec
@@ -131,12 +130,6 @@ def cluster(aws_env: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> It
         yield emulator
 
 
-def _cli(*args: str, home: Path, cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "DILOCO_HOME": str(home), "NO_COLOR": "1"}
-    env.pop("DILOCO_DEBUG", None)
-    return subprocess.run([*DILOCO, *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=240)
-
-
 def _launch(bucket: str, *extra: str) -> list[str]:
     return ["launch", "--backend", "eks", "--namespace", NAMESPACE, "--replicas", "2", "--rendezvous",
             f"s3://{bucket}/pending/{{run_id}}", "--set", "store.poll_interval_s=0.2", "--set",
@@ -147,7 +140,7 @@ def _launch(bucket: str, *extra: str) -> list[str]:
 def test_launch_with_an_unpullable_image_exits_1_naming_the_pull_error_and_leaves_no_job(
         cluster: KubernetesEmulator, s3_bucket: str, tmp_path: Path) -> None:
     cluster.image_pull_error("bad:*")
-    out = _cli(*_launch(s3_bucket, "--image", "bad:tag"), home=tmp_path / "home", cwd=tmp_path)
+    out = run_cli(*_launch(s3_bucket, "--image", "bad:tag"), home=tmp_path / "home", cwd=tmp_path)
     assert out.returncode == 1, out.stderr[-3000:]
     assert "ImagePullBackOff" in out.stderr or "ErrImagePull" in out.stderr, out.stderr[-3000:]
     assert "backend.pending_timeout_s" in out.stderr and "Traceback" not in out.stderr
@@ -164,11 +157,8 @@ def test_status_shows_the_schedulers_reason_and_launch_gives_up_naming_the_selec
     home = tmp_path / "home"
     monkeypatch.setenv("DILOCO_HOME", str(home))
     scheduler_says = "0/2 nodes are available: 2 node(s) didn't match Pod's node affinity/selector."
-    env = {**os.environ, "DILOCO_HOME": str(home), "NO_COLOR": "1"}
-    env.pop("DILOCO_DEBUG", None)
-    launch = subprocess.Popen([*DILOCO, *_launch(s3_bucket, "--image", "registry.example/diloco:1", "--gpu", "A10G:4",
-                                                 "--set", "backend.pending_timeout_s=6")],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    launch = start_cli(*_launch(s3_bucket, "--image", "registry.example/diloco:1", "--gpu", "A10G:4", "--set",
+                                "backend.pending_timeout_s=6"), home=home, cwd=tmp_path)
     try:
         # `diloco status` of the latest run, while the launch waits: the scheduler's words, pending or given up on
         shown = _until(lambda: (r := CliRunner().invoke(app, ["status", "-o", "json"])).exit_code == 0 and
@@ -207,7 +197,7 @@ def test_rm_deletes_the_finished_job_at_once_instead_of_at_its_ttl(kube: Kuberne
 def test_smoke_on_eks_leaves_no_job(cluster: KubernetesEmulator, s3_bucket: str, tmp_path: Path) -> None:
     config = tmp_path / "eks.yaml"
     config.write_text(f"backend:\n  kind: eks\n  namespace: {NAMESPACE}\n  image: registry.example/diloco:1\n")
-    out = _cli("smoke", "-c", str(config), "--s3", f"s3://{s3_bucket}/smoke", "-o", "json", home=tmp_path / "home",
+    out = run_cli("smoke", "-c", str(config), "--s3", f"s3://{s3_bucket}/smoke", "-o", "json", home=tmp_path / "home",
                cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout)["ok"] is True

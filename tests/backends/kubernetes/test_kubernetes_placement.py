@@ -9,13 +9,12 @@ scheme, so each kind of node matches and no other does; the manifest stays stric
 
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
-from support.commands import DILOCO_MODULE as DILOCO
+from support.commands import run_cli
 from support.polling import until
 
 from diloco.errors import ConfigError
@@ -91,9 +90,8 @@ def test_sagemaker_maps_every_spelling_through_the_same_table() -> None:
 
 
 def _cli(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "DILOCO_HOME": str(home), "NO_COLOR": "1", "KUBECONFIG": str(home / "no-cluster")}
-    env.pop("DILOCO_DEBUG", None)
-    return subprocess.run([*DILOCO, *args], capture_output=True, text=True, env=env, timeout=120)
+    """The CLI with no cluster configured: what it refuses, it refuses before reaching one."""
+    return run_cli(*args, home=home, env={"KUBECONFIG": str(home / "no-cluster")}, timeout=120)
 
 
 def test_an_unknown_gpu_is_refused_in_one_line_with_exit_2_and_nothing_recorded(tmp_path: Path) -> None:

@@ -15,11 +15,11 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from support.polling import wait_for
 
 from diloco.errors import BackendError, ConfigError
 from diloco.executors import backend_class, create_backend
@@ -44,14 +44,6 @@ def make_spec(tmp_path: Path, n: int = 2, timeout_s: float | None = None, run_id
 def alive(pid: int) -> bool:
     st = proc_stat(pid)
     return st is not None and st.state != "Z"
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.05)
 
 
 def processes_of_run(run_id: str) -> list[int]:
@@ -179,7 +171,7 @@ def test_cancel_kills_the_whole_group_even_if_sigterm_is_ignored_and_the_cancell
     pid_dir.mkdir()
     handle = backend.submit(backend.plan(make_spec(tmp_path, n=2, sleep=120, spawn_child=True, ignore_term=True,
                                                    pid_out=str(pid_dir))))
-    wait_for(lambda: len(list(pid_dir.iterdir())) == 2)
+    wait_for(lambda: len(list(pid_dir.iterdir())) == 2, "both replicas to record their pid")
     grandchildren = [int(p.read_text()) for p in pid_dir.iterdir()]
     assert all(alive(pid) for pid in grandchildren)
     assert all(r.state == ReplicaState.RUNNING for r in backend.describe(handle).replicas)
@@ -189,7 +181,7 @@ def test_cancel_kills_the_whole_group_even_if_sigterm_is_ignored_and_the_cancell
     status = backend.wait(handle, timeout_s=30, poll_interval_s=0.1)
     assert [r.state for r in status.replicas] == [ReplicaState.CANCELLED] * 2, status
     for p in handle.processes:  # the supervisor writes the exit record, then exits itself: give it that moment
-        wait_for(lambda p=p: group_members(p.pid) == [], timeout=10)  # nothing of the group is left
+        wait_for(lambda p=p: group_members(p.pid) == [], "the group to be gone", 10)  # nothing of the group is left
     assert not any(alive(pid) for pid in grandchildren)
     backend.cancel(handle)  # idempotent
     assert backend.describe(handle).state == RunState.CANCELLED
@@ -198,7 +190,7 @@ def test_cancel_kills_the_whole_group_even_if_sigterm_is_ignored_and_the_cancell
 def test_cancel_with_sigterm_records_the_exit(tmp_path: Path, backend: LocalBackend) -> None:
     handle = backend.submit(backend.plan(make_spec(tmp_path, n=1, sleep=120)))
     stdout = log_dir(handle, 0) / "stdout.log"
-    wait_for(lambda: stdout.exists() and "line 2" in stdout.read_text())
+    wait_for(lambda: stdout.exists() and "line 2" in stdout.read_text(), "line 2 in the replica's stdout")
     backend.cancel(handle)
     (status,) = backend.wait(handle, timeout_s=30, poll_interval_s=0.05).replicas
     assert status.state == ReplicaState.CANCELLED
@@ -209,7 +201,7 @@ def test_cancel_with_sigterm_records_the_exit(tmp_path: Path, backend: LocalBack
 def test_cancel_delivers_exactly_one_sigterm_to_the_replica(tmp_path: Path, backend: LocalBackend) -> None:
     term_log = tmp_path / "terms"
     handle = backend.submit(backend.plan(make_spec(tmp_path, n=1, sleep=120, term_log=str(term_log))))
-    wait_for(lambda: (log_dir(handle, 0) / "child.json").exists())
+    wait_for(lambda: (log_dir(handle, 0) / "child.json").exists(), "the supervisor to start its child")
     time.sleep(0.5)  # the replica has installed its handler
     backend.cancel(handle)
     (status,) = backend.wait(handle, timeout_s=30, poll_interval_s=0.05).replicas
@@ -248,10 +240,10 @@ def test_killed_supervisor_leaves_a_running_replica_that_cancel_still_stops(tmp_
     pid_dir.mkdir()
     handle = backend.submit(backend.plan(make_spec(tmp_path, n=1, sleep=120, env_out=str(pid_dir))))
     supervisor = handle.processes[0].pid
-    wait_for(lambda: (pid_dir / "rank_0.json").exists())
+    wait_for(lambda: (pid_dir / "rank_0.json").exists(), "rank 0 to record its pid")
     replica_pid = json.loads((pid_dir / "rank_0.json").read_text())["pid"]
     os.kill(supervisor, signal.SIGKILL)  # the supervisor only, as `kill -9 <pid>` or the OOM killer would
-    wait_for(lambda: not alive(supervisor))
+    wait_for(lambda: not alive(supervisor), "the supervisor to exit")
     assert alive(replica_pid)
 
     status = backend.describe(handle).replica(0)  # not "failed" while the replica still trains, nor "running"
@@ -259,7 +251,7 @@ def test_killed_supervisor_leaves_a_running_replica_that_cancel_still_stops(tmp_
     assert "supervisor" in (status.reason or "") and "unsupervised" in (status.reason or "")
 
     backend.cancel(handle)  # it is still ours to stop (no supervisor to escalate: signalled directly)
-    wait_for(lambda: not alive(replica_pid))
+    wait_for(lambda: not alive(replica_pid), "the replica to exit")
     assert group_members(supervisor) == []
     assert backend.describe(handle).replica(0).state == ReplicaState.CANCELLED
 
@@ -268,9 +260,9 @@ def test_killed_supervisor_whose_replica_then_ends_is_failed_with_the_reason(tmp
                                                                               backend: LocalBackend) -> None:
     handle = backend.submit(backend.plan(make_spec(tmp_path, n=1, sleep=120)))
     supervisor = handle.processes[0].pid
-    wait_for(lambda: (log_dir(handle, 0) / "child.json").exists())
+    wait_for(lambda: (log_dir(handle, 0) / "child.json").exists(), "the supervisor to start its child")
     os.killpg(supervisor, signal.SIGKILL)  # the whole group, e.g. a reboot
-    wait_for(lambda: group_members(supervisor) == [])
+    wait_for(lambda: group_members(supervisor) == [], "nothing left of the supervisor's group")
     status = backend.describe(handle).replica(0)
     assert status.state == ReplicaState.FAILED
     assert "without recording an exit code" in (status.reason or "")
@@ -389,5 +381,5 @@ def test_a_launcher_killed_mid_submit_leaves_replicas_that_cancel_finds(tmp_path
 
     backend.cancel(lost)
     backend.wait(lost, timeout_s=30, poll_interval_s=0.1)
-    wait_for(lambda: processes_of_run(run_id) == [], timeout=30)
+    wait_for(lambda: processes_of_run(run_id) == [], "no process of the run", 30)
     assert backend.describe(lost).state == RunState.CANCELLED

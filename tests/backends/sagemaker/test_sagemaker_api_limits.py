@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 from emulators.sagemaker import SageMakerEmulator
+from support.polling import wait_for
 
 from diloco.executors.base import EntrypointArgs, LaunchSpec
 from diloco.executors.sagemaker import SageMakerBackend, SageMakerBackendConfig
@@ -82,16 +83,6 @@ def submit(backend: SageMakerBackend, bucket: str, replicas: int = 2, **behaviou
     return backend.submit(backend.plan(spec))
 
 
-def until(predicate: Callable[[], Any], what: str, timeout: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def jobs_in(emulator: SageMakerEmulator, handle: Any, secondary: tuple[str, ...]) -> bool:
     """Read in-process (no API call): whether every job of the run is in one of these secondary statuses."""
     return all(emulator.job(name).secondary in secondary for name in handle.job_names)
@@ -119,7 +110,7 @@ def test_a_poll_costs_the_same_whatever_the_accounts_history(
     for history in (0, 5000):
         emulator = start_emulator(history=history)
         handle = submit(new_backend(emulator), s3_bucket, sleep=60)
-        until(lambda e=emulator, h=handle: jobs_in(e, h, ("Training",)), "both jobs to train")
+        wait_for(lambda e=emulator, h=handle: jobs_in(e, h, ("Training",)), "both jobs to train")
         backend = new_backend(emulator)
         first = calls_during(emulator, lambda b=backend, h=handle: b.describe(h))
         costs[history] = first
@@ -144,7 +135,7 @@ def test_ended_jobs_are_not_asked_again(emulator: SageMakerEmulator, s3_bucket: 
 def test_every_watcher_in_one_process_shares_one_poll_schedule(emulator: SageMakerEmulator, s3_bucket: str) -> None:
     backend = new_backend(emulator)
     handle = submit(backend, s3_bucket, sleep=60)
-    until(lambda: jobs_in(emulator, handle, ("Training",)), "both jobs to train")
+    wait_for(lambda: jobs_in(emulator, handle, ("Training",)), "both jobs to train")
     before = len(emulator.calls)
     began = time.monotonic()
     stop = threading.Event()
@@ -195,7 +186,7 @@ def test_throttling_slows_a_wait_down_and_never_ends_it(
 def test_throttling_never_ends_a_cancel(emulator: SageMakerEmulator, s3_bucket: str, quick_retries: None) -> None:
     backend = new_backend(emulator)
     handle = submit(backend, s3_bucket, sleep=60)
-    until(lambda: jobs_in(emulator, handle, ("Training",)), "both jobs to train")
+    wait_for(lambda: jobs_in(emulator, handle, ("Training",)), "both jobs to train")
     emulator.throttle(4, operations=["StopTrainingJob"])
     backend.cancel(handle)
     for name in handle.job_names:
@@ -207,7 +198,7 @@ def test_throttling_never_ends_a_cancel(emulator: SageMakerEmulator, s3_bucket: 
 def test_throttling_never_ends_a_log_follow(emulator: SageMakerEmulator, s3_bucket: str, quick_retries: None) -> None:
     backend = new_backend(emulator)
     handle = submit(backend, s3_bucket, lines=5, line_gap=0.1)
-    until(lambda: jobs_in(emulator, handle, ("Training", "Uploading", "Completed")), "the jobs to train")
+    wait_for(lambda: jobs_in(emulator, handle, ("Training", "Uploading", "Completed")), "the jobs to train")
     emulator.throttle_logs(4, operations=["GetLogEvents", "DescribeLogStreams"])
     texts = [r.text for r in backend.logs(handle, follow=True)]
     for rank in range(2):
@@ -221,8 +212,8 @@ def test_following_a_run_stays_within_the_logs_quotas_and_reads_each_backlog_onc
 ) -> None:
     backend = new_backend(emulator)
     handle = submit(backend, s3_bucket, replicas=4, lines=40, line_gap=0.05)
-    until(lambda: all(emulator.job(n).log_streams for n in handle.job_names), "every job's first log stream")
-    until(lambda: sum(len(emulator.job(n).log_streams) for n in handle.job_names) == 4, "the streams")
+    wait_for(lambda: all(emulator.job(n).log_streams for n in handle.job_names), "every job's first log stream")
+    wait_for(lambda: sum(len(emulator.job(n).log_streams) for n in handle.job_names) == 4, "the streams")
     time.sleep(0.5)  # a backlog to read first
     view = run_view(backend, handle, s3_bucket)
     texts = [r.text for r in view.log_lines(follow=True)]

@@ -21,7 +21,9 @@ from typing import Any
 
 import pytest
 from emulators.sagemaker import SageMakerEmulator
-from support.sagemaker_jobs import cli, log_lines, role, wait_for
+from support.commands import run_cli as cli
+from support.polling import wait_for
+from support.sagemaker_jobs import log_lines, role
 
 pytestmark = pytest.mark.slow
 

@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 from emulators import sagemaker_image
 from emulators.sagemaker import SageMakerEmulator
-from support.sagemaker_jobs import cli, log_lines, role
+from support.commands import run_cli as cli
+from support.sagemaker_jobs import log_lines, role
 
 #: The first session on a machine builds the image-like interpreter and the wheelhouse (minutes, once; cached).
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]

@@ -16,7 +16,6 @@ Through the real CLI (a subprocess) against the SageMaker emulator and moto's S3
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import threading
@@ -26,18 +25,11 @@ from typing import Any
 
 import pytest
 from emulators.sagemaker import SageMakerEmulator
-from support.commands import DILOCO_MODULE as DILOCO
+from support.commands import run_cli as cli
 
 ROLE = "arn:aws:iam::000000000000:role/diloco-inputs"
 IMAGE = "000000000000.dkr.ecr.us-east-1.amazonaws.com/diloco:1"  # a ready image: nothing to ship
 TABLE_A100 = 37.688  # diloco's price table, ml.p4d.24xlarge (us-east-1); the Price List API is not asked here
-
-
-def cli(*args: str, home: Path, cwd: Path, env: dict[str, str] | None = None,
-        timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    full = {**os.environ, "DILOCO_HOME": str(home), "NO_COLOR": "1", **(env or {})}
-    full.pop("DILOCO_DEBUG", None)
-    return subprocess.run([*DILOCO, *args], capture_output=True, text=True, env=full, cwd=cwd, timeout=timeout)
 
 
 def launch(bucket: str, *extra: str) -> list[str]:

@@ -1,0 +1,74 @@
+"""The store settings: how the replicas exchange a round through the store and how patiently they wait for each
+other, declared once.
+
+They are the run config's ``store:`` section (``diloco.launcher.config.StoreConfig`` adds the rendezvous template
+to them) and part of every replica's settings (``diloco.replica.settings.ReplicaSettings`` extends them), and the
+collectives are built from them (``diloco.collectives.allreduce.create_allreduce``). So a new store setting is one
+new field here: the YAML config, ``diloco launch``'s flag (``cli_flag``), the generated configuration reference,
+the published settings object and the replica entrypoint's flag (``replica_flag``) all follow from it, and its
+rules are written once, in this model.
+
+A data model only (pydantic and the shared basics), light enough for the CLI's start-up.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from diloco.defaults import DEFAULT_POLL_INTERVAL_S
+from diloco.flags import cli_flag, replica_flag
+
+
+def min_replicas_problem(min_replicas: int | None, world_size: int) -> str | None:
+    """What is wrong with ``min_replicas`` for a run of ``world_size`` replicas, or None: the one place the rule
+    is written (the run config says it about ``store.min_replicas``, the replica about its own setting)."""
+    if min_replicas is not None and min_replicas > world_size:
+        return f"must be at most the number of replicas ({world_size}) (got {min_replicas})"
+    return None
+
+
+class StoreSettings(BaseModel):
+    """How the replicas exchange a round through the store and how patiently they wait for each other: the run
+    config's ``store:`` section (without its rendezvous template) and part of every replica's settings."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    timeout_s: float = Field(1800.0, gt=0, description="How long a replica waits for its peers in one round, "
+                             "seconds.", json_schema_extra=replica_flag("--timeout", metavar="S"))
+    poll_interval_s: float = Field(
+        DEFAULT_POLL_INTERVAL_S, gt=0, description="How often a waiting replica looks for its peers' uploads, "
+        "seconds (its cost and latency: diloco.defaults).",
+        json_schema_extra=replica_flag("--poll-interval", metavar="S"))
+    allreduce: Literal["gather", "sharded"] = Field(
+        "gather", description="How rounds are averaged: gather (every rank reads every peer's object, (N-1)*S "
+        "bytes) or sharded (reduce-scatter + all-gather through the store, under 2*S bytes).",
+        json_schema_extra={**cli_flag("--allreduce", metavar="STRATEGY"), **replica_flag(metavar="STRATEGY")})
+    compression: Literal["none", "bf16", "int8", "int4"] = Field(
+        "none", description="Pseudo-gradient wire format: none, bf16, int8 or int4 (fp32 accumulation after "
+        "decode, per-block scales for the integers).",
+        json_schema_extra={**cli_flag("--compression", metavar="FORMAT"), **replica_flag(metavar="FORMAT")})
+    error_feedback: bool = Field(True, description="Keep what a lossy format dropped and add it to the next "
+                                 "round's contribution.")
+    spread: int = Field(1, ge=1, le=4096, description="Spread a round's keys over this many prefixes (at large "
+                        "N, S3's per-prefix request rate limits a round first: diloco.store.layout).",
+                        json_schema_extra=replica_flag(metavar="P"))
+    min_replicas: int | None = Field(
+        None, ge=1, description="Commit a round whose deadline passed with at least K contributions (null: "
+        "every round needs every replica).",
+        json_schema_extra={**cli_flag("--min-replicas", metavar="K", note="store.min_replicas; default: every "
+                                      "round needs every replica"), **replica_flag(metavar="K")})
+
+    keep_rounds: int = Field(3, ge=1, description="Committed rounds kept in the store (each one the global state "
+                             "a relaunched replica rejoins from); older ones are deleted as new ones commit.",
+                             json_schema_extra=replica_flag(metavar="K"))
+
+    @model_validator(mode="after")
+    def _participation_needs_gather(self) -> StoreSettings:
+        if self.min_replicas is not None and self.allreduce == "sharded":
+            raise ValueError("min_replicas: partial participation needs allreduce gather (a sharded round cannot "
+                             "go on without a member: its shard would be missing); drop one of the two")
+        return self
+
+
