@@ -20,7 +20,8 @@ happens once (``done_dir/trial_K`` is created first, so the relaunched replica d
   the commit), ``latest`` (``global/latest.json``, after the data).
 
 Before it dies the replica prints the step its position record says (``nodes/replica-<rank>.json``), so a test
-can check that its relaunch resumed exactly there.
+can check that its relaunch resumed exactly there. Its writes and its kill take one lock, so no write lands
+between that read and the SIGKILL: what it prints is what the store holds.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 from typing import Any
 
 from diloco.trainers.gpt import diloco_train
@@ -53,22 +55,26 @@ class _Watched:
 
 
 class _WatchedStore(_Watched):
-    """The run's store: every write goes through ``die(key, data)`` first (``key`` from the run's root)."""
+    """The run's store: every write goes through ``die(key, data)`` first (``key`` from the run's root), under
+    ``lock`` (shared with the kill)."""
 
-    def __init__(self, inner: Any, die: Any, prefix: str = "") -> None:
+    def __init__(self, inner: Any, die: Any, lock: threading.RLock, prefix: str = "") -> None:
         super().__init__(inner, die)
+        self._lock = lock
         self._prefix = prefix
 
     def child(self, prefix: str) -> _WatchedStore:
-        return _WatchedStore(self._inner.child(prefix), self._die, f"{self._prefix}{prefix.strip('/')}/")
+        return _WatchedStore(self._inner.child(prefix), self._die, self._lock, f"{self._prefix}{prefix.strip('/')}/")
 
     def put(self, key: str, data: bytes) -> None:
-        self._die(self._prefix + key, data)
-        self._inner.put(key, data)
+        with self._lock:
+            self._die(self._prefix + key, data)
+            self._inner.put(key, data)
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
-        self._die(self._prefix + key, data)
-        return self._inner.put_if_absent(key, data)
+        with self._lock:
+            self._die(self._prefix + key, data)
+            return self._inner.put_if_absent(key, data)
 
 
 class _WatchedMetrics(_Watched):
@@ -84,9 +90,9 @@ class _WatchedMetrics(_Watched):
 
 
 class _WatchedManager(_Watched):
-    def __init__(self, inner: Any, die_at_write: Any, die_at_step: Any) -> None:
+    def __init__(self, inner: Any, die_at_write: Any, die_at_step: Any, lock: threading.RLock) -> None:
         super().__init__(inner, None)
-        self.store = _WatchedStore(inner.store, die_at_write)
+        self.store = _WatchedStore(inner.store, die_at_write, lock)
         self.metrics = _WatchedMetrics(inner.metrics, die_at_step) if inner.metrics is not None else None
 
 
@@ -100,12 +106,14 @@ def train(*, manager: Any, rank: int, world_size: int, total_steps: int, sync_ev
           kills: list[dict[str, Any]] | None = None, done_dir: str = "", **knobs: Any) -> dict[str, Any]:
     plan = [k for k in kills or [] if k["rank"] == rank]
     store = manager.store
+    writes = threading.RLock()
 
     def kill(planned: dict[str, Any], where: str) -> None:
         try:
             os.close(os.open(os.path.join(done_dir, f"trial_{planned['trial']}"), os.O_CREAT | os.O_EXCL))
         except FileExistsError:
             return  # this kill happened already: this is the relaunched replica
+        writes.acquire()  # never released: no write of another thread lands before the SIGKILL
         try:
             position = json.loads(store.get(f"async/nodes/replica-{rank}.json"))["step"]
         except Exception:  # noqa: BLE001 - no record yet (or one being replaced): the relaunch starts at 0
@@ -126,5 +134,5 @@ def train(*, manager: Any, rank: int, world_size: int, total_steps: int, sync_ev
             if planned["moment"] == "mid_run" and step == planned["step"]:
                 kill(planned, f"after step {step}")
 
-    return diloco_train(manager=_WatchedManager(manager, die_at_write, die_at_step), rank=rank,
+    return diloco_train(manager=_WatchedManager(manager, die_at_write, die_at_step, writes), rank=rank,
                         world_size=world_size, total_steps=total_steps, sync_every=sync_every, **knobs)
