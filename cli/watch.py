@@ -58,6 +58,8 @@ def summarize(view: Any, report: Any, timed_out: bool, *, fmt: OutputFormat) -> 
         say(f"write the model with: diloco collect {run_id}")
     elif report.state.value == "succeeded" and report.weights_identical is None:
         say(f"the final weights could not be checked: {report.weights_detail}")
+    elif report.weights_identical is False:
+        say(f"the replicas' final weights disagree: {report.weights_detail}")
     raise typer.Exit(waiting.outcome_code(report, timed_out))
 
 

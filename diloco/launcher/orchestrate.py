@@ -143,20 +143,21 @@ class RunSummary(BaseModel):
 def _add_async_status(report: RunReport, store: ObjectStore) -> None:
     """Async runs (``train.mode: async``): the published global version, each replica's last upload and its
     staleness, from the master's metadata. A synchronous run has none: one missing object, nothing changes."""
-    from diloco.replica.async_diloco import read_async_status
+    from diloco.launcher.async_status import read_async_status
+    from diloco.replica.async_diloco.record import node_of_rank
 
     try:
         published = read_async_status(store)
     except Exception:  # noqa: BLE001 - status must show the run even when this extra read fails
         return
-    if not published:
+    if published is None:
         return
-    report.async_global_version = int(published.get("version", 0))
-    workers = published.get("workers") or {}
+    report.async_global_version = published.version
     for rep in report.ranks:
-        worker = workers.get(f"replica-{rep.rank}") or {}
-        rep.async_last_upload_at = worker.get("last_upload_time")
-        rep.async_staleness = worker.get("staleness")
+        worker = published.workers.get(node_of_rank(rep.rank))
+        if worker is not None:
+            rep.async_last_upload_at = worker.last_upload_time
+            rep.async_staleness = worker.staleness
 
 
 # ---------------------------------------------------------------------------------------------- plan/launch
@@ -619,6 +620,8 @@ class RunView:
                            warnings=readout.warnings, left_behind=left_behind,
                            awaiting_relaunch=sorted(awaiting))
         _add_async_status(report, self.store)
+        if self.record.weights_disagree is not None:  # the run ended without one model (``disagreed``)
+            report.weights_identical, report.weights_detail = False, self.record.weights_disagree
         self._remember(status)
         if trends:  # one line of eval loss per replica, for `diloco status` (reads each rank's history)
             from diloco.launcher.plot import eval_trends
@@ -737,6 +740,14 @@ class RunView:
         if status.terminal and state.is_terminal and self.registry is not None and self.record.final_state is None:
             self.record.final_state = state.value
             self.record.left_behind = self.left_behind(status) if state == RunState.SUCCEEDED else []
+            self.registry.save(self.record)
+
+    def disagreed(self, report: RunReport, detail: str) -> None:
+        """The weights check found the replicas' final weights different: the run produced no one model, so it
+        has failed, whatever its replicas' exit codes say. Recorded, so ``status`` and ``runs`` say so too."""
+        report.state, report.final_eval_loss = RunState.FAILED, None
+        self.record.final_state, self.record.weights_disagree = RunState.FAILED.value, detail
+        if self.registry is not None:
             self.registry.save(self.record)
 
     def cancel(self, ranks: list[int] | None = None) -> RunStatus:
@@ -899,7 +910,8 @@ class RunView:
 
 # ---------------------------------------------------------------------------------------------- collect
 def add_weights_verdict(view: RunView, report: RunReport) -> WeightsCheck | None:
-    """Fill ``report.weights_*`` for a succeeded run; returns the check (with rank 0's tensors when identical)."""
+    """Fill ``report.weights_*`` for a succeeded run; returns the check (with rank 0's tensors when identical).
+    Weights that differ fail the run (``RunView.disagreed``): it is never reported succeeded beside them."""
     if report.state != RunState.SUCCEEDED:
         return None
     from diloco.launcher.compaction import compacted_verdict
@@ -910,6 +922,8 @@ def add_weights_verdict(view: RunView, report: RunReport) -> WeightsCheck | None
     if check is None:
         check = check_final_weights(view.store, view.record.replicas, ranks=ranks)
     report.weights_identical, report.weights_detail = check.identical, check.detail
+    if check.identical is False:
+        view.disagreed(report, check.detail)
     return check
 
 

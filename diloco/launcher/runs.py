@@ -70,6 +70,9 @@ class RunRecord(BaseModel):
     max_restarts: int | None = None
     #: Cached with ``final_state``: the replicas a ``min_replicas`` run finished without (they failed for good).
     left_behind: list[int] = Field(default_factory=list)
+    #: Set when the weights check found the replicas' final weights different (its finding): every replica
+    #: exited 0, but the run has no one model, so it is ``failed`` and every later command says why.
+    weights_disagree: str | None = None
 
 
 class RunRegistry:

@@ -35,13 +35,14 @@ this run's identity for this round, which is what a committed state is.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from diloco.errors import CorruptObjectError, ObjectNotFound, StoreError
 from diloco.store.codec import decode_tensors, encode_tensors, tensor_digest
@@ -58,16 +59,20 @@ logger = logging.getLogger(__name__)
 DEFAULT_KEEP = 3
 
 MARKER_FORMAT = "diloco.committed/1"
+#: The data object's metadata key holding what the writer passed as ``commit(..., metadata=...)`` (JSON).
+_METADATA_KEY = "committed_metadata"
 _ROUND_DIR = re.compile(r"^committed/round_(\d{6})/COMMITTED$")
 
 
 @dataclass(frozen=True)
 class CommittedRound:
-    """One verified committed round: the round's number (from 1) and its global state tensors by name."""
+    """One verified committed round: the round's number (from 1), its global state tensors by name, and the
+    metadata its writer added (``commit(..., metadata=...)``, a JSON object)."""
 
     round: int
     tensors: dict[str, torch.Tensor]
     run_id: str
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def data_key(round_number: int) -> str:
@@ -94,18 +99,28 @@ class RoundCheckpoints:
         self.keep = keep
 
     # ---------------------------------------------------------------- writing
-    def commit(self, round_number: int, tensors: Mapping[str, torch.Tensor]) -> bool:
+    def commit(self, round_number: int, tensors: Mapping[str, torch.Tensor], *,
+               metadata: Mapping[str, Any] | None = None, single_writer: bool = False) -> bool:
         """Commit the global state after round ``round_number``; ``True`` if this call created the marker.
 
         Idempotent across ranks (they all call it with identical bits). Raises ``CorruptObjectError`` when the
         data another rank wrote for this round is not what this rank holds: the replicas have diverged.
+
+        ``metadata`` (JSON) goes into the data object beside the identity and comes back verified with it
+        (``CommittedRound.metadata``). ``single_writer``: one process alone commits this sequence (the
+        asynchronous master), so data left without a marker can only be its own earlier life's, killed between
+        the two writes; it is replaced (an atomic overwrite) instead of compared, since the restarted writer may
+        legitimately have computed other tensors for that number.
         """
         if round_number < 1:
             raise ValueError(f"round numbers start at 1, got {round_number}")
         if self.store.exists(marker_key(round_number)):
             return False
-        data = encode_tensors(tensors, self._identity(round_number))
-        if not self.store.put_if_absent(data_key(round_number), data):
+        extra = {_METADATA_KEY: json.dumps(dict(metadata), sort_keys=True)} if metadata else {}
+        data = encode_tensors(tensors, {**extra, **self._identity(round_number)})
+        if single_writer:
+            self.store.put(data_key(round_number), data)
+        elif not self.store.put_if_absent(data_key(round_number), data):
             # Another writer's bytes landed (safetensors' header order may differ): its tensors must be ours.
             data = self.store.get(data_key(round_number))
             source = self.store.url(data_key(round_number))
@@ -180,14 +195,18 @@ class RoundCheckpoints:
             raise CorruptObjectError(f"{source} is not JSON: {exc}") from exc
         self._check_marker(marker, round_number, source)
         data = self.store.get(data_key(round_number))
-        tensors, _ = decode_tensors(data, expect=self._identity(round_number),
-                                    source=self.store.url(data_key(round_number)))
+        tensors, meta = decode_tensors(data, expect=self._identity(round_number),
+                                       source=self.store.url(data_key(round_number)))
         if hashlib.sha256(data).hexdigest() != marker.get("sha256"):
             # Another rank's encoding of the same state replaced the bytes the marker names (see the module
             # docstring); the decode above has verified these bytes are a whole committed state of this round.
             logger.debug("committed round %d: data re-encoded by another rank since %s was written", round_number,
                          source)
-        return CommittedRound(round=round_number, tensors=tensors, run_id=self.run_id)
+        try:
+            written = json.loads(meta.get(_METADATA_KEY, "{}"))
+        except json.JSONDecodeError as exc:  # the checksum covers tensors, not metadata: say which object
+            raise CorruptObjectError(f"{self.store.url(data_key(round_number))}: metadata is not JSON: {exc}") from exc
+        return CommittedRound(round=round_number, tensors=tensors, run_id=self.run_id, metadata=written)
 
     def _check_marker(self, marker: object, round_number: int, source: str) -> None:
         if not isinstance(marker, dict) or marker.get("format") != MARKER_FORMAT:

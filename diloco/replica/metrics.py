@@ -183,13 +183,16 @@ class MetricsWriter:
         with self._lock:
             return [dict(row) for row in self._history]
 
-    def resume(self, round_: int) -> None:
+    def resume(self, round_: int, *, step: int | None = None) -> None:
         """A replica rejoining after committed round ``round_`` keeps its history: the rows it wrote before it died,
         up to that round, are read back from the store, so the first write after the restart does not replace
-        them with an empty history. Rows past ``round_`` (work the restart threw away) are dropped."""
+        them with an empty history. Rows past ``round_`` (work the restart threw away) are dropped, and so are
+        rows past ``step`` when it is given (asynchronous mode, whose rows all have round 0: a node resumes at a
+        step of its own)."""
         rows, _ = read_history(self.store, self.rank)
         kept = [row.model_dump() for row in rows
-                if row.kind == "init" or (row.kind == "round" and row.round is not None and row.round <= round_)]
+                if row.kind == "init" or (row.kind == "round" and row.round is not None and row.round <= round_
+                                          and (step is None or (row.step or 0) <= step))]
         with self._lock:
             self._history = kept
             self._logged = len(kept)

@@ -185,23 +185,23 @@ def diloco_train(
                              slow_factor=slow_factor if rank == slow_rank else 1.0, position=position,
                              lr_at=lambda step: inner_lr_at(step, lr=lr, warmup_steps=warmup_steps,
                                                             total_steps=total_steps, min_lr_ratio=min_lr_ratio))
-    if mode == "async":
-        return _train_async(manager=manager, rank=rank, world_size=world_size, model=model, inner_opt=inner_opt,
-                            inner_step=inner_step, batches=batches, dev=dev, config=config,
-                            total_steps=total_steps, sync_every=sync_every,
-                            tokens_per_step=batch_size * block_size, outer_lr=outer_lr,
-                            outer_momentum=outer_momentum, nesterov=nesterov)
     done = [0]  # inner steps the run had done when this replica (re)joined it: 0 unless it restarted mid-run
 
     def on_rejoin(inner_step: int) -> None:
-        """Position hook (a restart rejoining the run): skip the steps done and draw their batches' random
-        numbers, so the data order and the inner schedule continue where they were. AdamW's state restarts fresh
-        (it is not committed)."""
+        """Position hook (a restart rejoining the run, in either mode): skip the steps done and draw their
+        batches' random numbers, so the data order and the inner schedule continue where they were. AdamW's
+        state restarts fresh (it is not committed)."""
         done[0] = position[0] = inner_step
         high = len(split.train) - block_size - 1
         for _ in range(inner_step):
             torch.randint(0, high, (batch_size,), generator=train_gen)  # exactly what sample_batch draws
 
+    if mode == "async":
+        return _train_async(manager=manager, rank=rank, world_size=world_size, model=model, inner_opt=inner_opt,
+                            inner_step=inner_step, batches=batches, dev=dev, config=config,
+                            total_steps=total_steps, sync_every=sync_every,
+                            tokens_per_step=batch_size * block_size, outer_lr=outer_lr,
+                            outer_momentum=outer_momentum, nesterov=nesterov, on_rejoin=on_rejoin)
     diloco = make_diloco_outer_loop(
         manager=manager, model_fragments=split_fragments(model, fragments), inner_optimizer=inner_opt,
         outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov, sync_every=sync_every,
@@ -459,8 +459,10 @@ def _inner_step(model: GPT, inner_opt: torch.optim.Optimizer, data: Any, train_g
 def _train_async(*, manager: Any, rank: int, world_size: int, model: GPT, inner_opt: torch.optim.Optimizer,
                  inner_step: Callable[[], torch.Tensor], batches: list[tuple[torch.Tensor, torch.Tensor]],
                  dev: torch.device, config: Any, total_steps: int, sync_every: int, tokens_per_step: int,
-                 outer_lr: float, outer_momentum: float, nesterov: bool) -> dict[str, Any]:
-    """``mode="async"``: the same model, data and inner step, coordinated by ``diloco.replica.async_diloco``."""
+                 outer_lr: float, outer_momentum: float, nesterov: bool,
+                 on_rejoin: Callable[[int], None]) -> dict[str, Any]:
+    """``mode="async"``: the same model, data, inner step and rejoin hook, coordinated by
+    ``diloco.replica.async_diloco``."""
     from diloco.replica.async_diloco import run_builtin_async
 
     model.train()
@@ -468,7 +470,7 @@ def _train_async(*, manager: Any, rank: int, world_size: int, model: GPT, inner_
         manager=manager, rank=rank, world_size=world_size, model=model, inner_optimizer=inner_opt,
         train_step=lambda: float(inner_step().detach()), evaluate=lambda: _evaluate(model, batches, dev),
         total_steps=total_steps, sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum,
-        nesterov=nesterov, tokens_per_step=tokens_per_step,
+        nesterov=nesterov, tokens_per_step=tokens_per_step, on_rejoin=on_rejoin,
         export_metadata={"model": "diloco.trainers.gpt_model:GPT", "model_config": config.to_json()})
 
 

@@ -112,6 +112,30 @@ def test_crashing_replica_fails_launch_and_collect_naming_it(tmp_path: Path) -> 
     assert processes_of(run_id) == []
 
 
+def test_a_run_whose_replicas_disagree_is_failed_not_succeeded_in_every_command(tmp_path: Path) -> None:
+    """Every replica exits 0, but their final weights differ: the run has no one model. ``launch`` says failed
+    (never "succeeded" beside the failed weights check) and exits 1, and so do ``status``, ``runs`` and
+    ``collect`` afterwards, naming the difference."""
+    home = tmp_path / "home"
+    launch = cli("launch", "--replicas", "2", "--trainer", "support.cli_trainers:disagree", "--steps", "2",
+                 "--sync-every", "1", home=home, cwd=TESTS_DIR)
+    assert launch.returncode == 1, launch.stderr
+    run_id = RunRegistry(home).ids()[-1]
+    assert f"run {run_id}: failed" in launch.stdout and "succeeded  (" not in launch.stdout, launch.stdout
+    difference = "replica 1's final weights differ from replica 0's in 'w' (max abs difference 1)"
+    assert f"final weights: DIFFERENT: {difference}" in launch.stdout
+    assert f"the replicas' final weights disagree: {difference}" in launch.stderr
+    assert "write the model with" not in launch.stderr
+    status = json.loads(cli("status", run_id, "-o", "json", home=home, cwd=TESTS_DIR).stdout)
+    assert (status["state"], status["weights_identical"], status["weights_detail"]) == ("failed", False, difference)
+    assert [r["state"] for r in status["ranks"]] == ["succeeded", "succeeded"]
+    runs = cli("runs", "-o", "json", home=home, cwd=TESTS_DIR)
+    assert [r["state"] for r in json.loads(runs.stdout)["runs"]] == ["failed"], runs.stdout
+    collect = cli("collect", run_id, "-o", "json", home=home, cwd=tmp_path)
+    assert collect.returncode == 1 and json.loads(collect.stdout)["state"] == "failed"
+    assert not list(tmp_path.glob("*.safetensors"))  # no model written
+
+
 def test_cancel_mid_run_stops_everything_and_waiters_exit_4(tmp_path: Path) -> None:
     home = tmp_path / "home"
     launch = start("launch", "--replicas", "2", "--trainer", "support.cli_trainers:slow", "--steps", "4000",

@@ -1,11 +1,13 @@
 """Asynchronous DiLoCo (diloco.replica.async_diloco) on real memory://, file:// and loopback-S3 stores, with threads.
 
 Every row of the seed's startup-selection and failure tables is a test here, and so are the resume, cache,
-cumulative-delta and late-completion cases of issue 13. The multi-process training runs are in test_async_e2e.py.
+cumulative-delta and late-completion cases, and a master relaunched on another machine (its state comes from the
+store: its committed versions). The multi-process training runs are in test_async_e2e.py and test_async_kills.py.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -20,14 +22,12 @@ from torch import nn
 
 from diloco.errors import ConfigError
 from diloco.replica.async_diloco import (
-    GLOBAL_KEY,
-    LATEST_KEY,
-    MASTER_STATE_FILE,
     AsyncDiLoCoConfig,
     AsyncDiLoCoCoordinator,
     DumbDiLoCo,
     DumbDiLoCoCoordinator,
     MasterOuterLoop,
+    MasterStateCommits,
     SyncResult,
     compute_pseudo_gradient,
     coordinator_config,
@@ -35,6 +35,7 @@ from diloco.replica.async_diloco import (
     delta_norm,
     resolve_node_id,
 )
+from diloco.replica.async_diloco.record import GLOBAL_KEY, LATEST_KEY
 from diloco.store.codec import encode_tensors
 from diloco.store.objects import ObjectStore
 
@@ -70,7 +71,8 @@ class Node:
         self.model = model if model is not None else make_model(seed)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05)
         self.gen = torch.Generator().manual_seed(hash(name) % 1000)
-        self.coord = AsyncDiLoCoCoordinator(cfg(role, name, **kw), self.model, store=store, state_dir=state_dir)
+        self.coord = AsyncDiLoCoCoordinator(cfg(role, name, **kw), self.model, store=store, state_dir=state_dir,
+                                            run_id="")
         self.step = 0
         self.results: list[SyncResult] = []
 
@@ -86,19 +88,31 @@ class Node:
 
 
 def publish_remote(store: ObjectStore, tensors: dict[str, torch.Tensor], version: int) -> None:
-    """Write a global version the way a master does (data, then metadata)."""
+    """Write a global version the way a master does (data, then metadata naming its SHA-256)."""
     s = store.child("async")
     key = GLOBAL_KEY.format(version=version)
-    s.put(key, encode_tensors(tensors, {"version": version}))
-    s.put(LATEST_KEY, json.dumps({"version": version, "key": key}).encode())
+    data = encode_tensors(tensors, {"version": version})
+    s.put(key, data)
+    s.put(LATEST_KEY, json.dumps({"version": version, "key": key, "sha256": hashlib.sha256(data).hexdigest()}).encode())
 
 
-def local_master_state(state_dir: Path, node: str, tensors: dict[str, torch.Tensor], step: int) -> MasterOuterLoop:
-    """A persisted master state at outer step ``step`` with non-zero momentum."""
-    loop = MasterOuterLoop(cfg("master", node), tensors, state_dir / node / MASTER_STATE_FILE)
+def put_delta(store: ObjectStore, n: int, template: dict[str, torch.Tensor], node: str = "w") -> str:
+    """A node's ``n``-th delta against version 0 (a pure function of ``n``), as a node uploads it."""
+    g = torch.Generator().manual_seed(n)
+    delta = {k: torch.randn(v.shape, generator=g) * 0.1 for k, v in template.items()}
+    key = f"deltas/{n:020d}-{node}-{n:08d}.safetensors"
+    store.child("async").put(key, encode_tensors(delta, {"node_id": node, "base_version": 0, "seq": n}))
+    return key
+
+
+def committed_master_state(store: ObjectStore, node: str, tensors: dict[str, torch.Tensor],
+                           step: int) -> MasterOuterLoop:
+    """A master state committed to the store at outer step ``step``, with non-zero momentum (what a master that
+    published version ``step`` left behind)."""
+    loop = MasterOuterLoop(cfg("master", node), tensors)
     loop.adopt(tensors, step - 1)
     loop.apply("k", "w", {k: torch.full_like(v, 0.01) for k, v in tensors.items()}, step - 1)
-    loop.save_local()
+    MasterStateCommits(store.child("async"), run_id="", keep=3).commit(loop)
     return loop
 
 
@@ -148,19 +162,24 @@ def test_node_identity_order_and_sanitising() -> None:
     assert resolve_node_id(AsyncDiLoCoConfig(), {"USER": "///"}) == "local"
 
 
-def test_local_state_lives_under_state_dir_node(store: ObjectStore, tmp_path: Path) -> None:
+def test_master_state_lives_in_the_store_and_the_local_folder_holds_only_the_cache(
+        store: ObjectStore, tmp_path: Path) -> None:
     master = Node("master", "m0", store, tmp_path)
     master.coord.start()
-    master.coord.stop()
-    assert (tmp_path / "m0" / MASTER_STATE_FILE).exists()
     assert master.coord.local_step == 0 and master.coord.last_global_step == 0 and master.coord.outer_step == 0
+    master.train(INNER)  # the master's own delta: version 1
+    assert master.coord.process_deltas() == 1
+    master.coord.stop()
+    keys = store.child("async").list("master/")
+    assert "master/committed/round_000001/COMMITTED" in keys and "master/committed/round_000001/state.safetensors" \
+        in keys
+    assert not [p for p in (tmp_path / "m0").rglob("*") if p.is_file() and "cache" not in p.parts]
 
 
 # ------------------------------------------------------------------------------------------------ pure rules
 def test_outer_step_is_nesterov_and_staleness_rule_is_bounded(tmp_path: Path) -> None:
     g = {"w": torch.ones(3)}
-    loop = MasterOuterLoop(cfg("master", "m", outer_lr=0.5, outer_momentum=0.9, max_staleness=2), g,
-                           tmp_path / "s.safetensors")
+    loop = MasterOuterLoop(cfg("master", "m", outer_lr=0.5, outer_momentum=0.9, max_staleness=2), g)
     assert loop.apply("d1", "a", {"w": torch.full((3,), 0.1)}, 0)
     # Nesterov, first step: buf = g; update = g + mu * buf = 1.9 g; w -= lr * update
     assert torch.allclose(loop.global_state["w"], torch.full((3,), 1 - 0.5 * 1.9 * 0.1))
@@ -173,11 +192,11 @@ def test_outer_step_is_nesterov_and_staleness_rule_is_bounded(tmp_path: Path) ->
     assert not loop.apply("d2", "a", {"w": torch.ones(3)}, 2)
     assert torch.equal(loop.global_state["w"], before) and loop.outer_step == 5
     assert loop.workers["a"].rejected == 1 and loop.workers["a"].last_staleness == 3
-    grace = MasterOuterLoop(cfg("master", "m", staleness_grace=2, max_staleness=5), g, tmp_path / "u.safetensors")
+    grace = MasterOuterLoop(cfg("master", "m", staleness_grace=2, max_staleness=5), g)
     grace.adopt(g, 5)
     assert grace.staleness_weight(3) == 1.0 and grace.staleness_weight(1) == pytest.approx(1 / 3)
     assert grace.staleness_weight(-1) is None  # staleness 6 > 5: the bound holds whatever the grace
-    accept = MasterOuterLoop(cfg("master", "m", staleness_policy="accept"), g, tmp_path / "t.safetensors")
+    accept = MasterOuterLoop(cfg("master", "m", staleness_policy="accept"), g)
     accept.adopt(g, 4)
     assert accept.staleness_weight(1) == 1.0
 
@@ -189,23 +208,24 @@ def test_sync_result_truthiness_is_the_seeds_bool() -> None:
 
 
 # ------------------------------------------------------------------------------------------------ startup table
-def test_startup_local_state_wins_when_remote_is_unavailable(store: ObjectStore, tmp_path: Path) -> None:
+def test_startup_committed_state_wins_when_nothing_was_published(store: ObjectStore, tmp_path: Path) -> None:
     saved = {k: v + 1 for k, v in cpu_state(make_model()).items()}
-    local_master_state(tmp_path, "m", saved, 4)
+    committed_master_state(store, "m", saved, 4)  # committed, then killed before its publication
     master = Node("master", "m", store, tmp_path)
     master.coord.start()
     try:
+        assert master.coord.events["startup_committed"] == 1
         assert master.coord.outer_step == 4 and master.coord.last_global_step == 4
         assert master.coord.outer is not None and master.coord.outer.momentum()  # momentum kept
         assert not same(cpu_state(master.model), cpu_state(make_model()))
-        assert latest(store)["version"] == 4  # the local state is published for the workers
+        assert latest(store)["version"] == 4  # the committed state is published for the workers
     finally:
         master.coord.stop()
 
 
-def test_startup_local_state_wins_when_remote_is_not_newer(store: ObjectStore, tmp_path: Path) -> None:
+def test_startup_committed_state_wins_when_remote_is_not_newer(store: ObjectStore, tmp_path: Path) -> None:
     saved = {k: v + 1 for k, v in cpu_state(make_model()).items()}
-    local_master_state(tmp_path, "m", saved, 4)
+    committed_master_state(store, "m", saved, 4)
     publish_remote(store, {k: v - 5 for k, v in saved.items()}, 3)
     master = Node("master", "m", store, tmp_path)
     master.coord.start()
@@ -220,7 +240,7 @@ def test_startup_local_state_wins_when_remote_is_not_newer(store: ObjectStore, t
 
 def test_startup_remote_wins_when_newer_and_momentum_resets(store: ObjectStore, tmp_path: Path) -> None:
     base = cpu_state(make_model())
-    local_master_state(tmp_path, "m", base, 2)
+    committed_master_state(store, "m", base, 2)
     remote = {k: v + 3 for k, v in base.items()}
     publish_remote(store, remote, 7)
     master = Node("master", "m", store, tmp_path)
@@ -257,22 +277,25 @@ def test_startup_bootstrap_publishes_the_current_model_at_zero(store: ObjectStor
         master.coord.stop()
 
 
-def test_master_state_persists_across_restarts(store: ObjectStore, tmp_path: Path) -> None:
-    master = Node("master", "m", store, tmp_path)
+def test_a_master_relaunched_elsewhere_resumes_its_committed_state(store: ObjectStore, tmp_path: Path) -> None:
+    """The relaunch has none of the first master's local files (another folder: another machine, a new job)."""
+    master = Node("master", "m", store, tmp_path / "first")
     worker = Node("worker", "w", store, tmp_path, seed=1)
     master.coord.start()
     worker.coord.start()
     worker.train(2 * INNER)
     assert master.coord.process_deltas() == 2
     assert master.coord.outer is not None
-    momentum = master.coord.outer.momentum()
+    momentum, (_, weights) = master.coord.outer.momentum(), master.coord.outer.snapshot()
     master.coord.stop()
-    again = Node("master", "m", store, tmp_path, seed=5)
+    again = Node("master", "m", store, tmp_path / "relaunched", seed=5)
     again.coord.start()
     try:
+        assert again.coord.events["startup_committed"] == 1
         assert again.coord.outer_step == 2 and again.coord.outer is not None
         assert same(again.coord.outer.momentum(), momentum)
         assert again.coord.outer.workers["w"].applied == 2
+        assert same(cpu_state(again.model), weights)
     finally:
         again.coord.stop()
         worker.coord.stop()
@@ -605,3 +628,112 @@ def test_resume_without_a_newer_global_restores_the_checkpoint(store: ObjectStor
         again.coord.stop()
     finally:
         master.coord.stop()
+
+
+# ------------------------------------------------------------------------------------------------ a master relaunched
+def master_outcome(store: ObjectStore, state_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Start a master (a fresh process: nothing in ``state_dir``), apply what is waiting; its weights, momentum."""
+    master = Node("master", "m", store, state_dir)
+    master.coord.start()
+    try:
+        master.coord.process_deltas()
+        assert master.coord.outer is not None
+        return master.coord.outer.snapshot()[1], master.coord.outer.momentum()
+    finally:
+        master.coord.stop()
+
+
+def test_a_master_killed_after_applying_before_committing_applies_that_delta_once_more_with_its_momentum(
+        tmp_path: Path) -> None:
+    """The crash window between an outer step and its commit: the relaunch resumes at the previous committed
+    version (momentum included) and applies the delta, still in the store, exactly once. The run then ends with
+    the bits of a run in which the master never died."""
+    template = cpu_state(make_model())
+    clean = ObjectStore(f"file://{tmp_path}/clean")
+    for n in range(1, 5):
+        put_delta(clean, n, template)
+    expected = master_outcome(clean, tmp_path / "clean-master")
+
+    store = ObjectStore(f"file://{tmp_path}/killed")
+    blobs = {key: store.child("async").get(key) for key in [put_delta(store, n, template) for n in (1, 2)]}
+    master_outcome(store, tmp_path / "first-life")  # versions 1 and 2 committed and published, deltas deleted
+    s = store.child("async")
+    version_1 = json.loads(s.get("master/committed/round_000001/COMMITTED"))
+    # Back to the moment the first life was killed: delta 2 applied in memory, nothing of version 2 written.
+    s.delete("master/committed/round_000002/COMMITTED")
+    s.delete("master/committed/round_000002/state.safetensors")
+    second = sorted(blobs)[1]
+    s.put(second, blobs[second])
+    publish_remote(store, {k: v * 0 for k, v in template.items()}, 1)  # what latest.json said then (data unused)
+    put_delta(store, 3, template)
+    put_delta(store, 4, template)
+    weights, momentum = master_outcome(store, tmp_path / "second-life")
+    assert version_1["round"] == 1 and same(weights, expected[0]) and same(momentum, expected[1])
+    assert s.list("deltas/") == []
+
+
+def test_a_master_killed_after_committing_before_deleting_never_applies_that_delta_again(tmp_path: Path) -> None:
+    template = cpu_state(make_model())
+    store = ObjectStore(f"file://{tmp_path}/store")
+    key = put_delta(store, 1, template)
+    blob = store.child("async").get(key)
+    first, _ = master_outcome(store, tmp_path / "first-life")
+    store.child("async").put(key, blob)  # killed after version 1's commit and publication, before the delete
+    again = Node("master", "m", store, tmp_path / "second-life")
+    again.coord.start()
+    try:
+        assert again.coord.process_deltas() == 0 and again.coord.outer_step == 1
+        assert store.child("async").list("deltas/") == []
+        assert same(again.coord.outer.snapshot()[1], first)  # type: ignore[union-attr]
+    finally:
+        again.coord.stop()
+
+
+def test_a_relaunched_master_overwrites_the_data_its_killed_life_left_without_a_marker(tmp_path: Path) -> None:
+    """Killed between a version's data and its marker, the first life left data the relaunch must not trust: the
+    relaunch computes that version again and commits its own bytes."""
+    template = cpu_state(make_model())
+    store = ObjectStore(f"file://{tmp_path}/store")
+    s = store.child("async")
+    s.put("master/committed/round_000001/state.safetensors", encode_tensors({"junk": torch.ones(1)}))
+    put_delta(store, 1, template)
+    weights, _ = master_outcome(store, tmp_path / "master")
+    committed = MasterStateCommits(s, run_id="", keep=3).latest()
+    assert committed is not None and committed.round == 1
+    assert same({k[len("global/"):]: v for k, v in committed.tensors.items() if k.startswith("global/")}, weights)
+
+
+def test_a_cached_version_is_used_only_when_it_is_the_object_published_under_that_number(
+        store: ObjectStore, tmp_path: Path) -> None:
+    """A version number published twice with different weights (a master that started over, as before the
+    committed states) must not be read from a node's cache: the cache is keyed and checked by SHA-256."""
+    first = {k: v + 1 for k, v in cpu_state(make_model()).items()}
+    publish_remote(store, first, 2)
+    Node("worker", "w", store, tmp_path).coord.start()  # caches version 2
+    second = {k: v - 1 for k, v in first.items()}
+    publish_remote(store, second, 2)
+    again = Node("worker", "w", store, tmp_path, seed=4)
+    again.coord.start()
+    try:
+        assert same(cpu_state(again.model), second)
+    finally:
+        again.coord.stop()
+
+
+def test_a_node_records_its_position_before_each_delta_for_its_relaunch(
+        store: ObjectStore, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    worker = Node("worker", "w", store, tmp_path)
+    worker.coord.start()
+    worker.train(2 * INNER + 2)  # two boundaries, then progress no delta carries yet
+    worker.coord.stop()
+    relaunched = Node("worker", "w", store, tmp_path / "elsewhere", seed=3)
+    position = relaunched.coord.read_position()
+    assert position is not None and (position.step, position.seq, position.node_id) == (2 * INNER, 2, "w")
+    relaunched.coord.resume_at(position)
+    assert relaunched.coord.local_step == 2 * INNER
+    other_run = AsyncDiLoCoCoordinator(cfg("worker", "w"), make_model(), store=store, state_dir=tmp_path,
+                                       run_id="another-run")
+    with caplog.at_level(logging.WARNING, logger="diloco.async"):
+        assert other_run.read_position() is None
+    assert "belongs to node 'w' of run ''" in caplog.text
+    assert Node("worker", "fresh", store, tmp_path).coord.read_position() is None

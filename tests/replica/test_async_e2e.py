@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from diloco import envvars
-from diloco.replica.async_diloco import read_async_status
+from diloco.launcher.async_status import read_async_status
 from diloco.store.codec import decode_tensors
 from diloco.store.objects import ObjectStore
 
@@ -80,10 +80,10 @@ def check_run(store: ObjectStore, results: list[tuple[int, int, str]], world_siz
         assert rows[-1]["extra"]["global_version"] == int(finals[0][1]["round"])
     # What `diloco status` reads: the global version and each worker's last upload and staleness.
     status = read_async_status(store)
-    assert status is not None and status["version"] == int(finals[0][1]["round"]) >= 3 * world_size
-    assert set(status["workers"]) == {f"replica-{r}" for r in range(world_size)}
-    for worker in status["workers"].values():
-        assert worker["applied"] >= 1 and worker["last_upload_time"] and worker["staleness"] is not None
+    assert status is not None and status.version == int(finals[0][1]["round"]) >= 3 * world_size
+    assert set(status.workers) == {f"replica-{r}" for r in range(world_size)}
+    for worker in status.workers.values():
+        assert worker.applied >= 1 and worker.last_upload_time and worker.staleness is not None
 
 
 def test_cli_launch_mode_async_on_file_store_and_status(tmp_path: Path) -> None:
@@ -103,7 +103,8 @@ def test_cli_launch_mode_async_on_file_store_and_status(tmp_path: Path) -> None:
                                       cwd=tmp_path, timeout=60).stdout)
     store = ObjectStore(shown["rendezvous_uri"])
     check_run(store, [(r, 0, "") for r in range(4)], 4)
-    assert shown["async_global_version"] == read_async_status(store)["version"]
+    published = read_async_status(store)
+    assert published is not None and shown["async_global_version"] == published.version
     assert all(r["async_last_upload_at"] and r["async_staleness"] is not None for r in shown["ranks"])
 
 

@@ -63,6 +63,30 @@ def test_a_rank_holding_other_bits_than_the_committed_data_is_told_the_replicas_
         RoundCheckpoints(store, run_id="run-a", world_size=2).commit(1, state(2.0))
 
 
+def test_a_writers_metadata_comes_back_with_the_round(store: ObjectStore) -> None:
+    rounds = RoundCheckpoints(store, run_id="run-a", world_size=1)
+    rounds.commit(1, state(1.0), metadata={"processed": ["deltas/a", "deltas/b"], "workers": {"w": {"applied": 2}}})
+    rounds.commit(2, state(2.0))
+    got = rounds.read(1)
+    assert got.metadata == {"processed": ["deltas/a", "deltas/b"], "workers": {"w": {"applied": 2}}}
+    assert rounds.read(2).metadata == {}
+
+
+def test_a_single_writer_replaces_its_own_uncommitted_data_instead_of_calling_it_divergence(
+        store: ObjectStore) -> None:
+    """The asynchronous master, killed between data and marker, comes back and computes other tensors for that
+    number (its deltas arrived in another order): those replace the old life's data, then are committed."""
+    from diloco.store.codec import encode_tensors
+
+    rounds = RoundCheckpoints(store, run_id="run-a", world_size=1)
+    store.put(data_key(3), encode_tensors(state(1.0), rounds._identity(3)))  # the killed life's, no marker
+    with pytest.raises(CorruptObjectError, match="replicas diverged"):
+        RoundCheckpoints(store, run_id="run-a", world_size=1).commit(3, state(2.0))  # several writers: refused
+    assert rounds.commit(3, state(2.0), single_writer=True) is True
+    latest = rounds.latest()
+    assert latest is not None and torch.equal(latest.tensors["fragment0.global.w"], state(2.0)["fragment0.global.w"])
+
+
 def test_a_round_whose_data_another_rank_re_encoded_still_reads(store: ObjectStore) -> None:
     """Where the store ignores conditional create, the second of two ranks finishing a round together overwrites
     the first one's data with its own encoding of the same state (safetensors orders its header differently every

@@ -60,3 +60,15 @@ def bad_metrics(*, manager: Any, rank: int, world_size: int, total_steps: int, s
     _metric(manager, rank, rows, kind="init", round=0, step=0, total_steps=total_steps, eval_loss=5.0)
     _metric(manager, rank, rows, kind="round", round=1, step=total_steps, total_steps=total_steps,
             train_loss="abc", eval_loss=4.0)
+
+
+def disagree(*, manager: Any, rank: int, world_size: int, total_steps: int, sync_every: int, **_: Any) -> None:
+    """Every replica ends normally (exit 0) but exports its own weights: a run without one model."""
+    import torch
+
+    from diloco.replica.final_weights import write_final_weights
+
+    rows: list[str] = []
+    _metric(manager, rank, rows, kind="init", round=0, step=0, total_steps=total_steps, eval_loss=5.0)
+    _metric(manager, rank, rows, kind="final", round=1, step=total_steps, total_steps=total_steps, eval_loss=4.0)
+    write_final_weights(manager.store, rank, {"w": torch.full((2,), float(rank))}, {"rank": rank})

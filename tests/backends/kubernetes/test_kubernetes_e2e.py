@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import threading
 from collections.abc import Iterator
@@ -199,6 +200,36 @@ def test_an_eviction_after_round_1_is_retried_and_rejoins_with_identical_weights
     assert [r["restarts"] for r in report["ranks"]] == [0, 1]
     retried = [p for p in by_index(kube, run_id).get(1, []) if p["metadata"]["name"] != victim]
     assert retried and "rank 1 rejoined at step" in kube.pod_log(retried[-1]["metadata"]["name"])
+
+
+@pytest.mark.long
+def test_an_async_master_killed_while_publishing_is_retried_and_resumes_from_its_committed_state(
+        kube: KubernetesEmulator, s3_bucket: str, home: Path, tmp_path: Path) -> None:
+    """Asynchronous DiLoCo through Kubernetes: the master's container is SIGKILLed (exit 137) in the middle of
+    publishing a version, after its commit; the Job retries the index and the new pod resumes from that committed
+    version in S3, at the step it had recorded, and every replica exports the same final version."""
+    done = tmp_path / "done"
+    done.mkdir()
+    plan = [{"trial": 0, "rank": 0, "moment": "publish", "version": 5, "point": "data"}]
+    launch = cli(*launch_args(s3_bucket, "--mode", "async", "--replicas", "2", "--trainer",
+                              "support.async_kill_trainer:train", "--steps", "60", "--sync-every", "10", "-k",
+                              "n_layer=1", "-k", "n_embd=16", "-k", "block_size=16", "-k", "batch_size=8", "-k",
+                              "eval_batches=1", "-k", "max_corpus_bytes=50000", "-k", "threads=1", "-k",
+                              f"kills={json.dumps(plan)}", "-k", f"done_dir={done}", "-o", "json"),
+                 home=home, cwd=tmp_path, timeout=400)
+    assert launch.returncode == 0, launch.stderr[-3000:]
+    report = json.loads(launch.stdout)
+    run_id = report["run_id"]
+    assert report["state"] == "succeeded" and report["weights_identical"] is True, report["weights_detail"]
+    assert [r["restarts"] for r in report["ranks"]] == [1, 0]
+    logs = [kube.pod_log(p["metadata"]["name"]) for p in by_index(kube, run_id)[0]]
+    assert len(logs) == 2, logs
+    killed_log, retried_log = sorted(logs, key=lambda log: "kill trial 0:" not in log)
+    recorded = re.search(r"kill trial 0: SIGKILL rank 0 publishing version 5, .*\(position recorded: step (\d+)\)",
+                         killed_log)
+    assert recorded, killed_log[-3000:]
+    assert "startup selection committed (committed 5, remote 4)" in retried_log, retried_log[-3000:]
+    assert f"rejoins the run at step {recorded[1]} of 60" in retried_log, retried_log[-3000:]
 
 
 def test_cancel_mid_run_deletes_the_job_and_leaves_no_process(kube: KubernetesEmulator, s3_bucket: str,

@@ -361,6 +361,42 @@ def test_a_job_that_fails_after_round_1_is_relaunched_as_a_new_job_and_the_run_e
     assert processes_of(run_id) == []
 
 
+#: The asynchronous kill trainer (tests/support/async_kill_trainer.py), shipped in the user's source directory.
+ASYNC_KILL_TRAINER = (Path(__file__).resolve().parents[2] / "support" / "async_kill_trainer.py").read_text()
+
+
+@pytest.mark.long
+def test_an_async_master_killed_mid_run_comes_back_as_a_new_job_and_resumes_where_it_was(
+    emulator: SageMakerEmulator, s3_bucket: str, home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Asynchronous DiLoCo through SageMaker: the master's job dies (SIGKILL, exit 137) mid-run; the waiting
+    launch creates a new job for rank 0, which resumes from its committed state in S3 at the step it had
+    recorded, and every replica exports the same final version."""
+    monkeypatch.setenv("DILOCO_RESTART_BACKOFF_S", "0")
+    source, done = tmp_path / "src", tmp_path / "done"
+    source.mkdir()
+    done.mkdir()
+    (source / "asynckill.py").write_text(ASYNC_KILL_TRAINER)
+    plan = [{"trial": 0, "rank": 0, "moment": "mid_run", "step": 35}]
+    launch = cli(*launch_args(emulator, s3_bucket, source, "--mode", "async", "--replicas", "2", "--trainer",
+                              "asynckill:train", "--steps", "60", "--sync-every", "10", "-k", "n_layer=1", "-k",
+                              "n_embd=16", "-k", "block_size=16", "-k", "batch_size=8", "-k", "eval_batches=1", "-k",
+                              "max_corpus_bytes=50000", "-k", "threads=1", "-k", f"kills={json.dumps(plan)}", "-k",
+                              f"done_dir={done}", "-o", "json"), home=home, cwd=tmp_path, timeout=400)
+    assert launch.returncode == 0, launch.stderr[-3000:]
+    report = json.loads(launch.stdout)
+    run_id = report["run_id"]
+    assert report["state"] == "succeeded" and report["weights_identical"] is True, report["weights_detail"]
+    assert [r["restarts"] for r in report["ranks"]] == [1, 0]
+    assert [r["job_id"] for r in report["ranks"]] == [f"{run_id}-r0-1", f"{run_id}-r1"]
+    assert describe(f"{run_id}-r0")["FailureReason"].endswith("exit code: 137")
+    killed = next(line for line in log_lines(f"{run_id}-r0") if line.startswith("kill trial 0:"))
+    recorded = int(killed.rsplit("step ", 1)[1].rstrip(")"))
+    assert recorded > 0
+    assert any(f"rejoins the run at step {recorded} of 60" in line for line in log_lines(f"{run_id}-r0-1"))
+    assert processes_of(run_id) == []
+
+
 def test_logs_read_every_page_of_a_long_stream(emulator: SageMakerEmulator, s3_bucket: str) -> None:
     from diloco.executors.base import EntrypointArgs, LaunchSpec
     from diloco.executors.sagemaker import SageMakerBackend, SageMakerBackendConfig
