@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 
 from diloco.collectives.driver import RoundDriver, RoundIO
 from diloco.collectives.wire import PayloadCodec
-from diloco.errors import CorruptObjectError
+from diloco.errors import ConfigError, CorruptObjectError
 from diloco.store import codec
 from diloco.store.layout import check_spread, contribution_key, reduced_shard_key
 
@@ -152,6 +152,10 @@ class ShardedExchange:
     """The sharded strategy's round (see the module docstring)."""
 
     def __init__(self, codec_: PayloadCodec, *, world_size: int, spread: int = 1) -> None:
+        if codec_.fmt == "topk":
+            raise ConfigError("store.compression topk works with store.allreduce gather only: the sharded strategy "
+                              "re-encodes every reduced shard, and a sparse format would drop most of the mean",
+                              hint="use --allreduce gather with topk")
         self.codec = codec_
         self.world_size = world_size  # the number of shards
         self.spread = check_spread(spread)

@@ -30,10 +30,11 @@ Wire = tuple[dict[str, "torch.Tensor"], dict[str, str], dict[str, "torch.Tensor"
 class PayloadCodec:
     """One rank's wire format: encode its contributions (with error feedback) and decode its peers'."""
 
-    def __init__(self, fmt: str = NONE, *, error_feedback: bool = True,
-                 block: int = compression.DEFAULT_BLOCK) -> None:
+    def __init__(self, fmt: str = NONE, *, error_feedback: bool = True, block: int = compression.DEFAULT_BLOCK,
+                 sparse: compression.TopkSpec | None = None) -> None:
         self.fmt = compression.check_format(fmt)
         self.block = compression.check_block(block)
+        self.sparse = sparse or compression.TopkSpec()  # topk's parameters (unused by the other formats)
         self.error_feedback = error_feedback
         self._feedback: dict[Hashable, Any] = {}  # layout key -> compression.ErrorFeedback
 
@@ -52,7 +53,8 @@ class PayloadCodec:
         feedback = self._feedback.get(key)
         if feedback is None:
             feedback = self._feedback[key] = compression.ErrorFeedback(self.fmt, block=self.block,
-                                                                       enabled=self.error_feedback)
+                                                                       enabled=self.error_feedback,
+                                                                       sparse=self.sparse)
         return feedback.compress(as_fp32(tensors))
 
     def encode_plain(self, tensors: Mapping[str, torch.Tensor]) -> Wire:
@@ -60,9 +62,10 @@ class PayloadCodec:
         if not self.compressed:
             return dict(tensors), {}, dict(tensors)
         fp32 = as_fp32(tensors)
-        wire, meta = compression.encode(fp32, self.fmt, block=self.block)
+        wire, meta = compression.encode(fp32, self.fmt, block=self.block, sparse=self.sparse)
         layout = compression.layout_of(fp32)
-        return wire, meta, compression.decode(wire, meta, layout, fmt=self.fmt, block=self.block)
+        return wire, meta, compression.decode(wire, meta, layout, fmt=self.fmt, block=self.block,
+                                              sparse=self.sparse)
 
     def decode(self, wire: Mapping[str, torch.Tensor], meta: Mapping[str, str], layout: Layout,
                source: str) -> dict[str, torch.Tensor]:
@@ -75,7 +78,7 @@ class PayloadCodec:
         if not self.compressed:
             return dict(wire)
         try:
-            return compression.decode(wire, meta, layout, fmt=self.fmt, block=self.block)
+            return compression.decode(wire, meta, layout, fmt=self.fmt, block=self.block, sparse=self.sparse)
         except CorruptObjectError as exc:
             raise CorruptObjectError(f"{source}: {exc}") from exc
 
