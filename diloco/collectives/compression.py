@@ -175,8 +175,15 @@ def decode(
     out: dict[str, torch.Tensor] = {}
     for name, (shape, _dtype) in layout.items():
         device = wire[name if got.fmt == "bf16" else name + SCALE_SUFFIX].device
-        target = torch.empty(_numel(shape), dtype=torch.float32, device=device)
-        out[name] = _decode_one(wire, name, got, target, accumulate=False).view(tuple(shape))
+        if got.fmt == "topk":  # mostly zeros: fresh zeroed memory costs no pass of its own
+            target = torch.zeros(_numel(shape), dtype=torch.float32, device=device)
+            assert got.sparse is not None
+            topk.decode(wire[name + INDEX_SUFFIX], wire[name + CODES_SUFFIX], wire[name + SCALE_SUFFIX], got.sparse,
+                        target, zeroed=True)
+        else:
+            target = torch.empty(_numel(shape), dtype=torch.float32, device=device)
+            _decode_one(wire, name, got, target, accumulate=False)
+        out[name] = target.view(tuple(shape))
     return out
 
 

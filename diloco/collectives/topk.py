@@ -153,44 +153,68 @@ class _Selector:
         self.position = torch.arange(width, device=device)
         # the reversed position of element (i, j) of the strided view, less its group j: i * groups
         self.reversed_base = (width - 1) - torch.arange(self.size, device=device) * self.groups
-        self.magnitude = torch.empty(0, dtype=torch.int32, device=device)
+        self._index_buffers: dict[int, torch.Tensor] = {}
 
     def top_keys(self, rows: torch.Tensor) -> torch.Tensor:
         """(R, k) keys, unsorted, for every row of ``rows`` (R, width)."""
         import torch
 
-        top = torch.empty(rows.shape[0], self.k, dtype=torch.int64, device=rows.device)
-        tied = torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
-        for first in range(0, rows.shape[0], self.rows_per_call):
-            last = min(first + self.rows_per_call, rows.shape[0])
-            self._top_keys(rows[first:last], top[first:last], tied[first:last])
-        if bool(tied.any()):  # another group's maximum ties the threshold: search those rows whole
+        r = rows.shape[0]
+        top = torch.empty(r, self.k, dtype=torch.int64, device=rows.device)
+        if self.size < 2:
+            for first in range(0, r, self.rows_per_call):
+                last = min(first + self.rows_per_call, r)
+                magnitude = rows[first:last].view(torch.int32) & _MAGNITUDE
+                keys = _keys(magnitude, self.position, self.index_bits, self.width)
+                torch.topk(keys, self.k, dim=1, sorted=False, out=(top[first:last], self._indices(last - first)))
+            return top
+        maxima = torch.empty(r, self.groups, dtype=torch.int32, device=rows.device)
+        group_top = torch.empty(r, self.k, dtype=torch.int32, device=rows.device)
+        for first in range(0, r, self.rows_per_call):
+            last = min(first + self.rows_per_call, r)
+            self._prefiltered(rows[first:last], top[first:last], maxima[first:last], group_top[first:last])
+        # exact unless another group's maximum ties the k-th largest one (or a NaN hides): search those rows whole
+        tied = (maxima >= group_top.amin(dim=1, keepdim=True)).sum(dim=1) != self.k
+        tied |= (group_top > _NONFINITE_BITS).any(dim=1)
+        if bool(tied.any()):
             whole = rows[tied].view(torch.int32) & _MAGNITUDE
             keys = _keys(whole, self.position, self.index_bits, self.width)
             top[tied] = torch.topk(keys, self.k, dim=1, sorted=False).values
         return top
 
-    def _top_keys(self, rows: torch.Tensor, top: torch.Tensor, tied: torch.Tensor) -> None:
+    def _prefiltered(self, rows: torch.Tensor, top: torch.Tensor, maxima: torch.Tensor,
+                     group_top: torch.Tensor) -> None:
+        """The k largest keys of each row among the elements of its k groups of largest maxima (``maxima`` and
+        ``group_top``, the chosen groups' maxima, are written for the caller's tie check).
+
+        A group's maximum magnitude is ``max(max x, -min x)``, two fast reductions across the strided view (no
+        pass writing magnitudes): fp32 comparisons order non-NaN values as their magnitude bits do; a NaN's bits
+        are not ordered by them, so a row holding one is searched whole (``top_keys``)."""
         import torch
 
         r = rows.shape[0]
-        if self.magnitude.numel() < rows.numel():
-            self.magnitude = torch.empty(rows.numel(), dtype=torch.int32, device=rows.device)
-        magnitude = torch.bitwise_and(rows.view(torch.int32), _MAGNITUDE,
-                                      out=self.magnitude[: rows.numel()].view(r, self.width))
-        if self.size < 2:
-            keys = _keys(magnitude, self.position, self.index_bits, self.width)
-            torch.topk(keys, self.k, dim=1, sorted=False, out=(top, torch.empty_like(top)))
-            return
-        strided = magnitude.view(r, self.size, self.groups)  # element i * groups + j is in group j
-        maxima = strided.amax(dim=1)
-        group_top, chosen = torch.topk(maxima, self.k, dim=1, sorted=False)
-        torch.ne((maxima >= group_top.amin(dim=1, keepdim=True)).sum(dim=1), self.k, out=tied)
-        candidates = torch.gather(strided, 2, chosen[:, None, :].expand(r, self.size, self.k))
-        reversed_position = self.reversed_base[None, :, None] - chosen[:, None, :]
-        keys = candidates.view(r, -1).to(torch.int64).bitwise_left_shift_(self.index_bits)
-        keys.bitwise_or_(reversed_position.view(r, -1))
-        torch.topk(keys, self.k, dim=1, sorted=False, out=(top, torch.empty_like(top)))
+        strided = rows.view(r, self.size, self.groups)  # element i * groups + j is in group j
+        high = strided.amax(dim=1)
+        torch.maximum(high, strided.amin(dim=1).neg_(), out=high)
+        torch.bitwise_and(high.view(torch.int32), _MAGNITUDE, out=maxima)
+        chosen = self._indices(r)
+        torch.topk(maxima, self.k, dim=1, sorted=False, out=(group_top, chosen))
+        candidates = torch.gather(strided.view(torch.int32), 2, chosen[:, None, :].expand(r, self.size, self.k))
+        # key = magnitude * 2**index_bits + reversed position (an OR: the position fits the low bits)
+        keys = torch.add(self.reversed_base[None, :, None], candidates.bitwise_and_(_MAGNITUDE),
+                         alpha=1 << self.index_bits)
+        keys = keys.sub_(chosen[:, None, :]).view(r, -1)
+        torch.topk(keys, self.k, dim=1, sorted=False, out=(top, self._indices(r, 1)))
+
+    def _indices(self, rows: int, which: int = 0) -> torch.Tensor:
+        """A reusable (rows, k) int64 buffer for topk's indices (two of them: ``which`` 0 or 1)."""
+        import torch
+
+        buf = self._index_buffers.get(which)
+        if buf is None or buf.shape[0] < rows:
+            buf = self._index_buffers[which] = torch.empty(rows, self.k, dtype=torch.int64,
+                                                           device=self.position.device)
+        return buf[:rows]
 
 
 def _keys(magnitude: torch.Tensor, position: torch.Tensor, index_bits: int, width: int) -> torch.Tensor:
@@ -245,10 +269,11 @@ def _median_ranks(k: int, levels: int, device: torch.device) -> tuple[torch.Tens
 
 # ---------------------------------------------------------------- decode
 def decode(packed_cols: torch.Tensor, packed_codes: torch.Tensor, levels: torch.Tensor, spec: TopkSpec,
-           out: torch.Tensor, *, accumulate: bool = False) -> torch.Tensor:
-    """Write the decoded fp32 values into the 1-D ``out`` (zeros where nothing was kept), or add them to it with
-    ``accumulate`` (only the kept positions are touched). A chunk with a non-finite level is NaN throughout.
-    ``CorruptObjectError`` when the indices are not strictly increasing positions inside their chunk."""
+           out: torch.Tensor, *, accumulate: bool = False, zeroed: bool = False) -> torch.Tensor:
+    """Write the decoded fp32 values into the 1-D ``out`` (zeros where nothing was kept; ``zeroed``: ``out`` is
+    all zeros already, from ``torch.zeros``, which spares a pass), or add them to it with ``accumulate`` (only the
+    kept positions are touched). A chunk with a non-finite level is NaN throughout. ``CorruptObjectError`` when
+    the indices are not strictly increasing positions inside their chunk."""
     import torch
 
     n = out.numel()
@@ -256,21 +281,23 @@ def decode(packed_cols: torch.Tensor, packed_codes: torch.Tensor, levels: torch.
     kept = spec.kept(n)
     cols = bitpack.unpack(packed_cols, spec.index_bits, kept)
     codes = bitpack.unpack(packed_codes, spec.value_bits, kept)
-    k = spec.k
-    _check_positions(cols[: full * k].view(full, k), spec.chunk)
-    if tail:
-        _check_positions(cols[full * k :].view(1, -1), tail)
-    chunk_of = torch.arange(kept, device=out.device) // k  # the tail chunk's elements come last: full * k // k
-    flat_levels = levels.view(-1, spec.levels)
-    magnitude = flat_levels.reshape(-1)[chunk_of * spec.levels + (codes >> 1)]
-    values = torch.where((codes & 1).bool(), -magnitude, magnitude)
-    position = chunk_of * spec.chunk + cols
-    if accumulate:
-        out[position] = out[position] + values
-    else:
+    # per chunk, code c decodes to signed[c]: +level[c // 2] for an even code, -level[c // 2] for an odd one
+    chunk_levels = levels.view(-1, spec.levels)
+    signed = torch.stack([chunk_levels, -chunk_levels], dim=2).view(-1, 2 * spec.levels)
+    if not accumulate and not zeroed:
         out.zero_()
-        out[position] = values
-    bad = ~flat_levels.isfinite().all(dim=1)
+    k = spec.k
+    parts = [(0, full, spec.chunk, k)] + ([(full, full + 1, tail, kept - full * k)] if tail else [])
+    for first, last, width, per_chunk in parts:
+        at = cols[first * k : first * k + (last - first) * per_chunk].view(-1, per_chunk)
+        _check_positions(at, width)
+        values = torch.gather(signed[first:last], 1, codes[first * k : first * k + at.numel()].view_as(at))
+        target = out[first * spec.chunk : first * spec.chunk + (last - first) * width].view(-1, width)
+        if accumulate:
+            target.scatter_add_(1, at, values)  # positions are unique: one addition each, as out + decode does
+        else:
+            target.scatter_(1, at, values)
+    bad = ~chunk_levels.isfinite().all(dim=1)
     if bool(bad.any()):
         out[: full * spec.chunk].view(full, spec.chunk)[bad[:full]] = float("nan")
         if tail and bool(bad[-1]):
