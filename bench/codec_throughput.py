@@ -12,7 +12,7 @@ spent waiting for a core that another process holds is not this codec's; ``--clo
 * ``encode``: ``compression.encode`` (fp32 in -> the wire tensors), counted in fp32 input bytes.
 * ``decode``: ``compression.decode`` into a fresh fp32 tensor, counted in fp32 output bytes. Fresh memory is
   paid for in page faults, so its yardstick is ``clone``.
-* ``decode+add``: ``compression.decode_into(..., accumulate=True)``, what the all-reduce does for every peer: add
+* ``decode+add``: ``compression.decode_into(..., mode="add")``, what the all-reduce does for every peer: add
   the decoded values into the running sum. Its yardstick is ``y += x``.
 * the ``memcpy`` row: ``y.copy_(x)`` into an existing tensor (encode column), ``x.clone()`` (decode column) and
   ``y.add_(x)`` (decode+add column), on the same tensor.
@@ -84,7 +84,7 @@ def measure(mib: float, reps: int) -> tuple[list[dict[str, Any]], dict[str, floa
         decode_gib_s = nbytes / best_seconds(lambda w=wire, m=meta: compression.decode(w, m, layout), reps) / GIB
         y.zero_()
         add_gib_s = nbytes / best_seconds(
-            lambda w=wire, m=meta: compression.decode_into(w, m, layout, {"g": y}, accumulate=True), reps) / GIB
+            lambda w=wire, m=meta: compression.decode_into(w, m, layout, {"g": y}, mode="add"), reps) / GIB
         rows.append({"codec": fmt, "wire MiB": round(wire_bytes / MIB, 3), "fp32 / wire": round(nbytes / wire_bytes, 1),
                      "encode GiB/s": round(encode_gib_s, 2), "decode GiB/s": round(decode_gib_s, 2),
                      "decode+add GiB/s": round(add_gib_s, 2),

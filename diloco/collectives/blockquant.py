@@ -165,27 +165,32 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- decode
+#: How a decoder treats its output: overwrite it, add the decoded values, or subtract them (error feedback's
+#: residual is what was sent minus what was decoded).
+MODES = ("write", "add", "subtract")
+
+
 def decode_int8(codes: torch.Tensor, scales: torch.Tensor, block: int, out: torch.Tensor, *,
-                accumulate: bool = False) -> torch.Tensor:
-    """``out = codes * scale`` of their block (``out += ...`` with ``accumulate``), fp32, 1-D, chunk by chunk; a
-    block with a non-finite scale is NaN throughout."""
+                mode: str = "write") -> torch.Tensor:
+    """``out = codes * scale`` of their block (``out += ...``, ``out -= ...`` by ``mode``), fp32, 1-D, chunk by
+    chunk; a block with a non-finite scale is NaN throughout."""
     import torch
 
     n = codes.numel()
     step = chunk_elements(block, codes.device)
-    tmp = torch.empty(min(step, n), dtype=torch.float32, device=codes.device) if accumulate and n else None
+    tmp = torch.empty(min(step, n), dtype=torch.float32, device=codes.device) if mode != "write" and n else None
     for start in range(0, n, step):
         stop = min(start + step, n)
         target = tmp[: stop - start] if tmp is not None else out[start:stop]
         _scale_chunk(codes[start:stop], scales[start // block : num_blocks(stop, block)], block, target)
         if tmp is not None:
-            out[start:stop].add_(target)
+            combine(out[start:stop], target, mode)
     _nan_for_nonfinite(out, scales, block)
     return out
 
 
 def decode_int4(packed: torch.Tensor, scales: torch.Tensor, block: int, out: torch.Tensor, *,
-                accumulate: bool = False) -> torch.Tensor:
+                mode: str = "write") -> torch.Tensor:
     """Like ``decode_int8`` from nibble pairs (``out`` has the element count; a nibble decodes as itself - 8)."""
     import torch
 
@@ -193,7 +198,7 @@ def decode_int4(packed: torch.Tensor, scales: torch.Tensor, block: int, out: tor
     step = chunk_elements(block, packed.device)
     size = min(step, n + n % 2)
     nibbles = torch.empty(size, dtype=torch.uint8, device=packed.device)
-    tmp = torch.empty(size, dtype=torch.float32, device=packed.device) if accumulate and n else None
+    tmp = torch.empty(size, dtype=torch.float32, device=packed.device) if mode != "write" and n else None
     for start in range(0, n, step):
         stop = min(start + step, n)
         pairs = nibbles[: (stop - start + 1) // 2 * 2].view(-1, 2)
@@ -204,9 +209,17 @@ def decode_int4(packed: torch.Tensor, scales: torch.Tensor, block: int, out: tor
         target = tmp[: stop - start] if tmp is not None else out[start:stop]
         _scale_chunk(codes, scales[start // block : num_blocks(stop, block)], block, target)
         if tmp is not None:
-            out[start:stop].add_(target)
+            combine(out[start:stop], target, mode)
     _nan_for_nonfinite(out, scales, block)
     return out
+
+
+def combine(out: torch.Tensor, decoded: torch.Tensor, mode: str) -> None:
+    """``out += decoded`` or ``out -= decoded``: one correctly rounded operation per element, as on a whole tensor."""
+    if mode == "add":
+        out.add_(decoded)
+    else:
+        out.sub_(decoded)
 
 
 def _scale_chunk(codes: torch.Tensor, scales: torch.Tensor, block: int, out: torch.Tensor) -> None:

@@ -91,8 +91,8 @@ _QMAX = {"int8": 127, "int4": 7}
 Layout = Mapping[str, "tuple[tuple[int, ...], torch.dtype]"]
 
 __all__ = ["BLOCK_KEY", "CODES_SUFFIX", "DEFAULT_BLOCK", "FORMATS", "FORMAT_KEY", "INDEX_SUFFIX", "SCALE_SUFFIX",
-           "ErrorFeedback", "TopkSpec", "check_block", "check_format", "decode", "decode_into", "encode",
-           "layout_of", "wire_nbytes"]
+           "ErrorFeedback", "TopkSpec", "check", "check_block", "check_format", "decode", "decode_into",
+           "encode", "layout_of", "wire_nbytes"]
 
 
 # ---------------------------------------------------------------- validation
@@ -182,7 +182,7 @@ def decode(
                         target, zeroed=True)
         else:
             target = torch.empty(_numel(shape), dtype=torch.float32, device=device)
-            _decode_one(wire, name, got, target, accumulate=False)
+            _decode_one(wire, name, got, target, mode="write")
         out[name] = target.view(tuple(shape))
     return out
 
@@ -193,22 +193,36 @@ def decode_into(
     layout: Layout,
     out: Mapping[str, torch.Tensor],
     *,
-    accumulate: bool,
+    mode: str,
     fmt: str | None = None,
     block: int | None = None,
     sparse: TopkSpec | None = None,
 ) -> None:
-    """``decode`` straight into ``out`` (contiguous tensors shaped as in ``layout``, fp32 or fp64): overwrite
-    them, or with ``accumulate`` add the decoded values to them, with exactly the operations ``out += decode(...)``
-    would perform (the same bits), but without a payload-sized temporary per peer. For ``topk`` only the kept
-    positions are added (a sum of N sparse contributions touches N * k positions per chunk). Same checks and
-    errors as ``decode``."""
+    """``decode`` straight into ``out`` (contiguous tensors shaped as in ``layout``, fp32 or fp64): ``mode``
+    "write" overwrites them, "add" adds the decoded values and "subtract" subtracts them, with exactly the
+    operations ``out += decode(...)`` (``-=``) would perform (the same bits), but without a payload-sized
+    temporary. For ``topk`` "add" and "subtract" touch only the kept positions (a sum of N sparse contributions
+    costs N * k elements per chunk). Same checks and errors as ``decode``, all made before ``out`` is touched."""
+    if mode not in blockquant.MODES:
+        raise ValueError(f"decode_into mode: {mode!r}; use one of {', '.join(blockquant.MODES)}")
     got = _checked(wire, meta, layout, fmt, block, sparse)
     for name in layout:
         target = out[name]
         if not target.is_contiguous():
             raise ValueError(f"decode_into: the output for {name!r} must be contiguous")
-        _decode_one(wire, name, got, target.view(-1), accumulate=accumulate)
+        _decode_one(wire, name, got, target.view(-1), mode=mode)
+
+
+def check(wire: Mapping[str, torch.Tensor], meta: Mapping[str, str], layout: Layout, *, fmt: str | None = None,
+          block: int | None = None, sparse: TopkSpec | None = None) -> None:
+    """Raise ``CorruptObjectError`` exactly when ``decode`` would: the tag, the wire tensors and (``topk``) every
+    kept position are checked, nothing is decoded. What a reader runs before it adds a payload to a running sum,
+    so a corrupt payload is refused whole, never half added."""
+    got = _checked(wire, meta, layout, fmt, block, sparse)
+    if got.fmt == "topk":
+        assert got.sparse is not None
+        for name, (shape, _dtype) in layout.items():
+            topk.check_positions(wire[name + INDEX_SUFFIX], got.sparse, _numel(tuple(shape)))
 
 
 # ---------------------------------------------------------------- error feedback
@@ -239,15 +253,32 @@ class ErrorFeedback:
         """-> (wire, meta, decoded): ``wire`` on the CPU; ``decoded`` (on the tensors' device) is exactly
         ``decode(wire, meta, layout)``, which is what this rank must average as its own contribution, so every rank
         averages identical values (bitwise-identical results). ``tensors`` are not modified."""
-        layout = layout_of(tensors)
-        inputs, owned = self._with_residuals(tensors) if self.enabled else (_as_fp32(tensors), set())
-        wire, meta = _encode_on_device(inputs, self.fmt, self.block, self.sparse)
-        decoded = decode(wire, meta, layout, fmt=self.fmt, block=self.block, sparse=self.sparse)
-        if self.enabled:
-            finite = _all_finite_after_decode(wire, self.fmt)
-            self._residuals = {name: _new_residual(inputs[name], decoded[name], name in owned, finite)
-                               for name in inputs}
+        wire, meta = self._compress(tensors)
+        decoded = decode(wire, meta, layout_of(tensors), fmt=self.fmt, block=self.block, sparse=self.sparse)
         return {name: t.to("cpu") for name, t in wire.items()}, meta, decoded
+
+    def compress_wire(self, tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """``compress`` without ``decoded``: for a caller that adds its own contribution to its sum from the wire
+        tensors (``decode_into``), as it does its peers', which spares a payload-sized tensor per round."""
+        wire, meta = self._compress(tensors)
+        return {name: t.to("cpu") for name, t in wire.items()}, meta
+
+    def _compress(self, tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """Encode ``x + residual`` (wire tensors left on the input's device) and keep ``residual = sent -
+        decode(wire)``, subtracted in place (``decode_into``, mode "subtract": no decoded tensor is made)."""
+        if not self.enabled:
+            return _encode_on_device(_as_fp32(tensors), self.fmt, self.block, self.sparse)
+        inputs, owned = self._with_residuals(tensors)
+        wire, meta = _encode_on_device(inputs, self.fmt, self.block, self.sparse)
+        residuals = {name: sent.contiguous() if name in owned else sent.clone(memory_format=_contiguous())
+                     for name, sent in inputs.items()}  # never the caller's tensor
+        decode_into(wire, meta, layout_of(tensors), residuals, mode="subtract", fmt=self.fmt, block=self.block,
+                    sparse=self.sparse)
+        if not _all_finite_after_decode(wire, self.fmt):
+            for residual in residuals.values():
+                residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        self._residuals = residuals
+        return wire, meta
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The residuals (fp32 CPU copies, safetensors-storable), so a rejoining rank resumes with them."""
@@ -286,18 +317,6 @@ class ErrorFeedback:
         return out, owned
 
 
-def _new_residual(sent: torch.Tensor, decoded: torch.Tensor, owned: bool, finite: bool) -> torch.Tensor:
-    """``sent - decoded`` with non-finite entries zeroed; in place when ``sent`` is our own temporary (no
-    payload-sized allocation per round), never in the caller's tensor. ``finite``: the wire already shows that
-    nothing is NaN or infinite (every scale is finite), which spares a pass over the residual."""
-    import torch
-
-    residual = sent.sub_(decoded) if owned else sent - decoded
-    if finite or bool(torch.isfinite(residual).all()):
-        return residual
-    return residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-
-
 def _all_finite_after_decode(wire: Mapping[str, torch.Tensor], fmt: str) -> bool:
     """Whether ``x - decode(encode(x))`` is finite everywhere, read from the scales alone: an integer or sparse
     block (chunk) with a finite scale held only finite values and decodes to values no larger than them. bf16 can
@@ -307,6 +326,12 @@ def _all_finite_after_decode(wire: Mapping[str, torch.Tensor], fmt: str) -> bool
     if fmt not in ("int8", "int4", "topk"):
         return False
     return all(bool(torch.isfinite(t).all()) for name, t in wire.items() if name.endswith(SCALE_SUFFIX))
+
+
+def _contiguous() -> torch.memory_format:
+    import torch
+
+    return torch.contiguous_format
 
 
 def _as_fp32(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -367,18 +392,24 @@ def _encode_one(name: str, tensor: torch.Tensor, tag: _Tag) -> dict[str, torch.T
 
 
 def _decode_one(wire: Mapping[str, torch.Tensor], name: str, tag: _Tag, out: torch.Tensor, *,
-                accumulate: bool) -> torch.Tensor:
-    """Decode one tensor's wire tensors into the flat ``out`` (or add them to it)."""
+                mode: str) -> torch.Tensor:
+    """Decode one tensor's wire tensors into the flat ``out`` (or add them to it, or subtract them from it)."""
     fmt = tag.fmt
     if fmt in ("none", "bf16"):
         value = wire[name].reshape(-1)
-        return out.add_(value.to(out.dtype)) if accumulate else out.copy_(value)
+        if mode == "write":
+            return out.copy_(value)
+        step = blockquant.chunk_elements(1, out.device)  # chunks: a bf16 payload is widened in cache, not whole
+        for start in range(0, out.numel(), step):
+            part = value[start : start + step].to(out.dtype)
+            blockquant.combine(out[start : start + step], part, mode)
+        return out
     if fmt == "topk":
         assert tag.sparse is not None
         return topk.decode(wire[name + INDEX_SUFFIX], wire[name + CODES_SUFFIX], wire[name + SCALE_SUFFIX],
-                           tag.sparse, out, accumulate=accumulate)
+                           tag.sparse, out, mode=mode)
     decoder = blockquant.decode_int8 if fmt == "int8" else blockquant.decode_int4
-    return decoder(wire[name + CODES_SUFFIX], wire[name + SCALE_SUFFIX], tag.block, out, accumulate=accumulate)
+    return decoder(wire[name + CODES_SUFFIX], wire[name + SCALE_SUFFIX], tag.block, out, mode=mode)
 
 
 # ---------------------------------------------------------------- checks on read

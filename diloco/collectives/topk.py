@@ -269,11 +269,12 @@ def _median_ranks(k: int, levels: int, device: torch.device) -> tuple[torch.Tens
 
 # ---------------------------------------------------------------- decode
 def decode(packed_cols: torch.Tensor, packed_codes: torch.Tensor, levels: torch.Tensor, spec: TopkSpec,
-           out: torch.Tensor, *, accumulate: bool = False, zeroed: bool = False) -> torch.Tensor:
+           out: torch.Tensor, *, mode: str = "write", zeroed: bool = False) -> torch.Tensor:
     """Write the decoded fp32 values into the 1-D ``out`` (zeros where nothing was kept; ``zeroed``: ``out`` is
-    all zeros already, from ``torch.zeros``, which spares a pass), or add them to it with ``accumulate`` (only the
-    kept positions are touched). A chunk with a non-finite level is NaN throughout. ``CorruptObjectError`` when
-    the indices are not strictly increasing positions inside their chunk."""
+    all zeros already, from ``torch.zeros``, which spares a pass), or add them to it or subtract them from it
+    (``mode`` "add" or "subtract": only the kept positions are touched). A chunk with a non-finite level is NaN
+    throughout. ``CorruptObjectError`` when the indices are not strictly increasing positions inside their
+    chunk."""
     import torch
 
     n = out.numel()
@@ -284,7 +285,9 @@ def decode(packed_cols: torch.Tensor, packed_codes: torch.Tensor, levels: torch.
     # per chunk, code c decodes to signed[c]: +level[c // 2] for an even code, -level[c // 2] for an odd one
     chunk_levels = levels.view(-1, spec.levels)
     signed = torch.stack([chunk_levels, -chunk_levels], dim=2).view(-1, 2 * spec.levels)
-    if not accumulate and not zeroed:
+    if mode == "subtract":
+        signed = signed.neg()  # a + (-v) is a - v, exactly
+    if mode == "write" and not zeroed:
         out.zero_()
     k = spec.k
     parts = [(0, full, spec.chunk, k)] + ([(full, full + 1, tail, kept - full * k)] if tail else [])
@@ -293,7 +296,7 @@ def decode(packed_cols: torch.Tensor, packed_codes: torch.Tensor, levels: torch.
         _check_positions(at, width)
         values = torch.gather(signed[first:last], 1, codes[first * k : first * k + at.numel()].view_as(at))
         target = out[first * spec.chunk : first * spec.chunk + (last - first) * width].view(-1, width)
-        if accumulate:
+        if mode != "write":
             target.scatter_add_(1, at, values)  # positions are unique: one addition each, as out + decode does
         else:
             target.scatter_(1, at, values)
@@ -303,6 +306,16 @@ def decode(packed_cols: torch.Tensor, packed_codes: torch.Tensor, levels: torch.
         if tail and bool(bad[-1]):
             out[full * spec.chunk :] = float("nan")
     return out
+
+
+def check_positions(packed_cols: torch.Tensor, spec: TopkSpec, n: int) -> None:
+    """``CorruptObjectError`` unless the packed positions of a tensor of ``n`` elements are strictly increasing
+    within each chunk and inside it (what ``decode`` checks, without decoding)."""
+    full, tail = divmod(n, spec.chunk)
+    cols = bitpack.unpack(packed_cols, spec.index_bits, spec.kept(n))
+    _check_positions(cols[: full * spec.k].view(full, spec.k), spec.chunk)
+    if tail:
+        _check_positions(cols[full * spec.k :].view(1, -1), tail)
 
 
 def _check_positions(cols: torch.Tensor, width: int) -> None:

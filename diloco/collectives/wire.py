@@ -16,6 +16,7 @@ from collections.abc import Hashable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from diloco.collectives import compression
+from diloco.collectives.reduce import accumulate
 from diloco.errors import CorruptObjectError
 
 if TYPE_CHECKING:
@@ -50,12 +51,57 @@ class PayloadCodec:
         before encoding and updated after (unless error feedback is off)."""
         if not self.compressed:
             return dict(tensors), {}, dict(tensors)
+        return self._feedback_for(key).compress(as_fp32(tensors))
+
+    def _feedback_for(self, key: Hashable) -> compression.ErrorFeedback:
+        """The error-feedback memory of the payload layout ``key``."""
         feedback = self._feedback.get(key)
         if feedback is None:
             feedback = self._feedback[key] = compression.ErrorFeedback(self.fmt, block=self.block,
                                                                        enabled=self.error_feedback,
                                                                        sparse=self.sparse)
-        return feedback.compress(as_fp32(tensors))
+        return feedback
+
+    def encode_wire(self, key: Hashable, tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor],
+                                                                                   dict[str, str]]:
+        """``encode_contribution`` without the decoded tensors: for a reader that adds its own contribution to
+        its sum from the wire tensors (``add_into``), exactly as it adds its peers'. Uncompressed, the tensors
+        themselves and no tag."""
+        if not self.compressed:
+            return dict(tensors), {}
+        return self._feedback_for(key).compress_wire(as_fp32(tensors))
+
+    def check(self, wire: Mapping[str, torch.Tensor], meta: Mapping[str, str], layout: Layout, source: str) -> None:
+        """``CorruptObjectError`` naming ``source`` unless a payload is in this run's format and decodes whole
+        (checked before anything of it is added to a sum)."""
+        sent = meta.get(compression.FORMAT_KEY, NONE)
+        if sent != self.fmt:
+            raise CorruptObjectError(f"{source} is compressed as {sent!r}, but this run uses store.compression "
+                                     f"{self.fmt!r}")
+        if self.compressed:
+            try:
+                compression.check(wire, meta, layout, fmt=self.fmt, block=self.block, sparse=self.sparse)
+            except CorruptObjectError as exc:
+                raise CorruptObjectError(f"{source}: {exc}") from exc
+
+    def add_into(self, acc: dict[str, torch.Tensor], wire: Mapping[str, torch.Tensor], meta: Mapping[str, str],
+                 layout: Layout, *, owned: bool = False) -> None:
+        """Add one contribution (ours or a peer's, already ``check``-ed) to the running sum ``acc`` (fp32, fp64
+        for fp64 tensors); the first one creates it. Compressed payloads are decoded straight into the sum
+        (``compression.decode_into``: no decoded copy per contribution). Every rank performs the same operations
+        for every contribution, so every rank sums identical bits. ``owned``: the uncompressed tensors are this
+        rank's private copy, so the first may become the sum itself instead of being copied."""
+        if not self.compressed:
+            accumulate(acc, wire, owned=owned)
+            return
+        import torch
+
+        first = not acc
+        if first:
+            for name, (shape, _dtype) in layout.items():
+                acc[name] = torch.empty(tuple(shape), dtype=torch.float32)
+        compression.decode_into(wire, meta, layout, acc, mode="write" if first else "add", fmt=self.fmt,
+                                block=self.block, sparse=self.sparse)
 
     def encode_plain(self, tensors: Mapping[str, torch.Tensor]) -> Wire:
         """Like ``encode_contribution`` but without error feedback: for a value sent once (a reduced shard)."""

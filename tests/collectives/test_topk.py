@@ -195,7 +195,7 @@ def test_decode_into_adds_exactly_what_decode_returns() -> None:
     layout = layout_of(x)
     acc = {n: torch.randn(t.shape) for n, t in x.items()}
     expected = {n: acc[n] + t for n, t in decode(wire, meta, layout).items()}
-    decode_into(wire, meta, layout, acc, accumulate=True)
+    decode_into(wire, meta, layout, acc, mode="add")
     assert all(torch.equal(acc[n], expected[n]) for n in x)
 
 
