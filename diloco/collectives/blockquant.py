@@ -197,21 +197,41 @@ def decode_int4(packed: torch.Tensor, scales: torch.Tensor, block: int, out: tor
     n = out.numel()
     step = chunk_elements(block, packed.device)
     size = min(step, n + n % 2)
-    nibbles = torch.empty(size, dtype=torch.uint8, device=packed.device)
+    pairs = _nibble_pairs(packed.device)
     tmp = torch.empty(size, dtype=torch.float32, device=packed.device) if mode != "write" and n else None
     for start in range(0, n, step):
         stop = min(start + step, n)
-        pairs = nibbles[: (stop - start + 1) // 2 * 2].view(-1, 2)
         src = packed[start // 2 : -(-stop // 2)]
-        torch.bitwise_and(src, 0x0F, out=pairs[:, 0])
-        torch.bitwise_right_shift(src, 4, out=pairs[:, 1])
-        codes = nibbles[: stop - start].view(torch.int8).sub_(8)
+        # one table lookup per byte gives its two codes, low nibble first (int16 = two int8, little-endian)
+        codes = torch.index_select(pairs, 0, src.to(torch.int32)).view(torch.int8)[: stop - start]
         target = tmp[: stop - start] if tmp is not None else out[start:stop]
         _scale_chunk(codes, scales[start // block : num_blocks(stop, block)], block, target)
         if tmp is not None:
             combine(out[start:stop], target, mode)
     _nan_for_nonfinite(out, scales, block)
     return out
+
+
+_NIBBLE_PAIRS: dict[torch.device, torch.Tensor] = {}
+
+
+def _nibble_pairs(device: torch.device) -> torch.Tensor:
+    """byte -> its two int4 codes as the bytes of one int16 (low nibble's code in the low byte; code = nibble - 8),
+    so a lookup writes them interleaved in element order."""
+    import sys
+
+    import torch
+
+    table = _NIBBLE_PAIRS.get(device)
+    if table is None:
+        byte = torch.arange(256, dtype=torch.int32)
+        low, high = (byte & 0x0F) - 8, (byte >> 4) - 8
+        if sys.byteorder == "little":
+            word = (low & 0xFF) | ((high & 0xFF) << 8)
+        else:
+            word = (high & 0xFF) | ((low & 0xFF) << 8)
+        table = _NIBBLE_PAIRS[device] = torch.where(word >= 1 << 15, word - (1 << 16), word).to(torch.int16).to(device)
+    return table
 
 
 def combine(out: torch.Tensor, decoded: torch.Tensor, mode: str) -> None:
