@@ -8,8 +8,8 @@ bytes: two 12-bit indices in 3 bytes, four 2-bit codes in one.
 Why not one field per byte or int16: a 12-bit index stored in 16 bits wastes a quarter of the sparse payload.
 
 How, without a Python loop over fields: ``g`` consecutive fields, where ``g * bits`` is the least common multiple
-of ``bits`` and 8, fill exactly ``g * bits / 8`` bytes; they are combined into one int64 per group (shifts and
-ORs over whole tensors) and split into bytes. Widths whose group exceeds 64 bits (9, 11, 13, 15) go through a
+of ``bits`` and 8, fill exactly ``g * bits / 8`` bytes; they are combined into one int64 per group (shifted and
+summed, which is their OR: the fields do not overlap) and split into bytes, a few whole-tensor operations. Widths whose group exceeds 64 bits (9, 11, 13, 15) go through a
 per-bit expansion instead (slower, same layout). Works on any device (plain tensor arithmetic).
 """
 
@@ -43,15 +43,11 @@ def pack(values: torch.Tensor, bits: int) -> torch.Tensor:
         return _pack_by_bits(values, bits, nbytes)
     groups = -(-n // per_group)
     v = torch.zeros(groups * per_group, dtype=torch.int64, device=values.device)
-    v[:n] = values.reshape(-1)
-    v = v.view(groups, per_group)
-    word = v[:, 0].clone()
-    for j in range(1, per_group):  # at most 8 fields per group: a loop over field positions, not over data
-        word |= v[:, j] << (j * bits)
-    out = torch.empty(groups, group_bytes, dtype=torch.uint8, device=values.device)
-    for b in range(group_bytes):
-        out[:, b] = (word >> (8 * b)) & 0xFF
-    return out.view(-1)[:nbytes]
+    v[:n] = values.reshape(-1) & ((1 << bits) - 1)
+    shifts = torch.arange(per_group, device=values.device) * bits
+    word = (v.view(groups, per_group) << shifts).sum(dim=1, keepdim=True)  # disjoint fields: the sum is their OR
+    byte_shifts = torch.arange(group_bytes, device=values.device) * 8
+    return ((word >> byte_shifts) & 0xFF).to(torch.uint8).view(-1)[:nbytes]
 
 
 def unpack(stream: torch.Tensor, bits: int, count: int) -> torch.Tensor:
@@ -69,15 +65,10 @@ def unpack(stream: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     groups = -(-count // per_group)
     padded = torch.zeros(groups * group_bytes, dtype=torch.int64, device=stream.device)
     padded[:nbytes] = stream.reshape(-1)[:nbytes]
-    padded = padded.view(groups, group_bytes)
-    word = padded[:, 0].clone()
-    for b in range(1, group_bytes):
-        word |= padded[:, b] << (8 * b)
-    mask = (1 << bits) - 1
-    out = torch.empty(groups, per_group, dtype=torch.int64, device=stream.device)
-    for j in range(per_group):
-        out[:, j] = (word >> (j * bits)) & mask
-    return out.view(-1)[:count]
+    byte_shifts = torch.arange(group_bytes, device=stream.device) * 8
+    word = (padded.view(groups, group_bytes) << byte_shifts).sum(dim=1, keepdim=True)
+    shifts = torch.arange(per_group, device=stream.device) * bits
+    return ((word >> shifts) & ((1 << bits) - 1)).view(-1)[:count]
 
 
 def _pack_by_bits(values: torch.Tensor, bits: int, nbytes: int) -> torch.Tensor:

@@ -34,6 +34,7 @@ Student-t(3) data (heavy tails, which two levels per chunk cannot follow; error 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -124,9 +125,10 @@ def encode(flat: torch.Tensor, spec: TopkSpec) -> tuple[torch.Tensor, torch.Tens
     cols = torch.empty(spec.kept(n), dtype=torch.int64, device=flat.device)
     codes = torch.empty_like(cols)
     levels = torch.empty(spec.num_chunks(n), spec.levels, dtype=torch.float32, device=flat.device)
-    selector = _Selector(spec.chunk, k, spec.index_bits, flat.device)
-    rows_per_pass = _rows_per_pass(flat.device, selector.rows_per_call, spec.chunk)
+    selector = _Selector(spec.chunk, k, spec.index_bits, flat.device) if full else None
+    rows_per_pass = _rows_per_pass(flat.device, selector.rows_per_call, spec.chunk) if selector else 1
     for first in range(0, full, rows_per_pass):
+        assert selector is not None
         last = min(first + rows_per_pass, full)
         rows = flat[first * spec.chunk : last * spec.chunk].view(-1, spec.chunk)
         _describe_kept(rows, selector.top_keys(rows), k, spec, cols[first * k : last * k].view(-1, k),
@@ -241,9 +243,9 @@ def _describe_kept(rows: torch.Tensor, top: torch.Tensor, k: int, spec: TopkSpec
     cols.copy_(ascending)
     negative = torch.gather(rows.view(torch.int32), 1, ascending) < 0
     torch.add(negative, rank.mul_(spec.levels).floor_divide_(k), alpha=2, out=codes)
-    median, empty = _median_ranks(k, spec.levels, rows.device)
+    median, empty = _median_ranks(k, spec.levels)
     levels.copy_((top[:, median] >> spec.index_bits).to(torch.int32).view(torch.float32))
-    if bool(empty.any()):
+    if empty:
         levels[:, empty] = 0.0
     nonfinite = (top[:, 0] >> spec.index_bits) >= _NONFINITE_BITS
     if bool(nonfinite.any()):
@@ -259,15 +261,12 @@ def _group_size(width: int, k: int) -> int:
     return size
 
 
-def _median_ranks(k: int, levels: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per magnitude group: the rank of its median element (0 for an empty group), and whether it is empty."""
-    import torch
-
+@functools.lru_cache(maxsize=64)
+def _median_ranks(k: int, levels: int) -> tuple[list[int], list[int]]:
+    """Per magnitude group: the rank of its median element (0 for an empty group); and the empty groups."""
     first = [-(-g * k // levels) for g in range(levels + 1)]
     median = [(first[g] + first[g + 1] - 1) // 2 if first[g + 1] > first[g] else 0 for g in range(levels)]
-    empty = [first[g + 1] == first[g] for g in range(levels)]
-    return (torch.tensor(median, dtype=torch.int64, device=device),
-            torch.tensor(empty, dtype=torch.bool, device=device))
+    return median, [g for g in range(levels) if first[g + 1] == first[g]]
 
 
 # ---------------------------------------------------------------- decode
