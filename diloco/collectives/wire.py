@@ -3,7 +3,9 @@
 ``store.compression: none`` sends the tensors as they are; any other format goes through ``diloco.collectives.compression``:
 the rank encodes ``x + residual`` and keeps what the format lost for the next round (error feedback), and it
 averages the *decoded* version of its own contribution, exactly what its peers decode from its object, so every
-rank sums identical values and the means stay bitwise identical.
+rank sums identical values and the means stay bitwise identical. The strategies add every contribution, their
+own included, to their sum straight from its wire tensors (``encode_wire``, ``check``, ``add_into``): the same
+operations on every rank, and no decoded copy of any contribution.
 
 Error-feedback memory is keyed by the payload's layout (names, shapes, dtypes; plus the shard for the sharded
 strategy): Streaming DiLoCo's fragments each get their own residual as long as their layouts differ. Two fragments
