@@ -1,8 +1,8 @@
 """``make bench``: run every benchmark script there is, and write their tables and plots to ``bench/results/``.
 
-Why one runner: each script measures one claim (bytes per round, overlap, memory, cost model, convergence, rejoin,
-CLI start-up) and prints ratios measured side by side in one run; this collects them in one place, labelled with
-the machine they ran on, so README's Benchmarks section can quote the latest table.
+Why one runner: each script measures one claim (codec speed, bytes per round, overlap, memory, cost model,
+convergence, rejoin, CLI start-up) and prints ratios measured side by side in one run; this collects them in one
+place, labelled with the machine they ran on, so README's Benchmarks section can quote the latest table.
 
 Each script in ``SCRIPTS`` that exists is run as ``python bench/<name>.py --quick --json OUT`` (``--full`` instead
 of ``--quick`` with ``--full`` here), one at a time (they measure time and memory: running them side by side
@@ -39,8 +39,8 @@ from typing import Any
 
 BENCH = Path(__file__).resolve().parent
 #: In the order they run: the cheap, robust ones first, so a slow one cannot starve them of the time budget.
-SCRIPTS = ("cli_startup", "read_commands", "allreduce_traffic", "scale_model", "overlap", "round_memory", "rejoin",
-           "sagemaker_api_rates", "async_vs_sync", "convergence", "convergence_warm")
+SCRIPTS = ("cli_startup", "read_commands", "codec_throughput", "allreduce_traffic", "scale_model", "overlap",
+           "round_memory", "rejoin", "sagemaker_api_rates", "async_vs_sync", "convergence", "convergence_warm")
 #: A script running longer than this is stopped, and the whole run stops starting scripts after the budget:
 #: ``make bench`` must finish in 15 minutes on 2 cores.
 DEFAULT_TIMEOUT_S = 420

@@ -77,10 +77,16 @@ MAX_PARTS = 10_000
 HEADER_PROBE_BYTES = 64 * 2**10
 #: diloco/collectives/compression.py's DEFAULT_BLOCK (elements per fp32 scale in int8/int4), checked the same way.
 DEFAULT_BLOCK = 256
+#: The sparse format's defaults (diloco/collectives/topk.py's TopkSpec): k of every chunk elements kept, each as a
+#: packed position and code, plus fp32 levels per chunk; checked the same way.
+TOPK_CHUNK, TOPK_K, TOPK_INDEX_BITS, TOPK_VALUE_BITS, TOPK_LEVELS = 4096, 64, 12, 2, 2
 
 STRATEGIES = ("gather", "sharded")
-FORMATS = ("none", "bf16", "int8", "int4")
-FORMAT_LABELS = {"none": "fp32", "bf16": "bf16", "int8": "int8", "int4": "int4"}
+FORMATS = ("none", "bf16", "int8", "int4", "topk")
+FORMAT_LABELS = {"none": "fp32", "bf16": "bf16", "int8": "int8", "int4": "int4", "topk": "topk"}
+#: Strategy and format pairs the all-reduce offers: the sharded strategy re-encodes each reduced shard, which a
+#: sparse format would drop most of, so topk goes with gather only.
+SUPPORTED = tuple((s, f) for s in STRATEGIES for f in FORMATS if (s, f) != ("sharded", "topk"))
 
 #: Model sizes (parameters) and world sizes of the full grid; the printed tables use the ``TABLE_*`` subsets.
 MODEL_SIZES = {"125M": 125e6, "350M": 350e6, "1.3B": 1.3e9, "7B": 7e9, "13B": 13e9, "70B": 70e9}
@@ -158,7 +164,10 @@ class RoundCost:
 
 # ---------------------------------------------------------------- bytes and requests
 def bytes_per_element(fmt: str, block: int = DEFAULT_BLOCK) -> float:
-    """Wire bytes per fp32 parameter: fp32 4, bf16 2, int8 1 + 4/block, int4 1/2 + 4/block (fp32 scales)."""
+    """Wire bytes per fp32 parameter: fp32 4, bf16 2, int8 1 + 4/block, int4 1/2 + 4/block (fp32 scales), topk
+    (k (index + value bits) / 8 + 4 levels) / chunk."""
+    if fmt == "topk":
+        return (TOPK_K * (TOPK_INDEX_BITS + TOPK_VALUE_BITS) / 8 + 4 * TOPK_LEVELS) / TOPK_CHUNK
     if fmt == "none":
         return 4.0
     if fmt == "bf16":
@@ -173,6 +182,11 @@ def bytes_per_element(fmt: str, block: int = DEFAULT_BLOCK) -> float:
 def payload_bytes(params: float, fmt: str, block: int = DEFAULT_BLOCK) -> int:
     """S for one flat tensor of ``params`` elements (exact for int formats: the last block may be short)."""
     n = int(params)
+    if fmt == "topk":
+        full, tail = divmod(n, TOPK_CHUNK)
+        kept = full * TOPK_K + (max(1, -(-TOPK_K * tail // TOPK_CHUNK)) if tail else 0)
+        chunks = full + (1 if tail else 0)
+        return -(-kept * TOPK_INDEX_BITS // 8) + -(-kept * TOPK_VALUE_BITS // 8) + 4 * TOPK_LEVELS * chunks
     if fmt in ("int8", "int4"):
         codes = n if fmt == "int8" else -(-n // 2)
         return codes + 4 * -(-n // block)
@@ -287,7 +301,7 @@ def commit_cost(params: float, n: int, a: Assumptions = Assumptions()) -> tuple[
 def grid(a: Assumptions = Assumptions(), models: Iterable[str] = MODEL_SIZES, worlds: Iterable[int] = WORLD_SIZES,
          variants: Iterable[tuple[str, str]] | None = None) -> list[RoundCost]:
     """Every (model, N, strategy, format) combination asked for."""
-    chosen = list(variants) if variants is not None else [(s, f) for s in STRATEGIES for f in FORMATS]
+    chosen = list(variants) if variants is not None else list(SUPPORTED)
     return [round_cost(m, MODEL_SIZES[m], n, s, f, a) for m in models for n in worlds for s, f in chosen]
 
 

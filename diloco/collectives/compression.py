@@ -2,10 +2,11 @@
 
 Why: a pseudo-gradient is the whole model's size every round, and the store's bandwidth is what a DiLoCo round
 costs. Streaming DiLoCo sends 4-bit outer gradients without loss (arXiv 2501.18512), INTELLECT-1 sent int8
-(arXiv 2412.01152). This module is pure tensor arithmetic (no I/O): the all-reduce encodes its contribution with
-``encode`` (or ``ErrorFeedback.compress``), stores the wire tensors with ``diloco.store.codec`` (safetensors, never
-pickle) and turns every peer's wire tensors back into fp32 with ``decode`` before it accumulates (in fp32, in rank
-order: the caller's job).
+(arXiv 2412.01152), SparseLoCo sends 1-3% of the entries at 2 bits each (arXiv 2508.15706). This module is pure
+tensor arithmetic (no I/O): the all-reduce encodes its contribution with ``encode`` (or ``ErrorFeedback.compress``),
+stores the wire tensors with ``diloco.store.codec`` (safetensors, never pickle) and turns every peer's wire tensors
+back into fp32 with ``decode`` (or adds them straight into its sum with ``decode_into``) before it accumulates (in
+fp32, in rank order: the caller's job).
 
 Formats (``FORMATS``), per tensor, over the tensor flattened in C order:
 
@@ -20,26 +21,42 @@ Formats (``FORMATS``), per tensor, over the tensor flattened in C order:
   two per uint8: element ``2i`` in the low nibble (bits 0-3) of byte ``i``, element ``2i + 1`` in the high nibble
   (bits 4-7). An odd element count pads the last high nibble with 8 (the code of zero). Wire: ``<name>:q`` (uint8,
   ``ceil(n / 2)`` bytes) and ``<name>:scale``.
+* ``topk`` (sparse, parameters in ``TopkSpec``: ``chunk`` 4096, ``density`` 1/64 so k = 64 kept per chunk,
+  ``value_bits`` 2): the tensor is cut into chunks of ``chunk`` elements (the last may be shorter and keeps
+  ``ceil(k * length / chunk)``); in each, the k elements of largest magnitude are kept (ties to the smaller
+  position). Their ranks by magnitude split them into ``L = 2**(value_bits - 1)`` groups of equal size; each
+  group's fp32 level is the magnitude of its median element, and a kept element's code is ``2 * group + sign``
+  (sign 1 for negative), decoded as ``-level`` or ``+level``; every other element decodes to 0. Wire:
+  ``<name>:idx`` (each kept element's position within its chunk, ``ceil(log2(chunk))`` bits, chunk after chunk
+  and ascending within a chunk), ``<name>:q`` (the codes, ``value_bits`` each, in the same order), both packed
+  LSB-first into uint8 streams (``diloco.collectives.bitpack``), and ``<name>:scale`` (fp32, ``L`` levels per
+  chunk). Why the rest may be dropped: error feedback sends it in later rounds (``ErrorFeedback``).
 
-The integer formats cost ``1 + 4 / block`` (int8) and ``0.5 + 4 / block`` (int4) bytes per element: at the default
-block of 256, 3.94x and 7.76x smaller than fp32.
+Sizes: the integer formats cost ``1 + 4 / block`` (int8) and ``0.5 + 4 / block`` (int4) bytes per element: at the
+default block of 256, 3.94x and 7.76x smaller than fp32. ``topk`` at its defaults costs 64 x (12 + 2) bits + 2 x 4
+bytes per 4096 elements: 136x smaller than fp32 (107x at 2% density).
 
 Determinism: every step is an IEEE-754 operation with one correctly rounded result (absmax, a division, a
-round-half-to-even, a product) or a cast, on the CPU, block by block, with no randomness. The same input gives the
-same bits on every machine, so every rank decodes its own contribution to the very values its peers decode (one
-caveat: a process that flushes subnormals to zero, ``torch.set_flush_denormal(True)``, rounds blocks whose absmax
-is below ~1e-36 differently; diloco never sets it).
+round-half-to-even, a product), a cast, an integer comparison or a copy, with no randomness and no sum, so the same
+input gives the same bits on every machine and device, and every rank decodes its own contribution to the very
+values its peers decode (one caveat: a process that flushes subnormals to zero, ``torch.set_flush_denormal(True)``,
+rounds blocks whose absmax is below ~1e-36 differently; diloco never sets it).
 
 Edge cases, on purpose:
 
-* An all-zero block has scale 0 and decodes to exact zeros.
-* A block holding a NaN or an infinity gets a non-finite scale (NaN or inf), codes 0, and decodes to NaN in every
+* An all-zero block (chunk) has scale (levels) 0 and decodes to exact zeros.
+* A block (chunk) holding a NaN or an infinity gets a non-finite scale (NaN levels) and decodes to NaN in every
   element: a diverged replica stays visible in the mean instead of being clipped into plausible numbers.
 * Empty tensors (no codes, no scales) and 0-d tensors (one element, one scale) round-trip with their shape.
 
-Every wire payload is tagged in its metadata (``compression`` and ``block``); ``decode`` checks the tag, the block
-size and every wire tensor's name, dtype and shape against the layout, and raises ``CorruptObjectError`` on any
-mismatch: a peer using another format is corrupt, never silently decoded.
+Where the work happens: on the tensor's device (a CUDA pseudo-gradient is encoded on the GPU and only the wire
+tensors are copied to the host), vectorised over chunks of blocks sized for the cache (``diloco.collectives.
+blockquant``, ``diloco.collectives.topk``).
+
+Every wire payload is tagged in its metadata (``compression`` and ``block``; ``topk``: ``compression``, ``chunk``,
+``k`` and ``value_bits``); ``decode`` checks the tag, the parameters and every wire tensor's name, dtype and shape
+against the layout, and raises ``CorruptObjectError`` on any mismatch: a peer using another format is corrupt,
+never silently decoded.
 """
 
 from __future__ import annotations
@@ -47,30 +64,35 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from diloco.collectives import blockquant, topk
+from diloco.collectives.topk import TopkSpec
 from diloco.errors import ConfigError, CorruptObjectError
 
 if TYPE_CHECKING:
     import torch
 
-FORMATS: tuple[str, ...] = ("none", "bf16", "int8", "int4")
+FORMATS: tuple[str, ...] = ("none", "bf16", "int8", "int4", "topk")
 DEFAULT_BLOCK = 256  # elements per scale block for int8/int4
 
 #: Metadata keys of the tag ``encode`` writes and ``decode`` checks.
 FORMAT_KEY = "compression"
 BLOCK_KEY = "block"
+TOPK_KEYS = ("chunk", "k", "value_bits")
 
-#: Wire-name suffixes of the integer formats.
+#: Wire-name suffixes of the integer and sparse formats.
 CODES_SUFFIX = ":q"
 SCALE_SUFFIX = ":scale"
+INDEX_SUFFIX = ":idx"
 
 #: Largest code magnitude per integer format (symmetric: -QMAX..QMAX).
 _QMAX = {"int8": 127, "int4": 7}
 
-#: Elements processed at a time, so temporaries stay a few MiB whatever the tensor's size.
-_CHUNK_ELEMENTS = 1 << 20
-
 #: name -> (shape, original dtype) of a payload: what ``decode`` needs to rebuild it.
 Layout = Mapping[str, "tuple[tuple[int, ...], torch.dtype]"]
+
+__all__ = ["BLOCK_KEY", "CODES_SUFFIX", "DEFAULT_BLOCK", "FORMATS", "FORMAT_KEY", "INDEX_SUFFIX", "SCALE_SUFFIX",
+           "ErrorFeedback", "TopkSpec", "check", "check_block", "check_format", "decode", "decode_into",
+           "encode", "layout_of", "wire_nbytes"]
 
 
 # ---------------------------------------------------------------- validation
@@ -95,39 +117,39 @@ def layout_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[tuple[int,
 
 
 # ---------------------------------------------------------------- sizes
-def wire_nbytes(layout: Layout, fmt: str, block: int = DEFAULT_BLOCK) -> int:
+def wire_nbytes(layout: Layout, fmt: str, block: int = DEFAULT_BLOCK, *, sparse: TopkSpec | None = None) -> int:
     """Bytes of the wire tensors ``encode`` produces for a payload of this layout (safetensors header excluded)."""
     import torch
 
     check_format(fmt)
     check_block(block)
+    spec = sparse or TopkSpec()
     total = 0
     for shape, dtype in layout.values():
         n = _numel(shape)
         if fmt == "none":
-            total += n * _itemsize(dtype)
+            total += n * int(dtype.itemsize)
         elif fmt == "bf16":
             total += n * torch.bfloat16.itemsize
+        elif fmt == "topk":
+            total += spec.wire_nbytes(n)
         else:
-            total += _code_bytes(n, fmt) + 4 * _num_blocks(n, block)
+            total += _code_bytes(n, fmt) + 4 * blockquant.num_blocks(n, block)
     return total
 
 
 # ---------------------------------------------------------------- encode / decode
 def encode(
-    tensors: Mapping[str, torch.Tensor], fmt: str, *, block: int = DEFAULT_BLOCK
+    tensors: Mapping[str, torch.Tensor], fmt: str, *, block: int = DEFAULT_BLOCK, sparse: TopkSpec | None = None
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """fp32 CPU tensors -> (wire tensors storable by safetensors, metadata ``{"compression", "block"}``).
+    """Floating tensors -> (CPU wire tensors storable by safetensors, the metadata tag).
 
-    Wire names derive from the input names: ``<name>`` for none/bf16, ``<name>:q`` and ``<name>:scale`` for
-    int8/int4 (see the module docstring for the bit layout). ``none`` passes each tensor through (CPU,
-    contiguous, its own dtype); the lossy formats read every floating dtype as fp32."""
-    check_format(fmt)
-    check_block(block)
-    wire: dict[str, torch.Tensor] = {}
-    for name, tensor in tensors.items():
-        wire.update(_encode_one(name, tensor, fmt, block))
-    return wire, {FORMAT_KEY: fmt, BLOCK_KEY: str(block)}
+    Wire names derive from the input names (see the module docstring for the bit layout). ``none`` passes each
+    tensor through (CPU, contiguous, its own dtype); the lossy formats read every floating dtype as fp32 and do
+    their work on the tensor's device, copying only the wire tensors to the host. ``sparse`` sets ``topk``'s
+    parameters (``TopkSpec()`` by default)."""
+    wire, meta = _encode_on_device(tensors, fmt, block, sparse)
+    return {name: t.to("cpu") for name, t in wire.items()}, meta
 
 
 def decode(
@@ -137,19 +159,70 @@ def decode(
     *,
     fmt: str | None = None,
     block: int | None = None,
+    sparse: TopkSpec | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Inverse of ``encode``: fp32 CPU tensors named and shaped as in ``layout`` (``none``: the original dtype).
+    """Inverse of ``encode``: fp32 tensors named and shaped as in ``layout`` (``none``: the original dtype), on
+    the wire tensors' device.
 
-    ``CorruptObjectError`` when the metadata's tag is missing or unknown, differs from ``fmt``/``block`` (when the
-    caller says what it expects, as the all-reduce does: a peer using another format is corrupt), or when the wire
-    tensors are not exactly the ones ``layout`` implies (names, dtypes, shapes, scale counts)."""
-    got_fmt, got_block = _read_tag(meta, fmt, block)
-    expected = _expected_wire(layout, got_fmt, got_block)
-    _check_wire(wire, expected, got_fmt, got_block)
+    ``CorruptObjectError`` when the metadata's tag is missing or unknown, differs from ``fmt``/``block``/``sparse``
+    (when the caller says what it expects, as the all-reduce does: a peer using another format is corrupt), or
+    when the wire tensors are not exactly the ones ``layout`` implies (names, dtypes, shapes, scale counts)."""
+    import torch
+
+    got = _checked(wire, meta, layout, fmt, block, sparse)
+    if got.fmt == "none":
+        return {name: wire[name].reshape(tuple(shape)) for name, (shape, _dtype) in layout.items()}
     out: dict[str, torch.Tensor] = {}
     for name, (shape, _dtype) in layout.items():
-        out[name] = _decode_one(wire, name, tuple(shape), got_fmt, got_block)
+        device = wire[name if got.fmt == "bf16" else name + SCALE_SUFFIX].device
+        if got.fmt == "topk":  # mostly zeros: fresh zeroed memory costs no pass of its own
+            target = torch.zeros(_numel(shape), dtype=torch.float32, device=device)
+            assert got.sparse is not None
+            topk.decode(wire[name + INDEX_SUFFIX], wire[name + CODES_SUFFIX], wire[name + SCALE_SUFFIX], got.sparse,
+                        target, zeroed=True)
+        else:
+            target = torch.empty(_numel(shape), dtype=torch.float32, device=device)
+            _decode_one(wire, name, got, target, mode="write")
+        out[name] = target.view(tuple(shape))
     return out
+
+
+def decode_into(
+    wire: Mapping[str, torch.Tensor],
+    meta: Mapping[str, str],
+    layout: Layout,
+    out: Mapping[str, torch.Tensor],
+    *,
+    mode: str,
+    fmt: str | None = None,
+    block: int | None = None,
+    sparse: TopkSpec | None = None,
+) -> None:
+    """``decode`` straight into ``out`` (contiguous tensors shaped as in ``layout``, fp32 or fp64): ``mode``
+    "write" overwrites them, "add" adds the decoded values and "subtract" subtracts them, with exactly the
+    operations ``out += decode(...)`` (``-=``) would perform (the same bits), but without a payload-sized
+    temporary. For ``topk`` "add" and "subtract" touch only the kept positions (a sum of N sparse contributions
+    costs N * k elements per chunk). Same checks and errors as ``decode``, all made before ``out`` is touched."""
+    if mode not in blockquant.MODES:
+        raise ValueError(f"decode_into mode: {mode!r}; use one of {', '.join(blockquant.MODES)}")
+    got = _checked(wire, meta, layout, fmt, block, sparse)
+    for name in layout:
+        target = out[name]
+        if not target.is_contiguous():
+            raise ValueError(f"decode_into: the output for {name!r} must be contiguous")
+        _decode_one(wire, name, got, target.view(-1), mode=mode)
+
+
+def check(wire: Mapping[str, torch.Tensor], meta: Mapping[str, str], layout: Layout, *, fmt: str | None = None,
+          block: int | None = None, sparse: TopkSpec | None = None) -> None:
+    """Raise ``CorruptObjectError`` exactly when ``decode`` would: the tag, the wire tensors and (``topk``) every
+    kept position are checked, nothing is decoded. What a reader runs before it adds a payload to a running sum,
+    so a corrupt payload is refused whole, never half added."""
+    got = _checked(wire, meta, layout, fmt, block, sparse)
+    if got.fmt == "topk":
+        assert got.sparse is not None
+        for name, (shape, _dtype) in layout.items():
+            topk.check_positions(wire[name + INDEX_SUFFIX], got.sparse, _numel(tuple(shape)))
 
 
 # ---------------------------------------------------------------- error feedback
@@ -157,48 +230,59 @@ class ErrorFeedback:
     """Per-rank residual memory: ``compress(x)`` encodes ``x + residual`` and keeps
     ``residual = (x + residual) - decode(wire)``.
 
-    Why: with a lossy format each round's rounding error would otherwise be lost for good; fed back, it is sent in
-    a later round, so the *sum* over rounds of what was sent tracks the sum of the true pseudo-gradients within one
-    round's quantization error (error feedback, as in 1-bit SGD and EF-SGD). It costs one fp32 copy of the payload
-    in host memory. ``enabled=False`` (or ``fmt="none"``, which is lossless) keeps no residual.
+    Why: with a lossy format each round's rounding error (or, with ``topk``, everything not kept) would otherwise
+    be lost for good; fed back, it is sent in a later round, so the *sum* over rounds of what was sent tracks the
+    sum of the true pseudo-gradients within one round's compression error (error feedback, as in 1-bit SGD,
+    EF-SGD and SparseLoCo). It costs one fp32 copy of the payload, on the payload's device. ``enabled=False`` (or
+    ``fmt="none"``, which is lossless) keeps no residual.
 
     Non-finite entries of a residual are reset to 0: a NaN or inf shows in the round that produced it (its block
     decodes to NaN) but is not fed into every later round."""
 
-    def __init__(self, fmt: str, *, block: int = DEFAULT_BLOCK, enabled: bool = True) -> None:
+    def __init__(self, fmt: str, *, block: int = DEFAULT_BLOCK, enabled: bool = True,
+                 sparse: TopkSpec | None = None) -> None:
         self.fmt = check_format(fmt)
         self.block = check_block(block)
+        self.sparse = sparse or TopkSpec()
         self.enabled = enabled and fmt != "none"
         self._residuals: dict[str, torch.Tensor] = {}
 
     def compress(
         self, tensors: Mapping[str, torch.Tensor]
     ) -> tuple[dict[str, torch.Tensor], dict[str, str], dict[str, torch.Tensor]]:
-        """-> (wire, meta, decoded): ``decoded`` is exactly ``decode(wire, meta, layout)``, which is what this rank
-        must average as its own contribution, so every rank averages identical values (bitwise-identical
-        results). ``tensors`` are not modified."""
-        layout = layout_of(tensors)
-        inputs, owned = self._with_residuals(tensors) if self.enabled else (dict(tensors), set())
-        wire, meta = encode(inputs, self.fmt, block=self.block)
-        decoded = decode(wire, meta, layout, fmt=self.fmt, block=self.block)
-        if self.enabled:
-            self._residuals = {name: self._new_residual(inputs[name], decoded[name], name in owned)
-                               for name in inputs}
-        return wire, meta, decoded
+        """-> (wire, meta, decoded): ``wire`` on the CPU; ``decoded`` (on the tensors' device) is exactly
+        ``decode(wire, meta, layout)``, which is what this rank must average as its own contribution, so every rank
+        averages identical values (bitwise-identical results). ``tensors`` are not modified."""
+        wire, meta = self._compress(tensors)
+        decoded = decode(wire, meta, layout_of(tensors), fmt=self.fmt, block=self.block, sparse=self.sparse)
+        return {name: t.to("cpu") for name, t in wire.items()}, meta, decoded
 
-    @staticmethod
-    def _new_residual(sent: torch.Tensor, decoded: torch.Tensor, owned: bool) -> torch.Tensor:
-        """``sent - decoded`` with non-finite entries zeroed; in place when ``sent`` is our own temporary (saves
-        one payload-sized allocation per round), never in the caller's tensor."""
-        import torch
+    def compress_wire(self, tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """``compress`` without ``decoded``: for a caller that adds its own contribution to its sum from the wire
+        tensors (``decode_into``), as it does its peers', which spares a payload-sized tensor per round."""
+        wire, meta = self._compress(tensors)
+        return {name: t.to("cpu") for name, t in wire.items()}, meta
 
-        residual = sent.sub_(decoded) if owned else sent - decoded
-        return residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0) if not bool(torch.isfinite(residual).all()) \
-            else residual
+    def _compress(self, tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """Encode ``x + residual`` (wire tensors left on the input's device) and keep ``residual = sent -
+        decode(wire)``, subtracted in place (``decode_into``, mode "subtract": no decoded tensor is made)."""
+        if not self.enabled:
+            return _encode_on_device(_as_fp32(tensors), self.fmt, self.block, self.sparse)
+        inputs, owned = self._with_residuals(tensors)
+        wire, meta = _encode_on_device(inputs, self.fmt, self.block, self.sparse)
+        residuals = {name: sent.contiguous() if name in owned else sent.clone(memory_format=_contiguous())
+                     for name, sent in inputs.items()}  # never the caller's tensor
+        decode_into(wire, meta, layout_of(tensors), residuals, mode="subtract", fmt=self.fmt, block=self.block,
+                    sparse=self.sparse)
+        if not _all_finite_after_decode(wire, self.fmt):
+            for residual in residuals.values():
+                residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        self._residuals = residuals
+        return wire, meta
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The residuals (fp32, safetensors-storable copies), so a rejoining rank resumes with them."""
-        return {name: r.clone() for name, r in self._residuals.items()}
+        """The residuals (fp32 CPU copies, safetensors-storable), so a rejoining rank resumes with them."""
+        return {name: r.to("cpu", copy=True) for name, r in self._residuals.items()}
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Replace the residuals with ``state`` (as ``state_dict`` returned it); an empty state clears them."""
@@ -211,154 +295,141 @@ class ErrorFeedback:
 
     def _with_residuals(self, tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], set[str]]:
         """fp32 ``x + residual`` per name (``x`` itself where no residual is kept yet), and the names whose
-        tensor is a fresh temporary of ours rather than the caller's."""
-        import torch
+        tensor is a temporary of ours (the residual itself, updated in place) rather than the caller's."""
 
-        out: dict[str, torch.Tensor] = {}
-        owned: set[str] = set()
-        for name, t in tensors.items():
-            x = t.detach().to("cpu", torch.float32)
+        fp32 = _as_fp32(tensors)
+        for name, x in fp32.items():
             residual = self._residuals.get(name)
             if residual is not None and residual.shape != x.shape:
                 raise ValueError(f"error feedback: {name!r} is now {tuple(x.shape)} but its residual is "
                                  f"{tuple(residual.shape)}; the payload's layout must not change between rounds")
+        out: dict[str, torch.Tensor] = {}
+        owned: set[str] = set()
+        for name, x in fp32.items():
+            residual = self._residuals.get(name)
             if residual is not None:
-                out[name] = x + residual
+                out[name] = residual.to(x.device).add_(x)  # the residual's memory becomes what is sent
                 owned.add(name)
             else:
                 out[name] = x
-                if x.data_ptr() != t.data_ptr() or x.numel() == 0:
-                    owned.add(name)  # the cast or move made a copy
+                if x.data_ptr() != tensors[name].data_ptr() or x.numel() == 0:
+                    owned.add(name)  # the cast made a copy
         return out, owned
 
 
-# ---------------------------------------------------------------- per-tensor work
-def _encode_one(name: str, tensor: torch.Tensor, fmt: str, block: int) -> dict[str, torch.Tensor]:
+def _all_finite_after_decode(wire: Mapping[str, torch.Tensor], fmt: str) -> bool:
+    """Whether ``x - decode(encode(x))`` is finite everywhere, read from the scales alone: an integer or sparse
+    block (chunk) with a finite scale held only finite values and decodes to values no larger than them. bf16 can
+    round a finite value up to infinity, so it is never vouched for here."""
     import torch
 
-    t = tensor.detach().to("cpu").contiguous()
+    if fmt not in ("int8", "int4", "topk"):
+        return False
+    return all(bool(torch.isfinite(t).all()) for name, t in wire.items() if name.endswith(SCALE_SUFFIX))
+
+
+def _contiguous() -> torch.memory_format:
+    import torch
+
+    return torch.contiguous_format
+
+
+def _as_fp32(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    import torch
+
+    return {name: t.detach().to(torch.float32) for name, t in tensors.items()}
+
+
+# ---------------------------------------------------------------- per-tensor work
+class _Tag:
+    """What a payload's metadata says: its format and that format's parameters."""
+
+    def __init__(self, fmt: str, block: int, sparse: TopkSpec | None) -> None:
+        self.fmt = fmt
+        self.block = block
+        self.sparse = sparse
+
+    def meta(self) -> dict[str, str]:
+        if self.fmt == "topk":
+            assert self.sparse is not None
+            return {FORMAT_KEY: "topk", "chunk": str(self.sparse.chunk), "k": str(self.sparse.k),
+                    "value_bits": str(self.sparse.value_bits)}
+        return {FORMAT_KEY: self.fmt, BLOCK_KEY: str(self.block)}
+
+
+def _encode_on_device(tensors: Mapping[str, torch.Tensor], fmt: str, block: int,
+                      sparse: TopkSpec | None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """``encode``, leaving the lossy formats' wire tensors on the input's device."""
+    check_format(fmt)
+    check_block(block)
+    tag = _Tag(fmt, block, (sparse or TopkSpec()) if fmt == "topk" else None)
+    wire: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        wire.update(_encode_one(name, tensor, tag))
+    return wire, tag.meta()
+
+
+def _encode_one(name: str, tensor: torch.Tensor, tag: _Tag) -> dict[str, torch.Tensor]:
+    import torch
+
+    fmt = tag.fmt
     if fmt == "none":
-        return {name: t}
-    if not t.is_floating_point():
-        raise ValueError(f"compression {fmt}: tensor {name!r} is {t.dtype}; only floating tensors can be compressed")
-    x = t.to(torch.float32)
+        return {name: tensor.detach().to("cpu").contiguous()}
+    if not tensor.is_floating_point():
+        raise ValueError(f"compression {fmt}: tensor {name!r} is {tensor.dtype}; only floating tensors can be "
+                         "compressed")
+    x = tensor.detach().to(torch.float32).contiguous()
     if fmt == "bf16":
         return {name: x.to(torch.bfloat16)}
-    codes, scales = _quantize(x.reshape(-1), _QMAX[fmt], block)
-    if fmt == "int4":
-        codes = _pack_nibbles(codes)
+    flat = x.view(-1)
+    if fmt == "topk":
+        assert tag.sparse is not None
+        index, codes, levels = topk.encode(flat, tag.sparse)
+        return {name + INDEX_SUFFIX: index, name + CODES_SUFFIX: codes, name + SCALE_SUFFIX: levels}
+    encoder = blockquant.encode_int8 if fmt == "int8" else blockquant.encode_int4
+    codes, scales = encoder(flat, _QMAX[fmt], tag.block)
     return {name + CODES_SUFFIX: codes, name + SCALE_SUFFIX: scales}
 
 
-def _decode_one(wire: Mapping[str, torch.Tensor], name: str, shape: tuple[int, ...], fmt: str,
-                block: int) -> torch.Tensor:
-    import torch
-
-    if fmt == "none":
-        return wire[name].reshape(shape)
-    if fmt == "bf16":
-        return wire[name].to(torch.float32).reshape(shape)
-    n = _numel(shape)
-    codes = wire[name + CODES_SUFFIX]
-    if fmt == "int4":
-        codes = _unpack_nibbles(codes, n)
-    return _dequantize(codes, wire[name + SCALE_SUFFIX], block).reshape(shape)
-
-
-def _quantize(flat: torch.Tensor, qmax: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 codes, fp32 scales) of a 1-D fp32 tensor, chunk by chunk of whole blocks."""
-    import torch
-
-    n = flat.numel()
-    codes = torch.empty(n, dtype=torch.int8)
-    scales = torch.empty(_num_blocks(n, block), dtype=torch.float32)
-    step = _chunk_elements(block)
-    for start in range(0, n, step):
-        stop = min(start + step, n)
-        first_block = start // block
-        chunk_scales = scales[first_block : first_block + _num_blocks(stop - start, block)]
-        _quantize_chunk(flat[start:stop], qmax, block, codes[start:stop], chunk_scales)
-    return codes, scales
-
-
-def _quantize_chunk(x: torch.Tensor, qmax: int, block: int, codes: torch.Tensor, scales: torch.Tensor) -> None:
-    """Quantize one chunk (whole blocks, or the tensor's tail padded with zeros, which change no absmax and whose
-    codes are dropped) into ``codes`` and ``scales``."""
-    import torch
-    from torch.nn import functional as F
-
-    n = x.numel()
-    pad = -n % block
-    rows = (F.pad(x, (0, pad)) if pad else x).view(-1, block)
-    low, high = torch.aminmax(rows, dim=1)  # one pass; NaN propagates, and so does inf
-    torch.maximum(high, low.neg_(), out=scales)
-    scales.div_(qmax)
-    divisor = torch.where(scales > 0, scales, 1.0)  # 0 (all-zero block) and NaN divide by 1; the codes are 0
-    q = rows / divisor[:, None]
-    q.round_().clamp_(-qmax, qmax)
-    finite = torch.isfinite(scales)
-    if not bool(finite.all()):
-        q[~finite] = 0.0  # a non-finite block: codes 0, decoded as NaN
-    codes.copy_(q.view(-1)[:n])
-
-
-def _dequantize(codes: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
-    """``codes * scale`` of their block, fp32, 1-D; one product per element, so every rank gets the same bits."""
-    import torch
-
-    n = codes.numel()
-    out = torch.empty(n, dtype=torch.float32)
-    whole = n - n % block
-    step = _chunk_elements(block)
-    for start in range(0, whole, step):
-        stop = min(start + step, whole)
-        rows = codes[start:stop].to(torch.float32).view(-1, block)
-        torch.mul(rows, scales[start // block : stop // block, None], out=out[start:stop].view(-1, block))
-    if whole < n:
-        torch.mul(codes[whole:].to(torch.float32), scales[whole // block], out=out[whole:])
-    return _nan_for_nonfinite_scales(out, scales, block)
-
-
-def _nan_for_nonfinite_scales(out: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
-    """0 * inf is already NaN, but an inf scale times a nonzero code would be +-inf: make the whole block NaN."""
-    import torch
-
-    bad = (~torch.isfinite(scales)).nonzero().flatten().tolist()
-    for b in bad:
-        out[b * block : (b + 1) * block] = float("nan")
-    return out
-
-
-def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
-    """int8 codes in [-7, 7] -> uint8, two per byte: element 2i low nibble, 2i+1 high nibble, offset by 8."""
-    import torch
-    from torch.nn import functional as F
-
-    u = (codes.to(torch.int16) + 8).to(torch.uint8)
-    if u.numel() % 2:
-        u = F.pad(u, (0, 1), value=8)
-    return u[0::2] | (u[1::2] << 4)
-
-
-def _unpack_nibbles(packed: torch.Tensor, n: int) -> torch.Tensor:
-    """Inverse of ``_pack_nibbles``: the first ``n`` codes as int8."""
-    import torch
-
-    low = packed & 0x0F
-    high = packed >> 4
-    both = torch.stack([low, high], dim=1).reshape(-1)[:n]
-    return (both.to(torch.int16) - 8).to(torch.int8)
+def _decode_one(wire: Mapping[str, torch.Tensor], name: str, tag: _Tag, out: torch.Tensor, *,
+                mode: str) -> torch.Tensor:
+    """Decode one tensor's wire tensors into the flat ``out`` (or add them to it, or subtract them from it)."""
+    fmt = tag.fmt
+    if fmt in ("none", "bf16"):
+        value = wire[name].reshape(-1)
+        if mode == "write":
+            return out.copy_(value)
+        step = blockquant.chunk_elements(1, out.device)  # chunks: a bf16 payload is widened in cache, not whole
+        for start in range(0, out.numel(), step):
+            part = value[start : start + step].to(out.dtype)
+            blockquant.combine(out[start : start + step], part, mode)
+        return out
+    if fmt == "topk":
+        assert tag.sparse is not None
+        return topk.decode(wire[name + INDEX_SUFFIX], wire[name + CODES_SUFFIX], wire[name + SCALE_SUFFIX],
+                           tag.sparse, out, mode=mode)
+    decoder = blockquant.decode_int8 if fmt == "int8" else blockquant.decode_int4
+    return decoder(wire[name + CODES_SUFFIX], wire[name + SCALE_SUFFIX], tag.block, out, mode=mode)
 
 
 # ---------------------------------------------------------------- checks on read
-def _read_tag(meta: Mapping[str, str], fmt: str | None, block: int | None) -> tuple[str, int]:
-    """The (format, block) the metadata claims, checked against what the caller expects."""
+def _checked(wire: Mapping[str, torch.Tensor], meta: Mapping[str, str], layout: Layout, fmt: str | None,
+             block: int | None, sparse: TopkSpec | None) -> _Tag:
+    tag = _read_tag(meta, fmt, block, sparse)
+    _check_wire(wire, _expected_wire(layout, tag), tag)
+    return tag
+
+
+def _read_tag(meta: Mapping[str, str], fmt: str | None, block: int | None, sparse: TopkSpec | None) -> _Tag:
+    """The format and parameters the metadata claims, checked against what the caller expects."""
     got_fmt = meta.get(FORMAT_KEY)
     if got_fmt not in FORMATS:
         raise CorruptObjectError(f"compressed payload has {FORMAT_KEY}={got_fmt!r}, not one of {', '.join(FORMATS)}")
     if fmt is not None and got_fmt != fmt:
         raise CorruptObjectError(f"compressed payload is {FORMAT_KEY}={got_fmt!r}, expected {fmt!r}: "
                                  "the peer uses another store.compression")
+    if got_fmt == "topk":
+        return _Tag("topk", DEFAULT_BLOCK, _read_sparse_tag(meta, sparse))
     raw_block = meta.get(BLOCK_KEY)
     try:
         got_block = check_block(int(raw_block))  # type: ignore[arg-type]
@@ -367,40 +438,75 @@ def _read_tag(meta: Mapping[str, str], fmt: str | None, block: int | None) -> tu
     if block is not None and got_fmt in _QMAX and got_block != block:
         raise CorruptObjectError(f"compressed payload has {BLOCK_KEY}={got_block}, expected {block}: "
                                  "the peer quantizes with another block size")
-    return got_fmt, got_block
+    return _Tag(got_fmt, got_block, None)
 
 
-def _expected_wire(layout: Layout, fmt: str, block: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def _read_sparse_tag(meta: Mapping[str, str], expected: TopkSpec | None) -> TopkSpec:
+    """The ``TopkSpec`` a topk payload was encoded with (from its ``chunk``, ``k`` and ``value_bits``)."""
+    try:
+        chunk, k, value_bits = (int(meta[key]) for key in TOPK_KEYS)
+        got = TopkSpec(density=k / chunk, chunk=chunk, value_bits=value_bits)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        found = {key: meta.get(key) for key in TOPK_KEYS}
+        raise CorruptObjectError(f"compressed payload (topk) has {found}, not a valid chunk, k and value_bits") \
+            from None
+    if got.k != k:
+        raise CorruptObjectError(f"compressed payload (topk) keeps k={k} of chunk={chunk}, not a valid count")
+    if expected is not None and (got.chunk, got.k, got.value_bits) != (expected.chunk, expected.k,
+                                                                        expected.value_bits):
+        raise CorruptObjectError(f"compressed payload (topk) has chunk={got.chunk}, k={got.k}, value_bits="
+                                 f"{got.value_bits}, expected chunk={expected.chunk}, k={expected.k}, value_bits="
+                                 f"{expected.value_bits}: the peer sparsifies with other parameters")
+    return got
+
+
+def _expected_wire(layout: Layout, tag: _Tag) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Every wire tensor's (shape, dtype) that ``encode`` produces for ``layout``."""
     import torch
+
+    from diloco.collectives import bitpack
 
     expected: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     for name, (shape, dtype) in layout.items():
         shape = tuple(shape)
-        if fmt == "none":
+        n = _numel(shape)
+        if tag.fmt == "none":
             expected[name] = (shape, dtype)
-        elif fmt == "bf16":
+        elif tag.fmt == "bf16":
             expected[name] = (shape, torch.bfloat16)
+        elif tag.fmt == "topk":
+            spec = tag.sparse
+            assert spec is not None
+            kept = spec.kept(n)
+            expected[name + INDEX_SUFFIX] = ((bitpack.packed_nbytes(kept, spec.index_bits),), torch.uint8)
+            expected[name + CODES_SUFFIX] = ((bitpack.packed_nbytes(kept, spec.value_bits),), torch.uint8)
+            expected[name + SCALE_SUFFIX] = ((spec.num_chunks(n) * spec.levels,), torch.float32)
         else:
-            n = _numel(shape)
-            code_dtype = torch.int8 if fmt == "int8" else torch.uint8
-            expected[name + CODES_SUFFIX] = ((_code_bytes(n, fmt),), code_dtype)
-            expected[name + SCALE_SUFFIX] = ((_num_blocks(n, block),), torch.float32)
+            code_dtype = torch.int8 if tag.fmt == "int8" else torch.uint8
+            expected[name + CODES_SUFFIX] = ((_code_bytes(n, tag.fmt),), code_dtype)
+            expected[name + SCALE_SUFFIX] = ((blockquant.num_blocks(n, tag.block),), torch.float32)
     return expected
 
 
 def _check_wire(wire: Mapping[str, torch.Tensor], expected: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
-                fmt: str, block: int) -> None:
+                tag: _Tag) -> None:
+    what = f"{tag.fmt} payload ({_describe(tag)})"
     if set(wire) != set(expected):
         extra = sorted(set(wire) - set(expected))
         missing = sorted(set(expected) - set(wire))
-        raise CorruptObjectError(f"{fmt} payload (block {block}) holds other wire tensors than its layout implies: "
+        raise CorruptObjectError(f"{what} holds other wire tensors than its layout implies: "
                                  f"extra {extra}, missing {missing}")
     for name, (shape, dtype) in expected.items():
         t = wire[name]
         if tuple(t.shape) != shape or t.dtype != dtype:
-            raise CorruptObjectError(f"{fmt} payload (block {block}): wire tensor {name!r} is {t.dtype} "
-                                     f"{tuple(t.shape)}, expected {dtype} {shape}")
+            raise CorruptObjectError(f"{what}: wire tensor {name!r} is {t.dtype} {tuple(t.shape)}, expected "
+                                     f"{dtype} {shape}")
+
+
+def _describe(tag: _Tag) -> str:
+    if tag.sparse is not None:
+        return f"chunk {tag.sparse.chunk}, k {tag.sparse.k}, {tag.sparse.value_bits}-bit values"
+    return f"block {tag.block}"
 
 
 # ---------------------------------------------------------------- small helpers
@@ -411,19 +517,5 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _num_blocks(n: int, block: int) -> int:
-    return -(-n // block)
-
-
 def _code_bytes(n: int, fmt: str) -> int:
     return n if fmt == "int8" else -(-n // 2)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return int(dtype.itemsize)
-
-
-def _chunk_elements(block: int) -> int:
-    """A whole, even number of blocks near ``_CHUNK_ELEMENTS`` (even so int4 packs chunk-aligned)."""
-    blocks = max(1, _CHUNK_ELEMENTS // block)
-    return block * (blocks + blocks % 2)

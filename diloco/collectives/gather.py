@@ -17,11 +17,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from diloco.collectives.driver import Deadline, RoundDriver, RoundIO
-from diloco.collectives.reduce import accumulate, accumulation_dtype, finish_mean, layout_of, number
+from diloco.collectives.reduce import accumulation_dtype, finish_mean, layout_of, number
 from diloco.collectives.wire import PayloadCodec
 from diloco.errors import ConfigError, CorruptObjectError, DilocoError
 from diloco.store import codec
-from diloco.store.codec import decode_tensors
 from diloco.store.layout import ROUND_MANIFEST_KEY, check_spread, contribution_key
 
 if TYPE_CHECKING:
@@ -36,10 +35,17 @@ WINDOW_BYTES = 8 * codec.CHUNK_BYTES
 
 @dataclass
 class _Published:
-    """What the reduce step needs of our own contribution: what peers will decode from it, and its layout."""
+    """What the reduce step needs of our own contribution: what peers read (the wire tensors and their tag,
+    added to our sum exactly as peers add them), and its layout."""
 
-    decoded: dict[str, torch.Tensor]
+    wire: dict[str, torch.Tensor]
+    meta: dict[str, str]
     reference: dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+    @property
+    def wire_bytes(self) -> int:
+        """The data bytes of our object (a peer's, in the same format and layout, has as many)."""
+        return sum(t.numel() * t.element_size() for t in self.wire.values())
 
 
 class GatherExchange:
@@ -49,34 +55,49 @@ class GatherExchange:
         self.codec = codec
         self.spread = check_spread(spread)
         self.min_replicas = min_replicas
+        self._spare: dict[str, torch.Tensor] = {}  # last round's snapshot, free once it was encoded
 
     def snapshot(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {name: t.detach().to("cpu", copy=True) for name, t in tensors.items()}
+        """A CPU copy of the caller's tensors, into last round's snapshot buffers when they are free (compressed
+        rounds: fresh memory costs a page fault per 4 KiB, about as much as the copy itself)."""
+        spare, self._spare = self._spare, {}
+        out = {}
+        for name, t in tensors.items():
+            buffer = spare.get(name)
+            if buffer is not None and buffer.shape == t.shape and buffer.dtype == t.dtype:
+                out[name] = buffer.copy_(t.detach())
+            else:
+                out[name] = t.detach().to("cpu", copy=True)
+        return out
 
     def publish(self, io: RoundIO, round_: int, snapshot: dict[str, torch.Tensor]) -> _Published:
         """Stream our contribution to the store (``codec.encode_stream`` + ``put_stream``: never one joined copy
         of the payload in memory), tagged with our identity and, compressed, the format."""
         reference = layout_of(snapshot)
-        wire, meta, decoded = self.codec.encode_contribution(tuple(reference.items()), snapshot)
+        wire, meta = self.codec.encode_wire(tuple(reference.items()), snapshot)
+        if self.codec.compressed:  # the wire tensors are new ones: the snapshot can hold the next round's copy
+            self._spare = snapshot
         size, chunks = codec.encode_stream(wire, {**meta, **io.identity(round_, io.rank)})
         io.wrote(io.store.put_stream(self._key(round_, io.rank), chunks, size))
-        return _Published(decoded, reference)
+        return _Published(wire, meta, reference)
 
     def reduce(self, io: RoundIO, round_: int, published: _Published) -> dict[str, torch.Tensor]:
-        """Accumulate every rank's contribution in rank order 0..N-1 (our own as peers decode it)."""
+        """Accumulate every rank's contribution in rank order 0..N-1 (our own from the wire tensors peers read,
+        by the very operations they use; uncompressed, our snapshot, which may become the sum itself)."""
         deadline = io.deadline()
         members = range(io.world_size) if self.min_replicas is None else self._agree_on_members(io, round_, deadline)
         acc: dict[str, torch.Tensor] = {}
         for peer in members:
             if peer == io.rank:
-                accumulate(acc, published.decoded)
+                self.codec.add_into(acc, published.wire, published.meta, published.reference, owned=True)
                 continue
             io.await_object(round_, peer, lambda r: self._key(round_, r), deadline)
             key = self._key(round_, peer)
-            if self.codec.compressed:  # a quarter of the payload or less: read whole, decode, accumulate
-                accumulate(acc, io.read_verified(
+            if self.codec.compressed:  # a quarter of the payload or less: read whole, check, decode into the sum
+                wire, meta = io.read_verified(
                     round_, peer, "contribution", io.store.url(key),
-                    lambda peer=peer, key=key: self._read(io, round_, peer, key, published.reference)))
+                    lambda peer=peer, key=key: self._read(io, round_, peer, key, published))
+                self.codec.add_into(acc, wire, meta, published.reference)
             else:
                 self._accumulate_streamed(io, round_, peer, key, published.reference, acc)
         return finish_mean(acc, len(members))
@@ -161,16 +182,23 @@ class GatherExchange:
             _add_window(flat, codec.tensors_from_data(header, data, begin, end), first)
             del data  # with the views gone (they lived in _add_window), the window's buffer is freed now
 
-    def _read(self, io: RoundIO, round_: int, peer: int, key: str,
-              reference: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, torch.Tensor]:
-        """Fetch and verify ``peer``'s object: checksum, identity, format, then the exact tensor layout."""
-        data = io.store.get(key)
-        io.read(len(data))
+    def _read(self, io: RoundIO, round_: int, peer: int, key: str, published: _Published
+              ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """Fetch and verify ``peer``'s compressed object: one GET into one buffer (``codec.read_object``: our own
+        object's size is the hint, every rank's is the same), its chunk digests, its identity, then its format and
+        wire tensors against our layout: everything ``add_into`` needs, so nothing unverified is ever half added.
+        The wire tensors are views of that buffer (no copy)."""
         source = io.store.url(key)
-        wire, meta = decode_tensors(data, expect=io.identity(round_, peer), source=source)
-        tensors = self.codec.decode(wire, meta, reference, source)
-        check_same_layout(tensors, reference, round_, peer, compressed=self.codec.compressed)
-        return tensors
+        header, data = codec.read_object(io.store, key, data_bytes_hint=published.wire_bytes)
+        io.read(header.data_offset + len(data))
+        meta = header.metadata
+        for name, want in io.identity(round_, peer).items():
+            if meta.get(name) != str(want):
+                raise CorruptObjectError(f"{source} has {name}={meta.get(name)!r}, expected {str(want)!r}")
+        wire = {name: view.view(header.tensors[name].shape)
+                for name, (_, view) in codec.tensors_from_data(header, data, 0, header.data_size).items()}
+        self.codec.check(wire, meta, published.reference, source)
+        return wire, meta
 
 
 class DroppedFromRound(DilocoError):

@@ -43,12 +43,16 @@ def average(contributions: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, to
     return finish_mean(acc, len(contributions))
 
 
-def accumulate(acc: dict[str, torch.Tensor], contribution: Mapping[str, torch.Tensor]) -> None:
-    """``acc += contribution`` in the accumulation dtype; the first contribution is copied in."""
+def accumulate(acc: dict[str, torch.Tensor], contribution: Mapping[str, torch.Tensor], *,
+               owned: bool = False) -> None:
+    """``acc += contribution`` in the accumulation dtype; the first contribution is copied in (``owned``: it is
+    the caller's private copy, so a tensor already in the accumulation dtype becomes the sum itself)."""
     for name, t in contribution.items():
         t = t.detach().to("cpu")
         if name not in acc:
-            acc[name] = t.to(accumulation_dtype(t.dtype), copy=True)
+            dtype = accumulation_dtype(t.dtype)
+            adopt = owned and t.dtype == dtype and t.is_contiguous()
+            acc[name] = t if adopt else t.to(dtype, copy=True)
         else:
             acc[name].add_(t.to(acc[name].dtype))
 

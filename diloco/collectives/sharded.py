@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 
 from diloco.collectives.driver import RoundDriver, RoundIO
 from diloco.collectives.wire import PayloadCodec
-from diloco.errors import CorruptObjectError
+from diloco.errors import ConfigError, CorruptObjectError
 from diloco.store import codec
 from diloco.store.layout import check_spread, contribution_key, reduced_shard_key
 
@@ -143,7 +143,8 @@ class _Snapshot:
 @dataclass
 class _Published:
     layout: PayloadLayout
-    own_shard: torch.Tensor | None  # the decoded version of what we sent for our own shard (dropped once summed)
+    own_shard: tuple[dict[str, torch.Tensor], dict[str, str]] | None  # our shard's wire tensors and tag, as peers
+    # read them (dropped once summed)
     pieces: tuple[WirePiece, ...]  # how a shard's wire bytes are packed (identical for every shard and rank)
     shard_bytes: int  # P
 
@@ -152,6 +153,10 @@ class ShardedExchange:
     """The sharded strategy's round (see the module docstring)."""
 
     def __init__(self, codec_: PayloadCodec, *, world_size: int, spread: int = 1) -> None:
+        if codec_.fmt == "topk":
+            raise ConfigError("store.compression topk works with store.allreduce gather only: the sharded strategy "
+                              "re-encodes every reduced shard, and a sparse format would drop most of the mean",
+                              hint="use --allreduce gather with topk")
         self.codec = codec_
         self.world_size = world_size  # the number of shards
         self.spread = check_spread(spread)
@@ -168,11 +173,11 @@ class ShardedExchange:
         meta: dict[str, str] = {}
         own_shard = None
         for j in range(layout.shards):
-            wire, meta, decoded = self.codec.encode_contribution((layout.key, j), {SHARD_TENSOR: snapshot.shards[j]})
+            wire, meta = self.codec.encode_wire((layout.key, j), {SHARD_TENSOR: snapshot.shards[j]})
             blob, pieces = pack(wire)
             blobs[shard_name(j)] = blob
             if j == io.rank:
-                own_shard = decoded[SHARD_TENSOR]  # uncompressed: the snapshot's own shard itself (no copy)
+                own_shard = (wire, meta)  # uncompressed: the snapshot's own shard itself (no copy)
         shard_bytes = len(blobs[shard_name(0)])
         metadata = {**meta, **self._identity(io, round_, io.rank, layout, "contribution")}
         size, chunks = codec.encode_stream(blobs, metadata, chunk_bytes=shard_bytes)
@@ -202,9 +207,13 @@ class ShardedExchange:
         return [contribution_key(round_, rank, self.spread), reduced_shard_key(round_, rank, self.spread)]
 
     def _reduce_scatter(self, io: RoundIO, round_: int, published: _Published) -> torch.Tensor:
-        """Our shard's sum over ranks 0..N-1 in that order (fp32), divided by N."""
+        """Our shard's sum over ranks 0..N-1 in that order (fp32), divided by N: every contribution, ours included,
+        added from its wire tensors (decoded straight into the sum when compressed)."""
+        import torch
+
         deadline = io.deadline()
-        acc: torch.Tensor | None = None
+        shard_layout = {SHARD_TENSOR: ((published.layout.shard_elements,), torch.float32)}
+        acc: dict[str, torch.Tensor] = {}
         for peer in range(io.world_size):
             if peer == io.rank:
                 part, published.own_shard = published.own_shard, None
@@ -214,13 +223,10 @@ class ShardedExchange:
                 key = contribution_key(round_, peer, self.spread)
                 part = io.read_verified(round_, peer, f"contribution (shard {io.rank})", io.store.url(key),
                                         lambda peer=peer, key=key: self._read_shard(io, round_, peer, key, published))
-            if acc is None:
-                acc = part  # our own shard or a freshly read one: private, so it can be the accumulator
-            else:
-                acc.add_(part)
+            # ours or a freshly read buffer: private, so an uncompressed first one can be the accumulator
+            self.codec.add_into(acc, part[0], part[1], shard_layout, owned=True)
             del part
-        assert acc is not None
-        return acc.div_(io.world_size)
+        return acc[SHARD_TENSOR].div_(io.world_size)
 
     def _all_gather(self, io: RoundIO, round_: int, layout: PayloadLayout, own: list[torch.Tensor],
                     size_bound: int) -> torch.Tensor:
@@ -244,8 +250,10 @@ class ShardedExchange:
         return flat
 
     # ---------------------------------------------------------------- reads
-    def _read_shard(self, io: RoundIO, round_: int, peer: int, key: str, published: _Published) -> torch.Tensor:
-        """Our shard of ``peer``'s contribution: header, then one verified ranged GET of its P bytes, decoded."""
+    def _read_shard(self, io: RoundIO, round_: int, peer: int, key: str,
+                    published: _Published) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """Our shard of ``peer``'s contribution: header, then one verified ranged GET of its P bytes; its wire
+        tensors (views of the read buffer) and tag, checked against our shard's layout."""
         import torch
 
         source = io.store.url(key)
@@ -262,7 +270,8 @@ class ShardedExchange:
         blob = torch.frombuffer(data, dtype=torch.uint8)  # read_data returns writable memory: no copy
         wire = unpack(blob, published.pieces)
         shard_layout = {SHARD_TENSOR: ((published.layout.shard_elements,), torch.float32)}
-        return self.codec.decode(wire, header.metadata, shard_layout, source)[SHARD_TENSOR]
+        self.codec.check(wire, header.metadata, shard_layout, source)
+        return wire, header.metadata
 
     def _read_reduced(self, io: RoundIO, round_: int, owner: int, key: str, layout: PayloadLayout,
                       size_bound: int) -> torch.Tensor:

@@ -3,7 +3,9 @@
 ``store.compression: none`` sends the tensors as they are; any other format goes through ``diloco.collectives.compression``:
 the rank encodes ``x + residual`` and keeps what the format lost for the next round (error feedback), and it
 averages the *decoded* version of its own contribution, exactly what its peers decode from its object, so every
-rank sums identical values and the means stay bitwise identical.
+rank sums identical values and the means stay bitwise identical. The strategies add every contribution, their
+own included, to their sum straight from its wire tensors (``encode_wire``, ``check``, ``add_into``): the same
+operations on every rank, and no decoded copy of any contribution.
 
 Error-feedback memory is keyed by the payload's layout (names, shapes, dtypes; plus the shard for the sharded
 strategy): Streaming DiLoCo's fragments each get their own residual as long as their layouts differ. Two fragments
@@ -16,6 +18,7 @@ from collections.abc import Hashable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from diloco.collectives import compression
+from diloco.collectives.reduce import accumulate
 from diloco.errors import CorruptObjectError
 
 if TYPE_CHECKING:
@@ -30,10 +33,11 @@ Wire = tuple[dict[str, "torch.Tensor"], dict[str, str], dict[str, "torch.Tensor"
 class PayloadCodec:
     """One rank's wire format: encode its contributions (with error feedback) and decode its peers'."""
 
-    def __init__(self, fmt: str = NONE, *, error_feedback: bool = True,
-                 block: int = compression.DEFAULT_BLOCK) -> None:
+    def __init__(self, fmt: str = NONE, *, error_feedback: bool = True, block: int = compression.DEFAULT_BLOCK,
+                 sparse: compression.TopkSpec | None = None) -> None:
         self.fmt = compression.check_format(fmt)
         self.block = compression.check_block(block)
+        self.sparse = sparse or compression.TopkSpec()  # topk's parameters (unused by the other formats)
         self.error_feedback = error_feedback
         self._feedback: dict[Hashable, Any] = {}  # layout key -> compression.ErrorFeedback
 
@@ -49,20 +53,67 @@ class PayloadCodec:
         before encoding and updated after (unless error feedback is off)."""
         if not self.compressed:
             return dict(tensors), {}, dict(tensors)
+        return self._feedback_for(key).compress(as_fp32(tensors))
+
+    def _feedback_for(self, key: Hashable) -> compression.ErrorFeedback:
+        """The error-feedback memory of the payload layout ``key``."""
         feedback = self._feedback.get(key)
         if feedback is None:
             feedback = self._feedback[key] = compression.ErrorFeedback(self.fmt, block=self.block,
-                                                                       enabled=self.error_feedback)
-        return feedback.compress(as_fp32(tensors))
+                                                                       enabled=self.error_feedback,
+                                                                       sparse=self.sparse)
+        return feedback
+
+    def encode_wire(self, key: Hashable, tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor],
+                                                                                   dict[str, str]]:
+        """``encode_contribution`` without the decoded tensors: for a reader that adds its own contribution to
+        its sum from the wire tensors (``add_into``), exactly as it adds its peers'. Uncompressed, the tensors
+        themselves and no tag."""
+        if not self.compressed:
+            return dict(tensors), {}
+        return self._feedback_for(key).compress_wire(as_fp32(tensors))
+
+    def check(self, wire: Mapping[str, torch.Tensor], meta: Mapping[str, str], layout: Layout, source: str) -> None:
+        """``CorruptObjectError`` naming ``source`` unless a payload is in this run's format and decodes whole
+        (checked before anything of it is added to a sum)."""
+        sent = meta.get(compression.FORMAT_KEY, NONE)
+        if sent != self.fmt:
+            raise CorruptObjectError(f"{source} is compressed as {sent!r}, but this run uses store.compression "
+                                     f"{self.fmt!r}")
+        if self.compressed:
+            try:
+                compression.check(wire, meta, layout, fmt=self.fmt, block=self.block, sparse=self.sparse)
+            except CorruptObjectError as exc:
+                raise CorruptObjectError(f"{source}: {exc}") from exc
+
+    def add_into(self, acc: dict[str, torch.Tensor], wire: Mapping[str, torch.Tensor], meta: Mapping[str, str],
+                 layout: Layout, *, owned: bool = False) -> None:
+        """Add one contribution (ours or a peer's, already ``check``-ed) to the running sum ``acc`` (fp32, fp64
+        for fp64 tensors); the first one creates it. Compressed payloads are decoded straight into the sum
+        (``compression.decode_into``: no decoded copy per contribution). Every rank performs the same operations
+        for every contribution, so every rank sums identical bits. ``owned``: the uncompressed tensors are this
+        rank's private copy, so the first may become the sum itself instead of being copied."""
+        if not self.compressed:
+            accumulate(acc, wire, owned=owned)
+            return
+        import torch
+
+        first = not acc
+        if first:
+            for name, (shape, _dtype) in layout.items():
+                acc[name] = torch.empty(tuple(shape), dtype=torch.float32)
+        compression.decode_into(wire, meta, layout, acc, mode="write" if first else "add", fmt=self.fmt,
+                                block=self.block, sparse=self.sparse)
 
     def encode_plain(self, tensors: Mapping[str, torch.Tensor]) -> Wire:
         """Like ``encode_contribution`` but without error feedback: for a value sent once (a reduced shard)."""
         if not self.compressed:
             return dict(tensors), {}, dict(tensors)
         fp32 = as_fp32(tensors)
-        wire, meta = compression.encode(fp32, self.fmt, block=self.block)
+        wire, meta = compression.encode(fp32, self.fmt, block=self.block, sparse=self.sparse)
         layout = compression.layout_of(fp32)
-        return wire, meta, compression.decode(wire, meta, layout, fmt=self.fmt, block=self.block)
+        return wire, meta, compression.decode(wire, meta, layout, fmt=self.fmt, block=self.block,
+                                              sparse=self.sparse)
 
     def decode(self, wire: Mapping[str, torch.Tensor], meta: Mapping[str, str], layout: Layout,
                source: str) -> dict[str, torch.Tensor]:
@@ -75,7 +126,7 @@ class PayloadCodec:
         if not self.compressed:
             return dict(wire)
         try:
-            return compression.decode(wire, meta, layout, fmt=self.fmt, block=self.block)
+            return compression.decode(wire, meta, layout, fmt=self.fmt, block=self.block, sparse=self.sparse)
         except CorruptObjectError as exc:
             raise CorruptObjectError(f"{source}: {exc}") from exc
 

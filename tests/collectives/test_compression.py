@@ -11,7 +11,9 @@ from diloco.collectives.compression import (
     DEFAULT_BLOCK,
     FORMATS,
     ErrorFeedback,
+    check,
     decode,
+    decode_into,
     encode,
     layout_of,
     wire_nbytes,
@@ -204,6 +206,41 @@ def test_bad_arguments_name_the_setting() -> None:
         encode({"i": torch.arange(3)}, "int8")
 
 
+# ---------------------------------------------------------------- decoding into a running sum
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_decode_into_writes_adds_or_subtracts_exactly_what_decode_returns(fmt: str) -> None:
+    """The all-reduce adds peers into its sum, and error feedback subtracts what was sent from the residual,
+    without a decoded temporary: the bits must be those of ``out + decode(...)`` (``-``). The payload spans
+    several cache-sized chunks of work."""
+    gen = torch.Generator().manual_seed(21)
+    x = {"big": torch.randn(300_001, generator=gen), **random_payload(21)}
+    layout = layout_of(x)
+    wire, meta = encode(x, fmt)
+    decoded = decode(wire, meta, layout)
+    base = {n: torch.randn(t.shape, generator=gen) for n, t in x.items()}
+    for mode, expected in (("write", decoded), ("add", {n: base[n] + decoded[n] for n in x}),
+                           ("subtract", {n: base[n] - decoded[n] for n in x})):
+        out = {n: b.clone() for n, b in base.items()}
+        decode_into(wire, meta, layout, out, mode=mode)
+        for n in x:
+            assert torch.equal(out[n].view(torch.int32), expected[n].to(torch.float32).view(torch.int32)), (mode, n)
+
+
+def test_a_corrupt_payload_is_refused_before_the_sum_is_touched() -> None:
+    x = random_payload(22)
+    wire, meta = encode(x, "int8")
+    bad = {**wire, "w:q": wire["w:q"][:-1]}
+    out = {n: torch.ones(t.shape) for n, t in x.items()}
+    with pytest.raises(CorruptObjectError, match="wire tensor 'w:q'"):
+        check(bad, meta, layout_of(x))
+    with pytest.raises(CorruptObjectError, match="wire tensor 'w:q'"):
+        decode_into(bad, meta, layout_of(x), out, mode="add")
+    assert all(bool((t == 1).all()) for t in out.values())
+    check(wire, meta, layout_of(x))  # a sound payload passes
+    with pytest.raises(ValueError, match="decode_into mode: 'mul'"):
+        decode_into(wire, meta, layout_of(x), out, mode="mul")
+
+
 # ---------------------------------------------------------------- error feedback
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
 def test_compress_returns_exactly_what_peers_decode(fmt: str) -> None:
@@ -213,6 +250,20 @@ def test_compress_returns_exactly_what_peers_decode(fmt: str) -> None:
         wire, meta, decoded = ef.compress(x)
         peer = decode(load(save(wire, metadata=meta)), meta, layout_of(x), fmt=fmt)
         assert all(torch.equal(decoded[n], peer[n]) for n in x)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4", "topk"])
+def test_compress_wire_sends_and_remembers_what_compress_does(fmt: str) -> None:
+    """The wire-only variant the all-reduce uses keeps the same residuals, round after round."""
+    with_decoded, wire_only = ErrorFeedback(fmt), ErrorFeedback(fmt)
+    for seed in range(3):
+        x = random_payload(30 + seed)
+        a, meta_a, _ = with_decoded.compress(x)
+        b, meta_b = wire_only.compress_wire(x)
+        assert meta_a == meta_b and all(torch.equal(a[n].reshape(-1).view(torch.uint8), b[n].reshape(-1).view(torch.uint8))
+                                        for n in a)
+    residual_a, residual_b = with_decoded.state_dict(), wire_only.state_dict()
+    assert all(torch.equal(residual_a[n], residual_b[n]) for n in residual_a)
 
 
 @pytest.mark.parametrize("fmt,qmax", [("int8", 127), ("int4", 7)])

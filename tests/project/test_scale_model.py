@@ -38,10 +38,13 @@ def test_constants_are_the_codes_own() -> None:
     assert sm.DEFAULT_BLOCK == compression.DEFAULT_BLOCK
     assert sm.HEADER_PROBE_BYTES == codec.HEADER_PROBE_BYTES
     assert sm.FORMATS == compression.FORMATS
+    spec = compression.TopkSpec()
+    assert (sm.TOPK_CHUNK, sm.TOPK_K, sm.TOPK_INDEX_BITS, sm.TOPK_VALUE_BITS, sm.TOPK_LEVELS) == \
+        (spec.chunk, spec.k, spec.index_bits, spec.value_bits, spec.levels)
 
 
 @pytest.mark.parametrize("fmt", sm.FORMATS)
-@pytest.mark.parametrize("params", [1, 255, 256, 1_000_003])
+@pytest.mark.parametrize("params", [1, 255, 256, 4096, 1_000_003])
 def test_payload_bytes_equal_the_compression_modules_wire_bytes(fmt: str, params: int) -> None:
     layout = {"w": ((params,), torch.float32)}
     assert sm.payload_bytes(params, fmt) == compression.wire_nbytes(layout, fmt)
@@ -56,7 +59,7 @@ def test_gather_reads_n_minus_1_payloads_and_writes_one(n: int) -> None:
     assert cost.bytes_read == (n - 1) * s
 
 
-@pytest.mark.parametrize("fmt", sm.FORMATS)
+@pytest.mark.parametrize("fmt", [f for s, f in sm.SUPPORTED if s == "sharded"])
 @pytest.mark.parametrize("n", [2, 3, 8, 64, 256])
 def test_sharded_reads_2s_n_minus_1_over_n_plus_header_probes(fmt: str, n: int) -> None:
     cost = sm.round_cost("7B", 7e9, n, "sharded", fmt)
@@ -119,7 +122,7 @@ def test_json_holds_the_whole_grid(tmp_path: Path) -> None:
     assert {"title", "machine", "columns", "rows", "notes", "tables"} <= set(grid)  # bench/run_all.py's contract
     assert len(grid["rows"]) == 9 and grid["columns"] == list(grid["rows"][0])  # README's table
     assert [t["title"] for t in grid["tables"]][:2] == ["Bytes read per rank per round", "Round time"]
-    assert len(grid["grid"]) == len(sm.MODEL_SIZES) * len(sm.WORLD_SIZES) * 2 * len(sm.FORMATS)
+    assert len(grid["grid"]) == len(sm.MODEL_SIZES) * len(sm.WORLD_SIZES) * len(sm.SUPPORTED)
 
 
 def traffic_row(store: str, n: int, strategy: str, fmt: str, elements: int, **overrides: float) -> dict[str, object]:

@@ -1,0 +1,104 @@
+"""Fixed-width unsigned fields packed into a byte stream, and back: the sparse format's indices and codes.
+
+Layout (little-endian bit order, no padding between fields): field ``i`` of ``bits`` bits occupies stream bits
+``[i * bits, (i + 1) * bits)``, its least significant bit first; stream bit ``s`` is bit ``s % 8`` (bit 0 the least
+significant) of byte ``s // 8``. The last byte's unused high bits are 0. So ``n`` fields take ``ceil(n * bits / 8)``
+bytes: two 12-bit indices in 3 bytes, four 2-bit codes in one.
+
+Why not one field per byte or int16: a 12-bit index stored in 16 bits wastes a quarter of the sparse payload.
+
+How, without a Python loop over fields: ``g`` consecutive fields, where ``g * bits`` is the least common multiple
+of ``bits`` and 8, fill exactly ``g * bits / 8`` bytes; they are combined into one int64 per group (shifted and
+summed, which is their OR: the fields do not overlap) and split into bytes, a few whole-tensor operations. Widths whose group exceeds 64 bits (9, 11, 13, 15) go through a
+per-bit expansion instead (slower, same layout). Works on any device (plain tensor arithmetic).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+#: Field widths supported (the sparse format's indices need up to 16 bits; its codes 1 to 8).
+MAX_BITS = 16
+
+
+def packed_nbytes(count: int, bits: int) -> int:
+    """Bytes that ``count`` fields of ``bits`` bits take."""
+    _check_bits(bits)
+    return -(-count * bits // 8)
+
+
+def pack(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """1-D integer ``values``, each in ``[0, 2**bits)`` (not checked: higher bits are dropped), -> uint8 stream."""
+    import torch
+
+    _check_bits(bits)
+    n = values.numel()
+    nbytes = packed_nbytes(n, bits)
+    per_group, group_bytes = _group(bits)
+    if group_bytes > 8:
+        return _pack_by_bits(values, bits, nbytes)
+    groups = -(-n // per_group)
+    v = torch.zeros(groups * per_group, dtype=torch.int64, device=values.device)
+    v[:n] = values.reshape(-1) & ((1 << bits) - 1)
+    shifts = torch.arange(per_group, device=values.device) * bits
+    word = (v.view(groups, per_group) << shifts).sum(dim=1, keepdim=True)  # disjoint fields: the sum is their OR
+    byte_shifts = torch.arange(group_bytes, device=values.device) * 8
+    return ((word >> byte_shifts) & 0xFF).to(torch.uint8).view(-1)[:nbytes]
+
+
+def unpack(stream: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """The first ``count`` fields of a uint8 ``stream`` as int64 (inverse of ``pack``). ``ValueError`` when the
+    stream is shorter than ``count`` fields need."""
+    import torch
+
+    _check_bits(bits)
+    nbytes = packed_nbytes(count, bits)
+    if stream.numel() < nbytes:
+        raise ValueError(f"a stream of {stream.numel()} bytes cannot hold {count} fields of {bits} bits")
+    per_group, group_bytes = _group(bits)
+    if group_bytes > 8:
+        return _unpack_by_bits(stream, bits, count)
+    groups = -(-count // per_group)
+    padded = torch.zeros(groups * group_bytes, dtype=torch.int64, device=stream.device)
+    padded[:nbytes] = stream.reshape(-1)[:nbytes]
+    byte_shifts = torch.arange(group_bytes, device=stream.device) * 8
+    word = (padded.view(groups, group_bytes) << byte_shifts).sum(dim=1, keepdim=True)
+    shifts = torch.arange(per_group, device=stream.device) * bits
+    return ((word >> shifts) & ((1 << bits) - 1)).view(-1)[:count]
+
+
+def _pack_by_bits(values: torch.Tensor, bits: int, nbytes: int) -> torch.Tensor:
+    import torch
+
+    shifts = torch.arange(bits, dtype=torch.int64, device=values.device)
+    stream = ((values.reshape(-1, 1).to(torch.int64) >> shifts) & 1).view(-1)
+    padded = torch.zeros(nbytes * 8, dtype=torch.int64, device=values.device)
+    padded[: stream.numel()] = stream
+    weights = 1 << torch.arange(8, dtype=torch.int64, device=values.device)
+    return (padded.view(nbytes, 8) * weights).sum(dim=1).to(torch.uint8)
+
+
+def _unpack_by_bits(stream: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    import torch
+
+    nbytes = packed_nbytes(count, bits)
+    shifts = torch.arange(8, dtype=torch.int64, device=stream.device)
+    bitstream = ((stream.reshape(-1)[:nbytes].to(torch.int64).view(-1, 1) >> shifts) & 1).view(-1)
+    fields = bitstream[: count * bits].view(count, bits)
+    weights = 1 << torch.arange(bits, dtype=torch.int64, device=stream.device)
+    return (fields * weights).sum(dim=1)
+
+
+def _group(bits: int) -> tuple[int, int]:
+    """(fields per group, bytes per group): the smallest run of fields that ends on a byte boundary."""
+    lcm = bits * 8 // math.gcd(bits, 8)
+    return lcm // bits, lcm // 8
+
+
+def _check_bits(bits: int) -> None:
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= MAX_BITS:
+        raise ValueError(f"field width {bits!r} bits: use 1 to {MAX_BITS}")
