@@ -87,7 +87,7 @@ def contribution_key(round_: int, rank: int) -> str:
 def create_allreduce(uri: str, rank: int, world_size: int, settings: StoreSettings | None = None, *,
                      run_id: str | None = None, **fields: Any) -> RoundDriver:  # type: ignore[type-arg]
     """The collective a replica's manager talks to, as the store settings ask for it
-    (``diloco.replica.settings.StoreSettings``: ``allreduce``, ``compression``, ``error_feedback``, ``spread``,
+    (``diloco.store.settings.StoreSettings``: the strategy, the wire format and its parameters, ``spread``,
     ``min_replicas``, ``timeout_s``, ``poll_interval_s``). ``fields`` set some of them by name over ``settings``
     (``create_allreduce(uri, 0, 4, allreduce="sharded")``); ``settings`` may be a replica's whole settings.
 
@@ -105,8 +105,10 @@ def create_allreduce(uri: str, rank: int, world_size: int, settings: StoreSettin
     problem = min_replicas_problem(s.min_replicas, world_size)
     if problem:
         raise ConfigError(f"store.min_replicas: {problem}", hint="lower --min-replicas")
-    common = dict(timeout_s=s.timeout_s, poll_interval_s=s.poll_interval_s, run_id=run_id,
-                  compression=s.compression, error_feedback=s.error_feedback, spread=s.spread)
+    from diloco.collectives.wire import PayloadCodec
+
+    common = dict(timeout_s=s.timeout_s, poll_interval_s=s.poll_interval_s, run_id=run_id, spread=s.spread,
+                  codec=PayloadCodec.from_settings(s))
     if s.allreduce == "sharded":
         return ShardedAllReduce(uri, rank, world_size, **common)
     return ObjectStoreAllReduce(uri, rank, world_size, min_replicas=s.min_replicas, **common)

@@ -237,13 +237,20 @@ class ErrorFeedback:
     ``fmt="none"``, which is lossless) keeps no residual.
 
     Non-finite entries of a residual are reset to 0: a NaN or inf shows in the round that produced it (its block
-    decodes to NaN) but is not fed into every later round."""
+    decodes to NaN) but is not fed into every later round.
+
+    ``decay`` (SparseLoCo's beta, in (0, 1]): what is sent is ``x + decay * residual``, so an old residual fades
+    instead of being carried for ever; 1 is plain error feedback. SparseLoCo uses it in place of the outer
+    Nesterov momentum (``diloco.replica.outer``'s outer step then has none)."""
 
     def __init__(self, fmt: str, *, block: int = DEFAULT_BLOCK, enabled: bool = True,
-                 sparse: TopkSpec | None = None) -> None:
+                 sparse: TopkSpec | None = None, decay: float = 1.0) -> None:
         self.fmt = check_format(fmt)
         self.block = check_block(block)
         self.sparse = sparse or TopkSpec()
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay <= 1:
+            raise ValueError(f"error feedback decay: {decay!r} is not in (0, 1]; use 1 (plain) or 0.9-0.99")
+        self.decay = float(decay)
         self.enabled = enabled and fmt != "none"
         self._residuals: dict[str, torch.Tensor] = {}
 
@@ -308,7 +315,10 @@ class ErrorFeedback:
         for name, x in fp32.items():
             residual = self._residuals.get(name)
             if residual is not None:
-                out[name] = residual.to(x.device).add_(x)  # the residual's memory becomes what is sent
+                residual = residual.to(x.device)
+                if self.decay != 1.0:
+                    residual.mul_(self.decay)
+                out[name] = residual.add_(x)  # the residual's memory becomes what is sent
                 owned.add(name)
             else:
                 out[name] = x

@@ -356,6 +356,18 @@ class RoundDriver(Generic[S, P]):
         self._trained_s = 0.0  # how long this rank trained before its latest round started
 
     # ---------------------------------------------------------------- public API
+    def wire_state(self) -> dict[str, torch.Tensor]:
+        """This rank's error-feedback residuals (``diloco.collectives.wire.PayloadCodec.state_dict``): part of
+        its own state, kept with the inner optimizer's after each committed round; empty without compression."""
+        codec = getattr(self._exchange, "codec", None)
+        return codec.state_dict() if codec is not None else {}
+
+    def load_wire_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Restore residuals ``wire_state`` returned (a rejoining rank, before its next round)."""
+        codec = getattr(self._exchange, "codec", None)
+        if codec is not None:
+            codec.load_state_dict(state)
+
     @property
     def next_round(self) -> int:
         """The round the next ``allreduce``/``allreduce_async`` call will use (starts at 0, +1 per call)."""

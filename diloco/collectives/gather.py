@@ -286,12 +286,13 @@ class ObjectStoreAllReduce(RoundDriver[dict, _Published]):
 
     def __init__(self, uri: str, rank: int, world_size: int, timeout_s: float = 1800, poll_interval_s: float = 1.0,
                  run_id: str | None = None, *, compression: str = "none", error_feedback: bool = True,
-                 spread: int = 1, min_replicas: int | None = None) -> None:
+                 spread: int = 1, min_replicas: int | None = None, codec: PayloadCodec | None = None) -> None:
         if min_replicas is not None and (isinstance(min_replicas, bool) or not isinstance(min_replicas, int)
                                          or not 1 <= min_replicas <= world_size):
             raise ConfigError(f"min_replicas must be an integer in [1, {world_size}] (the replicas), got "
                               f"{min_replicas!r}", hint="leave it unset to average every round over all replicas")
-        exchange = GatherExchange(PayloadCodec(compression, error_feedback=error_feedback), spread=spread,
+        codec = codec or PayloadCodec(compression, error_feedback=error_feedback)
+        exchange = GatherExchange(codec, spread=spread,
                                   min_replicas=None if min_replicas == world_size else min_replicas)
         super().__init__(uri, rank, world_size, exchange=exchange, timeout_s=timeout_s,
                          poll_interval_s=poll_interval_s, run_id=run_id, spread=spread)

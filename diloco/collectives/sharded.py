@@ -357,8 +357,8 @@ class ShardedAllReduce(RoundDriver[_Snapshot, _Published]):
 
     def __init__(self, uri: str, rank: int, world_size: int, timeout_s: float = 1800, poll_interval_s: float = 1.0,
                  run_id: str | None = None, *, compression: str = "none", error_feedback: bool = True,
-                 spread: int = 1) -> None:
-        exchange = ShardedExchange(PayloadCodec(compression, error_feedback=error_feedback), world_size=world_size,
-                                   spread=spread)
+                 spread: int = 1, codec: PayloadCodec | None = None) -> None:
+        codec = codec or PayloadCodec(compression, error_feedback=error_feedback)
+        exchange = ShardedExchange(codec, world_size=world_size, spread=spread)
         super().__init__(uri, rank, world_size, exchange=exchange, timeout_s=timeout_s,
                          poll_interval_s=poll_interval_s, run_id=run_id, spread=spread)

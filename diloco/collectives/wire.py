@@ -9,7 +9,9 @@ operations on every rank, and no decoded copy of any contribution.
 
 Error-feedback memory is keyed by the payload's layout (names, shapes, dtypes; plus the shard for the sharded
 strategy): Streaming DiLoCo's fragments each get their own residual as long as their layouts differ. Two fragments
-with identical layouts share one (a documented approximation); a rejoining rank starts with empty residuals.
+with identical layouts share one (a documented approximation). The residuals are part of a replica's own state
+(``state_dict``): the outer loop keeps them with the inner optimizer's after each committed round, and a
+rejoining replica restores them (``load_state_dict``), so its next contributions still carry what it owed.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from diloco.errors import CorruptObjectError
 if TYPE_CHECKING:
     import torch
 
+    from diloco.store.settings import StoreSettings
+
 NONE = "none"
 
 Layout = Mapping[str, tuple[tuple[int, ...], "torch.dtype"]]
@@ -34,12 +38,37 @@ class PayloadCodec:
     """One rank's wire format: encode its contributions (with error feedback) and decode its peers'."""
 
     def __init__(self, fmt: str = NONE, *, error_feedback: bool = True, block: int = compression.DEFAULT_BLOCK,
-                 sparse: compression.TopkSpec | None = None) -> None:
+                 sparse: compression.TopkSpec | None = None, feedback_decay: float = 1.0) -> None:
         self.fmt = compression.check_format(fmt)
         self.block = compression.check_block(block)
         self.sparse = sparse or compression.TopkSpec()  # topk's parameters (unused by the other formats)
         self.error_feedback = error_feedback
+        self.feedback_decay = feedback_decay
         self._feedback: dict[Hashable, Any] = {}  # layout key -> compression.ErrorFeedback
+        self._pending: dict[str, dict[str, torch.Tensor]] = {}  # restored residuals, by layout id, not yet used
+
+    @classmethod
+    def from_settings(cls, settings: StoreSettings) -> PayloadCodec:
+        """The wire format the store settings name (``diloco.store.settings``): format, error feedback and its
+        decay, topk's parameters."""
+        sparse = compression.TopkSpec(density=settings.topk_density, chunk=settings.topk_chunk,
+                                      value_bits=settings.topk_value_bits)
+        return cls(settings.compression, error_feedback=settings.error_feedback, sparse=sparse,
+                   feedback_decay=settings.error_feedback_decay)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Every error-feedback residual as ``<layout id>/<name>`` -> fp32 CPU tensor (safetensors-storable): what
+        a rejoining replica restores, so the rounds it sends next still carry what earlier rounds did not send."""
+        return {f"{layout_id(key)}/{name}": residual for key, feedback in self._feedback.items()
+                for name, residual in feedback.state_dict().items()}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Residuals ``state_dict`` returned, applied to each payload layout when its first round is encoded (a
+        rejoining replica knows its layouts only then)."""
+        self._pending: dict[str, dict[str, torch.Tensor]] = {}
+        for full, tensor in state.items():
+            layout, _, name = full.partition("/")
+            self._pending.setdefault(layout, {})[name] = tensor
 
     @property
     def compressed(self) -> bool:
@@ -61,7 +90,11 @@ class PayloadCodec:
         if feedback is None:
             feedback = self._feedback[key] = compression.ErrorFeedback(self.fmt, block=self.block,
                                                                        enabled=self.error_feedback,
-                                                                       sparse=self.sparse)
+                                                                       sparse=self.sparse,
+                                                                       decay=self.feedback_decay)
+            restored = self._pending.pop(layout_id(key), None)
+            if restored is not None:
+                feedback.load_state_dict(restored)
         return feedback
 
     def encode_wire(self, key: Hashable, tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor],
@@ -136,3 +169,10 @@ def as_fp32(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     import torch
 
     return {name: t.detach().to("cpu", torch.float32) for name, t in tensors.items()}
+
+
+def layout_id(key: Hashable) -> str:
+    """A payload layout's stable name across processes (a rejoining replica must find its residuals again)."""
+    import hashlib
+
+    return hashlib.sha256(repr(key).encode()).hexdigest()[:16]

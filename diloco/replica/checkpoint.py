@@ -41,7 +41,7 @@ import json
 import logging
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from diloco.errors import CorruptObjectError, ObjectNotFound, StoreError
@@ -215,9 +215,9 @@ class RoundCheckpoints:
             raise CorruptObjectError(
                 f"{source} belongs to run {marker.get('run_id')!r}, not {self.run_id!r}",
                 hint="another run used this rendezvous prefix; give each run its own (diloco launch does)")
-        for field, want in (("world_size", self.world_size), ("round", round_number)):
-            if marker.get(field) != want:
-                raise CorruptObjectError(f"{source} has {field}={marker.get(field)!r}, expected {want!r}")
+        for name, want in (("world_size", self.world_size), ("round", round_number)):
+            if marker.get(name) != want:
+                raise CorruptObjectError(f"{source} has {name}={marker.get(name)!r}, expected {want!r}")
 
 
 # ---------------------------------------------------------------------------------------------- inner optimizer state
@@ -226,6 +226,8 @@ INNER_FORMAT = "diloco.inner-optimizer/1"
 INNER_MARKER = "inner_optimizer.json"
 _INNER_DATA = "inner_optimizer.round_{round:06d}.safetensors"
 _INNER_DATA_RE = re.compile(r"^inner_optimizer\.round_(\d{6})\.safetensors$")
+#: Names of the all-reduce's wire state in the inner state's data file (optimizer state names are ``<index>/...``).
+_WIRE_PREFIX = "wire/"
 
 
 @dataclass(frozen=True)
@@ -234,6 +236,8 @@ class InnerStateLoad:
 
     state: dict[str, object] | None
     reason: str
+    #: The all-reduce's per-rank wire state saved with it (error-feedback residuals), empty when none was.
+    wire: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class InnerOptimizerState:
@@ -261,14 +265,17 @@ class InnerOptimizerState:
         self.rank = rank
 
     # ---------------------------------------------------------------- writing
-    def save(self, round_number: int, state_dict: Mapping[str, object]) -> None:
-        """Save ``optimizer.state_dict()`` as the state after committed round ``round_number``: the data file
-        first, the marker naming it last (both atomically), then the older data files go."""
+    def save(self, round_number: int, state_dict: Mapping[str, object],
+             wire: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Save ``optimizer.state_dict()`` as the state after committed round ``round_number``, with the
+        all-reduce's ``wire`` state of this rank (error-feedback residuals, stored as ``wire/<name>``): the data
+        file first, the marker naming it last (both atomically), then the older data files go."""
         import os
 
         from safetensors.torch import save
 
         tensors, scalars = _split_state(state_dict.get("state") or {})  # type: ignore[arg-type]
+        tensors.update({f"{_WIRE_PREFIX}{name}": t.detach().to("cpu").contiguous() for name, t in (wire or {}).items()})
         os.makedirs(self.directory, exist_ok=True)
         name = _INNER_DATA.format(round=round_number)
         data = save(tensors) if tensors else b""
@@ -301,9 +308,9 @@ class InnerOptimizerState:
             return InnerStateLoad(None, f"{where} is unreadable: {exc}")
         if not isinstance(marker, dict) or marker.get("format") != INNER_FORMAT:
             return InnerStateLoad(None, f"{where} is not a {INNER_FORMAT} marker")
-        for field, want in (("run_id", self.run_id), ("rank", self.rank)):
-            if marker.get(field) != want:
-                return InnerStateLoad(None, f"{where} is for {field} {marker.get(field)!r}, not {want!r}")
+        for name, want in (("run_id", self.run_id), ("rank", self.rank)):
+            if marker.get(name) != want:
+                return InnerStateLoad(None, f"{where} is for {name} {marker.get(name)!r}, not {want!r}")
         if marker.get("round") != round_number:
             return InnerStateLoad(None, f"the saved inner optimizer state is from round {marker.get('round')}, not "
                                         f"the committed round {round_number} this replica resumes from")
@@ -316,9 +323,11 @@ class InnerOptimizerState:
         if hashlib.sha256(data).hexdigest() != marker.get("sha256"):
             return InnerStateLoad(None, f"{data_path} does not match the sha256 in {where}")
         tensors = load(data) if data else {}
-        return InnerStateLoad({"state": _join_state(tensors, marker.get("scalars") or {}),
+        wire = {name[len(_WIRE_PREFIX):]: t for name, t in tensors.items() if name.startswith(_WIRE_PREFIX)}
+        optimizer = {name: t for name, t in tensors.items() if not name.startswith(_WIRE_PREFIX)}
+        return InnerStateLoad({"state": _join_state(optimizer, marker.get("scalars") or {}),
                                "param_groups": marker.get("param_groups") or []},
-                              f"the inner optimizer state of round {round_number} from {self.directory}")
+                              f"the inner optimizer state of round {round_number} from {self.directory}", wire)
 
 
 def _split_state(state: Mapping[object, Mapping[str, object]]) -> tuple[dict[str, torch.Tensor], dict[str, object]]:

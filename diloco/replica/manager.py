@@ -109,6 +109,14 @@ class ObjectStoreManager:
     def stats(self) -> AllReduceStats:
         return self._allreduce.stats
 
+    def wire_state(self) -> dict[str, Any]:
+        """The collective's per-rank wire state (error-feedback residuals), for the outer loop to keep."""
+        return self._allreduce.wire_state() if hasattr(self._allreduce, "wire_state") else {}
+
+    def load_wire_state(self, state: Mapping[str, Any]) -> None:
+        if hasattr(self._allreduce, "load_wire_state"):
+            self._allreduce.load_wire_state(state)
+
     def num_participants(self) -> int:
         """The replicas of the run, ``world_size`` (with ``min_replicas`` a round may average fewer; its manifest,
         ``round_NNNNNN/manifest.json``, names them)."""

@@ -408,7 +408,9 @@ class DiLoCo:
                            "optimizer (%s)", round_number, found.reason, exc)
             return
         self.inner_state_restored = True
-        logger.info("restored %s", found.reason)
+        if found.wire and hasattr(self.manager, "load_wire_state"):
+            self.manager.load_wire_state(found.wire)  # the error feedback this replica still owed its peers
+        logger.info("restored %s%s", found.reason, " and its error-feedback residuals" if found.wire else "")
 
     def _save_inner_state(self) -> None:
         """After a committed round: keep the inner optimizer's state for a restart of this replica. A failure
@@ -417,7 +419,8 @@ class DiLoCo:
             return
         round_number = self.manager.current_step()
         try:
-            self._inner_state.save(round_number, self.inner_optimizer.state_dict())
+            wire = self.manager.wire_state() if hasattr(self.manager, "wire_state") else {}
+            self._inner_state.save(round_number, self.inner_optimizer.state_dict(), wire)
         except (OSError, ValueError, TypeError) as exc:
             logger.warning("could not save the inner optimizer state of round %d in %s: %s", round_number,
                            self._inner_state.directory, exc)

@@ -45,12 +45,22 @@ class StoreSettings(BaseModel):
         "gather", description="How rounds are averaged: gather (every rank reads every peer's object, (N-1)*S "
         "bytes) or sharded (reduce-scatter + all-gather through the store, under 2*S bytes).",
         json_schema_extra={**cli_flag("--allreduce", metavar="STRATEGY"), **replica_flag(metavar="STRATEGY")})
-    compression: Literal["none", "bf16", "int8", "int4"] = Field(
-        "none", description="Pseudo-gradient wire format: none, bf16, int8 or int4 (fp32 accumulation after "
-        "decode, per-block scales for the integers).",
+    compression: Literal["none", "bf16", "int8", "int4", "topk"] = Field(
+        "none", description="Pseudo-gradient wire format: none, bf16, int8, int4 (fp32 accumulation after decode, "
+        "per-block scales for the integers) or topk (SparseLoCo's sparse format: the largest topk_density of "
+        "every topk_chunk elements, topk_value_bits each; gather only).",
         json_schema_extra={**cli_flag("--compression", metavar="FORMAT"), **replica_flag(metavar="FORMAT")})
     error_feedback: bool = Field(True, description="Keep what a lossy format dropped and add it to the next "
                                  "round's contribution.")
+    error_feedback_decay: float = Field(1.0, gt=0, le=1, description="What is kept of the residual each round "
+                                        "before it is added (SparseLoCo's beta; 1: plain error feedback).",
+                                        json_schema_extra=replica_flag(metavar="BETA"))
+    topk_density: float = Field(1 / 64, gt=0, le=1, description="topk: the fraction of each chunk's elements sent "
+                                "(SparseLoCo: 1-3%).", json_schema_extra=replica_flag(metavar="FRACTION"))
+    topk_chunk: int = Field(4096, ge=2, le=65536, description="topk: elements per chunk, each chunk keeping its "
+                            "own largest.", json_schema_extra=replica_flag(metavar="N"))
+    topk_value_bits: int = Field(2, ge=1, le=8, description="topk: bits per kept value (a sign, the rest a "
+                                 "magnitude level).", json_schema_extra=replica_flag(metavar="BITS"))
     spread: int = Field(1, ge=1, le=4096, description="Spread a round's keys over this many prefixes (at large "
                         "N, S3's per-prefix request rate limits a round first: diloco.store.layout).",
                         json_schema_extra=replica_flag(metavar="P"))
@@ -65,10 +75,20 @@ class StoreSettings(BaseModel):
                              json_schema_extra=replica_flag(metavar="K"))
 
     @model_validator(mode="after")
-    def _participation_needs_gather(self) -> StoreSettings:
+    def _strategy_fits(self) -> StoreSettings:
         if self.min_replicas is not None and self.allreduce == "sharded":
             raise ValueError("min_replicas: partial participation needs allreduce gather (a sharded round cannot "
                              "go on without a member: its shard would be missing); drop one of the two")
+        if self.compression == "topk":
+            if self.allreduce == "sharded":
+                raise ValueError("compression: topk needs allreduce gather (the sharded strategy re-encodes every "
+                                 "reduced shard, and a sparse format would drop most of the mean); drop one")
+            from diloco.collectives.topk import TopkSpec
+
+            try:  # the format's own rules (more levels than kept values, ...), written once, there
+                TopkSpec(density=self.topk_density, chunk=self.topk_chunk, value_bits=self.topk_value_bits)
+            except ValueError as exc:
+                raise ValueError(str(exc).replace("topk ", "topk_", 1)) from None
         return self
 
 

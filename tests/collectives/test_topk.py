@@ -200,8 +200,8 @@ def test_decode_into_adds_exactly_what_decode_returns() -> None:
 
 
 def test_the_sharded_strategy_refuses_topk_naming_gather() -> None:
-    with pytest.raises(ConfigError, match="gather only"):
-        create_allreduce(f"memory://{uuid.uuid4().hex}", 0, 2, strategy="sharded", compression="topk")
+    with pytest.raises(ConfigError, match="store.compression: topk needs allreduce gather"):
+        create_allreduce(f"memory://{uuid.uuid4().hex}", 0, 2, allreduce="sharded", compression="topk")
 
 
 def test_a_gather_all_reduce_carries_topk_with_identical_means_on_every_rank(tmp_path: Any) -> None:

@@ -83,7 +83,10 @@ def test_backend_flag_switches_kind_and_drops_other_backend_options(tmp_path: Pa
     ({"flags": {"store.min_replicas": 2, "store.allreduce": "sharded"}},
      "store.min_replicas: partial participation needs allreduce gather"),
     ({"sets": ["min_replicas=2"]}, "min_replicas: unknown key (allowed: replicas, backend, store, train"),
-    ({"flags": {"store.compression": "int9"}}, "store.compression: must be 'none', 'bf16', 'int8' or 'int4'"),
+    ({"flags": {"store.compression": "int9"}}, "store.compression: must be 'none', 'bf16', 'int8', 'int4' or 'topk'"),
+    ({"flags": {"store.compression": "topk", "store.allreduce": "sharded"}},
+     "store.compression: topk needs allreduce gather"),
+    ({"sets": ["store.compression=topk", "store.topk_density=0.0001"]}, "store.topk_value_bits: 2 bits make 2"),
     ({"sets": ["store.spread=0"]}, "store.spread: must be >= 1 (got 0)"),
 ])
 def test_invalid_values_fail_with_one_line_naming_the_field(kwargs: dict, expected: str) -> None:

@@ -38,8 +38,9 @@ class Died(Exception):
     """The replica's process is gone (raised from its training loop)."""
 
 
-def manager_for(uri: str, rank: int, run_id: str = "run-t") -> ObjectStoreManager:
-    allreduce = ObjectStoreAllReduce(uri, rank, WORLD, timeout_s=20, poll_interval_s=0.01, run_id=run_id)
+def manager_for(uri: str, rank: int, run_id: str = "run-t", compression: str = "none") -> ObjectStoreManager:
+    allreduce = ObjectStoreAllReduce(uri, rank, WORLD, timeout_s=20, poll_interval_s=0.01, run_id=run_id,
+                                     compression=compression)
     rounds = RoundCheckpoints(allreduce.store, run_id=run_id, world_size=WORLD)
     return ObjectStoreManager(allreduce, rounds=rounds)
 
@@ -53,7 +54,7 @@ def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def train(uri: str, rank: int, *, die_after_step: int | None = None, fragments: int = 1, delay: int = 0,
           hook: bool = True, events: list[str] | None = None, adamw: bool = False,
           checkpoint_dir: str | None = None, loops: list[object] | None = None,
-          at_rejoin: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+          at_rejoin: dict[str, torch.Tensor] | None = None, compression: str = "none") -> dict[str, torch.Tensor]:
     """One replica's whole life: the final global weights, or ``Died`` after inner step ``die_after_step``.
     ``adamw``: an inner optimizer with state (SGD has none); ``loops`` collects the outer loop objects;
     ``at_rejoin`` gets the inner optimizer's ``exp_avg`` tensors as they are when the rejoin hook runs."""
@@ -62,7 +63,7 @@ def train(uri: str, rank: int, *, die_after_step: int | None = None, fragments: 
         model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
     parts = [model[0], model[2]] if fragments == 2 else [model]
     opt = torch.optim.AdamW(model.parameters(), lr=0.01) if adamw else torch.optim.SGD(model.parameters(), lr=0.1)
-    manager = manager_for(uri, rank)
+    manager = manager_for(uri, rank, compression=compression)
     start = [0]
 
     def on_rejoin(inner_step: int) -> None:
@@ -214,6 +215,37 @@ def test_a_rejoined_rank_restores_its_inner_optimizer_state_and_the_run_ends_as_
     fresh = run_with_a_death(lost_uri, 1, 6, lambda: train(lost_uri, 1, adamw=True))
     assert_identical(fresh)
     assert not all(torch.equal(fresh[0][k], clean[0][k]) for k in clean[0])  # fresh moments: another trajectory
+
+
+@pytest.mark.parametrize("compression", ["int8", "topk"])
+def test_a_rejoined_rank_restores_its_error_feedback_and_the_run_ends_as_if_it_had_not_died(
+        compression: str, tmp_path: Path) -> None:
+    """With a lossy format each rank owes its peers what earlier rounds did not send (its error-feedback
+    residual). Rank 1 dies after step 6 (past round 1); restarted with its checkpoint directory it restores round
+    1's residuals with its inner state, and every rank ends with the weights of a run in which nobody died. The
+    inner optimizer is plain SGD (no state of its own), so the residuals alone make the difference: a restart
+    without them ends elsewhere."""
+    clean_uri = new_uri()
+    clean = run_ranks(WORLD, lambda rank: train(clean_uri, rank, compression=compression), timeout=60)
+
+    def with_death(checkpoint_dir: str | None) -> list[dict[str, torch.Tensor]]:
+        uri = new_uri()
+
+        def life(rank: int) -> dict[str, torch.Tensor]:
+            if rank != 1:
+                return train(uri, rank, compression=compression, checkpoint_dir=checkpoint_dir)
+            with pytest.raises(Died):
+                train(uri, rank, die_after_step=6, compression=compression, checkpoint_dir=checkpoint_dir)
+            return train(uri, rank, compression=compression, checkpoint_dir=checkpoint_dir)
+
+        return run_ranks(WORLD, life, timeout=60)
+
+    restored = with_death(str(tmp_path / "ckpt"))
+    assert_identical(restored)
+    assert_identical([restored[0], clean[0]])  # as if rank 1 had never died
+    forgotten = with_death(None)
+    assert_identical(forgotten)
+    assert not all(torch.equal(forgotten[0][k], clean[0][k]) for k in clean[0])  # its residual was lost
 
 
 def test_inner_optimizer_state_saved_for_an_older_round_is_ignored_with_a_log_line(
