@@ -29,6 +29,9 @@ if TYPE_CHECKING:
     from diloco.store.settings import StoreSettings
 
 NONE = "none"
+#: Formats whose payloads go on the wire packed (``compression.pack``): three tensors whatever the model, so the
+#: object's header does not outweigh a sparse payload.
+PACKED_FORMATS = ("topk",)
 
 Layout = Mapping[str, tuple[tuple[int, ...], "torch.dtype"]]
 Wire = tuple[dict[str, "torch.Tensor"], dict[str, str], dict[str, "torch.Tensor"]]
@@ -104,7 +107,15 @@ class PayloadCodec:
         themselves and no tag."""
         if not self.compressed:
             return dict(tensors), {}
-        return self._feedback_for(key).compress_wire(as_fp32(tensors))
+        wire, meta = self._feedback_for(key).compress_wire(as_fp32(tensors))
+        return compression.pack(wire, meta) if self.fmt in PACKED_FORMATS else (wire, meta)
+
+    def _unpacked(self, wire: Mapping[str, torch.Tensor], meta: Mapping[str, str],
+                  layout: Layout) -> Mapping[str, torch.Tensor]:
+        """A packed payload's wire tensors (views), or ``wire`` itself when it was not packed."""
+        if meta.get(compression.PACKED_KEY) != "1":
+            return wire
+        return compression.unpack(wire, meta, layout, fmt=self.fmt, block=self.block, sparse=self.sparse)
 
     def check(self, wire: Mapping[str, torch.Tensor], meta: Mapping[str, str], layout: Layout, source: str) -> None:
         """``CorruptObjectError`` naming ``source`` unless a payload is in this run's format and decodes whole
@@ -115,7 +126,8 @@ class PayloadCodec:
                                      f"{self.fmt!r}")
         if self.compressed:
             try:
-                compression.check(wire, meta, layout, fmt=self.fmt, block=self.block, sparse=self.sparse)
+                compression.check(self._unpacked(wire, meta, layout), meta, layout, fmt=self.fmt, block=self.block,
+                                  sparse=self.sparse)
             except CorruptObjectError as exc:
                 raise CorruptObjectError(f"{source}: {exc}") from exc
 
@@ -135,8 +147,8 @@ class PayloadCodec:
         if first:
             for name, (shape, _dtype) in layout.items():
                 acc[name] = torch.empty(tuple(shape), dtype=torch.float32)
-        compression.decode_into(wire, meta, layout, acc, mode="write" if first else "add", fmt=self.fmt,
-                                block=self.block, sparse=self.sparse)
+        compression.decode_into(self._unpacked(wire, meta, layout), meta, layout, acc,
+                                mode="write" if first else "add", fmt=self.fmt, block=self.block, sparse=self.sparse)
 
     def encode_plain(self, tensors: Mapping[str, torch.Tensor]) -> Wire:
         """Like ``encode_contribution`` but without error feedback: for a value sent once (a reduced shard)."""
@@ -159,7 +171,8 @@ class PayloadCodec:
         if not self.compressed:
             return dict(wire)
         try:
-            return compression.decode(wire, meta, layout, fmt=self.fmt, block=self.block, sparse=self.sparse)
+            return compression.decode(self._unpacked(wire, meta, layout), meta, layout, fmt=self.fmt,
+                                      block=self.block, sparse=self.sparse)
         except CorruptObjectError as exc:
             raise CorruptObjectError(f"{source}: {exc}") from exc
 

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load, save
 from support.ranks import run_ranks  # tests/ is on sys.path
 
-from diloco.collectives import bitpack
+from diloco.collectives import bitpack, compression
 from diloco.collectives.allreduce import create_allreduce
 from diloco.collectives.compression import (
     ErrorFeedback,
@@ -237,3 +237,25 @@ def test_a_gather_all_reduce_carries_topk_with_identical_means_on_every_rank(tmp
     fp32_per_round = (64 * SPEC.chunk + 17) * 4  # 1 MiB: the object header (~1 KiB) counts too
     ratios = [fp32_per_round * rounds / written for _, written in results]
     assert all(ratio >= 100 for ratio in ratios), ratios
+
+
+def test_a_topk_payload_goes_packed_so_its_object_stays_over_100x_smaller_than_fp32() -> None:
+    """On the wire a topk payload is three tensors whatever the model (``compression.pack``): with three header
+    entries per parameter, the built-in model's object would be only 45x smaller than fp32; packed it is over
+    100x. A packed part of the wrong length is refused like any corrupt payload."""
+    from diloco.store.codec import encode_tensors
+    from diloco.trainers.gpt_model import GPTConfig, build_model
+
+    model = build_model(GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=64), seed=0)
+    tensors = {n: p.detach().clone() for n, p in model.named_parameters()}
+    codec = PayloadCodec("topk")
+    wire, meta = codec.encode_wire("layout", tensors)
+    assert sorted(wire) == ["*:idx", "*:q", "*:scale"] and meta["packed"] == "1"
+    identity = {"round": "1", "rank": "0", "run_id": "diloco-20261202-000000-abcdefgh", "world_size": "4"}
+    assert len(encode_tensors(tensors, identity)) / len(encode_tensors(wire, {**meta, **identity})) > 100
+    layout = compression.layout_of(tensors)
+    codec.check(wire, meta, layout, "peer")
+    assert codec.decode(wire, meta, layout, "peer").keys() == tensors.keys()
+    short = {**wire, "*:q": wire["*:q"][:-1]}
+    with pytest.raises(CorruptObjectError, match=r"peer: packed topk payload: \*:q is"):
+        codec.check(short, meta, layout, "peer")
