@@ -78,6 +78,8 @@ class Setting:
     outer_momentum_warmup: int = 0
     compression: str = "none"
     error_feedback: bool = True
+    #: The residual's decay before it is added to the next round (``store.error_feedback_decay``; SparseLoCo's beta).
+    error_feedback_decay: float = 1.0
     grad_clip: float = 1.0
     weight_decay: float = 0.0
     seed: int = 1337
@@ -102,7 +104,7 @@ class Setting:
                 + (f" mwu{self.outer_momentum_warmup}" if self.outer_momentum_warmup else "")
                 + (" iid" if self.iid else "") + (f" warm{self.warm_start}" if self.warm_start else "")
                 + (f" {self.compression}{'' if self.error_feedback else ' no-EF'}" if self.compression != "none"
-                   else ""))
+                   else "") + (f" efd{self.error_feedback_decay:g}" if self.error_feedback_decay != 1 else ""))
 
 
 @dataclass
@@ -178,7 +180,8 @@ class OuterStep:
                                    momentum=setting.outer_momentum,
                                    nesterov=setting.nesterov and setting.outer_momentum > 0)
         self.rounds = 0
-        self.codec = wire_codec(setting.compression, setting.error_feedback, setting.replicas)
+        self.codec = wire_codec(setting.compression, setting.error_feedback, setting.replicas,
+                                setting.error_feedback_decay)
 
     def __call__(self, replicas: list[Replica]) -> None:
         deltas = []
@@ -200,7 +203,8 @@ class OuterStep:
                     p.copy_(self.global_params[n].to(p.dtype))
 
 
-def wire_codec(fmt: str, error_feedback: bool, world: int) -> Callable[[int, dict[str, torch.Tensor]], dict]:
+def wire_codec(fmt: str, error_feedback: bool, world: int,
+               decay: float = 1.0) -> Callable[[int, dict[str, torch.Tensor]], dict]:
     """What a pseudo-gradient looks like after the wire: identity for ``none``; else ``diloco.collectives.compression``'s
     ``ErrorFeedback.compress`` per rank (encode, decode, and the residual kept for the next round when
     ``error_feedback``): exactly the values the all-reduce averages."""
@@ -208,7 +212,7 @@ def wire_codec(fmt: str, error_feedback: bool, world: int) -> Callable[[int, dic
         return lambda rank, delta: delta
     from diloco.collectives.compression import ErrorFeedback
 
-    feedback = [ErrorFeedback(fmt, enabled=error_feedback) for _ in range(world)]
+    feedback = [ErrorFeedback(fmt, enabled=error_feedback, decay=decay) for _ in range(world)]
     return lambda rank, delta: feedback[rank].compress(delta)[2]
 
 

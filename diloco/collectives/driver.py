@@ -362,6 +362,11 @@ class RoundDriver(Generic[S, P]):
         codec = getattr(self._exchange, "codec", None)
         return codec.state_dict() if codec is not None else {}
 
+    def error_feedback_active(self) -> bool:
+        """Whether this rank sends a lossy format and keeps what it drops for later rounds."""
+        codec = getattr(self._exchange, "codec", None)
+        return codec is not None and codec.compressed and codec.error_feedback
+
     def load_wire_state(self, state: Mapping[str, torch.Tensor]) -> None:
         """Restore residuals ``wire_state`` returned (a rejoining rank, before its next round)."""
         codec = getattr(self._exchange, "codec", None)

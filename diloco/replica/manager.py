@@ -113,6 +113,11 @@ class ObjectStoreManager:
         """The collective's per-rank wire state (error-feedback residuals), for the outer loop to keep."""
         return self._allreduce.wire_state() if hasattr(self._allreduce, "wire_state") else {}
 
+    def error_feedback_active(self) -> bool:
+        """Whether the collective sends a lossy format with error feedback (what SparseLoCo's outer rule needs)."""
+        active = getattr(self._allreduce, "error_feedback_active", None)
+        return bool(active()) if callable(active) else False
+
     def load_wire_state(self, state: Mapping[str, Any]) -> None:
         if hasattr(self._allreduce, "load_wire_state"):
             self._allreduce.load_wire_state(state)

@@ -261,8 +261,15 @@ class DiLoCo:
         on_rejoin: Callable[[int], None] | None = None,
         checkpoint_dir: str | None = None,
         outer_momentum_warmup: int = 0,
+        outer_rule: str = "nesterov",
     ) -> None:
         from torch import nn
+
+        if outer_rule not in OUTER_RULES:
+            raise ValueError(f"outer_rule must be one of {', '.join(OUTER_RULES)}, got {outer_rule!r}")
+        if outer_rule == "sparseloco":
+            _require_error_feedback(manager)
+            outer_momentum, outer_momentum_warmup = 0.0, 0  # error feedback carries what momentum would
 
         fragments = list(model_fragments) if isinstance(model_fragments, Sequence) else []
         if not fragments or not all(isinstance(m, nn.Module) for m in fragments):
@@ -575,6 +582,7 @@ def make_diloco_outer_loop(
     on_rejoin: Callable[[int], None] | None = None,
     checkpoint_dir: str | None = None,
     outer_momentum_warmup: int = 0,
+    outer_rule: str = "nesterov",
 ) -> DiLoCo:
     """Build the DiLoCo context manager; use as ``with make_diloco_outer_loop(...): <train as usual>``.
 
@@ -601,6 +609,12 @@ def make_diloco_outer_loop(
     its first outer step to ``outer_momentum`` over that many of its steps. Not in torchft: for short runs from a
     random initialisation, where the first rounds' pseudo-gradients are large and the momentum would carry the first
     step's overshoot for many rounds (``bench/convergence.py`` measured it on the built-in model).
+
+    ``outer_rule``: ``"nesterov"`` (torchft's: SGD with ``outer_momentum``, Nesterov when ``nesterov``) or
+    ``"sparseloco"`` (SparseLoCo, arXiv 2508.15706: no outer momentum; each replica's error feedback, decayed by
+    ``store.error_feedback_decay``, carries what a round did not send into later rounds instead). The latter needs a
+    lossy ``store.compression`` (``topk``) with error feedback on, else it raises ``ConfigError``: without them
+    it would be plain averaging. ``outer_momentum`` and its warm-up are then not used.
     """
     return DiLoCo(
         manager=manager,
@@ -617,7 +631,24 @@ def make_diloco_outer_loop(
         on_rejoin=on_rejoin,
         checkpoint_dir=checkpoint_dir,
         outer_momentum_warmup=outer_momentum_warmup,
+        outer_rule=outer_rule,
     )
+
+
+#: The outer steps ``make_diloco_outer_loop`` offers.
+OUTER_RULES = ("nesterov", "sparseloco")
+
+
+def _require_error_feedback(manager: Manager) -> None:
+    """SparseLoCo's outer rule relies on the wire's error feedback; ``ConfigError`` naming the settings when the
+    manager's collective has none (an uncompressed run, or error feedback turned off)."""
+    from diloco.errors import ConfigError
+
+    active = getattr(manager, "error_feedback_active", None)
+    if callable(active) and not active():
+        raise ConfigError("outer_rule sparseloco replaces the outer momentum with error feedback, but this run "
+                          "sends its pseudo-gradients without it",
+                          hint="use --compression topk (or another lossy format) with store.error_feedback on")
 
 
 def _inner_state_for(manager: Manager, checkpoint_dir: str | None) -> InnerOptimizerState | None:

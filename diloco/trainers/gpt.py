@@ -125,6 +125,9 @@ def diloco_train(
     outer_momentum: float = 0.8,
     nesterov: bool = True,
     outer_momentum_warmup: int = 4,  # ramp the outer momentum in over this many outer steps (0: off)
+    # "nesterov", or "sparseloco": no outer momentum, the wire's error feedback instead (needs a lossy
+    # store.compression such as topk; diloco.replica.outer.make_diloco_outer_loop)
+    outer_rule: str = "nesterov",
     # Streaming DiLoCo: the model in `fragments` parts synced in turn; the all-reduce of a part starts
     # fragment_sync_delay inner steps before its outer step (overlap)
     fragments: int = 1,
@@ -207,7 +210,7 @@ def diloco_train(
         outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov, sync_every=sync_every,
         fragment_sync_delay=fragment_sync_delay, fragment_update_alpha=0.0, model=model,
         export_metadata={"model": "diloco.trainers.gpt_model:GPT", "model_config": config.to_json()},
-        on_rejoin=on_rejoin, outer_momentum_warmup=outer_momentum_warmup,
+        on_rejoin=on_rejoin, outer_momentum_warmup=outer_momentum_warmup, outer_rule=outer_rule,
     )
     log.info("model %s (%d params) on %s; shard bytes [%d, %d) of %d-byte corpus; %d steps, sync every %d",
              config.to_json(), model.num_params(), dev, *split.train_range, split.eval_range[1],
@@ -330,6 +333,8 @@ def check_config(values: Mapping[str, Any], *, world_size: int | None = None, on
     factor = values.get("slow_factor", 1.0)
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1:
         raise ConfigError(f"slow_factor must be a number >= 1 (1 = not slowed), got {factor!r}")
+    if values.get("outer_rule", "nesterov") not in ("nesterov", "sparseloco"):
+        raise ConfigError(f"outer_rule must be 'nesterov' or 'sparseloco', got {values['outer_rule']!r}")
     if values.get("mode", "sync") not in ("sync", "async"):
         raise ConfigError(f"mode must be 'sync' or 'async', got {values['mode']!r}")
     if values.get("mode") == "async" and values.get("fragments", 1) != 1:

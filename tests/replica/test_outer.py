@@ -568,3 +568,48 @@ def test_report_goes_to_the_open_loop_and_is_a_no_op_elsewhere() -> None:
     diloco.report(train_loss=99.0)  # the loop is closed: not this replica's any more
     rows, _ = read_history(manager.store, 0)
     assert [r.train_loss for r in rows] == [2.5, 2.5]
+
+
+# ---------------------------------------------------------------------------------------------- SparseLoCo's rule
+def _two_ranks_with(outer_rule: str, outer_momentum: float, compression: str) -> dict[str, torch.Tensor]:
+    """Two ranks (threads), a small linear model, SGD inner steps on rank-specific data, three rounds of H=2."""
+    uri = new_uri()
+
+    def rank_fn(rank: int) -> dict[str, torch.Tensor]:
+        model = nn.Linear(64, 64)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.linspace(-1, 1, p.numel()).view_as(p))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        manager = ObjectStoreManager(ObjectStoreAllReduce(uri, rank, 2, timeout_s=30, poll_interval_s=0.01,
+                                                          compression=compression))
+        loop = make_diloco_outer_loop(manager=manager, model_fragments=[model], inner_optimizer=opt, outer_lr=1.0,
+                                      outer_momentum=outer_momentum, sync_every=2, outer_rule=outer_rule)
+        g = torch.Generator().manual_seed(rank)
+        with loop:
+            for _ in range(6):
+                opt.zero_grad()
+                model(torch.randn(8, 64, generator=g)).pow(2).mean().backward()
+                opt.step()
+        return {k: v.clone() for k, v in loop.global_state_dict().items()}
+
+    finals = run_ranks(2, rank_fn, timeout=60)
+    assert all(torch.equal(finals[0][k], finals[1][k]) for k in finals[0])
+    return finals[0]
+
+
+def test_the_sparseloco_rule_has_no_outer_momentum_and_needs_error_feedback() -> None:
+    """``outer_rule="sparseloco"``: the outer step is plain SGD on the mean of what was sent (the error feedback
+    of ``topk`` carries the rest), whatever ``outer_momentum`` says; an uncompressed run has no error feedback
+    to rely on and is refused naming the fix."""
+    sparseloco = _two_ranks_with("sparseloco", 0.9, "topk")
+    plain = _two_ranks_with("nesterov", 0.0, "topk")
+    nesterov = _two_ranks_with("nesterov", 0.9, "topk")
+    assert all(torch.equal(sparseloco[k], plain[k]) for k in plain)
+    assert not all(torch.equal(sparseloco[k], nesterov[k]) for k in plain)
+    from diloco.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="outer_rule sparseloco replaces the outer momentum with error feedback"):
+        make_diloco_outer_loop(manager=make_manager(new_uri()), model_fragments=[nn.Linear(2, 2)],
+                               inner_optimizer=torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1),
+                               outer_rule="sparseloco")
