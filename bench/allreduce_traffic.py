@@ -24,18 +24,20 @@ pays for itself on that store. For ``none`` both columns are the same measuremen
 
 Stores: ``file://`` and loopback S3 move bytes at memory speed (the page cache, or moto in this process), faster
 than any codec, so there a round's computation shows in full. ``paced`` is the case where the network, not memory,
-is the limit: a ``memory://`` store whose every rank instance has a link of ``--link-gbs`` GB/s each way (1.2 by
-default, the per-instance S3 throughput of a 10 Gbit/s instance): each upload or download holds its direction of
-the rank's link for bytes / rate (transfers queue behind each other; the copy itself runs while the link is held,
-as a NIC's DMA does), and a request costs nothing more (no latency per request). The round and its raw transfer go
-over the same kind of link.
+is the limit: a ``file://`` store in a RAM-backed folder (``/dev/shm`` where there is one: no disk, so an fsync
+costs nothing and the store itself keeps up with any link), whose every rank instance has a link of
+``--link-gbs`` GB/s each way (1.2 by default, the per-instance S3 throughput of a 10 Gbit/s instance): each upload
+or download holds its direction of the rank's link for bytes / rate (transfers queue behind each other; the copy
+itself runs while the link is held, as a NIC's DMA does), and a request costs nothing more (no latency per
+request). The round and its raw transfer go over the same kind of link.
 
 How it runs: ranks are threads of this process (each with its own collective and store instance, so the counts are
 per rank), so on a machine with fewer cores than ranks the *latencies* include waiting for a core; the counts do
 not. Each rank's torch operations use ``cores // N`` threads (at least 1): N ranks share the process's cores the way
 N replica processes would share a machine, instead of each spawning the whole intra-op pool. Stores: a ``file://``
 temporary folder, S3 through real boto3/s3fs against moto's server on a loopback port (fake credentials only;
-nothing outside a temporary folder and that in-memory server is written), and the paced ``memory://`` store.
+nothing outside a temporary folder and that in-memory server is written), and the paced store (a temporary folder
+in RAM).
 
     python bench/allreduce_traffic.py --quick [--json OUT]     # N = 2, 4, 8; about two minutes on 2 cores
     python bench/allreduce_traffic.py [--json OUT]             # bigger payloads, every format on every store
@@ -56,7 +58,6 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -76,8 +77,10 @@ PUT_OPS = ("put", "put_if_absent", "put_stream", "create_multipart", "put_part",
 GET_OPS = ("get", "get_range")
 POLL_OPS = ("exists",)
 TIMEOUT_S = 300.0
-#: The paced store: ``memory://`` behind a per-rank link of ``--link-gbs`` GB/s each way.
+#: The paced store: ``file://`` in a RAM-backed folder behind a per-rank link of ``--link-gbs`` GB/s each way.
 PACED = "paced"
+#: Linux's RAM-backed folder, for the paced store (elsewhere the system's temporary folder).
+RAM_FOLDER = "/dev/shm"
 COLUMNS = ["store", "N", "strategy", "compression", "S MiB", "written MiB", "read MiB", "bound MiB", "read/bound",
            "PUTs", "GETs", "polls", "round s", "raw s", "round/raw", "fp32 raw s", "round/fp32 raw", "round CPU s",
            "raw CPU s"]
@@ -169,17 +172,15 @@ def open_store(uri: str, link_bytes_per_s: float | None) -> ObjectStore:
 
 @contextlib.contextmanager
 def case_root(store: str, workdir: str) -> Iterator[str]:
-    """A fresh root of ``store``: the paced store is a ``memory://`` prefix, emptied at the end; the others are
-    ``allreduce_round.store_root``'s."""
+    """A fresh root of ``store``: the paced store's is a temporary folder in RAM (deleted at the end); the others
+    are ``allreduce_round.store_root``'s."""
     if store != PACED:
         with store_root(store, workdir) as root:
             yield root
         return
-    root = f"memory://diloco-traffic-{uuid.uuid4().hex[:8]}"
-    try:
-        yield root
-    finally:
-        ObjectStore(root).delete_prefix("")
+    ram = RAM_FOLDER if os.path.isdir(RAM_FOLDER) and os.access(RAM_FOLDER, os.W_OK) else None
+    with tempfile.TemporaryDirectory(prefix="diloco-traffic-paced-", dir=ram) as folder:
+        yield f"file://{folder}"
 
 
 @contextlib.contextmanager
@@ -420,9 +421,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "round CPU s / raw CPU s: CPU seconds of the whole process (every rank) per round, median: where round s "
         "exceeds raw s by about what round CPU s exceeds raw CPU s over the cores, the round is computing "
         "(encoding, decoding, summing, hashing every byte), not waiting on the protocol.",
-        f"Stores: file:// (the page cache) and S3 (moto on loopback, in this process) move bytes at memory speed; "
-        f"paced = memory:// behind a {args.link_gbs:g} GB/s link per rank and direction (bytes paced, no latency "
-        "per request): where the network, not memory, is the limit.",
+        f"Stores: file:// (the page cache, fsync to disk) and S3 (moto on loopback, in this process) move bytes at "
+        f"memory speed; paced = file:// in RAM behind a {args.link_gbs:g} GB/s link per rank and direction (bytes "
+        "paced, no latency per request): where the network, not memory, is the limit.",
         f"payload {args.payload_mib:g} MiB fp32 on file:// and paced, {args.s3_payload_mib:g} MiB on S3; compressed "
         f"formats at N={args.format_world} on {', '.join(args.format_stores)}. 1-minute load average when it "
         f"started: {load:.2f} on {os.cpu_count()} CPUs. Total {time.perf_counter() - started:.0f} s.",
