@@ -264,6 +264,14 @@ class Exchange(Protocol[S, P]):
         """Every key this rank wrote in the round (deleted once no peer can still read them)."""
         ...
 
+    def release(self, round_: int) -> None:
+        """The caller's tensors hold ``round_``'s mean: the buffers ``reduce`` returned may serve later rounds."""
+        ...
+
+    def close(self) -> None:
+        """Drop whatever the exchange keeps between rounds."""
+        ...
+
 
 class AllReduceWork:
     """One round in flight. ``wait()`` blocks until the mean is in the caller's tensors (or raises the round's
@@ -472,6 +480,7 @@ class RoundDriver(Generic[S, P]):
         thread = self._thread
         if wait and thread is not None and thread is not threading.current_thread():
             thread.join(self.timeout_s)
+        self._exchange.close()
 
     def __enter__(self) -> RoundDriver[S, P]:
         return self
@@ -530,6 +539,8 @@ class RoundDriver(Generic[S, P]):
             with torch.no_grad():
                 for name, target in work._targets.items():
                     target.copy_(mean[name].to(target.dtype))  # cast on the CPU: same bits on every device
+            del mean
+            self._exchange.release(work.round)
         finally:
             with self._stats_lock:
                 self._stats.seconds_blocked += time.monotonic() - started

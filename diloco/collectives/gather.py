@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from diloco.collectives.driver import Deadline, RoundDriver, RoundIO
 from diloco.collectives.reduce import accumulation_dtype, finish_mean, layout_of, number
+from diloco.collectives.spares import Spares
 from diloco.collectives.wire import PayloadCodec
 from diloco.errors import ConfigError, CorruptObjectError, DilocoError
 from diloco.store import codec
@@ -55,28 +56,21 @@ class GatherExchange:
         self.codec = codec
         self.spread = check_spread(spread)
         self.min_replicas = min_replicas
-        self._spare: dict[str, torch.Tensor] = {}  # last round's snapshot, free once it was encoded
+        self._spares = Spares()  # buffers of the latest round, for the next one's snapshot and sum
+        self._means: dict[int, dict[str, torch.Tensor]] = {}  # round -> its mean, until the caller has it
 
     def snapshot(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A CPU copy of the caller's tensors, into last round's snapshot buffers when they are free (compressed
-        rounds: fresh memory costs a page fault per 4 KiB, about as much as the copy itself)."""
-        spare, self._spare = self._spare, {}
-        out = {}
-        for name, t in tensors.items():
-            buffer = spare.get(name)
-            if buffer is not None and buffer.shape == t.shape and buffer.dtype == t.dtype:
-                out[name] = buffer.copy_(t.detach())
-            else:
-                out[name] = t.detach().to("cpu", copy=True)
-        return out
+        """A CPU copy of the caller's tensors, into buffers an earlier round gave back when there are some
+        (``diloco.collectives.spares``: fresh memory costs a page fault per 4 KiB, more than the copy itself)."""
+        return {name: self._spares.empty(t.shape, t.dtype).copy_(t.detach()) for name, t in tensors.items()}
 
     def publish(self, io: RoundIO, round_: int, snapshot: dict[str, torch.Tensor]) -> _Published:
         """Stream our contribution to the store (``codec.encode_stream`` + ``put_stream``: never one joined copy
         of the payload in memory), tagged with our identity and, compressed, the format."""
         reference = layout_of(snapshot)
         wire, meta = self.codec.encode_wire(tuple(reference.items()), snapshot)
-        if self.codec.compressed:  # the wire tensors are new ones: the snapshot can hold the next round's copy
-            self._spare = snapshot
+        if self.codec.compressed:  # the wire tensors are new ones: the snapshot can hold this round's sum
+            self._spares.give(round_, snapshot.values())
         size, chunks = codec.encode_stream(wire, {**meta, **io.identity(round_, io.rank)})
         io.wrote(io.store.put_stream(self._key(round_, io.rank), chunks, size))
         return _Published(wire, meta, reference)
@@ -89,7 +83,8 @@ class GatherExchange:
         acc: dict[str, torch.Tensor] = {}
         for peer in members:
             if peer == io.rank:
-                self.codec.add_into(acc, published.wire, published.meta, published.reference, owned=True)
+                self.codec.add_into(acc, published.wire, published.meta, published.reference, owned=True,
+                                    empty=self._spares.empty)
                 continue
             io.await_object(round_, peer, lambda r: self._key(round_, r), deadline)
             key = self._key(round_, peer)
@@ -97,10 +92,25 @@ class GatherExchange:
                 wire, meta = io.read_verified(
                     round_, peer, "contribution", io.store.url(key),
                     lambda peer=peer, key=key: self._read(io, round_, peer, key, published))
-                self.codec.add_into(acc, wire, meta, published.reference)
+                self.codec.add_into(acc, wire, meta, published.reference, empty=self._spares.empty)
             else:
                 self._accumulate_streamed(io, round_, peer, key, published.reference, acc)
+        if not self.codec.compressed:  # our snapshot was summed (or became the sum): what is not the sum is free
+            summed = {t.data_ptr() for t in acc.values()}
+            self._spares.give(round_, [t for t in published.wire.values() if t.data_ptr() not in summed])
+        self._means = {round_: acc}
         return finish_mean(acc, len(members))
+
+    def release(self, round_: int) -> None:
+        """The caller has ``round_``'s mean: its buffers may hold the next round's snapshot or sum."""
+        mean = self._means.pop(round_, None)
+        if mean is not None:
+            self._spares.give(round_, mean.values())
+
+    def close(self) -> None:
+        """Drop the buffers kept for later rounds."""
+        self._means = {}
+        self._spares.clear()
 
     def _agree_on_members(self, io: RoundIO, round_: int, deadline: Deadline) -> list[int]:
         """Partial participation (``min_replicas``): the ranks this round averages, the same on every rank.
@@ -163,8 +173,6 @@ class GatherExchange:
         window by window, so nothing unverified is ever accumulated and a retry never adds a window twice. The
         first contribution (rank 0, unless it is ours) is copied, not added to zeros, so a -0.0 stays -0.0 as in
         ``accumulate`` (the same bits whichever rank's view)."""
-        import torch
-
         url = io.store.url(key)
         header = io.read_verified(round_, peer, "contribution", url, lambda: codec.read_header(io.store, key))
         io.read(header.data_offset)
@@ -172,7 +180,7 @@ class GatherExchange:
         first = not acc
         if first:
             for name, (shape, dtype) in reference.items():
-                acc[name] = torch.empty(shape, dtype=accumulation_dtype(dtype))
+                acc[name] = self._spares.empty(shape, accumulation_dtype(dtype))
         flat = {name: t.view(-1) for name, t in acc.items()}
         for begin in range(0, header.data_size, WINDOW_BYTES):
             end = min(begin + WINDOW_BYTES, header.data_size)
