@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from diloco.errors import CorruptObjectError
+from diloco.store.digests import sha256_all
 
 if TYPE_CHECKING:
     import torch
@@ -286,23 +287,24 @@ def encode_stream(
 
 
 def _chunk_digests(views: list[memoryview], chunk_bytes: int) -> list[str]:
-    """SHA-256 of each ``chunk_bytes`` piece of the concatenation of ``views`` (never concatenated)."""
-    digests: list[str] = []
-    h = hashlib.sha256()
+    """SHA-256 of each ``chunk_bytes`` piece of the concatenation of ``views`` (never concatenated), several chunks
+    at once (``diloco.store.digests``)."""
+    chunks: list[list[memoryview]] = []
+    current: list[memoryview] = []
     filled = 0
     for view in views:
         pos = 0
         while pos < len(view):
             n = min(len(view) - pos, chunk_bytes - filled)
-            h.update(view[pos : pos + n])
+            current.append(view[pos : pos + n])
             pos += n
             filled += n
             if filled == chunk_bytes:
-                digests.append(h.hexdigest())
-                h, filled = hashlib.sha256(), 0
+                chunks.append(current)
+                current, filled = [], 0
     if filled:
-        digests.append(h.hexdigest())
-    return digests
+        chunks.append(current)
+    return sha256_all(chunks)
 
 
 def read_header(store: ObjectStore, key: str) -> ObjectHeader:
@@ -404,12 +406,14 @@ def read_data(store: ObjectStore, key: str, header: ObjectHeader, begin: int, en
 
 
 def _verify_chunks(header: ObjectHeader, data: memoryview, lo: int) -> None:
-    """Check the whole chunks held in ``data`` (data-section bytes from ``lo``, a chunk boundary)."""
+    """Check the whole chunks held in ``data`` (data-section bytes from ``lo``, a chunk boundary), several at once
+    (``diloco.store.digests``)."""
     c = header.chunk_bytes
     hi = lo + len(data)
-    for i in range(lo // c, -(-hi // c)):
-        piece = data[i * c - lo : min((i + 1) * c, hi) - lo]
-        if hashlib.sha256(piece).hexdigest() != header.digests[i]:
+    first = lo // c
+    pieces = [data[i * c - lo : min((i + 1) * c, hi) - lo] for i in range(first, -(-hi // c))]
+    for i, digest in enumerate(sha256_all([[piece] for piece in pieces]), start=first):
+        if digest != header.digests[i]:
             raise CorruptObjectError(f"{header.key} failed the checksum of data chunk {i} (bytes [{i * c}, "
                                      f"{min((i + 1) * c, hi)}))")
 
