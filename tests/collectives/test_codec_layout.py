@@ -127,6 +127,21 @@ def test_topk_ties_that_defeat_the_pre_filter_match_the_reference() -> None:
     assert all(same_bits(ours[s], theirs[s]) for s in (":idx", ":q", ":scale"))
 
 
+def test_topk_equal_magnitudes_among_the_kept_match_the_reference() -> None:
+    """Equal magnitudes rank by position: among the kept (which the pre-filter's magnitude order cannot rank), at
+    the boundary of the kept set, across an infinity; each chunk otherwise ordinary random data."""
+    rng = np.random.default_rng(11)
+    spec = TopkSpec()
+    x = rng.standard_normal(4 * 4096).astype(np.float32)
+    x[[10, 3000, 777]] = [5.0, -5.0, 5.0]  # chunk 0: a three-way tie among its largest
+    boundary = 4096 + np.argsort(-np.abs(x[4096:8192]))[spec.k - 1]  # chunk 1: its k-th largest, copied
+    x[4096 + 5] = -x[boundary]
+    x[[8192 + 1, 8192 + 4000]] = [np.inf, -np.inf]  # chunk 2: two infinities (no NaN)
+    ours = fast_wire(x, "topk", sparse=spec)
+    theirs = encode_topk(x, spec.chunk, spec.k, spec.value_bits)
+    assert all(same_bits(ours[s], theirs[s]) for s in (":idx", ":q", ":scale"))
+
+
 def test_topk_empty_and_0d_match_the_reference() -> None:
     spec = TopkSpec()
     for x in (np.zeros(0, dtype=np.float32), np.array(-2.5, dtype=np.float32)):
