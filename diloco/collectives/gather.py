@@ -2,7 +2,7 @@
 
 Per rank per round, for a payload of S bytes on the wire and N ranks: written S (1 PUT; a multipart upload above
 the store's threshold), read (N-1)·S, plus the polling (one HEAD per peer per ``poll_interval_s`` until it
-appears). Uncompressed, each peer's object is read as a header probe (64 KiB, ``codec.HEADER_PROBE_BYTES``) and
+appears, after up to four quicker ones). Uncompressed, each peer's object is read as a header probe (64 KiB, ``codec.HEADER_PROBE_BYTES``) and
 verified ranged GETs of ``WINDOW_BYTES`` (32 MiB) that are accumulated as they arrive, so memory stays at the
 snapshot plus the accumulator plus one window: (N-1)·(1 + ceil(S / 32 MiB)) GETs. Compressed payloads (S/4 or
 less) are read whole: N-1 GETs. Fewest requests and a single phase, so the lowest latency for small payloads or small N; reads
