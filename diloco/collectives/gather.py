@@ -22,6 +22,7 @@ from diloco.collectives.spares import Spares
 from diloco.collectives.wire import PayloadCodec
 from diloco.errors import ConfigError, CorruptObjectError, DilocoError
 from diloco.store import codec
+from diloco.store.codec import ReadBuffer
 from diloco.store.layout import ROUND_MANIFEST_KEY, check_spread, contribution_key
 
 if TYPE_CHECKING:
@@ -57,6 +58,7 @@ class GatherExchange:
         self.spread = check_spread(spread)
         self.min_replicas = min_replicas
         self._spares = Spares()  # buffers of the latest round, for the next one's snapshot and sum
+        self._reads = ReadBuffer()  # every peer object (or window of one) is read into it, in turn
         self._means: dict[int, dict[str, torch.Tensor]] = {}  # round -> its mean, until the caller has it
 
     def snapshot(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -111,6 +113,7 @@ class GatherExchange:
         """Drop the buffers kept for later rounds."""
         self._means = {}
         self._spares.clear()
+        self._reads = ReadBuffer()
 
     def _agree_on_members(self, io: RoundIO, round_: int, deadline: Deadline) -> list[int]:
         """Partial participation (``min_replicas``): the ranks this round averages, the same on every rank.
@@ -184,8 +187,8 @@ class GatherExchange:
         flat = {name: t.view(-1) for name, t in acc.items()}
         for begin in range(0, header.data_size, WINDOW_BYTES):
             end = min(begin + WINDOW_BYTES, header.data_size)
-            data = io.read_verified(round_, peer, "contribution", url,
-                                    lambda b=begin, e=end: codec.read_data(io.store, key, header, b, e))
+            data = io.read_verified(round_, peer, "contribution", url, lambda b=begin, e=end: codec.read_data(
+                io.store, key, header, b, e, buffer=self._reads))
             io.read(len(data))
             _add_window(flat, codec.tensors_from_data(header, data, begin, end), first)
             del data  # with the views gone (they lived in _add_window), the window's buffer is freed now
@@ -197,7 +200,7 @@ class GatherExchange:
         wire tensors against our layout: everything ``add_into`` needs, so nothing unverified is ever half added.
         The wire tensors are views of that buffer (no copy)."""
         source = io.store.url(key)
-        header, data = codec.read_object(io.store, key, data_bytes_hint=published.wire_bytes)
+        header, data = codec.read_object(io.store, key, data_bytes_hint=published.wire_bytes, buffer=self._reads)
         io.read(header.data_offset + len(data))
         meta = header.metadata
         for name, want in io.identity(round_, peer).items():

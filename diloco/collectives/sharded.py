@@ -48,6 +48,7 @@ from diloco.collectives.spares import Spares
 from diloco.collectives.wire import PayloadCodec
 from diloco.errors import ConfigError, CorruptObjectError
 from diloco.store import codec
+from diloco.store.codec import ReadBuffer
 from diloco.store.layout import check_spread, contribution_key, reduced_shard_key
 
 if TYPE_CHECKING:
@@ -164,6 +165,7 @@ class ShardedExchange:
         self.spread = check_spread(spread)
         self._spares = Spares()  # the latest round's buffer, for the next round's snapshot
         self._means: dict[int, torch.Tensor] = {}  # round -> the buffer holding its mean, until the caller has it
+        self._reads = ReadBuffer()  # the reduced shards are read into it, in turn
 
     def snapshot(self, tensors: Mapping[str, torch.Tensor]) -> _Snapshot:
         """The payload as one padded fp32 vector, in a buffer an earlier round gave back when there is one
@@ -214,6 +216,7 @@ class ShardedExchange:
         """Drop the buffers kept for later rounds."""
         self._means = {}
         self._spares.clear()
+        self._reads = ReadBuffer()
 
     def _publish_reduced(self, io: RoundIO, round_: int, layout: PayloadLayout,
                          mean: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -303,7 +306,7 @@ class ShardedExchange:
         import torch
 
         source = io.store.url(key)
-        header, data = codec.read_object(io.store, key, data_bytes_hint=size_bound)
+        header, data = codec.read_object(io.store, key, data_bytes_hint=size_bound, buffer=self._reads)
         io.read(header.data_offset + len(data))
         meta = header.metadata
         wire = {name: view.view(header.tensors[name].shape)
