@@ -70,8 +70,8 @@ class GatherExchange:
         """Stream our contribution to the store (``codec.encode_stream`` + ``put_stream``: never one joined copy
         of the payload in memory), tagged with our identity and, compressed, the format."""
         reference = layout_of(snapshot)
-        wire, meta = self.codec.encode_wire(tuple(reference.items()), snapshot)
-        if self.codec.compressed:  # the wire tensors are new ones: the snapshot can hold this round's sum
+        wire, meta = self.codec.encode_wire(tuple(reference.items()), snapshot, empty=self._spares.empty)
+        if self.codec.compressed:  # the wire tensors are others: the snapshot can hold this round's sum
             self._spares.give(round_, snapshot.values())
         size, chunks = codec.encode_stream(wire, {**meta, **io.identity(round_, io.rank)})
         io.wrote(io.store.put_stream(self._key(round_, io.rank), chunks, size))
@@ -97,9 +97,9 @@ class GatherExchange:
                 self.codec.add_into(acc, wire, meta, published.reference, empty=self._spares.empty)
             else:
                 self._accumulate_streamed(io, round_, peer, key, published.reference, acc)
-        if not self.codec.compressed:  # our snapshot was summed (or became the sum): what is not the sum is free
-            summed = {t.data_ptr() for t in acc.values()}
-            self._spares.give(round_, [t for t in published.wire.values() if t.data_ptr() not in summed])
+        # our wire tensors (uncompressed: the snapshot) were summed, or became the sum: what is not the sum is free
+        summed = {t.data_ptr() for t in acc.values()}
+        self._spares.give(round_, [t for t in published.wire.values() if t.data_ptr() not in summed])
         self._means = {round_: acc}
         return finish_mean(acc, len(members))
 

@@ -100,14 +100,15 @@ class PayloadCodec:
                 feedback.load_state_dict(restored)
         return feedback
 
-    def encode_wire(self, key: Hashable, tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor],
-                                                                                   dict[str, str]]:
+    def encode_wire(self, key: Hashable, tensors: Mapping[str, torch.Tensor], *, empty: Allocator | None = None
+                    ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """``encode_contribution`` without the decoded tensors: for a reader that adds its own contribution to
         its sum from the wire tensors (``add_into``), exactly as it adds its peers'. Uncompressed, the tensors
-        themselves and no tag."""
+        themselves and no tag. ``empty(shape, dtype)`` makes the payload-sized wire tensors of CPU tensors
+        (``torch.empty`` by default; a round passes its spare buffers)."""
         if not self.compressed:
             return dict(tensors), {}
-        wire, meta = self._feedback_for(key).compress_wire(as_fp32(tensors))
+        wire, meta = self._feedback_for(key).compress_wire(as_fp32(tensors), empty=empty)
         return compression.pack(wire, meta) if self.fmt in PACKED_FORMATS else (wire, meta)
 
     def _unpacked(self, wire: Mapping[str, torch.Tensor], meta: Mapping[str, str],

@@ -59,7 +59,8 @@ def run_rounds(uri: str, strategy: str, fmt: str) -> list[list[dict[str, torch.T
     return run_ranks(WORLD, rank_fn, timeout=120)
 
 
-@pytest.mark.parametrize(("strategy", "fmt"), [("gather", "none"), ("gather", "int8"), ("sharded", "none")])
+@pytest.mark.parametrize(("strategy", "fmt"), [("gather", "none"), ("gather", "bf16"), ("gather", "int8"),
+                                               ("gather", "int4"), ("sharded", "none")])
 def test_rounds_that_reuse_buffers_give_every_rank_the_exact_mean(strategy: str, fmt: str, tmp_path: Any) -> None:
     expected = expected_means(fmt)
     for kept in run_rounds(f"file://{tmp_path}/rdv", strategy, fmt):
