@@ -29,7 +29,10 @@ costs nothing and the store itself keeps up with any link), whose every rank ins
 ``--link-gbs`` GB/s each way (1.2 by default, the per-instance S3 throughput of a 10 Gbit/s instance): each upload
 or download holds its direction of the rank's link for bytes / rate (transfers queue behind each other; the copy
 itself runs while the link is held, as a NIC's DMA does), and a request costs nothing more (no latency per
-request). The round and its raw transfer go over the same kind of link.
+request). The round and its raw transfer go over the same kind of link. Its ranks are as many as the cores (2 to
+4), so each has a core of its own as a replica on its own instance does: with more ranks than cores a round's
+computation (SHA-256 of every byte at about 1.5 GiB/s per core, the codecs at 1-4) would be measured on a fraction
+of a core against a whole link per rank.
 
 How it runs: ranks are threads of this process (each with its own collective and store instance, so the counts are
 per rank), so on a machine with fewer cores than ranks the *latencies* include waiting for a core; the counts do
@@ -333,20 +336,21 @@ def row_of(case: Case, counts: list[list[RankCount]], times: list[float], raw: l
 
 
 def cases(args: argparse.Namespace) -> list[Case]:
-    """Every strategy at every N with fp32 on the wire (the paced store: at the middle N only); the compressed
-    formats at the middle N (topk with gather only). A store's fp32 cases come before its compressed ones: their
-    bytes are the compressed cases' ``fp32 raw``."""
+    """Every strategy at every N with fp32 on the wire, the compressed formats at the middle N (topk with gather
+    only); on the paced store, fp32 and every format at ``paced_world`` only. A store's fp32 cases come before its
+    compressed ones: their bytes are the compressed cases' ``fp32 raw``."""
     out = []
     for store in args.stores:
         elements = int((args.s3_payload_mib if store == "s3" else args.payload_mib) * MIB / 4)
-        for world in args.world if store != PACED else (args.format_world,):
+        format_world = args.paced_world if store == PACED else args.format_world
+        for world in args.world if store != PACED else (args.paced_world,):
             for strategy in STRATEGIES:
                 out.append(Case(store, world, strategy, "none", elements))
         for fmt in args.formats if store in args.format_stores else ():
             if fmt != "none":
                 for strategy in STRATEGIES:
                     if strategy == "gather" or fmt not in GATHER_ONLY:
-                        out.append(Case(store, args.format_world, strategy, fmt, elements))
+                        out.append(Case(store, format_world, strategy, fmt, elements))
     return out
 
 
@@ -366,6 +370,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.stores = ("file", "s3", PACED)
     args.world = WORLDS
     args.format_world = 4
+    args.paced_world = max(2, min(args.format_world, os.cpu_count() or 1))  # a core (or more) for every rank
     args.formats = FORMATS
     args.format_stores = ("file", PACED) if args.quick else ("file", "s3", PACED)
     if args.quick:
@@ -425,7 +430,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"memory speed; paced = file:// in RAM behind a {args.link_gbs:g} GB/s link per rank and direction (bytes "
         "paced, no latency per request): where the network, not memory, is the limit.",
         f"payload {args.payload_mib:g} MiB fp32 on file:// and paced, {args.s3_payload_mib:g} MiB on S3; compressed "
-        f"formats at N={args.format_world} on {', '.join(args.format_stores)}. 1-minute load average when it "
+        f"formats at N={args.format_world} ({args.paced_world} on the paced store, a core or more per rank) on "
+        f"{', '.join(args.format_stores)}. 1-minute load average when it "
         f"started: {load:.2f} on {os.cpu_count()} CPUs. Total {time.perf_counter() - started:.0f} s.",
     ]
     title = "All-reduce traffic per rank per round: gather vs sharded, counted at the store layer"
