@@ -13,7 +13,10 @@ measured rounds; ``raw s`` is, in the same run on the same store, the ranks writ
 their round wrote and read (plain PUTs of that size, ranged GETs spread over the peers' objects, no encoding,
 hashing, polling or phases); ``round/raw`` is the price of the protocol over the bare I/O. ``round CPU s`` and
 ``raw CPU s`` are the CPU seconds the whole process (all ranks) spent on each: they tell a round that computes
-(encodes, decodes, sums and hashes its payload) from one that waits.
+(encodes, decodes, sums and hashes its payload) from one that waits. ``SHA-256 CPU s`` is the share of that the
+protocol's integrity check costs at the least: the bytes all ranks wrote and read, at this machine's SHA-256 rate
+per core (measured in the same run). Every written byte is hashed once and every read byte verified, so a round
+costs its raw transfer plus that, plus the codec's work, however the rest is optimised.
 
 For a compressing format, ``raw s`` moves the *compressed* bytes, so ``round/raw`` asks for a codec faster than
 the store by the compression ratio (topk's 136x fewer bytes would need a codec ~200x faster than the network for
@@ -42,7 +45,7 @@ temporary folder, S3 through real boto3/s3fs against moto's server on a loopback
 nothing outside a temporary folder and that in-memory server is written), and the paced store (a temporary folder
 in RAM).
 
-    python bench/allreduce_traffic.py --quick [--json OUT]     # N = 2, 4, 8; about two minutes on 2 cores
+    python bench/allreduce_traffic.py --quick [--json OUT]     # N = 2, 4, 8; about a minute on 2 cores
     python bench/allreduce_traffic.py [--json OUT]             # bigger payloads, every format on every store
 
 Columns ``PUTs`` / ``GETs`` / ``polls``: requests per rank per round: uploads (``put``, ``put_stream``'s single PUT
@@ -86,7 +89,7 @@ PACED = "paced"
 RAM_FOLDER = "/dev/shm"
 COLUMNS = ["store", "N", "strategy", "compression", "S MiB", "written MiB", "read MiB", "bound MiB", "read/bound",
            "PUTs", "GETs", "polls", "round s", "raw s", "round/raw", "fp32 raw s", "round/fp32 raw", "round CPU s",
-           "raw CPU s"]
+           "raw CPU s", "SHA-256 CPU s"]
 
 
 @dataclass(frozen=True)
@@ -314,8 +317,23 @@ def wire_bytes(elements: int, fmt: str) -> int:
     return compression.wire_nbytes({"g": ((elements,), torch.float32)}, fmt)
 
 
+def sha256_seconds_per_byte() -> float:
+    """CPU seconds SHA-256 takes per byte on one core of this machine (best of a few runs over 64 MiB): what the
+    chunk digests of a round's bytes cost at the least."""
+    import hashlib
+
+    data = bytes(64 * MIB)
+    best = float("inf")
+    for _ in range(3):
+        began = time.thread_time()
+        hashlib.sha256(data).digest()
+        best = min(best, time.thread_time() - began)
+    return best / len(data)
+
+
 def row_of(case: Case, counts: list[list[RankCount]], times: list[float], raw: list[float],
-           cpu: tuple[list[float], list[float]] = ([], []), fp32_raw: list[float] | None = None) -> dict[str, Any]:
+           cpu: tuple[list[float], list[float]] = ([], []), fp32_raw: list[float] | None = None,
+           sha256_s_per_byte: float | None = None) -> dict[str, Any]:
     flat = [c for per_round in counts for c in per_round]
     mean = lambda f: statistics.fmean(f(c) for c in flat)  # noqa: E731
     s = wire_bytes(case.elements, case.compression)
@@ -332,7 +350,9 @@ def row_of(case: Case, counts: list[list[RankCount]], times: list[float], raw: l
             "fp32 raw s": round(fp32_raw_s, 3) if fp32_raw_s else None,
             "round/fp32 raw": round(round_s / fp32_raw_s, 2) if fp32_raw_s else None,
             "round CPU s": round(statistics.median(cpu[0]), 3) if cpu[0] else None,
-            "raw CPU s": round(statistics.median(cpu[1]), 3) if cpu[1] else None}
+            "raw CPU s": round(statistics.median(cpu[1]), 3) if cpu[1] else None,
+            "SHA-256 CPU s": round(case.world * (mean(lambda c: c.written) + read) * sha256_s_per_byte, 3)
+            if sha256_s_per_byte else None}
 
 
 def cases(args: argparse.Namespace) -> list[Case]:
@@ -356,9 +376,11 @@ def cases(args: argparse.Namespace) -> list[Case]:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="small payloads, 1 measured round, formats on file:// only")
+    p.add_argument("--quick", action="store_true",
+                   help="small payloads, 3 measured rounds (1 on S3), formats on file:// and the paced store")
     p.add_argument("--json", metavar="OUT", help="write the results as JSON (make bench reads it)")
-    p.add_argument("--rounds", type=int, default=None, help="measured rounds per case (after one warm-up)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="measured rounds per case, after one warm-up (default 3; --quick: 3, and 1 on S3)")
     p.add_argument("--poll-interval", type=float, default=0.02, help="seconds between polls (default 0.02)")
     p.add_argument("--link-gbs", type=float, default=1.2,
                    help="the paced store's link per rank and direction, GB/s (default 1.2: a 10 Gbit/s instance)")
@@ -374,9 +396,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.formats = FORMATS
     args.format_stores = ("file", PACED) if args.quick else ("file", "s3", PACED)
     if args.quick:
-        args.payload_mib, args.s3_payload_mib, args.rounds = 8.0, 4.0, args.rounds or 3
+        args.payload_mib, args.s3_payload_mib = 8.0, 4.0
+        # moto rounds take seconds: one measured S3 round keeps make bench's time, and its counts need no more
+        args.s3_rounds, args.rounds = args.rounds or 1, args.rounds or 3
     else:
         args.payload_mib, args.s3_payload_mib, args.rounds = 64.0, 16.0, args.rounds or 3
+        args.s3_rounds = args.rounds
     return args
 
 
@@ -386,33 +411,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     rows: list[dict[str, Any]] = []
     fp32_bytes: dict[tuple[str, int, str], tuple[int, int]] = {}  # (store, N, strategy) -> fp32 written, read
+    sha256_s = sha256_seconds_per_byte()
     with tempfile.TemporaryDirectory(prefix="diloco-traffic-bench-") as workdir:
         for store in args.stores:
             link = args.link_gbs * 1e9 if store == PACED else None
+            rounds = args.s3_rounds if store == "s3" else args.rounds
             with case_root(store, workdir) as root:
                 for i, case in enumerate(c for c in cases(args) if c.store == store):
                     print(f"{store} N={case.world} {case.strategy} {case.compression}", file=sys.stderr, flush=True)
                     with rank_threads(case.world):
-                        counts, times, round_cpu = measure_rounds(f"{root}/case{i}", case, args.rounds,
+                        counts, times, round_cpu = measure_rounds(f"{root}/case{i}", case, rounds,
                                                                   args.poll_interval, link)
                     flat = [c for per_round in counts for c in per_round]
                     written = int(statistics.fmean(c.written for c in flat))
                     read = int(statistics.fmean(c.read for c in flat))
-                    raw, raw_cpu = measure_raw(f"{root}/raw{i}", case.world, written, read, args.rounds, link)
+                    raw, raw_cpu = measure_raw(f"{root}/raw{i}", case.world, written, read, rounds, link)
                     fp32_raw: list[float] | None = raw
                     if case.compression == "none":
                         fp32_bytes[(store, case.world, case.strategy)] = (written, read)
                     elif (store, case.world, case.strategy) in fp32_bytes:
                         fp32_written, fp32_read = fp32_bytes[(store, case.world, case.strategy)]
                         fp32_raw, _ = measure_raw(f"{root}/fp32raw{i}", case.world, fp32_written, fp32_read,
-                                                  args.rounds, link)
+                                                  rounds, link)
                     else:  # no fp32 case of this strategy at this N on this store ran
                         fp32_raw = None
-                    rows.append(row_of(case, counts, times, raw, (round_cpu, raw_cpu), fp32_raw))
+                    rows.append(row_of(case, counts, times, raw, (round_cpu, raw_cpu), fp32_raw, sha256_s))
     machine = f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}"
     notes = [
-        f"Counted by each rank's ObjectStore (bytes and requests), {args.rounds} round(s) after a warm-up, mean over "
-        "rounds and ranks.",
+        f"Counted by each rank's ObjectStore (bytes and requests), {args.rounds} round(s) after a warm-up "
+        f"({args.s3_rounds} on S3), mean over rounds and ranks.",
         "bound = 2S(N-1)/N with S the payload's bytes on the wire in that format (gather's own figure is "
         "(N-1)S, read/bound = N/2). Objects read by ranges cost one 64 KiB header probe each "
         "(codec.HEADER_PROBE_BYTES): what read/bound above 1.00 (sharded) or N/2 (gather) is.",
@@ -426,6 +453,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "round CPU s / raw CPU s: CPU seconds of the whole process (every rank) per round, median: where round s "
         "exceeds raw s by about what round CPU s exceeds raw CPU s over the cores, the round is computing "
         "(encoding, decoding, summing, hashing every byte), not waiting on the protocol.",
+        f"SHA-256 CPU s: what hashing the bytes every rank wrote and read costs at this machine's SHA-256 rate, "
+        f"{1 / sha256_s / 2**30:.2f} GiB/s per core (measured in this run): every byte a round writes is hashed "
+        "once and every byte it reads verified, which a bare transfer does not do. round CPU s is about raw CPU s "
+        "+ SHA-256 CPU s + the codec's work.",
         f"Stores: file:// (the page cache, fsync to disk) and S3 (moto on loopback, in this process) move bytes at "
         f"memory speed; paced = file:// in RAM behind a {args.link_gbs:g} GB/s link per rank and direction (bytes "
         "paced, no latency per request): where the network, not memory, is the limit.",
