@@ -142,6 +142,24 @@ def test_topk_equal_magnitudes_among_the_kept_match_the_reference() -> None:
     assert all(same_bits(ours[s], theirs[s]) for s in (":idx", ":q", ":scale"))
 
 
+def test_topk_magnitudes_equal_in_their_high_bits_match_the_reference() -> None:
+    """The CPU search compares magnitudes with their lowest bits replaced by an index: chunks whose largest
+    magnitudes differ only in those bits (at the boundary of the kept set, and among the kept) are compared in
+    full, with the same result."""
+    rng = np.random.default_rng(5)
+    spec = TopkSpec()
+    x = rng.standard_normal(3 * 4096).astype(np.float32)
+    bits = x.view(np.int32)
+    for chunk in range(3):
+        order = chunk * 4096 + np.argsort(-np.abs(x[chunk * 4096 : (chunk + 1) * 4096]))
+        near = order[spec.k - 6 : spec.k + 6] if chunk < 2 else order[:40]  # across the boundary, or the top
+        base = bits[near[0]] & ~0x3FF  # same sign, exponent and high mantissa bits; low 10 bits differ
+        bits[near] = base | rng.integers(0, 1 << 10, near.size).astype(np.int32)
+    ours = fast_wire(x, "topk", sparse=spec)
+    theirs = encode_topk(x, spec.chunk, spec.k, spec.value_bits)
+    assert all(same_bits(ours[s], theirs[s]) for s in (":idx", ":q", ":scale"))
+
+
 def test_topk_empty_and_0d_match_the_reference() -> None:
     spec = TopkSpec()
     for x in (np.zeros(0, dtype=np.float32), np.array(-2.5, dtype=np.float32)):
