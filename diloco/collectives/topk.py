@@ -53,8 +53,9 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-#: Input elements described per pass (sorting the kept keys, codes, levels) on a CPU and on an accelerator.
-CPU_PASS_ELEMENTS = 1 << 21
+#: Input elements described per pass (ranking and sorting the kept, codes, levels) on a CPU and on an accelerator:
+#: on a CPU a pass's selection state (the candidates' bits, their groups and keys) is about a quarter of its input.
+CPU_PASS_ELEMENTS = 1 << 23
 DEVICE_PASS_ELEMENTS = 1 << 26
 #: Elements one ``torch.topk`` call searches on a CPU at most: its cost per row grows with the rows of a call, by
 #: a third from 16K to 32K elements and threefold past torch's grain size (32768), even on one thread.
@@ -192,7 +193,7 @@ class _Selector:
         self.position = torch.arange(width, device=device)
         self.magnitude_mask = torch.tensor(_MAGNITUDE, dtype=torch.int32, device=device)
         self._buffers: dict[str, torch.Tensor] = {}
-        self._row_numbers: np.ndarray | None = None
+        self._offsets: dict[int, np.ndarray] = {}
         self._candidates: tuple[np.ndarray, np.ndarray] | None = None
 
     def select(self, rows: torch.Tensor) -> _Kept:
@@ -306,7 +307,7 @@ class _Selector:
             inexact[first:last] |= (top[:, 0] >> candidate_bits) == (top[:, 1] >> candidate_bits)
             np.bitwise_and(top[:, 1:], (1 << candidate_bits) - 1, out=at[first:last], casting="unsafe")
         # rank the k + 1 by full magnitude: one sort of int64 keys magnitude | candidate | sign
-        chosen = bits[self._rows(r), at]
+        chosen = np.take(bits, at + self._row_offsets(r, size * picked))
         keys = (chosen.astype(np.int64) & _MAGNITUDE) << (candidate_bits + 1)
         keys |= at << 1
         keys |= chosen < 0
@@ -318,10 +319,19 @@ class _Selector:
         at = (keys[:, :k] >> 1) & ((1 << candidate_bits) - 1)
         # candidate c is element c // picked of group groups[c % picked]: position group + element * groups
         slot, element = self._candidate_tables(size, picked, groups_n)
-        position = groups[self._rows(r), slot[at]] + element[at]
+        position = np.take(groups, np.take(slot, at) + self._row_offsets(r, picked)) + np.take(element, at)
         negative = (keys[:, :k] & 1).astype(np.bool_)
         return (_Kept(torch.from_numpy(position), torch.from_numpy(np.ascontiguousarray(magnitude[:, :k])),
                       torch.from_numpy(negative)), torch.from_numpy(inexact))
+
+    def _row_offsets(self, r: int, width: int) -> np.ndarray:
+        """A column of the offsets of rows 0..r-1 of a (r, width) array, for flat indexing every row at once."""
+        import numpy as np
+
+        offsets = self._offsets.get(width)
+        if offsets is None or offsets.shape[0] < r:
+            offsets = self._offsets[width] = (np.arange(r, dtype=np.int64) * width)[:, None]
+        return offsets[:r]
 
     def _candidate_tables(self, size: int, picked: int, groups_n: int) -> tuple[np.ndarray, np.ndarray]:
         """Per candidate index c: its group's slot (c % picked) and its offset in the chunk from its group's index
@@ -332,14 +342,6 @@ class _Selector:
             c = np.arange(size * picked, dtype=np.int64)
             self._candidates = (c % picked, (c // picked) * groups_n)
         return self._candidates
-
-    def _rows(self, r: int) -> np.ndarray:
-        """A column of row numbers 0..r-1, for indexing every row at once."""
-        import numpy as np
-
-        if self._row_numbers is None or self._row_numbers.shape[0] < r:
-            self._row_numbers = np.arange(r, dtype=np.int64)[:, None]
-        return self._row_numbers[:r]
 
     def _arange(self, name: str, n: int) -> torch.Tensor:
         """``torch.arange(n)`` as int32, kept."""

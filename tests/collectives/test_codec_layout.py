@@ -160,6 +160,22 @@ def test_topk_magnitudes_equal_in_their_high_bits_match_the_reference() -> None:
     assert all(same_bits(ours[s], theirs[s]) for s in (":idx", ":q", ":scale"))
 
 
+def test_topk_over_several_passes_matches_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tensor is described a pass of chunks at a time: with the smallest passes, pass boundaries change no
+    bit (three passes and a short last chunk; ties and a NaN in the middle)."""
+    from diloco.collectives import topk
+
+    monkeypatch.setattr(topk, "CPU_PASS_ELEMENTS", 1)  # a pass is then one call's worth of chunks
+    spec = TopkSpec()
+    rows = topk._Selector(spec.chunk, spec.k, spec.index_bits, torch.device("cpu")).rows_per_call
+    x = adversarial(spec.chunk * (3 * rows) - 999, seed=13)["random"]
+    x[spec.chunk * rows + 7] = np.float32("nan")
+    x[spec.chunk * (rows + 1) : spec.chunk * (rows + 2)] = 0.5
+    ours = fast_wire(x, "topk", sparse=spec)
+    theirs = encode_topk(x, spec.chunk, spec.k, spec.value_bits)
+    assert all(same_bits(ours[s], theirs[s]) for s in (":idx", ":q", ":scale"))
+
+
 def test_topk_empty_and_0d_match_the_reference() -> None:
     spec = TopkSpec()
     for x in (np.zeros(0, dtype=np.float32), np.array(-2.5, dtype=np.float32)):
