@@ -274,6 +274,11 @@ class Exchange(Protocol[S, P]):
         """Every key this rank wrote in the round (deleted once no peer can still read them)."""
         ...
 
+
+class ReusingExchange(Exchange[S, P], Protocol):
+    """An exchange that hands its buffers from round to round (``diloco.collectives.spares``): told when the caller
+    has a round's mean, and when the all-reduce closes. The driver calls these hooks on exchanges that have them."""
+
     def release(self, round_: int) -> None:
         """The caller's tensors hold ``round_``'s mean: the buffers ``reduce`` returned may serve later rounds."""
         ...
@@ -490,7 +495,9 @@ class RoundDriver(Generic[S, P]):
         thread = self._thread
         if wait and thread is not None and thread is not threading.current_thread():
             thread.join(self.timeout_s)
-        self._exchange.close()
+        close = getattr(self._exchange, "close", None)  # a ReusingExchange's hook
+        if close is not None:
+            close()
 
     def __enter__(self) -> RoundDriver[S, P]:
         return self
@@ -550,7 +557,9 @@ class RoundDriver(Generic[S, P]):
                 for name, target in work._targets.items():
                     target.copy_(mean[name].to(target.dtype))  # cast on the CPU: same bits on every device
             del mean
-            self._exchange.release(work.round)
+            release = getattr(self._exchange, "release", None)  # a ReusingExchange's hook
+            if release is not None:
+                release(work.round)
         finally:
             with self._stats_lock:
                 self._stats.seconds_blocked += time.monotonic() - started
