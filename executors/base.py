@@ -350,8 +350,47 @@ class BackendConfig(BaseModel):
         """The flags this backend's fields declare, in field order (paths from the run config: ``backend.*``)."""
         return list(model_flags(cls, "backend."))
 
+    @classmethod
+    def apply_flags(cls, kind: str, section: dict[str, Any], given: Mapping[str, Any]) -> dict[str, Any]:
+        """``section`` (this backend's, not validated yet) with the backend flags given on the command line
+        (``{"role": ARN}``, None meaning not given) set as its fields (``route_backend_flags``: a flag the backend
+        does not declare is a one-line ``ConfigError``). A composite backend routes them to its parts."""
+        from diloco.executors.flags import route_backend_flags
+
+        out = dict(section)
+        for path, value in route_backend_flags(kind, given).items():
+            *outer, last = path.split(".")
+            cur = out
+            for part in outer:
+                cur = cur.setdefault(part, {})
+            cur[last] = value
+        return out
+
     def default_rendezvous(self, run_id: str) -> str | None:
         """The rendezvous to use when none is configured; ``None`` means the user must give one."""
+        return None
+
+    def rendezvous_problem(self, scheme: str) -> str | None:
+        """Why this configuration's replicas could not meet in a store of ``scheme`` (``file``, ``s3``), as the
+        middle of ``store.rendezvous: ... (got URI)``; None when every replica can reach one. By default a scheme
+        outside ``rendezvous_schemes``; a composite backend answers for all of its parts."""
+        if scheme in self.rendezvous_schemes:
+            return None
+        schemes = " or ".join(f"{s}://" for s in self.rendezvous_schemes)
+        return f"the {self.kind} backend needs an {schemes} URI every replica can reach"
+
+    def places_some_replicas(self) -> bool:
+        """Whether some replica runs on a machine the backend chooses, not this one (``places_replicas``; a
+        composite backend: any of its parts), so ``gpu`` means something and this machine is no guide."""
+        return self.places_replicas
+
+    def fixed_replicas(self) -> int | None:
+        """How many replicas this section itself fixes (a composite backend's parts, when each has a count); None
+        when the run's ``replicas`` decides. The run config takes it as ``replicas`` when that is not given."""
+        return None
+
+    def replicas_problem(self, replicas: int) -> str | None:
+        """What is wrong with a run of ``replicas`` on this configuration, as one line naming the field; None."""
         return None
 
     def default_check_trainer_locally(self) -> bool:
@@ -417,9 +456,9 @@ class ServerlessExecutor(Generic[C, H]):
         raise NotImplementedError(f"{type(self).__name__}.replica_logs")
 
     # ---------------------------------------------------------------- defaults
-    def relaunches(self, rank: int) -> bool:
+    def relaunches(self, handle: H, rank: int) -> bool:
         """Whether a failed replica ``rank`` can be relaunched (``relaunch``): ``supports_relaunch`` for a backend
-        that runs every replica the same way; a composite one answers per replica."""
+        that runs every replica the same way; a composite one answers per replica, by the part that runs it."""
         return self.supports_relaunch
 
     def roll_back(self, handle: H) -> None:

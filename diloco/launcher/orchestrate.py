@@ -252,7 +252,7 @@ def check_trainer(cfg: RunConfig) -> RunConfig:
     check_procs_per_replica(cfg.train.procs_per_replica, fn, cfg.train.trainer)
     owned = {"total_steps": cfg.train.steps, "sync_every": cfg.train.sync_every, **_mode_kwarg(cfg)}
     checked = check_trainer_kwargs(fn, {**owned, **cfg.train.trainer_kwargs}, world_size=cfg.replicas,
-                                   on_this_machine=not cfg.backend.places_replicas)
+                                   on_this_machine=not cfg.backend.places_some_replicas())
     kwargs = {k: v for k, v in checked.items() if k not in owned}
     return cfg.model_copy(update={"train": cfg.train.model_copy(update={"trainer_kwargs": kwargs})})
 
@@ -353,7 +353,7 @@ def preflight(cfg: RunConfig) -> RunConfig:
     if cfg.metrics.tensorboard is not None:
         from diloco.replica.tensorboard_dirs import check_tensorboard, normalized
 
-        check_tensorboard(cfg.metrics.tensorboard, on_this_machine=not cfg.backend.places_replicas)
+        check_tensorboard(cfg.metrics.tensorboard, on_this_machine=not cfg.backend.places_some_replicas())
         cfg = cfg.model_copy(update={"metrics": cfg.metrics.model_copy(
             update={"tensorboard": normalized(cfg.metrics.tensorboard)})})
     return cfg
@@ -393,7 +393,7 @@ def launch(cfg: RunConfig, registry: RunRegistry | None = None, *, force: bool =
     if cfg.metrics.tensorboard is not None:  # first: its probe leaves nothing, the rendezvous probe a directory
         from diloco.replica.tensorboard_dirs import check_tensorboard
 
-        check_tensorboard(cfg.metrics.tensorboard, on_this_machine=not cfg.backend.places_replicas, probe=True)
+        check_tensorboard(cfg.metrics.tensorboard, on_this_machine=not cfg.backend.places_some_replicas(), probe=True)
     check_rendezvous(uri, probe=True)
     store = ObjectStore(uri)
     owned = wrote = False  # the prefix is this launch's (it was empty); something was written to it

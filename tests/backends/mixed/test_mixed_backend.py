@@ -1,0 +1,161 @@
+"""The composite backend (``--backend mixed``) against the conformance suite, with two local parts (cheap: real
+processes, no emulator), then its configuration: every part validated by its own backend's model, errors named
+``backend.parts[i].<field>``, ranks assigned in order, the flags routed to the parts that take them, the store
+refused when a part leaves this machine, and the dry run showing every part's own requests.
+
+The run over the Kubernetes and SageMaker emulators and a local process is tests/backends/mixed/test_mixed_e2e.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support.commands import run_cli
+
+from diloco.errors import ConfigError
+from diloco.executors.base import LaunchPlan, ServerlessExecutor
+from diloco.executors.local_supervisor import processes_with_env
+from diloco.executors.mixed import MixedBackend, MixedBackendConfig
+from diloco.executors.testing import BackendCase, BackendConformance
+from diloco.launcher.config import merge_sources, validate
+
+ROLE = "arn:aws:iam::123456789012:role/diloco-mixed"
+
+
+class MixedCase(BackendCase):
+    """Two local parts: the first runs rank 0, the second the rest (the suite's runs have 2 or 3 replicas)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def backend(self) -> ServerlessExecutor[Any, Any]:
+        part = {"kind": "local", "log_root": str(self.root / "runs"), "grace_period_s": 1.0}
+        return MixedBackend(MixedBackendConfig(parts=[{**part, "replicas": 1}, part]))
+
+    @contextlib.contextmanager
+    def break_submit_at(self, backend: ServerlessExecutor[Any, Any], plan: LaunchPlan,
+                        k: int) -> Iterator[LaunchPlan]:
+        """Replica ``k`` (in the second part) cannot be started: the first part is already running then."""
+        broken = plan.model_copy(deep=True)
+        entry = next(e for e in broken.requests if e["request"]["rank"] == k)
+        assert entry["part"] == 1, "the break must come after a part was submitted"
+        entry["request"]["cwd"] = str(self.root / "no-such-directory")
+        yield broken
+
+    def live(self, run_id: str) -> list[str]:
+        return [str(pid) for pid in sorted(processes_with_env("DILOCO_RUN_ID", run_id))]
+
+
+class TestMixedBackend(BackendConformance):
+    @pytest.fixture
+    def case(self, tmp_path: Path) -> MixedCase:
+        return MixedCase(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------- the config
+def resolved(*parts: str, flags: dict[str, Any] | None = None, backend_flags: dict[str, Any] | None = None,
+             rendezvous: str | None = "s3://bucket/diloco/{run_id}") -> Any:
+    run_flags = {"backend": "mixed", **({"store.rendezvous": rendezvous} if rendezvous else {}), **(flags or {})}
+    return validate(merge_sources(None, run_flags, None, None, {"part": list(parts), **(backend_flags or {})}))
+
+
+def test_ranks_go_to_the_parts_in_order_and_a_part_without_a_count_takes_the_rest() -> None:
+    cfg = resolved("eks:2", "sagemaker:1", "local", flags={"replicas": 5}, backend_flags={"role": ROLE})
+    assert cfg.replicas == 5
+    assert cfg.backend.part_ranks(5) == [[0, 1], [2], [3, 4]]
+    counted = resolved("eks:2", "local:1")
+    assert counted.replicas == 3, "every part has a count: their sum is the run's replicas"
+    again = validate(json.loads(counted.model_dump_json()))  # the run record's config validates back
+    assert again.backend == counted.backend and again.replicas == 3
+
+
+def test_each_backend_flag_goes_to_every_part_whose_backend_takes_it() -> None:
+    cfg = resolved("eks:2", "sagemaker:1", "local:1",
+                   backend_flags={"role": ROLE, "image": "registry.example/diloco:1", "namespace": "ml"})
+    eks, sagemaker, local = (p.config for p in cfg.backend.parts)
+    assert (eks.image, eks.namespace) == ("registry.example/diloco:1", "ml")
+    assert (sagemaker.image_uri, sagemaker.role_arn) == ("registry.example/diloco:1", ROLE)
+    assert local.kind == "local"
+    with pytest.raises(ConfigError, match=r"--namespace: no part of this run takes it \(its parts: sagemaker, "
+                                          r"local\)"):
+        resolved("sagemaker:1", "local:1", backend_flags={"namespace": "ml"})
+
+
+@pytest.mark.parametrize("section, extra, message", [
+    ({"parts": [{"kind": "eks", "replicas": 1, "namespace": "Bad_NS"}, {"kind": "local"}]}, {},
+     "backend.parts[0].namespace: must be a DNS-1123 label"),
+    ({"parts": [{"kind": "local", "replicas": 1}, {"kind": "sagemaker", "replicas": 1, "instance_typ": "x"}]}, {},
+     "backend.parts[1].instance_typ: unknown key for the sagemaker backend"),
+    ({"parts": [{"kind": "local", "replicas": 1}, {"kind": "slurm"}]}, {},
+     "backend.parts[1].kind: must be one of local, sagemaker, eks"),
+    ({"parts": [{"kind": "local", "replicas": 0}, {"kind": "local"}]}, {},
+     "backend.parts[0].replicas: must be an integer >= 1 (got 0)"),
+    ({"parts": ["eks:two", "local"]}, {}, "backend.parts[0]: expected KIND or KIND:N such as eks:2 (got 'eks:two')"),
+    ({"parts": [{"kind": "eks"}, {"kind": "local"}]}, {},
+     "backend.parts[1].replicas: only one part may leave its replica count out"),
+    ({"parts": [{"kind": "mixed"}, {"kind": "local"}]}, {}, "backend.parts[0].kind: a part cannot itself be split"),
+    ({"parts": [{"kind": "local", "replicas": 2}]}, {}, "backend.parts: a run split over backends needs at least two"),
+    ({}, {}, "backend.parts: required for the mixed backend"),
+    ({"parts": [{"kind": "eks", "replicas": 2}, {"kind": "local", "replicas": 1}]}, {"replicas": 4},
+     "replicas: the parts of this run (backend.parts) run 3 replica(s), not 4"),
+    ({"parts": [{"kind": "eks", "replicas": 2}, {"kind": "local"}]}, {"replicas": 2},
+     "replicas: the parts with a count (backend.parts) already run 2 of the run's 2 replica(s), which leaves none "
+     "for backend.parts[1] (local)"),
+    ({"parts": [{"kind": "sagemaker", "replicas": 1, "role_arn": ROLE}, {"kind": "local", "replicas": 1}]},
+     {"store": {"rendezvous": "file:///tmp/diloco/{run_id}"}},
+     "store.rendezvous: every part of a run split over backends meets in it, and backend.parts[0] (sagemaker) runs "
+     "replicas that need an s3:// URI (got 'file:///tmp/diloco/{run_id}')"),
+    ({"parts": [{"kind": "eks", "replicas": 1}, {"kind": "local", "replicas": 1}]}, {},
+     "store.rendezvous: required for the mixed backend"),
+])
+def test_a_bad_part_or_count_is_one_line_naming_its_field(section: dict[str, Any], extra: dict[str, Any],
+                                                         message: str) -> None:
+    with pytest.raises(ConfigError) as refused:
+        validate({"backend": {"kind": "mixed", **section}, **extra})
+    assert str(refused.value).startswith(message), str(refused.value)
+    assert "\n" not in str(refused.value)
+
+
+def test_parts_on_this_machine_only_may_meet_in_its_files() -> None:
+    cfg = resolved("local:1", "local:1", rendezvous=None)
+    assert cfg.backend.default_rendezvous("r1") is not None and not cfg.backend.places_some_replicas()
+
+
+def test_a_part_error_found_while_planning_names_the_part_and_nothing_is_created(tmp_path: Path) -> None:
+    """Every part is planned before anything is sent: a SageMaker part without its role fails the plan."""
+    cfg = resolved("local:1", "sagemaker:1", backend_flags={"region": "us-east-1"})
+    backend = MixedBackend(cfg.backend)
+    from diloco.launcher.orchestrate import build_spec
+
+    with pytest.raises(ConfigError, match=r"^backend\.parts\[1\]\.role_arn: the SageMaker execution role is required"):
+        backend.plan(build_spec(cfg, "mixed-plan-1"))
+
+
+def test_the_dry_run_shows_every_parts_exact_requests(tmp_path: Path) -> None:
+    """``--dry-run -o json``: the Job manifest of the eks part (ranks 0-1, its pods adding 0 to their index), the
+    CreateTrainingJob request of the sagemaker part (rank 2) and the local process of rank 3, nothing launched."""
+    home = tmp_path / "home"
+    out = run_cli("launch", "--backend", "mixed", "--part", "eks:2", "--part", "sagemaker:1", "--part", "local",
+                  "--replicas", "4", "--role", ROLE, "--region", "us-east-1", "--image", "registry.example/d:1",
+                  "--rendezvous", "s3://bucket/diloco/{run_id}", "--steps", "20", "--sync-every", "10",
+                  "--dry-run", "-o", "json", home=home, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    assert plan["backend"] == "mixed" and plan["spec"]["replicas"] == 4
+    assert [(r["part"], r["backend"], r["ranks"]) for r in plan["requests"]] == [
+        (0, "eks", [0, 1]), (1, "sagemaker", [2]), (2, "local", [3])]
+    job = plan["requests"][0]["request"]
+    assert (job["kind"], job["spec"]["completions"]) == ("Job", 2)
+    env = {e["name"]: e.get("value") for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["WORLD_SIZE"] == "4" and env["DILOCO_RANK_OFFSET"] == "0"
+    training_job = plan["requests"][1]["request"]
+    assert training_job["TrainingJobName"].endswith("-r2") and training_job["Environment"]["REPLICA_RANK"] == "2"
+    assert training_job["AlgorithmSpecification"]["TrainingImage"] == "registry.example/d:1"
+    local = plan["requests"][2]["request"]
+    assert (local["rank"], local["env"]["REPLICA_RANK"], local["env"]["WORLD_SIZE"]) == (3, "3", "4")
+    assert not home.exists() or not list((home / "runs").glob("*.json")), "a dry run records nothing"
