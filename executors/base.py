@@ -277,8 +277,10 @@ class ReplicaStatus(BaseModel):
     rank: int
     state: ReplicaState
     job_id: str = ""
-    #: The backend running this replica, in a run split over several (``diloco.executors.mixed``); None otherwise.
+    #: The backend running this replica and its part's index in ``backend.parts``, in a run split over several
+    #: backends (``diloco.executors.mixed``); None otherwise.
     backend: str | None = None
+    part: int | None = None
     reason: str | None = None
     detail: str | None = None
     exit_code: int | None = None

@@ -408,6 +408,11 @@ class KubernetesBackend(ServerlessExecutor[KubernetesBackendConfig, KubernetesRu
                     return
                 time.sleep(0.2)
 
+    def roll_back(self, handle: KubernetesRunHandle) -> None:
+        """What a failed ``submit`` does to its Job (deleted, its pods gone), then what diloco kept of it here."""
+        self._roll_back(handle)
+        self.remove(handle)
+
     def _delete_quietly(self, handle: KubernetesRunHandle) -> bool:
         """Roll back a launch whose outcome is uncertain: delete the Job if it exists (foreground); whether a
         delete was accepted."""

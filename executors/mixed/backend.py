@@ -223,8 +223,9 @@ class MixedBackend(ServerlessExecutor[MixedBackendConfig, MixedRunHandle]):
             self._roll_back_parts(handle, submitted)
             if isinstance(exc, DilocoError) and submitted:
                 stopped = ", ".join(self._label(p.part, p.ranks) for p in submitted)
-                raise type(exc)(str(exc), hint=f"the part(s) already submitted were stopped ({stopped}); "
-                                               f"{exc.hint or 'fix the cause and launch again'}") from exc
+                hint = f"{exc.hint}; " if exc.hint else ""
+                raise type(exc)(str(exc), hint=f"{hint}the part(s) submitted before it were stopped: {stopped}") \
+                    from exc
             raise
         return handle
 
@@ -274,16 +275,17 @@ class MixedBackend(ServerlessExecutor[MixedBackendConfig, MixedRunHandle]):
         return self.part_backend(part.part).describe(self._part_handle(part))
 
     def describe(self, handle: MixedRunHandle) -> RunStatus:
-        """Every part's replicas, by rank, each with its backend's name."""
+        """Every part's replicas, by rank, each with its backend's name and its part."""
         replicas: list[ReplicaStatus] = []
         for part in handle.parts:
             if part.handle is None:
                 replicas += [ReplicaStatus(rank=rank, state=ReplicaState.PENDING, backend=part.backend,
+                                           part=part.part,
                                            detail="not submitted yet (the launch is still submitting earlier parts)")
                              for rank in part.ranks]
                 continue
             status = self._describe_part(part)
-            replicas += [r.model_copy(update={"backend": part.backend}) for r in status.replicas]
+            replicas += [r.model_copy(update={"backend": part.backend, "part": part.part}) for r in status.replicas]
         return RunStatus(run_id=handle.run_id, replicas=sorted(replicas, key=lambda r: r.rank))
 
     def cancel(self, handle: MixedRunHandle, ranks: Sequence[int] | None = None) -> None:
