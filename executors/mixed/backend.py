@@ -336,17 +336,21 @@ class MixedBackend(ServerlessExecutor[MixedBackendConfig, MixedRunHandle]):
 
     # ------------------------------------------------------------------ housekeeping
     def remove(self, handle: MixedRunHandle, *, dry_run: bool = False) -> list[str]:
-        """What every part's backend keeps of the run; then the run's own directory under ``$DILOCO_HOME/runs``,
-        once the parts have emptied it (a local part and a Kubernetes part keep theirs inside it)."""
+        """What every part's backend keeps of the run; then the run's own directories the parts kept theirs in (a
+        local part's ``<log_root>/<run>/part-r..``, a Kubernetes part's ``$DILOCO_HOME/runs/<run>/eks-r..``), once
+        the parts have emptied them."""
+        from pathlib import Path
+
+        from diloco.run_dirs import runs_dir
+
         removed: list[str] = []
         for part in handle.parts:
             if part.handle is not None:
                 removed += self.part_backend(part.part).remove(self._part_handle(part), dry_run=dry_run)
-        from diloco.run_dirs import runs_dir
-
-        folder = runs_dir() / handle.run_id
-        if not dry_run and folder.is_dir() and not any(folder.iterdir()):
-            os.rmdir(folder)
+        folders = {runs_dir() / handle.run_id, *(Path(p).parent for p in removed if "://" not in p)}
+        for folder in folders:
+            if not dry_run and folder.name == handle.run_id and folder.is_dir() and not any(folder.iterdir()):
+                os.rmdir(folder)
         return removed
 
     @classmethod

@@ -81,7 +81,8 @@ def parse_part(item: Any, where: str) -> dict[str, Any]:
 
 
 class MixedBackendConfig(BackendConfig):
-    """One run over several backends (``diloco.executors.mixed``): its parts, in rank order."""
+    """One run over several backends at once: its parts, in rank order, each a backend's own section with its
+    replicas (docs/backends/mixed.md)."""
 
     kind: Literal["mixed"] = MIXED
     parts: list[MixedPart] = Field(

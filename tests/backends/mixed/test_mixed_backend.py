@@ -57,6 +57,20 @@ class TestMixedBackend(BackendConformance):
         return MixedCase(tmp_path)
 
 
+def test_remove_deletes_what_every_part_kept_and_the_run_directory_they_shared(tmp_path: Path) -> None:
+    case = MixedCase(tmp_path)
+    backend = case.backend()
+    handle = backend.submit(backend.plan(case.spec("mixed-rm-1", replicas=3, lines=1)))
+    assert backend.wait(handle, timeout_s=case.patience_s, poll_interval_s=0.2).state.value == "succeeded"
+    run_dir = tmp_path / "runs" / "mixed-rm-1"
+    assert sorted(p.name for p in run_dir.iterdir()) == ["part-r0", "part-r1-2"]
+    assert backend.remove(handle, dry_run=True) == [str(run_dir / "part-r0"), str(run_dir / "part-r1-2")]
+    assert run_dir.is_dir(), "a dry run removes nothing"
+    assert backend.remove(handle) == [str(run_dir / "part-r0"), str(run_dir / "part-r1-2")]
+    assert not run_dir.exists()
+    assert backend.remove(handle) == []
+
+
 # ---------------------------------------------------------------------------------------------- the config
 def resolved(*parts: str, flags: dict[str, Any] | None = None, backend_flags: dict[str, Any] | None = None,
              rendezvous: str | None = "s3://bucket/diloco/{run_id}") -> Any:
@@ -159,3 +173,21 @@ def test_the_dry_run_shows_every_parts_exact_requests(tmp_path: Path) -> None:
     local = plan["requests"][2]["request"]
     assert (local["rank"], local["env"]["REPLICA_RANK"], local["env"]["WORLD_SIZE"]) == (3, "3", "4")
     assert not home.exists() or not list((home / "runs").glob("*.json")), "a dry run records nothing"
+
+
+def test_the_shipped_config_plans_once_its_placeholders_are_filled_in(tmp_path: Path) -> None:
+    """configs/mixed.yaml, as docs/backends/mixed.md shows it: a valid run of 4 over eks, sagemaker and local."""
+    text = (Path(__file__).resolve().parents[3] / "configs" / "mixed.yaml").read_text()
+    for placeholder, value in {"<namespace>": "ml", "<service-account>": "trainer", "<account-id>": "123456789012",
+                               "<sagemaker-execution-role>": "diloco-sagemaker", "<your-bucket>": "my-bucket"}.items():
+        text = text.replace(placeholder, value)
+    (tmp_path / "mixed.yaml").write_text(text)
+    out = run_cli("launch", "-c", str(tmp_path / "mixed.yaml"), "--dry-run", "-o", "json", home=tmp_path / "home",
+                  cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    assert plan["spec"]["replicas"] == 4
+    assert [(r["backend"], r["ranks"]) for r in plan["requests"]] == [
+        ("eks", [0, 1]), ("sagemaker", [2]), ("local", [3])]
+    assert plan["requests"][1]["request"]["EnableManagedSpotTraining"] is True
+    assert "estimated cost: backend.parts[1] (sagemaker, rank 2)" in out.stderr
