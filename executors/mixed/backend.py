@@ -275,7 +275,9 @@ class MixedBackend(ServerlessExecutor[MixedBackendConfig, MixedRunHandle]):
         return self.part_backend(part.part).describe(self._part_handle(part))
 
     def describe(self, handle: MixedRunHandle) -> RunStatus:
-        """Every part's replicas, by rank, each with its backend's name and its part."""
+        """Every part's replicas, by rank, each with its backend's name and its part. A part whose backend cannot
+        be asked now (its cluster unreachable, its credentials expired) shows its replicas ``unknown``, saying why,
+        and the others as they are: one backend's outage does not hide the run."""
         replicas: list[ReplicaStatus] = []
         for part in handle.parts:
             if part.handle is None:
@@ -284,7 +286,13 @@ class MixedBackend(ServerlessExecutor[MixedBackendConfig, MixedRunHandle]):
                                            detail="not submitted yet (the launch is still submitting earlier parts)")
                              for rank in part.ranks]
                 continue
-            status = self._describe_part(part)
+            try:
+                status = self._describe_part(part)
+            except DilocoError as exc:
+                replicas += [ReplicaStatus(rank=rank, state=ReplicaState.UNKNOWN, backend=part.backend,
+                                           part=part.part, reason=f"its backend could not be asked: {exc}")
+                             for rank in part.ranks]
+                continue
             replicas += [r.model_copy(update={"backend": part.backend, "part": part.part}) for r in status.replicas]
         return RunStatus(run_id=handle.run_id, replicas=sorted(replicas, key=lambda r: r.rank))
 

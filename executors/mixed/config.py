@@ -172,7 +172,8 @@ class MixedBackendConfig(BackendConfig):
         return defaults.pop() if len(defaults) == 1 else None
 
     def default_check_trainer_locally(self) -> bool:
-        return all(part.config.default_check_trainer_locally() for part in self.parts)
+        """A part whose replicas import the trainer from this interpreter (a local part) needs it importable here."""
+        return any(part.config.default_check_trainer_locally() for part in self.parts)
 
     # ---------------------------------------------------------------- the command line
     @classmethod

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from support.commands import run_cli
 
 from diloco.errors import ConfigError
@@ -69,6 +70,43 @@ def test_remove_deletes_what_every_part_kept_and_the_run_directory_they_shared(t
     assert backend.remove(handle) == [str(run_dir / "part-r0"), str(run_dir / "part-r1-2")]
     assert not run_dir.exists()
     assert backend.remove(handle) == []
+
+
+def test_a_part_whose_backend_cannot_be_asked_reads_unknown_and_hides_nothing_else(tmp_path: Path) -> None:
+    """The Kubernetes part's cluster is gone (its kubeconfig names a server nobody answers): ``describe`` shows its
+    replica ``unknown`` with the reason, and the local part's replica as it is."""
+    import socket
+
+    from diloco.executors.kubernetes import KubernetesRunHandle
+    from diloco.executors.mixed import MixedPartHandle, MixedRunHandle
+
+    with socket.socket() as probe:  # a loopback port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "gone",
+        "clusters": [{"name": "gone", "cluster": {"server": f"http://127.0.0.1:{port}"}}],
+        "contexts": [{"name": "gone", "context": {"cluster": "gone", "user": "u"}}],
+        "users": [{"name": "u", "user": {"token": "t"}}]}))
+    backend = MixedBackend(MixedBackendConfig(parts=[
+        {"kind": "local", "replicas": 1, "log_root": str(tmp_path / "runs"), "grace_period_s": 1.0},
+        {"kind": "eks", "replicas": 1, "image": "python:3.11-slim", "kubeconfig": str(kubeconfig),
+         "state_dir": str(tmp_path / "state")}]))
+    plan = backend.plan(BackendCase().spec("mixed-gone-1", replicas=2, lines=1))
+    (_, local_plan), _ = backend._part_plans(plan)
+    local = backend.part_backend(0).submit(local_plan)
+    job = KubernetesRunHandle(run_id="mixed-gone-1", replicas=2, ranks=[1], namespace="default",
+                              job_name="mixed-gone-1-r1")
+    handle = MixedRunHandle(run_id="mixed-gone-1", replicas=2, complete=True, parts=[
+        MixedPartHandle(part=0, backend="local", ranks=[0], handle=local.model_dump(mode="json")),
+        MixedPartHandle(part=1, backend="eks", ranks=[1], handle=job.model_dump(mode="json"))])
+    backend.part_backend(0).wait(local, timeout_s=30, poll_interval_s=0.2)
+    status = backend.describe(handle)
+    assert (status.replica(0).backend, status.replica(0).state.value) == ("local", "succeeded")
+    gone = status.replica(1)
+    assert (gone.backend, gone.part, gone.state.value) == ("eks", 1, "unknown")
+    assert "its backend could not be asked" in (gone.reason or ""), gone.reason
 
 
 # ---------------------------------------------------------------------------------------------- the config
