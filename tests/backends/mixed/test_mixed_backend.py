@@ -72,6 +72,29 @@ def test_remove_deletes_what_every_part_kept_and_the_run_directory_they_shared(t
     assert backend.remove(handle) == []
 
 
+def test_a_replica_is_relaunched_by_its_own_parts_backend(tmp_path: Path) -> None:
+    """Rank 1 (the second local part) is killed; ``relaunch`` starts it again there and the handle follows it."""
+    case = MixedCase(tmp_path)
+    backend = case.backend()
+    handle = backend.submit(backend.plan(case.spec("mixed-again-1", replicas=2, lines=1, fail_rank=1,
+                                                   fail_exit=137)))
+    status = backend.wait(handle, timeout_s=case.patience_s, poll_interval_s=0.2)
+    assert (status.replica(1).state.value, status.replica(1).exit_code) == ("failed", 137)
+    assert backend.relaunches(handle, 1) and backend.relaunches(handle, 0)
+    again = backend.relaunch(handle, 1)
+    assert again.parts[0] == handle.parts[0] and again.parts[1].handle != handle.parts[1].handle
+    status = backend.wait(again, timeout_s=case.patience_s, poll_interval_s=0.2)
+    assert (status.replica(1).restarts, status.replica(1).backend, status.replica(0).restarts) == (1, "local", 0)
+    cluster = MixedBackend(MixedBackendConfig(parts=[{"kind": "local", "replicas": 1},
+                                                     {"kind": "eks", "replicas": 1, "image": "python:3.11"}]))
+    from diloco.executors.mixed import MixedPartHandle, MixedRunHandle
+
+    parts = MixedRunHandle(run_id="r", replicas=2, parts=[
+        MixedPartHandle(part=0, backend="local", ranks=[0], handle=handle.parts[0].handle),
+        MixedPartHandle(part=1, backend="eks", ranks=[1], handle={"run_id": "r", "replicas": 2, "ranks": [1]})])
+    assert cluster.relaunches(parts, 0) and not cluster.relaunches(parts, 1), "the cluster retries its own pods"
+
+
 def test_a_part_whose_backend_cannot_be_asked_reads_unknown_and_hides_nothing_else(tmp_path: Path) -> None:
     """The Kubernetes part's cluster is gone (its kubeconfig names a server nobody answers): ``describe`` shows its
     replica ``unknown`` with the reason, and the local part's replica as it is."""
