@@ -162,6 +162,9 @@ def test_a_run_over_eks_sagemaker_and_a_local_process_trains_as_one_and_is_manag
     assert collect.returncode == 0, collect.stderr[-3000:]
     collected = json.loads(collect.stdout)
     assert collected["weights_identical"] is True and Path(collected["model_path"]).is_file()
+    shares = {p["backend"]: p for p in collected["parts"]}  # billing per part: only SageMaker bills here
+    assert shares["sagemaker"]["billable_s"] > 0 and shares["eks"]["billable_s"] is None
+    assert collected["billable_s"] == shares["sagemaker"]["billable_s"]
     assert processes_of(run_id) == [], "every replica of every part has ended"
 
     # One cancel stops every part.
