@@ -211,6 +211,28 @@ def test_a_part_error_found_while_planning_names_the_part_and_nothing_is_created
         backend.plan(build_spec(cfg, "mixed-plan-1"))
 
 
+def test_the_cost_is_the_parts_costs_summed_with_each_parts_in_the_detail() -> None:
+    """Before anything is created: the SageMaker part bills, the local part is free, the eks part's cluster is
+    already paid for; the plan's estimate and ``estimate_cost`` are the billing parts' own, summed and labelled."""
+    from diloco.executors.sagemaker import SageMakerBackend
+    from diloco.launcher.orchestrate import build_spec
+
+    cfg = resolved("eks:1", "sagemaker:2", "local:1", backend_flags={"role": ROLE, "region": "us-east-1",
+                                                                      "image": "registry.example/d:1"})
+    backend = MixedBackend(cfg.backend)
+    plan = backend.plan(build_spec(cfg, "mixed-cost-1"))
+    sagemaker = SageMakerBackend(cfg.backend.parts[1].config)
+    alone = sagemaker.plan(build_spec(cfg, "mixed-cost-1").model_copy(update={"ranks": [1, 2]}))
+    assert plan.cost is not None and alone.cost is not None
+    assert plan.cost.usd_per_hour == alone.cost.usd_per_hour and plan.cost.usd_per_hour > 0
+    assert plan.cost.detail == f"backend.parts[1] (sagemaker, ranks 1-2): {alone.cost.detail}"
+    usd, detail = backend.estimate_cost(plan, 600.0)
+    assert (usd, detail) == (sagemaker.estimate_cost(alone, 600.0)[0],
+                             f"backend.parts[1] (sagemaker, ranks 1-2): {sagemaker.estimate_cost(alone, 600.0)[1]}")
+    free = MixedBackend(resolved("local:1", "local:1", rendezvous=None).backend)
+    assert free.estimate_cost(free.plan(build_spec(resolved("local:1", "local:1", rendezvous=None), "r")), 60) is None
+
+
 def test_the_dry_run_shows_every_parts_exact_requests(tmp_path: Path) -> None:
     """``--dry-run -o json``: the Job manifest of the eks part (ranks 0-1, its pods adding 0 to their index), the
     CreateTrainingJob request of the sagemaker part (rank 2) and the local process of rank 3, nothing launched."""
