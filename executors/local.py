@@ -150,8 +150,8 @@ class LocalBackend(ServerlessExecutor[LocalBackendConfig, LocalRunHandle]):
 
     name: ClassVar[str] = "local"
     supports_relaunch: ClassVar[bool] = True
-    #: A part of a run split over backends gets a directory of its own (``part_dir``); logs, checkpoints and
-    #: requests are per global rank.
+    #: A part of a run split over backends gets a directory of its own (``part_dir``: its handle, requests, logs
+    #: and checkpoints, removed with it); logs and checkpoints are per global rank.
     supports_rank_ranges: ClassVar[bool] = True
     config_type = LocalBackendConfig
     handle_type = LocalRunHandle
@@ -206,7 +206,7 @@ class LocalBackend(ServerlessExecutor[LocalBackendConfig, LocalRunHandle]):
             added["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // processes_of(spec)))
         if envvars.CHECKPOINT_DIR not in os.environ and envvars.CHECKPOINT_DIR not in spec.env:
             # Each rank keeps its inner optimizer state here (rank_RRRR/), so a relaunched replica resumes it.
-            added[envvars.CHECKPOINT_DIR] = os.path.join(self.run_dir(spec.run_id), "checkpoints")
+            added[envvars.CHECKPOINT_DIR] = os.path.join(self.part_dir(spec), "checkpoints")
         cwd = os.getcwd()
         base = self.part_dir(spec)
         requests = [
