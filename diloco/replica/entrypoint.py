@@ -14,7 +14,8 @@ one, and this entrypoint's flags are generated from it (``--help`` lists them). 
 * the field's default.
 
 The rank is not a setting (it differs per replica): ``--rank``, else ``REPLICA_RANK`` (set by every diloco
-backend), else ``JOB_COMPLETION_INDEX`` (Kubernetes Indexed Jobs).
+backend), else ``JOB_COMPLETION_INDEX`` (Kubernetes Indexed Jobs), plus ``DILOCO_RANK_OFFSET`` for a rank from the
+environment (a backend running one part of a run split over several backends, numbering its replicas from 0).
 
 Before anything touches the store, the trainer kwargs are checked against the trainer's signature, its type
 annotations and its preflight hook (``diloco.trainers.preflight``), with the replica's own machine as the target; values
@@ -219,17 +220,25 @@ def _validated(data: Mapping[str, Any], sources: Mapping[str, str]) -> ReplicaSe
 
 
 def _rank(flag: str | None, env: Mapping[str, str]) -> int:
-    """``--rank``, else ``REPLICA_RANK``, else ``JOB_COMPLETION_INDEX``; empty values count as unset."""
+    """``--rank``, else ``REPLICA_RANK``, else ``JOB_COMPLETION_INDEX``; empty values count as unset. A rank from
+    the environment gets ``DILOCO_RANK_OFFSET`` added (``envvars.rank_offset``): a backend running ranks r0.. of a
+    larger run that numbers its replicas from 0 (a Kubernetes Job's pod index) sets it to r0."""
     sources = [("--rank", flag), (envvars.REPLICA_RANK, env.get(envvars.REPLICA_RANK)),
                (envvars.JOB_COMPLETION_INDEX, env.get(envvars.JOB_COMPLETION_INDEX))]
     for source, raw in sources:
         if raw is None or raw.strip() == "":
             continue
         try:
-            return int(raw.strip())
+            value = int(raw.strip())
         except ValueError:
             raise UsageError(f"{source}={raw!r} is not an integer",
                              f"set {source} to a whole number") from None
+        if source == "--rank":
+            return value
+        try:
+            return value + envvars.rank_offset(env)
+        except ValueError as exc:
+            raise UsageError(str(exc), f"set {envvars.RANK_OFFSET} to a whole number, or unset it") from None
     raise UsageError("no rank",
                      f"pass --rank R or set {envvars.REPLICA_RANK} or {envvars.JOB_COMPLETION_INDEX}")
 

@@ -31,6 +31,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from diloco.envvars import JOB_COMPLETION_INDEX, REPLICA_RANK, rank_offset
+
 if TYPE_CHECKING:
     from diloco.store.objects import ObjectStore
 
@@ -179,8 +181,10 @@ def ship_output(env: Mapping[str, str] | None = None) -> LogShipper | None:
     if not uri:
         return None
     os.environ.pop(LOG_URI_ENV, None)
-    rank_text = environ.get("REPLICA_RANK") or environ.get("JOB_COMPLETION_INDEX") or ""
-    if not rank_text.isdigit():
+    rank_text = (environ.get(REPLICA_RANK) or environ.get(JOB_COMPLETION_INDEX) or "").strip()
+    try:
+        rank = int(rank_text) + rank_offset(environ)  # the global rank, as the entrypoint reads it
+    except ValueError:
         return None
     attempt = environ.get(ATTEMPT_ENV, "").strip() or f"{time.time_ns()}-{os.getpid()}"
     try:
@@ -189,7 +193,7 @@ def ship_output(env: Mapping[str, str] | None = None) -> LogShipper | None:
         store = ObjectStore(uri, retries=2)
     except Exception:  # noqa: BLE001 - no shipping is better than no training
         return None
-    return LogShipper(store, int(rank_text), attempt).start()
+    return LogShipper(store, rank, attempt).start()
 
 
 # ---------------------------------------------------------------------------------------------- reading
