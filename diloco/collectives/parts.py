@@ -367,3 +367,28 @@ class PartsAllReduce(RoundDriver[_Snapshot, _Published]):
     def replica_contributed(self, round_: int) -> bool:
         """Whether any local process of this replica published a part of the round of index ``round_``."""
         return replica_contributed(self.store, round_, self.rank, self.spread)
+
+
+def create_parts_allreduce(uri: str, rank: int, world_size: int, settings: Any = None, *, run_id: str | None = None,
+                           part: int, parts: int) -> PartsAllReduce:
+    """Local process ``part``'s collective, with the store settings a replica has (``timeout_s``,
+    ``poll_interval_s``, ``compression``, ``error_feedback``, ``spread``; ``allreduce`` does not apply: a sharded
+    replica always exchanges parts). ``ConfigError`` naming ``store.min_replicas`` when partial participation is
+    asked for: a round of parts averages every replica."""
+    from pydantic import ValidationError
+
+    from diloco.errors import ConfigError, validation_line
+    from diloco.store.settings import StoreSettings
+
+    base = settings.model_dump(include=set(StoreSettings.model_fields)) if settings is not None else {}
+    try:
+        s = StoreSettings.model_validate(base)
+    except ValidationError as exc:
+        raise ConfigError(f"store.{validation_line(exc)}", hint="see docs/reference/configuration.md") from None
+    if s.min_replicas is not None:
+        raise ConfigError(f"store.min_replicas ({s.min_replicas}): a replica whose model is sharded over its local "
+                          f"processes (FSDP) averages every replica's rows each round",
+                          hint="drop --min-replicas, or train without fsdp")
+    return PartsAllReduce(uri, rank, world_size, part=part, parts=parts, timeout_s=s.timeout_s,
+                          poll_interval_s=s.poll_interval_s, run_id=run_id, compression=s.compression,
+                          error_feedback=s.error_feedback, spread=s.spread)
