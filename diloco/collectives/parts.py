@@ -26,6 +26,14 @@ the same on every replica whatever its K. Compressed, a piece is quantised in bl
 a reader always decodes whole pieces (never a block cut out of one), so every replica, the writer included, uses
 the same decoded values of every piece, whatever its own partition.
 
+A replica that died in the middle of uploading (a local process killed after its part landed, before its
+siblings' did) leaves its contribution incomplete: peers may already have read and added the parts that landed,
+so those bytes are final. Relaunched, each of its processes whose part of that round is in the store publishes
+nothing and reads its own rows back from that part, as every peer does, while the others publish theirs: every
+replica then averages the very same contribution (``PartsExchange.publish``). A contribution that is complete is
+never recomputed: the replica waits for that round to commit instead (``replica_contributed``, used by the
+manager's rejoin). A relaunch with another number of processes in such a round cannot complete it, and says so.
+
 Failures are the other strategies': a part missing past ``timeout_s`` is an ``AllReduceTimeout`` naming the round
 and the rank; a part that fails its digests, or is of another round, replica, run, world size, payload, partition
 or format, is re-read a few times, then a ``CorruptObjectError``. Not supported here: ``min_replicas`` (partial
@@ -49,7 +57,7 @@ from diloco.collectives.part_layout import (
     pieces_of_part,
 )
 from diloco.collectives.wire import PayloadCodec
-from diloco.errors import CorruptObjectError
+from diloco.errors import CorruptObjectError, DilocoError
 from diloco.store import codec
 from diloco.store.layout import check_spread, part_key, part_prefix
 
@@ -83,6 +91,8 @@ class _Published:
     pieces: list[Piece]
     decoded: dict[str, torch.Tensor]  # piece label -> what peers decode of it (dropped once added)
     digest: str = field(default="")
+    #: Our part was in the store already (written before a restart): our own rows are read back from it.
+    reused: bool = False
 
 
 @dataclass(frozen=True)
@@ -137,6 +147,17 @@ class PartsExchange:
     # ---------------------------------------------------------------- round thread: publish
     def publish(self, io: RoundIO, round_: int, snapshot: _Snapshot) -> _Published:
         digest = payload_digest(snapshot.shapes)
+        key = part_key(round_, io.rank, self.part, self.spread)
+        if io.store.exists(key):  # our previous life uploaded it: peers may have added it already (module docstring)
+            header = codec.read_header(io.store, key)
+            written = header.metadata.get(PARTS_KEY)
+            if written != str(self.parts):
+                raise DilocoError(
+                    f"round {round_ + 1}: replica {io.rank} had uploaded part of its contribution as {written} local "
+                    f"processes before it restarted; as {self.parts} it cannot complete that contribution",
+                    hint=f"relaunch the replica with --procs-per-replica {written}")
+            snapshot.flats.clear()
+            return _Published(snapshot.shapes, snapshot.local_shapes, snapshot.pieces, {}, digest, reused=True)
         wire_all: dict[str, torch.Tensor] = {}
         decoded: dict[str, torch.Tensor] = {}
         listing: list[list[Any]] = []
@@ -170,7 +191,9 @@ class PartsExchange:
         acc: dict[str, torch.Tensor] = {}
         for replica in range(io.world_size):
             first = replica == 0
-            if replica == io.rank:
+            if replica == io.rank and published.reused:
+                self._add_peer(io, round_, replica, published, acc, first, deadline)
+            elif replica == io.rank:
                 for piece in published.pieces:
                     own = published.decoded.pop(piece.label)
                     if first:
@@ -334,9 +357,18 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def replica_contributed(store: ObjectStore, round_: int, rank: int, spread: int = 1) -> bool:
-    """Whether any local process of replica ``rank`` published a part of the round of index ``round_`` (a
-    restarted sharded replica must then not compute that round's contribution again)."""
-    return bool(store.list(part_prefix(round_, rank, spread)))
+    """Whether replica ``rank``'s whole contribution to the round of index ``round_`` is in the store: part 0,
+    and every other part of the count part 0 names. A restarted replica then waits for that round to commit; with
+    only some parts there, it completes the contribution instead (see the module docstring)."""
+    keys = set(store.list(part_prefix(round_, rank, spread)))
+    first = part_key(round_, rank, 0, spread)
+    if first not in keys:
+        return False
+    try:
+        parts = int(codec.read_header(store, first).metadata.get(PARTS_KEY, ""))
+    except (ValueError, CorruptObjectError):
+        return False
+    return all(part_key(round_, rank, q, spread) in keys for q in range(parts))
 
 
 class PartsAllReduce(RoundDriver[_Snapshot, _Published]):
@@ -365,7 +397,7 @@ class PartsAllReduce(RoundDriver[_Snapshot, _Published]):
         return self.store.exists(part_key(round_, self.rank, self.part, self.spread))
 
     def replica_contributed(self, round_: int) -> bool:
-        """Whether any local process of this replica published a part of the round of index ``round_``."""
+        """Whether this replica's whole contribution to the round of index ``round_`` is in the store."""
         return replica_contributed(self.store, round_, self.rank, self.spread)
 
 

@@ -17,7 +17,7 @@ import torch
 from diloco.collectives.allreduce import average
 from diloco.collectives.part_layout import ShardSpec, part_rows, spec_of_part
 from diloco.collectives.parts import PartsAllReduce
-from diloco.errors import CorruptObjectError
+from diloco.errors import CorruptObjectError, DilocoError
 from diloco.store import codec
 from diloco.store.layout import part_key
 from diloco.store.objects import ObjectStore
@@ -146,3 +146,31 @@ def test_rows_that_are_not_fsdp2s_cut_are_refused_naming_the_tensor(tmp_path: An
     with pytest.raises(ValueError, match=r"'w': local process 1 of 2 holds rows \[0, 4\)"):
         collective.allreduce_shards_async({"w": torch.zeros(4, 5)}, {"w": ShardSpec((7, 5), 0, 4)})
     collective.close()
+
+
+def test_a_contribution_left_half_uploaded_by_a_restart_is_completed_without_replacing_what_landed(
+        tmp_path: Any) -> None:
+    """Replica 1 (2 processes) dies after its part 0 landed: peers may have added it already. Relaunched with other
+    values, its process 0 publishes nothing and reads its rows back from that part, its process 1 publishes its
+    part: every process of both replicas averages the same contribution (old part 0, new part 1), bitwise."""
+    from diloco.collectives.parts import replica_contributed
+
+    uri = f"file://{tmp_path}/rdv"
+    store = ObjectStore(uri)
+    old, new, peer = contribution(1), contribution(7), contribution(0)
+    first_life = PartsAllReduce(uri, 1, 2, part=0, parts=2, timeout_s=30, poll_interval_s=POLL, run_id="run")
+    tensors, specs = local_rows(old, 2, 0)
+    first_life.allreduce_shards_async(tensors, specs).wait_for_upload()
+    first_life.close(wait=False)  # killed: its part 0 is in the store, its part 1 never will be
+    assert not replica_contributed(store, 0, 1)  # incomplete: the relaunch must complete it, not wait
+
+    means = run_round(uri, [1, 2], [peer, new])
+    landed = {name: torch.cat([local_rows(old, 2, 0)[0][name].reshape(-1), local_rows(new, 2, 1)[0][name].reshape(-1)])
+              .reshape(SHAPES[name]) for name in SHAPES}
+    expected = average([peer, landed])
+    for replica in means:
+        whole = assemble(replica)
+        assert all(torch.equal(bits(whole[name]), bits(expected[name])) for name in SHAPES)
+    assert replica_contributed(store, 0, 1)
+    with pytest.raises(DilocoError, match=r"as 2 local processes before it restarted; as 3 it cannot complete"):
+        run_round(uri, [1, 3], [peer, new])  # round index 0 again, as a relaunch with 3 processes would
