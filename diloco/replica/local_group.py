@@ -22,9 +22,10 @@ Why it looks the way it does:
 A sharded model (FSDP2) is different: no process holds it whole, so each local process exchanges, commits and
 restores its own rows through the store (``LocalGroupManager``'s shard methods, ``diloco.replica.local_shards``).
 
-Not yet: the inner optimizer's per-replica checkpoints (``$DILOCO_CHECKPOINT_DIR``, ``diloco.replica.checkpoint``) are off in
-a multi-process replica (``LocalGroupManager`` has no ``rounds``), because every local process would have to restore
-the same state; a rejoining multi-process replica starts its inner optimizer fresh, as the log says.
+The inner optimizer's per-replica checkpoints (``$DILOCO_CHECKPOINT_DIR``, ``diloco.replica.checkpoint``): a sharded
+model's local processes each keep their own rows' state (``shard_checkpoints``) and get it back on a rejoin. With a
+model every process holds whole (DDP) they are off (``LocalGroupManager`` has no ``rounds``): a rejoining replica
+then starts its inner optimizer fresh, as the log says.
 
 A trainer opts in with ``@supports_local_processes`` (``diloco.trainers.hf:train`` does): it then finds its local
 group with ``current_local_group()``, wraps its model in DDP and reads its own sub-shard. A trainer that does not
@@ -441,6 +442,11 @@ class LocalGroupManager:
         """The whole tensors on local rank 0 (``None`` elsewhere), for the final export."""
         return self._shards.gather(tensors, specs)
 
+    def shard_checkpoints(self) -> tuple[str | None, tuple[int, int]] | None:
+        """Where this process keeps its rows' inner optimizer state: (the run id, (local rank, local processes)),
+        or ``None`` when the replica commits no rounds (no parts setup)."""
+        return self._shards.checkpoint_place()
+
     # ---------------------------------------------------------------- checkpointing
     def state_dict(self) -> dict[str, Any]:
         return self._inner.state_dict() if self._inner is not None else {"step": self._step}
@@ -526,14 +532,21 @@ class _children_env:
 
 
 def _root_cause(exc: Any, errors: str) -> ChildFailure:
-    """The failure to report: among the processes that failed on their own (not stopped by SIGTERM), the first to
+    """The failure to report: among the processes that failed on their own (not stopped by SIGTERM), one killed
+    by a signal first (a SIGKILL, the OOM killer: it could write no error line, and its siblings' lost
+    connections are its consequence; its exit code, 128 + N, makes the replica relaunchable), else the first to
     fail, as the clocks in their error records say, a relayed error (``derived``) only when nothing else is there.
     (A process whose peer died first often fails too, with a lost connection, a moment later.)"""
     failures = dict(exc.failures)  # local rank -> ProcessFailure (exitcode, ...)
     codes = {rank: _exit_code(f.exitcode) for rank, f in failures.items()}
     causes = [rank for rank in failures if codes[rank] != _SIGTERM_EXIT] or list(failures)
     records = {rank: _read_record(error_file(errors, rank)) for rank in causes}
-    rank = min(causes, key=lambda r: (bool(records[r].get("derived")), records[r].get("time", float("inf")), r))
+
+    def killed(rank: int) -> bool:
+        return codes[rank] > 128 and codes[rank] != _SIGTERM_EXIT and not records[rank]
+
+    rank = min(causes, key=lambda r: (not killed(r), bool(records[r].get("derived")),
+                                      records[r].get("time", float("inf")), r))
     return ChildFailure(exit_code=codes[rank], message=records[rank].get("message"))
 
 

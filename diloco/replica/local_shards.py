@@ -57,6 +57,11 @@ class LocalShardRounds:
     def checkpoints(self) -> PartCheckpoints | None:
         return self._parts.checkpoints() if self._parts is not None else None
 
+    def checkpoint_place(self) -> tuple[str | None, tuple[int, int]] | None:
+        if self._parts is None:
+            return None
+        return self._parts.run_id, (self.group.rank, self.group.size)
+
     # ---------------------------------------------------------------- agreement
     def agree(self, error: BaseException | None, what: str, extra: Any = None) -> list[Any]:
         """Every process's ``extra``, once every process said whether its ``what`` worked; raises this process's

@@ -372,7 +372,7 @@ class DiLoCo:
         self.on_rejoin = on_rejoin
         self.rejoined_round: int | None = None  # the committed round this replica rejoined at, if it did
         self.inner_state_restored = False  # the rejoin also restored the inner optimizer's state of that round
-        self._inner_state = _inner_state_for(manager, checkpoint_dir)
+        self._inner_state = _inner_state_for(manager, checkpoint_dir, shards=self.shards)
 
     # ---------------------------------------------------------------- context manager
     def __enter__(self) -> DiLoCo:
@@ -456,7 +456,12 @@ class DiLoCo:
                            found.reason)
             return
         try:
-            self.inner_optimizer.load_state_dict(found.state)
+            state = found.state
+            if self.shards:
+                from diloco.replica.param_shards import shard_optimizer_state
+
+                state = shard_optimizer_state(self.inner_optimizer, state)
+            self.inner_optimizer.load_state_dict(state)
         except (ValueError, KeyError, RuntimeError) as exc:  # e.g. the trainer's parameter groups changed
             logger.warning("rejoining after round %d with a fresh inner optimizer state: %s does not fit this "
                            "optimizer (%s)", round_number, found.reason, exc)
@@ -471,7 +476,12 @@ class DiLoCo:
             return
         round_number = self.manager.current_step()
         try:
-            self._inner_state.save(round_number, self.inner_optimizer.state_dict())
+            state = self.inner_optimizer.state_dict()
+            if self.shards:
+                from diloco.replica.param_shards import local_optimizer_state
+
+                state = local_optimizer_state(state)
+            self._inner_state.save(round_number, state)
         except (OSError, ValueError, TypeError) as exc:
             logger.warning("could not save the inner optimizer state of round %d in %s: %s", round_number,
                            self._inner_state.directory, exc)
@@ -693,19 +703,27 @@ def make_diloco_outer_loop(
 _SHARD_METHODS = ("allreduce_shards", "commit_round_shards", "rejoin_shards", "gather_shards")
 
 
-def _inner_state_for(manager: Manager, checkpoint_dir: str | None) -> InnerOptimizerState | None:
+def _inner_state_for(manager: Manager, checkpoint_dir: str | None, *,
+                     shards: bool = False) -> InnerOptimizerState | None:
     """Where this replica keeps its inner optimizer's state: only with committed rounds (a manager that commits
-    and rejoins) and a checkpoint directory (the argument, else ``$DILOCO_CHECKPOINT_DIR``)."""
+    and rejoins) and a checkpoint directory (the argument, else ``$DILOCO_CHECKPOINT_DIR``). A sharded model's
+    local process keeps its own rows' state (``shard_checkpoints``: its run and its place in the replica)."""
     import os
 
     from diloco.envvars import CHECKPOINT_DIR
+    from diloco.replica.checkpoint import InnerOptimizerState
 
     directory = checkpoint_dir or os.environ.get(CHECKPOINT_DIR) or None
+    where = getattr(manager, "shard_checkpoints", None)
+    if directory is not None and shards and callable(where):
+        found = where()
+        if found is None:
+            return None
+        run_id, local = found
+        return InnerOptimizerState(directory, run_id=run_id, rank=getattr(manager, "rank", 0), local=local)
     rounds = getattr(manager, "rounds", None)
     if directory is None or rounds is None or not callable(getattr(manager, "commit_round", None)):
         return None
-    from diloco.replica.checkpoint import InnerOptimizerState
-
     return InnerOptimizerState(directory, run_id=getattr(rounds, "run_id", None), rank=getattr(manager, "rank", 0))
 
 

@@ -10,7 +10,8 @@ rejoin of a sharded replica is by those rows.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from diloco.collectives.part_layout import ShardSpec, spec_of_part
 
@@ -64,3 +65,32 @@ def local_position(params: dict[str, torch.Tensor]) -> tuple[int, int] | None:
             mesh = param.device_mesh  # type: ignore[attr-defined]
             return mesh.get_local_rank(), mesh.size()
     return None
+
+
+def local_optimizer_state(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """An optimizer's ``state_dict()`` with every sharded tensor (a ``DTensor`` moment of a sharded parameter) as
+    this process's rows (plain tensors: what safetensors stores)."""
+    state = {param: {name: (local_rows(value) if is_sharded(value) else value) for name, value in entries.items()}
+             for param, entries in (state_dict.get("state") or {}).items()}
+    return {**state_dict, "state": state}
+
+
+def shard_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """``local_optimizer_state`` undone for ``optimizer``: a tensor saved for a sharded parameter, shaped as this
+    process's rows of it, becomes a ``DTensor`` placed as the parameter is (on its device); the rest is kept."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state: dict[Any, dict[str, Any]] = {}
+    for index, entries in (state_dict.get("state") or {}).items():
+        param = params[int(index)] if 0 <= int(index) < len(params) else None
+        out = {}
+        for name, value in entries.items():
+            if param is not None and is_sharded(param) and getattr(value, "shape", None) == local_rows(param).shape \
+                    and value.dim() > 0:
+                value = DTensor.from_local(value.to(local_rows(param).device), param.device_mesh,  # type: ignore[attr-defined]
+                                           param.placements, run_check=False, shape=param.shape,  # type: ignore[attr-defined]
+                                           stride=param.stride())
+            out[name] = value
+        state[index] = out
+    return {**state_dict, "state": state}

@@ -124,3 +124,41 @@ def test_auto_shards_only_a_model_that_cannot_train_on_one_gpu() -> None:
     assert big[0] and "119.2 GiB" in big[1] and "sharded over 8 processes" in big[1]
     assert not alone[0] and "--procs-per-replica" in alone[1]
     assert not cpu[0] and choose_fsdp(True, params=1, local_size=1, device=gpu)[0]
+
+
+def test_a_killed_local_process_is_relaunched_and_every_shard_rejoins_with_its_state(
+        home: Path, tmp_path: Path, tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """Local process 1 of replica 1 is SIGKILLed after inner step 8 (round 1 committed at step 6). The replica
+    fails, the launcher relaunches it, and both of its processes rejoin after round 1: each reads its own rows of
+    the committed round and gets its rows' inner optimizer state back; the run ends with identical weights."""
+    from diloco.launcher import api
+
+    monkeypatch.setenv("DILOCO_RESTART_BACKOFF_S", "0")
+    monkeypatch.setenv("DILOCO_CHECKPOINT_DIR", str(tmp_path / "checkpoints"))
+    monkeypatch.chdir(Path(__file__).resolve().parent.parent)  # tests/: the replicas import support.fsdp_kill_trainer
+    (tmp_path / "done").mkdir()
+    data = str(write_jsonl(tmp_path / "corpus"))
+    kwargs = {"model_config": TINY_LLAMA, "tokenizer": str(tokenizer_dir), "data": data, "block_size": BLOCK,
+              "batch_size": 4, "lr": 3e-3, "eval_batches": 1, "seed": SEED, "fsdp": True, "kill_step": 8,
+              "done_dir": str(tmp_path / "done")}
+    args = ["launch", "--replicas", "2", "--backend", "local", "--trainer", "support.fsdp_kill_trainer:train",
+            "--steps", str(STEPS), "--sync-every", str(SYNC), "--procs-per-replica", "2", "--max-restarts", "1",
+            "--set", "store.timeout_s=120", "--detach", "-o", "json"]
+    for key, value in kwargs.items():
+        args += ["-k", f"{key}={json.dumps(value)}"]
+    launched = runner.invoke(app, args)
+    assert launched.exit_code == 0, launched.output
+    run = api.get_run(str(json.loads(launched.stdout)["run_id"]))
+    run.wait()  # relaunches the failed replica (the run's --max-restarts)
+    report = run.collect(None)
+    assert report.state.value == "succeeded" and report.weights_identical is True, report
+    assert [r.restarts for r in report.ranks] == [0, 1]
+
+    logs = home / "runs" / run.run_id / "logs"
+    killed = (next(logs.glob("rank_1.try*")) / "combined.log").read_text(errors="replace")
+    again = (logs / "rank_1" / "combined.log").read_text(errors="replace")
+    assert "SIGKILL local process 1 of replica 1 after inner step 8" in killed
+    assert "rank 1 rejoins the run after committed round 1" in again
+    for local in (0, 1):  # each process: its own rows' inner optimizer state of round 1, restored
+        assert re.search(rf"\[rank 1\.{local}\] .*restored the inner optimizer state of round 1 from .*"
+                         rf"local_000{local}_of_0002", again), again[-4000:]
