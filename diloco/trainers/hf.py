@@ -99,23 +99,25 @@ def _preflight(kwargs: dict[str, Any], context: PreflightContext) -> None:
 
 #: This trainer's process before its model: torch, transformers, tokenizers and the data loader.
 PROCESS_BASE_MIB = 1536
-#: Host bytes per parameter of each process (12 of DiLoCo's fp32 state, 4 of the CPU load).
-BYTES_PER_PARAM = 16
-#: Host bytes per parameter local process 0 holds on top while averaging (one peer's contribution).
-AVERAGING_BYTES_PER_PARAM = 4
+#: Host bytes per parameter of loading the model on the CPU before it goes to the device.
+LOAD_BYTES_PER_PARAM = 4
 
 
 def _memory(kwargs: Mapping[str, Any]) -> MemoryEstimate | None:
-    """Sized from the parameter count in the model's name (``Qwen/Qwen2.5-0.5B``: 0.5 B), per README "Several GPUs
-    per replica": on the host each process keeps the fp32 global copy, the outer momentum and the pseudo-gradient
-    and loads the model on the CPU first, and local process 0 holds one peer's contribution while averaging. A
-    name without a size says nothing (the backend's fallback, which names the setting to use)."""
+    """Sized from the parameter count in the model's name (``Qwen/Qwen2.5-0.5B``: 0.5 B), per docs/trainers.md
+    "Memory" (``diloco.replica.host_memory``): on the host each process keeps the outer loop's fp32 state and
+    pseudo-gradient and loads the model on the CPU first, and local process 0 holds a round's peak on top. Upper
+    side for a sharded model too (each of its K processes holds about 1/K of that), since the number of processes
+    is the backend's to choose. A name without a size says nothing (the backend's fallback names the setting)."""
+    from diloco.replica.host_memory import outer_loop_host_bytes
+
     params = params_in_name(str(kwargs.get("model") or ""))
     if params is None:
         return None
-    return MemoryEstimate(PROCESS_BASE_MIB * MIB + BYTES_PER_PARAM * params,
+    outer = outer_loop_host_bytes(params)
+    return MemoryEstimate(PROCESS_BASE_MIB * MIB + outer.per_process + LOAD_BYTES_PER_PARAM * params,
                           f"the Hugging Face trainer with {params / 1e9:g} B parameters, from the model's name",
-                          shared_bytes=AVERAGING_BYTES_PER_PARAM * params, shared_basis="for averaging")
+                          shared_bytes=outer.leader_extra, shared_basis="for a round")
 
 
 @supports_local_processes

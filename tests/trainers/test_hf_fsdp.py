@@ -162,3 +162,18 @@ def test_a_killed_local_process_is_relaunched_and_every_shard_rejoins_with_its_s
     for local in (0, 1):  # each process: its own rows' inner optimizer state of round 1, restored
         assert re.search(rf"\[rank 1\.{local}\] .*restored the inner optimizer state of round 1 from .*"
                          rf"local_000{local}_of_0002", again), again[-4000:]
+
+
+def test_the_gpu_check_skips_in_one_line_without_cuda() -> None:
+    import subprocess
+    import sys
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the check would run for minutes (make gpu-check)")
+    script = Path(__file__).resolve().parents[2] / "bench" / "gpu_check.py"
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [f"gpu-check: skipped: no CUDA device (torch {torch.__version__}, CUDA build "
+                                        f"{torch.version.cuda or 'none'})"]
