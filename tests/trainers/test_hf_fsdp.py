@@ -177,3 +177,20 @@ def test_the_gpu_check_skips_in_one_line_without_cuda() -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [f"gpu-check: skipped: no CUDA device (torch {torch.__version__}, CUDA build "
                                         f"{torch.version.cuda or 'none'})"]
+
+
+def test_the_memory_table_in_the_docs_is_the_formula_the_bench_checks() -> None:
+    """docs/trainers.md's host memory rows come from ``diloco.replica.host_memory`` (whose round factor is
+    bench/round_memory.py's target), not from numbers typed in."""
+    from diloco.replica.host_memory import ROUND_PEAK_PAYLOADS, outer_loop_host_bytes
+
+    def gb(n: float) -> str:
+        return f"{n / 1e9:.1f} GB" if n < 1e10 else f"{n / 1e9:.0f} GB"
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "trainers.md").read_text()
+    for params, label, k in ((5e8, "0.5 B", 4), (8e9, "8 B", 4), (8e9, "8 B", 8)):
+        whole, sharded = outer_loop_host_bytes(int(params), k), outer_loop_host_bytes(int(params), k, sharded=True)
+        row = (f"| {label} | {k} | {gb(whole.per_process)} + {gb(whole.leader_extra)} | {gb(whole.replica(k))} | "
+               f"{gb(sharded.per_process)} | {gb(sharded.replica(k))} |")
+        assert row in text, row
+    assert f"at most {ROUND_PEAK_PAYLOADS:g} payloads on top" in text
