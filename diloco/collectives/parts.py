@@ -12,7 +12,7 @@ One round, for local process p of a replica of K (``PartsExchange``):
    holds, one piece per tensor (``<name>@<first row>-<end row>``, flattened), each piece encoded on its own with
    the run's ``store.compression`` (error feedback per piece), streamed (``codec.encode_stream``). The metadata
    names the round, the replica, the part, K (``parts``), a digest of the whole payload's names and shapes, and
-   lists the pieces with the wire tensors each was encoded to.
+   lists the pieces with the wire tensors each was encoded to and the format's tag of each.
 2. **Reduce.** For every replica in rank order 0..N-1: our own decoded pieces, or, for a peer, its part 0's header
    (which says its K), then, of each of its parts whose rows overlap ours (a pure function of its K and the
    shapes, checked against the part's list), the overlapping pieces: verified ranged GETs of their wire bytes, in
@@ -161,20 +161,15 @@ class PartsExchange:
         wire_all: dict[str, torch.Tensor] = {}
         decoded: dict[str, torch.Tensor] = {}
         listing: list[list[Any]] = []
-        meta: dict[str, str] = {}
         for piece in snapshot.pieces:
             flat = snapshot.flats.pop(piece.label)
-            wire, piece_meta, dec = self.codec.encode_contribution((digest, piece.label), {piece.label: flat})
-            if meta and piece_meta != meta:
-                raise RuntimeError(f"piece {piece.label} was encoded with metadata {piece_meta}, the others with "
-                                   f"{meta}: one part has one format")
-            meta = dict(piece_meta)
-            listing.append([piece.name, piece.start, piece.end, sorted(wire)])
+            wire, meta, dec = self.codec.encode_contribution((digest, piece.label), {piece.label: flat})
+            listing.append([piece.name, piece.start, piece.end, sorted(wire), dict(meta)])  # each piece its own tag
             wire_all.update(wire)
             decoded[piece.label] = dec[piece.label]
             del flat, wire, dec
-        metadata = {**meta, **self._identity(io, round_, io.rank, self.part, digest),
-                    PARTS_KEY: self.parts, PIECES_KEY: json.dumps(listing, separators=(",", ":"))}
+        metadata = {**self._identity(io, round_, io.rank, self.part, digest), PARTS_KEY: self.parts,
+                    PIECES_KEY: json.dumps(listing, separators=(",", ":"))}
         size, chunks = codec.encode_stream(wire_all, metadata, chunk_bytes=CHUNK_BYTES)
         del wire_all
         io.wrote(io.store.put_stream(part_key(round_, io.rank, self.part, self.spread), chunks, size))
@@ -279,8 +274,8 @@ class PartsExchange:
             raise CorruptObjectError(f"{source} does not hold the rows part {part} of {count} holds of this model")
         for entry in listing:
             missing = [w for w in entry[3] if w not in header.tensors]
-            if missing:
-                raise CorruptObjectError(f"{source} lists wire tensors it does not hold: {missing[:3]}")
+            if missing or len(entry) != 5 or not isinstance(entry[4], dict):
+                raise CorruptObjectError(f"{source} lists a piece without its wire tensors or its format: {entry[:3]}")
         return header
 
     def _read_batch(self, io: RoundIO, key: str, header: codec.ObjectHeader,
@@ -289,7 +284,7 @@ class PartsExchange:
         per run of contiguous wire bytes."""
         import torch
 
-        names = _wire_names(header)
+        names, tags = _wire_names(header), _wire_tags(header)
         spans = sorted({(header.tensors[w].begin, header.tensors[w].end)
                         for want in batch for w in names[want.theirs.label]})
         views: dict[str, torch.Tensor] = {}
@@ -304,7 +299,7 @@ class PartsExchange:
             label = want.theirs.label
             size = (want.theirs.end - want.theirs.start) * _numel(shapes[want.theirs.name][1:])
             wire = {w: views[w] for w in names[label]}
-            values = self.codec.decode(wire, header.metadata, {label: ((size,), torch.float32)}, source)[label]
+            values = self.codec.decode(wire, tags[label], {label: ((size,), torch.float32)}, source)[label]
             if tuple(values.shape) != (size,):
                 raise CorruptObjectError(f"{source}: piece {label} decodes to {tuple(values.shape)}, not ({size},)")
             out.append(values)
@@ -317,7 +312,14 @@ class PartsExchange:
 def _wire_names(header: codec.ObjectHeader) -> dict[str, list[str]]:
     """Piece label -> its wire tensors, from a verified header's list."""
     listing = json.loads(header.metadata[PIECES_KEY])
-    return {Piece(name, start, end).label: list(wires) for name, start, end, wires in listing}
+    return {Piece(name, start, end).label: list(wires) for name, start, end, wires, _ in listing}
+
+
+def _wire_tags(header: codec.ObjectHeader) -> dict[str, dict[str, str]]:
+    """Piece label -> the metadata its format tagged it with (``compression``, ``block``, ...)."""
+    listing = json.loads(header.metadata[PIECES_KEY])
+    return {Piece(name, start, end).label: {str(k): str(v) for k, v in tag.items()}
+            for name, start, end, _, tag in listing}
 
 
 def _batches(wanted: list[_Wanted], header: codec.ObjectHeader) -> list[list[_Wanted]]:

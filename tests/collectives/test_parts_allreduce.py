@@ -174,3 +174,19 @@ def test_a_contribution_left_half_uploaded_by_a_restart_is_completed_without_rep
     assert replica_contributed(store, 0, 1)
     with pytest.raises(DilocoError, match=r"as 2 local processes before it restarted; as 3 it cannot complete"):
         run_round(uri, [1, 3], [peer, new])  # round index 0 again, as a relaunch with 3 processes would
+
+
+def test_a_part_in_another_compression_format_is_never_averaged(tmp_path: Any) -> None:
+    uri = f"file://{tmp_path}/rdv"
+    values = [contribution(0), contribution(1)]
+    mine = PartsAllReduce(uri, 0, 2, part=0, parts=1, timeout_s=10, poll_interval_s=POLL, run_id="run")
+    theirs = PartsAllReduce(uri, 1, 2, part=0, parts=1, timeout_s=10, poll_interval_s=POLL, run_id="run",
+                            compression="int8")
+    whole = {n: ShardSpec.whole(t.shape) for n, t in values[0].items()}
+    work = mine.allreduce_shards_async(values[0], whole)
+    theirs.allreduce_shards_async(values[1], whole)
+    with pytest.raises(CorruptObjectError, match=r"rank 1 .*compressed as 'int8', but this run uses store.compression "
+                                                 r"'none'"):
+        work.wait()
+    mine.close(wait=False)
+    theirs.close(wait=False)
