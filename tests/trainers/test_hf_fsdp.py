@@ -49,6 +49,7 @@ def launch(data: str, tokenizer: Path, **extra: Any) -> str:
     return run_id
 
 
+@pytest.mark.slow
 def test_two_replicas_of_two_fsdp_processes_agree_and_save_a_model_that_loads(
         home: Path, tmp_path: Path, tokenizer_dir: Path) -> None:  # noqa: F811
     import torch
@@ -126,6 +127,8 @@ def test_auto_shards_only_a_model_that_cannot_train_on_one_gpu() -> None:
     assert not cpu[0] and choose_fsdp(True, params=1, local_size=1, device=gpu)[0]
 
 
+@pytest.mark.slow
+@pytest.mark.long  # two replica starts of 2 processes each, one relaunch: about a minute on two cores
 def test_a_killed_local_process_is_relaunched_and_every_shard_rejoins_with_its_state(
         home: Path, tmp_path: Path, tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
     """Local process 1 of replica 1 is SIGKILLed after inner step 8 (round 1 committed at step 6). The replica
