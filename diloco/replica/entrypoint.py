@@ -500,6 +500,7 @@ def run_replica(args: ReplicaArgs, trainer: Callable[..., Any], kwargs: dict[str
     child = is_child(env)
     restore_logging = setup_logging(args.rank, local_rank=env.get("LOCAL_RANK") if child else None)
     allreduce = None
+    parts = None
     board = None
     previous = None
     if _in_main_thread():
@@ -513,8 +514,9 @@ def run_replica(args: ReplicaArgs, trainer: Callable[..., Any], kwargs: dict[str
 
             group = init_local_group(env, timeout_s=args.settings.timeout_s)
         manager: Any = None
+        parts = _parts_setup(args)  # builds nothing until a sharded model is exchanged by rows
         if group is None or group.is_leader:
-            allreduce, manager = _store_manager(args, trainer, kwargs)
+            allreduce, manager = _store_manager(args, trainer, kwargs, parts)
             if args.settings.tensorboard is not None:
                 from diloco.replica.tensorboard import TensorBoardWriter
 
@@ -523,7 +525,8 @@ def run_replica(args: ReplicaArgs, trainer: Callable[..., Any], kwargs: dict[str
         if group is not None:
             from diloco.replica.local_group import LocalGroupManager
 
-            manager = LocalGroupManager(manager, group, rank=args.rank, world_size=args.settings.world_size)
+            manager = LocalGroupManager(manager, group, rank=args.rank, world_size=args.settings.world_size,
+                                        parts=parts)
             log.info("replica %d/%d, local process %d/%d (%s on %s), trainer %s:%s", args.rank, args.settings.world_size,
                      group.rank, group.size, group.backend, group.device, args.settings.trainer_module, args.settings.trainer_fn)
         else:
@@ -538,6 +541,7 @@ def run_replica(args: ReplicaArgs, trainer: Callable[..., Any], kwargs: dict[str
             board.close()
         if allreduce is not None:
             allreduce.close()  # lets an upload the trainer left in flight land (a SIGTERM here still exits 143)
+        parts.close()
         log.info("replica %d finished", args.rank)
     except Terminated:
         _fail(env, f"rank {args.rank}: stopped by SIGTERM")
@@ -576,6 +580,8 @@ def run_replica(args: ReplicaArgs, trainer: Callable[..., Any], kwargs: dict[str
             board.close()
         if allreduce is not None:
             allreduce.close(wait=False)  # failed or stopped: never wait for an upload (no-op after success)
+        if parts is not None:
+            parts.close(wait=False)
         if child:
             from diloco.replica.local_group import leave_local_group
 
@@ -586,7 +592,16 @@ def run_replica(args: ReplicaArgs, trainer: Callable[..., Any], kwargs: dict[str
     return EXIT_OK
 
 
-def _store_manager(args: ReplicaArgs, trainer: Callable[..., Any], kwargs: Mapping[str, Any]) -> tuple[Any, Any]:
+def _parts_setup(args: ReplicaArgs) -> Any:
+    """How this process exchanges a sharded model's rows, should its trainer shard it (``diloco.replica.parts_setup``)."""
+    from diloco.replica.parts_setup import PartsSetup
+
+    return PartsSetup(args.settings.rendezvous_uri, args.rank, args.settings.world_size, args.settings,
+                      run_id=args.run_id, keep=args.settings.keep_rounds)
+
+
+def _store_manager(args: ReplicaArgs, trainer: Callable[..., Any], kwargs: Mapping[str, Any],
+                   parts: Any = None) -> tuple[Any, Any]:
     """The replica's object-store all-reduce and the manager over it (in a multi-process replica: local rank 0's)."""
     from diloco.collectives.allreduce import create_allreduce
     from diloco.replica.checkpoint import RoundCheckpoints
@@ -597,7 +612,7 @@ def _store_manager(args: ReplicaArgs, trainer: Callable[..., Any], kwargs: Mappi
     rounds = RoundCheckpoints(allreduce.store, run_id=args.run_id, world_size=args.settings.world_size,
                               keep=args.settings.keep_rounds)
     manager = ObjectStoreManager(allreduce, total_steps=total_steps_of(trainer, kwargs),
-                                 progress_interval_s=args.settings.progress_interval_s, rounds=rounds)
+                                 progress_interval_s=args.settings.progress_interval_s, rounds=rounds, parts=parts)
     return allreduce, manager
 
 
