@@ -13,7 +13,9 @@ before (the container log), unchanged:
 ``<attempt>`` names this start of the replica: ``DILOCO_LOG_ATTEMPT`` (a pod's own name, from the downward API),
 else the start time and process id. A chunk is written every ``flush_every_s`` (2 s) while there are new lines,
 and once more at exit; a replica that is SIGKILLed (the OOM killer, a node going away) loses at most its last
-interval, and has no ``end.json``. Shipping is best effort: a store that refuses a chunk is retried at the next
+interval, and has no ``end.json``. The reader thread that passes the bytes on to the container log dies with the
+process too: a SIGKILL can also take the last lines written to the pipe in the milliseconds before it from the
+container log. Shipping is best effort: a store that refuses a chunk is retried at the next
 interval and never stops or slows the training (lines beyond ``max_buffered`` wait in memory are dropped with a
 note in the next chunk).
 
