@@ -11,7 +11,7 @@ TEST_WORKERS ?= 2
 TEST_SCHEDULING := --dist load --maxschedchunk 2
 BIN := $(VENV)/bin
 
-.PHONY: setup test docs demo lint bench clean
+.PHONY: setup test docs demo lint bench gpu-check clean
 
 $(BIN)/diloco: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,11 @@ lint: setup
 # BENCH_ARGS=--full runs the full sizes; BENCH_ARGS="--only convergence" one script.
 bench: setup
 	MPLBACKEND=Agg $(BIN)/python bench/run_all.py $(BENCH_ARGS)
+
+# The code paths only a CUDA machine runs (NCCL, bf16 on the GPU, DDP and FSDP2, a compressed round), as one table;
+# one line and exit 0 without CUDA. Use a CUDA build of torch: make gpu-check TORCH=torch==2.13.0 (from the CUDA index).
+gpu-check: setup
+	$(BIN)/python bench/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -14,6 +14,13 @@ resets the kernel's high-water mark (``echo 5 > /proc/self/clear_refs``). Then i
 is that over the payload's size. The table shows the worse of the two ranks. The page cache (file:// writes) is
 not resident memory of the process and is not counted. The mean each rank received is checked.
 
+Sharded replicas (FSDP2, ``--parts 1,2,4``, on by default): N=2 replicas of K local processes each, every process
+holding its rows of the payload (FSDP2's cut, ``diloco.collectives.part_layout``) and running one round of its own
+parts collective (``diloco.collectives.parts``). The same measurement per process; the table shows the worst
+process against its own share of the payload (payload / K): the target is the same 2.5x, so a process of a
+replica of K needs about 1/K of what a one-process replica needs (``diloco.replica.host_memory``, which the
+documentation's memory figures come from, uses that factor).
+
 Stores: a ``file://`` folder, and S3 through real boto3/s3fs against moto's server on loopback (started in this
 parent process, so its memory is not counted; fake credentials only). With s3fs's default 50 MiB parts, every
 payload here is a multipart upload.
@@ -48,10 +55,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from allreduce_round import store_root  # noqa: E402 - sibling bench script: a file:// folder or moto on loopback
 
+from diloco.replica.host_memory import ROUND_PEAK_PAYLOADS  # noqa: E402 - the documentation's figures use it too
+
 MiB = 2**20
-TARGET = 2.5
+TARGET = ROUND_PEAK_PAYLOADS
 WORLD = 2
 COLUMNS = ["payload MiB", "strategy", "store", "peak extra MiB", "x payload", f"<= {TARGET}x", "round s"]
+PARTS_COLUMNS = ["payload MiB", "K", "store", "per-process payload MiB", "peak extra MiB", "x (payload / K)",
+                 f"<= {TARGET}x", "round s"]
 
 
 # ---------------------------------------------------------------------------------------------- in a rank
@@ -103,6 +114,46 @@ def check_mean(tensors: dict[str, Any], world: int) -> None:
         head = t[:2000]
         expected = torch.arange(head.numel(), dtype=torch.float32).remainder_(1000).mul_(want / 1000)
         if not torch.allclose(head, expected, atol=1e-5):
+            raise AssertionError(f"{name}: the round produced a wrong mean")
+
+
+def parts_main(args: argparse.Namespace) -> None:
+    """One local process of one replica of a sharded case: only its rows of the payload, one round of parts."""
+    import torch
+
+    from diloco.collectives.part_layout import spec_of_part
+    from diloco.collectives.parts import PartsAllReduce
+
+    torch.set_num_threads(1)
+    ar = PartsAllReduce(args.uri, args.rank, args.world, part=args.part, parts=args.parts, timeout_s=600,
+                        poll_interval_s=0.02)
+    warm = torch.full((1024,), float(args.rank + 1))
+    spec = spec_of_part((1024,), args.parts, args.part)
+    ar.allreduce_shards_async({"w": warm[spec.row_start:spec.row_end].clone()}, {"w": spec}).wait()
+    whole = make_payload(args.bytes, scale=float(args.rank + 1))
+    specs = {name: spec_of_part(tuple(t.shape), args.parts, args.part) for name, t in whole.items()}
+    tensors = {name: whole[name][s.row_start:s.row_end].clone() for name, s in specs.items()}
+    del whole
+    baseline = release_and_reset_peak()
+    started = time.perf_counter()
+    ar.allreduce_shards_async(tensors, specs).wait()
+    seconds = time.perf_counter() - started
+    peak = peak_since_reset(baseline)
+    check_rows(tensors, specs, args.world)
+    ar.close()
+    print(json.dumps({"rank": args.rank, "part": args.part, "baseline": baseline, "peak_extra": peak,
+                      "seconds": seconds}), flush=True)
+
+
+def check_rows(tensors: dict[str, Any], specs: dict[str, Any], world: int) -> None:
+    """``check_mean`` for the rows a process holds (value i of a tensor depends on its index in the whole)."""
+    import torch
+
+    want = sum(r + 1 for r in range(world)) / world
+    for name, t in tensors.items():
+        head = t[:2000]
+        index = torch.arange(specs[name].row_start, specs[name].row_start + head.numel(), dtype=torch.float32)
+        if not torch.allclose(head, index.remainder_(1000).mul_(want / 1000), atol=1e-5):
             raise AssertionError(f"{name}: the round produced a wrong mean")
 
 
@@ -242,6 +293,27 @@ def run_case(store: str, strategy: str, nbytes: int, workdir: str, trace_peak: b
             "round s": round(max(r["seconds"] for r in reports), 1)}
 
 
+def run_parts_case(store: str, parts: int, nbytes: int, workdir: str) -> dict[str, Any]:
+    """One round of WORLD replicas of ``parts`` local processes each -> a table row (the worst process)."""
+    with store_root(store, workdir) as uri:
+        procs = [subprocess.Popen(child_argv("--rank", str(rank), "--world", str(WORLD), "--uri", uri, "--parts-of",
+                                             str(parts), "--part", str(part), "--bytes", str(nbytes)),
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for rank in range(WORLD) for part in range(parts)]
+        reports = []
+        for proc in procs:
+            out, err = proc.communicate(timeout=900)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{store} parts K={parts} {nbytes // MiB} MiB: a process failed:\n{err[-3000:]}")
+            reports.append(json.loads(out.strip().splitlines()[-1]))
+    worst = max(r["peak_extra"] for r in reports)
+    share = nbytes / parts
+    return {"payload MiB": nbytes // MiB, "K": parts, "store": store, "per-process payload MiB": round(share / MiB),
+            "peak extra MiB": round(worst / MiB), "x (payload / K)": round(worst / share, 2),
+            f"<= {TARGET}x": "yes" if worst / share <= TARGET else "NO",
+            "round s": round(max(r["seconds"] for r in reports), 1)}
+
+
 def run_breakdown(store: str, nbytes: int, workdir: str) -> list[dict[str, Any]]:
     with store_root(store, workdir) as uri:
         proc = subprocess.run(child_argv("--breakdown-child", "--uri", uri, "--bytes", str(nbytes)),
@@ -280,6 +352,9 @@ def strategies_available(wanted: Sequence[str]) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.rank is not None and args.part is not None:
+        parts_main(args)
+        return 0
     if args.rank is not None:
         rank_main(args)
         return 0
@@ -312,10 +387,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for strategy in strategies_available(args.strategies):
                     print(f"{store} {strategy} {size} MiB ...", file=sys.stderr, flush=True)
                     rows.append(run_case(store, strategy, size * MiB, workdir, args.trace_peak))
+            parts_rows = []
+            parts_stores = ["file"] if args.quick and "file" in args.stores else args.stores  # --quick: no S3
+            for parts in args.parts_list:
+                for store in parts_stores:
+                    print(f"{store} parts K={parts} {sizes[0]} MiB ...", file=sys.stderr, flush=True)
+                    parts_rows.append(run_parts_case(store, parts, sizes[0] * MiB, workdir))
             columns = COLUMNS
+            notes.append("sharded replicas: N=2 replicas of K local processes, each process holding its rows of the "
+                         "payload (FSDP2's cut) and running its own parts round; the worst of the 2K processes, "
+                         "against its share of the payload (payload / K).")
             result = {"title": "Peak resident memory of one replica during one all-reduce round (N=2)",
-                      "machine": machine(), "columns": columns, "rows": rows, "notes": notes}
+                      "machine": machine(), "columns": columns, "rows": rows, "notes": notes,
+                      "tables": [{"title": "Sharded replicas (FSDP2): peak resident memory of each local process "
+                                           "during one round of parts (N=2 replicas of K processes)",
+                                  "columns": PARTS_COLUMNS, "rows": parts_rows}] if parts_rows else []}
     print(f"## {result['title']}\n\n{result['machine']}\n\n{markdown(columns, rows)}\n")
+    for table in result.get("tables", []):
+        print(f"## {table['title']}\n\n{markdown(table['columns'], table['rows'])}\n")
     for note in notes:
         print(f"- {note}")
     if args.json:
@@ -333,6 +422,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="payload sizes in MiB, comma-separated (default 256,1024)")
     p.add_argument("--strategies", type=lambda s: s.split(","), default=["gather", "sharded"])
     p.add_argument("--stores", type=lambda s: s.split(","), default=["file", "s3"])
+    p.add_argument("--parts", dest="parts_list", type=lambda s: [int(x) for x in s.split(",") if x], default=[1, 2, 4],
+                   help="local processes per sharded replica to measure, comma-separated (default 1,2,4; '' for none)")
     p.add_argument("--breakdown", action="store_true", help="measure each step of a round alone instead")
     p.add_argument("--trace-peak", action="store_true",
                    help="also print where each rank's threads were when its memory peaked")
@@ -343,6 +434,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--strategy", default="gather", help=argparse.SUPPRESS)
     p.add_argument("--bytes", type=int, help=argparse.SUPPRESS)
     p.add_argument("--breakdown-child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--part", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--parts-of", dest="parts", type=int, default=1, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 

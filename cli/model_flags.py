@@ -69,8 +69,8 @@ def given_backend_flags(ctx: Any) -> dict[str, Any]:
 
 def _remember(bucket: str, target: str) -> Any:
     def store(ctx: typer.Context, value: Any) -> Any:
-        if value is not None:
-            ctx.meta.setdefault(bucket, {})[target] = value
+        if value is not None and value != [] and value != ():  # a repeatable flag not given reads as empty
+            ctx.meta.setdefault(bucket, {})[target] = list(value) if isinstance(value, (list, tuple)) else value
         return value
 
     return store
@@ -102,7 +102,10 @@ def _options(entries: list[tuple[FlagSpec, str, str]]) -> list[Any]:
                             show_default=False, min=spec.minimum, expose_value=False,
                             callback=_remember(bucket, target),
                             autocompletion=_COMPLETIONS.get(spec.path) if bucket == _RUN else None)
-        annotation = Annotated[Optional[_TYPES.get(spec.type, str)], info]  # noqa: UP045 - a runtime type
+        value_type: Any = _TYPES.get(spec.type, str)
+        if spec.multiple:
+            value_type = list[value_type]  # type: ignore[valid-type]
+        annotation = Annotated[Optional[value_type], info]  # noqa: UP045 - a runtime type
         parameters.append(inspect.Parameter(f"p{i}_{spec.key}", inspect.Parameter.KEYWORD_ONLY, default=None,
                                             annotation=annotation))
 

@@ -141,7 +141,9 @@ def _nested_model(info: FieldInfo) -> type[BaseModel] | None:
 def _type_name(annotation: Any) -> str:
     if isinstance(annotation, type):
         return annotation.__name__
-    return str(annotation).replace("typing.", "")
+    import re
+
+    return re.sub(r"\b(?:[a-z_]\w*\.)+([A-Za-z_]\w*)", r"\1", str(annotation))  # list[pkg.mod.Part] -> list[Part]
 
 
 def _field_default(info: FieldInfo) -> str:

@@ -155,14 +155,17 @@ def doctor(
 
 def _doctor_options(backend: str | None, config: Path | None, given: dict[str, Any]) -> dict[str, Any]:
     """The backend flags given, as the config fields of the backend the doctor checks (the flag's, else the
-    config's, else the default); one that backend does not take is refused as on ``launch``."""
-    from diloco.executors.flags import route_backend_flags
+    config's, else the default); one that backend does not take is refused as on ``launch``. A run split over
+    backends gets its parts (``--part``, else the config's) with each flag in the parts that take it."""
+    from diloco.executors import config_type
     from diloco.launcher.config import backend_kind, load_yaml
 
     if not given:
         return {}
-    kind = backend or backend_kind(load_yaml(config) if config is not None else {})
-    return route_backend_flags(kind, given)
+    data = load_yaml(config) if config is not None else {}
+    kind = backend or backend_kind(data)
+    section = data.get("backend") if isinstance(data.get("backend"), dict) and backend_kind(data) == kind else {}
+    return config_type(kind).apply_flags(kind, {k: v for k, v in section.items() if k != "kind"}, given)
 
 
 def register(app: typer.Typer, epilog: str) -> None:

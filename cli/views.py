@@ -65,8 +65,12 @@ REPLICA_PRIORITY = ("replica", "state", "step", "round", "eval loss", "train los
                     "restarts")
 
 
+#: The column a run split over backends adds after the state: which backend runs the replica.
+BACKEND_COLUMN = Column("backend")
+
+
 def _cells(rep: ReplicaReport) -> dict[str, str | Text]:
-    return {"replica": f"r{rep.rank}", "state": state_text(rep.state.value),
+    return {"replica": f"r{rep.rank}", "state": state_text(rep.state.value), "backend": rep.backend or "-",
             "exit": "-" if rep.exit_code is None else str(rep.exit_code), "restarts": str(rep.restarts),
             "step": fmt_step(rep),
             "round": "-" if rep.round is None else str(rep.round), "train loss": fmt_loss(rep.train_loss),
@@ -81,7 +85,8 @@ def _replica_priority(report: RunReport) -> list[str]:
                                        ("restarts", any(r.restarts for r in report.ranks))) if show]
     rest = [name for name in REPLICA_PRIORITY if name not in telling]
     cut = rest.index("eval loss") + 1
-    return rest[:cut] + telling + rest[cut:]
+    split = ["backend"] if report.parts else []  # a run split over backends: where each replica runs
+    return rest[:2] + split + rest[2:cut] + telling + rest[cut:]
 
 
 def replica_table(report: RunReport, *, title: str | Text | None = None, width: int | None = None,
@@ -97,7 +102,10 @@ def replica_table(report: RunReport, *, title: str | Text | None = None, width: 
         urgency = {"failed": 0, "cancelling": 1, "preempted": 1, "pending": 2, "unknown": 2}
         shown = sorted(shown, key=lambda i: (urgency.get(report.ranks[i].state.value, 3), i))[:max(1, max_rows - 1)]
         shown.sort()
-    fitted = fitted_table(REPLICA_COLUMNS, [_cells(report.ranks[i]) for i in shown], width=width,
+    columns = REPLICA_COLUMNS
+    if report.parts:
+        columns = (*REPLICA_COLUMNS[:2], BACKEND_COLUMN, *REPLICA_COLUMNS[2:])
+    fitted = fitted_table(columns, [_cells(report.ranks[i]) for i in shown], width=width,
                           priority=_replica_priority(report), title=title)
     hidden = [rep for i, rep in enumerate(report.ranks) if i not in set(shown)]
     if hidden:
@@ -111,8 +119,11 @@ def replica_table(report: RunReport, *, title: str | Text | None = None, width: 
 
 def render_run(console: Console, report: RunReport) -> None:
     """The status/summary view of one run."""
+    where = report.backend
+    if report.parts:  # a run split over backends: which ranks each runs
+        where += ": " + ", ".join(f"{p.backend} {_span(p.ranks)}" for p in report.parts)
     header = Text.assemble(("run ", ""), (report.run_id, "bold"), ": ", state_text(report.state.value),
-                           f"  ({report.replicas} replicas, {report.backend})")
+                           f"  ({report.replicas} replicas, {where})")
     console.print(header)
     console.print(replica_table(report, width=console.width))
     if report.async_global_version is not None:
@@ -131,6 +142,11 @@ def render_run(console: Console, report: RunReport) -> None:
             sources = {r.cost_source for r in report.ranks if r.cost_source}
             cost = f", estimated cost ${report.cost_usd:.4f}" + (f" ({'; '.join(sorted(sources))})" if sources else "")
         console.print(f"billable: {fmt_duration(report.billable_s)} over all replicas{cost}")
+        for share in report.parts:  # a run split over backends: what each part billed
+            if share.billable_s is not None:
+                usd = f", ${share.cost_usd:.4f}" if share.cost_usd is not None else ""
+                console.print(f"  part {share.part}, {share.backend} ({_span(share.ranks)}): "
+                              f"{fmt_duration(share.billable_s)}{usd}")
     if report.diverged:
         console.print("diverged: some replica recorded a NaN or infinite loss (shown as -)")
     if report.weights_identical is not None or report.weights_detail:
@@ -145,6 +161,15 @@ def render_run(console: Console, report: RunReport) -> None:
             by_reason.setdefault(why, []).append(f"r{rep.rank}")
     for reason, ranks in by_reason.items():
         console.print(f"{', '.join(ranks)}: {reason}")
+
+
+def _span(ranks: list[int]) -> str:
+    """``r2``, ``r0-1``, or ``r0,r3`` for ranks that are not contiguous."""
+    if len(ranks) == 1:
+        return f"r{ranks[0]}"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"r{ranks[0]}-{ranks[-1]}"
+    return ",".join(f"r{r}" for r in ranks)
 
 
 def async_line(report: RunReport, now: float | None = None) -> str:
@@ -210,7 +235,13 @@ def render_plan(console: Console, plan: LaunchPlan) -> None:
     if spec.spec_uri is not None:  # what --spec names: every replica's settings, published by the launch
         console.print(f"settings ({spec.spec_uri}): {spec.entrypoint_args.model_dump_json(exclude_defaults=True)}",
                       markup=False, highlight=False)
-    for request in plan.requests:
+    for entry in plan.requests:
+        request = entry
+        if "part" in entry and "request" in entry:  # a run split over backends: each part's own request
+            ranks = entry["ranks"]
+            span = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}"
+            console.print(Text(f"part {entry['part']} ({entry['backend']}, {span}):", style="bold"))
+            request = entry["request"]
         label = f"replica {request['rank']}:" if "rank" in request else "request:"
         console.print(Text(label, style="bold"))
         if "argv" in request:

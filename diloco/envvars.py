@@ -4,6 +4,10 @@ Every backend sets the ``DILOCO``-neutral four (run id, rank, world size, rendez
 keeps its own native ones (``JOB_COMPLETION_INDEX`` on Kubernetes, ``SM_*`` on SageMaker) alongside.
 """
 
+from __future__ import annotations
+
+from collections.abc import Mapping
+
 RUN_ID = "DILOCO_RUN_ID"
 REPLICA_RANK = "REPLICA_RANK"
 WORLD_SIZE = "WORLD_SIZE"
@@ -18,3 +22,19 @@ RESTART_BACKOFF_S = "DILOCO_RESTART_BACKOFF_S"  # seconds before a failed replic
 #: CheckpointConfig; local: a per-rank directory in the run directory). The outer loop keeps the inner optimizer's
 #: state there after each committed round, and a rejoining replica reloads it when it matches (diloco.replica.checkpoint).
 CHECKPOINT_DIR = "DILOCO_CHECKPOINT_DIR"
+#: Added to the rank a replica reads from its environment (``REPLICA_RANK``, else ``JOB_COMPLETION_INDEX``) by a
+#: backend that numbers its replicas from 0 while they run ranks r0.. of a larger run: a Kubernetes Indexed Job that
+#: is one part of a run split over several backends numbers its pods 0..n-1, and sets this to r0.
+RANK_OFFSET = "DILOCO_RANK_OFFSET"
+
+
+def rank_offset(env: Mapping[str, str]) -> int:
+    """``DILOCO_RANK_OFFSET`` as a whole number, 0 when unset or empty; ``ValueError`` (naming it) otherwise.
+    Every reader of the environment's rank adds it (the replica entrypoint, its log shipping), so a replica's rank,
+    log and checkpoint names agree."""
+    raw = env.get(RANK_OFFSET, "").strip()
+    if not raw:
+        return 0
+    if not raw.isdigit():
+        raise ValueError(f"{RANK_OFFSET}={raw!r} is not a whole number")
+    return int(raw)

@@ -20,20 +20,23 @@ __all__ = ["FLAG_KEY", "REPLICA_FLAG_KEY", "cli_flag", "replica_flag"]
 
 
 def cli_flag(name: str, *aliases: str, metavar: str | None = None, note: str | None = None,
-             type: str | None = None, minimum: int | None = None) -> dict[str, Any]:
+             type: str | None = None, minimum: int | None = None, multiple: bool = False) -> dict[str, Any]:
     """The ``json_schema_extra`` that makes a field a flag.
 
     ``name`` is the long flag (``--sync-every``); ``aliases`` are short ones (``-n``). ``note`` is appended to the
     help in parentheses (default: the field's dotted path, so ``--steps`` says it sets ``train.steps``; ``""``
     for none). ``type`` overrides the value type the annotation implies (``"str"``, ``"int"``, ``"float"``,
-    ``"bool"``); ``minimum`` refuses smaller integers while parsing. Plain data, so it also shows in the JSON
-    schema of the config, where a generated reference can name each setting's flag."""
+    ``"bool"``); ``minimum`` refuses smaller integers while parsing; ``multiple``: the flag may be repeated, and the
+    field gets the list of values. Plain data, so it also shows in the JSON schema of the config, where a generated
+    reference can name each setting's flag."""
     if not name.startswith("--"):
         raise ValueError(f"cli_flag: a flag name starts with '--' (got {name!r})")
     spec: dict[str, Any] = {"name": name, "aliases": list(aliases)}
     for key, value in (("metavar", metavar), ("note", note), ("type", type), ("minimum", minimum)):
         if value is not None:
             spec[key] = value
+    if multiple:
+        spec["multiple"] = True
     return {FLAG_KEY: spec}
 
 

@@ -32,6 +32,7 @@ BUILTIN_BACKENDS: dict[str, str] = {
     "local": "diloco.executors.local:LocalBackend",
     "sagemaker": "diloco.executors.sagemaker:SageMakerBackend",
     "eks": "diloco.executors.kubernetes:KubernetesBackend",
+    "mixed": "diloco.executors.mixed:MixedBackend",  # one run split over several of the others
 }
 
 __all__ = ["DEFAULT_BACKEND", "ENTRY_POINT_GROUP", "backend_class", "backend_names", "config_type",

@@ -24,6 +24,8 @@ per poll instead of N (SageMaker throttles ``DescribeTrainingJob``; an Indexed J
 * ``logs(handle, ranks, follow, since) -> Iterator[LogRecord]``: timestamped lines, each replica's in order; the
   orchestrator merges replicas in time order and the CLI prefixes ``[rK]``.
 * ``list_runs()``: the runs the backend can see on its own (without the local run registry).
+* ``roll_back(handle)``: undo a submitted run as ``submit``'s own rollback would (stop, wait, remove its leftovers);
+  a composite backend calls it on the parts it had already submitted when a later part is refused.
 * ``remove(handle, dry_run)``: delete what the backend itself keeps of a run that has ended (the local backend: its
   run directory with the logs); ``diloco rm``/``prune`` call it after deleting the store objects, before the record.
 
@@ -35,6 +37,13 @@ and ``doctor`` offer them under the backend's own help section.
 
 Every replica gets the same environment on every backend (``LaunchSpec.replica_env``): ``DILOCO_RUN_ID``,
 ``REPLICA_RANK``, ``WORLD_SIZE``, ``RENDEZVOUS_URI``, plus the backend's native variables.
+
+A run may be split over several backends (``diloco.executors.mixed``): each then runs a contiguous range of the
+run's ranks (``LaunchSpec.ranks``), ``replicas`` stays the run's world size, and every replica still gets its
+global rank. A backend that can run such a part says so (``supports_rank_ranges``) and then creates, names,
+describes, cancels, relaunches and logs exactly its ranks (``LaunchSpec.own_ranks``, ``RunHandle.own_ranks``), with
+names and directories per global rank so two parts of one run never collide. One that does not is refused such a
+part with one clear line (``require_rank_support``); for whole runs nothing changes.
 """
 
 from __future__ import annotations
@@ -44,10 +53,11 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from diloco import envvars
 from diloco.defaults import DEFAULT_ENTRYPOINT, DEFAULT_MAX_RESTARTS, DEFAULT_TRAINER
+from diloco.errors import ConfigError
 from diloco.executors.failures import FailureVerdict
 from diloco.executors.flags import FlagSpec, model_flags
 from diloco.executors.logstream import LogRecord
@@ -145,6 +155,27 @@ class LaunchSpec(BaseModel):
     #: relaunches while it waits on a backend that ``supports_relaunch``; a backend whose service retries a
     #: replica itself (an Indexed Job's per-index retry) puts it into what it submits instead.
     max_restarts: int = Field(DEFAULT_MAX_RESTARTS, ge=0)
+    #: The global ranks this backend runs, ascending and contiguous, when it runs one part of a run split over
+    #: several backends; ``None``: all ``replicas`` of them. ``replicas`` stays the run's world size either way.
+    ranks: list[int] | None = None
+
+    @model_validator(mode="after")
+    def _check_ranks(self) -> LaunchSpec:
+        if self.ranks is not None:
+            problem = rank_range_problem(self.ranks, self.replicas)
+            if problem:
+                raise ValueError(f"ranks: {problem}")
+        return self
+
+    @property
+    def own_ranks(self) -> list[int]:
+        """The global ranks this backend creates: ``ranks``, else every rank of the run."""
+        return list(range(self.replicas)) if self.ranks is None else list(self.ranks)
+
+    @property
+    def is_part(self) -> bool:
+        """Whether this backend runs only some of the run's ranks (a part of a run split over backends)."""
+        return self.ranks is not None and len(self.ranks) < self.replicas
 
     def spec_object(self) -> bytes:
         """The bytes to publish at ``spec_uri`` before any replica starts."""
@@ -212,7 +243,31 @@ class RunHandle(BaseModel):
 
     backend: str
     run_id: str
-    replicas: int = Field(ge=1)
+    replicas: int = Field(ge=1)  # the run's world size
+    #: The global ranks this handle's replicas run (``LaunchSpec.ranks``); ``None``: every rank of the run.
+    ranks: list[int] | None = None
+
+    @property
+    def own_ranks(self) -> list[int]:
+        """The global ranks of this handle's replicas."""
+        return list(range(self.replicas)) if self.ranks is None else list(self.ranks)
+
+
+def rank_range_problem(ranks: Sequence[int], replicas: int) -> str | None:
+    """What is wrong with ``ranks`` as one backend's part of a run of ``replicas`` (None: nothing): it must be a
+    non-empty, ascending, contiguous range of ranks that exist."""
+    if not ranks:
+        return "a part runs at least one rank (got none)"
+    if list(ranks) != list(range(ranks[0], ranks[0] + len(ranks))):
+        return f"must be ascending and contiguous (got {list(ranks)})"
+    if ranks[0] < 0 or ranks[-1] >= replicas:
+        return f"must lie in 0..{replicas - 1}, the run's ranks (got {list(ranks)})"
+    return None
+
+
+def ranks_label(ranks: Sequence[int]) -> str:
+    """A part's ranks in a name: ``r2`` for one, ``r2-3`` for several (Job names, directories)."""
+    return f"r{ranks[0]}" if len(ranks) == 1 else f"r{ranks[0]}-{ranks[-1]}"
 
 
 class ReplicaStatus(BaseModel):
@@ -222,6 +277,10 @@ class ReplicaStatus(BaseModel):
     rank: int
     state: ReplicaState
     job_id: str = ""
+    #: The backend running this replica and its part's index in ``backend.parts``, in a run split over several
+    #: backends (``diloco.executors.mixed``); None otherwise.
+    backend: str | None = None
+    part: int | None = None
     reason: str | None = None
     detail: str | None = None
     exit_code: int | None = None
@@ -293,8 +352,47 @@ class BackendConfig(BaseModel):
         """The flags this backend's fields declare, in field order (paths from the run config: ``backend.*``)."""
         return list(model_flags(cls, "backend."))
 
+    @classmethod
+    def apply_flags(cls, kind: str, section: dict[str, Any], given: Mapping[str, Any]) -> dict[str, Any]:
+        """``section`` (this backend's, not validated yet) with the backend flags given on the command line
+        (``{"role": ARN}``, None meaning not given) set as its fields (``route_backend_flags``: a flag the backend
+        does not declare is a one-line ``ConfigError``). A composite backend routes them to its parts."""
+        from diloco.executors.flags import route_backend_flags
+
+        out = dict(section)
+        for path, value in route_backend_flags(kind, given).items():
+            *outer, last = path.split(".")
+            cur = out
+            for part in outer:
+                cur = cur.setdefault(part, {})
+            cur[last] = value
+        return out
+
     def default_rendezvous(self, run_id: str) -> str | None:
         """The rendezvous to use when none is configured; ``None`` means the user must give one."""
+        return None
+
+    def rendezvous_problem(self, scheme: str) -> str | None:
+        """Why this configuration's replicas could not meet in a store of ``scheme`` (``file``, ``s3``), as the
+        middle of ``store.rendezvous: ... (got URI)``; None when every replica can reach one. By default a scheme
+        outside ``rendezvous_schemes``; a composite backend answers for all of its parts."""
+        if scheme in self.rendezvous_schemes:
+            return None
+        schemes = " or ".join(f"{s}://" for s in self.rendezvous_schemes)
+        return f"the {self.kind} backend needs an {schemes} URI every replica can reach"
+
+    def places_some_replicas(self) -> bool:
+        """Whether some replica runs on a machine the backend chooses, not this one (``places_replicas``; a
+        composite backend: any of its parts), so ``gpu`` means something and this machine is no guide."""
+        return self.places_replicas
+
+    def fixed_replicas(self) -> int | None:
+        """How many replicas this section itself fixes (a composite backend's parts, when each has a count); None
+        when the run's ``replicas`` decides. The run config takes it as ``replicas`` when that is not given."""
+        return None
+
+    def replicas_problem(self, replicas: int) -> str | None:
+        """What is wrong with a run of ``replicas`` on this configuration, as one line naming the field; None."""
         return None
 
     def default_check_trainer_locally(self) -> bool:
@@ -328,6 +426,9 @@ class ServerlessExecutor(Generic[C, H]):
     unavailable_reason: ClassVar[str | None] = None
     #: Whether ``relaunch`` works: the launcher restarts a failed replica for its rank (it rejoins the run).
     supports_relaunch: ClassVar[bool] = False
+    #: Whether the backend runs one part of a run split over several backends: a spec whose ``ranks`` is a range
+    #: of the run's (``LaunchSpec.is_part``), creating, naming and reporting exactly those global ranks.
+    supports_rank_ranges: ClassVar[bool] = False
 
     def __init__(self, config: C) -> None:
         self.config = config
@@ -357,6 +458,20 @@ class ServerlessExecutor(Generic[C, H]):
         raise NotImplementedError(f"{type(self).__name__}.replica_logs")
 
     # ---------------------------------------------------------------- defaults
+    def relaunches(self, handle: H, rank: int) -> bool:
+        """Whether a failed replica ``rank`` can be relaunched (``relaunch``): ``supports_relaunch`` for a backend
+        that runs every replica the same way; a composite one answers per replica, by the part that runs it."""
+        return self.supports_relaunch
+
+    def roll_back(self, handle: H) -> None:
+        """Undo a run this backend submitted whole, as ``submit`` undoes one that fails half-way: stop every replica,
+        wait (bounded by ``ROLL_BACK_WAIT_S``) until they have ended, then delete what the backend keeps of its own
+        (``remove``). For a composite backend, whose later part was refused after this one was submitted. Backends
+        whose own rollback does more (kills what outlives a stop) override it with that."""
+        self.cancel(handle)
+        self.wait(handle, timeout_s=ROLL_BACK_WAIT_S, poll_interval_s=0.5)
+        self.remove(handle)
+
     def preflight(self, spec: LaunchSpec, *, force: bool = False) -> None:
         """Refuse (``ConfigError``, exit 2) a launch this backend cannot hold, before anything of it is created;
         ``force`` launches anyway. Not called for ``--dry-run``: a plan is for any machine. Default: no check."""
@@ -377,7 +492,7 @@ class ServerlessExecutor(Generic[C, H]):
         """Every (or ``ranks``') replica's records, merged in time order; followed until all have ended."""
         from diloco.executors.logstream import follow_merged, merged
 
-        selected = range(handle.replicas) if ranks is None else ranks
+        selected = handle.own_ranks if ranks is None else ranks
         streams = [self.replica_logs(handle, rank, follow=follow, since=since) for rank in selected]
         return follow_merged(streams) if follow else merged(streams)
 
@@ -422,6 +537,22 @@ class ServerlessExecutor(Generic[C, H]):
     @classmethod
     def map_state(cls, native: str | None) -> ReplicaState:
         return map_state(cls.STATES, native)
+
+
+#: How long the default ``roll_back`` waits for a stopped run's replicas to end (a SageMaker job keeps its container
+#: 120 s after SIGTERM, then uploads what it saved).
+ROLL_BACK_WAIT_S = 180.0
+
+
+def require_rank_support(backend: ServerlessExecutor[Any, Any], spec: LaunchSpec) -> None:
+    """``ConfigError`` (nothing created) when ``spec`` is a part of a larger run (``LaunchSpec.is_part``) and
+    ``backend`` does not declare ``supports_rank_ranges``: a backend written for whole runs would create every rank
+    of the run, not only the part's."""
+    if spec.is_part and not backend.supports_rank_ranges:
+        raise ConfigError(f"backend: the {backend.name} backend cannot run a part of a run (ranks "
+                          f"{spec.own_ranks[0]}-{spec.own_ranks[-1]} of {spec.replicas}): it does not declare "
+                          f"supports_rank_ranges", hint=f"run the whole run on {backend.name}, or this part on a "
+                                                        f"backend that can (the built-in ones can)")
 
 
 #: The contract's other name: backends written against ``Backend`` keep working unchanged.

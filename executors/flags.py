@@ -42,6 +42,7 @@ class FlagSpec:
     help: str
     type: str  # "str", "int", "float" or "bool"
     minimum: int | None
+    multiple: bool = False  # repeatable: the field gets the list of values
 
     @property
     def key(self) -> str:
@@ -67,7 +68,8 @@ def flag_of(field: FieldInfo, path: str) -> FlagSpec | None:
         description = f"{description.rstrip('.')} ({note})." if description else f"({note})."
     return FlagSpec(path=path, name=spec["name"], aliases=tuple(spec.get("aliases", ())),
                     metavar=spec.get("metavar"), help=description,
-                    type=spec.get("type") or _value_type(field.annotation), minimum=spec.get("minimum"))
+                    type=spec.get("type") or _value_type(field.annotation), minimum=spec.get("minimum"),
+                    multiple=bool(spec.get("multiple")))
 
 
 def model_flags(model: type[BaseModel], prefix: str = "") -> Iterator[FlagSpec]:

@@ -57,6 +57,7 @@ from diloco.executors.base import (
     RunListing,
     RunStatus,
     ServerlessExecutor,
+    ranks_label,
 )
 from diloco.executors.local_supervisor import (
     CANCEL_MARKER,
@@ -149,6 +150,9 @@ class LocalBackend(ServerlessExecutor[LocalBackendConfig, LocalRunHandle]):
 
     name: ClassVar[str] = "local"
     supports_relaunch: ClassVar[bool] = True
+    #: A part of a run split over backends gets a directory of its own (``part_dir``: its handle, requests, logs
+    #: and checkpoints, removed with it); logs and checkpoints are per global rank.
+    supports_rank_ranges: ClassVar[bool] = True
     config_type = LocalBackendConfig
     handle_type = LocalRunHandle
     STATES: ClassVar[dict[str, ReplicaState]] = {
@@ -182,23 +186,33 @@ class LocalBackend(ServerlessExecutor[LocalBackendConfig, LocalRunHandle]):
             root = str(runs_dir())
         return os.path.join(os.path.abspath(root), run_id)
 
-    def log_dir(self, run_id: str, rank: int) -> str:
-        """Where replica ``rank``'s logs and exit record live: ``<run_dir>/logs/rank_<r>``."""
-        return os.path.join(self.run_dir(run_id), "logs", f"rank_{rank}")
+    def part_dir(self, spec: LaunchSpec) -> str:
+        """The directory of what this backend runs of ``spec``: the run directory for a whole run; for one part
+        of a run split over backends, ``<run_dir>/part-r<first>-<last>``, so that two local parts of one run keep
+        their handles, requests and cancel markers apart."""
+        if not spec.is_part:
+            return self.run_dir(spec.run_id)
+        return os.path.join(self.run_dir(spec.run_id), f"part-{ranks_label(spec.own_ranks)}")
+
+    def log_dir(self, run_id: str, rank: int, base: str | None = None) -> str:
+        """Where replica ``rank``'s logs and exit record live: ``<run_dir>/logs/rank_<r>`` (``base``: the part's
+        directory instead of the run's)."""
+        return os.path.join(base or self.run_dir(run_id), "logs", f"rank_{rank}")
 
     def plan(self, spec: LaunchSpec) -> LaunchPlan:
-        """The exact argv, added environment, cwd and log dir of every replica. Creates nothing."""
+        """The exact argv, added environment, cwd and log dir of every replica (of its ranks). Creates nothing."""
         added: dict[str, str] = {"PYTHONUNBUFFERED": "1"}
         if "OMP_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in spec.env:
             added["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // processes_of(spec)))
         if envvars.CHECKPOINT_DIR not in os.environ and envvars.CHECKPOINT_DIR not in spec.env:
             # Each rank keeps its inner optimizer state here (rank_RRRR/), so a relaunched replica resumes it.
-            added[envvars.CHECKPOINT_DIR] = os.path.join(self.run_dir(spec.run_id), "checkpoints")
+            added[envvars.CHECKPOINT_DIR] = os.path.join(self.part_dir(spec), "checkpoints")
         cwd = os.getcwd()
+        base = self.part_dir(spec)
         requests = [
             {"rank": rank, "argv": spec.argv(self.python), "env": {**added, **spec.replica_env(rank)}, "cwd": cwd,
-             "log_dir": self.log_dir(spec.run_id, rank), "timeout_s": spec.timeout_s}
-            for rank in range(spec.replicas)
+             "log_dir": self.log_dir(spec.run_id, rank, base), "timeout_s": spec.timeout_s}
+            for rank in spec.own_ranks
         ]
         return LaunchPlan(backend=self.name, spec=spec, requests=requests)
 
@@ -227,8 +241,8 @@ class LocalBackend(ServerlessExecutor[LocalBackendConfig, LocalRunHandle]):
         if spec.run_id not in self._capacity_checked:
             self.check_capacity(spec)
         me = proc_stat(os.getpid())
-        handle = LocalRunHandle(backend=self.name, run_id=spec.run_id, replicas=spec.replicas,
-                                host=socket.gethostname(), run_dir=self.run_dir(spec.run_id),
+        handle = LocalRunHandle(backend=self.name, run_id=spec.run_id, replicas=spec.replicas, ranks=spec.ranks,
+                                host=socket.gethostname(), run_dir=self.part_dir(spec),
                                 launcher_pid=os.getpid(), launcher_start_time=me.start_time if me else None)
         with terminate_as_interrupt():  # `kill <launcher>` rolls back like Ctrl-C instead of orphaning replicas
             try:
@@ -247,13 +261,20 @@ class LocalBackend(ServerlessExecutor[LocalBackendConfig, LocalRunHandle]):
                 self._roll_back(handle)
                 self._remove_run_dir(handle)
                 if isinstance(exc, OSError):
-                    rank = len(handle.processes)
+                    rank = spec.own_ranks[len(handle.processes)]
                     raise BackendError(
                         f"could not start local replica {rank}: {type(exc).__name__}: {exc}",
                         hint="the replicas already started were stopped; fix the cause and launch again",
                     ) from exc
                 raise
         return handle
+
+    def roll_back(self, handle: LocalRunHandle) -> None:
+        """What a failed ``submit`` does: stop the replicas, kill what outlives the grace period, delete the run's
+        directory."""
+        handle = self._current(handle)
+        self._roll_back(handle)
+        self._remove_run_dir(handle)
 
     def _progress(self, handle: LocalRunHandle, on_progress: Callable[[LocalRunHandle], None] | None) -> None:
         write_json_atomic(os.path.join(handle.run_dir, HANDLE_FILE), handle.model_dump(mode="json"))
@@ -401,12 +422,12 @@ class LocalBackend(ServerlessExecutor[LocalBackendConfig, LocalRunHandle]):
             except ValueError:
                 continue
             if st is None or st.pgrp in known_groups or st.pgrp == os.getpgrp() or rank in known_ranks \
-                    or not 0 <= rank < handle.replicas:
+                    or rank not in handle.own_ranks:
                 continue
             leader = proc_stat(st.pgrp)  # the supervisor, which leads the group (gone if it was killed)
             args = command_line(st.pgrp)
             log_dir = args[args.index("--log-dir") + 1] if "--log-dir" in args[:-1] else \
-                self.log_dir(handle.run_id, rank)
+                self.log_dir(handle.run_id, rank, handle.run_dir)
             found.append(LocalProcess(rank=rank, pid=st.pgrp, start_time=leader.start_time if leader else None,
                                       log_dir=log_dir, launched_at=time.time()))
             known_groups.add(st.pgrp)
@@ -417,7 +438,7 @@ class LocalBackend(ServerlessExecutor[LocalBackendConfig, LocalRunHandle]):
         """Every replica's state, from its ``exit.json`` and its supervisor's liveness (works from any process)."""
         handle = self._current(handle)
         replicas = []
-        for rank in range(handle.replicas):
+        for rank in handle.own_ranks:
             status = self._replica_status(handle, rank)
             p = handle.process(rank)
             if p is not None and p.restarts:
@@ -565,7 +586,7 @@ class LocalBackend(ServerlessExecutor[LocalBackendConfig, LocalRunHandle]):
                      since: float | None = None) -> Iterator[LogRecord]:
         """The replica's output lines with the time each was written; ``follow`` waits for more until it ends."""
         p = handle.process(rank) or self._current(handle).process(rank)
-        path = os.path.join(p.log_dir if p else self.log_dir(handle.run_id, rank), COMBINED_LOG)
+        path = os.path.join(p.log_dir if p else self.log_dir(handle.run_id, rank, handle.run_dir), COMBINED_LOG)
         buf = b""
         offset = 0
         while True:
@@ -714,12 +735,13 @@ def estimate_capacity(spec: LaunchSpec, memory_per_replica_mb: int | None = None
     limit = max(0, min(machine.max_by_cores, machine.max_by_memory(per_replica)))
     if procs > 1:
         return _estimate_processes(spec, procs, per_replica, basis, machine, limit)
-    estimate = CapacityEstimate(replicas=spec.replicas, per_replica_bytes=per_replica, basis=basis, machine=machine,
+    wanted = len(spec.own_ranks)  # a part of a run split over backends: only its replicas run here
+    estimate = CapacityEstimate(replicas=wanted, per_replica_bytes=per_replica, basis=basis, machine=machine,
                                 max_replicas=limit)
-    if spec.replicas <= limit:
+    if wanted <= limit:
         return estimate
     estimate.problem = (
-        f"replicas: this machine can hold {limit} local replica(s) of this run, not {spec.replicas}: "
+        f"replicas: this machine can hold {limit} local replica(s) of this run, not {wanted}: "
         f"{machine.cores} CPU core(s) take at most {machine.max_by_cores} ({REPLICAS_PER_CORE} per core) and "
         f"{_size(machine.memory_bytes)} of available memory holds {machine.max_by_memory(per_replica)} at about "
         f"{_size(per_replica)} each ({basis})")
@@ -729,22 +751,23 @@ def estimate_capacity(spec: LaunchSpec, memory_per_replica_mb: int | None = None
 
 
 def processes_of(spec: LaunchSpec) -> int:
-    """The training processes a local run starts: replicas times ``--procs-per-replica`` (1 when not set: without
-    GPUs a replica runs one process)."""
-    return spec.replicas * (spec.entrypoint_args.procs_per_replica or 1)
+    """The training processes a local run starts: its replicas (a part's own) times ``--procs-per-replica`` (1 when
+    not set: without GPUs a replica runs one process)."""
+    return len(spec.own_ranks) * (spec.entrypoint_args.procs_per_replica or 1)
 
 
 def _estimate_processes(spec: LaunchSpec, procs: int, per_process: int, basis: str, machine: MachineCapacity,
                         process_limit: int) -> CapacityEstimate:
     """``estimate_capacity`` for replicas of ``procs`` processes each: the limits count processes."""
     wanted = processes_of(spec)
-    estimate = CapacityEstimate(replicas=spec.replicas, procs_per_replica=procs, per_replica_bytes=per_process * procs,
+    estimate = CapacityEstimate(replicas=len(spec.own_ranks), procs_per_replica=procs,
+                                per_replica_bytes=per_process * procs,
                                 basis=basis, machine=machine, max_replicas=process_limit // procs)
     if wanted <= process_limit:
         return estimate
     estimate.problem = (
         f"procs_per_replica: this machine can hold {process_limit} local training process(es) of this run, not "
-        f"{spec.replicas} replica(s) x {procs} (--procs-per-replica): {machine.cores} CPU core(s) take at most "
+        f"{len(spec.own_ranks)} replica(s) x {procs} (--procs-per-replica): {machine.cores} CPU core(s) take at most "
         f"{machine.max_by_cores} ({REPLICAS_PER_CORE} per core) and {_size(machine.memory_bytes)} of available "
         f"memory holds {machine.max_by_memory(per_process)} at about {_size(per_process)} each ({basis})")
     fewer = process_limit // procs

@@ -41,8 +41,8 @@ _FINAL_RANK_KEY = re.compile(r"final/rank_(\d{4})\.safetensors")
 #: What only a run still going reads (compacted away once it finished, see ``compact_store``): the rounds'
 #: contributions and manifests, the committed rounds a rejoining replica loads, and the relaunch and rejoin notes its peers
 #: wait on.
-_RUN_TIME_KEY = re.compile(r"(p\d+/)?round_\d{6}/(rank|shard)_\d{4}\.safetensors|round_\d{6}/manifest\.json"
-                           r"|committed/round_\d{6}/(state\.safetensors|COMMITTED)|(relaunch|rejoin)/rank_\d{4}\.json")
+_RUN_TIME_KEY = re.compile(r"(p\d+/)?round_\d{6}/((rank|shard)_\d{4}|rank_\d{4}/part_\d{4})\.safetensors|round_\d{6}/manifest\.json"
+                           r"|committed/round_\d{6}/(state\.safetensors|COMMITTED|parts_\d{4}/part_\d{4}\.safetensors)|(relaunch|rejoin)/rank_\d{4}\.json")
 
 
 class CompactReport(BaseModel):

@@ -17,6 +17,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, model_validator
 
+from diloco.config_errors import format_validation_error as _format_validation_error
+from diloco.config_errors import placeholder_problem, short
 from diloco.defaults import DEFAULT_MAX_RESTARTS, DEFAULT_TRAINER
 from diloco.errors import ConfigError
 from diloco.executors import DEFAULT_BACKEND
@@ -30,7 +32,6 @@ DEFAULT_TIMEOUT_S = 86400.0
 #: Trainer keyword arguments the launcher owns: set by ``train.steps``/``train.sync_every`` or injected.
 RESERVED_TRAINER_KWARGS = {"total_steps": "train.steps", "sync_every": "train.sync_every", "mode": "train.mode",
                            **dict.fromkeys(INJECTED)}
-_PLACEHOLDER_RE = re.compile(r"<[a-z0-9][a-z0-9-]*>")
 _BRACES_RE = re.compile(r"\{[^{}]*\}")
 _SCHEMES = ("file", "s3")
 
@@ -88,7 +89,8 @@ class RunConfig(_Strict):
                           json_schema_extra=cli_flag("--replicas", "-n", metavar="N", note=""))
     backend: SerializeAsAny[BackendConfig] = Field(
         default_factory=lambda: _backend_section({}),
-        description="Where replicas run (local, sagemaker, eks, or an installed third-party backend).",
+        description="Where replicas run (local, sagemaker, eks, mixed: several of them at once, or an installed "
+                    "third-party backend).",
         json_schema_extra=cli_flag("--backend", "-b", metavar="NAME", note="", type="str"))
     store: StoreConfig = Field(default_factory=StoreConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
@@ -115,6 +117,10 @@ class RunConfig(_Strict):
             data = {**data, "backend": {"kind": data["backend"]}}
         if isinstance(data, dict) and isinstance(data.get("backend"), dict):
             data = {**data, "backend": _backend_section(data["backend"])}
+        if isinstance(data, dict) and "replicas" not in data and isinstance(data.get("backend"), BackendConfig):
+            fixed = data["backend"].fixed_replicas()  # e.g. the parts of a run split over backends
+            if fixed is not None:
+                data = {**data, "replicas": fixed}
         return data
 
     @model_validator(mode="after")
@@ -131,8 +137,11 @@ class RunConfig(_Strict):
         problem = min_replicas_problem(self.store.min_replicas, self.replicas)
         if problem:
             raise ValueError(f"store.min_replicas: {problem}")
+        problem = self.backend.replicas_problem(self.replicas)
+        if problem:
+            raise ValueError(problem)
         uri = self.store.rendezvous
-        kind, reachable = self.backend.kind, self.backend.rendezvous_schemes
+        kind = self.backend.kind
         if uri is not None:
             unknown = [p for p in _BRACES_RE.findall(uri) if p != "{run_id}"]
             if unknown:
@@ -144,76 +153,30 @@ class RunConfig(_Strict):
                                  "there; use file:// or s3://")
             if scheme not in _SCHEMES:
                 raise ValueError(f"store.rendezvous: scheme must be one of {', '.join(_SCHEMES)} (got {uri!r})")
-            if scheme not in reachable:
-                schemes = " or ".join(f"{s}://" for s in reachable)
-                raise ValueError(f"store.rendezvous: the {kind} backend needs an {schemes} URI every replica can "
-                                 f"reach (got {uri!r})")
+            unreachable = self.backend.rendezvous_problem(scheme)
+            if unreachable:
+                raise ValueError(f"store.rendezvous: {unreachable} (got {uri!r})")
         elif self.backend.default_rendezvous("<run_id>") is None:
             raise ValueError(f"store.rendezvous: required for the {kind} backend (an s3:// URI, e.g. "
                              f"s3://<bucket>/diloco/{{run_id}})")
-        if not self.backend.places_replicas and self.gpu is not None:
+        if not self.backend.places_some_replicas() and self.gpu is not None:
             raise ValueError(f"gpu: the {kind} backend runs on this machine and does not place replicas; leave it "
                              f"unset (got {self.gpu!r})")
-        for path, value in _strings(self.model_dump()):
-            found = _PLACEHOLDER_RE.search(value)
-            if found:
-                raise ValueError(f"{path}: replace the placeholder {found.group(0)!r} with a real value "
-                                 f"(got {value!r})")
+        problem = placeholder_problem(self.model_dump())
+        if problem:
+            raise ValueError(problem)
         return self
 
 
-def _strings(data: Any, prefix: str = "") -> list[tuple[str, str]]:
-    """Every string value in a nested dict, with its dotted path."""
-    out: list[tuple[str, str]] = []
-    if isinstance(data, dict):
-        for k, v in data.items():
-            out += _strings(v, f"{prefix}.{k}" if prefix else str(k))
-    elif isinstance(data, str):
-        out.append((prefix, data))
-    return out
-
-
 # ---------------------------------------------------------------------------------------------- errors
-def _short(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _model_at(root: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] | None:
-    """The model class owning the fields at ``loc``."""
-    model: Any = root
-    for part in loc:
-        field = model.model_fields.get(part) if isinstance(part, str) else None
-        if field is None:
-            return None
-        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
-            model = field.annotation
-        else:
-            return None
-    return model
-
-
 def _backend_section(section: dict[str, Any]) -> BackendConfig:
     """The ``backend:`` mapping validated by its own backend's model (looked up in the backend registry).
 
     Raises ``ValueError`` with the one-line message (``backend.<field>: ...``) so the run config reports it as is.
     """
-    from diloco.executors import backend_names, config_type
+    from diloco.executors.sections import backend_section
 
-    kind = section.get("kind", DEFAULT_BACKEND)
-    for path, value in _strings(section, "backend"):  # before the backend's own checks of the value's shape
-        found = _PLACEHOLDER_RE.search(value)
-        if found:
-            raise ValueError(f"{path}: replace the placeholder {found.group(0)!r} with a real value (got {value!r})")
-    if not isinstance(kind, str) or kind not in backend_names():
-        raise ValueError(f"backend: must be one of {', '.join(backend_names())} (got {_short(kind)})")
-    try:
-        model = config_type(kind)
-        return model.model_validate({**section, "kind": kind})
-    except ValidationError as exc:
-        raise ValueError(format_validation_error(exc, root=model, prefix=("backend",), kind=kind)) from None
-    except ConfigError as exc:
-        raise ValueError(str(exc)) from None
+    return backend_section(section, "backend")
 
 
 def backend_config(section: dict[str, Any]) -> BackendConfig:
@@ -226,54 +189,9 @@ def backend_config(section: dict[str, Any]) -> BackendConfig:
 
 def format_validation_error(exc: ValidationError, *, root: type[BaseModel] | None = None,
                             prefix: tuple[str, ...] = (), kind: str | None = None) -> str:
-    """The first error as one line: ``field.path: what is allowed (got what)``; ``(+N more)`` if there are more.
-
-    ``prefix`` is where the validated model sits in the run config (``("backend",)`` for a backend section, whose
-    errors also name the backend ``kind``)."""
-    errors = exc.errors(include_url=False)
-    err = errors[0]
-    inner = tuple(err["loc"])
-    loc = (*prefix, *inner)
-    path = ".".join(str(p) for p in loc)
-    typ, ctx, got = err["type"], err.get("ctx") or {}, err.get("input")
-    if typ == "extra_forbidden":
-        owner = _model_at(root or RunConfig, inner[:-1])
-        allowed = ", ".join(f for f in owner.model_fields if f != "kind") if owner else ""
-        where = f" for the {kind} backend" if kind else ""
-        msg = f"{path}: unknown key{where}" + (f" (allowed: {allowed})" if allowed else "")
-    elif typ == "missing":
-        where = f" for the {kind} backend" if kind else ""
-        msg = f"{path}: required{where}"
-    elif typ in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
-        op = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}[typ]
-        bound = next(iter(ctx.values()), "?")
-        bound = f"{bound:g}" if isinstance(bound, float) else bound
-        msg = f"{path}: must be {op} {bound} (got {_short(got)})"
-    elif typ in ("int_parsing", "int_type", "int_from_float"):
-        msg = f"{path}: must be an integer (got {_short(got)})"
-    elif typ in ("float_parsing", "float_type"):
-        msg = f"{path}: must be a number (got {_short(got)})"
-    elif typ in ("bool_parsing", "bool_type"):
-        msg = f"{path}: must be true or false (got {_short(got)})"
-    elif typ == "string_type":
-        msg = f"{path}: must be a string (got {_short(got)})"
-    elif typ in ("dict_type", "model_type", "model_attributes_type"):
-        msg = f"{path or 'config'}: must be a mapping of keys to values (got {_short(got)})"
-    elif typ == "literal_error":
-        msg = f"{path}: must be {ctx.get('expected', '?')} (got {_short(got)})"
-    elif typ == "value_error":
-        text = str(ctx.get("error", err["msg"]))
-        if not inner:  # the run config's own rules name their fields in full
-            msg = text
-        elif _model_at(root or RunConfig, inner) is not None:  # a section's rule names the field it is about
-            msg = f"{path}.{text}"
-        else:  # a field's own rule
-            msg = f"{path}: {text}"
-    else:
-        msg = f"{path}: {err['msg']} (got {_short(got)})"
-    if len(errors) > 1:
-        msg += f" (+{len(errors) - 1} more)"
-    return msg
+    """The first error as one line (``diloco.config_errors.format_validation_error``); ``root`` defaults to the
+    run config."""
+    return _format_validation_error(exc, root=root or RunConfig, prefix=prefix, kind=kind)
 
 
 # ---------------------------------------------------------------------------------------------- loading
@@ -357,7 +275,7 @@ def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
         if nxt is None:
             nxt = cur[part] = {}
         if not isinstance(nxt, dict):
-            raise ConfigError(f"--set {key}: {'.'.join(parts[: i + 1])} is not a mapping (it is {_short(nxt)})")
+            raise ConfigError(f"--set {key}: {'.'.join(parts[: i + 1])} is not a mapping (it is {short(nxt)})")
         cur = nxt
     cur[parts[-1]] = value
 
@@ -383,7 +301,6 @@ def merge_sources(
     belong to the other backend); ``--set backend.kind=...`` keeps them, and unknown ones are then reported.
     """
     data: dict[str, Any] = load_yaml(config_path) if config_path is not None else {}
-    backend_settings = _backend_flags(data, flags or {}, backend_flags or {})
     for key, value in (flags or {}).items():
         if value is None:
             continue
@@ -392,8 +309,7 @@ def merge_sources(
                 data["backend"] = {"kind": value}
             continue
         set_dotted(data, key, value)
-    for key, value in backend_settings.items():
-        set_dotted(data, key, value)
+    _apply_backend_flags(data, backend_flags or {})
     for item in trainer_kwargs or []:
         key, value = parse_assignment(item, "--trainer-kwargs")
         set_dotted(data, "train.trainer_kwargs", {**(_get(data, "train.trainer_kwargs") or {}), key: value})
@@ -402,13 +318,18 @@ def merge_sources(
     return data
 
 
-def _backend_flags(data: dict[str, Any], flags: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
-    """Backend flags (``{"role": ARN}``) as dotted config keys of the chosen backend (``backend.role_arn``);
-    one the chosen backend does not declare is a ``ConfigError`` (``diloco.executors.flags``)."""
-    from diloco.executors.flags import route_backend_flags
+def _apply_backend_flags(data: dict[str, Any], given: dict[str, Any]) -> None:
+    """Set the backend flags given (``{"role": ARN}``) in the chosen backend's section (``backend.role_arn``), or,
+    for a run split over backends, in the sections of the parts that take them (``BackendConfig.apply_flags``);
+    a flag nobody takes is a ``ConfigError`` (``diloco.executors.flags``)."""
+    from diloco.executors import config_type
 
-    kind = flags.get("backend") or backend_kind(data)
-    return {f"backend.{field}": value for field, value in route_backend_flags(kind, given).items()}
+    if not any(v is not None for v in given.values()):
+        return
+    kind = backend_kind(data)
+    section = data.get("backend")
+    section = dict(section) if isinstance(section, dict) else {"kind": kind}
+    data["backend"] = config_type(kind).apply_flags(kind, section, given)
 
 
 def backend_kind(data: dict[str, Any]) -> str:

@@ -51,9 +51,9 @@ if TYPE_CHECKING:
 
 #: Keys the replicas and the launcher write (``diloco.store.layout``, ``diloco.collectives.allreduce``): the only ones removed from
 #: a prefix whose ``run.json`` does not prove it belongs to the run.
-_LAYOUT_KEY = re.compile(r"((p\d+/)?round_\d{6}/(rank|shard)_\d{4}\.safetensors|round_\d{6}/manifest\.json|metrics/rank_\d{4}\.jsonl|progress/rank_\d{4}\.json"
+_LAYOUT_KEY = re.compile(r"((p\d+/)?round_\d{6}/((rank|shard)_\d{4}|rank_\d{4}/part_\d{4})\.safetensors|round_\d{6}/manifest\.json|metrics/rank_\d{4}\.jsonl|progress/rank_\d{4}\.json"
                          r"|final/rank_\d{4}\.safetensors|final/compacted\.json|spec\.json"
-                         r"|committed/round_\d{6}/(state\.safetensors|COMMITTED)|(relaunch|rejoin)/rank_\d{4}\.json)")
+                         r"|committed/round_\d{6}/(state\.safetensors|COMMITTED|parts_\d{4}/part_\d{4}\.safetensors)|(relaunch|rejoin)/rank_\d{4}\.json)")
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw])")
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 

@@ -60,6 +60,8 @@ class ReplicaReport(BaseModel):
     rank: int
     state: ReplicaState
     job_id: str = ""
+    backend: str | None = None  # the backend running it, in a run split over several (None otherwise)
+    part: int | None = None  # its part's index in backend.parts, in a run split over several backends
     exit_code: int | None = None
     reason: str | None = None
     detail: str | None = None  # the backend's own words (SageMaker secondary status, pod phase, pid)
@@ -92,6 +94,16 @@ class ReplicaReport(BaseModel):
     failure: FailureVerdict | None = None  # a failed replica's class of failure, when the backend can tell
 
 
+class PartShare(BaseModel):
+    """One part of a run split over backends: its backend, its replicas and what they billed (summed)."""
+
+    part: int
+    backend: str
+    ranks: list[int]
+    billable_s: float | None = None
+    cost_usd: float | None = None
+
+
 class RunReport(BaseModel):
     """A run as the CLI shows it; ``-o json`` prints exactly this (plus ``schema_version``)."""
 
@@ -122,6 +134,9 @@ class RunReport(BaseModel):
     #: and not failed for good): the run is ``running`` and goes on once they rejoin. A waiting ``diloco launch``
     #: or ``diloco watch`` relaunches them; with nobody waiting, ``diloco watch RUN`` does.
     awaiting_relaunch: list[int] = Field(default_factory=list)
+    #: A run split over backends (``--backend mixed``): each part's replicas and their billing, summed; empty for a
+    #: run on one backend.
+    parts: list[PartShare] = Field(default_factory=list)
 
     @property
     def failed(self) -> list[ReplicaReport]:
@@ -253,7 +268,7 @@ def check_trainer(cfg: RunConfig) -> RunConfig:
     check_procs_per_replica(cfg.train.procs_per_replica, fn, cfg.train.trainer)
     owned = {"total_steps": cfg.train.steps, "sync_every": cfg.train.sync_every, **_mode_kwarg(cfg)}
     checked = check_trainer_kwargs(fn, {**owned, **cfg.train.trainer_kwargs}, world_size=cfg.replicas,
-                                   on_this_machine=not cfg.backend.places_replicas)
+                                   on_this_machine=not cfg.backend.places_some_replicas())
     kwargs = {k: v for k, v in checked.items() if k not in owned}
     return cfg.model_copy(update={"train": cfg.train.model_copy(update={"trainer_kwargs": kwargs})})
 
@@ -354,7 +369,7 @@ def preflight(cfg: RunConfig) -> RunConfig:
     if cfg.metrics.tensorboard is not None:
         from diloco.replica.tensorboard_dirs import check_tensorboard, normalized
 
-        check_tensorboard(cfg.metrics.tensorboard, on_this_machine=not cfg.backend.places_replicas)
+        check_tensorboard(cfg.metrics.tensorboard, on_this_machine=not cfg.backend.places_some_replicas())
         cfg = cfg.model_copy(update={"metrics": cfg.metrics.model_copy(
             update={"tensorboard": normalized(cfg.metrics.tensorboard)})})
     return cfg
@@ -394,7 +409,7 @@ def launch(cfg: RunConfig, registry: RunRegistry | None = None, *, force: bool =
     if cfg.metrics.tensorboard is not None:  # first: its probe leaves nothing, the rendezvous probe a directory
         from diloco.replica.tensorboard_dirs import check_tensorboard
 
-        check_tensorboard(cfg.metrics.tensorboard, on_this_machine=not cfg.backend.places_replicas, probe=True)
+        check_tensorboard(cfg.metrics.tensorboard, on_this_machine=not cfg.backend.places_some_replicas(), probe=True)
     check_rendezvous(uri, probe=True)
     store = ObjectStore(uri)
     owned = wrote = False  # the prefix is this launch's (it was empty); something was written to it
@@ -483,6 +498,17 @@ def _replica_report(status: ReplicaStatus, progress: ReplicaProgress | None) -> 
         for name in shared:
             setattr(rep, name, getattr(progress, name))
     return rep
+
+
+def _shares(ranks: list[ReplicaReport]) -> list[PartShare]:
+    """Per part of a run split over backends, in part order; [] for a run on one backend."""
+    by_part: dict[int, list[ReplicaReport]] = {}
+    for rep in ranks:
+        if rep.part is not None:
+            by_part.setdefault(rep.part, []).append(rep)
+    return [PartShare(part=part, backend=reps[0].backend or "", ranks=[r.rank for r in reps],
+                      billable_s=_total([r.billable_s for r in reps]), cost_usd=_total([r.cost_usd for r in reps]))
+            for part, reps in sorted(by_part.items())]
 
 
 def _total(values: list[float | None]) -> float | None:
@@ -618,7 +644,7 @@ class RunView:
                            final_eval_loss=model_eval_loss(ranks, final=True, by_round=True)
                            if state == RunState.SUCCEEDED else None,
                            warnings=readout.warnings, left_behind=left_behind,
-                           awaiting_relaunch=sorted(awaiting))
+                           awaiting_relaunch=sorted(awaiting), parts=_shares(ranks))
         _add_async_status(report, self.store)
         if self.record.weights_disagree is not None:  # the run ended without one model (``disagreed``)
             report.weights_identical, report.weights_detail = False, self.record.weights_disagree
@@ -683,7 +709,13 @@ class RunView:
         if status.rank in self._recovering:
             return True
         limit = max(self.max_restarts, self._waiter_restarts)
-        return self.backend.supports_relaunch and relaunchable(status) and status.restarts < limit
+        return self.relaunches(status.rank) and relaunchable(status) and status.restarts < limit
+
+    def relaunches(self, rank: int) -> bool:
+        """Whether the backend can relaunch replica ``rank`` (``ServerlessExecutor.relaunches``: in a run split over
+        backends, its part's backend decides)."""
+        handle = self.handle
+        return handle is not None and self.backend.relaunches(handle, rank)
 
     def lost(self, status: RunStatus) -> list[int]:
         """Ranks that failed for good: failed, and no relaunch can bring them back."""
@@ -789,7 +821,7 @@ class RunView:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         if restart_backoff_s is None:
             restart_backoff_s = restart_backoff()
-        relaunch = max_restarts > 0 and self.backend.supports_relaunch
+        relaunch = max_restarts > 0 and any(self.relaunches(rank) for rank in range(self.record.replicas))
         self._recovering = {}
         self._waiter_restarts = max_restarts if relaunch else 0
         try:
@@ -839,7 +871,8 @@ class RunView:
             self._recovering = {}
             return status
         for s in status.replicas:
-            if relaunchable(s) and s.rank not in self._recovering and s.restarts < max_restarts:
+            if relaunchable(s) and s.rank not in self._recovering and s.restarts < max_restarts \
+                    and self.relaunches(s.rank):
                 delay = backoff_s * 2 ** s.restarts
                 self._recovering[s.rank] = now + delay
                 self.announce_relaunch(s.rank, attempt=s.restarts + 1, ready_in_s=delay, reason=s.reason or "failed")

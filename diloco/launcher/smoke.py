@@ -46,7 +46,7 @@ from diloco.errors import ConfigError
 from diloco.executors.checks import Check, Status
 
 if TYPE_CHECKING:
-    from diloco.executors.base import LaunchPlan, LaunchSpec, ServerlessExecutor
+    from diloco.executors.base import BackendConfig, LaunchPlan, LaunchSpec, ServerlessExecutor
     from diloco.launcher.runs import RunRecord
 
 #: The tiny model and schedule: seconds per round on a laptop core, yet the full DiLoCo path.
@@ -181,16 +181,16 @@ def resolve_target(*, config_path: str | Path | None = None, backend: str | None
     rendezvous = store.get("rendezvous") if isinstance(store.get("rendezvous"), str) else None
     uri = resolve_s3_uri(s3, rendezvous, env)
     section = _as_section(data.get("backend"))
-    require_reachable_store(backend_config(section).rendezvous_schemes, section["kind"], uri)
+    require_reachable_store(backend_config(section), uri)
     if config_path is not None:
         validate({**data, "store": {**store, "rendezvous": f"{uri}/{{run_id}}" if uri else rendezvous}})
     return SmokeTarget(backend=section, s3_uri=uri)
 
 
-def require_reachable_store(schemes: tuple[str, ...], kind: str, s3_uri: str | None) -> None:
+def require_reachable_store(config: BackendConfig, s3_uri: str | None) -> None:
     """``ConfigError`` when no S3 prefix is given and the backend's replicas cannot meet in this machine's files."""
-    if s3_uri is None and "file" not in schemes:
-        raise ConfigError(f"--s3: the {kind} backend's replicas cannot reach this machine's files, so the smoke "
+    if s3_uri is None and config.rendezvous_problem("file"):
+        raise ConfigError(f"--s3: the {config.kind} backend's replicas cannot reach this machine's files, so the smoke "
                           f"needs an s3://bucket/prefix for them to meet in",
                           hint="pass --s3 s3://<bucket>/<prefix>, or set an s3:// store.rendezvous (--config) or "
                                "$DILOCO_S3_URI")
@@ -242,7 +242,7 @@ def _run_smoke(
     work_dir = tempfile.mkdtemp(prefix="diloco-smoke-")
     try:  # everything that can refuse the smoke, before anything is created or written
         backend = _smoke_backend(backend_choice, work_dir)
-        require_reachable_store(backend.config.rendezvous_schemes, backend.config.kind, s3_uri)
+        require_reachable_store(backend.config, s3_uri)
         uri = f"{s3_uri.rstrip('/')}/{run_id}" if s3_uri else f"file://{work_dir}/store/{run_id}"
         plan = backend.plan(_smoke_spec(run_id, replicas, uri, timeout_s, poll_interval_s))
         expected_usd, expected_detail = _expected_cost(backend, plan, yes)
@@ -258,7 +258,7 @@ def _run_smoke(
     record: RunRecord | None = None
     store = ObjectStore(uri)
     # Cloud APIs rate-limit their describe calls, and their jobs take minutes: no need to ask five times a second.
-    status_every = REMOTE_STATUS_INTERVAL_S if backend.config.places_replicas else poll_interval_s
+    status_every = REMOTE_STATUS_INTERVAL_S if backend.config.places_some_replicas() else poll_interval_s
 
     def report_of(*, failed: bool) -> SmokeReport:
         """The report of what was checked so far (``failed``: keep the replicas' log directory in it)."""

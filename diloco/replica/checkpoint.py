@@ -255,12 +255,19 @@ class InnerOptimizerState:
     Layout under ``<dir>/rank_RRRR/``: ``inner_optimizer.round_NNNNNN.safetensors`` (the state's tensors) and
     ``inner_optimizer.json`` (written last, atomically: the round, run id, rank, the data file's name and SHA-256,
     the param groups and the non-tensor state). No pickle: tensors in safetensors, everything else JSON.
+
+    A local process of a sharded replica (FSDP2) keeps the state of its own rows under
+    ``<dir>/rank_RRRR/local_PPPP_of_KKKK/`` (``local=(P, K)``): a relaunch with the same K finds each process's
+    own; one with another K finds none and starts fresh (the rows are cut differently), as the log says.
     """
 
-    def __init__(self, directory: str, *, run_id: str | None, rank: int) -> None:
+    def __init__(self, directory: str, *, run_id: str | None, rank: int,
+                 local: tuple[int, int] | None = None) -> None:
         import os
 
         self.directory = os.path.join(directory, f"rank_{rank:04d}")
+        if local is not None:
+            self.directory = os.path.join(self.directory, f"local_{local[0]:04d}_of_{local[1]:04d}")
         self.run_id = run_id or ""
         self.rank = rank
 

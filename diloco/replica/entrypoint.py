@@ -14,7 +14,8 @@ one, and this entrypoint's flags are generated from it (``--help`` lists them). 
 * the field's default.
 
 The rank is not a setting (it differs per replica): ``--rank``, else ``REPLICA_RANK`` (set by every diloco
-backend), else ``JOB_COMPLETION_INDEX`` (Kubernetes Indexed Jobs).
+backend), else ``JOB_COMPLETION_INDEX`` (Kubernetes Indexed Jobs), plus ``DILOCO_RANK_OFFSET`` for a rank from the
+environment (a backend running one part of a run split over several backends, numbering its replicas from 0).
 
 Before anything touches the store, the trainer kwargs are checked against the trainer's signature, its type
 annotations and its preflight hook (``diloco.trainers.preflight``), with the replica's own machine as the target; values
@@ -219,17 +220,25 @@ def _validated(data: Mapping[str, Any], sources: Mapping[str, str]) -> ReplicaSe
 
 
 def _rank(flag: str | None, env: Mapping[str, str]) -> int:
-    """``--rank``, else ``REPLICA_RANK``, else ``JOB_COMPLETION_INDEX``; empty values count as unset."""
+    """``--rank``, else ``REPLICA_RANK``, else ``JOB_COMPLETION_INDEX``; empty values count as unset. A rank from
+    the environment gets ``DILOCO_RANK_OFFSET`` added (``envvars.rank_offset``): a backend running ranks r0.. of a
+    larger run that numbers its replicas from 0 (a Kubernetes Job's pod index) sets it to r0."""
     sources = [("--rank", flag), (envvars.REPLICA_RANK, env.get(envvars.REPLICA_RANK)),
                (envvars.JOB_COMPLETION_INDEX, env.get(envvars.JOB_COMPLETION_INDEX))]
     for source, raw in sources:
         if raw is None or raw.strip() == "":
             continue
         try:
-            return int(raw.strip())
+            value = int(raw.strip())
         except ValueError:
             raise UsageError(f"{source}={raw!r} is not an integer",
                              f"set {source} to a whole number") from None
+        if source == "--rank":
+            return value
+        try:
+            return value + envvars.rank_offset(env)
+        except ValueError as exc:
+            raise UsageError(str(exc), f"set {envvars.RANK_OFFSET} to a whole number, or unset it") from None
     raise UsageError("no rank",
                      f"pass --rank R or set {envvars.REPLICA_RANK} or {envvars.JOB_COMPLETION_INDEX}")
 
@@ -491,6 +500,7 @@ def run_replica(args: ReplicaArgs, trainer: Callable[..., Any], kwargs: dict[str
     child = is_child(env)
     restore_logging = setup_logging(args.rank, local_rank=env.get("LOCAL_RANK") if child else None)
     allreduce = None
+    parts = None
     board = None
     previous = None
     if _in_main_thread():
@@ -504,8 +514,9 @@ def run_replica(args: ReplicaArgs, trainer: Callable[..., Any], kwargs: dict[str
 
             group = init_local_group(env, timeout_s=args.settings.timeout_s)
         manager: Any = None
+        parts = _parts_setup(args)  # builds nothing until a sharded model is exchanged by rows
         if group is None or group.is_leader:
-            allreduce, manager = _store_manager(args, trainer, kwargs)
+            allreduce, manager = _store_manager(args, trainer, kwargs, parts)
             if args.settings.tensorboard is not None:
                 from diloco.replica.tensorboard import TensorBoardWriter
 
@@ -514,7 +525,8 @@ def run_replica(args: ReplicaArgs, trainer: Callable[..., Any], kwargs: dict[str
         if group is not None:
             from diloco.replica.local_group import LocalGroupManager
 
-            manager = LocalGroupManager(manager, group, rank=args.rank, world_size=args.settings.world_size)
+            manager = LocalGroupManager(manager, group, rank=args.rank, world_size=args.settings.world_size,
+                                        parts=parts)
             log.info("replica %d/%d, local process %d/%d (%s on %s), trainer %s:%s", args.rank, args.settings.world_size,
                      group.rank, group.size, group.backend, group.device, args.settings.trainer_module, args.settings.trainer_fn)
         else:
@@ -529,6 +541,7 @@ def run_replica(args: ReplicaArgs, trainer: Callable[..., Any], kwargs: dict[str
             board.close()
         if allreduce is not None:
             allreduce.close()  # lets an upload the trainer left in flight land (a SIGTERM here still exits 143)
+        parts.close()
         log.info("replica %d finished", args.rank)
     except Terminated:
         _fail(env, f"rank {args.rank}: stopped by SIGTERM")
@@ -567,6 +580,8 @@ def run_replica(args: ReplicaArgs, trainer: Callable[..., Any], kwargs: dict[str
             board.close()
         if allreduce is not None:
             allreduce.close(wait=False)  # failed or stopped: never wait for an upload (no-op after success)
+        if parts is not None:
+            parts.close(wait=False)
         if child:
             from diloco.replica.local_group import leave_local_group
 
@@ -577,7 +592,16 @@ def run_replica(args: ReplicaArgs, trainer: Callable[..., Any], kwargs: dict[str
     return EXIT_OK
 
 
-def _store_manager(args: ReplicaArgs, trainer: Callable[..., Any], kwargs: Mapping[str, Any]) -> tuple[Any, Any]:
+def _parts_setup(args: ReplicaArgs) -> Any:
+    """How this process exchanges a sharded model's rows, should its trainer shard it (``diloco.replica.parts_setup``)."""
+    from diloco.replica.parts_setup import PartsSetup
+
+    return PartsSetup(args.settings.rendezvous_uri, args.rank, args.settings.world_size, args.settings,
+                      run_id=args.run_id, keep=args.settings.keep_rounds)
+
+
+def _store_manager(args: ReplicaArgs, trainer: Callable[..., Any], kwargs: Mapping[str, Any],
+                   parts: Any = None) -> tuple[Any, Any]:
     """The replica's object-store all-reduce and the manager over it (in a multi-process replica: local rank 0's)."""
     from diloco.collectives.allreduce import create_allreduce
     from diloco.replica.checkpoint import RoundCheckpoints
@@ -588,7 +612,7 @@ def _store_manager(args: ReplicaArgs, trainer: Callable[..., Any], kwargs: Mappi
     rounds = RoundCheckpoints(allreduce.store, run_id=args.run_id, world_size=args.settings.world_size,
                               keep=args.settings.keep_rounds)
     manager = ObjectStoreManager(allreduce, total_steps=total_steps_of(trainer, kwargs),
-                                 progress_interval_s=args.settings.progress_interval_s, rounds=rounds)
+                                 progress_interval_s=args.settings.progress_interval_s, rounds=rounds, parts=parts)
     return allreduce, manager
 
 

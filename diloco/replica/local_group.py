@@ -19,9 +19,13 @@ Why it looks the way it does:
   "stopped by SIGTERM") and exits with the root cause's code, so the CLI and the Kubernetes failure policy see
   what they would see for a one-process replica.
 
-Not yet: the inner optimizer's per-replica checkpoints (``$DILOCO_CHECKPOINT_DIR``, ``diloco.replica.checkpoint``) are off in
-a multi-process replica (``LocalGroupManager`` has no ``rounds``), because every local process would have to restore
-the same state; a rejoining multi-process replica starts its inner optimizer fresh, as the log says.
+A sharded model (FSDP2) is different: no process holds it whole, so each local process exchanges, commits and
+restores its own rows through the store (``LocalGroupManager``'s shard methods, ``diloco.replica.local_shards``).
+
+The inner optimizer's per-replica checkpoints (``$DILOCO_CHECKPOINT_DIR``, ``diloco.replica.checkpoint``): a sharded
+model's local processes each keep their own rows' state (``shard_checkpoints``) and get it back on a rejoin. With a
+model every process holds whole (DDP) they are off (``LocalGroupManager`` has no ``rounds``): a rejoining replica
+then starts its inner optimizer fresh, as the log says.
 
 A trainer opts in with ``@supports_local_processes`` (``diloco.trainers.hf:train`` does): it then finds its local
 group with ``current_local_group()``, wraps its model in DDP and reads its own sub-shard. A trainer that does not
@@ -42,7 +46,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 if TYPE_CHECKING:
     import torch
 
+    from diloco.collectives.part_layout import ShardSpec
     from diloco.replica.checkpoint import CommittedRound
+    from diloco.replica.parts_setup import PartsSetup
 
 log = logging.getLogger("diloco.replica.local_group")
 
@@ -159,6 +165,38 @@ class LocalGroup:
                 for t, value in zip(group, _unflatten_dense_tensors(flat, group), strict=True):
                     t.copy_(value)
 
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """Every local rank's ``obj`` (plain Python values), in local rank order, on every local rank."""
+        import torch.distributed as dist
+
+        box: list[Any] = [None] * self.size
+        dist.all_gather_object(box, obj)
+        return box
+
+    def gather_rows(self, tensors: Mapping[str, torch.Tensor],
+                    specs: Mapping[str, ShardSpec]) -> dict[str, torch.Tensor] | None:
+        """The whole tensors, on local rank 0 (on the CPU), from the rows each local rank holds (``specs``, FSDP2's
+        cut); ``None`` on the others. One tensor at a time, so the extra memory is one whole tensor."""
+        import torch
+        import torch.distributed as dist
+
+        from diloco.collectives.part_layout import part_rows
+
+        out: dict[str, torch.Tensor] | None = {} if self.is_leader else None
+        for name in sorted(tensors):
+            spec, held = specs[name], tensors[name]
+            chunk = -(-spec.length // self.size) * spec.row_size
+            padded = torch.zeros(chunk, dtype=held.dtype, device=self.device)
+            padded[:held.numel()].copy_(held.reshape(-1))
+            received = [torch.empty_like(padded) for _ in range(self.size)] if self.is_leader else None
+            dist.gather(padded, received, dst=0)
+            if out is not None and received is not None:
+                rows = [part_rows(spec.length, self.size, p) for p in range(self.size)]
+                whole = torch.cat([buf[:(end - start) * spec.row_size] for buf, (start, end) in
+                                   zip(received, rows, strict=True)])
+                out[name] = whole.to("cpu").view(spec.shape)
+        return out
+
     def mean(self, value: torch.Tensor) -> torch.Tensor:
         """The mean of ``value`` over the local processes (e.g. a loss each computed on its own sub-shard)."""
         import torch.distributed as dist
@@ -252,13 +290,33 @@ class LocalGroupManager:
     ``store`` exist only on local rank 0, so the outer loop records progress and exports the final weights once
     per replica."""
 
-    def __init__(self, inner: Any | None, group: LocalGroup, *, rank: int, world_size: int) -> None:
+    def __init__(self, inner: Any | None, group: LocalGroup, *, rank: int, world_size: int,
+                 parts: PartsSetup | None = None) -> None:
+        """``parts`` (``diloco.replica.parts_setup.PartsSetup``) lets every local process exchange a sharded model's
+        rows itself (the shard methods)."""
+        from diloco.replica.local_shards import LocalShardRounds
+
         if group.is_leader and inner is None:
             raise ValueError("local rank 0 needs the replica's real manager")
         self.group = group
         self._inner = inner if group.is_leader else None
         self._rank, self._world_size = rank, world_size
         self._step = 0  # the mirror of rank 0's committed rounds, on the other ranks
+        self._shards = LocalShardRounds(self, parts)
+
+    @property
+    def inner(self) -> Any | None:
+        """Local rank 0's replica manager (``None`` on the other local ranks)."""
+        return self._inner
+
+    @staticmethod
+    def relayed(message: str) -> LocalRoundFailed:
+        """The error a local process raises for a sibling's failure (never the replica's root cause)."""
+        return LocalRoundFailed(message)
+
+    def mirror_step(self, step: int) -> None:
+        """Set the other ranks' mirror of local rank 0's committed rounds."""
+        self._step = step
 
     # ---------------------------------------------------------------- identity
     @property
@@ -366,6 +424,29 @@ class LocalGroupManager:
 
         return CommittedRound(round=round_, tensors=tensors, run_id=run_id)
 
+    # ---------------------------------------------------------------- a sharded model, by rows
+    def allreduce_shards(self, tensors: Mapping[str, torch.Tensor], specs: Mapping[str, ShardSpec]) -> Any:
+        """This process's rows averaged through its own parts collective; ``wait()`` agrees with the siblings."""
+        return self._shards.allreduce(tensors, specs)
+
+    def commit_round_shards(self, tensors: Mapping[str, torch.Tensor], specs: Mapping[str, ShardSpec]) -> None:
+        """Every process commits its rows of the round just committed; local rank 0 marks it."""
+        self._shards.commit(tensors, specs)
+
+    def rejoin_shards(self, specs: Mapping[str, ShardSpec]) -> CommittedRound | None:
+        """Local rank 0 finds the round; every process reads its rows of it (or ``None``: a first start)."""
+        return self._shards.rejoin(specs)
+
+    def gather_shards(self, tensors: Mapping[str, torch.Tensor],
+                      specs: Mapping[str, ShardSpec]) -> dict[str, torch.Tensor] | None:
+        """The whole tensors on local rank 0 (``None`` elsewhere), for the final export."""
+        return self._shards.gather(tensors, specs)
+
+    def shard_checkpoints(self) -> tuple[str | None, tuple[int, int]] | None:
+        """Where this process keeps its rows' inner optimizer state: (the run id, (local rank, local processes)),
+        or ``None`` when the replica commits no rounds (no parts setup)."""
+        return self._shards.checkpoint_place()
+
     # ---------------------------------------------------------------- checkpointing
     def state_dict(self) -> dict[str, Any]:
         return self._inner.state_dict() if self._inner is not None else {"step": self._step}
@@ -451,14 +532,21 @@ class _children_env:
 
 
 def _root_cause(exc: Any, errors: str) -> ChildFailure:
-    """The failure to report: among the processes that failed on their own (not stopped by SIGTERM), the first to
+    """The failure to report: among the processes that failed on their own (not stopped by SIGTERM), one killed
+    by a signal first (a SIGKILL, the OOM killer: it could write no error line, and its siblings' lost
+    connections are its consequence; its exit code, 128 + N, makes the replica relaunchable), else the first to
     fail, as the clocks in their error records say, a relayed error (``derived``) only when nothing else is there.
     (A process whose peer died first often fails too, with a lost connection, a moment later.)"""
     failures = dict(exc.failures)  # local rank -> ProcessFailure (exitcode, ...)
     codes = {rank: _exit_code(f.exitcode) for rank, f in failures.items()}
     causes = [rank for rank in failures if codes[rank] != _SIGTERM_EXIT] or list(failures)
     records = {rank: _read_record(error_file(errors, rank)) for rank in causes}
-    rank = min(causes, key=lambda r: (bool(records[r].get("derived")), records[r].get("time", float("inf")), r))
+
+    def killed(rank: int) -> bool:
+        return codes[rank] > 128 and codes[rank] != _SIGTERM_EXIT and not records[rank]
+
+    rank = min(causes, key=lambda r: (not killed(r), bool(records[r].get("derived")),
+                                      records[r].get("time", float("inf")), r))
     return ChildFailure(exit_code=codes[rank], message=records[rank].get("message"))
 
 

@@ -22,6 +22,12 @@ Round numbering (the one used in every log line, error, metric and table): round
 being the N-th outer sync; during round N ``current_step()`` reads N - 1, and after it commits, N. Metrics'
 ``round`` is ``current_step()``: the number of the last completed round, 0 before the first.
 
+Sharded models (FSDP2): the outer loop exchanges, commits and restores a sharded model by rows
+(``allreduce_shards``, ``commit_round_shards``, ``rejoin_shards``, ``gather_shards``); here, in a one-process
+replica, the rows are whole tensors, exchanged through the parts collective (``diloco.collectives.parts``) that
+``parts`` builds, so the replica meets sharded peers. A multi-process replica's processes do the same through
+``diloco.replica.local_group.LocalGroupManager``.
+
 The manager also owns the replica's ``MetricsWriter`` (``manager.metrics``): the outer loop drives it, so every
 trainer's progress and final weights are recorded whether or not the trainer reports anything itself.
 """
@@ -30,7 +36,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from diloco.collectives.allreduce import AllReduceStats, AllReduceWork, Collective, Tensors
@@ -41,7 +47,10 @@ from diloco.replica.metrics import MetricsWriter
 if TYPE_CHECKING:
     import torch
 
+    from diloco.collectives.part_layout import ShardSpec
+    from diloco.collectives.parts import PartsAllReduce
     from diloco.replica.checkpoint import CommittedRound, RoundCheckpoints
+    from diloco.replica.parts_setup import PartsSetup
     from diloco.store.objects import ObjectStore
 
 logger = logging.getLogger(__name__)
@@ -77,11 +86,17 @@ class ObjectStoreManager:
         total_steps: int | None = None,
         progress_interval_s: float = DEFAULT_PROGRESS_INTERVAL_S,
         rounds: RoundCheckpoints | None = None,
+        parts: PartsSetup | None = None,
     ) -> None:
         """``total_steps`` (when known) and ``progress_interval_s`` configure the replica's metrics; ``rounds``
-        (a ``diloco.replica.checkpoint.RoundCheckpoints``) turns on committing each round and rejoining from them."""
+        (a ``diloco.replica.checkpoint.RoundCheckpoints``) turns on committing each round and rejoining from them;
+        ``parts`` (a ``diloco.replica.parts_setup.PartsSetup``) lets a sharded model be exchanged by rows."""
         self._allreduce = allreduce
         self.rounds = rounds
+        self._parts = parts
+        self._parts_collective: PartsAllReduce | None = None
+        #: Bytes (written, read) the replica's other local processes moved in their parts rounds, so far.
+        self.sibling_bytes = (0, 0)
         self.metrics = MetricsWriter(allreduce.store, allreduce.rank, total_steps=total_steps,
                                      stats=lambda: self.stats, rounds=self.current_step,
                                      progress_interval_s=progress_interval_s)
@@ -107,7 +122,16 @@ class ObjectStoreManager:
 
     @property
     def stats(self) -> AllReduceStats:
-        return self._allreduce.stats
+        """The replica's collective counters: its whole-tensor collective's, plus its parts collective's and the
+        bytes its other local processes moved (a sharded replica's traffic is the sum of its processes')."""
+        stats = self._allreduce.stats
+        if self._parts_collective is not None:
+            own = self._parts_collective.stats
+            stats = AllReduceStats(rounds=stats.rounds + own.rounds,
+                                   bytes_written=stats.bytes_written + own.bytes_written + self.sibling_bytes[0],
+                                   bytes_read=stats.bytes_read + own.bytes_read + self.sibling_bytes[1],
+                                   seconds_blocked=stats.seconds_blocked + own.seconds_blocked)
+        return stats
 
     def wire_state(self) -> dict[str, Any]:
         """The collective's per-rank wire state (error-feedback residuals), for the outer loop to keep."""
@@ -200,10 +224,22 @@ class ObjectStoreManager:
             self.rounds.commit(self._step, tensors)
 
     def rejoin(self, poll_s: float | None = None) -> CommittedRound | None:
-        """Find where this rank's peers are and set the round counters there; the state to load, or ``None``.
+        """Find where this rank's peers are and set the round counters there; the state to load, or ``None``
+        (``rejoin_round``, then the committed round's whole state)."""
+        latest = self.rejoin_round(poll_s)
+        if latest == 0:
+            return None
+        assert self.rounds is not None
+        return self.rounds.read(latest)
 
-        ``None`` means the run has no committed round yet: a first start (or a restart before round 1), from
-        the common initial weights. Otherwise the latest committed round c: the manager's step becomes c and
+    def rejoin_round(self, poll_s: float | None = None, *,
+                     contributed: Callable[[int], bool] | None = None) -> int:
+        """Find where this rank's peers are and set the round counters there; the committed round to load (0:
+        none, start from the common initial weights). ``contributed(round index)`` says whether this replica's
+        contribution to a round is in the store (default: its collective's object; a sharded replica's parts).
+
+        0 means the run has no committed round yet: a first start (or a restart before round 1), from the
+        common initial weights. Otherwise the latest committed round c: the manager's step becomes c and
         the all-reduce's next round index c (round c + 1), so this rank contributes to the round its peers
         wait for. One exception makes it wait first: when this rank's contribution to round c + 1 is already in
         the store (it died after uploading it), its peers may have read those bytes, so recomputing it would
@@ -221,14 +257,15 @@ class ObjectStoreManager:
         no step left: it leaves the loop at once with the final committed model, the one its peers exported.
         """
         if self.rounds is None:
-            return None
+            return 0
         if self._step or self._allreduce.next_round:
             raise RuntimeError("rejoin() must come before the first round")
+        own = contributed or self._allreduce.has_own_contribution
         poll = self._allreduce.poll_interval_s if poll_s is None else poll_s
         deadline = time.monotonic() + self._allreduce.timeout_s
         while True:
             latest = self.rounds.latest_round()
-            if not self._allreduce.has_own_contribution(latest):
+            if not own(latest):
                 break
             if time.monotonic() > deadline:
                 raise DilocoError(
@@ -242,13 +279,61 @@ class ObjectStoreManager:
         if callable(announce):
             announce(latest)
         if latest == 0:
-            return None
-        state = self.rounds.read(latest)
+            return 0
         self._step = latest
         self._allreduce.resume_at(latest)
         logger.info("rank %d rejoins the run after committed round %d (its next round is %d)", self.rank, latest,
                     latest + 1)
-        return state
+        return latest
+
+    # ---------------------------------------------------------------- a model exchanged by rows
+    def parts_collective(self, part: int = 0, parts: int = 1) -> PartsAllReduce:
+        """This process's parts collective (built on first use); ``DilocoError`` without a parts setup."""
+        if self._parts_collective is None:
+            if self._parts is None:
+                raise DilocoError("this replica's manager was built without a parts setup, so it cannot exchange a "
+                                  "sharded model by rows", hint="run the trainer through the replica entrypoint")
+            self._parts_collective = self._parts.collective(part, parts)
+        return self._parts_collective
+
+    def allreduce_shards(self, tensors: Mapping[str, torch.Tensor], specs: Mapping[str, ShardSpec]) -> ManagedWork:
+        """``allreduce`` of the rows ``specs`` name (here: whole tensors), through the parts collective."""
+        try:
+            work = ManagedWork(self, self.parts_collective().allreduce_shards_async(tensors, specs))
+        except Exception as exc:
+            self.report_error(exc)
+            raise
+        self._pending = work
+        return work
+
+    def commit_round_shards(self, tensors: Mapping[str, torch.Tensor], specs: Mapping[str, ShardSpec]) -> None:
+        """``commit_round`` by rows (one part: this process holds every row); no-op without ``rounds``."""
+        if self.rounds is None:
+            return
+        from diloco.replica.checkpoint_parts import PartCheckpoints
+
+        checkpoints = PartCheckpoints.like(self.rounds)
+        digest = checkpoints.write_part(self._step, 1, 0, tensors, specs)
+        if digest is not None:
+            checkpoints.mark(self._step, 1, [digest])
+
+    def rejoin_shards(self, specs: Mapping[str, ShardSpec]) -> CommittedRound | None:
+        """``rejoin`` by rows: the committed round's rows ``specs`` name, whatever partition committed it."""
+        if self.rounds is None:
+            return None
+        from diloco.replica.checkpoint_parts import PartCheckpoints
+
+        collective = self.parts_collective()
+        latest = self.rejoin_round(contributed=collective.replica_contributed)
+        if latest == 0:
+            return None
+        collective.resume_at(latest)
+        return PartCheckpoints.like(self.rounds).read(latest, specs)
+
+    def gather_shards(self, tensors: Mapping[str, torch.Tensor],
+                      specs: Mapping[str, ShardSpec]) -> dict[str, torch.Tensor] | None:
+        """The whole tensors from every process's rows: here the process holds them all."""
+        return dict(tensors)
 
     # ---------------------------------------------------------------- checkpointing
     def state_dict(self) -> dict[str, Any]:

@@ -42,6 +42,14 @@ one (``manager.rejoin``), sets ``inner_step`` to where the run is and calls the 
 the backend offers a checkpoint directory that outlives the process (``$DILOCO_CHECKPOINT_DIR``), the inner
 optimizer's state is saved there after every committed round and restored when it matches the round rejoined at.
 
+Sharded replicas (FSDP2, ``diloco.replica.param_shards``): when the model's parameters are ``DTensor`` shards over
+the replica's local processes, each process keeps the global copy and the outer momentum of its own rows only, and
+the round goes through the manager's shard methods (``allreduce_shards``, ``commit_round_shards``,
+``rejoin_shards``, ``gather_shards``): each process exchanges, commits and restores its own rows
+(``diloco.collectives.parts``, ``diloco.replica.checkpoint_parts``), and the final weights are gathered once, at the
+end, for the export. ``shard_exchange=True`` takes the same path for a model held whole (a one-process replica in a
+run whose other replicas are sharded: every replica of a run exchanges the same way).
+
 Failures are loud: a failed all-reduce raises out of ``inner_optimizer.step()`` (see ``diloco.replica.manager``), and
 so does every later ``step()`` of that outer loop: once a sync failed, this replica's rounds no longer line up
 with its peers', so training on without syncing would silently diverge (torchft asserts the same invariant).
@@ -104,9 +112,11 @@ class _Fragment:
 
     def __init__(
         self, index: int, module: nn.Module, *, outer_lr: float, outer_momentum: float, nesterov: bool,
-        alpha: float, momentum_warmup: int = 0, n_fragments: int = 1,
+        alpha: float, momentum_warmup: int = 0, n_fragments: int = 1, shards: bool = False,
     ) -> None:
         import torch
+
+        from diloco.replica.param_shards import local_rows, shard_spec
 
         self.index = index
         self.momentum = outer_momentum
@@ -115,8 +125,10 @@ class _Fragment:
         self.params: dict[str, torch.nn.Parameter] = dict(module.named_parameters())
         if not self.params:
             raise ValueError(f"model_fragments[{index}] has no parameters; every fragment must own at least one")
+        #: With shards: the rows of each parameter this process holds (its global copy and momentum hold only those).
+        self.specs = {name: shard_spec(name, p) for name, p in self.params.items()} if shards else None
         self.global_params: dict[str, torch.Tensor] = {
-            name: p.detach().to("cpu", torch.float32, copy=True) for name, p in self.params.items()
+            name: local_rows(p).detach().to("cpu", torch.float32, copy=True) for name, p in self.params.items()
         }
         # Nesterov with zero momentum is plain SGD (b = delta, update = delta + 0 * b); torch rejects the flag then.
         self.outer_optimizer = torch.optim.SGD(
@@ -129,6 +141,22 @@ class _Fragment:
         self._grads: dict[str, torch.Tensor] | None = None
         self._work: Work | None = None
 
+    def local(self) -> dict[str, torch.Tensor]:
+        """The model's weights as this process holds them: the parameters, or with shards their local rows (the
+        parameters' own memory)."""
+        from diloco.replica.param_shards import local_rows
+
+        return {name: local_rows(p) for name, p in self.params.items()}
+
+    def round_specs(self) -> dict[str, Any]:
+        """With shards: the rows of every tensor ``round_tensors`` may hold (global weights and momentum)."""
+        assert self.specs is not None
+        out = {}
+        for name, spec in self.specs.items():
+            out[f"fragment{self.index}.global.{name}"] = spec
+            out[f"fragment{self.index}.momentum.{name}"] = spec
+        return out
+
     def restore_parameters(self) -> None:
         """Global copy -> model weights, cast to each parameter's dtype and device.
 
@@ -137,15 +165,18 @@ class _Fragment:
         import torch
 
         with torch.no_grad():
-            for name, p in self.params.items():
+            for name, p in self.local().items():
                 p.copy_(self.global_params[name].to(p.dtype))
 
     def prepare_sync(self, manager: Manager) -> None:
         """Compute ``global - local`` and launch its all-reduce without waiting."""
         if self._work is not None:
             raise RuntimeError(f"fragment {self.index} already has a sync in flight")
-        self._grads = pseudo_gradient(self.global_params, self.params)
-        self._work = manager.allreduce(self._grads)
+        self._grads = pseudo_gradient(self.global_params, self.local())
+        if self.specs is not None:
+            self._work = manager.allreduce_shards(self._grads, self.specs)  # type: ignore[attr-defined]
+        else:
+            self._work = manager.allreduce(self._grads)
 
     def perform_sync(self, manager: Manager) -> bool:
         """Wait for the mean pseudo-gradient and apply the outer step; returns whether it was committed."""
@@ -156,7 +187,7 @@ class _Fragment:
         work, grads = self._work, self._grads
         self._work = self._grads = None
         work.wait()  # raises if the round failed: never fall back to the local pseudo-gradient
-        local = {name: p.detach().clone() for name, p in self.params.items()} if self.alpha > 0 else {}
+        local = {name: p.detach().clone() for name, p in self.local().items()} if self.alpha > 0 else {}
         self.restore_parameters()
         committed = manager.should_commit()
         if committed:
@@ -168,7 +199,7 @@ class _Fragment:
             self.restore_parameters()
             if self.alpha > 0:
                 with torch.no_grad():
-                    for name, p in self.params.items():
+                    for name, p in self.local().items():
                         p.lerp_(local[name], self.alpha)
         self.outer_optimizer.zero_grad(set_to_none=True)
         return committed
@@ -262,8 +293,11 @@ class DiLoCo:
         checkpoint_dir: str | None = None,
         outer_momentum_warmup: int = 0,
         outer_rule: str = "nesterov",
+        shard_exchange: bool | None = None,
     ) -> None:
         from torch import nn
+
+        from diloco.replica.param_shards import is_sharded
 
         if outer_rule not in OUTER_RULES:
             raise ValueError(f"outer_rule must be one of {', '.join(OUTER_RULES)}, got {outer_rule!r}")
@@ -307,6 +341,18 @@ class DiLoCo:
                     raise ValueError(f"model_fragments[{i}] shares a parameter with an earlier fragment")
                 seen.add(id(p))
 
+        sharded = any(is_sharded(p) for m in fragments for p in m.parameters())
+        if sharded and shard_exchange is False:
+            raise ValueError("shard_exchange=False, but the model's parameters are sharded (FSDP2 DTensors): a sharded "
+                             "model's rows can only be exchanged by rows; leave shard_exchange unset")
+        #: Whether every round, commit and rejoin goes by this process's rows (see the module docstring).
+        self.shards = sharded or bool(shard_exchange)
+        if self.shards:
+            missing = [m for m in _SHARD_METHODS if not callable(getattr(manager, m, None))]
+            if missing:
+                raise ValueError(f"the model's parameters are exchanged by rows (FSDP2 shards or shard_exchange), "
+                                 f"but the manager ({type(manager).__name__}) has no {', '.join(missing)}: use the "
+                                 f"replica entrypoint's manager")
         self.manager = manager
         self.inner_optimizer = inner_optimizer
         self.sync_every = sync_every
@@ -316,7 +362,8 @@ class DiLoCo:
         self.inner_step = 0  # inner optimizer steps taken inside this loop (what the metrics call "step")
         self._fragments = [
             _Fragment(i, m, outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov,
-                      alpha=self.fragment_update_alpha, momentum_warmup=outer_momentum_warmup, n_fragments=n)
+                      alpha=self.fragment_update_alpha, momentum_warmup=outer_momentum_warmup, n_fragments=n,
+                      shards=self.shards)
             for i, m in enumerate(fragments)
         ]
         if model is not None and not isinstance(model, nn.Module):
@@ -332,7 +379,7 @@ class DiLoCo:
         self.on_rejoin = on_rejoin
         self.rejoined_round: int | None = None  # the committed round this replica rejoined at, if it did
         self.inner_state_restored = False  # the rejoin also restored the inner optimizer's state of that round
-        self._inner_state = _inner_state_for(manager, checkpoint_dir)
+        self._inner_state = _inner_state_for(manager, checkpoint_dir, shards=self.shards)
 
     # ---------------------------------------------------------------- context manager
     def __enter__(self) -> DiLoCo:
@@ -369,16 +416,23 @@ class DiLoCo:
             out.update(fragment.round_tensors())
         return out
 
+    def round_specs(self) -> dict[str, Any]:
+        """With shards: the rows of every tensor ``round_tensors`` may hold."""
+        out: dict[str, Any] = {}
+        for fragment in self._fragments:
+            out.update(fragment.round_specs())
+        return out
+
     def _rejoin(self) -> None:
         """When the manager finds this replica restarting in a run past round 0, load the latest committed round
         and put the schedule where it was then: ``inner_step`` = rounds * ``sync_every // F``, ``local_step`` 0.
 
         The trainer's own position (its step counter, data order, inner optimizer) is restored through the
         ``on_rejoin(inner_step)`` hook; without one it restarts with fresh inner state, and the log says so."""
-        rejoin = getattr(self.manager, "rejoin", None)
+        rejoin = getattr(self.manager, "rejoin_shards" if self.shards else "rejoin", None)
         if self.inner_step or not callable(rejoin):
             return
-        state = rejoin()
+        state = rejoin(self.round_specs()) if self.shards else rejoin()
         if state is None:
             return
         for fragment in self._fragments:
@@ -409,7 +463,12 @@ class DiLoCo:
                            found.reason)
             return
         try:
-            self.inner_optimizer.load_state_dict(found.state)
+            state = found.state
+            if self.shards:
+                from diloco.replica.param_shards import shard_optimizer_state
+
+                state = shard_optimizer_state(self.inner_optimizer, state)
+            self.inner_optimizer.load_state_dict(state)
         except (ValueError, KeyError, RuntimeError) as exc:  # e.g. the trainer's parameter groups changed
             logger.warning("rejoining after round %d with a fresh inner optimizer state: %s does not fit this "
                            "optimizer (%s)", round_number, found.reason, exc)
@@ -426,8 +485,13 @@ class DiLoCo:
             return
         round_number = self.manager.current_step()
         try:
+            state = self.inner_optimizer.state_dict()
+            if self.shards:
+                from diloco.replica.param_shards import local_optimizer_state
+
+                state = local_optimizer_state(state)
             wire = self.manager.wire_state() if hasattr(self.manager, "wire_state") else {}
-            self._inner_state.save(round_number, self.inner_optimizer.state_dict(), wire)
+            self._inner_state.save(round_number, state, wire)
         except (OSError, ValueError, TypeError) as exc:
             logger.warning("could not save the inner optimizer state of round %d in %s: %s", round_number,
                            self._inner_state.directory, exc)
@@ -436,10 +500,13 @@ class DiLoCo:
         """Training ended normally: export the global weights (when the manager has a store), then the
         ``final`` metrics row. A failed export raises: a run whose model was not saved has not succeeded."""
         store = getattr(self.manager, "store", None)
-        if store is not None and self._metrics is not None:
+        weights: dict[str, torch.Tensor] | None = self.global_state_dict()
+        if self.shards:  # every process takes part; the one with the store gets the whole tensors
+            weights = self.manager.gather_shards(weights, self._export_specs())  # type: ignore[attr-defined]
+        if store is not None and self._metrics is not None and weights is not None:
             from diloco.replica.final_weights import write_final_weights
 
-            key = write_final_weights(store, getattr(self.manager, "rank", 0), self.global_state_dict(), {
+            key = write_final_weights(store, getattr(self.manager, "rank", 0), weights, {
                 "rank": getattr(self.manager, "rank", 0), "world_size": getattr(self.manager, "world_size", 1),
                 "step": self.inner_step, "round": self.manager.current_step(), **self.export_metadata,
             })
@@ -450,12 +517,18 @@ class DiLoCo:
 
     def global_state_dict(self) -> dict[str, torch.Tensor]:
         """The global weights, named for export (see the module docstring), each in its parameter's dtype
-        (cast on the CPU, so every replica gets the same bits). Buffers are not included."""
+        (cast on the CPU, so every replica gets the same bits). Buffers are not included. With shards: this
+        process's rows of them."""
         out = {}
         for name, (fragment, param_name) in self._export_names.items():
             param = fragment.params[param_name]
             out[name] = fragment.global_params[param_name].to(param.dtype)
         return out
+
+    def _export_specs(self) -> dict[str, Any]:
+        """With shards: the rows ``global_state_dict`` holds, by export name."""
+        return {name: fragment.specs[param_name]  # type: ignore[index]
+                for name, (fragment, param_name) in self._export_names.items()}
 
     # ---------------------------------------------------------------- schedule
     @property
@@ -518,8 +591,11 @@ class DiLoCo:
             raise RuntimeError("perform_sync without a prepared fragment")
         self._preparing = None
         committed = self._fragments[fragment].perform_sync(self.manager)
+        if committed and self.shards:
+            self.manager.commit_round_shards(self.round_tensors(), self.round_specs())  # type: ignore[attr-defined]
+            self._save_inner_state()
         commit_round = getattr(self.manager, "commit_round", None)
-        if committed and callable(commit_round):
+        if committed and not self.shards and callable(commit_round):
             commit_round(self.round_tensors())
             self._save_inner_state()
         logger.debug("perform_sync fragment=%d committed=%s step=%d", fragment, committed,
@@ -583,6 +659,7 @@ def make_diloco_outer_loop(
     checkpoint_dir: str | None = None,
     outer_momentum_warmup: int = 0,
     outer_rule: str = "nesterov",
+    shard_exchange: bool | None = None,
 ) -> DiLoCo:
     """Build the DiLoCo context manager; use as ``with make_diloco_outer_loop(...): <train as usual>``.
 
@@ -615,6 +692,10 @@ def make_diloco_outer_loop(
     ``store.error_feedback_decay``, carries what a round did not send into later rounds instead). The latter needs a
     lossy ``store.compression`` (``topk``) with error feedback on, else it raises ``ConfigError``: without them
     it would be plain averaging. ``outer_momentum`` and its warm-up are then not used.
+
+    ``shard_exchange`` (default: when the parameters are FSDP2 shards) exchanges, commits and restores the global
+    state by rows (see the module docstring); ``True`` does so for a model held whole, so a one-process replica
+    meets sharded ones.
     """
     return DiLoCo(
         manager=manager,
@@ -632,6 +713,7 @@ def make_diloco_outer_loop(
         checkpoint_dir=checkpoint_dir,
         outer_momentum_warmup=outer_momentum_warmup,
         outer_rule=outer_rule,
+        shard_exchange=shard_exchange,
     )
 
 
@@ -651,19 +733,31 @@ def _require_error_feedback(manager: Manager) -> None:
                           hint="use --compression topk (or another lossy format) with store.error_feedback on")
 
 
-def _inner_state_for(manager: Manager, checkpoint_dir: str | None) -> InnerOptimizerState | None:
+#: What a manager needs for a model exchanged by rows (``diloco.replica.manager``, ``diloco.replica.local_group``).
+_SHARD_METHODS = ("allreduce_shards", "commit_round_shards", "rejoin_shards", "gather_shards")
+
+
+def _inner_state_for(manager: Manager, checkpoint_dir: str | None, *,
+                     shards: bool = False) -> InnerOptimizerState | None:
     """Where this replica keeps its inner optimizer's state: only with committed rounds (a manager that commits
-    and rejoins) and a checkpoint directory (the argument, else ``$DILOCO_CHECKPOINT_DIR``)."""
+    and rejoins) and a checkpoint directory (the argument, else ``$DILOCO_CHECKPOINT_DIR``). A sharded model's
+    local process keeps its own rows' state (``shard_checkpoints``: its run and its place in the replica)."""
     import os
 
     from diloco.envvars import CHECKPOINT_DIR
+    from diloco.replica.checkpoint import InnerOptimizerState
 
     directory = checkpoint_dir or os.environ.get(CHECKPOINT_DIR) or None
+    where = getattr(manager, "shard_checkpoints", None)
+    if directory is not None and shards and callable(where):
+        found = where()
+        if found is None:
+            return None
+        run_id, local = found
+        return InnerOptimizerState(directory, run_id=run_id, rank=getattr(manager, "rank", 0), local=local)
     rounds = getattr(manager, "rounds", None)
     if directory is None or rounds is None or not callable(getattr(manager, "commit_round", None)):
         return None
-    from diloco.replica.checkpoint import InnerOptimizerState
-
     return InnerOptimizerState(directory, run_id=getattr(rounds, "run_id", None), rank=getattr(manager, "rank", 0))
 
 

@@ -6,12 +6,18 @@
                                          created exactly once (diloco.collectives.gather)
     round_NNNNNN/shard_SSSS.safetensors  sharded all-reduce only: the mean of shard SSSS of that round, published by
                                          its owner (rank SSSS) for the others to read (diloco.collectives.sharded)
+    round_NNNNNN/rank_RRRR/part_PPPP.safetensors
+                                         a replica whose model is sharded over its local processes (FSDP2): local
+                                         process PPPP's rows of rank RRRR's contribution (diloco.collectives.parts)
     metrics/rank_RRRR.jsonl              each rank's history: init, one row per outer round, final (diloco.replica.metrics)
     progress/rank_RRRR.json              each rank's latest progress row, overwritten every few seconds
     final/rank_RRRR.safetensors          each rank's final global weights (identical across ranks)
     final/compacted.json                 after collect found every copy identical: the one copy kept and its hash
     committed/round_NNNNNN/{state.safetensors,COMMITTED}
                                          the global state after round NNNNNN (from 1), marker last (diloco.replica.checkpoint)
+    committed/round_NNNNNN/parts_KKKK/part_PPPP.safetensors
+                                         the same state written by a replica of KKKK local processes, one part per
+                                         process, the marker naming KKKK (diloco.replica.checkpoint_parts)
     relaunch/rank_RRRR.json              a relaunch of rank RRRR in progress: peers extend their wait (launcher)
     rejoin/rank_RRRR.json                rank RRRR rejoined the run for one round: peers owe it that round's time
     logs/rank_RRRR/<attempt>/chunk_NNNNNN.json, end.json
@@ -55,6 +61,11 @@ REJOIN_KEY = "rejoin/rank_{rank:04d}.json"
 # All-reduce rounds (diloco.collectives): a rank's contribution and, sharded, the mean of one shard.
 CONTRIBUTION_KEY = "round_{round:06d}/rank_{rank:04d}.safetensors"
 REDUCED_SHARD_KEY = "round_{round:06d}/shard_{shard:04d}.safetensors"
+#: A sharded replica's contribution: one object per local process (part), under the replica's own prefix.
+PART_PREFIX = "round_{round:06d}/rank_{rank:04d}/"
+PART_KEY = PART_PREFIX + "part_{part:04d}.safetensors"
+#: A committed round written by a replica of ``parts`` local processes, one object per part.
+COMMITTED_PART_KEY = "committed/round_{round:06d}/parts_{parts:04d}/part_{part:04d}.safetensors"
 #: Partial participation (min_replicas): the round's member set, created exactly once (never spread: one per round).
 ROUND_MANIFEST_KEY = "round_{round:06d}/manifest.json"
 #: The most prefixes a round may be spread over (S3 partitions far fewer in practice; more only adds listings).
@@ -74,6 +85,16 @@ def contribution_key(round_: int, rank: int, spread: int = 1) -> str:
 def reduced_shard_key(round_: int, shard: int, spread: int = 1) -> str:
     """Where the owner of ``shard`` publishes that shard's mean for the round of zero-based index ``round_``."""
     return spread_prefix(shard, spread) + REDUCED_SHARD_KEY.format(round=round_, shard=shard)
+
+
+def part_key(round_: int, rank: int, part: int, spread: int = 1) -> str:
+    """Where local process ``part`` of replica ``rank`` publishes its rows of the replica's contribution."""
+    return spread_prefix(rank, spread) + PART_KEY.format(round=round_, rank=rank, part=part)
+
+
+def part_prefix(round_: int, rank: int, spread: int = 1) -> str:
+    """The prefix holding every part of replica ``rank``'s contribution to a round."""
+    return spread_prefix(rank, spread) + PART_PREFIX.format(round=round_, rank=rank)
 
 
 def check_spread(spread: object) -> int:

@@ -13,7 +13,9 @@ before (the container log), unchanged:
 ``<attempt>`` names this start of the replica: ``DILOCO_LOG_ATTEMPT`` (a pod's own name, from the downward API),
 else the start time and process id. A chunk is written every ``flush_every_s`` (2 s) while there are new lines,
 and once more at exit; a replica that is SIGKILLed (the OOM killer, a node going away) loses at most its last
-interval, and has no ``end.json``. Shipping is best effort: a store that refuses a chunk is retried at the next
+interval, and has no ``end.json``. The reader thread that passes the bytes on to the container log dies with the
+process too: a SIGKILL can also take the last lines written to the pipe in the milliseconds before it from the
+container log. Shipping is best effort: a store that refuses a chunk is retried at the next
 interval and never stops or slows the training (lines beyond ``max_buffered`` wait in memory are dropped with a
 note in the next chunk).
 
@@ -30,6 +32,8 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from diloco.envvars import JOB_COMPLETION_INDEX, REPLICA_RANK, rank_offset
 
 if TYPE_CHECKING:
     from diloco.store.objects import ObjectStore
@@ -179,8 +183,10 @@ def ship_output(env: Mapping[str, str] | None = None) -> LogShipper | None:
     if not uri:
         return None
     os.environ.pop(LOG_URI_ENV, None)
-    rank_text = environ.get("REPLICA_RANK") or environ.get("JOB_COMPLETION_INDEX") or ""
-    if not rank_text.isdigit():
+    rank_text = (environ.get(REPLICA_RANK) or environ.get(JOB_COMPLETION_INDEX) or "").strip()
+    try:
+        rank = int(rank_text) + rank_offset(environ)  # the global rank, as the entrypoint reads it
+    except ValueError:
         return None
     attempt = environ.get(ATTEMPT_ENV, "").strip() or f"{time.time_ns()}-{os.getpid()}"
     try:
@@ -189,7 +195,7 @@ def ship_output(env: Mapping[str, str] | None = None) -> LogShipper | None:
         store = ObjectStore(uri, retries=2)
     except Exception:  # noqa: BLE001 - no shipping is better than no training
         return None
-    return LogShipper(store, int(rank_text), attempt).start()
+    return LogShipper(store, rank, attempt).start()
 
 
 # ---------------------------------------------------------------------------------------------- reading

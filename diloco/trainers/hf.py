@@ -28,8 +28,12 @@ evaluate after each round with ``diloco.report``. What it adds is what a real mo
   reads every K-th block of the replica's shard (a disjoint sub-shard), so ``batch_size`` is per process and a
   replica steps on ``K * batch_size * grad_accum`` blocks. Only local rank 0 talks to the store, evaluates,
   reports and saves; the round's mean reaches the others by broadcast, so every process ends on the same
-  weights, bitwise (each logs their sha256 at the end). FSDP2, for a model that does not fit one GPU, is not
-  built in yet: a trainer can shard with ``torch.distributed.fsdp.fully_shard`` inside the same local group.
+  weights, bitwise (each logs their sha256 at the end).
+* **FSDP2** (``fsdp``: ``auto`` by default, ``true``, ``false``; ``diloco.trainers.hf_fsdp``): a model that does
+  not fit one GPU is sharded over the replica's local processes (``fully_shard`` per decoder layer, bf16 compute
+  with fp32 master weights, ``activation_checkpointing`` as an option). Each process then keeps the DiLoCo state
+  of its own rows only and exchanges them through the store itself (``diloco.collectives.parts``); every process
+  evaluates (a forward is collective), local rank 0 reports and saves the gathered weights.
 * **Export**: the outer loop writes the global weights to ``final/rank_RRRR.safetensors`` as for every trainer;
   this trainer also writes ``save_pretrained`` (safetensors) plus the tokenizer: rank 0 under ``hf_model/`` in
   the store, every rank into ``$SM_MODEL_DIR`` on SageMaker, so the result loads with
@@ -95,23 +99,25 @@ def _preflight(kwargs: dict[str, Any], context: PreflightContext) -> None:
 
 #: This trainer's process before its model: torch, transformers, tokenizers and the data loader.
 PROCESS_BASE_MIB = 1536
-#: Host bytes per parameter of each process (12 of DiLoCo's fp32 state, 4 of the CPU load).
-BYTES_PER_PARAM = 16
-#: Host bytes per parameter local process 0 holds on top while averaging (one peer's contribution).
-AVERAGING_BYTES_PER_PARAM = 4
+#: Host bytes per parameter of loading the model on the CPU before it goes to the device.
+LOAD_BYTES_PER_PARAM = 4
 
 
 def _memory(kwargs: Mapping[str, Any]) -> MemoryEstimate | None:
-    """Sized from the parameter count in the model's name (``Qwen/Qwen2.5-0.5B``: 0.5 B), per README "Several GPUs
-    per replica": on the host each process keeps the fp32 global copy, the outer momentum and the pseudo-gradient
-    and loads the model on the CPU first, and local process 0 holds one peer's contribution while averaging. A
-    name without a size says nothing (the backend's fallback, which names the setting to use)."""
+    """Sized from the parameter count in the model's name (``Qwen/Qwen2.5-0.5B``: 0.5 B), per docs/trainers.md
+    "Memory" (``diloco.replica.host_memory``): on the host each process keeps the outer loop's fp32 state and
+    pseudo-gradient and loads the model on the CPU first, and local process 0 holds a round's peak on top. Upper
+    side for a sharded model too (each of its K processes holds about 1/K of that), since the number of processes
+    is the backend's to choose. A name without a size says nothing (the backend's fallback names the setting)."""
+    from diloco.replica.host_memory import outer_loop_host_bytes
+
     params = params_in_name(str(kwargs.get("model") or ""))
     if params is None:
         return None
-    return MemoryEstimate(PROCESS_BASE_MIB * MIB + BYTES_PER_PARAM * params,
+    outer = outer_loop_host_bytes(params)
+    return MemoryEstimate(PROCESS_BASE_MIB * MIB + outer.per_process + LOAD_BYTES_PER_PARAM * params,
                           f"the Hugging Face trainer with {params / 1e9:g} B parameters, from the model's name",
-                          shared_bytes=AVERAGING_BYTES_PER_PARAM * params, shared_basis="for averaging")
+                          shared_bytes=outer.leader_extra, shared_basis="for a round")
 
 
 @supports_local_processes
@@ -151,6 +157,8 @@ def train(
     seed: int = 1337,
     precision: Precision = "auto",  # auto: bf16 on a GPU that has it, else fp32
     device: str = "auto",
+    fsdp: bool | Literal["auto"] = "auto",  # shard the model over the local processes; auto: when it cannot fit one GPU
+    activation_checkpointing: bool = False,  # recompute each layer's activations in the backward (less memory)
     threads: int = 1,  # torch CPU threads; 1 because several replicas often share one machine's cores
 ) -> dict[str, Any]:
     """Train a causal LM on this replica's shard with DiLoCo; returns a summary (losses, rounds, where the model is).
@@ -163,6 +171,7 @@ def train(
     from diloco import report
     from diloco.replica.local_group import current_local_group
     from diloco.replica.outer import make_diloco_outer_loop
+    from diloco.trainers.hf_fsdp import choose_fsdp, full_weights, shard_model
 
     if not 0 <= rank < world_size:
         raise ConfigError(f"rank {rank} is outside 0..{world_size - 1} for world_size {world_size}")
@@ -181,9 +190,25 @@ def train(
     shard = local_shard(split.train, local_rank=local_rank, local_size=local_size)
     sampler = BlockSampler(len(shard), seed=seed + 7919 * (rank + 1) + 104729 * local_rank)
 
-    net = build_model(model=model, model_config=model_config, vocab_size=len(tok), seed=seed,
-                      cache_only=sources["model"]).to(dev)
-    ddp = _data_parallel(net, group)  # before the outer loop copies the weights: DDP starts from rank 0's
+    def build(meta: bool = False) -> Any:
+        return build_model(model=model, model_config=model_config, vocab_size=len(tok), seed=seed,
+                           cache_only=sources["model"], meta=meta)
+
+    sharded, why = choose_fsdp(fsdp, params=_count_params(build(meta=True)), local_size=local_size, device=dev)
+    log.info("%s", why)
+    if sharded and amp_dtype == torch.float16:
+        raise ConfigError("precision fp16 with a sharded model: FSDP2's mixed precision here is bf16 (fp16 would "
+                          "need a sharded loss scaler)", hint="use precision bf16 (or auto), or fsdp=false")
+    if sharded and group is not None:
+        net = shard_model(build, lambda: build(meta=True), group, amp_dtype,
+                          activation_checkpointing=activation_checkpointing)
+        amp_dtype = None  # FSDP2's mixed precision policy computes in bf16 itself
+    else:
+        net = build().to(dev)
+        if activation_checkpointing:
+            net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    fsdp_net = net if sharded and group is not None else None
+    ddp = None if sharded else _data_parallel(net, group)  # before the outer loop copies the weights: rank 0's
     inner_opt = torch.optim.AdamW(net.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         inner_opt, lambda step: lr_factor(step, warmup_steps=warmup_steps, total_steps=total_steps,
@@ -205,7 +230,7 @@ def train(
         manager=manager, model_fragments=[net], inner_optimizer=inner_opt, outer_lr=outer_lr,
         outer_momentum=outer_momentum, nesterov=nesterov, sync_every=sync_every, model=net,
         export_metadata={"model": "transformers:AutoModelForCausalLM", "model_config": net.config.to_json_string()},
-        on_rejoin=on_rejoin,
+        on_rejoin=on_rejoin, shard_exchange=True if sharded else None,
     )
     log.info("%s (%d params) on %s, %s; %d blocks of %d tokens: %d in this %s, %d held out; %d steps of %d x %d%s",
              net.config.model_type, sum(p.numel() for p in net.parameters()), dev, precision_name(amp_dtype),
@@ -215,14 +240,16 @@ def train(
     tokens_per_step = grad_accum * batch_size * block_size * local_size
     net.train()
     init_eval = eval_loss = None
+    evaluates = leader or fsdp_net is not None  # a sharded forward is collective: every process takes part
     with diloco:
-        if leader:
+        if evaluates:
             init_eval = eval_loss = evaluate(net, eval_set, batch_size=batch_size, device=dev, amp_dtype=amp_dtype)
+        if leader:
             report(eval_loss=init_eval, total_steps=total_steps)  # amends the loop's `init` row
         loss_sum = torch.zeros((), device=dev)
         for step in range(done[0] + 1, total_steps + 1):
             loss = _accumulate(net, shard, sampler, grad_accum=grad_accum, batch_size=batch_size, device=dev,
-                               amp_dtype=amp_dtype, scaler=scaler, ddp=ddp)
+                               amp_dtype=amp_dtype, scaler=scaler, ddp=ddp, fsdp=fsdp_net)
             _inner_step(net, inner_opt, scaler, grad_clip=grad_clip)  # every sync_every-th runs the outer round
             schedule.step()
             report(tokens=tokens_per_step)
@@ -230,22 +257,36 @@ def train(
             if step % sync_every:
                 continue
             train_loss = (group.mean(loss_sum) if group is not None else loss_sum).item() / sync_every
-            if leader:
+            if evaluates:
                 eval_loss = evaluate(net, eval_set, batch_size=batch_size, device=dev, amp_dtype=amp_dtype)
+            if leader:
                 report(train_loss=train_loss, eval_loss=eval_loss, lr=schedule.get_last_lr()[0])
             loss_sum.zero_()
 
-    saved = save_model(net, tok, manager=manager, rank=rank) if leader else []
-    digest = weights_digest(net)
+    weights = full_weights(fsdp_net) if fsdp_net is not None else None  # gathered on local rank 0 only
+    saved = save_model(net, tok, manager=manager, rank=rank, state_dict=weights) if leader else []
+    if fsdp_net is None:
+        digest = weights_digest(net)
+    elif leader:
+        assert weights is not None
+        digest = tensors_digest({name: weights[name] for name, _ in net.named_parameters()})
+    else:
+        digest = "(held by local process 0: this process holds rows of a sharded model)"
     if leader:
         log.info("done: %d rounds, eval_loss %s -> %s; save_pretrained at %s; final weights sha256 %s",
                  manager.current_step(), _loss(init_eval), _loss(eval_loss), ", ".join(saved) or "-", digest)
     else:
         log.info("done: %d rounds as local process %d/%d; final weights sha256 %s", manager.current_step(),
                  local_rank, local_size, digest)
-    return {"rank": rank, "local_rank": local_rank, "local_processes": local_size, "rounds": manager.current_step(),
+    return {"rank": rank, "local_rank": local_rank, "local_processes": local_size, "sharded": sharded,
+            "rounds": manager.current_step(),
             "steps": total_steps, "init_eval_loss": init_eval, "final_eval_loss": eval_loss, "saved": saved,
             "data_position": sampler.state_dict(), "weights_sha256": digest}
+
+
+def _count_params(net: Any) -> int:
+    """Parameters of a model (one built on the meta device: shapes only), tied ones once."""
+    return sum(p.numel() for p in net.parameters())
 
 
 def _loss(value: float | None) -> str:
@@ -309,11 +350,13 @@ def _data_parallel(net: Any, group: LocalGroup | None) -> Any:
 
 # ------------------------------------------------------------------------------------------------ inner step
 def _accumulate(net: Any, train_blocks: torch.Tensor, sampler: BlockSampler, *, grad_accum: int, batch_size: int,
-                device: torch.device, amp_dtype: torch.dtype | None, scaler: Any, ddp: Any = None) -> torch.Tensor:
+                device: torch.device, amp_dtype: torch.dtype | None, scaler: Any, ddp: Any = None,
+                fsdp: Any = None) -> torch.Tensor:
     """Forward and backward ``grad_accum`` micro-batches; returns the mean loss (detached, on the device).
 
     With ``ddp`` (several local processes) the forward goes through it and the gradients are averaged across the
-    processes once, on the last micro-batch (``no_sync`` before it)."""
+    processes once, on the last micro-batch (``no_sync`` before it); with ``fsdp`` (the sharded model itself) the
+    gradients are reduce-scattered once, on the last micro-batch, too."""
     import contextlib
 
     import torch
@@ -323,6 +366,8 @@ def _accumulate(net: Any, train_blocks: torch.Tensor, sampler: BlockSampler, *, 
     for i in range(grad_accum):
         x = train_blocks[sampler.take(batch_size)].to(device)
         last = i == grad_accum - 1
+        if fsdp is not None:
+            fsdp.set_requires_gradient_sync(last)
         with contextlib.nullcontext() if ddp is None or last else ddp.no_sync():
             with _autocast(device, amp_dtype):
                 loss = model(input_ids=x, labels=x).loss / grad_accum
@@ -564,15 +609,26 @@ def load_tokenizer(name_or_path: str | None, *, cache_only: bool = False) -> Any
 
 
 def build_model(*, model: str | None, model_config: Mapping[str, Any] | None, vocab_size: int, seed: int,
-                cache_only: bool = False) -> Any:
+                cache_only: bool = False, meta: bool = False) -> Any:
     """The causal LM in fp32: from ``model`` (name or path; from the Hugging Face cache alone with ``cache_only``),
     or fresh from ``model_config`` seeded by ``seed``, so every replica builds the same initial weights.
-    ``vocab_size`` fills a config that does not set it."""
+    ``vocab_size`` fills a config that does not set it. ``meta``: the same model on the meta device (shapes
+    only, no memory, no weights read)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    if model is not None:
+    if meta:
+        if model is not None:
+            config = AutoConfig.from_pretrained(model, local_files_only=cache_only)
+        else:
+            assert model_config is not None
+            fields = dict(model_config)
+            fields.setdefault("vocab_size", vocab_size)
+            config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+        with torch.device("meta"):
+            net = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    elif model is not None:
         net = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, local_files_only=cache_only)
     else:
         assert model_config is not None
@@ -584,29 +640,32 @@ def build_model(*, model: str | None, model_config: Mapping[str, Any] | None, vo
     return net
 
 
-def save_model(net: Any, tokenizer: Any, *, manager: Any, rank: int) -> list[str]:
+def save_model(net: Any, tokenizer: Any, *, manager: Any, rank: int,
+               state_dict: Mapping[str, torch.Tensor] | None = None) -> list[str]:
     """``save_pretrained`` (safetensors) with the tokenizer: rank 0 into the store under ``hf_model/``, every rank
-    into ``$SM_MODEL_DIR`` (each SageMaker job uploads its own). Returns where it wrote."""
+    into ``$SM_MODEL_DIR`` (each SageMaker job uploads its own). Returns where it wrote. ``state_dict``: the whole
+    weights of a sharded model (gathered), written in place of the model's own."""
     from diloco import envvars
 
     written = []
     store = getattr(manager, "store", None)
     if store is not None and rank == 0:
         with tempfile.TemporaryDirectory(prefix="diloco-hf-") as tmp:
-            _save_pretrained(net, tokenizer, tmp)
+            _save_pretrained(net, tokenizer, tmp, state_dict)
             for name in sorted(os.listdir(tmp)):
                 store.put(HF_MODEL_PREFIX + name, _read(os.path.join(tmp, name)))
         written.append(store.url(HF_MODEL_PREFIX))
     model_dir = os.environ.get(envvars.SM_MODEL_DIR)
     if model_dir:
-        _save_pretrained(net, tokenizer, model_dir)  # replaces the outer loop's model.safetensors with HF's
+        _save_pretrained(net, tokenizer, model_dir, state_dict)  # replaces the outer loop's model.safetensors with HF's
         written.append(model_dir)
     return written
 
 
-def _save_pretrained(net: Any, tokenizer: Any, directory: str) -> None:
+def _save_pretrained(net: Any, tokenizer: Any, directory: str,
+                     state_dict: Mapping[str, torch.Tensor] | None = None) -> None:
     net.config.use_cache = True  # for whoever generates with it
-    net.save_pretrained(directory, safe_serialization=True)
+    net.save_pretrained(directory, safe_serialization=True, state_dict=dict(state_dict) if state_dict else None)
     tokenizer.save_pretrained(directory)
 
 
@@ -641,6 +700,9 @@ def check_config(values: Mapping[str, Any], *, on_this_machine: bool = False) ->
     precision, device = values.get("precision", "auto"), values.get("device", "auto")
     if precision not in _PRECISIONS:
         raise ConfigError(f"precision must be one of {', '.join(_PRECISIONS)}, got {precision!r}")
+    from diloco.trainers.hf_fsdp import check_fsdp
+
+    check_fsdp(values.get("fsdp", "auto"), values.get("activation_checkpointing", False), precision)
     if not isinstance(device, str) or not device:
         raise ConfigError(f"device must be a torch device string (auto, cpu, cuda, cuda:N), got {device!r}")
     if on_this_machine and device not in ("auto", "cpu"):

@@ -24,6 +24,7 @@ from diloco.executors.base import (
     RunState,
     RunStatus,
     ServerlessExecutor,
+    ranks_label,
 )
 from diloco.executors.failures import EXIT_DROPPED, FailureClass, FailureVerdict
 from diloco.store.layout import LOGS_PREFIX
@@ -116,6 +117,9 @@ class KubernetesBackend(ServerlessExecutor[KubernetesBackendConfig, KubernetesRu
     """Replicas as the indexes of one Indexed Job (see the module docstring for the design)."""
 
     name: ClassVar[str] = "eks"
+    #: A part of a run split over backends is its own Job (``<run_id>-r<first>-<last>``) whose pods, indexed
+    #: 0..n-1, add ``DILOCO_RANK_OFFSET`` to their index; everything here speaks global ranks (``_index``).
+    supports_rank_ranges: ClassVar[bool] = True
     config_type = KubernetesBackendConfig
     handle_type = KubernetesRunHandle
     install_hint = INSTALL_HINT
@@ -175,9 +179,19 @@ class KubernetesBackend(ServerlessExecutor[KubernetesBackendConfig, KubernetesRu
         return PodSizing(image=cfg.image or default_image(cfg, gpus), gpus=gpus, procs=procs, shm_bytes=shm,
                          memory=memory, memory_note=note)
 
+    @staticmethod
+    def job_name(spec: LaunchSpec) -> str:
+        """The run's Job: named after the run, and after its ranks for a part of a run split over backends (two
+        parts of one run on one cluster never share a name)."""
+        count = len(spec.own_ranks)
+        if not spec.is_part:
+            return job_name_for(spec.run_id, count)
+        return job_name_for(f"{spec.run_id}-{ranks_label(spec.own_ranks)}", count)
+
     def manifest(self, spec: LaunchSpec) -> dict[str, Any]:
-        """The ``batch/v1`` Job: Indexed, one pod per replica, the failure policy, resources and the env contract."""
-        cfg, replicas = self.config, spec.replicas
+        """The ``batch/v1`` Job: Indexed, one pod per replica (of its ranks), the failure policy, resources and the
+        env contract."""
+        cfg, replicas = self.config, len(spec.own_ranks)
         labels = {**cfg.labels, **MANAGED_BY, RUN_LABEL: label_value(spec.run_id)}
         annotations = {**cfg.annotations, RUN_LABEL: spec.run_id,
                        MAX_FAILED_ANNOTATION: str(min(cfg.max_failed_indexes, replicas))}
@@ -204,7 +218,7 @@ class KubernetesBackend(ServerlessExecutor[KubernetesBackendConfig, KubernetesRu
             job_spec["activeDeadlineSeconds"] = math.ceil(spec.timeout_s)
         self._ship_logs(job_spec["template"]["spec"]["containers"][0], spec)
         return {"apiVersion": "batch/v1", "kind": "Job",
-                "metadata": {"name": job_name_for(spec.run_id, replicas), "namespace": cfg.namespace,
+                "metadata": {"name": self.job_name(spec), "namespace": cfg.namespace,
                              "labels": labels, "annotations": annotations},
                 "spec": job_spec}
 
@@ -270,6 +284,8 @@ class KubernetesBackend(ServerlessExecutor[KubernetesBackendConfig, KubernetesRu
         env += [e for e in self._store_env(spec) if e["name"] not in common]
         env.append({"name": envvars.REPLICA_RANK, "valueFrom": {"fieldRef": {
             "fieldPath": f"metadata.annotations['{INDEX_KEY}']"}}})
+        if spec.is_part:  # pods are indexed 0..n-1; the replica adds this to find its global rank
+            env.append({"name": envvars.RANK_OFFSET, "value": str(spec.own_ranks[0])})
         requests: dict[str, Any] = {"cpu": cfg.cpu, "memory": sizing.memory}
         limits: dict[str, Any] = {"memory": sizing.memory}
         if cfg.cpu_limit:
@@ -353,7 +369,7 @@ class KubernetesBackend(ServerlessExecutor[KubernetesBackendConfig, KubernetesRu
         is in flight, the Job is deleted again."""
         job = plan.requests[0]
         meta = job["metadata"]
-        handle = KubernetesRunHandle(run_id=plan.spec.run_id, replicas=plan.spec.replicas,
+        handle = KubernetesRunHandle(run_id=plan.spec.run_id, replicas=plan.spec.replicas, ranks=plan.spec.ranks,
                                      namespace=meta["namespace"], job_name=meta["name"],
                                      kube_context=self.config.kube_context, log_uri=self.log_uri(plan.spec))
         if self.ships_code:
@@ -392,6 +408,11 @@ class KubernetesBackend(ServerlessExecutor[KubernetesBackendConfig, KubernetesRu
                     return
                 time.sleep(0.2)
 
+    def roll_back(self, handle: KubernetesRunHandle) -> None:
+        """What a failed ``submit`` does to its Job (deleted, its pods gone), then what diloco kept of it here."""
+        self._roll_back(handle)
+        self.remove(handle)
+
     def _delete_quietly(self, handle: KubernetesRunHandle) -> bool:
         """Roll back a launch whose outcome is uncertain: delete the Job if it exists (foreground); whether a
         delete was accepted."""
@@ -404,17 +425,37 @@ class KubernetesBackend(ServerlessExecutor[KubernetesBackendConfig, KubernetesRu
 
     # ------------------------------------------------------------------ describe
     def describe(self, handle: KubernetesRunHandle) -> RunStatus:
-        """Every replica from the Job and its pods (one GET, one LIST)."""
-        cancel = self._read_state(handle.run_id, "cancel")
+        """Every replica from the Job and its pods (one GET, one LIST), by global rank."""
+        by_index = self._describe_indexes(handle)
+        first = handle.own_ranks[0]
+        return RunStatus(run_id=handle.run_id, replicas=[
+            r.model_copy(update={"rank": r.rank + first}) for r in by_index.replicas])
+
+    @staticmethod
+    def _count(handle: KubernetesRunHandle) -> int:
+        """How many replicas (Job indexes) the handle's Job runs."""
+        return len(handle.own_ranks)
+
+    @staticmethod
+    def _index(handle: KubernetesRunHandle, rank: int) -> int | None:
+        """The Job index of global rank ``rank`` (None: not one of this Job's). Inside this module, ``rank``
+        arguments of the private methods are indexes; the public ones take global ranks."""
+        ranks = handle.own_ranks
+        return rank - ranks[0] if rank in ranks else None
+
+    def _describe_indexes(self, handle: KubernetesRunHandle) -> RunStatus:
+        """``describe`` by Job index (what the cancel and final records keep)."""
+        cancel = self._read_state(handle, "cancel")
         job = self._job(handle)
         if job is None:
             return self._without_job(handle, cancel)
         pods = self._pods(handle)
-        refused = self._failed_create(handle, job, pods) if len(pods) < handle.replicas else None
+        count = self._count(handle)
+        refused = self._failed_create(handle, job, pods) if len(pods) < count else None
         status = RunStatus(run_id=handle.run_id, replicas=[
-            self._replica(job, i, pods.get(i, []), cancel, refused=refused) for i in range(handle.replicas)])
-        if status.terminal and self._read_state(handle.run_id, "final") is None:
-            self._write_state(handle.run_id, "final", status.model_dump(mode="json"))
+            self._replica(job, i, pods.get(i, []), cancel, refused=refused) for i in range(count)])
+        if status.terminal and self._read_state(handle, "final") is None:
+            self._write_state(handle, "final", status.model_dump(mode="json"))
         if status.terminal and self._gave_up(job, status):
             self._give_up(handle, status)
         return status
@@ -490,13 +531,13 @@ class KubernetesBackend(ServerlessExecutor[KubernetesBackendConfig, KubernetesRu
     def _without_job(self, handle: KubernetesRunHandle, cancel: dict[str, Any] | None) -> RunStatus:
         """The Job is gone: the final states seen earlier, what a cancel decided, what the replicas' shipped logs
         say of their attempts and exit codes (from any machine), or "gone"."""
-        final = self._read_state(handle.run_id, "final")
+        final = self._read_state(handle, "final")
         if final is not None:
             return RunStatus.model_validate(final)
         replicas = []
-        for rank in range(handle.replicas):
+        for rank in range(self._count(handle)):
             recorded = ((cancel or {}).get("terminal") or {}).get(str(rank))
-            attempts = self._shipped_attempts(handle, rank)
+            attempts = self._shipped_attempts(handle, rank + handle.own_ranks[0])
             restarts = int(((cancel or {}).get("restarts") or {}).get(str(rank), max(0, len(attempts) - 1)))
             last = attempts[-1] if attempts else None
             job_id = last.name if last is not None else f"{handle.job_name}-{rank}"
@@ -518,11 +559,12 @@ class KubernetesBackend(ServerlessExecutor[KubernetesBackendConfig, KubernetesRu
                            f"ttlSecondsAfterFinished or by hand) before diloco saw it end"))
         status = RunStatus(run_id=handle.run_id, replicas=replicas)
         if cancel is not None or status.terminal and any(r.detail == "from its shipped log" for r in replicas):
-            self._write_state(handle.run_id, "final", status.model_dump(mode="json"))
+            self._write_state(handle, "final", status.model_dump(mode="json"))
         return status
 
     def _shipped_attempts(self, handle: KubernetesRunHandle, rank: int) -> list[Any]:
-        """The attempts replica ``rank`` shipped to the store (``diloco.store.logs``), oldest first; [] without."""
+        """The attempts replica ``rank`` (a global rank: the replicas ship under theirs) shipped to the store
+        (``diloco.store.logs``), oldest first; [] without."""
         if not handle.log_uri:
             return []
         from diloco.store.logs import read_attempts
@@ -622,15 +664,18 @@ class KubernetesBackend(ServerlessExecutor[KubernetesBackendConfig, KubernetesRu
         All replicas still running: delete the Job with foreground propagation (its pods go first). Some of them:
         raise ``maxFailedIndexes`` so the Job survives their end, note them on the Job, delete their pods.
         """
+        if ranks is not None:  # global ranks -> this Job's indexes (a rank of another part is not ours to stop)
+            ranks = [i for i in (self._index(handle, r) for r in ranks) if i is not None]
         job = self._job(handle)
         if job is None:
-            if self._read_state(handle.run_id, "final") is None:
+            if self._read_state(handle, "final") is None:
                 self._merge_cancel(handle, None, {})
             return
         pods = self._pods(handle)
-        cancel = self._read_state(handle.run_id, "cancel")
-        refused = self._failed_create(handle, job, pods) if len(pods) < handle.replicas else None
-        current = {i: self._replica(job, i, pods.get(i, []), cancel, refused=refused) for i in range(handle.replicas)}
+        cancel = self._read_state(handle, "cancel")
+        count = self._count(handle)
+        refused = self._failed_create(handle, job, pods) if len(pods) < count else None
+        current = {i: self._replica(job, i, pods.get(i, []), cancel, refused=refused) for i in range(count)}
         running = {i for i, s in current.items() if not s.state.is_terminal}
         whole = ranks is None or running <= set(ranks)
         terminal = {str(i): s.model_dump(mode="json") for i, s in current.items() if s.state.is_terminal}
@@ -644,7 +689,7 @@ class KubernetesBackend(ServerlessExecutor[KubernetesBackendConfig, KubernetesRu
                 self._call(f"could not delete Job {handle.namespace}/{handle.job_name}",
                            self._batch().delete_namespaced_job, handle.job_name, handle.namespace,
                            propagation_policy="Foreground")
-            targets = list(range(handle.replicas))
+            targets = list(range(count))
         else:
             targets = sorted(set(ranks or []) & running)
             self._raise_max_failed(handle, job, sorted(set(ranks or [])))
@@ -663,7 +708,7 @@ class KubernetesBackend(ServerlessExecutor[KubernetesBackendConfig, KubernetesRu
             "/", "~1"), "value": ",".join(map(str, cancelled))}]
         if job["spec"].get("maxFailedIndexes") is not None:
             patch.append({"op": "replace", "path": "/spec/maxFailedIndexes",
-                          "value": min(handle.replicas, base + len(cancelled))})
+                          "value": min(self._count(handle), base + len(cancelled))})
         self._call(f"could not update Job {handle.namespace}/{handle.job_name}", self._batch().patch_namespaced_job,
                    handle.job_name, handle.namespace, patch)
 
@@ -679,13 +724,13 @@ class KubernetesBackend(ServerlessExecutor[KubernetesBackendConfig, KubernetesRu
                       terminal: dict[str, Any], restarts: dict[str, int] | None = None) -> None:
         """Record what this cancel decided: all replicas or some, the outcomes that were already final, and each
         replica's restarts so far (its earlier pods go with the Job)."""
-        record = self._read_state(handle.run_id, "cancel") or {"all": False, "ranks": [], "terminal": {}}
+        record = self._read_state(handle, "cancel") or {"all": False, "ranks": [], "terminal": {}}
         record["restarts"] = {**(restarts or {}), **{k: v for k, v in (record.get("restarts") or {}).items()
                                                       if v > (restarts or {}).get(k, -1)}}
         record["all"] = record["all"] or ranks is None
         record["ranks"] = sorted(set(record["ranks"]) | set(ranks or []))
         record["terminal"] = {**terminal, **record["terminal"]}
-        self._write_state(handle.run_id, "cancel", record)
+        self._write_state(handle, "cancel", record)
 
     # ------------------------------------------------------------------ remove
     def remove(self, handle: KubernetesRunHandle, *, dry_run: bool = False) -> list[str]:
@@ -700,7 +745,7 @@ class KubernetesBackend(ServerlessExecutor[KubernetesBackendConfig, KubernetesRu
             removed.append(f"job {handle.namespace}/{handle.job_name}")
             if not dry_run and not job["metadata"].get("deletionTimestamp"):
                 self._delete_job(handle)
-        folder = self._state_dir(handle.run_id)
+        folder = self._state_dir(handle)
         if folder.exists():
             removed.append(str(folder))
             if not dry_run:
@@ -708,22 +753,26 @@ class KubernetesBackend(ServerlessExecutor[KubernetesBackendConfig, KubernetesRu
         return removed
 
     # ------------------------------------------------------------------ local state
-    def _state_dir(self, run_id: str) -> Path:
+    def _state_dir(self, handle: KubernetesRunHandle) -> Path:
+        """What diloco keeps of the run's Job on this machine (a cancel's decisions, the final states): per run,
+        and per part for a part of a run split over backends."""
+        part = f"-{ranks_label(handle.own_ranks)}" if handle.ranks is not None and \
+            len(handle.ranks) < handle.replicas else ""
         if self.config.state_dir:
-            return Path(self.config.state_dir).expanduser() / run_id
+            return Path(self.config.state_dir).expanduser() / f"{handle.run_id}{part}"
         from diloco.run_dirs import runs_dir
 
-        return runs_dir() / run_id / "eks"
+        return runs_dir() / handle.run_id / f"eks{part}"
 
-    def _read_state(self, run_id: str, name: str) -> dict[str, Any] | None:
+    def _read_state(self, handle: KubernetesRunHandle, name: str) -> dict[str, Any] | None:
         try:
-            return json.loads((self._state_dir(run_id) / f"{name}.json").read_text())
+            return json.loads((self._state_dir(handle) / f"{name}.json").read_text())
         except (OSError, ValueError):
             return None
 
-    def _write_state(self, run_id: str, name: str, data: dict[str, Any]) -> None:
+    def _write_state(self, handle: KubernetesRunHandle, name: str, data: dict[str, Any]) -> None:
         """Atomically, so a concurrent reader never sees half a file; best effort (the cluster is the truth)."""
-        folder = self._state_dir(run_id)
+        folder = self._state_dir(handle)
         try:
             folder.mkdir(parents=True, exist_ok=True)
             tmp = folder / f".{name}.{os.getpid()}.tmp"
@@ -745,8 +794,11 @@ class KubernetesBackend(ServerlessExecutor[KubernetesBackendConfig, KubernetesRu
         """
         from diloco.executors.kubernetes.logs import ReplicaLogReader
 
-        history = self._logs.setdefault((handle.namespace, handle.job_name, rank), {})
-        yield from ReplicaLogReader(self, handle, rank, history).records(follow=follow, since=since)
+        index = self._index(handle, rank)
+        if index is None:
+            return
+        history = self._logs.setdefault((handle.namespace, handle.job_name, index), {})
+        yield from ReplicaLogReader(self, handle, index, history).records(follow=follow, since=since)
 
     def _pod_events(self, handle: KubernetesRunHandle, rank: int, pod: dict[str, Any],
                     log: _PodLog) -> Iterator[None]:
@@ -773,8 +825,11 @@ class KubernetesBackend(ServerlessExecutor[KubernetesBackendConfig, KubernetesRu
         events when it never ran; from the shipped log when its pod is gone."""
         from diloco.executors.kubernetes.logs import ReplicaLogReader
 
+        index = self._index(handle, rank)
+        if index is None:
+            return []
         try:
-            reader = ReplicaLogReader(self, handle, rank, {})
+            reader = ReplicaLogReader(self, handle, index, {})
             records = list(reader.records(follow=False, since=None))
         except Exception:  # noqa: BLE001 - the tail is a courtesy: a failure report must not fail on it
             return []

@@ -65,11 +65,15 @@ def _transient(exc: BaseException) -> bool:
 
 
 class ReplicaLogReader:
-    """The records of one replica, every attempt in order; ``records(follow)`` yields them once each."""
+    """The records of one replica, every attempt in order; ``records(follow)`` yields them once each.
 
-    def __init__(self, backend: KubernetesBackend, handle: KubernetesRunHandle, rank: int,
+    ``index`` is the replica's index in its Job (its pods'); ``rank`` its global rank, which its records carry and
+    its shipped log is kept under (the same unless the Job runs one part of a run split over backends)."""
+
+    def __init__(self, backend: KubernetesBackend, handle: KubernetesRunHandle, index: int,
                  history: dict[str, _PodLog]) -> None:
-        self.backend, self.handle, self.rank = backend, handle, rank
+        self.backend, self.handle, self.index = backend, handle, index
+        self.rank = index + handle.own_ranks[0]
         self.history = history  # pod (attempt) name -> what was read of it, shared by calls in one process
         self.sent: dict[str, int] = {}
         self.server_offset = 0.0  # the API server's clock minus this machine's, from the last Date header
@@ -127,10 +131,10 @@ class ReplicaLogReader:
         if job is None:
             self.job_gone = True
             return True, []
-        pods = backend._pods(handle).get(self.rank, [])
+        pods = backend._pods(handle).get(self.index, [])
         if not follow:
             return True, pods
-        state = backend._replica(job, self.rank, pods, backend._read_state(handle.run_id, "cancel")).state
+        state = backend._replica(job, self.index, pods, backend._read_state(handle, "cancel")).state
         return state.is_terminal, pods
 
     def _attempt_order(self) -> list[str]:

@@ -154,6 +154,8 @@ class SageMakerBackend(ServerlessExecutor[SageMakerBackendConfig, SageMakerRunHa
     #: A replica whose job failed (killed, its instance lost) is relaunched as a new training job for its rank;
     #: a spot interruption is managed spot's own restart of the same job, never a relaunch.
     supports_relaunch: ClassVar[bool] = True
+    #: Jobs, checkpoint prefixes and tags are per global rank, so a part of a run needs nothing more.
+    supports_rank_ranges: ClassVar[bool] = True
     config_type = SageMakerBackendConfig
     handle_type = SageMakerRunHandle
     install_hint = "pip install 'diloco[sagemaker]'"
@@ -248,8 +250,8 @@ class SageMakerBackend(ServerlessExecutor[SageMakerBackendConfig, SageMakerRunHa
             instance_type = instance_with_gpus(instance_type, procs) or instance_type
         image = self.config.image_uri or training_image_uri(region, instance_type, self.config.framework_version,
                                                             self.config.py_version)
-        requests = [self._request(spec, rank, region, instance_type, image) for rank in range(spec.replicas)]
-        for rank, request in enumerate(requests):
+        requests = [self._request(spec, rank, region, instance_type, image) for rank in spec.own_ranks]
+        for rank, request in zip(spec.own_ranks, requests, strict=True):
             check_request(request, rank, procs_per_replica=procs)
         buckets = dict.fromkeys(uri[len("s3://"):].split("/", 1)[0]
                                 for uri in (spec.entrypoint_args.rendezvous_uri, self.base_uri(spec)))
@@ -349,14 +351,14 @@ class SageMakerBackend(ServerlessExecutor[SageMakerBackendConfig, SageMakerRunHa
         or checkpoints) is deleted. A failed launch leaves no job running and no object of its own."""
         spec = plan.spec
         region = self.region()
-        handle = SageMakerRunHandle(run_id=spec.run_id, replicas=spec.replicas, region=region)
+        handle = SageMakerRunHandle(run_id=spec.run_id, replicas=spec.replicas, ranks=spec.ranks, region=region)
         sm = self.client("sagemaker", region)
         failing: str | None = None
         try:
             if self.ships_code:
                 self._ship_code(spec, region)
-            for rank, request in enumerate(plan.requests):
-                if rank and self._stopped_meanwhile(sm, handle):
+            for rank, request in zip(spec.own_ranks, plan.requests, strict=True):
+                if handle.job_names and self._stopped_meanwhile(sm, handle):
                     raise BackendError(f"run {spec.run_id} was cancelled while it was being launched",
                                        hint="its jobs were stopped; launch again when ready")
                 failing = request["TrainingJobName"]
@@ -513,15 +515,15 @@ class SageMakerBackend(ServerlessExecutor[SageMakerBackendConfig, SageMakerRunHa
         no listing, so the cost does not grow with the account's history. Throttling slows the polls down and
         never raises (see ``polling``)."""
         region = handle.region or self.region()
-        names = [name for rank in range(len(handle.job_names)) for name in self.rank_jobs(handle, rank)]
+        names = [name for rank in handle.created_ranks for name in self.rank_jobs(handle, rank)]
         descs = self._poller(handle).descriptions(names)
         replicas = []
-        for rank in range(handle.replicas):
-            if rank >= len(handle.job_names):
+        for rank in handle.own_ranks:
+            name = handle.job_of(rank)
+            if name is None:
                 replicas.append(ReplicaStatus(rank=rank, state=ReplicaState.PENDING,
                                               detail="not created yet (the launch is still creating jobs)"))
                 continue
-            name = handle.job_names[rank]
             earlier = self._earlier_billable_s(descs, handle, rank)
             replicas.append(self._replica_status(rank, name, descs.get(name), region, earlier))
         return RunStatus(run_id=handle.run_id, replicas=replicas)
@@ -658,7 +660,7 @@ class SageMakerBackend(ServerlessExecutor[SageMakerBackendConfig, SageMakerRunHa
         sm = self.client("sagemaker", region)
         poller = self._poller(handle)
         pacer = self._pacer(region, "StopTrainingJob")
-        for rank in range(len(handle.job_names)):
+        for rank in handle.created_ranks:
             if ranks is None or rank in ranks:
                 for name in reversed(self.rank_jobs(handle, rank)):  # the live attempt first
                     if poller.final(name) is None:
@@ -668,9 +670,9 @@ class SageMakerBackend(ServerlessExecutor[SageMakerBackendConfig, SageMakerRunHa
     def rank_jobs(self, handle: SageMakerRunHandle, rank: int) -> list[str]:
         """Every training job ``rank`` has had, oldest first: the launch's, then one per relaunch (the names are
         derived, so the handle keeps only the current one)."""
-        if rank >= len(handle.job_names):
+        current = handle.job_of(rank)
+        if current is None:
             return []
-        current = handle.job_names[rank]
         return [attempt_job_name(handle.run_id, rank, a) for a in range(job_attempt(current, rank))] + [current]
 
     # ------------------------------------------------------------------ relaunch
@@ -680,11 +682,11 @@ class SageMakerBackend(ServerlessExecutor[SageMakerBackendConfig, SageMakerRunHa
         the same CheckpointConfig, so SageMaker restores the rank's checkpoint directory into it; the replica
         rejoins from the run's committed rounds. Returns the handle naming the new job, which ``describe``,
         ``logs`` and ``cancel`` then follow (``cancel`` stops every job the rank has had)."""
-        if rank >= len(handle.job_names):
+        current = handle.job_of(rank)
+        if current is None:
             raise BackendError(f"replica {rank} of run {handle.run_id} has no training job to relaunch",
                                hint="the launch did not get that far; launch the run again")
         sm = self.client("sagemaker", handle.region)
-        current = handle.job_names[rank]
         try:
             desc = sm.describe_training_job(TrainingJobName=current)
         except Exception as exc:  # noqa: BLE001 - the failed job's request cannot be read back: nothing is created
@@ -705,7 +707,7 @@ class SageMakerBackend(ServerlessExecutor[SageMakerBackendConfig, SageMakerRunHa
                                hint="fix the cause (quota, permissions) and relaunch with `diloco watch "
                                     f"{handle.run_id}`") from exc
         names = list(handle.job_names)
-        names[rank] = request["TrainingJobName"]
+        names[handle.created_ranks.index(rank)] = request["TrainingJobName"]
         return handle.model_copy(update={"job_names": names})
 
     @staticmethod
@@ -730,7 +732,7 @@ class SageMakerBackend(ServerlessExecutor[SageMakerBackendConfig, SageMakerRunHa
         the reads start at that time, server-side); the reads and the stream listing go through the run's
         ``RunLogs``, shared by every rank's thread and paced within CloudWatch's read quotas; whether the job has
         ended comes from the run's one describe schedule (``describe``), not from a poll of this thread's own."""
-        if rank >= len(handle.job_names):
+        if handle.job_of(rank) is None:
             return
         run_logs = self._logs_of(handle)
         prefix = os.path.commonprefix(list(handle.job_names))
@@ -778,12 +780,13 @@ class SageMakerBackend(ServerlessExecutor[SageMakerBackendConfig, SageMakerRunHa
     def failure_tail(self, handle: SageMakerRunHandle, rank: int, n: int = 10) -> list[str]:
         """The job's last ``n`` non-empty log lines (CloudWatch merges stderr into them): one backward page of its
         newest stream (more only when that stream holds fewer lines), never its whole log."""
-        if rank >= len(handle.job_names):
+        current = handle.job_of(rank)
+        if current is None:
             return []
         try:
             run_logs = self._logs_of(handle)
             prefix = os.path.commonprefix(list(handle.job_names))
-            streams = run_logs.streams(handle.job_names[rank], prefix,
+            streams = run_logs.streams(current, prefix,
                                        max_age_s=min(_LISTING_SNAPSHOT_S, self.config.log_poll_interval_s))
             return run_logs.last_lines(streams, n)
         except Exception:  # noqa: BLE001 - the tail is a courtesy: a failure report must not fail on it

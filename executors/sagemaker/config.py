@@ -114,11 +114,22 @@ class SageMakerBackendConfig(BackendConfig):
 
 
 class SageMakerRunHandle(RunHandle):
-    """The run's training jobs, one per rank, in rank order (as far as the launch got)."""
+    """The run's training jobs, one per rank of ``own_ranks``, in rank order (as far as the launch got)."""
 
     backend: str = "sagemaker"
     region: str | None = None
     job_names: list[str] = Field(default_factory=list)
+
+    @property
+    def created_ranks(self) -> list[int]:
+        """The ranks whose job the launch created (all of them once it is done)."""
+        return self.own_ranks[:len(self.job_names)]
+
+    def job_of(self, rank: int) -> str | None:
+        """The current training job of global rank ``rank``; None when the launch did not create it (or the rank
+        is another backend's, in a run split over several)."""
+        ranks = self.created_ranks
+        return self.job_names[ranks.index(rank)] if rank in ranks else None
 
 
 # ---------------------------------------------------------------------------------------------- names and images

@@ -95,7 +95,7 @@ def grants_object_access(document: Any, bucket: str, prefix: str) -> bool:
 
 def check_role_bucket(ctx: DoctorContext) -> Check:
     """The seed's gotcha: AmazonSageMakerFullAccess covers only buckets named like *sagemaker*."""
-    from diloco.executors.checks import Check, Status, fail_check, skip_check
+    from diloco.executors.checks import Check, Status, skip_check
 
     name = "role can reach bucket"
     role_arn = ctx.option("role_arn")
@@ -103,6 +103,14 @@ def check_role_bucket(ctx: DoctorContext) -> Check:
         return skip_check(name, "needs both an execution role and an S3 URI")
     if ctx.results.get(ROLE_CHECK, Check(name="", status=Status.FAIL)).status != Status.PASS:
         return skip_check(name, "execution role not readable (see above)")
+    return check_role_reaches_bucket(ctx, role_arn, name)
+
+
+def check_role_reaches_bucket(ctx: DoctorContext, role_arn: str, name: str) -> Check:
+    """Whether a policy of IAM role ``role_arn`` grants object access under the S3 prefix (the role a replica
+    runs as: a SageMaker execution role, an EKS service account's IRSA or Pod Identity role)."""
+    from diloco.executors.checks import Check, Status, fail_check
+
     bucket, role = ctx.bucket or "", _role_name(role_arn)
     iam = ctx.client("iam")
     inline = (f"attach an inline policy to {role} allowing {', '.join(S3_ACTIONS_NEEDED)} on arn:aws:s3:::{bucket} "

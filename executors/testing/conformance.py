@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from diloco.errors import DilocoError
+from diloco.errors import ConfigError, DilocoError
 from diloco.executors.base import (
     EntrypointArgs,
     LaunchPlan,
@@ -39,6 +39,7 @@ from diloco.executors.base import (
     RunState,
     RunStatus,
     ServerlessExecutor,
+    require_rank_support,
 )
 
 #: The module every replica of the suite runs with ``python -m``.
@@ -94,9 +95,9 @@ def wait_for_output(backend: ServerlessExecutor[Any, Any], handle: Any, text: st
     deadline = time.monotonic() + timeout
     while True:
         seen = {r.rank for r in backend.logs(handle) if text in r.text}
-        if len(seen) == handle.replicas:
+        if seen >= set(handle.own_ranks):
             return
-        assert time.monotonic() < deadline, f"replicas {set(range(handle.replicas)) - seen} never printed {text!r}"
+        assert time.monotonic() < deadline, f"replicas {set(handle.own_ranks) - seen} never printed {text!r}"
         time.sleep(0.2)
 
 
@@ -207,6 +208,43 @@ class BackendConformance:
         assert status.replica(0).state == ReplicaState.RUNNING
         backend.cancel(handle)
         assert backend.wait(handle, timeout_s=case.patience_s).state == RunState.CANCELLED
+
+    # ------------------------------------------------------------------ a part of a larger run
+    def test_a_part_of_a_run_runs_exactly_its_global_ranks(self, case: BackendCase) -> None:
+        """Ranks 1-2 of a run of 3 (one part of a run split over backends, ``diloco.executors.mixed``): every
+        replica gets its global rank and the run's world size, and describe, logs and cancel speak global ranks.
+        A backend that does not declare ``supports_rank_ranges`` must be refused such a part, in one line."""
+        backend = case.backend()
+        run_id = _run_id("part")
+        whole = case.spec(run_id, replicas=3, lines=2, announce_world=True, sleep=120)
+        part = LaunchSpec.model_validate({**whole.model_dump(), "ranks": [1, 2]})
+        if not backend.supports_rank_ranges:
+            with pytest.raises(ConfigError, match=f"the {backend.name} backend cannot run a part of a run"):
+                require_rank_support(backend, part)
+            require_rank_support(backend, whole)  # a whole run is always fine
+            return
+        require_rank_support(backend, part)
+        handle = backend.submit(backend.plan(part))
+        assert handle.own_ranks == [1, 2] and handle.replicas == 3
+        wait_until(backend, handle, {ReplicaState.RUNNING}, case.patience_s)
+        wait_for_output(backend, handle, "line 1", case.patience_s)
+        assert [r.rank for r in backend.describe(handle).replicas] == [1, 2]
+        records = list(backend.logs(handle))
+        assert {r.rank for r in records} == {1, 2}
+        for rank in (1, 2):
+            texts = [r.text for r in records if r.rank == rank]
+            assert f"rank {rank} of world size 3" in texts, texts
+            assert [t for t in texts if "line" in t] == [f"rank {rank} line {i}" for i in range(2)]
+        assert case.live(run_id), "the part's replicas run"
+        backend.cancel(handle, ranks=[2])
+        status = wait_until(backend, handle, {ReplicaState.RUNNING, ReplicaState.CANCELLED}, case.patience_s)
+        assert (status.replica(1).state, status.replica(2).state) == (ReplicaState.RUNNING, ReplicaState.CANCELLED)
+        backend.cancel(handle)
+        assert backend.wait(handle, timeout_s=case.patience_s, poll_interval_s=0.2).state == RunState.CANCELLED
+        deadline = time.monotonic() + case.patience_s
+        while case.live(run_id) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert case.live(run_id) == []
 
     # ------------------------------------------------------------------ a later CLI process
     def test_describe_from_a_restarted_process(self, case: BackendCase, tmp_path: Path) -> None:

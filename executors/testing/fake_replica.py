@@ -5,8 +5,9 @@ It needs nothing beyond this package (no torch, no pytest), so it runs in any re
 
 Behaviour comes from ``--trainer-kwargs-json`` (the executor's contract is only "run this module with these
 args and env"): print ``lines`` lines to stdout and one to stderr, optionally spawn a grandchild, optionally
-ignore SIGTERM (or log each one's sender to ``term_log``), sleep, then exit with ``exit`` (or ``fail_exit`` on
-``fail_rank``). ``env_out`` is a directory
+ignore SIGTERM (or log each one's sender to ``term_log``), say its world size (``announce_world``), sleep, then
+exit with ``exit`` (or ``fail_exit`` on ``fail_rank``). Its rank is the environment's plus ``DILOCO_RANK_OFFSET``, as
+the real entrypoint reads it. ``env_out`` is a directory
 where each rank writes what it saw (argv, cwd, environment) as JSON.
 """
 
@@ -25,7 +26,9 @@ def main() -> int:
     """Behave as the trainer kwargs say; the exit code to end with."""
     argv = sys.argv[1:]
     kwargs = json.loads(argv[argv.index("--trainer-kwargs-json") + 1])
-    rank = int(os.environ.get("REPLICA_RANK") or os.environ["JOB_COMPLETION_INDEX"])
+    from diloco.envvars import rank_offset
+
+    rank = int(os.environ.get("REPLICA_RANK") or os.environ["JOB_COMPLETION_INDEX"]) + rank_offset(os.environ)
     if kwargs.get("env_out"):
         seen = {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "pid": os.getpid(),
                 "pgid": os.getpgrp()}
@@ -49,6 +52,8 @@ def main() -> int:
         if kwargs.get("pid_out"):
             with open(os.path.join(kwargs["pid_out"], f"grandchild_{rank}"), "w") as f:
                 f.write(str(child.pid))
+    if kwargs.get("announce_world"):
+        print(f"rank {rank} of world size {os.environ.get('WORLD_SIZE')}")
     for i in range(int(kwargs.get("lines", 3))):
         print(f"rank {rank} line {i}")
         time.sleep(float(kwargs.get("line_gap", 0.0)))

@@ -138,8 +138,8 @@ def test_dry_run_prints_requests_and_launches_nothing(home: Path) -> None:
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--replicas", "0"], "replicas: must be >= 1 (got 0)"),
-    (["--backend", "ec2"], "backend: must be one of local, sagemaker, eks (got 'ec2')"),
-    (["--backend", "nomad"], "backend: must be one of local, sagemaker, eks (got 'nomad')"),
+    (["--backend", "ec2"], "backend: must be one of local, sagemaker, eks, mixed (got 'ec2')"),
+    (["--backend", "nomad"], "backend: must be one of local, sagemaker, eks, mixed (got 'nomad')"),
     (["--backend", "sagemaker"], "store.rendezvous: required for the sagemaker backend"),
     (["--no-such-flag"], "No such option: --no-such-flag"),
     (["--replicas", "many"], "Invalid value for '--replicas'"),

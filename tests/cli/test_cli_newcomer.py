@@ -184,7 +184,7 @@ def test_shell_completion_of_run_ids_and_backends(home: Path) -> None:
         return out.stdout.split()
 
     assert run_id in complete("diloco status ")
-    assert complete("diloco launch --backend ") == ["local", "sagemaker", "eks"]
+    assert complete("diloco launch --backend ") == ["local", "sagemaker", "eks", "mixed"]
 
 
 def test_the_documented_json_schema_matches_the_models_and_the_output(home: Path) -> None:

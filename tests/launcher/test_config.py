@@ -60,7 +60,7 @@ def test_backend_flag_switches_kind_and_drops_other_backend_options(tmp_path: Pa
 
 @pytest.mark.parametrize(("kwargs", "expected"), [
     ({"flags": {"replicas": 0}}, "replicas: must be >= 1 (got 0)"),
-    ({"flags": {"backend": "ec2"}}, "backend: must be one of local, sagemaker, eks (got 'ec2')"),
+    ({"flags": {"backend": "ec2"}}, "backend: must be one of local, sagemaker, eks, mixed (got 'ec2')"),
     ({"sets": ["replicas=four"]}, "replicas: must be an integer (got 'four')"),
     ({"sets": ["train.bogus=1"]},
      "train.bogus: unknown key (allowed: trainer, steps, sync_every, trainer_kwargs, mode, procs_per_replica)"),

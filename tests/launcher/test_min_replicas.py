@@ -21,7 +21,7 @@ TESTS_DIR = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 def run_args() -> list[str]:
-    """4 replicas, 6 rounds of 5 steps; rank 3 exits with its own error (code 1: not relaunched) after step 7
+    """4 replicas, 4 rounds of 5 steps; rank 3 exits with its own error (code 1: not relaunched) after step 7
     (round 2).
 
     The round deadline (``store.timeout_s``): past it a round commits without the dead rank 3, so no live rank may
@@ -30,12 +30,12 @@ def run_args() -> list[str]:
     the test meets; 4 s is its floor on an idle machine."""
     deadline_s = round_deadline_s(4.0)
     return ["launch", "--replicas", "4", "--backend", "local", "--trainer", "support.paced_trainer:train",
-            "--steps", "30", "--sync-every", "5", "-k", "step_s=0.02", "-k", "exit_rank=3", "-k", "exit_at_step=7",
+            "--steps", "20", "--sync-every", "5", "-k", "step_s=0.02", "-k", "exit_rank=3", "-k", "exit_at_step=7",
             "--set", "store.poll_interval_s=0.05", "--set", f"store.timeout_s={deadline_s:.1f}", "-o", "json"]
 
 
 #: A hang's bound: every round may wait out its deadline.
-cli = partial(run_cli, restart_backoff_s=0, timeout=240 + 6 * round_deadline_s(4.0))
+cli = partial(run_cli, restart_backoff_s=0, timeout=240 + 4 * round_deadline_s(4.0))
 
 
 def test_with_min_replicas_3_of_4_the_run_finishes_on_3_that_agree_on_every_round(tmp_path: Path) -> None:
@@ -50,12 +50,12 @@ def test_with_min_replicas_3_of_4_the_run_finishes_on_3_that_agree_on_every_roun
     assert "the 3 replicas that finished (0, 1, 2 of 4) hold identical final weights" in report["weights_detail"]
 
     store = ObjectStore(report["rendezvous_uri"])
-    manifests = {k: json.loads(store.get(ROUND_MANIFEST_KEY.format(round=k))) for k in range(6)
+    manifests = {k: json.loads(store.get(ROUND_MANIFEST_KEY.format(round=k))) for k in range(4)
                  if store.exists(ROUND_MANIFEST_KEY.format(round=k))}
     # Round 1 had all 4 contributions before any deadline; every round after rank 3 died was committed by 0, 1, 2,
     # and each manifest is the one every rank adopted (created once).
     assert all(m["members"] == [0, 1, 2] for k, m in manifests.items() if k >= 2), manifests
-    assert {2, 3, 4, 5} <= set(manifests), sorted(manifests)
+    assert {2, 3} <= set(manifests), sorted(manifests)
     assert not processes_of(report["run_id"])
 
     # Every command that judges the run says the same: succeeded, replica 3 left behind, exit 5.

@@ -18,6 +18,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from support.async_kill_trainer import recorded_kill
 from support.commands import DILOCO_SCRIPT as DILOCO
 from support.pacing import round_deadline_s
 
@@ -89,8 +90,7 @@ def test_a_killed_master_is_relaunched_resumes_where_it_was_and_every_replica_ex
     for kill in plan:
         rank = int(str(kill["rank"]))
         killed, relaunched = attempt_logs(home, rank)
-        recorded = int(one(rf"kill trial {kill['trial']}: SIGKILL rank {rank} .*\(position recorded: step (\d+)\)",
-                           killed)[1])
+        recorded = int(recorded_kill(str(done), int(str(kill["trial"])))["position"])
         if kill["moment"] == "start":  # nothing was published: the relaunch bootstraps, from step 1
             assert recorded == 0
             one(r"startup selection bootstrap \(committed None, remote None\)", relaunched)

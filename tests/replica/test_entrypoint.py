@@ -22,7 +22,7 @@ import pytest
 from diloco import envvars
 from diloco.defaults import DEFAULT_POLL_INTERVAL_S, DEFAULT_TRAINER
 from diloco.launcher.progress import read_replica
-from diloco.replica.entrypoint import main, resolve_args
+from diloco.replica.entrypoint import UsageError, main, resolve_args
 from diloco.replica.settings import ReplicaSettings
 from diloco.store.objects import ObjectStore
 
@@ -126,10 +126,22 @@ def _final_error_line(stderr: str, *, traceback: bool = False) -> str:
     ([], {envvars.REPLICA_RANK: "1", envvars.JOB_COMPLETION_INDEX: "0"}, 1),
     ([], {envvars.JOB_COMPLETION_INDEX: "3"}, 3),
     ([], {envvars.REPLICA_RANK: "", envvars.JOB_COMPLETION_INDEX: " 2 "}, 2),  # empty means unset
+    # one part of a run split over backends: a Job's pod index plus the part's first rank
+    ([], {envvars.REPLICA_RANK: "1", envvars.RANK_OFFSET: "2"}, 3),
+    ([], {envvars.JOB_COMPLETION_INDEX: "0", envvars.RANK_OFFSET: "2"}, 2),
+    (["--rank", "1"], {envvars.REPLICA_RANK: "0", envvars.RANK_OFFSET: "2"}, 1),  # a flag is the rank itself
 ])
 def test_rank_precedence_flag_then_replica_rank_then_job_completion_index(argv, env, rank) -> None:
     args = resolve_args(["--rendezvous", "memory://x", "--world-size", "4", *argv], env)
     assert args.rank == rank
+
+
+def test_a_rank_offset_that_is_not_a_number_or_leaves_the_world_is_one_usage_line() -> None:
+    base = ["--rendezvous", "memory://x", "--world-size", "4"]
+    with pytest.raises(UsageError, match="DILOCO_RANK_OFFSET='two' is not a whole number"):
+        resolve_args(base, {envvars.REPLICA_RANK: "1", envvars.RANK_OFFSET: "two"})
+    with pytest.raises(UsageError, match="rank 5 is outside the world of size 4"):
+        resolve_args(base, {envvars.REPLICA_RANK: "1", envvars.RANK_OFFSET: "4"})
 
 
 def test_world_size_and_rendezvous_from_env_and_flags_win() -> None:

@@ -19,8 +19,9 @@ happens once (``done_dir/trial_K`` is created first, so the relaunched replica d
   ``state`` (the committed state's data), ``marker`` (its COMMITTED marker), ``data`` (the global's data, after
   the commit), ``latest`` (``global/latest.json``, after the data).
 
-Before it dies the replica prints the step its position record says (``nodes/replica-<rank>.json``), so a test
-can check that its relaunch resumed exactly there. Its writes and its kill take one lock, so no write lands
+Before it dies the replica writes the step its position record says (``nodes/replica-<rank>.json``) into
+``done_dir/trial_K`` (JSON: rank, where, position) and prints it, so a test can check that its relaunch resumed
+exactly there. Its writes and its kill take one lock, so no write lands
 between that read and the SIGKILL: what it prints is what the store holds.
 """
 
@@ -110,7 +111,7 @@ def train(*, manager: Any, rank: int, world_size: int, total_steps: int, sync_ev
 
     def kill(planned: dict[str, Any], where: str) -> None:
         try:
-            os.close(os.open(os.path.join(done_dir, f"trial_{planned['trial']}"), os.O_CREAT | os.O_EXCL))
+            fd = os.open(os.path.join(done_dir, f"trial_{planned['trial']}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
             return  # this kill happened already: this is the relaunched replica
         writes.acquire()  # never released: no write of another thread lands before the SIGKILL
@@ -118,8 +119,13 @@ def train(*, manager: Any, rank: int, world_size: int, total_steps: int, sync_ev
             position = json.loads(store.get(f"async/nodes/replica-{rank}.json"))["step"]
         except Exception:  # noqa: BLE001 - no record yet (or one being replaced): the relaunch starts at 0
             position = 0
-        print(f"kill trial {planned['trial']}: SIGKILL rank {rank} {where} (position recorded: step {position})",
-              flush=True)
+        line = f"kill trial {planned['trial']}: SIGKILL rank {rank} {where} (position recorded: step {position})"
+        # The test reads the kill from this file: a line printed just before a SIGKILL can die with the process in
+        # a pipe its log shipper had not read yet (diloco.store.logs tees the output through its own thread).
+        os.write(fd, json.dumps({"rank": rank, "where": where, "position": position, "line": line}).encode())
+        os.fsync(fd)
+        os.close(fd)
+        print(line, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
     def die_at_write(key: str, data: bytes) -> None:
@@ -136,3 +142,9 @@ def train(*, manager: Any, rank: int, world_size: int, total_steps: int, sync_ev
 
     return diloco_train(manager=_WatchedManager(manager, die_at_write, die_at_step, writes), rank=rank,
                         world_size=world_size, total_steps=total_steps, sync_every=sync_every, **knobs)
+
+
+def recorded_kill(done_dir: str, trial: int) -> dict[str, Any]:
+    """What the replica wrote before it killed itself in ``trial`` (rank, where, position)."""
+    with open(os.path.join(done_dir, f"trial_{trial}")) as f:
+        return json.load(f)

@@ -100,7 +100,7 @@ def run_watched_launch(emulator: Any, *, bucket: str, home: Path, workdir: Path,
         reached("jobs created")
         names = record.handle["job_names"]
         wait_for(lambda: all(emulator.job(n).secondary == "Training" for n in names), "every job to train",
-               patience_s, alive)
+                 patience_s, alive=alive)
         reached("every job training")
         shells["status"] = _run([*cli, "status", record.run_id], env, patience_s)
         reached("status shown")

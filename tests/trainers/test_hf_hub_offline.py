@@ -207,7 +207,10 @@ def test_a_cached_hub_tokenizer_needs_no_hub(hub: str, request: pytest.FixtureRe
     checked = run_bounded(hf_launch("tokenizer=someone/tok", f"data={corpus}", dry_run=True), env=env, cwd=tmp_path,
                           limit_s=GUARD_S)
     assert checked.returncode == 0, checked.stderr
-    code = "from diloco.trainers import hf; print(len(hf.load_tokenizer('someone/tok')))"
+    # What a replica does: ask where the tokenizer can come from (the Hub probe, once), then load it from there.
+    code = ("from diloco.trainers import hf; "
+            "only = hf.check_hub_sources(model=None, tokenizer='someone/tok')['tokenizer']; "
+            "print(len(hf.load_tokenizer('someone/tok', cache_only=only)))")
     loaded = run_bounded([sys.executable, "-c", code], env=env, cwd=tmp_path, limit_s=GUARD_S)
     assert loaded.returncode == 0, loaded.stderr
     assert int(loaded.stdout) == len(AutoTokenizer.from_pretrained(readme_tokenizer))

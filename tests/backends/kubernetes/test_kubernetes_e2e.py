@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import socket
 import threading
 from collections.abc import Iterator
@@ -20,6 +19,7 @@ from typing import Any
 
 import pytest
 from emulators.kubernetes import KubernetesEmulator
+from support.async_kill_trainer import recorded_kill
 from support.commands import run_cli as cli
 from support.commands import start_cli
 from support.run_processes import processes_of
@@ -224,12 +224,11 @@ def test_an_async_master_killed_while_publishing_is_retried_and_resumes_from_its
     assert [r["restarts"] for r in report["ranks"]] == [1, 0]
     logs = [kube.pod_log(p["metadata"]["name"]) for p in by_index(kube, run_id)[0]]
     assert len(logs) == 2, logs
-    killed_log, retried_log = sorted(logs, key=lambda log: "kill trial 0:" not in log)
-    recorded = re.search(r"kill trial 0: SIGKILL rank 0 publishing version 5, .*\(position recorded: step (\d+)\)",
-                         killed_log)
-    assert recorded, killed_log[-3000:]
+    killed = recorded_kill(str(done), 0)
+    assert killed["where"].startswith("publishing version 5") and killed["rank"] == 0, killed
+    retried_log = next(log for log in logs if "rejoins the run" in log)
     assert "startup selection committed (committed 5, remote 4)" in retried_log, retried_log[-3000:]
-    assert f"rejoins the run at step {recorded[1]} of 60" in retried_log, retried_log[-3000:]
+    assert f"rejoins the run at step {killed['position']} of 60" in retried_log, retried_log[-3000:]
 
 
 def test_cancel_mid_run_deletes_the_job_and_leaves_no_process(kube: KubernetesEmulator, s3_bucket: str,

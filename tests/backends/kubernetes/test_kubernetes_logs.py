@@ -393,3 +393,25 @@ def test_a_replica_ships_its_own_and_its_childrens_output_and_its_exit_code(tmp_
     assert (attempt.ended, attempt.exit_code) == (True, 7)
     assert json.loads((tmp_path / "logs" / "rank_0003" / "pod-3-abcde" / "end.json").read_text())["exit_code"] == 7
     assert [p.name for p in (tmp_path / "logs").iterdir()] == ["rank_0003"], "the child shipped nothing itself"
+
+
+def test_a_replica_of_one_part_of_a_run_ships_under_its_global_rank(tmp_path: Path) -> None:
+    """Pod index 1 of a Job that runs ranks 2-3 of a run split over backends ships as rank 3, where its peers of
+    other backends can never write (they all share the run's ``logs/`` prefix)."""
+    import os
+    import subprocess
+    import sys
+
+    from diloco.store.logs import read_attempts
+    from diloco.store.objects import ObjectStore
+
+    env = {**os.environ, "DILOCO_LOG_URI": (tmp_path / "logs").as_uri(), "JOB_COMPLETION_INDEX": "1",
+           "DILOCO_RANK_OFFSET": "2", "DILOCO_LOG_ATTEMPT": "part-1-xyz"}
+    env.pop("REPLICA_RANK", None)
+    runner = ("from diloco.store.logs import ship_output\nshipping = ship_output()\n"
+              "print('hello from the part', flush=True)\nshipping.close(0)\n")
+    result = subprocess.run([sys.executable, "-c", runner], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert [p.name for p in (tmp_path / "logs").iterdir()] == ["rank_0003"]
+    attempt = read_attempts(ObjectStore((tmp_path / "logs").as_uri()), 3)["part-1-xyz"]
+    assert [text for _, text in attempt.lines] == ["hello from the part"]
