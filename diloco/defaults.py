@@ -8,10 +8,11 @@ DEFAULT_TRAINER = "diloco.trainers.gpt:diloco_train"
 #: waits (local, SageMaker), or by the service itself from the moment the run is submitted (an Indexed Job's
 #: per-index retry on EKS).
 DEFAULT_MAX_RESTARTS = 3
-#: How often a replica waiting in a round looks for its peers' uploads (``store.poll_interval_s``), in seconds.
-#: A round is noticed on average half of this after the last upload landed (at 1 s, short rounds spend most of
-#: their ``sync s`` polling). Each look is one HEAD of one object per waiting replica: N replicas waiting make 5N
-#: requests a second, which on S3 (Standard: $0.0004 per 1,000 GET/HEAD) is about 0.7 cents per replica per
+#: How often a replica waiting in a round looks for its peers' uploads (``store.poll_interval_s``), in seconds,
+#: once it has waited a while: a wait starts with quicker looks (after 1/16, 1/8, 1/4 and 1/2 of it), so an upload
+#: that lands soon is noticed within about as long as the replica had waited for it, and a late one at most this
+#: long after it landed. Each look is one HEAD of one object per waiting replica: N replicas waiting make 5N
+#: requests a second (plus at most four per wait), which on S3 (Standard: $0.0004 per 1,000 GET/HEAD) is about 0.7 cents per replica per
 #: hour of waiting, and stays far below S3's 5,500 GET/HEAD per second per prefix up to a thousand replicas. On a
 #: ``file://`` store it is a stat. Configs for huge runs or long rounds may raise it (``configs/sagemaker.yaml``).
 DEFAULT_POLL_INTERVAL_S = 0.2

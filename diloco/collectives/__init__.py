@@ -13,6 +13,8 @@ format (``store.compression``, with error feedback) is ``diloco.collectives.wire
 ``diloco.collectives.compression`` (their arithmetic in ``blockquant``, ``topk`` and ``bitpack``); every
 contribution, a rank's own included, is added to the sum from its wire tensors; the arithmetic they share (fp32,
 rank order, so bitwise-identical means) is ``diloco.collectives.reduce``; the keys are ``diloco.store.layout``.
+A round writes into the buffers the round before handed on (``diloco.collectives.spares``) and reads its peers
+into one reused buffer: fresh memory costs a page fault per 4 KiB, more than the copy into it.
 """
 
 from __future__ import annotations

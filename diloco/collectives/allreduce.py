@@ -13,9 +13,9 @@ sharded    S + S/N             2·S·(N-1)/N            2 PUTs, 3(N-1) GETs (hea
 =========  ==================  =====================  ==================================================
 
 (S: the payload's bytes on the wire, fp32 or ``store.compression``'s format; plus polling: one HEAD per awaited
-object per ``poll_interval_s``; plus one 64 KiB header probe per peer object read by ranges. Gather reads an
+object per ``poll_interval_s``, after up to four quicker ones at the start of each wait; plus one 64 KiB header probe per peer object read by ranges. Gather reads an
 uncompressed peer in verified 32 MiB ranges it accumulates as they arrive, so a round holds the snapshot, the
-accumulator and one range; sharded holds the snapshot, one shard per peer read and the gathered mean.) Sharded reads less from N = 3 on; gather makes a third of the requests and has one
+accumulator and one range; sharded holds the snapshot, whose buffer later holds the gathered mean, and one shard per peer read.) Sharded reads less from N = 3 on; gather makes a third of the requests and has one
 phase instead of two. ``bench/allreduce_traffic.py`` counts both at the store layer.
 
 Round numbering: messages (errors, logs) name rounds from 1, as the metrics and the CLI do ("round 1" is the first

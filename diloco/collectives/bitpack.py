@@ -9,7 +9,8 @@ Why not one field per byte or int16: a 12-bit index stored in 16 bits wastes a q
 
 How, without a Python loop over fields: ``g`` consecutive fields, where ``g * bits`` is the least common multiple
 of ``bits`` and 8, fill exactly ``g * bits / 8`` bytes; they are combined into one int64 per group (shifted and
-summed, which is their OR: the fields do not overlap) and split into bytes, a few whole-tensor operations. Widths whose group exceeds 64 bits (9, 11, 13, 15) go through a
+OR-ed, one whole-tensor operation per field of a group, at most 8) whose first bytes are the group's (read in
+place on a little-endian machine, shifted out on a big-endian one), a few whole-tensor operations. Widths whose group exceeds 64 bits (9, 11, 13, 15) go through a
 per-bit expansion instead (slower, same layout). Works on any device (plain tensor arithmetic).
 """
 
@@ -33,6 +34,8 @@ def packed_nbytes(count: int, bits: int) -> int:
 
 def pack(values: torch.Tensor, bits: int) -> torch.Tensor:
     """1-D integer ``values``, each in ``[0, 2**bits)`` (not checked: higher bits are dropped), -> uint8 stream."""
+    import sys
+
     import torch
 
     _check_bits(bits)
@@ -42,12 +45,18 @@ def pack(values: torch.Tensor, bits: int) -> torch.Tensor:
     if group_bytes > 8:
         return _pack_by_bits(values, bits, nbytes)
     groups = -(-n // per_group)
-    v = torch.zeros(groups * per_group, dtype=torch.int64, device=values.device)
-    v[:n] = values.reshape(-1) & ((1 << bits) - 1)
-    shifts = torch.arange(per_group, device=values.device) * bits
-    word = (v.view(groups, per_group) << shifts).sum(dim=1, keepdim=True)  # disjoint fields: the sum is their OR
+    v = values.reshape(-1).to(torch.int64)
+    if groups * per_group != n:
+        v = torch.cat([v, v.new_zeros(groups * per_group - n)])
+    fields = v.view(groups, per_group)
+    mask = (1 << bits) - 1
+    word = fields[:, 0] & mask  # the fields OR-ed into one int64 per group, one field at a time
+    for j in range(1, per_group):
+        word |= (fields[:, j] & mask) << (j * bits)
+    if sys.byteorder == "little":  # the group's bytes are the word's first bytes in memory
+        return word.view(torch.uint8).view(groups, 8)[:, :group_bytes].reshape(-1)[:nbytes].contiguous()
     byte_shifts = torch.arange(group_bytes, device=values.device) * 8
-    return ((word >> byte_shifts) & 0xFF).to(torch.uint8).view(-1)[:nbytes]
+    return ((word[:, None] >> byte_shifts) & 0xFF).to(torch.uint8).view(-1)[:nbytes]
 
 
 def unpack(stream: torch.Tensor, bits: int, count: int) -> torch.Tensor:

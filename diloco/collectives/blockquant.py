@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from diloco.collectives.reduce import Allocator
+
 #: fp32 bytes per CPU chunk: its temporaries stay in a core's cache between passes (1 MiB of L2 on current x86).
 CPU_CHUNK_BYTES = 512 * 2**10
 #: Elements per chunk on an accelerator: one kernel launch per pass over up to this many elements.
@@ -43,13 +45,16 @@ def num_blocks(n: int, block: int) -> int:
 
 
 # ---------------------------------------------------------------- encode
-def encode_int8(flat: torch.Tensor, qmax: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 codes, one per element; fp32 scales, one per block) of a 1-D fp32 tensor."""
+def encode_int8(flat: torch.Tensor, qmax: int, block: int, *, empty: Allocator | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 codes, one per element; fp32 scales, one per block) of a 1-D fp32 tensor, in tensors ``empty(shape,
+    dtype)`` makes (new ones on the tensor's device by default)."""
     import torch
 
     n = flat.numel()
-    codes = torch.empty(n, dtype=torch.int8, device=flat.device)
-    scales = torch.empty(num_blocks(n, block), dtype=torch.float32, device=flat.device)
+    empty = empty or _empty_on(flat.device)
+    codes = empty((n,), torch.int8)
+    scales = empty((num_blocks(n, block),), torch.float32)
     work = _Work(flat, block)
     for start, stop in work.chunks():
         q = work.quantize(flat[start:stop], qmax, scales[start // block : num_blocks(stop, block)])
@@ -58,15 +63,17 @@ def encode_int8(flat: torch.Tensor, qmax: int, block: int) -> tuple[torch.Tensor
     return codes, scales
 
 
-def encode_int4(flat: torch.Tensor, qmax: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+def encode_int4(flat: torch.Tensor, qmax: int, block: int, *, empty: Allocator | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """(uint8 nibble pairs, ``ceil(n / 2)`` bytes; fp32 scales) of a 1-D fp32 tensor: code ``q`` is stored as
     ``q + 8``, element ``2i`` in the low nibble of byte ``i``, ``2i + 1`` in the high one, an odd count's last high
-    nibble 8 (the code of zero)."""
+    nibble 8 (the code of zero). ``empty`` as in ``encode_int8``."""
     import torch
 
     n = flat.numel()
-    packed = torch.empty(-(-n // 2), dtype=torch.uint8, device=flat.device)
-    scales = torch.empty(num_blocks(n, block), dtype=torch.float32, device=flat.device)
+    empty = empty or _empty_on(flat.device)
+    packed = empty((-(-n // 2),), torch.uint8)
+    scales = empty((num_blocks(n, block),), torch.float32)
     work = _Work(flat, block)
     for start, stop in work.chunks():
         work.quantize(flat[start:stop], qmax, scales[start // block : num_blocks(stop, block)])
@@ -123,6 +130,13 @@ class _Work:
         both = self.halves[: pairs.shape[0]]
         torch.add(pairs[:, 0], pairs[:, 1], alpha=16, out=both)
         out.copy_(both.add_(136))
+
+
+def _empty_on(device: torch.device) -> Allocator:
+    """``torch.empty`` on ``device``, as an ``Allocator``."""
+    import torch
+
+    return lambda shape, dtype: torch.empty(shape, dtype=dtype, device=device)
 
 
 def _edge_blocks(scales: torch.Tensor) -> torch.Tensor:

@@ -65,6 +65,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from diloco.collectives import blockquant, topk
+from diloco.collectives.reduce import Allocator
 from diloco.collectives.topk import TopkSpec
 from diloco.errors import ConfigError, CorruptObjectError
 
@@ -264,19 +265,22 @@ class ErrorFeedback:
         decoded = decode(wire, meta, layout_of(tensors), fmt=self.fmt, block=self.block, sparse=self.sparse)
         return {name: t.to("cpu") for name, t in wire.items()}, meta, decoded
 
-    def compress_wire(self, tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    def compress_wire(self, tensors: Mapping[str, torch.Tensor], *, empty: Allocator | None = None
+                      ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """``compress`` without ``decoded``: for a caller that adds its own contribution to its sum from the wire
-        tensors (``decode_into``), as it does its peers', which spares a payload-sized tensor per round."""
-        wire, meta = self._compress(tensors)
+        tensors (``decode_into``), as it does its peers', which spares a payload-sized tensor per round.
+        ``empty(shape, dtype)`` makes the wire tensors of CPU inputs (a round passes its spare buffers)."""
+        wire, meta = self._compress(tensors, empty)
         return {name: t.to("cpu") for name, t in wire.items()}, meta
 
-    def _compress(self, tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    def _compress(self, tensors: Mapping[str, torch.Tensor], empty: Allocator | None = None
+                  ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """Encode ``x + residual`` (wire tensors left on the input's device) and keep ``residual = sent -
         decode(wire)``, subtracted in place (``decode_into``, mode "subtract": no decoded tensor is made)."""
         if not self.enabled:
-            return _encode_on_device(_as_fp32(tensors), self.fmt, self.block, self.sparse)
+            return _encode_on_device(_as_fp32(tensors), self.fmt, self.block, self.sparse, empty)
         inputs, owned = self._with_residuals(tensors)
-        wire, meta = _encode_on_device(inputs, self.fmt, self.block, self.sparse)
+        wire, meta = _encode_on_device(inputs, self.fmt, self.block, self.sparse, empty)
         residuals = {name: sent.contiguous() if name in owned else sent.clone(memory_format=_contiguous())
                      for name, sent in inputs.items()}  # never the caller's tensor
         decode_into(wire, meta, layout_of(tensors), residuals, mode="subtract", fmt=self.fmt, block=self.block,
@@ -367,19 +371,21 @@ class _Tag:
         return {FORMAT_KEY: self.fmt, BLOCK_KEY: str(self.block)}
 
 
-def _encode_on_device(tensors: Mapping[str, torch.Tensor], fmt: str, block: int,
-                      sparse: TopkSpec | None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """``encode``, leaving the lossy formats' wire tensors on the input's device."""
+def _encode_on_device(tensors: Mapping[str, torch.Tensor], fmt: str, block: int, sparse: TopkSpec | None,
+                      empty: Allocator | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """``encode``, leaving the lossy formats' wire tensors on the input's device; ``empty`` makes the wire tensors
+    of CPU inputs (bf16, int8 and int4: the payload-sized ones)."""
     check_format(fmt)
     check_block(block)
     tag = _Tag(fmt, block, (sparse or TopkSpec()) if fmt == "topk" else None)
     wire: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
-        wire.update(_encode_one(name, tensor, tag))
+        wire.update(_encode_one(name, tensor, tag, empty if tensor.device.type == "cpu" else None))
     return wire, tag.meta()
 
 
-def _encode_one(name: str, tensor: torch.Tensor, tag: _Tag) -> dict[str, torch.Tensor]:
+def _encode_one(name: str, tensor: torch.Tensor, tag: _Tag, empty: Allocator | None = None
+                ) -> dict[str, torch.Tensor]:
     import torch
 
     fmt = tag.fmt
@@ -390,14 +396,14 @@ def _encode_one(name: str, tensor: torch.Tensor, tag: _Tag) -> dict[str, torch.T
                          "compressed")
     x = tensor.detach().to(torch.float32).contiguous()
     if fmt == "bf16":
-        return {name: x.to(torch.bfloat16)}
+        return {name: x.to(torch.bfloat16) if empty is None else empty(tuple(x.shape), torch.bfloat16).copy_(x)}
     flat = x.view(-1)
     if fmt == "topk":
         assert tag.sparse is not None
         index, codes, levels = topk.encode(flat, tag.sparse)
         return {name + INDEX_SUFFIX: index, name + CODES_SUFFIX: codes, name + SCALE_SUFFIX: levels}
     encoder = blockquant.encode_int8 if fmt == "int8" else blockquant.encode_int4
-    codes, scales = encoder(flat, _QMAX[fmt], tag.block)
+    codes, scales = encoder(flat, _QMAX[fmt], tag.block, empty=empty)
     return {name + CODES_SUFFIX: codes, name + SCALE_SUFFIX: scales}
 
 

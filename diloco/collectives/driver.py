@@ -43,6 +43,9 @@ logger = logging.getLogger(__name__)
 
 #: How many times an object that fails to decode is read before the round fails.
 READ_ATTEMPTS = 3
+#: A wait for a peer's object polls first after ``poll_interval_s / QUICK_POLLS_DIVISOR``, then twice as long each
+#: time up to ``poll_interval_s``: at most four more polls per wait than a fixed interval would make.
+QUICK_POLLS_DIVISOR = 16
 
 T = TypeVar("T")
 S = TypeVar("S")  # a strategy's snapshot
@@ -131,9 +134,15 @@ class RoundIO:
 
     def await_object(self, round_: int, peer: int, key_of: Callable[[int], str], deadline: Deadline) -> None:
         """Poll until ``key_of(peer)`` exists; ``AllReduceTimeout`` naming every rank still missing past the
-        deadline (and the last store error seen, so a denied bucket is not reported as a slow peer)."""
+        deadline (and the last store error seen, so a denied bucket is not reported as a slow peer).
+
+        The polls start quick and back off (``poll_interval_s / QUICK_POLLS_DIVISOR``, doubling up to
+        ``poll_interval_s``): peers finish a phase close together, so an object that was almost there is noticed
+        within about as long as we had waited for it, not a whole ``poll_interval_s`` later; a peer that is
+        really late costs one poll per ``poll_interval_s``, as before."""
         key = key_of(peer)
         last_error: BaseException | None = None
+        interval = self.poll_interval_s / QUICK_POLLS_DIVISOR
         while True:
             try:
                 if self.store.exists(key):
@@ -146,9 +155,10 @@ class RoundIO:
                 raise AllReduceTimeout(round_=number(round_),
                                        missing_ranks=self.missing(range(peer, self.world_size), key_of),
                                        timeout_s=self.timeout_s, last_error=last_error)
-            if self._stop.wait(min(self.poll_interval_s, remaining)):
+            if self._stop.wait(min(interval, remaining)):
                 raise RoundClosed(f"rank {self.rank}'s all-reduce was closed while round {number(round_)} was "
                                   "waiting for its peers")
+            interval = min(2 * interval, self.poll_interval_s)
 
     def wait_a_poll(self, round_: int) -> None:
         """Sleep one ``poll_interval_s`` (``RoundClosed`` if the all-reduce is closed meanwhile)."""
@@ -262,6 +272,19 @@ class Exchange(Protocol[S, P]):
 
     def own_keys(self, round_: int, rank: int) -> list[str]:
         """Every key this rank wrote in the round (deleted once no peer can still read them)."""
+        ...
+
+
+class ReusingExchange(Exchange[S, P], Protocol):
+    """An exchange that hands its buffers from round to round (``diloco.collectives.spares``): told when the caller
+    has a round's mean, and when the all-reduce closes. The driver calls these hooks on exchanges that have them."""
+
+    def release(self, round_: int) -> None:
+        """The caller's tensors hold ``round_``'s mean: the buffers ``reduce`` returned may serve later rounds."""
+        ...
+
+    def close(self) -> None:
+        """Drop whatever the exchange keeps between rounds."""
         ...
 
 
@@ -472,6 +495,9 @@ class RoundDriver(Generic[S, P]):
         thread = self._thread
         if wait and thread is not None and thread is not threading.current_thread():
             thread.join(self.timeout_s)
+        close = getattr(self._exchange, "close", None)  # a ReusingExchange's hook
+        if close is not None:
+            close()
 
     def __enter__(self) -> RoundDriver[S, P]:
         return self
@@ -530,6 +556,10 @@ class RoundDriver(Generic[S, P]):
             with torch.no_grad():
                 for name, target in work._targets.items():
                     target.copy_(mean[name].to(target.dtype))  # cast on the CPU: same bits on every device
+            del mean
+            release = getattr(self._exchange, "release", None)  # a ReusingExchange's hook
+            if release is not None:
+                release(work.round)
         finally:
             with self._stats_lock:
                 self._stats.seconds_blocked += time.monotonic() - started

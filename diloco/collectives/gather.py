@@ -2,7 +2,7 @@
 
 Per rank per round, for a payload of S bytes on the wire and N ranks: written S (1 PUT; a multipart upload above
 the store's threshold), read (N-1)·S, plus the polling (one HEAD per peer per ``poll_interval_s`` until it
-appears). Uncompressed, each peer's object is read as a header probe (64 KiB, ``codec.HEADER_PROBE_BYTES``) and
+appears, after up to four quicker ones). Uncompressed, each peer's object is read as a header probe (64 KiB, ``codec.HEADER_PROBE_BYTES``) and
 verified ranged GETs of ``WINDOW_BYTES`` (32 MiB) that are accumulated as they arrive, so memory stays at the
 snapshot plus the accumulator plus one window: (N-1)·(1 + ceil(S / 32 MiB)) GETs. Compressed payloads (S/4 or
 less) are read whole: N-1 GETs. Fewest requests and a single phase, so the lowest latency for small payloads or small N; reads
@@ -18,9 +18,11 @@ from typing import TYPE_CHECKING
 
 from diloco.collectives.driver import Deadline, RoundDriver, RoundIO
 from diloco.collectives.reduce import accumulation_dtype, finish_mean, layout_of, number
+from diloco.collectives.spares import Spares
 from diloco.collectives.wire import PayloadCodec
 from diloco.errors import ConfigError, CorruptObjectError, DilocoError
 from diloco.store import codec
+from diloco.store.codec import ReadBuffer
 from diloco.store.layout import ROUND_MANIFEST_KEY, check_spread, contribution_key
 
 if TYPE_CHECKING:
@@ -55,28 +57,22 @@ class GatherExchange:
         self.codec = codec
         self.spread = check_spread(spread)
         self.min_replicas = min_replicas
-        self._spare: dict[str, torch.Tensor] = {}  # last round's snapshot, free once it was encoded
+        self._spares = Spares()  # buffers of the latest round, for the next one's snapshot and sum
+        self._reads = ReadBuffer()  # every peer object (or window of one) is read into it, in turn
+        self._means: dict[int, dict[str, torch.Tensor]] = {}  # round -> its mean, until the caller has it
 
     def snapshot(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A CPU copy of the caller's tensors, into last round's snapshot buffers when they are free (compressed
-        rounds: fresh memory costs a page fault per 4 KiB, about as much as the copy itself)."""
-        spare, self._spare = self._spare, {}
-        out = {}
-        for name, t in tensors.items():
-            buffer = spare.get(name)
-            if buffer is not None and buffer.shape == t.shape and buffer.dtype == t.dtype:
-                out[name] = buffer.copy_(t.detach())
-            else:
-                out[name] = t.detach().to("cpu", copy=True)
-        return out
+        """A CPU copy of the caller's tensors, into buffers an earlier round gave back when there are some
+        (``diloco.collectives.spares``: fresh memory costs a page fault per 4 KiB, more than the copy itself)."""
+        return {name: self._spares.empty(t.shape, t.dtype).copy_(t.detach()) for name, t in tensors.items()}
 
     def publish(self, io: RoundIO, round_: int, snapshot: dict[str, torch.Tensor]) -> _Published:
         """Stream our contribution to the store (``codec.encode_stream`` + ``put_stream``: never one joined copy
         of the payload in memory), tagged with our identity and, compressed, the format."""
         reference = layout_of(snapshot)
-        wire, meta = self.codec.encode_wire(tuple(reference.items()), snapshot)
-        if self.codec.compressed:  # the wire tensors are new ones: the snapshot can hold the next round's copy
-            self._spare = snapshot
+        wire, meta = self.codec.encode_wire(tuple(reference.items()), snapshot, empty=self._spares.empty)
+        if self.codec.compressed:  # the wire tensors are others: the snapshot can hold this round's sum
+            self._spares.give(round_, snapshot.values())
         size, chunks = codec.encode_stream(wire, {**meta, **io.identity(round_, io.rank)})
         io.wrote(io.store.put_stream(self._key(round_, io.rank), chunks, size))
         return _Published(wire, meta, reference)
@@ -89,7 +85,8 @@ class GatherExchange:
         acc: dict[str, torch.Tensor] = {}
         for peer in members:
             if peer == io.rank:
-                self.codec.add_into(acc, published.wire, published.meta, published.reference, owned=True)
+                self.codec.add_into(acc, published.wire, published.meta, published.reference, owned=True,
+                                    empty=self._spares.empty)
                 continue
             io.await_object(round_, peer, lambda r: self._key(round_, r), deadline)
             key = self._key(round_, peer)
@@ -97,10 +94,26 @@ class GatherExchange:
                 wire, meta = io.read_verified(
                     round_, peer, "contribution", io.store.url(key),
                     lambda peer=peer, key=key: self._read(io, round_, peer, key, published))
-                self.codec.add_into(acc, wire, meta, published.reference)
+                self.codec.add_into(acc, wire, meta, published.reference, empty=self._spares.empty)
             else:
                 self._accumulate_streamed(io, round_, peer, key, published.reference, acc)
+        # our wire tensors (uncompressed: the snapshot) were summed, or became the sum: what is not the sum is free
+        summed = {t.data_ptr() for t in acc.values()}
+        self._spares.give(round_, [t for t in published.wire.values() if t.data_ptr() not in summed])
+        self._means = {round_: acc}
         return finish_mean(acc, len(members))
+
+    def release(self, round_: int) -> None:
+        """The caller has ``round_``'s mean: its buffers may hold the next round's snapshot or sum."""
+        mean = self._means.pop(round_, None)
+        if mean is not None:
+            self._spares.give(round_, mean.values())
+
+    def close(self) -> None:
+        """Drop the buffers kept for later rounds."""
+        self._means = {}
+        self._spares.clear()
+        self._reads = ReadBuffer()
 
     def _agree_on_members(self, io: RoundIO, round_: int, deadline: Deadline) -> list[int]:
         """Partial participation (``min_replicas``): the ranks this round averages, the same on every rank.
@@ -163,8 +176,6 @@ class GatherExchange:
         window by window, so nothing unverified is ever accumulated and a retry never adds a window twice. The
         first contribution (rank 0, unless it is ours) is copied, not added to zeros, so a -0.0 stays -0.0 as in
         ``accumulate`` (the same bits whichever rank's view)."""
-        import torch
-
         url = io.store.url(key)
         header = io.read_verified(round_, peer, "contribution", url, lambda: codec.read_header(io.store, key))
         io.read(header.data_offset)
@@ -172,12 +183,12 @@ class GatherExchange:
         first = not acc
         if first:
             for name, (shape, dtype) in reference.items():
-                acc[name] = torch.empty(shape, dtype=accumulation_dtype(dtype))
+                acc[name] = self._spares.empty(shape, accumulation_dtype(dtype))
         flat = {name: t.view(-1) for name, t in acc.items()}
         for begin in range(0, header.data_size, WINDOW_BYTES):
             end = min(begin + WINDOW_BYTES, header.data_size)
-            data = io.read_verified(round_, peer, "contribution", url,
-                                    lambda b=begin, e=end: codec.read_data(io.store, key, header, b, e))
+            data = io.read_verified(round_, peer, "contribution", url, lambda b=begin, e=end: codec.read_data(
+                io.store, key, header, b, e, buffer=self._reads))
             io.read(len(data))
             _add_window(flat, codec.tensors_from_data(header, data, begin, end), first)
             del data  # with the views gone (they lived in _add_window), the window's buffer is freed now
@@ -189,7 +200,7 @@ class GatherExchange:
         wire tensors against our layout: everything ``add_into`` needs, so nothing unverified is ever half added.
         The wire tensors are views of that buffer (no copy)."""
         source = io.store.url(key)
-        header, data = codec.read_object(io.store, key, data_bytes_hint=published.wire_bytes)
+        header, data = codec.read_object(io.store, key, data_bytes_hint=published.wire_bytes, buffer=self._reads)
         io.read(header.data_offset + len(data))
         meta = header.metadata
         for name, want in io.identity(round_, peer).items():

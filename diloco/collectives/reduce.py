@@ -6,7 +6,7 @@ from performing the same floating-point operations in the same order; keeping th
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -14,6 +14,8 @@ if TYPE_CHECKING:
 
 #: What callers may pass: named tensors, or a list (named ``t0``..``tN`` on the wire).
 Tensors = Mapping[str, "torch.Tensor"] | Sequence["torch.Tensor"]
+#: ``empty(shape, dtype)``: a new contiguous CPU tensor, contents undefined (``torch.empty``, or a round's spares).
+Allocator = Callable[[tuple[int, ...], "torch.dtype"], "torch.Tensor"]
 
 
 def number(round_index: int) -> int:
@@ -44,15 +46,20 @@ def average(contributions: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, to
 
 
 def accumulate(acc: dict[str, torch.Tensor], contribution: Mapping[str, torch.Tensor], *,
-               owned: bool = False) -> None:
+               owned: bool = False, empty: Allocator | None = None) -> None:
     """``acc += contribution`` in the accumulation dtype; the first contribution is copied in (``owned``: it is
-    the caller's private copy, so a tensor already in the accumulation dtype becomes the sum itself)."""
+    the caller's private copy, so a tensor already in the accumulation dtype becomes the sum itself), into a
+    tensor ``empty(shape, dtype)`` makes when given."""
     for name, t in contribution.items():
         t = t.detach().to("cpu")
         if name not in acc:
             dtype = accumulation_dtype(t.dtype)
-            adopt = owned and t.dtype == dtype and t.is_contiguous()
-            acc[name] = t if adopt else t.to(dtype, copy=True)
+            if owned and t.dtype == dtype and t.is_contiguous():
+                acc[name] = t
+            elif empty is not None:
+                acc[name] = empty(tuple(t.shape), dtype).copy_(t)
+            else:
+                acc[name] = t.to(dtype, copy=True)
         else:
             acc[name].add_(t.to(acc[name].dtype))
 

@@ -44,9 +44,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from diloco.collectives.driver import RoundDriver, RoundIO
+from diloco.collectives.spares import Spares
 from diloco.collectives.wire import PayloadCodec
 from diloco.errors import ConfigError, CorruptObjectError
 from diloco.store import codec
+from diloco.store.codec import ReadBuffer
 from diloco.store.layout import check_spread, contribution_key, reduced_shard_key
 
 if TYPE_CHECKING:
@@ -97,22 +99,21 @@ class PayloadLayout:
         """Identifies the payload's layout (error-feedback memory is kept per layout and shard)."""
         return (self.names, self.shapes, self.dtypes, self.shards)
 
-    def split(self, tensors: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
-        """One fp32 CPU copy of every tensor, in name order, zero-padded to N*L elements, as N separate shard
-        tensors of L elements: once uploaded, every shard but our own can be freed (memory: issue 12 item 5)."""
+    def split(self, tensors: Mapping[str, torch.Tensor], out: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """One fp32 CPU copy of every tensor, in name order, zero-padded to N*L elements, in ``out`` (N*L fp32
+        elements, or a new tensor): the N shards, as views of it. The same buffer later holds the gathered mean,
+        so a round needs one payload-sized buffer for both."""
         import torch
 
-        shards = [torch.zeros(self.shard_elements, dtype=torch.float32) for _ in range(self.shards)]
-        size = self.shard_elements
+        flat = out if out is not None else torch.empty(self.shards * self.shard_elements, dtype=torch.float32)
+        done = 0
         for name, offset in zip(self.names, self.offsets, strict=True):
+            flat[done:offset].zero_()  # the padding that ends the previous tensor's last block
             source = tensors[name].detach().reshape(-1)
-            done = 0
-            while done < source.numel():
-                index, within = divmod(offset + done, size)
-                take = min(source.numel() - done, size - within)
-                shards[index][within:within + take].copy_(source[done:done + take])  # to CPU and fp32 at once
-                done += take
-        return shards
+            flat[offset:offset + source.numel()].copy_(source)  # to the CPU and fp32 at once
+            done = offset + source.numel()
+        flat[done:].zero_()
+        return [self.shard(flat, j) for j in range(self.shards)]
 
     def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Views of ``flat`` shaped as the caller's tensors (fp32)."""
@@ -137,7 +138,8 @@ class WirePiece:
 @dataclass
 class _Snapshot:
     layout: PayloadLayout
-    shards: list[torch.Tensor]
+    flat: torch.Tensor  # N*L fp32 elements: the payload, padded; later the gathered mean
+    shards: list[torch.Tensor]  # views of ``flat``
 
 
 @dataclass
@@ -147,6 +149,7 @@ class _Published:
     # read them (dropped once summed)
     pieces: tuple[WirePiece, ...]  # how a shard's wire bytes are packed (identical for every shard and rank)
     shard_bytes: int  # P
+    flat: torch.Tensor  # the snapshot's buffer, sent: the all-gather writes the mean into it
 
 
 class ShardedExchange:
@@ -160,10 +163,18 @@ class ShardedExchange:
         self.codec = codec_
         self.world_size = world_size  # the number of shards
         self.spread = check_spread(spread)
+        self._spares = Spares()  # the latest round's buffer, for the next round's snapshot
+        self._means: dict[int, torch.Tensor] = {}  # round -> the buffer holding its mean, until the caller has it
+        self._reads = ReadBuffer()  # the reduced shards are read into it, in turn
 
     def snapshot(self, tensors: Mapping[str, torch.Tensor]) -> _Snapshot:
+        """The payload as one padded fp32 vector, in a buffer an earlier round gave back when there is one
+        (``diloco.collectives.spares``), cut into N shard views."""
+        import torch
+
         layout = PayloadLayout.of(tensors, self.world_size, self.codec.block)
-        return _Snapshot(layout, layout.split(tensors))
+        flat = self._spares.empty((layout.shards * layout.shard_elements,), torch.float32)
+        return _Snapshot(layout, flat, layout.split(tensors, out=flat))
 
     # ---------------------------------------------------------------- phase 1: publish
     def publish(self, io: RoundIO, round_: int, snapshot: _Snapshot) -> _Published:
@@ -184,15 +195,28 @@ class ShardedExchange:
         written = io.store.put_stream(contribution_key(round_, io.rank, self.spread), chunks, size)
         io.wrote(written)
         assert own_shard is not None
-        return _Published(layout, own_shard, pieces, shard_bytes)
+        return _Published(layout, own_shard, pieces, shard_bytes, snapshot.flat)
 
     # ---------------------------------------------------------------- phases 2-4
     def reduce(self, io: RoundIO, round_: int, published: _Published) -> dict[str, torch.Tensor]:
         """Reduce-scatter, publish our reduced shard, all-gather. Each step drops what the next does not need
         (boxes, not locals, carry the big tensors), so a round holds at most the gathered mean plus one shard."""
-        layout = published.layout
+        layout, flat = published.layout, published.flat
         own_mean, size = self._publish_reduced(io, round_, layout, self._reduce_scatter(io, round_, published))
-        return layout.unflatten(self._all_gather(io, round_, layout, [own_mean], size))
+        self._means = {round_: flat}
+        return layout.unflatten(self._all_gather(io, round_, layout, flat, [own_mean], size))
+
+    def release(self, round_: int) -> None:
+        """The caller has ``round_``'s mean: its buffer may hold the next round's snapshot."""
+        flat = self._means.pop(round_, None)
+        if flat is not None:
+            self._spares.give(round_, [flat])
+
+    def close(self) -> None:
+        """Drop the buffers kept for later rounds."""
+        self._means = {}
+        self._spares.clear()
+        self._reads = ReadBuffer()
 
     def _publish_reduced(self, io: RoundIO, round_: int, layout: PayloadLayout,
                          mean: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -224,18 +248,19 @@ class ShardedExchange:
                 part = io.read_verified(round_, peer, f"contribution (shard {io.rank})", io.store.url(key),
                                         lambda peer=peer, key=key: self._read_shard(io, round_, peer, key, published))
             # ours or a freshly read buffer: private, so an uncompressed first one can be the accumulator
-            self.codec.add_into(acc, part[0], part[1], shard_layout, owned=True)
+            self.codec.add_into(acc, part[0], part[1], shard_layout, owned=True, empty=self._spares.empty)
             del part
         return acc[SHARD_TENSOR].div_(io.world_size)
 
-    def _all_gather(self, io: RoundIO, round_: int, layout: PayloadLayout, own: list[torch.Tensor],
-                    size_bound: int) -> torch.Tensor:
-        """The whole mean vector: our reduced shard (in a box, freed once copied) and every owner's, read in
-        owner order."""
-        import torch
-
-        flat = torch.empty(layout.shards * layout.shard_elements, dtype=torch.float32)
-        layout.shard(flat, io.rank).copy_(own.pop())
+    def _all_gather(self, io: RoundIO, round_: int, layout: PayloadLayout, flat: torch.Tensor,
+                    own: list[torch.Tensor], size_bound: int) -> torch.Tensor:
+        """The whole mean vector, written into ``flat`` (the snapshot's buffer: every shard of it was sent, and
+        ours summed): our reduced shard (in a box, freed once copied; uncompressed on rank 0 it was summed in
+        place, so it is there already) and every owner's, read in owner order."""
+        mine, part = layout.shard(flat, io.rank), own.pop()
+        if part.data_ptr() != mine.data_ptr():
+            mine.copy_(part)
+        del part
         deadline = io.deadline()
         for owner in range(io.world_size):
             if owner == io.rank:
@@ -281,7 +306,7 @@ class ShardedExchange:
         import torch
 
         source = io.store.url(key)
-        header, data = codec.read_object(io.store, key, data_bytes_hint=size_bound)
+        header, data = codec.read_object(io.store, key, data_bytes_hint=size_bound, buffer=self._reads)
         io.read(header.data_offset + len(data))
         meta = header.metadata
         wire = {name: view.view(header.tensors[name].shape)

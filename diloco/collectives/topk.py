@@ -13,11 +13,19 @@ larger magnitude wins and a tie goes to the smaller index. The k largest keys ar
 
 Speed: ``torch.topk`` over every element of a chunk runs at about the speed the format must beat. A pre-filter
 cuts its input to a few times k: the chunk is split into ``B`` strided groups (element ``j`` in group
-``j mod B``), each group's maximum magnitude is taken (one fast reduction), and only the k groups with the largest
-maxima are searched. That is exact whenever no other group's maximum ties the k-th largest one, ``t``: the k
-groups' maxima are k elements of magnitude at least ``t``, so every kept element has magnitude at least ``t``,
-and every element that large lies in one of those k groups. A chunk with such a tie (an all-zero chunk, say) is
-searched whole.
+``j mod B``), each group's maximum magnitude is taken (one fast reduction), and only the k + 1 groups with the
+largest maxima are searched, for the k + 1 largest magnitudes (as fp32 bits, int32: no key built for every
+candidate), in descending order. That is exact whenever those k + 1 magnitudes are all different: the k + 1
+groups' maxima are k + 1 elements of magnitude at least ``t``, the smallest of them, so the k + 1 largest
+magnitudes are at least ``t``, and every element outside those groups is at most ``t``, hence strictly below the
+k largest; and with no equal magnitudes among them, their order is the keys' order (a tie needs the position,
+which this comparison does not see). A chunk with such a tie (an all-zero chunk, repeated values, a NaN) is
+searched whole by its keys. The kept elements come out in rank order, so one sort (by position) is left.
+
+On a CPU the two searches are NumPy's partition and sort of int32 keys (magnitude bits with the lowest replaced by
+the element's index), several times faster than ``torch.topk`` on rows this short; a chunk whose magnitudes tie in
+the bits the key keeps is searched again by ``torch.topk`` on the full magnitudes (a few percent of chunks of
+random data). Accelerators use ``torch.topk`` throughout.
 
 Values: the kept elements of a chunk, ranked by key (rank 0 the largest), fall into ``L = 2**(value_bits - 1)``
 magnitude groups of (nearly) equal size, group ``g`` holding ranks ``r`` with ``floor(r * L / k) = g``; a group's
@@ -42,13 +50,15 @@ from diloco.collectives import bitpack
 from diloco.errors import CorruptObjectError
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
-#: Input elements described per pass (sorting the kept keys, codes, levels) on a CPU and on an accelerator.
-CPU_PASS_ELEMENTS = 1 << 21
+#: Input elements described per pass (ranking and sorting the kept, codes, levels) on a CPU and on an accelerator:
+#: on a CPU a pass's selection state (the candidates' bits, their groups and keys) is about a quarter of its input.
+CPU_PASS_ELEMENTS = 1 << 23
 DEVICE_PASS_ELEMENTS = 1 << 26
-#: Elements one ``torch.topk`` call searches on a CPU at most: above torch's grain size (32768) its per-row cost
-#: triples, even on one thread.
+#: Elements one ``torch.topk`` call searches on a CPU at most: its cost per row grows with the rows of a call, by
+#: a third from 16K to 32K elements and threefold past torch's grain size (32768), even on one thread.
 _SERIAL_ELEMENTS = 1 << 15
 #: The pre-filter's groups: at least this many per kept element, so few groups tie and candidates stay few.
 GROUPS_PER_KEPT = 8
@@ -131,21 +141,46 @@ def encode(flat: torch.Tensor, spec: TopkSpec) -> tuple[torch.Tensor, torch.Tens
         assert selector is not None
         last = min(first + rows_per_pass, full)
         rows = flat[first * spec.chunk : last * spec.chunk].view(-1, spec.chunk)
-        _describe_kept(rows, selector.top_keys(rows), k, spec, cols[first * k : last * k].view(-1, k),
+        _describe_kept(selector.select(rows), k, spec, cols[first * k : last * k].view(-1, k),
                        codes[first * k : last * k].view(-1, k), levels[first:last])
     if tail:
         kt = spec.kept_in(tail)
         rows = flat[full * spec.chunk :].view(1, tail)
         keys = _keys(rows.view(torch.int32) & _MAGNITUDE, torch.arange(tail, device=flat.device), spec.index_bits,
                      tail)
-        _describe_kept(rows, torch.topk(keys, kt, dim=1, sorted=False).values, kt, spec,
+        _describe_kept(_Kept.of_keys(rows, torch.topk(keys, kt, dim=1).values, spec.index_bits), kt, spec,
                        cols[full * k :].view(1, kt), codes[full * k :].view(1, kt), levels[full:])
     return bitpack.pack(cols, spec.index_bits), bitpack.pack(codes, spec.value_bits), levels.view(-1)
 
 
+class _Kept:
+    """The kept elements of a batch of chunks, each row in rank order (largest magnitude first, ties to the
+    smaller position): their positions in the chunk, their magnitudes' fp32 bits and whether they are negative."""
+
+    def __init__(self, position: torch.Tensor, magnitude: torch.Tensor, negative: torch.Tensor) -> None:
+        self.position = position  # (R, k) int64
+        self.magnitude = magnitude  # (R, k) int32 (fp32 bits of |x|)
+        self.negative = negative  # (R, k) bool
+
+    @classmethod
+    def of_keys(cls, rows: torch.Tensor, keys: torch.Tensor, index_bits: int) -> _Kept:
+        """From keys in rank order (``_keys``), the signs read from ``rows``."""
+        import torch
+
+        position = (rows.shape[1] - 1) - (keys & ((1 << index_bits) - 1))
+        negative = torch.gather(rows.view(torch.int32), 1, position) < 0
+        return cls(position, (keys >> index_bits).to(torch.int32), negative)
+
+    def replace(self, which: torch.Tensor, other: _Kept) -> None:
+        """Rows ``which`` (a mask) become ``other``'s rows, in order."""
+        self.position[which] = other.position
+        self.magnitude[which] = other.magnitude
+        self.negative[which] = other.negative
+
+
 class _Selector:
-    """The k largest keys of every chunk of a batch (unsorted), through the pre-filter of the module docstring
-    when the chunk is large enough for it; its buffers are reused from call to call."""
+    """The kept elements of every chunk of a batch (``_Kept``, rank order), through the pre-filter of the module
+    docstring when the chunk is large enough for it; its buffers are reused from call to call."""
 
     def __init__(self, width: int, k: int, index_bits: int, device: torch.device) -> None:
         import torch
@@ -156,70 +191,175 @@ class _Selector:
         searched = max(self.groups, self.size * k) if self.size > 1 else width
         self.rows_per_call = max(1, _SERIAL_ELEMENTS // searched) if device.type == "cpu" else 1 << 30
         self.position = torch.arange(width, device=device)
-        # the reversed position of element (i, j) of the strided view, less its group j: i * groups
-        self.reversed_base = (width - 1) - torch.arange(self.size, device=device) * self.groups
-        self._index_buffers: dict[int, torch.Tensor] = {}
+        self.magnitude_mask = torch.tensor(_MAGNITUDE, dtype=torch.int32, device=device)
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._offsets: dict[int, np.ndarray] = {}
+        self._candidates: tuple[np.ndarray, np.ndarray] | None = None
 
-    def top_keys(self, rows: torch.Tensor) -> torch.Tensor:
-        """(R, k) keys, unsorted, for every row of ``rows`` (R, width)."""
+    def select(self, rows: torch.Tensor) -> _Kept:
+        """The k kept elements of every row of ``rows`` (R, width), in rank order."""
+        if self.size < 2:
+            return _Kept.of_keys(rows, self._top_keys(rows), self.index_bits)
+        if rows.device.type == "cpu":
+            kept, inexact = self._prefiltered_on_cpu(rows)
+            if bool(inexact.any()):  # mostly two magnitudes equal in the key's truncated bits: compare them whole
+                retried, still = self._prefiltered(rows[inexact])
+                kept.replace(inexact, retried)
+                inexact[inexact.clone()] = still
+        else:
+            kept, inexact = self._prefiltered(rows)
+        if bool(inexact.any()):  # ties the pre-filter cannot order (or a NaN): search those rows whole
+            whole = rows[inexact]
+            kept.replace(inexact, _Kept.of_keys(whole, self._top_keys(whole), self.index_bits))
+        return kept
+
+    def _top_keys(self, rows: torch.Tensor) -> torch.Tensor:
+        """Every row's k largest keys (``_keys``), in rank order: ``torch.topk`` over the whole row."""
         import torch
 
         r = rows.shape[0]
         top = torch.empty(r, self.k, dtype=torch.int64, device=rows.device)
-        if self.size < 2:
-            for first in range(0, r, self.rows_per_call):
-                last = min(first + self.rows_per_call, r)
-                magnitude = rows[first:last].view(torch.int32) & _MAGNITUDE
-                keys = _keys(magnitude, self.position, self.index_bits, self.width)
-                torch.topk(keys, self.k, dim=1, sorted=False, out=(top[first:last], self._indices(last - first)))
-            return top
-        maxima = torch.empty(r, self.groups, dtype=torch.int32, device=rows.device)
-        group_top = torch.empty(r, self.k, dtype=torch.int32, device=rows.device)
         for first in range(0, r, self.rows_per_call):
             last = min(first + self.rows_per_call, r)
-            self._prefiltered(rows[first:last], top[first:last], maxima[first:last], group_top[first:last])
-        # exact unless another group's maximum ties the k-th largest one (or a NaN hides): search those rows whole
-        tied = (maxima >= group_top.amin(dim=1, keepdim=True)).sum(dim=1) != self.k
-        tied |= (group_top > _NONFINITE_BITS).any(dim=1)
-        if bool(tied.any()):
-            whole = rows[tied].view(torch.int32) & _MAGNITUDE
-            keys = _keys(whole, self.position, self.index_bits, self.width)
-            top[tied] = torch.topk(keys, self.k, dim=1, sorted=False).values
+            keys = _keys(rows[first:last].view(torch.int32) & _MAGNITUDE, self.position, self.index_bits, self.width)
+            torch.topk(keys, self.k, dim=1, out=(top[first:last], self._buffer("indices", (last - first, self.k))))
         return top
 
-    def _prefiltered(self, rows: torch.Tensor, top: torch.Tensor, maxima: torch.Tensor,
-                     group_top: torch.Tensor) -> None:
-        """The k largest keys of each row among the elements of its k groups of largest maxima (``maxima`` and
-        ``group_top``, the chosen groups' maxima, are written for the caller's tie check).
+    def _prefiltered(self, rows: torch.Tensor) -> tuple[_Kept, torch.Tensor]:
+        """Every row's kept elements, found among the elements of its k + 1 groups of largest maxima by comparing
+        fp32 magnitude bits (int32) only, and the rows where that is not enough (to be searched whole).
 
         A group's maximum magnitude is ``max(max x, -min x)``, two fast reductions across the strided view (no
-        pass writing magnitudes): fp32 comparisons order non-NaN values as their magnitude bits do; a NaN's bits
-        are not ordered by them, so a row holding one is searched whole (``top_keys``)."""
+        pass writing magnitudes). Every kept element lies in one of the k + 1 groups of largest maxima unless the
+        k + 1 largest magnitudes among their elements hold a tie (then the smallest of them may equal an element
+        outside, and equal magnitudes rank by position, which this order does not know): such a row, and a row
+        holding a NaN (whose bits the reductions do not order), is returned. The module docstring has the
+        argument with k groups; the extra group makes the tie check one comparison of neighbours in the sorted
+        k + 1 magnitudes. A call covers ``rows_per_call`` rows, so they stay in the cache through every step (and
+        ``torch.topk``'s cost per row stays low)."""
         import torch
 
-        r = rows.shape[0]
-        strided = rows.view(r, self.size, self.groups)  # element i * groups + j is in group j
-        high = strided.amax(dim=1)
-        torch.maximum(high, strided.amin(dim=1).neg_(), out=high)
-        torch.bitwise_and(high.view(torch.int32), _MAGNITUDE, out=maxima)
-        chosen = self._indices(r)
-        torch.topk(maxima, self.k, dim=1, sorted=False, out=(group_top, chosen))
-        candidates = torch.gather(strided.view(torch.int32), 2, chosen[:, None, :].expand(r, self.size, self.k))
-        # key = magnitude * 2**index_bits + reversed position (an OR: the position fits the low bits)
-        keys = torch.add(self.reversed_base[None, :, None], candidates.bitwise_and_(_MAGNITUDE),
-                         alpha=1 << self.index_bits)
-        keys = keys.sub_(chosen[:, None, :]).view(r, -1)
-        torch.topk(keys, self.k, dim=1, sorted=False, out=(top, self._indices(r, 1)))
+        r, k, picked = rows.shape[0], self.k, self.k + 1
+        magnitude = torch.empty(r, picked, dtype=torch.int32, device=rows.device)
+        groups = self._buffer("groups", (r, picked))
+        bits = self._buffer("bits", (r, self.size * picked), torch.int32)
+        at = self._buffer("at", (r, picked))
+        for first in range(0, r, self.rows_per_call):
+            last = min(first + self.rows_per_call, r)
+            n = last - first
+            strided = rows[first:last].view(n, self.size, self.groups)  # element i * groups + j is in group j
+            high = strided.amax(dim=1)
+            torch.maximum(high, strided.amin(dim=1).neg_(), out=high)
+            maxima = high.view(torch.int32).bitwise_and_(self.magnitude_mask)
+            torch.topk(maxima, picked, dim=1, sorted=False, out=(self._buffer("group_max", (n, picked), torch.int32),
+                                                                 groups[first:last]))
+            torch.gather(strided.view(torch.int32), 2, groups[first:last, None, :].expand(n, self.size, picked),
+                         out=bits[first:last].view(n, self.size, picked))
+            candidates = torch.bitwise_and(bits[first:last], self.magnitude_mask,
+                                           out=self._buffer("candidates", (n, self.size * picked), torch.int32))
+            torch.topk(candidates, picked, dim=1, out=(magnitude[first:last], at[first:last]))
+        at = at[:, :k]
+        # candidate c is element c // picked of group groups[c % picked]: position group + element * groups
+        position = torch.gather(groups, 1, at.remainder(picked))
+        position += at.div(picked, rounding_mode="floor").mul_(self.groups)
+        negative = torch.gather(bits, 1, at) < 0
+        inexact = (magnitude[:, 1:] == magnitude[:, :-1]).any(dim=1)  # equal magnitudes, kept or at the boundary
+        inexact |= magnitude[:, 0] > _NONFINITE_BITS
+        return _Kept(position, magnitude[:, :k], negative), inexact
 
-    def _indices(self, rows: int, which: int = 0) -> torch.Tensor:
-        """A reusable (rows, k) int64 buffer for topk's indices (two of them: ``which`` 0 or 1)."""
+    def _prefiltered_on_cpu(self, rows: torch.Tensor) -> tuple[_Kept, torch.Tensor]:
+        """``_prefiltered`` on a CPU, where NumPy's partition and sort of int32 are several times faster than
+        ``torch.topk`` and ``torch.sort`` on rows this short (vectorised selection, no per-row allocation).
+
+        A partition moves values, not their positions, so each value carries its position in its low bits: the
+        group's index (9 bits for 512 groups) or the candidate's (10 bits for 520), in place of its magnitude's
+        lowest bits. Ordered by that key, the k + 2 largest are found and sorted; they are the largest magnitudes
+        unless the (k + 1)-th and (k + 2)-th share their remaining (truncated) bits, where the key's order is the
+        positions', not the magnitudes': such a row is returned as inexact, with the ties of ``_prefiltered``. The
+        k + 1 candidates found are then ranked by their full magnitudes."""
+        import numpy as np
         import torch
 
-        buf = self._index_buffers.get(which)
-        if buf is None or buf.shape[0] < rows:
-            buf = self._index_buffers[which] = torch.empty(rows, self.k, dtype=torch.int64,
-                                                           device=self.position.device)
-        return buf[:rows]
+        r, k, picked = rows.shape[0], self.k, self.k + 1
+        size, groups_n = self.size, self.groups
+        group_bits, candidate_bits = _index_bits(groups_n), _index_bits(size * picked)
+        groups = np.empty((r, picked), dtype=np.int64)  # each row's k + 1 groups of largest maxima
+        bits = np.empty((r, size * picked), dtype=np.int32)  # their elements' fp32 bits
+        at = np.empty((r, picked), dtype=np.int64)  # the k + 1 largest of those, as indices into ``bits``
+        inexact = np.empty(r, dtype=np.bool_)
+        group_index = self._arange("groups", groups_n)
+        candidate_index = self._arange("candidates", size * picked)
+        for first in range(0, r, self.rows_per_call):  # a call's rows stay in the cache through every step
+            last = min(first + self.rows_per_call, r)
+            n = last - first
+            strided = rows[first:last].view(n, size, groups_n)  # element i * groups + j is in group j
+            high = strided.amax(dim=1)
+            torch.maximum(high, strided.amin(dim=1).neg_(), out=high)
+            maxima = high.view(torch.int32).bitwise_and_(self.magnitude_mask)
+            top = _largest(_with_index(maxima, group_bits, group_index), k + 2)
+            inexact[first:last] = (top[:, 0] >> group_bits) == (top[:, 1] >> group_bits)
+            np.bitwise_and(top[:, 1:], (1 << group_bits) - 1, out=groups[first:last], casting="unsafe")
+            index = torch.from_numpy(groups[first:last])[:, None, :].expand(n, size, picked)
+            torch.gather(strided.view(torch.int32), 2, index, out=torch.from_numpy(bits[first:last]).view(n, size,
+                                                                                                       picked))
+            magnitudes = torch.from_numpy(bits[first:last]).bitwise_and(self.magnitude_mask)
+            top = _largest(_with_index(magnitudes, candidate_bits, candidate_index), k + 2)
+            inexact[first:last] |= (top[:, 0] >> candidate_bits) == (top[:, 1] >> candidate_bits)
+            np.bitwise_and(top[:, 1:], (1 << candidate_bits) - 1, out=at[first:last], casting="unsafe")
+        # rank the k + 1 by full magnitude: one sort of int64 keys magnitude | candidate | sign
+        chosen = np.take(bits, at + self._row_offsets(r, size * picked))
+        keys = (chosen.astype(np.int64) & _MAGNITUDE) << (candidate_bits + 1)
+        keys |= at << 1
+        keys |= chosen < 0
+        keys.sort(axis=1)
+        keys = keys[:, ::-1]  # largest first
+        magnitude = (keys >> (candidate_bits + 1)).astype(np.int32)
+        inexact |= (magnitude[:, 1:] == magnitude[:, :-1]).any(axis=1)  # equal magnitudes among the k + 1
+        inexact |= magnitude[:, 0] > _NONFINITE_BITS
+        at = (keys[:, :k] >> 1) & ((1 << candidate_bits) - 1)
+        # candidate c is element c // picked of group groups[c % picked]: position group + element * groups
+        slot, element = self._candidate_tables(size, picked, groups_n)
+        position = np.take(groups, np.take(slot, at) + self._row_offsets(r, picked)) + np.take(element, at)
+        negative = (keys[:, :k] & 1).astype(np.bool_)
+        return (_Kept(torch.from_numpy(position), torch.from_numpy(np.ascontiguousarray(magnitude[:, :k])),
+                      torch.from_numpy(negative)), torch.from_numpy(inexact))
+
+    def _row_offsets(self, r: int, width: int) -> np.ndarray:
+        """A column of the offsets of rows 0..r-1 of a (r, width) array, for flat indexing every row at once."""
+        import numpy as np
+
+        offsets = self._offsets.get(width)
+        if offsets is None or offsets.shape[0] < r:
+            offsets = self._offsets[width] = (np.arange(r, dtype=np.int64) * width)[:, None]
+        return offsets[:r]
+
+    def _candidate_tables(self, size: int, picked: int, groups_n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per candidate index c: its group's slot (c % picked) and its offset in the chunk from its group's index
+        ((c // picked) * groups)."""
+        import numpy as np
+
+        if self._candidates is None:
+            c = np.arange(size * picked, dtype=np.int64)
+            self._candidates = (c % picked, (c // picked) * groups_n)
+        return self._candidates
+
+    def _arange(self, name: str, n: int) -> torch.Tensor:
+        """``torch.arange(n)`` as int32, kept."""
+        import torch
+
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() != n:
+            buf = self._buffers[name] = torch.arange(n, dtype=torch.int32, device=self.position.device)
+        return buf
+
+    def _buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A reusable buffer (int64 unless ``dtype`` says otherwise), at least ``shape[0]`` rows of ``shape``."""
+        import torch
+
+        buf = self._buffers.get(name)
+        if buf is None or buf.shape[0] < shape[0] or buf.shape[1:] != shape[1:]:
+            buf = self._buffers[name] = torch.empty(shape, dtype=dtype or torch.int64, device=self.position.device)
+        return buf[: shape[0]]
 
 
 def _keys(magnitude: torch.Tensor, position: torch.Tensor, index_bits: int, width: int) -> torch.Tensor:
@@ -230,24 +370,45 @@ def _keys(magnitude: torch.Tensor, position: torch.Tensor, index_bits: int, widt
     return magnitude.to(torch.int64).bitwise_left_shift_(index_bits).bitwise_or_((width - 1) - position)
 
 
-def _describe_kept(rows: torch.Tensor, top: torch.Tensor, k: int, spec: TopkSpec, cols: torch.Tensor,
-                   codes: torch.Tensor, levels: torch.Tensor) -> None:
-    """From every row's k largest keys (any order): the kept positions (ascending), their codes and the row's
+def _index_bits(n: int) -> int:
+    """Bits that hold an index below ``n``."""
+    return max(1, (n - 1).bit_length())
+
+
+def _with_index(magnitude: torch.Tensor, bits: int, index: torch.Tensor) -> np.ndarray:
+    """int32 keys ``magnitude`` with its lowest ``bits`` replaced by ``index`` (the column), as a NumPy array: they
+    order as the magnitudes (truncated), then as the columns."""
+    return ((magnitude >> bits) << bits).bitwise_or_(index).numpy()
+
+
+def _largest(keys: np.ndarray, count: int) -> np.ndarray:
+    """The ``count`` largest keys of every row of ``keys``, in ascending order (NumPy's partition, then sort)."""
+    import numpy as np
+
+    width = keys.shape[1]
+    return np.sort(np.partition(keys, width - count, axis=1)[:, width - count :], axis=1)
+
+
+def _describe_kept(kept: _Kept, k: int, spec: TopkSpec, cols: torch.Tensor, codes: torch.Tensor,
+                   levels: torch.Tensor) -> None:
+    """From every row's kept elements in rank order: their positions (ascending), their codes and the row's
     levels, written into the outputs."""
     import torch
 
-    width = rows.shape[1]
-    top = torch.sort(top, dim=1, descending=True).values  # rank order
-    by_rank = (width - 1) - (top & ((1 << spec.index_bits) - 1))
-    ascending, rank = torch.sort(by_rank, dim=1)
-    cols.copy_(ascending)
-    negative = torch.gather(rows.view(torch.int32), 1, ascending) < 0
-    torch.add(negative, rank.mul_(spec.levels).floor_divide_(k), alpha=2, out=codes)
-    median, empty = _median_ranks(k, spec.levels)
-    levels.copy_((top[:, median] >> spec.index_bits).to(torch.int32).view(torch.float32))
+    if cols.device.type == "cpu":  # NumPy's sort of short int rows is several times faster than torch.sort's
+        import numpy as np
+
+        rank = torch.from_numpy(np.argsort(kept.position.numpy(), axis=1))  # positions are unique in a row
+        torch.gather(kept.position, 1, rank, out=cols)
+    else:
+        _, rank = torch.sort(kept.position, dim=1, out=(cols, torch.empty_like(cols)))
+    group_code, median, empty = _rank_tables(k, spec.levels, cols.device)
+    torch.add(group_code, kept.negative, out=codes)  # in rank order ...
+    codes.copy_(torch.gather(codes, 1, rank))  # ... then in position order
+    levels.copy_(kept.magnitude[:, median].view(torch.float32))
     if empty:
         levels[:, empty] = 0.0
-    nonfinite = (top[:, 0] >> spec.index_bits) >= _NONFINITE_BITS
+    nonfinite = kept.magnitude[:, 0] >= _NONFINITE_BITS
     if bool(nonfinite.any()):
         levels[nonfinite] = float("nan")  # the whole chunk decodes to NaN
 
@@ -267,6 +428,16 @@ def _median_ranks(k: int, levels: int) -> tuple[list[int], list[int]]:
     first = [-(-g * k // levels) for g in range(levels + 1)]
     median = [(first[g] + first[g + 1] - 1) // 2 if first[g + 1] > first[g] else 0 for g in range(levels)]
     return median, [g for g in range(levels) if first[g + 1] == first[g]]
+
+
+@functools.lru_cache(maxsize=64)
+def _rank_tables(k: int, levels: int, device: torch.device) -> tuple[torch.Tensor, list[int], list[int]]:
+    """``2 * group`` of every rank (a kept element's code, less its sign: rank ``r`` is in group
+    ``floor(r * levels / k)``), on ``device``; and ``_median_ranks``."""
+    import torch
+
+    group_code = torch.arange(k, device=device).mul_(levels).floor_divide_(k).mul_(2)
+    return (group_code, *_median_ranks(k, levels))
 
 
 # ---------------------------------------------------------------- decode

@@ -20,7 +20,7 @@ from collections.abc import Hashable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from diloco.collectives import compression
-from diloco.collectives.reduce import accumulate
+from diloco.collectives.reduce import Allocator, accumulate
 from diloco.errors import CorruptObjectError
 
 if TYPE_CHECKING:
@@ -100,14 +100,15 @@ class PayloadCodec:
                 feedback.load_state_dict(restored)
         return feedback
 
-    def encode_wire(self, key: Hashable, tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor],
-                                                                                   dict[str, str]]:
+    def encode_wire(self, key: Hashable, tensors: Mapping[str, torch.Tensor], *, empty: Allocator | None = None
+                    ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """``encode_contribution`` without the decoded tensors: for a reader that adds its own contribution to
         its sum from the wire tensors (``add_into``), exactly as it adds its peers'. Uncompressed, the tensors
-        themselves and no tag."""
+        themselves and no tag. ``empty(shape, dtype)`` makes the payload-sized wire tensors of CPU tensors
+        (``torch.empty`` by default; a round passes its spare buffers)."""
         if not self.compressed:
             return dict(tensors), {}
-        wire, meta = self._feedback_for(key).compress_wire(as_fp32(tensors))
+        wire, meta = self._feedback_for(key).compress_wire(as_fp32(tensors), empty=empty)
         return compression.pack(wire, meta) if self.fmt in PACKED_FORMATS else (wire, meta)
 
     def _unpacked(self, wire: Mapping[str, torch.Tensor], meta: Mapping[str, str],
@@ -132,21 +133,23 @@ class PayloadCodec:
                 raise CorruptObjectError(f"{source}: {exc}") from exc
 
     def add_into(self, acc: dict[str, torch.Tensor], wire: Mapping[str, torch.Tensor], meta: Mapping[str, str],
-                 layout: Layout, *, owned: bool = False) -> None:
+                 layout: Layout, *, owned: bool = False, empty: Allocator | None = None) -> None:
         """Add one contribution (ours or a peer's, already ``check``-ed) to the running sum ``acc`` (fp32, fp64
         for fp64 tensors); the first one creates it. Compressed payloads are decoded straight into the sum
         (``compression.decode_into``: no decoded copy per contribution). Every rank performs the same operations
         for every contribution, so every rank sums identical bits. ``owned``: the uncompressed tensors are this
-        rank's private copy, so the first may become the sum itself instead of being copied."""
+        rank's private copy, so the first may become the sum itself instead of being copied. ``empty(shape,
+        dtype)`` makes the sum's tensors (``torch.empty`` by default; a round passes its spare buffers)."""
         if not self.compressed:
-            accumulate(acc, wire, owned=owned)
+            accumulate(acc, wire, owned=owned, empty=empty)
             return
         import torch
 
         first = not acc
         if first:
             for name, (shape, _dtype) in layout.items():
-                acc[name] = torch.empty(tuple(shape), dtype=torch.float32)
+                acc[name] = empty(tuple(shape), torch.float32) if empty is not None else \
+                    torch.empty(tuple(shape), dtype=torch.float32)
         compression.decode_into(self._unpacked(wire, meta, layout), meta, layout, acc,
                                 mode="write" if first else "add", fmt=self.fmt, block=self.block, sparse=self.sparse)
 

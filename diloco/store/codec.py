@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from diloco.errors import CorruptObjectError
+from diloco.store.digests import sha256_all
 
 if TYPE_CHECKING:
     import torch
@@ -286,23 +287,24 @@ def encode_stream(
 
 
 def _chunk_digests(views: list[memoryview], chunk_bytes: int) -> list[str]:
-    """SHA-256 of each ``chunk_bytes`` piece of the concatenation of ``views`` (never concatenated)."""
-    digests: list[str] = []
-    h = hashlib.sha256()
+    """SHA-256 of each ``chunk_bytes`` piece of the concatenation of ``views`` (never concatenated), several chunks
+    at once (``diloco.store.digests``)."""
+    chunks: list[list[memoryview]] = []
+    current: list[memoryview] = []
     filled = 0
     for view in views:
         pos = 0
         while pos < len(view):
             n = min(len(view) - pos, chunk_bytes - filled)
-            h.update(view[pos : pos + n])
+            current.append(view[pos : pos + n])
             pos += n
             filled += n
             if filled == chunk_bytes:
-                digests.append(h.hexdigest())
-                h, filled = hashlib.sha256(), 0
+                chunks.append(current)
+                current, filled = [], 0
     if filled:
-        digests.append(h.hexdigest())
-    return digests
+        chunks.append(current)
+    return sha256_all(chunks)
 
 
 def read_header(store: ObjectStore, key: str) -> ObjectHeader:
@@ -313,7 +315,7 @@ def read_header(store: ObjectStore, key: str) -> ObjectHeader:
     return _header_from_prefix(store, key, store.get_range(key, 0, HEADER_PROBE_BYTES), HEADER_PROBE_BYTES)
 
 
-def _header_from_prefix(store: ObjectStore, key: str, prefix: bytearray, asked: int) -> ObjectHeader:
+def _header_from_prefix(store: ObjectStore, key: str, prefix: bytearray | memoryview, asked: int) -> ObjectHeader:
     """Parse the header from the object's first bytes (``asked`` were asked for; fewer mean the object ended);
     one more ranged GET when the header runs past them."""
     source = store.url(key)
@@ -322,32 +324,60 @@ def _header_from_prefix(store: ObjectStore, key: str, prefix: bytearray, asked: 
     n = int.from_bytes(prefix[:8], "little")
     if n > 100 * 2**20:
         raise CorruptObjectError(f"{source} claims a header of {n} bytes")
-    raw = prefix[8 : 8 + n]
+    raw = bytes(prefix[8 : 8 + n])
     if len(raw) < n and len(prefix) == asked:
         raw += store.get_range(key, asked, 8 + n)
     if len(raw) != n:
         raise CorruptObjectError(f"{source} ends inside its header ({8 + len(raw)} of {8 + n} bytes)")
     try:
-        return _parse_header(json.loads(bytes(raw)), key=source, data_offset=8 + n)
+        return _parse_header(json.loads(raw), key=source, data_offset=8 + n)
     except CorruptObjectError:
         raise
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
         raise CorruptObjectError(f"{source} has an unreadable header: {exc}") from exc
 
 
-def read_object(store: ObjectStore, key: str, *, data_bytes_hint: int = 0) -> tuple[ObjectHeader, memoryview]:
+class ReadBuffer:
+    """One buffer that many reads go into, one after the other (a round reading its peers' objects): a fresh
+    buffer per read costs a page fault per 4 KiB, more than the copy itself. A read's result is a view of it,
+    valid until the next read into it."""
+
+    def __init__(self) -> None:
+        self._data = bytearray()
+
+    def view(self, size: int, *, keep: int = 0) -> memoryview:
+        """The buffer's first ``size`` bytes, growing it (into new memory: views of the old stay valid) when it is
+        shorter; its first ``keep`` bytes are kept when it grows."""
+        if len(self._data) < size:
+            grown = bytearray(size)
+            grown[:keep] = self._data[:keep]
+            self._data = grown
+        return memoryview(self._data)[:size]
+
+
+def read_object(store: ObjectStore, key: str, *, data_bytes_hint: int = 0,
+                buffer: ReadBuffer | None = None) -> tuple[ObjectHeader, memoryview]:
     """A whole streamed object, verified, in ONE ranged GET when ``data_bytes_hint`` is at least its data size
     (the header's size need not be known: the first ``HEADER_PROBE_BYTES`` beyond the hint cover it); a second
     GET fetches what the hint left out. -> (header, the data section as a view of the one buffer it was read
     into: no copy, writable). For small objects read whole (a reduced shard, a checkpoint), where ``get`` +
-    ``decode_tensors`` would hold the object two or three times. ``CorruptObjectError`` naming the key when a
-    chunk fails its digest or the object is truncated."""
+    ``decode_tensors`` would hold the object two or three times. ``buffer``: read into it instead of new memory
+    (the result is then valid until its next read). ``CorruptObjectError`` naming the key when a chunk fails its
+    digest or the object is truncated."""
     asked = data_bytes_hint + HEADER_PROBE_BYTES
-    raw = store.get_range(key, 0, asked)
+    if buffer is None:
+        raw: bytearray | memoryview = store.get_range(key, 0, asked)
+    else:
+        raw = buffer.view(asked)
+        raw = raw[: store.get_range_into(key, 0, raw)]
     header = _header_from_prefix(store, key, raw, asked)
     end = header.data_offset + header.data_size
     if len(raw) < end and len(raw) == asked:  # the hint was short: fetch the rest, once
-        raw += store.get_range(key, asked, end)
+        if buffer is None:
+            raw += store.get_range(key, asked, end)  # type: ignore[operator]
+        else:
+            raw = buffer.view(end, keep=asked)
+            raw = raw[: asked + store.get_range_into(key, asked, raw[asked:])]
     if len(raw) < end:
         raise CorruptObjectError(f"{header.key} is truncated: {len(raw)} of {end} bytes")
     data = memoryview(raw)[header.data_offset : end]
@@ -385,16 +415,22 @@ def _itemsize(dtype: torch.dtype) -> int:
     return dtype.itemsize
 
 
-def read_data(store: ObjectStore, key: str, header: ObjectHeader, begin: int, end: int) -> bytearray | memoryview:
+def read_data(store: ObjectStore, key: str, header: ObjectHeader, begin: int, end: int, *,
+              buffer: ReadBuffer | None = None) -> bytearray | memoryview:
     """Bytes ``[begin, end)`` of the data section in one ranged GET, verified against the chunk digests.
 
     The range is widened to whole chunks to verify it, then trimmed: the result is the fetched buffer itself
-    when ``[begin, end)`` is chunk-aligned, else a memoryview of it (no copy either way). ``CorruptObjectError``
-    naming the key when a chunk does not match its digest or the object ends early."""
+    when ``[begin, end)`` is chunk-aligned, else a memoryview of it (no copy either way). ``buffer``: read into it
+    instead of new memory (the result is then valid until its next read). ``CorruptObjectError`` naming the key
+    when a chunk does not match its digest or the object ends early."""
     lo, hi = header.chunk_aligned(begin, end)
     if lo == hi:
         return bytearray()
-    raw = store.get_range(key, header.data_offset + lo, header.data_offset + hi)
+    if buffer is None:
+        raw: bytearray | memoryview = store.get_range(key, header.data_offset + lo, header.data_offset + hi)
+    else:
+        raw = buffer.view(hi - lo)
+        raw = raw[: store.get_range_into(key, header.data_offset + lo, raw)]
     if len(raw) != hi - lo:
         raise CorruptObjectError(f"{header.key} is truncated: data bytes [{lo}, {hi}) returned {len(raw)} bytes")
     _verify_chunks(header, memoryview(raw), lo)
@@ -404,12 +440,14 @@ def read_data(store: ObjectStore, key: str, header: ObjectHeader, begin: int, en
 
 
 def _verify_chunks(header: ObjectHeader, data: memoryview, lo: int) -> None:
-    """Check the whole chunks held in ``data`` (data-section bytes from ``lo``, a chunk boundary)."""
+    """Check the whole chunks held in ``data`` (data-section bytes from ``lo``, a chunk boundary), several at once
+    (``diloco.store.digests``)."""
     c = header.chunk_bytes
     hi = lo + len(data)
-    for i in range(lo // c, -(-hi // c)):
-        piece = data[i * c - lo : min((i + 1) * c, hi) - lo]
-        if hashlib.sha256(piece).hexdigest() != header.digests[i]:
+    first = lo // c
+    pieces = [data[i * c - lo : min((i + 1) * c, hi) - lo] for i in range(first, -(-hi // c))]
+    for i, digest in enumerate(sha256_all([[piece] for piece in pieces]), start=first):
+        if digest != header.digests[i]:
             raise CorruptObjectError(f"{header.key} failed the checksum of data chunk {i} (bytes [{i * c}, "
                                      f"{min((i + 1) * c, hi)}))")
 

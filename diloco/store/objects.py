@@ -27,6 +27,7 @@ in-flight temporaries and are never listed.
 from __future__ import annotations
 
 import errno
+import io
 import os
 import random
 import threading
@@ -383,6 +384,33 @@ class ObjectStore:
         self.traffic_counter.read(len(data))
         return data
 
+    def get_range_into(self, key: str, start: int, into: bytearray | memoryview) -> int:
+        """Bytes ``[start, start + len(into))`` of ``key`` in one request (counted as a ``get_range``), read into
+        the writable buffer ``into``; -> how many (fewer if the object ends first, 0 past its end).
+        ``ObjectNotFound`` if ``key`` does not exist. For a reader of many ranges (a round reading its peers): one
+        buffer reused, where a fresh one per read costs a page fault per 4 KiB, more than the copy itself."""
+        view = memoryview(into).cast("B")
+        if start < 0:
+            raise ValueError(f"get_range_into {self.url(key)}: invalid start {start}")
+        path = self.path(key)
+        if self._local:
+            read: Callable[[], int] = lambda: _read_local_into(path, start, view)  # noqa: E731
+        elif self.protocol == "s3":
+            from diloco.store import s3
+
+            read = lambda: s3.read_range_into(self.fs, path, start, view)  # noqa: E731
+        else:
+            def read() -> int:
+                data = self.fs.cat_file(path, start=start, end=start + len(view)) if len(view) else b""
+                view[: len(data)] = data
+                return len(data)
+        try:
+            n = self.with_retries("get_range", key, read)
+        except FileNotFoundError as exc:
+            raise ObjectNotFound(f"no object at {self.url(key)}") from exc
+        self.traffic_counter.read(n)
+        return n
+
     def size(self, key: str) -> int:
         """The size of ``key`` in bytes (one HEAD on S3); ``ObjectNotFound`` if it does not exist."""
         path = self.path(key)
@@ -505,21 +533,32 @@ def _read_local_range(path: str, start: int, end: int) -> bytearray:
     """``[start, end)`` of a local file into one buffer, in bounded ``readinto`` pieces."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
-        end = min(end, size)
-        buf = bytearray(max(0, end - start))
-        if not buf:
-            return buf
-        f.seek(start)
-        view = memoryview(buf)
-        pos = 0
-        while pos < len(buf):
-            n = f.readinto(view[pos : pos + _READ_PIECE])
-            if not n:  # the file shrank under us (it never does: objects are replaced by rename)
-                del view
-                del buf[pos:]
-                break
-            pos += n
-        return buf
+        buf = bytearray(max(0, min(end, size) - start))
+        n = _read_open_into(f, start, memoryview(buf))
+    if n < len(buf):  # the file shrank under us (it never does: objects are replaced by rename)
+        del buf[n:]
+    return buf
+
+
+def _read_local_into(path: str, start: int, view: memoryview) -> int:
+    """``[start, start + len(view))`` of a local file into ``view``; -> bytes read (fewer at the file's end)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        return _read_open_into(f, start, view[: max(0, min(len(view), size - start))])
+
+
+def _read_open_into(f: io.BufferedReader, start: int, view: memoryview) -> int:
+    """Fill ``view`` from ``start`` of the open file ``f`` in bounded ``readinto`` pieces; -> bytes read."""
+    if not len(view):
+        return 0
+    f.seek(start)
+    pos = 0
+    while pos < len(view):
+        n = f.readinto(view[pos : pos + _READ_PIECE])
+        if not n:
+            break
+        pos += n
+    return pos
 
 
 def write_file_atomic(path: str, data: bytes | Iterable[Chunk], *, exclusive: bool = False) -> int:

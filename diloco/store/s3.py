@@ -39,7 +39,7 @@ import errno
 import io
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
@@ -435,24 +435,44 @@ def read_range(fs: Any, path: str, start: int, end: int) -> bytearray:
     """Bytes ``[start, end)`` of the object at ``path`` (``bucket/key``) in one ranged GET, read into a
     preallocated buffer; shorter if the object ends first, empty at or past its end. A body cut short raises
     botocore's ``IncompleteReadError`` (transient: the store retries it)."""
+    made: list[bytearray] = []
+
+    def buffer(length: int) -> memoryview:
+        made.append(bytearray(length))
+        return memoryview(made[0])
+
+    _read_range(fs, path, start, end, buffer)
+    return made[0] if made else bytearray()
+
+
+def read_range_into(fs: Any, path: str, start: int, into: memoryview) -> int:
+    """``read_range`` of ``len(into)`` bytes from ``start``, into ``into``; -> how many arrived (fewer when the
+    object ends first, 0 at or past its end)."""
+    return _read_range(fs, path, start, start + len(into), lambda length: into[:length])
+
+
+def _read_range(fs: Any, path: str, start: int, end: int, buffer: Callable[[int], memoryview]) -> int:
+    """One ranged GET of ``[start, end)``, its body read into ``buffer(length)`` (the length S3 answers with);
+    -> the bytes read (0 at or past the end)."""
     from fsspec.asyn import sync
 
     if end <= start:
-        return bytearray()
+        return 0
     bucket, key, _ = fs.split_path(path)
 
-    async def read() -> bytearray:
+    async def read() -> int:
         try:
             resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}")
         except OSError as exc:
             if exc.errno == errno.EINVAL:  # 416 InvalidRange: the range starts at or past the end
-                return bytearray()
+                return 0
             raise
         body = resp["Body"]
         try:
             length = int(resp.get("ContentLength", end - start))
-            buf = bytearray(length)
-            view = memoryview(buf)
+            if length > end - start:
+                raise OSError(errno.EIO, f"S3 answered {length} bytes for a range of {end - start}")
+            view = buffer(length)
             pos = 0
             while pos < length:
                 n = await body.readinto(view[pos : pos + _READ_PIECE])
@@ -466,6 +486,6 @@ def read_range(fs: Any, path: str, start: int, end: int) -> bytearray:
             from botocore.exceptions import IncompleteReadError
 
             raise IncompleteReadError(actual_bytes=pos, expected_bytes=length)
-        return buf
+        return pos
 
-    return sync(fs.loop, read)
+    return int(sync(fs.loop, read))

@@ -13,6 +13,7 @@ import torch
 from support.ranks import run_ranks  # tests/ is on sys.path
 
 from diloco.collectives.allreduce import AllReduceStats, ObjectStoreAllReduce, average, contribution_key
+from diloco.collectives.driver import RoundIO
 from diloco.errors import AllReduceTimeout, ConfigError, CorruptObjectError, DilocoError, StoreError
 from diloco.store.codec import decode_tensors, encode_stream, encode_tensors
 from diloco.store.objects import ObjectStore
@@ -219,6 +220,31 @@ def test_timeout_names_the_round_and_exactly_the_missing_ranks(uri: str) -> None
     assert elapsed < 20.0  # ...and gave up (generous bound: a hang would be caught here)
     for ar in ars:
         ar.close()
+
+
+def test_a_wait_polls_quickly_first_then_backs_off_to_the_poll_interval(tmp_path: Any) -> None:
+    """Peers finish a phase close together: the first polls of a wait come after 1/16, 1/8, ... of the interval,
+    so an object that was almost there is noticed soon; a late one costs one poll per interval."""
+    store = ObjectStore(f"file://{tmp_path}/store")
+
+    class RecordedWaits(threading.Event):
+        """The round's stop event, recording how long each poll waited; the peer's object lands at the 7th."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.timeouts: list[float] = []
+
+        def wait(self, timeout: float | None = None) -> bool:
+            self.timeouts.append(float(timeout or 0))
+            if len(self.timeouts) == 7:
+                store.put("peer-object", b"x")
+            return False
+
+    stop = RecordedWaits()
+    io = RoundIO(store, 0, 2, timeout_s=600, poll_interval_s=1.6, run_id=None, spread=1, stats=AllReduceStats(),
+                 stats_lock=threading.Lock(), stop=stop)
+    io.await_object(0, 1, lambda rank: "peer-object", io.deadline())
+    assert stop.timeouts == pytest.approx([0.1, 0.2, 0.4, 0.8, 1.6, 1.6, 1.6])
 
 
 def test_timeout_reports_the_last_store_error_seen_while_polling(tmp_path: Any) -> None:

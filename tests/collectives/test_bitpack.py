@@ -18,9 +18,16 @@ def test_every_width_packs_as_the_reference_and_back(bits: int, count: int) -> N
     values = torch.randint(0, 1 << bits, (count,), generator=torch.Generator().manual_seed(bits * 100 + count))
     packed = bitpack.pack(values, bits)
     assert packed.dtype == torch.uint8 and packed.numel() == bitpack.packed_nbytes(count, bits) == -(-count * bits // 8)
+    assert packed.is_contiguous()  # a wire tensor: safetensors stores contiguous tensors only
     assert packed.numpy().tobytes() == pack_bits(values.tolist(), bits).tobytes()
     assert bitpack.unpack(packed, bits, count).tolist() == values.tolist()
     assert unpack_bits(np.asarray(packed.numpy()), bits, count) == values.tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.int16, torch.int32, torch.int64])
+def test_fields_wider_than_their_bits_lose_only_the_high_bits(dtype: torch.dtype) -> None:
+    values = torch.tensor([0x7ABC, 0x1123, 5], dtype=dtype)
+    assert bitpack.pack(values, 12).tolist() == bitpack.pack(values & 0xFFF, 12).tolist()
 
 
 def test_two_12_bit_fields_take_three_bytes_low_bits_first() -> None:

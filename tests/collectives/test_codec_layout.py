@@ -127,6 +127,55 @@ def test_topk_ties_that_defeat_the_pre_filter_match_the_reference() -> None:
     assert all(same_bits(ours[s], theirs[s]) for s in (":idx", ":q", ":scale"))
 
 
+def test_topk_equal_magnitudes_among_the_kept_match_the_reference() -> None:
+    """Equal magnitudes rank by position: among the kept (which the pre-filter's magnitude order cannot rank), at
+    the boundary of the kept set, across an infinity; each chunk otherwise ordinary random data."""
+    rng = np.random.default_rng(11)
+    spec = TopkSpec()
+    x = rng.standard_normal(4 * 4096).astype(np.float32)
+    x[[10, 3000, 777]] = [5.0, -5.0, 5.0]  # chunk 0: a three-way tie among its largest
+    boundary = 4096 + np.argsort(-np.abs(x[4096:8192]))[spec.k - 1]  # chunk 1: its k-th largest, copied
+    x[4096 + 5] = -x[boundary]
+    x[[8192 + 1, 8192 + 4000]] = [np.inf, -np.inf]  # chunk 2: two infinities (no NaN)
+    ours = fast_wire(x, "topk", sparse=spec)
+    theirs = encode_topk(x, spec.chunk, spec.k, spec.value_bits)
+    assert all(same_bits(ours[s], theirs[s]) for s in (":idx", ":q", ":scale"))
+
+
+def test_topk_magnitudes_equal_in_their_high_bits_match_the_reference() -> None:
+    """The CPU search compares magnitudes with their lowest bits replaced by an index: chunks whose largest
+    magnitudes differ only in those bits (at the boundary of the kept set, and among the kept) are compared in
+    full, with the same result."""
+    rng = np.random.default_rng(5)
+    spec = TopkSpec()
+    x = rng.standard_normal(3 * 4096).astype(np.float32)
+    bits = x.view(np.int32)
+    for chunk in range(3):
+        order = chunk * 4096 + np.argsort(-np.abs(x[chunk * 4096 : (chunk + 1) * 4096]))
+        near = order[spec.k - 6 : spec.k + 6] if chunk < 2 else order[:40]  # across the boundary, or the top
+        base = bits[near[0]] & ~0x3FF  # same sign, exponent and high mantissa bits; low 10 bits differ
+        bits[near] = base | rng.integers(0, 1 << 10, near.size).astype(np.int32)
+    ours = fast_wire(x, "topk", sparse=spec)
+    theirs = encode_topk(x, spec.chunk, spec.k, spec.value_bits)
+    assert all(same_bits(ours[s], theirs[s]) for s in (":idx", ":q", ":scale"))
+
+
+def test_topk_over_several_passes_matches_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tensor is described a pass of chunks at a time: with the smallest passes, pass boundaries change no
+    bit (three passes and a short last chunk; ties and a NaN in the middle)."""
+    from diloco.collectives import topk
+
+    monkeypatch.setattr(topk, "CPU_PASS_ELEMENTS", 1)  # a pass is then one call's worth of chunks
+    spec = TopkSpec()
+    rows = topk._Selector(spec.chunk, spec.k, spec.index_bits, torch.device("cpu")).rows_per_call
+    x = adversarial(spec.chunk * (3 * rows) - 999, seed=13)["random"]
+    x[spec.chunk * rows + 7] = np.float32("nan")
+    x[spec.chunk * (rows + 1) : spec.chunk * (rows + 2)] = 0.5
+    ours = fast_wire(x, "topk", sparse=spec)
+    theirs = encode_topk(x, spec.chunk, spec.k, spec.value_bits)
+    assert all(same_bits(ours[s], theirs[s]) for s in (":idx", ":q", ":scale"))
+
+
 def test_topk_empty_and_0d_match_the_reference() -> None:
     spec = TopkSpec()
     for x in (np.zeros(0, dtype=np.float32), np.array(-2.5, dtype=np.float32)):

@@ -56,6 +56,32 @@ def test_each_chunk_keeps_its_k_largest_magnitudes_as_two_levels_with_their_sign
         assert all(bool((kept_magnitudes == m).any()) for m in magnitudes)
 
 
+@pytest.mark.parametrize("kind", ["normal", "heavy", "repeated", "zeros", "nan"])
+def test_the_cpu_and_the_accelerator_searches_keep_the_same_elements(kind: str) -> None:
+    """Chunks on a CPU are searched with NumPy, chunks on an accelerator with torch alone (which this CPU runs
+    here): on every row neither calls inexact, both keep the same elements in the same order, and ``select``
+    (with its fallbacks) keeps what the keys of the whole chunk say."""
+    from diloco.collectives.topk import _keys, _Selector
+
+    gen = torch.Generator().manual_seed(7)
+    rows = {"normal": torch.randn(64, 4096, generator=gen),
+            "heavy": torch.randn(64, 4096, generator=gen) ** 5,
+            "repeated": torch.randint(-3, 4, (64, 4096), generator=gen).float() / 4,
+            "zeros": torch.zeros(64, 4096).index_fill_(1, torch.tensor([5, 700]), 1.0),
+            "nan": torch.randn(64, 4096, generator=gen).index_fill_(1, torch.tensor([9]), float("nan"))}[kind]
+    selector = _Selector(4096, SPEC.k, SPEC.index_bits, rows.device)
+    fast, fast_inexact = selector._prefiltered_on_cpu(rows)
+    plain, plain_inexact = selector._prefiltered(rows)
+    both = ~(fast_inexact | plain_inexact)
+    for name in ("position", "magnitude", "negative"):
+        assert torch.equal(getattr(fast, name)[both], getattr(plain, name)[both]), name
+    keys = _keys(rows.view(torch.int32) & 0x7FFFFFFF, torch.arange(4096), SPEC.index_bits, 4096)
+    want = torch.topk(keys, SPEC.k, dim=1).values
+    kept = selector.select(rows)
+    assert torch.equal(kept.position, 4095 - (want & 4095)) and torch.equal(kept.magnitude, (want >> 12).int())
+    assert torch.equal(kept.negative, torch.gather(rows.view(torch.int32), 1, kept.position) < 0)
+
+
 def test_the_last_short_chunk_keeps_proportionally_fewer() -> None:
     assert SPEC.kept_in(1000) == 16 and SPEC.kept_in(1) == 1 and SPEC.kept_in(SPEC.chunk) == 64
     out = round_trip({"v": torch.randn(SPEC.chunk + 1000)})["v"]

@@ -225,3 +225,28 @@ def test_read_object_reads_a_whole_streamed_object_in_one_verified_get(store: Ob
     corrupt(tmp_path / "run" / "obj", header.data_offset + header.data_size - 1)
     with pytest.raises(CorruptObjectError, match="obj failed the checksum of data chunk"):
         read_object(store, "obj", data_bytes_hint=header.data_size)
+
+
+def test_reads_into_one_buffer_give_what_fresh_reads_give(store: ObjectStore, tmp_path: Path) -> None:
+    """A round reads its peers into one ``ReadBuffer``: each result is the object's bytes, verified, whatever was
+    read into the buffer before; a result read before the buffer had to grow stays intact."""
+    from diloco.store.codec import ReadBuffer, read_object
+
+    small, big = {"w": torch.arange(1000, dtype=torch.float32)}, {"w": torch.arange(40_000, dtype=torch.float32)}
+    publish(store, "small", small)
+    publish(store, "big", big, chunk_bytes=CHUNK_BYTES)
+    buffer = ReadBuffer()
+    _, first = read_object(store, "small", buffer=buffer)
+    before = store.traffic
+    _, grown = read_object(store, "big", data_bytes_hint=1000, buffer=buffer)  # the probe, then the rest
+    assert (store.traffic - before).requests == {"get_range": 2}
+    assert torch.equal(torch.frombuffer(grown, dtype=torch.float32), big["w"])
+    assert torch.equal(torch.frombuffer(first, dtype=torch.float32), small["w"])  # its memory was not reused
+    _, again = read_object(store, "small", buffer=buffer)  # into the grown buffer
+    assert torch.equal(torch.frombuffer(again, dtype=torch.float32), small["w"])
+    header = read_header(store, "big")
+    window = read_data(store, "big", header, 4000, 8000, buffer=buffer)
+    assert torch.equal(torch.frombuffer(window, dtype=torch.float32), big["w"][1000:2000])
+    corrupt(tmp_path / "run" / "big", header.data_offset + 5000)
+    with pytest.raises(CorruptObjectError, match="big failed the checksum of data chunk 0"):
+        read_data(store, "big", header, 4000, 8000, buffer=buffer)

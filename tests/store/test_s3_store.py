@@ -278,6 +278,22 @@ def test_get_range_is_one_ranged_get_and_size_one_head(s3_uri: str, fault_proxy:
     assert store.traffic.requests["get_range"] == 4 and store.traffic.bytes_read == 299_000 + 5
 
 
+def test_get_range_into_is_one_ranged_get_into_the_callers_buffer(s3_uri: str, fault_proxy: FaultProxy) -> None:
+    store = ObjectStore(s3_uri)
+    data = bytes(range(256)) * 4096
+    store.put("obj", data)
+    buffer = bytearray(300_000)
+    assert store.get_range_into("obj", 1000, memoryview(buffer)[:299_000]) == 299_000
+    assert buffer[:299_000] == data[1000:300_000]
+    gets = fault_proxy.requests("GET", r"/obj")
+    assert len(gets) == 1 and gets[0].headers.get("range") == "bytes=1000-299999"
+    assert store.get_range_into("obj", len(data) - 5, buffer) == 5 and buffer[:5] == data[-5:]
+    assert store.get_range_into("obj", len(data), buffer) == 0  # 416 is "nothing there", not retried
+    with pytest.raises(ObjectNotFound, match="absent"):
+        store.get_range_into("absent", 0, buffer)
+    assert store.traffic.requests["get_range"] == 4 and store.traffic.bytes_read == 299_000 + 5
+
+
 def test_streamed_object_ranges_verify_over_s3(s3_uri: str, fault_proxy: FaultProxy) -> None:
     import torch
 

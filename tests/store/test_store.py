@@ -219,6 +219,23 @@ def test_local_put_stream_is_invisible_until_renamed(tmp_path: Any) -> None:
     assert sorted(os.listdir(tmp_path / "run" / "r")) == ["new", "obj"]  # no temporary left behind
 
 
+def test_get_range_into_fills_a_given_buffer_and_says_how_much(store: ObjectStore) -> None:
+    data = bytes(range(256)) * 40
+    store.put("obj", data)
+    buffer = bytearray(b"\xee" * 6000)
+    before = store.traffic
+    assert store.get_range_into("obj", 5000, memoryview(buffer)[:4000]) == 4000
+    assert buffer[:4000] == data[5000:9000] and buffer[4000:] == b"\xee" * 2000  # nothing past the view
+    assert store.get_range_into("obj", 9000, buffer) == len(data) - 9000  # the object ends first
+    assert buffer[: len(data) - 9000] == data[9000:]
+    assert store.get_range_into("obj", len(data), buffer) == 0
+    assert store.get_range_into("obj", 0, bytearray()) == 0
+    after = store.traffic - before
+    assert after.requests == {"get_range": 4} and after.bytes_read == 4000 + len(data) - 9000
+    with pytest.raises(ObjectNotFound, match="missing"):
+        store.get_range_into("missing", 0, buffer)
+
+
 def test_get_range_and_size(store: ObjectStore) -> None:
     data = bytes(range(256)) * 40
     store.put("obj", data)
