@@ -917,7 +917,9 @@ class RunView:
         With ``follow``, the backlog comes first (time-ordered), then new lines as they arrive, until every
         followed replica has ended. The follow starts at each replica's last backlog line (``since``), so a
         backend that can read from a time (CloudWatch, the Kubernetes API) does not fetch the backlog again;
-        the lines at that very moment that the backlog already had are skipped.
+        the lines at that very moment that the backlog already had are skipped. A replica whose process or job
+        ended in a failure that a relaunch cures is followed into its relaunch (``_relaunched``), whichever
+        process relaunches it (the attached ``launch``, a ``watch``): its lines go on under the same prefix.
         """
         handle = self.handle
         if handle is None:
@@ -930,15 +932,51 @@ class RunView:
 
         def rest(rank: int, backlog: list[LogRecord]) -> Iterator[LogRecord]:
             since = backlog[-1].ts if backlog else None
-            already = [r for r in backlog if since is not None and r.ts >= since]  # what the follow repeats first
-            for record in self.backend.logs(handle, [rank], follow=True, since=since):
-                if already and record == already[0]:
-                    already.pop(0)
-                    continue
-                already = []
-                yield record
+            at_since = [r for r in backlog if since is not None and r.ts >= since]  # a read from since repeats them
+            current: RunHandle | None = handle
+            while current is not None:
+                repeats = list(at_since)
+                for record in self.backend.logs(current, [rank], follow=True, since=since):
+                    if repeats and record == repeats[0]:
+                        repeats.pop(0)
+                        continue
+                    repeats = []
+                    if since is None or record.ts > since:
+                        since, at_since = record.ts, []
+                    if record.ts == since:
+                        at_since.append(record)
+                    yield record
+                current = self._relaunched(current, rank)
 
         yield from follow_merged([rest(r, b) for r, b in zip(selected, backlogs, strict=True)])
+
+    def _relaunched(self, followed: RunHandle, rank: int) -> RunHandle | None:
+        """The handle of ``rank``'s next incarnation once one exists, after the one ``followed`` names has ended;
+        None when none will come.
+
+        The relaunch is another process's doing (the attached ``launch`` or a ``watch``), recorded in the registry
+        when it happens, so the record is read again every poll. A replica that failed in a way a relaunch cures,
+        with restarts left, in a run that can still finish, is waited for (``status`` calls such a run running
+        too); one that succeeded, was cancelled or failed for good ends its stream."""
+        ended = self.backend.describe(followed).replica(rank)
+        interval = min(max(float((self.record.config.get("store") or {}).get("poll_interval_s", 1.0)), 0.5), 2.0)
+        while self.registry is not None:
+            try:
+                record = self.registry.load(self.record.run_id)
+            except DilocoError:
+                return None  # the run was removed while it was followed
+            view = RunView(record, self.backend, self.registry)
+            handle = view.handle
+            if handle is None:
+                return None
+            status = view.status()
+            now = status.replica(rank)
+            if now.job_id != ended.job_id or now.restarts > ended.restarts:
+                return handle
+            if now.state != ReplicaState.FAILED or not view.awaits_relaunch(now) or not view.can_finish(status):
+                return None
+            time.sleep(interval)
+        return None
 
 
 # ---------------------------------------------------------------------------------------------- collect

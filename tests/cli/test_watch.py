@@ -1,6 +1,7 @@
 """``diloco watch RUN`` through the real CLI on the local backend: a detached run whose replica is SIGKILLed is
 relaunched by ``watch`` (nothing else would: ``launch --detach`` has returned), rejoins, and the run ends with
-bitwise-identical weights; ``watch`` prints launch's summary and exits with launch's code."""
+bitwise-identical weights; ``watch`` prints launch's summary and exits with launch's code. A ``logs -f`` started
+before the kill waits through it and follows the relaunched replica to the run's end."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from pathlib import Path
 import pytest
 from support.commands import run_cli, start_cli
 from support.polling import wait_for_file as wait_for
+
+from diloco.executors.local_supervisor import parse_combined_line
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
 
@@ -28,6 +31,7 @@ def test_watch_relaunches_a_killed_replica_of_a_detached_run_and_ends_with_ident
                  "--set", "store.timeout_s=60", "--detach", "-o", "json", home=home)
     assert launch.returncode == 0, launch.stderr[-3000:]
     run_id = json.loads(launch.stdout)["run_id"]
+    logs = start_cli("logs", run_id, "-f", "-r", "1", home=home)
     wait_for("runs/*/store/committed/round_000001/COMMITTED", home)
     child = json.loads(wait_for("runs/*/logs/rank_1/child.json", home).read_text())
     os.kill(int(child["pid"]), signal.SIGKILL)  # nobody relaunches it until `watch` runs
@@ -40,6 +44,16 @@ def test_watch_relaunches_a_killed_replica_of_a_detached_run_and_ends_with_ident
     assert "replica 1 failed" in watch.stderr and "relaunching it (restart 1 of 3)" in watch.stderr, watch.stderr
     victim_log = "".join(p.read_text() for p in home.glob("runs/*/logs/rank_1/combined.log"))
     assert "rank 1 rejoined at step" in victim_log, victim_log[-2000:]
+
+    followed, _ = logs.communicate(timeout=60)  # it ends with the run: the relaunched replica's end is the run's
+    assert logs.returncode == 0
+    lines = followed.splitlines()
+    assert lines and all(line.startswith("[r1] ") for line in lines), lines[:5]
+    attempts = [home.glob("runs/*/logs/rank_1.try1/combined.log"), home.glob("runs/*/logs/rank_1/combined.log")]
+    written = [f"[r1] {parsed[2]}" for found in attempts for path in found
+               for parsed in map(parse_combined_line, path.read_text().splitlines()) if parsed is not None]
+    assert any("rank 1 rejoined at step" in line for line in written), written[-10:]
+    assert lines == written, "every line of both attempts, in order, each once"
 
     again = cli("watch", run_id, home=home)  # a run that has ended: its summary, the same exit code
     assert again.returncode == 0, again.stderr[-2000:]

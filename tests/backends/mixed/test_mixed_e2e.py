@@ -113,7 +113,7 @@ def test_a_run_over_eks_sagemaker_and_a_local_process_trains_as_one_and_is_manag
         kube: KubernetesEmulator, sagemaker: SageMakerEmulator, s3_bucket: str, tmp_path: Path) -> None:
     """Four replicas on three backends reach bitwise-identical weights; ``status`` names each replica's backend,
     ``logs -f`` merges every part's lines, the SageMaker replica killed after round 1 is relaunched as a new job
-    and rejoins, ``collect`` writes the agreed model; then a second run on the same three backends is cancelled
+    and rejoins (``logs -f`` following it into that job), ``collect`` writes the agreed model; then a second run on the same three backends is cancelled
     with one ``diloco cancel`` and nothing of it is left on any of them."""
     import boto3
 
@@ -157,6 +157,8 @@ def test_a_run_over_eks_sagemaker_and_a_local_process_trains_as_one_and_is_manag
     assert lines and all(line[:4] in {"[r0]", "[r1]", "[r2]", "[r3]"} for line in lines), lines[:5]
     for rank in range(4):  # every part's lines, merged, each with its replica's prefix
         assert any(line.startswith(f"[r{rank}] ") for line in lines), rank
+    assert any(line.startswith("[r2] rank 2 rejoined at step") for line in lines), \
+        "logs -f follows the SageMaker replica into its relaunched job"
 
     collect = run_cli("collect", run_id, "--output", str(tmp_path / "model.safetensors"), "-o", "json", home=home)
     assert collect.returncode == 0, collect.stderr[-3000:]
