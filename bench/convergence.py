@@ -80,6 +80,10 @@ class Setting:
     error_feedback: bool = True
     #: The residual's decay before it is added to the next round (``store.error_feedback_decay``; SparseLoCo's beta).
     error_feedback_decay: float = 1.0
+    #: The sparse format's parameters (``store.topk_density``, ``store.topk_chunk``, ``store.topk_value_bits``).
+    topk_density: float = 1 / 64
+    topk_chunk: int = 4096
+    topk_value_bits: int = 2
     grad_clip: float = 1.0
     weight_decay: float = 0.0
     seed: int = 1337
@@ -104,7 +108,9 @@ class Setting:
                 + (f" mwu{self.outer_momentum_warmup}" if self.outer_momentum_warmup else "")
                 + (" iid" if self.iid else "") + (f" warm{self.warm_start}" if self.warm_start else "")
                 + (f" {self.compression}{'' if self.error_feedback else ' no-EF'}" if self.compression != "none"
-                   else "") + (f" efd{self.error_feedback_decay:g}" if self.error_feedback_decay != 1 else ""))
+                   else "") + (f" efd{self.error_feedback_decay:g}" if self.error_feedback_decay != 1 else "")
+                + (f" topk{self.topk_density:.4g}/{self.topk_chunk}x{self.topk_value_bits}b"
+                   if self.compression == "topk" else ""))
 
 
 @dataclass
@@ -181,7 +187,7 @@ class OuterStep:
                                    nesterov=setting.nesterov and setting.outer_momentum > 0)
         self.rounds = 0
         self.codec = wire_codec(setting.compression, setting.error_feedback, setting.replicas,
-                                setting.error_feedback_decay)
+                                setting.error_feedback_decay, sparse_spec(setting))
 
     def __call__(self, replicas: list[Replica]) -> None:
         deltas = []
@@ -203,8 +209,15 @@ class OuterStep:
                     p.copy_(self.global_params[n].to(p.dtype))
 
 
-def wire_codec(fmt: str, error_feedback: bool, world: int,
-               decay: float = 1.0) -> Callable[[int, dict[str, torch.Tensor]], dict]:
+def sparse_spec(setting: Setting) -> Any:
+    """The sparse format's ``TopkSpec`` for ``setting``."""
+    from diloco.collectives.topk import TopkSpec
+
+    return TopkSpec(density=setting.topk_density, chunk=setting.topk_chunk, value_bits=setting.topk_value_bits)
+
+
+def wire_codec(fmt: str, error_feedback: bool, world: int, decay: float = 1.0,
+               sparse: Any = None) -> Callable[[int, dict[str, torch.Tensor]], dict]:
     """What a pseudo-gradient looks like after the wire: identity for ``none``; else ``diloco.collectives.compression``'s
     ``ErrorFeedback.compress`` per rank (encode, decode, and the residual kept for the next round when
     ``error_feedback``): exactly the values the all-reduce averages."""
@@ -212,7 +225,7 @@ def wire_codec(fmt: str, error_feedback: bool, world: int,
         return lambda rank, delta: delta
     from diloco.collectives.compression import ErrorFeedback
 
-    feedback = [ErrorFeedback(fmt, enabled=error_feedback, decay=decay) for _ in range(world)]
+    feedback = [ErrorFeedback(fmt, enabled=error_feedback, decay=decay, sparse=sparse) for _ in range(world)]
     return lambda rank, delta: feedback[rank].compress(delta)[2]
 
 
