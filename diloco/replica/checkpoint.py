@@ -40,7 +40,7 @@ import hashlib
 import json
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -81,6 +81,19 @@ def data_key(round_number: int) -> str:
 
 def marker_key(round_number: int) -> str:
     return COMMITTED_MARKER_KEY.format(round=round_number)
+
+
+def forget_round(store: ObjectStore, round_number: int, delete_data: Callable[[], None]) -> None:
+    """Delete an old committed round (no round below 1), its marker first so it is never half there and still
+    announced, then its data (``delete_data``: one object, or a round committed in parts). A failure is logged:
+    it costs storage, not correctness."""
+    if round_number < 1:
+        return
+    try:
+        store.delete(marker_key(round_number))
+        delete_data()
+    except (StoreError, OSError) as exc:
+        logger.warning("could not delete committed round %d: %s", round_number, exc)
 
 
 class RoundCheckpoints:
@@ -148,14 +161,7 @@ class RoundCheckpoints:
                           sort_keys=True).encode()
 
     def _forget(self, round_number: int) -> None:
-        """Delete an old committed round, marker first (so it is never half there and still announced)."""
-        if round_number < 1:
-            return
-        try:
-            self.store.delete(marker_key(round_number))
-            self.store.delete(data_key(round_number))
-        except (StoreError, OSError) as exc:  # costs storage, not correctness
-            logger.warning("could not delete committed round %d: %s", round_number, exc)
+        forget_round(self.store, round_number, lambda: self.store.delete(data_key(round_number)))
 
     # ---------------------------------------------------------------- reading
     def committed_rounds(self) -> list[int]:

@@ -34,8 +34,8 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from diloco.collectives.part_layout import Piece, ShardSpec, pieces_of, pieces_of_part
-from diloco.errors import CorruptObjectError, StoreError
-from diloco.replica.checkpoint import DEFAULT_KEEP, CommittedRound, RoundCheckpoints, marker_key
+from diloco.errors import CorruptObjectError
+from diloco.replica.checkpoint import DEFAULT_KEEP, CommittedRound, RoundCheckpoints, forget_round, marker_key
 from diloco.store.codec import decode_tensors, encode_tensors, tensor_digest
 from diloco.store.layout import COMMITTED_PART_KEY
 
@@ -124,14 +124,7 @@ class PartCheckpoints:
                 "run_id": self.run_id, "parts": parts, "part": part}
 
     def _forget(self, round_number: int) -> None:
-        """Delete an old committed round, marker first (so it is never half there and still announced)."""
-        if round_number < 1:
-            return
-        try:
-            self.store.delete(marker_key(round_number))
-            self.store.delete_prefix(round_prefix(round_number))
-        except (StoreError, OSError) as exc:  # costs storage, not correctness
-            logger.warning("could not delete committed round %d: %s", round_number, exc)
+        forget_round(self.store, round_number, lambda: self.store.delete_prefix(round_prefix(round_number)))
 
     # ---------------------------------------------------------------- reading
     def read(self, round_number: int, specs: Mapping[str, ShardSpec]) -> CommittedRound:
