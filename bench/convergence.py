@@ -408,13 +408,22 @@ def headline(base: Setting, args: argparse.Namespace) -> int:
         plan += [(run_diloco, dataclasses.replace(setting, compression=fmt))
                  for fmt in (FULL_FORMATS if args.full else QUICK_FORMATS)]
         plan.append((run_diloco, dataclasses.replace(setting, **SPARSELOCO)))
+    return run_plan(plan, lambda results: build_report(setting, results), args.json)
+
+
+def run_plan(plan: list[tuple[Callable[[Setting], Result], Setting]],
+             report_of: Callable[[list[Result]], dict[str, Any]], json_path: str | None) -> int:
+    """Run each (method, setting) of ``plan`` in turn, printing its row; the report (``report_of`` the results so
+    far) is written to ``json_path`` after every run, so a run stopped by a time limit still leaves what it
+    measured. Then the report's notes."""
     results: list[Result] = []
+    report: dict[str, Any] = {"notes": []}
     for run, s in plan:
         results.append(run(s))
-        report = build_report(setting, results)
+        report = report_of(results)
         print(" | ".join(f"{k}: {v}" for k, v in report["rows"][-1].items()), flush=True)
-        if args.json:  # after every run: a run stopped by a time limit still leaves what it measured
-            with open(args.json, "w") as f:
+        if json_path:
+            with open(json_path, "w") as f:
                 json.dump(report, f, indent=2)
     for note in report["notes"]:
         print(f"- {note}")

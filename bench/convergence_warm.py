@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from collections.abc import Iterable
 from typing import Any
 
-from convergence import Result, Setting, run_diloco, run_dp, trainer_defaults
+from convergence import Result, Setting, run_diloco, run_dp, run_plan, trainer_defaults
 
 #: The papers' outer step: Nesterov SGD, lr 0.7, momentum 0.9, from the first round.
 PAPER = {"outer_lr": 0.7, "outer_momentum": 0.9, "outer_momentum_warmup": 0}
@@ -47,17 +46,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     steps = 900 if args.full else 300
     base = trainer_defaults(Setting(steps=steps, sync_every=args.sync_every, warm_start=args.warm_start))
     plan = [(run_dp, base), (run_diloco, dataclasses.replace(base, **PAPER)), (run_diloco, base)]
-    results: list[Result] = []
-    for run, setting in plan:
-        results.append(run(setting))
-        report = build_report(base, results)
-        print(" | ".join(f"{k}: {v}" for k, v in report["rows"][-1].items()), flush=True)
-        if args.json:  # after every run: a run stopped by a time limit still leaves what it measured
-            with open(args.json, "w") as f:
-                json.dump(report, f, indent=2)
-    for note in report["notes"]:
-        print(f"- {note}")
-    return 0
+    return run_plan(plan, lambda results: build_report(base, results), args.json)
 
 
 def name_of(r: Result) -> str:
