@@ -279,9 +279,8 @@ class Run:
                       on_relaunch: Any) -> dict[str, Any]:
         if timeout_s is not None and timeout_s <= 0:
             raise ConfigError(f"--timeout: must be > 0 seconds (got {timeout_s:g})")
-        if poll_interval_s is None:  # the run's own store cadence, within what a person watching wants
-            store_interval = float(self.view.record.config.get("store", {}).get("poll_interval_s", 1.0))
-            poll_interval_s = min(max(store_interval, 0.2), 2.0)
+        if poll_interval_s is None:
+            poll_interval_s = self.view.poll_interval_s
         return {"timeout_s": timeout_s, "poll_interval_s": poll_interval_s, "fail_fast": fail_fast,
                 "max_restarts": self.view.max_restarts if max_restarts is None else max_restarts,
                 "on_update": on_update, "on_fail_fast": on_fail_fast, "on_relaunch": on_relaunch}

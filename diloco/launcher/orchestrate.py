@@ -683,6 +683,14 @@ class RunView:
         return int(value) if isinstance(value, int) else None
 
     @property
+    def poll_interval_s(self) -> float:
+        """How often to ask the backend about the run while someone waits on it: the run's own store cadence
+        (``store.poll_interval_s``), kept between 0.2 s and 2 s, what a person watching wants."""
+        store = self.record.config.get("store")
+        interval = store.get("poll_interval_s", 1.0) if isinstance(store, dict) else 1.0
+        return min(max(float(interval), 0.2), 2.0)
+
+    @property
     def max_restarts(self) -> int:
         """How many times a replica of this run may be relaunched: the run's own ``--max-restarts`` (recorded at
         launch, or set since by ``watch --max-restarts``); for a record without it, the resolved config's; 0 when
@@ -959,7 +967,6 @@ class RunView:
         with restarts left, in a run that can still finish, is waited for (``status`` calls such a run running
         too); one that succeeded, was cancelled or failed for good ends its stream."""
         ended = self.backend.describe(followed).replica(rank)
-        interval = min(max(float((self.record.config.get("store") or {}).get("poll_interval_s", 1.0)), 0.5), 2.0)
         while self.registry is not None:
             try:
                 record = self.registry.load(self.record.run_id)
@@ -975,7 +982,7 @@ class RunView:
                 return handle
             if now.state != ReplicaState.FAILED or not view.awaits_relaunch(now) or not view.can_finish(status):
                 return None
-            time.sleep(interval)
+            time.sleep(self.poll_interval_s)
         return None
 
 
