@@ -87,12 +87,13 @@ def wait(view: Any, *, timeout_s: float | None, fail_fast: bool, output: str | N
     """Wait on the run with progress on stderr (``Run.wait``; with ``collect``, ``Run.collect``: check the
     weights and write the model to ``output`` unless it is None); returns ``(report, timed_out)``."""
     from diloco.cli.progress import RunProgress
+    from diloco.cli.views import failure_why
     from diloco.launcher import api
 
     with RunProgress(view.record.run_id) as progress:
         def stopping(failed: Any, survivors: list[int]) -> None:
-            if survivors:
-                progress.note(f"replica {failed.rank} failed; stopping replica(s) "
+            if survivors:  # the cause now, not only in the summary: the survivors' stop can take a while
+                progress.note(f"replica {failed.rank} failed ({failure_why(failed)}); stopping replica(s) "
                               f"{', '.join(map(str, survivors))}: they cannot finish without it")
 
         def update(report: Any) -> None:
