@@ -78,8 +78,9 @@ HEADER_PROBE_BYTES = 64 * 2**10
 #: diloco/collectives/compression.py's DEFAULT_BLOCK (elements per fp32 scale in int8/int4), checked the same way.
 DEFAULT_BLOCK = 256
 #: The sparse format's defaults (diloco/collectives/topk.py's TopkSpec): k of every chunk elements kept, each as a
-#: packed position and code, plus fp32 levels per chunk; checked the same way.
-TOPK_CHUNK, TOPK_K, TOPK_INDEX_BITS, TOPK_VALUE_BITS, TOPK_LEVELS = 4096, 64, 12, 2, 2
+#: packed code and an Elias-Fano position (low bits plus a bitmap per chunk), plus fp32 levels per chunk; checked
+#: the same way.
+TOPK_CHUNK, TOPK_K, TOPK_VALUE_BITS, TOPK_LEVELS = 4096, 102, 2, 2
 
 STRATEGIES = ("gather", "sharded")
 FORMATS = ("none", "bf16", "int8", "int4", "topk")
@@ -167,7 +168,7 @@ def bytes_per_element(fmt: str, block: int = DEFAULT_BLOCK) -> float:
     """Wire bytes per fp32 parameter: fp32 4, bf16 2, int8 1 + 4/block, int4 1/2 + 4/block (fp32 scales), topk
     (k (index + value bits) / 8 + 4 levels) / chunk."""
     if fmt == "topk":
-        return (TOPK_K * (TOPK_INDEX_BITS + TOPK_VALUE_BITS) / 8 + 4 * TOPK_LEVELS) / TOPK_CHUNK
+        return (_position_bits(TOPK_CHUNK, TOPK_K) / 8 + TOPK_K * TOPK_VALUE_BITS / 8 + 4 * TOPK_LEVELS) / TOPK_CHUNK
     if fmt == "none":
         return 4.0
     if fmt == "bf16":
@@ -179,14 +180,32 @@ def bytes_per_element(fmt: str, block: int = DEFAULT_BLOCK) -> float:
     raise ValueError(f"format {fmt!r}: use one of {', '.join(FORMATS)}")
 
 
+def _position_bits(width: int, kept: int) -> int:
+    """Elias-Fano bits of one chunk's positions: ``low = floor(log2(width / kept))`` bits each, and a bitmap of
+    ``kept + ((width - 1) >> low) + 1`` bits."""
+    low = (width // kept).bit_length() - 1
+    return kept * low + kept + ((width - 1) >> low) + 1
+
+
+def _positions_bytes(chunks: int, width: int, kept: int) -> int:
+    """Bytes of the positions of ``chunks`` chunks of one width: their low bits, then their bitmaps, each on a
+    byte boundary."""
+    if not chunks:
+        return 0
+    low = (width // kept).bit_length() - 1
+    return -(-chunks * kept * low // 8) + -(-chunks * (_position_bits(width, kept) - kept * low) // 8)
+
+
 def payload_bytes(params: float, fmt: str, block: int = DEFAULT_BLOCK) -> int:
     """S for one flat tensor of ``params`` elements (exact for int formats: the last block may be short)."""
     n = int(params)
     if fmt == "topk":
         full, tail = divmod(n, TOPK_CHUNK)
-        kept = full * TOPK_K + (max(1, -(-TOPK_K * tail // TOPK_CHUNK)) if tail else 0)
+        tail_kept = max(1, -(-TOPK_K * tail // TOPK_CHUNK)) if tail else 0
+        kept = full * TOPK_K + tail_kept
         chunks = full + (1 if tail else 0)
-        return -(-kept * TOPK_INDEX_BITS // 8) + -(-kept * TOPK_VALUE_BITS // 8) + 4 * TOPK_LEVELS * chunks
+        positions = _positions_bytes(full, TOPK_CHUNK, TOPK_K) + (_positions_bytes(1, tail, tail_kept) if tail else 0)
+        return positions + -(-kept * TOPK_VALUE_BITS // 8) + 4 * TOPK_LEVELS * chunks
     if fmt in ("int8", "int4"):
         codes = n if fmt == "int8" else -(-n // 2)
         return codes + 4 * -(-n // block)

@@ -80,6 +80,51 @@ def unpack(stream: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     return ((word >> shifts) & ((1 << bits) - 1)).view(-1)[:count]
 
 
+def pack_flags(flags: torch.Tensor) -> torch.Tensor:
+    """A 1-D uint8 tensor of 0s and 1s -> the uint8 stream ``pack(flags, 1)`` gives, without widening every flag to
+    int64 first: a bitmap's way (NumPy's ``packbits`` on a CPU, eight shifted adds elsewhere)."""
+    import torch
+
+    if flags.device.type == "cpu":
+        import numpy as np
+
+        return torch.from_numpy(np.packbits(flags.numpy(), bitorder="little"))
+    return pack_flags_on_device(flags)
+
+
+def pack_flags_on_device(flags: torch.Tensor) -> torch.Tensor:
+    """``pack_flags`` in tensor arithmetic only (what an accelerator runs; any device)."""
+    import torch
+
+    n = flags.numel()
+    padded = torch.zeros(-(-n // 8) * 8, dtype=torch.uint8, device=flags.device)
+    padded[:n] = flags
+    weights = torch.tensor([1 << b for b in range(8)], dtype=torch.uint8, device=flags.device)
+    return padded.view(-1, 8).mul_(weights).sum(dim=1, dtype=torch.uint8)
+
+
+def unpack_flags(stream: torch.Tensor, count: int) -> torch.Tensor:
+    """The first ``count`` 1-bit fields of ``stream`` as a uint8 tensor of 0s and 1s (``unpack(stream, 1, count)``
+    without int64 fields). ``ValueError`` when the stream is shorter than ``count`` bits."""
+    import torch
+
+    if stream.numel() < -(-count // 8):
+        raise ValueError(f"a stream of {stream.numel()} bytes cannot hold {count} fields of 1 bit")
+    if stream.device.type == "cpu":
+        import numpy as np
+
+        return torch.from_numpy(np.unpackbits(stream.numpy(), count=count, bitorder="little"))
+    return unpack_flags_on_device(stream, count)
+
+
+def unpack_flags_on_device(stream: torch.Tensor, count: int) -> torch.Tensor:
+    """``unpack_flags`` in tensor arithmetic only (what an accelerator runs; any device)."""
+    import torch
+
+    shifts = torch.arange(8, dtype=torch.uint8, device=stream.device)
+    return (stream[: -(-count // 8), None] >> shifts).bitwise_and_(1).view(-1)[:count]
+
+
 def _pack_by_bits(values: torch.Tensor, bits: int, nbytes: int) -> torch.Tensor:
     import torch
 

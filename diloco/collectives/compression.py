@@ -21,20 +21,23 @@ Formats (``FORMATS``), per tensor, over the tensor flattened in C order:
   two per uint8: element ``2i`` in the low nibble (bits 0-3) of byte ``i``, element ``2i + 1`` in the high nibble
   (bits 4-7). An odd element count pads the last high nibble with 8 (the code of zero). Wire: ``<name>:q`` (uint8,
   ``ceil(n / 2)`` bytes) and ``<name>:scale``.
-* ``topk`` (sparse, parameters in ``TopkSpec``: ``chunk`` 4096, ``density`` 1/64 so k = 64 kept per chunk,
+* ``topk`` (sparse, parameters in ``TopkSpec``: ``chunk`` 4096, ``density`` 2.5% so k = 102 kept per chunk,
   ``value_bits`` 2): the tensor is cut into chunks of ``chunk`` elements (the last may be shorter and keeps
   ``ceil(k * length / chunk)``); in each, the k elements of largest magnitude are kept (ties to the smaller
   position). Their ranks by magnitude split them into ``L = 2**(value_bits - 1)`` groups of equal size; each
   group's fp32 level is the magnitude of its median element, and a kept element's code is ``2 * group + sign``
   (sign 1 for negative), decoded as ``-level`` or ``+level``; every other element decodes to 0. Wire:
-  ``<name>:idx`` (each kept element's position within its chunk, ``ceil(log2(chunk))`` bits, chunk after chunk
-  and ascending within a chunk), ``<name>:q`` (the codes, ``value_bits`` each, in the same order), both packed
-  LSB-first into uint8 streams (``diloco.collectives.bitpack``), and ``<name>:scale`` (fp32, ``L`` levels per
+  ``<name>:idx`` (the kept elements' positions, ascending within each chunk, as Elias-Fano: for the whole
+  chunks, then for the shorter last one, the ``low = floor(log2(width / kept))`` lowest bits of every position,
+  chunk after chunk, then every chunk's bitmap of ``kept + ((width - 1) >> low) + 1`` bits in which the ``i``-th
+  position ``p`` sets bit ``(p >> low) + i``; ``diloco.collectives.topk.encode_positions``), ``<name>:q`` (the
+  codes, ``value_bits`` each, in position order), all packed LSB-first into uint8 streams
+  (``diloco.collectives.bitpack``), each part starting on a byte, and ``<name>:scale`` (fp32, ``L`` levels per
   chunk). Why the rest may be dropped: error feedback sends it in later rounds (``ErrorFeedback``).
 
 Sizes: the integer formats cost ``1 + 4 / block`` (int8) and ``0.5 + 4 / block`` (int4) bytes per element: at the
-default block of 256, 3.94x and 7.76x smaller than fp32. ``topk`` at its defaults costs 64 x (12 + 2) bits + 2 x 4
-bytes per 4096 elements: 136x smaller than fp32 (107x at 2% density).
+default block of 256, 3.94x and 7.76x smaller than fp32. ``topk`` at its defaults costs 102 x (5 + 2) + 230 bits
+of positions and codes and 2 x 4 bytes of levels per 4096 elements: 130x smaller than fp32 (177x at 1/64).
 
 Determinism: every step is an IEEE-754 operation with one correctly rounded result (absmax, a division, a
 round-half-to-even, a product), a cast, an integer comparison or a copy, with no randomness and no sum, so the same
@@ -54,7 +57,7 @@ tensors are copied to the host), vectorised over chunks of blocks sized for the 
 blockquant``, ``diloco.collectives.topk``).
 
 Every wire payload is tagged in its metadata (``compression`` and ``block``; ``topk``: ``compression``, ``chunk``,
-``k`` and ``value_bits``); ``decode`` checks the tag, the parameters and every wire tensor's name, dtype and shape
+``k``, ``value_bits`` and ``positions``, the position coding: ``elias-fano``); ``decode`` checks the tag, the parameters and every wire tensor's name, dtype and shape
 against the layout, and raises ``CorruptObjectError`` on any mismatch: a peer using another format is corrupt,
 never silently decoded.
 """
@@ -79,6 +82,9 @@ DEFAULT_BLOCK = 256  # elements per scale block for int8/int4
 FORMAT_KEY = "compression"
 BLOCK_KEY = "block"
 TOPK_KEYS = ("chunk", "k", "value_bits")
+#: The topk tag's position coding (``POSITIONS_KEY``): a peer that codes positions otherwise is refused by name.
+POSITIONS_KEY = "positions"
+POSITIONS_CODING = "elias-fano"
 
 #: Wire-name suffixes of the integer and sparse formats.
 CODES_SUFFIX = ":q"
@@ -367,7 +373,7 @@ class _Tag:
         if self.fmt == "topk":
             assert self.sparse is not None
             return {FORMAT_KEY: "topk", "chunk": str(self.sparse.chunk), "k": str(self.sparse.k),
-                    "value_bits": str(self.sparse.value_bits)}
+                    "value_bits": str(self.sparse.value_bits), POSITIONS_KEY: POSITIONS_CODING}
         return {FORMAT_KEY: self.fmt, BLOCK_KEY: str(self.block)}
 
 
@@ -507,7 +513,12 @@ def _read_tag(meta: Mapping[str, str], fmt: str | None, block: int | None, spars
 
 
 def _read_sparse_tag(meta: Mapping[str, str], expected: TopkSpec | None) -> TopkSpec:
-    """The ``TopkSpec`` a topk payload was encoded with (from its ``chunk``, ``k`` and ``value_bits``)."""
+    """The ``TopkSpec`` a topk payload was encoded with (from its ``chunk``, ``k`` and ``value_bits``), once its
+    position coding is the one this version reads."""
+    if meta.get(POSITIONS_KEY) != POSITIONS_CODING:
+        raise CorruptObjectError(f"compressed payload (topk) codes its positions as "
+                                 f"{meta.get(POSITIONS_KEY) or 'fixed-width fields'}, not {POSITIONS_CODING}: "
+                                 "the peer runs another diloco version; launch every replica from the same one")
     try:
         chunk, k, value_bits = (int(meta[key]) for key in TOPK_KEYS)
         got = TopkSpec(density=k / chunk, chunk=chunk, value_bits=value_bits)
@@ -543,7 +554,7 @@ def _expected_wire(layout: Layout, tag: _Tag) -> dict[str, tuple[tuple[int, ...]
             spec = tag.sparse
             assert spec is not None
             kept = spec.kept(n)
-            expected[name + INDEX_SUFFIX] = ((bitpack.packed_nbytes(kept, spec.index_bits),), torch.uint8)
+            expected[name + INDEX_SUFFIX] = ((spec.index_nbytes(n),), torch.uint8)
             expected[name + CODES_SUFFIX] = ((bitpack.packed_nbytes(kept, spec.value_bits),), torch.uint8)
             expected[name + SCALE_SUFFIX] = ((spec.num_chunks(n) * spec.levels,), torch.float32)
         else:

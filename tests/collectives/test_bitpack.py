@@ -24,6 +24,21 @@ def test_every_width_packs_as_the_reference_and_back(bits: int, count: int) -> N
     assert unpack_bits(np.asarray(packed.numpy()), bits, count) == values.tolist()
 
 
+@pytest.mark.parametrize("count", [0, 1, 7, 8, 9, 1001])
+@pytest.mark.parametrize("on_device", [False, True], ids=["cpu-numpy", "tensor-arithmetic"])
+def test_flags_pack_as_one_bit_fields_and_back(count: int, on_device: bool) -> None:
+    """A bitmap (uint8 0s and 1s) packs to the bytes of 1-bit fields, on the CPU's NumPy path and on the tensor
+    arithmetic an accelerator runs, and unpacks to the same flags."""
+    flags = (torch.rand(count, generator=torch.Generator().manual_seed(count)) < 0.3).to(torch.uint8)
+    pack = bitpack.pack_flags_on_device if on_device else bitpack.pack_flags
+    unpack = bitpack.unpack_flags_on_device if on_device else bitpack.unpack_flags
+    packed = pack(flags)
+    assert packed.dtype == torch.uint8 and packed.tolist() == bitpack.pack(flags, 1).tolist()
+    assert unpack(packed, count).tolist() == flags.tolist()
+    with pytest.raises(ValueError, match="cannot hold"):
+        bitpack.unpack_flags(packed[:-1], count) if count else bitpack.unpack_flags(packed, 1)
+
+
 @pytest.mark.parametrize("dtype", [torch.int16, torch.int32, torch.int64])
 def test_fields_wider_than_their_bits_lose_only_the_high_bits(dtype: torch.dtype) -> None:
     values = torch.tensor([0x7ABC, 0x1123, 5], dtype=dtype)

@@ -97,7 +97,8 @@ def test_empty_and_0d_match_the_reference(fmt: str) -> None:
 
 @pytest.mark.parametrize("chunk,density,value_bits,n", [
     (64, 1 / 8, 2, 64 * 5 + 37),     # pre-filter on, a short last chunk
-    (4096, 1 / 64, 2, 4096 * 2 + 100),  # the defaults
+    (4096, 0.025, 2, 4096 * 2 + 100),  # the defaults
+    (4096, 1 / 64, 2, 4096 + 4000),  # SparseLoCo's density
     (100, 0.05, 1, 250),             # sign-only values, a chunk size that is no power of two
     (256, 0.1, 3, 256 * 3),          # 4 magnitude groups
     (16, 1.0, 2, 40),                # everything kept
@@ -109,7 +110,8 @@ def test_topk_matches_the_reference_bit_for_bit(chunk: int, density: float, valu
         theirs = encode_topk(x, chunk, spec.k, value_bits)
         for suffix in (":idx", ":q", ":scale"):
             assert same_bits(ours[suffix], theirs[suffix]), (name, suffix)
-        meta = {"compression": "topk", "chunk": str(chunk), "k": str(spec.k), "value_bits": str(value_bits)}
+        meta = {"compression": "topk", "chunk": str(chunk), "k": str(spec.k), "value_bits": str(value_bits),
+                "positions": "elias-fano"}
         assert same_bits(fast_decode(theirs, meta, (n,)), decode_topk(theirs, n, chunk, spec.k, value_bits)), name
 
 

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load, save
 from support.ranks import run_ranks  # tests/ is on sys.path
 
-from diloco.collectives import bitpack, compression
+from diloco.collectives import bitpack, compression, topk
 from diloco.collectives.allreduce import create_allreduce
 from diloco.collectives.compression import (
     ErrorFeedback,
@@ -25,7 +25,7 @@ from diloco.collectives.compression import (
 from diloco.collectives.wire import PayloadCodec
 from diloco.errors import ConfigError, CorruptObjectError
 
-SPEC = TopkSpec()  # 64 of every 4096, 2-bit values
+SPEC = TopkSpec()  # 102 of every 4096, 2-bit values
 
 
 def payload(seed: int, n: int = 4096 * 3 + 1000) -> dict[str, torch.Tensor]:
@@ -83,9 +83,9 @@ def test_the_cpu_and_the_accelerator_searches_keep_the_same_elements(kind: str) 
 
 
 def test_the_last_short_chunk_keeps_proportionally_fewer() -> None:
-    assert SPEC.kept_in(1000) == 16 and SPEC.kept_in(1) == 1 and SPEC.kept_in(SPEC.chunk) == 64
+    assert SPEC.kept_in(1000) == 25 and SPEC.kept_in(1) == 1 and SPEC.kept_in(SPEC.chunk) == 102
     out = round_trip({"v": torch.randn(SPEC.chunk + 1000)})["v"]
-    assert int((out[: SPEC.chunk] != 0).sum()) == 64 and int((out[SPEC.chunk :] != 0).sum()) == 16
+    assert int((out[: SPEC.chunk] != 0).sum()) == 102 and int((out[SPEC.chunk :] != 0).sum()) == 25
 
 
 def test_empty_and_0d_tensors_keep_their_shapes() -> None:
@@ -106,8 +106,8 @@ def test_an_all_zero_chunk_decodes_to_zeros_and_a_non_finite_one_to_nan() -> Non
 
 
 # ---------------------------------------------------------------- bytes
-@pytest.mark.parametrize("density", [0.01, 1 / 64, 0.02])
-def test_at_one_to_two_percent_density_it_is_over_100x_smaller_than_fp32(density: float) -> None:
+@pytest.mark.parametrize("density", [0.01, 1 / 64, 0.02, 0.025])
+def test_at_one_to_two_and_a_half_percent_density_it_is_over_100x_smaller_than_fp32(density: float) -> None:
     spec = TopkSpec(density=density)
     x = {"w": torch.randn(64 * spec.chunk), "b": torch.randn(300)}
     wire, meta = encode(x, "topk", sparse=spec)
@@ -120,11 +120,13 @@ def test_at_one_to_two_percent_density_it_is_over_100x_smaller_than_fp32(density
 
 
 def test_the_byte_count_is_exact() -> None:
-    """64 kept per chunk: 64 x 12 index bits = 96 bytes, 64 x 2 code bits = 16 bytes, 2 fp32 levels = 8 bytes."""
+    """102 kept per chunk of 4096: 5 low bits each (floor(log2(4096 / 102))) and a bitmap of 102 + 128 bits, so
+    2 x 102 x 5 bits = 128 bytes and 2 x 230 bits = 58 bytes; the 100-element tail keeps ceil(102 * 100 / 4096) =
+    3: 5 low bits each (2 bytes) and a bitmap of 3 + 4 bits (1 byte). Codes 2 bits each, 2 fp32 levels a chunk."""
     wire, _ = encode({"v": torch.randn(2 * SPEC.chunk + 100)}, "topk")
-    kept = 2 * 64 + 2  # the 100-element tail keeps ceil(64 * 100 / 4096) = 2
-    assert wire["v:idx"].numel() == bitpack.packed_nbytes(kept, 12) == 195
-    assert wire["v:q"].numel() == bitpack.packed_nbytes(kept, 2) == 33
+    kept = 2 * 102 + 3
+    assert wire["v:idx"].numel() == 128 + 58 + 2 + 1
+    assert wire["v:q"].numel() == bitpack.packed_nbytes(kept, 2) == 52
     assert wire["v:scale"].numel() == 3 * 2 and wire["v:scale"].dtype == torch.float32
 
 
@@ -160,7 +162,7 @@ def test_a_tampered_or_mismatched_payload_is_corrupt() -> None:
     wire, meta = encode(x, "topk")
     with pytest.raises(CorruptObjectError, match="'topk', expected 'int8'"):
         decode(wire, meta, layout, fmt="int8")
-    with pytest.raises(CorruptObjectError, match="chunk=4096, k=64, value_bits=2, expected chunk=4096, k=128"):
+    with pytest.raises(CorruptObjectError, match="chunk=4096, k=102, value_bits=2, expected chunk=4096, k=128"):
         decode(wire, meta, layout, fmt="topk", sparse=TopkSpec(density=1 / 32))
     with pytest.raises(CorruptObjectError, match="not a valid chunk, k and value_bits"):
         decode(wire, {**meta, "k": "many"}, layout)
@@ -168,31 +170,39 @@ def test_a_tampered_or_mismatched_payload_is_corrupt() -> None:
         decode({n: t for n, t in wire.items() if n != "w:idx"}, meta, layout)
     with pytest.raises(CorruptObjectError, match="wire tensor 'w:q'"):
         decode({**wire, "w:q": wire["w:q"][:-1]}, meta, layout)
-    swapped = wire["w:idx"].clone()
-    swapped[:3] = torch.tensor([0xFF, 0xFF, 0xFF], dtype=torch.uint8)  # positions 4095, 4095: not increasing
+    with pytest.raises(CorruptObjectError, match="codes its positions as fixed-width fields, not elias-fano"):
+        decode(wire, {n: v for n, v in meta.items() if n != "positions"}, layout)
+    repeated = topk.encode_positions(torch.tensor([[5, 5, 9]]), 100)  # a stream that is well formed ...
     with pytest.raises(CorruptObjectError, match="not strictly increasing"):
-        decode({**wire, "w:idx": swapped}, meta, layout)
+        topk.decode_positions(repeated, 1, 100, 3)  # ... but names position 5 twice
+    bitmap_at = 2 * 102 * 5 // 8  # the first chunk's upper bitmap: a bit more or fewer than kept is corrupt
+    extra = wire["w:idx"].clone()
+    extra[bitmap_at:] = 0xFF
+    with pytest.raises(CorruptObjectError, match="does not mark exactly 102 elements"):
+        decode({**wire, "w:idx": extra}, meta, layout)
 
 
 def test_a_position_past_a_short_last_chunk_is_corrupt() -> None:
     x = {"v": torch.randn(100)}  # one chunk of 100: positions must stay below 100
     wire, meta = encode(x, "topk")
-    kept = SPEC.kept_in(100)
-    positions = bitpack.unpack(wire["v:idx"], 12, kept)
-    positions[-1] = 4000
+    kept = SPEC.kept_in(100)  # 3, with 5 low bits each: a bitmap of 3 + 4 bits after 2 bytes of low bits
+    positions = topk.decode_positions(wire["v:idx"], 1, 100, kept)
+    assert positions.shape == (1, kept)
+    past = topk.encode_positions(torch.tensor([[positions[0, 0], positions[0, 1], 127]]), 128)
+    assert past.numel() == wire["v:idx"].numel()  # the same bytes' worth, read as positions in 100
     with pytest.raises(CorruptObjectError, match="within their chunk of 100 elements"):
-        decode({**wire, "v:idx": bitpack.pack(positions, 12)}, meta, layout_of(x))
+        decode({**wire, "v:idx": past}, meta, layout_of(x))
 
 
 # ---------------------------------------------------------------- error feedback
 def test_error_feedback_sends_over_later_rounds_what_one_round_dropped() -> None:
-    """One round keeps 1.6% of a steady signal and drops the rest; fed back, what was dropped goes out in later
+    """One round keeps 2.5% of a steady signal and drops the rest; fed back, what was dropped goes out in later
     rounds: the residual stays bounded, so the relative gap between what was sent in total and the inputs' sum
     shrinks like 1 / rounds. Without feedback the dropped 98% is lost every round."""
     gen = torch.Generator().manual_seed(3)
     signal = torch.randn(SPEC.chunk, generator=gen) * 0.01
     inputs = [{"g": signal + torch.randn(SPEC.chunk, generator=gen) * 0.001} for _ in range(160)]
-    assert int((ErrorFeedback("topk").compress(inputs[0])[2]["g"] != 0).sum()) == 64
+    assert int((ErrorFeedback("topk").compress(inputs[0])[2]["g"] != 0).sum()) == 102
 
     def gap(enabled: bool, rounds: int) -> float:
         ef = ErrorFeedback("topk", enabled=enabled)

@@ -39,8 +39,8 @@ def test_constants_are_the_codes_own() -> None:
     assert sm.HEADER_PROBE_BYTES == codec.HEADER_PROBE_BYTES
     assert sm.FORMATS == compression.FORMATS
     spec = compression.TopkSpec()
-    assert (sm.TOPK_CHUNK, sm.TOPK_K, sm.TOPK_INDEX_BITS, sm.TOPK_VALUE_BITS, sm.TOPK_LEVELS) == \
-        (spec.chunk, spec.k, spec.index_bits, spec.value_bits, spec.levels)
+    assert (sm.TOPK_CHUNK, sm.TOPK_K, sm.TOPK_VALUE_BITS, sm.TOPK_LEVELS) == \
+        (spec.chunk, spec.k, spec.value_bits, spec.levels)
 
 
 @pytest.mark.parametrize("fmt", sm.FORMATS)

@@ -56,8 +56,7 @@ def encode_topk(x: np.ndarray, chunk: int, k: int, value_bits: int) -> dict[str,
     """``:idx``, ``:q``, ``:scale`` of one flat fp32 array, chunk by chunk, element by element."""
     flat = np.asarray(x, dtype=np.float32).reshape(-1)
     levels_per_chunk = 1 << (value_bits - 1)
-    index_bits = max(1, (chunk - 1).bit_length())
-    positions: list[int] = []
+    positions: list[list[int]] = []  # per chunk, ascending
     codes: list[int] = []
     levels: list[float] = []
     for start in range(0, flat.size, chunk):
@@ -72,19 +71,72 @@ def encode_topk(x: np.ndarray, chunk: int, k: int, value_bits: int) -> dict[str,
             levels.append(float(np.int32(magnitude[median]).view(np.float32)) if median is not None else 0.0)
         if magnitude[ranked[0]] >= 0x7F800000:  # a NaN or an infinity: every level NaN
             levels[-levels_per_chunk:] = [float("nan")] * levels_per_chunk
-        for i in sorted(ranked):
-            positions.append(i)
+        positions.append(sorted(ranked))
+        for i in positions[-1]:
             codes.append(2 * group_of[i] + (1 if int(part.view(np.int32)[i]) < 0 else 0))
-    return {":idx": pack_bits(positions, index_bits), ":q": pack_bits(codes, value_bits),
+    widths = [min(chunk, flat.size - s) for s in range(0, flat.size, chunk)]
+    return {":idx": elias_fano(positions, widths), ":q": pack_bits(codes, value_bits),
             ":scale": np.array(levels, dtype=np.float32)}
+
+
+def elias_fano(positions: list[list[int]], widths: list[int]) -> np.ndarray:
+    """The ``:idx`` stream: for each run of chunks of one width (the whole chunks, then the last), the ``low``
+    lowest bits of every position (``low = floor(log2(width / kept))``), then per chunk a bitmap of ``kept +
+    ((width - 1) >> low) + 1`` bits where the ``i``-th position ``p`` sets bit ``(p >> low) + i``; each packed
+    LSB-first, each starting on a byte."""
+    stream = b""
+    for run in _runs(positions, widths):
+        width, kept = widths[run[0]], len(positions[run[0]])
+        low = (width // kept).bit_length() - 1
+        slots = kept + ((width - 1) >> low) + 1
+        lows = [p & ((1 << low) - 1) for c in run for p in positions[c]]
+        bitmap = []
+        for c in run:
+            marked = {(p >> low) + i for i, p in enumerate(positions[c])}
+            bitmap += [1 if b in marked else 0 for b in range(slots)]
+        stream += (pack_bits(lows, low).tobytes() if low else b"") + pack_bits(bitmap, 1).tobytes()
+    return np.frombuffer(stream, dtype=np.uint8).copy()
+
+
+def elias_fano_positions(stream: np.ndarray, counts: list[int], widths: list[int]) -> list[list[int]]:
+    """Every chunk's positions from ``elias_fano``'s stream."""
+    out: list[list[int]] = [[] for _ in counts]
+    data, at = stream.tobytes(), 0
+    for run in _runs([[0] * c for c in counts], widths):
+        width, kept = widths[run[0]], counts[run[0]]
+        low = (width // kept).bit_length() - 1
+        slots = kept + ((width - 1) >> low) + 1
+        low_bytes = -(-len(run) * kept * low // 8)
+        lows = unpack_bits(np.frombuffer(data[at : at + low_bytes], dtype=np.uint8), low, len(run) * kept) \
+            if low else [0] * (len(run) * kept)
+        at += low_bytes
+        map_bytes = -(-len(run) * slots // 8)
+        bitmap = unpack_bits(np.frombuffer(data[at : at + map_bytes], dtype=np.uint8), 1, len(run) * slots)
+        at += map_bytes
+        for j, c in enumerate(run):
+            set_bits = [b for b in range(slots) if bitmap[j * slots + b]]
+            out[c] = [((b - i) << low) | lows[j * kept + i] for i, b in enumerate(set_bits)]
+    return out
+
+
+def _runs(positions: list[list[int]], widths: list[int]) -> list[list[int]]:
+    """Chunk indices grouped as the stream groups them: runs of chunks with the same width and count."""
+    runs: list[list[int]] = []
+    for c in range(len(widths)):
+        if runs and (widths[runs[-1][0]], len(positions[runs[-1][0]])) == (widths[c], len(positions[c])):
+            runs[-1].append(c)
+        else:
+            runs.append([c])
+    return runs
 
 
 def decode_topk(wire: dict[str, np.ndarray], n: int, chunk: int, k: int, value_bits: int) -> np.ndarray:
     levels_per_chunk = 1 << (value_bits - 1)
-    index_bits = max(1, (chunk - 1).bit_length())
     out = np.zeros(n, dtype=np.float32)
     counts = [k if min(chunk, n - s) == chunk else max(1, -(-k * (n - s) // chunk)) for s in range(0, n, chunk)]
-    positions = unpack_bits(wire[":idx"], index_bits, sum(counts))
+    widths = [min(chunk, n - s) for s in range(0, n, chunk)]
+    positions = [p for chunk_positions in elias_fano_positions(wire[":idx"], counts, widths)
+                 for p in chunk_positions]
     codes = unpack_bits(wire[":q"], value_bits, sum(counts))
     at = 0
     for c, count in enumerate(counts):
