@@ -19,7 +19,7 @@ per core (measured in the same run). Every written byte is hashed once and every
 costs its raw transfer plus that, plus the codec's work, however the rest is optimised.
 
 For a compressing format, ``raw s`` moves the *compressed* bytes, so ``round/raw`` asks for a codec faster than
-the store by the compression ratio (topk's 136x fewer bytes would need a codec ~200x faster than the network for
+the store by the compression ratio (topk's 130x fewer bytes would need a codec ~200x faster than the network for
 1.5x), which no codec is. What a format is for is to be cheaper than the bytes it saves: ``fp32 raw s`` is, in the
 same run on the same store, the bare transfer of the *uncompressed* payload (the bytes the same strategy's fp32
 round at that N wrote and read), and ``round/fp32 raw`` is the compressed round against it: below 1, the format
@@ -449,7 +449,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "fp32 raw s: the bare transfer of the uncompressed payload (the bytes the fp32 round of the same strategy "
         "and N wrote and read) on the same store in the same run; round/fp32 raw below 1 means the format made the "
         "round cheaper than sending fp32 would be. round/raw of a compressed format asks its codec to beat the store "
-        "by the compression ratio as well (topk: 136x), which on memory-speed stores no codec can.",
+        "by the compression ratio as well (topk: 130x), which on memory-speed stores no codec can.",
         "round CPU s / raw CPU s: CPU seconds of the whole process (every rank) per round, median: where round s "
         "exceeds raw s by about what round CPU s exceeds raw CPU s over the cores, the round is computing "
         "(encoding, decoding, summing, hashing every byte), not waiting on the protocol.",
