@@ -120,6 +120,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+
+def topk_note() -> str:
+    """What the topk row measures: the format's defaults, read from ``TopkSpec`` so the note cannot go stale."""
+    from diloco.collectives.topk import TopkSpec, low_bits
+
+    spec = TopkSpec()
+    return (f"topk: {spec.k} of every {spec.chunk} elements ({100 * spec.k / spec.chunk:.2g}%), positions as "
+            f"Elias-Fano ({low_bits(spec.chunk, spec.k)} low bits each and a bitmap per chunk), "
+            f"{spec.value_bits}-bit values, {spec.levels} fp32 levels per chunk.")
+
 def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
@@ -140,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "decode writes a fresh tensor (its pages are faulted in: compare with clone); decode+add adds into an "
         "existing sum, as the all-reduce does for every peer (compare with y += x; topk touches only its kept "
         "elements, which is why it beats a copy).",
-        "topk: 64 of every 4096 elements (1.56%), 12-bit positions and 2-bit values, 2 fp32 levels per chunk.",
+        topk_note(),
         f"1-minute load average when it started: {load:.2f} on {os.cpu_count()} CPUs (other processes slow every "
         f"row alike). Total {time.perf_counter() - began:.0f} s.",
     ]

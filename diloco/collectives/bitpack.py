@@ -3,9 +3,9 @@
 Layout (little-endian bit order, no padding between fields): field ``i`` of ``bits`` bits occupies stream bits
 ``[i * bits, (i + 1) * bits)``, its least significant bit first; stream bit ``s`` is bit ``s % 8`` (bit 0 the least
 significant) of byte ``s // 8``. The last byte's unused high bits are 0. So ``n`` fields take ``ceil(n * bits / 8)``
-bytes: two 12-bit indices in 3 bytes, four 2-bit codes in one.
+bytes: two 12-bit fields in 3 bytes, four 2-bit codes in one.
 
-Why not one field per byte or int16: a 12-bit index stored in 16 bits wastes a quarter of the sparse payload.
+Why not one field per byte or int16: a 5-bit Elias-Fano low part stored in 8 bits wastes three eighths of it.
 
 How, without a Python loop over fields: ``g`` consecutive fields, where ``g * bits`` is the least common multiple
 of ``bits`` and 8, fill exactly ``g * bits / 8`` bytes; they are combined into one int64 per group (shifted and
