@@ -166,7 +166,7 @@ class RoundCost:
 # ---------------------------------------------------------------- bytes and requests
 def bytes_per_element(fmt: str, block: int = DEFAULT_BLOCK) -> float:
     """Wire bytes per fp32 parameter: fp32 4, bf16 2, int8 1 + 4/block, int4 1/2 + 4/block (fp32 scales), topk
-    (k (index + value bits) / 8 + 4 levels) / chunk."""
+    (Elias-Fano position bits / 8 + k value bits / 8 + 4 levels) / chunk."""
     if fmt == "topk":
         return (_position_bits(TOPK_CHUNK, TOPK_K) / 8 + TOPK_K * TOPK_VALUE_BITS / 8 + 4 * TOPK_LEVELS) / TOPK_CHUNK
     if fmt == "none":

@@ -37,7 +37,7 @@ Formats (``FORMATS``), per tensor, over the tensor flattened in C order:
 
 Sizes: the integer formats cost ``1 + 4 / block`` (int8) and ``0.5 + 4 / block`` (int4) bytes per element: at the
 default block of 256, 3.94x and 7.76x smaller than fp32. ``topk`` at its defaults costs 102 x (5 + 2) + 230 bits
-of positions and codes and 2 x 4 bytes of levels per 4096 elements: 130x smaller than fp32 (177x at 1/64).
+of positions and codes and 2 x 4 bytes of levels per 4096 elements: 130x smaller than fp32 (186x at 1/64).
 
 Determinism: every step is an IEEE-754 operation with one correctly rounded result (absmax, a division, a
 round-half-to-even, a product), a cast, an integer comparison or a copy, with no randomness and no sum, so the same
@@ -57,9 +57,9 @@ tensors are copied to the host), vectorised over chunks of blocks sized for the 
 blockquant``, ``diloco.collectives.topk``).
 
 Every wire payload is tagged in its metadata (``compression`` and ``block``; ``topk``: ``compression``, ``chunk``,
-``k``, ``value_bits`` and ``positions``, the position coding: ``elias-fano``); ``decode`` checks the tag, the parameters and every wire tensor's name, dtype and shape
-against the layout, and raises ``CorruptObjectError`` on any mismatch: a peer using another format is corrupt,
-never silently decoded.
+``k``, ``value_bits`` and ``positions``, the position coding: ``elias-fano``); ``decode`` checks the tag, the
+parameters and every wire tensor's name, dtype and shape against the layout, and raises ``CorruptObjectError`` on
+any mismatch: a peer using another format is corrupt, never silently decoded.
 """
 
 from __future__ import annotations
