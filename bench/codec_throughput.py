@@ -120,7 +120,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-
 def topk_note() -> str:
     """What the topk row measures: the format's defaults, read from ``TopkSpec`` so the note cannot go stale."""
     from diloco.collectives.topk import TopkSpec, low_bits
@@ -129,6 +128,7 @@ def topk_note() -> str:
     return (f"topk: {spec.k} of every {spec.chunk} elements ({100 * spec.k / spec.chunk:.2g}%), positions as "
             f"Elias-Fano ({low_bits(spec.chunk, spec.k)} low bits each and a bitmap per chunk), "
             f"{spec.value_bits}-bit values, {spec.levels} fp32 levels per chunk.")
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     import torch

@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 
+from diloco.collectives.topk import TopkSpec
 from diloco.trainers.data import eval_batches, load_corpus, sample_batch, split_corpus
 from diloco.trainers.gpt_model import GPT, GPTConfig, build_model
 
@@ -81,9 +82,9 @@ class Setting:
     #: The residual's decay before it is added to the next round (``store.error_feedback_decay``; SparseLoCo's beta).
     error_feedback_decay: float = 1.0
     #: The sparse format's parameters (``store.topk_density``, ``store.topk_chunk``, ``store.topk_value_bits``).
-    topk_density: float = 0.025
-    topk_chunk: int = 4096
-    topk_value_bits: int = 2
+    topk_density: float = TopkSpec.density
+    topk_chunk: int = TopkSpec.chunk
+    topk_value_bits: int = TopkSpec.value_bits
     grad_clip: float = 1.0
     weight_decay: float = 0.0
     seed: int = 1337
@@ -211,8 +212,6 @@ class OuterStep:
 
 def sparse_spec(setting: Setting) -> Any:
     """The sparse format's ``TopkSpec`` for ``setting``."""
-    from diloco.collectives.topk import TopkSpec
-
     return TopkSpec(density=setting.topk_density, chunk=setting.topk_chunk, value_bits=setting.topk_value_bits)
 
 

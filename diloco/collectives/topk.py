@@ -182,9 +182,9 @@ def decode_positions(stream: torch.Tensor, rows: int, width: int, kept: int) -> 
     low = low_bits(width, kept)
     slots = upper_bits(width, kept)
     low_nbytes = bitpack.packed_nbytes(rows * kept, low) if low else 0
-    if stream.numel() != low_nbytes + bitpack.packed_nbytes(rows * slots, 1):
-        raise CorruptObjectError(f"topk payload: {stream.numel()} bytes of positions, expected "
-                                 f"{low_nbytes + bitpack.packed_nbytes(rows * slots, 1)}")
+    expected = _positions_nbytes(rows, width, kept)
+    if stream.numel() != expected:
+        raise CorruptObjectError(f"topk payload: {stream.numel()} bytes of positions, expected {expected}")
     upper = bitpack.unpack_flags(stream[low_nbytes:], rows * slots)
     if not bool((upper.view(rows, slots).sum(dim=1, dtype=torch.int32) == kept).all()):
         raise CorruptObjectError(f"topk payload: a chunk's position bitmap does not mark exactly {kept} elements")

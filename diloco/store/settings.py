@@ -17,8 +17,12 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from diloco.collectives.topk import TopkSpec
 from diloco.defaults import DEFAULT_POLL_INTERVAL_S
 from diloco.flags import cli_flag, replica_flag
+
+#: The sparse format's defaults, declared once by the format itself.
+_SPARSE = TopkSpec()
 
 
 def min_replicas_problem(min_replicas: int | None, world_size: int) -> str | None:
@@ -55,12 +59,12 @@ class StoreSettings(BaseModel):
     error_feedback_decay: float = Field(1.0, gt=0, le=1, description="What is kept of the residual each round "
                                         "before it is added (SparseLoCo's beta; 1: plain error feedback).",
                                         json_schema_extra=replica_flag(metavar="BETA"))
-    topk_density: float = Field(0.025, gt=0, le=1, description="topk: the fraction of each chunk's elements sent "
+    topk_density: float = Field(_SPARSE.density, gt=0, le=1, description="topk: the fraction of each chunk's elements sent "
                                 "(SparseLoCo: 1-3%; 2.5% matched fp32 DiLoCo's loss on the convergence bench).",
                                 json_schema_extra=replica_flag(metavar="FRACTION"))
-    topk_chunk: int = Field(4096, ge=2, le=65536, description="topk: elements per chunk, each chunk keeping its "
+    topk_chunk: int = Field(_SPARSE.chunk, ge=2, le=65536, description="topk: elements per chunk, each chunk keeping its "
                             "own largest.", json_schema_extra=replica_flag(metavar="N"))
-    topk_value_bits: int = Field(2, ge=1, le=8, description="topk: bits per kept value (a sign, the rest a "
+    topk_value_bits: int = Field(_SPARSE.value_bits, ge=1, le=8, description="topk: bits per kept value (a sign, the rest a "
                                  "magnitude level).", json_schema_extra=replica_flag(metavar="BITS"))
     spread: int = Field(1, ge=1, le=4096, description="Spread a round's keys over this many prefixes (at large "
                         "N, S3's per-prefix request rate limits a round first: diloco.store.layout).",
@@ -84,8 +88,6 @@ class StoreSettings(BaseModel):
             if self.allreduce == "sharded":
                 raise ValueError("compression: topk needs allreduce gather (the sharded strategy re-encodes every "
                                  "reduced shard, and a sparse format would drop most of the mean); drop one")
-            from diloco.collectives.topk import TopkSpec
-
             try:  # the format's own rules (more levels than kept values, ...), written once, there
                 TopkSpec(density=self.topk_density, chunk=self.topk_chunk, value_bits=self.topk_value_bits)
             except ValueError as exc:
