@@ -17,12 +17,12 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from diloco.collectives.topk import TopkSpec
 from diloco.defaults import DEFAULT_POLL_INTERVAL_S
 from diloco.flags import cli_flag, replica_flag
+from diloco.topk_params import TopkParams
 
-#: The sparse format's defaults, declared once by the format itself.
-_SPARSE = TopkSpec()
+#: The sparse format's defaults, declared once with its rules (``diloco.topk_params``).
+_SPARSE = TopkParams()
 
 
 def min_replicas_problem(min_replicas: int | None, world_size: int) -> str | None:
@@ -89,7 +89,7 @@ class StoreSettings(BaseModel):
                 raise ValueError("compression: topk needs allreduce gather (the sharded strategy re-encodes every "
                                  "reduced shard, and a sparse format would drop most of the mean); drop one")
             try:  # the format's own rules (more levels than kept values, ...), written once, there
-                TopkSpec(density=self.topk_density, chunk=self.topk_chunk, value_bits=self.topk_value_bits)
+                TopkParams(density=self.topk_density, chunk=self.topk_chunk, value_bits=self.topk_value_bits)
             except ValueError as exc:
                 raise ValueError(str(exc).replace("topk ", "topk_", 1)) from None
         return self

@@ -45,6 +45,8 @@ RULES = (
     Rule("the backends and their contract never import the launcher or the CLI",
          lambda name: within(name, EXECUTORS), (LAUNCHER, CLI)),
     Rule("only the CLI imports the CLI", lambda name: not within(name, CLI), (CLI,)),
+    Rule("the store imports neither the collectives, the replica side nor the trainers",
+         lambda name: within(name, "diloco.store"), ("diloco.collectives", "diloco.replica", "diloco.trainers")),
 )
 
 MODULES, EDGES = build()
