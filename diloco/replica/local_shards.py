@@ -17,7 +17,7 @@ that will never come.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -26,14 +26,35 @@ if TYPE_CHECKING:
     from diloco.collectives.parts import PartsAllReduce
     from diloco.replica.checkpoint import CommittedRound
     from diloco.replica.checkpoint_parts import PartCheckpoints
-    from diloco.replica.local_group import LocalGroupManager
     from diloco.replica.parts_setup import PartsSetup
+
+
+class ShardRoundsHost(Protocol):
+    """What the shard rounds use of the local process's manager that owns them
+    (``diloco.replica.local_group.LocalGroupManager``): declared here, so this module does not import the module
+    that imports it."""
+
+    group: Any  # the replica's LocalGroup: rank, size, is_leader, gather_objects, broadcast_object
+
+    @property
+    def inner(self) -> Any | None: ...
+
+    @property
+    def rank(self) -> int: ...
+
+    def relayed(self, message: str) -> Exception: ...
+
+    def current_step(self) -> int: ...
+
+    def share_outcome(self, error: BaseException | None, what: str) -> None: ...
+
+    def mirror_step(self, step: int) -> None: ...
 
 
 class LocalShardRounds:
     """The shard methods of one local process's ``LocalGroupManager`` (see the module docstring)."""
 
-    def __init__(self, manager: LocalGroupManager, parts: PartsSetup | None) -> None:
+    def __init__(self, manager: ShardRoundsHost, parts: PartsSetup | None) -> None:
         self.manager = manager
         self.group = manager.group
         self._parts = parts

@@ -41,6 +41,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from diloco.errors import ObjectNotFound, StoreError
+from diloco.store.s3 import Chunk  # what put_stream accepts; the module is light (boto and s3fs load lazily)
 
 T = TypeVar("T")
 
@@ -65,8 +66,6 @@ _PERMANENT: tuple[type[BaseException], ...] = (
 #: The pieces a local read is done in (``readinto``): bounded, so a huge range never needs a second buffer.
 _READ_PIECE = 8 * 2**20
 
-#: A chunk as ``put_stream`` accepts it: anything with the buffer protocol (bytes, bytearray, memoryview).
-Chunk = bytes | bytearray | memoryview
 
 
 @dataclass(frozen=True)

@@ -41,12 +41,38 @@ import os
 import re
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar
 
 from diloco.errors import ConfigError, StoreError
 
-if TYPE_CHECKING:
-    from diloco.store.objects import Chunk, ObjectStore
+T = TypeVar("T")
+
+#: A chunk as ``put_stream`` accepts it: anything with the buffer protocol (bytes, bytearray, memoryview).
+Chunk = bytes | bytearray | memoryview
+
+
+class _Tally(Protocol):
+    def wrote(self, n: int) -> None: ...
+
+    def request(self, op: str, n: int = 1) -> None: ...
+
+
+class S3Target(Protocol):
+    """What the streaming upload needs of the store it uploads for (an s3:// ``diloco.store.objects.ObjectStore``).
+    Declared here, so that this module, which the store imports (lazily, for s3:// URIs only), does not import the
+    store back."""
+
+    fs: Any
+    put_kwargs: dict[str, Any]
+    traffic_counter: _Tally
+
+    def path(self, key: str) -> str: ...
+
+    def url(self, key: str = "") -> str: ...
+
+    def with_retries(self, op: str, key: str, fn: Callable[[], T]) -> T: ...
+
+    def invalidate(self, path: str) -> None: ...
 
 #: S3 allows at most this many parts in one multipart upload.
 MAX_PARTS = 10_000
@@ -223,7 +249,7 @@ def resolve_s3_uri(explicit: str | None, config_rendezvous: str | None = None,
 
 
 # ---------------------------------------------------------------------------------------------- streaming I/O
-def put_stream(store: ObjectStore, key: str, chunks: Iterable[Chunk], *, expected_size: int | None = None,
+def put_stream(store: S3Target, key: str, chunks: Iterable[Chunk], *, expected_size: int | None = None,
                single_put_max: int | None = None) -> int:
     """Upload the concatenation of ``chunks`` to ``key`` on ``store`` (an s3:// ``ObjectStore``); -> bytes.
 
@@ -320,7 +346,7 @@ class ViewsReader(io.RawIOBase):
         return bytes(buf[:n])
 
 
-def _put_object(store: ObjectStore, key: str, views: list[memoryview]) -> None:
+def _put_object(store: S3Target, key: str, views: list[memoryview]) -> None:
     bucket, s3_key, _ = store.fs.split_path(store.path(key))
     store.with_retries("put", key, lambda: store.fs.call_s3("put_object", Bucket=bucket, Key=s3_key,
                                                       Body=ViewsReader(views)))
@@ -339,7 +365,7 @@ class _MultipartUpload:
     """One multipart upload, started lazily by its first part; parts go up ``PARTS_IN_FLIGHT`` at a time (S3's
     throughput per connection is limited); every call retried and counted by the store."""
 
-    def __init__(self, store: ObjectStore, key: str, part_size: int) -> None:
+    def __init__(self, store: S3Target, key: str, part_size: int) -> None:
         self.store = store
         self.key = key
         self.part_size = part_size
