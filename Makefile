@@ -24,8 +24,9 @@ $(BIN)/diloco: pyproject.toml
 
 setup: $(BIN)/diloco
 
+# The 30 slowest tests are printed at the end, so a test that grew slow is seen in every run.
 test: setup lint docs
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(TEST_SCHEDULING)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(TEST_SCHEDULING) --durations=30
 
 # The documentation site, strictly: a broken link or a page missing from mkdocs.yml's nav fails the build.
 docs: setup

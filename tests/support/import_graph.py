@@ -2,8 +2,9 @@
 
 Every import counts, module-level and function-level alike: a function-level import is still an arrow, and a
 cycle or a forbidden arrow hidden inside a function breaks the layering the same way once that function runs.
-``from a import b`` is an arrow to ``a.b`` when ``a.b`` is a module, else to ``a``; a package's ``__init__`` is a
-target only when the import names the package itself. Relative imports are resolved against the importing module.
+``from a import b`` is an arrow to ``a.b`` when ``a.b`` is a module, else to ``a``; importing a module is also an
+arrow to each package above it outside the importer's own, since Python runs that package's ``__init__`` first
+(``from diloco.collectives.topk import X`` runs ``diloco/collectives/__init__.py``). Relative imports are resolved against the importing module.
 An import under ``if TYPE_CHECKING:`` is an arrow marked ``typing_only``: it counts for the layer rules (the
 annotation still depends on the other side) but not for cycles, because it never runs.
 
@@ -113,8 +114,21 @@ def edges_of(module: Module, modules: Mapping[str, Module], repo: Path = REPO) -
                 targets.append(full if full in modules else base)
         for target in targets:
             known = _known(target, modules)
-            if known is not None and known != module.name:
-                yield Edge(module.name, known, path, node.lineno, typing_only)
+            if known is None or known == module.name:
+                continue
+            yield Edge(module.name, known, path, node.lineno, typing_only)
+            for package in _parents_run(module.name, known, modules):
+                yield Edge(module.name, package, path, node.lineno, typing_only)
+
+
+def _parents_run(source: str, target: str, modules: Mapping[str, Module]) -> Iterator[str]:
+    """The packages whose ``__init__`` importing ``target`` runs first (``a.b.c`` runs ``a`` and ``a.b``), less
+    those ``source`` is inside (already running when it runs) and the top package (run by every import)."""
+    parts = target.split(".")
+    for end in range(2, len(parts)):
+        package = ".".join(parts[:end])
+        if modules.get(package) is not None and modules[package].is_package and not within(source, package):
+            yield package
 
 
 def build(repo: Path = REPO) -> tuple[dict[str, Module], list[Edge]]:
