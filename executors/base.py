@@ -147,7 +147,9 @@ class LaunchSpec(BaseModel):
     entrypoint_args: EntrypointArgs
     gpu: str | None = None
     timeout_s: float | None = None  # wall-clock limit per replica job
-    env: dict[str, str] = Field(default_factory=dict)  # extra environment for every replica
+    #: Extra environment for every replica (the run config's ``env``), under diloco's own contract
+    #: (``replica_env``): names diloco sets are refused by the run config, and shown masked where secret.
+    env: dict[str, str] = Field(default_factory=dict)
     #: Where the launcher publishes ``entrypoint_args`` as the spec object (``<rendezvous>/spec.json``); the
     #: replicas then get ``--spec URI --spec-sha256 HEX`` instead of every setting as a flag. ``None``: the flags.
     spec_uri: str | None = None
@@ -232,6 +234,18 @@ class LaunchPlan(BaseModel):
     cost: PlanCost | None = None
     warnings: list[str] = Field(default_factory=list)
     notes: list[str] = Field(default_factory=list)  # how the backend chose what was not set (a derived size)
+
+    def masked(self) -> LaunchPlan:
+        """The plan as it may be shown (``--dry-run``, its JSON and YAML): every value of the user's ``env`` that
+        looks secret masked, in the spec and wherever a request spells it out (``diloco.executors.user_env``).
+        ``submit`` gets the plan itself, real values and all."""
+        from diloco.executors.user_env import masked, masked_env
+
+        env = self.spec.env
+        if masked_env(env) == env:
+            return self
+        spec = self.spec.model_copy(update={"env": masked_env(env)})
+        return self.model_copy(update={"spec": spec, "requests": masked(self.requests, env)})
 
 
 # ---------------------------------------------------------------------------------------------- handles, status

@@ -25,9 +25,11 @@ Why it looks the way it does:
   the fix, unless forced (``check_capacity``; ``backend.oversubscribe: true``). With ``--procs-per-replica K`` the
   limits count every training process: replicas times K, each of the replica's size.
 * ``plan`` is pure: it computes argv, the added environment, cwd and the log directory and creates nothing.
-* Every replica inherits this process's environment plus ``DILOCO_RUN_ID``, ``REPLICA_RANK``, ``WORLD_SIZE``,
-  ``RENDEZVOUS_URI``, ``PYTHONUNBUFFERED=1`` and, unless already set, an ``OMP_NUM_THREADS`` that shares the CPU
-  cores between the replicas' processes instead of oversubscribing them.
+* Every replica inherits this process's environment plus the run's ``env`` (``--env``), ``DILOCO_RUN_ID``,
+  ``REPLICA_RANK``, ``WORLD_SIZE``, ``RENDEZVOUS_URI``, ``PYTHONUNBUFFERED=1`` and, unless already set, an
+  ``OMP_NUM_THREADS`` that shares the CPU cores between the replicas' processes instead of oversubscribing them.
+  The run directory's ``requests.json`` (what a relaunch repeats) holds that environment, so only its owner may
+  read it.
 """
 
 from __future__ import annotations
@@ -247,7 +249,7 @@ class LocalBackend(ServerlessExecutor[LocalBackendConfig, LocalRunHandle]):
         with terminate_as_interrupt():  # `kill <launcher>` rolls back like Ctrl-C instead of orphaning replicas
             try:
                 os.makedirs(handle.run_dir, exist_ok=True)
-                write_json_atomic(os.path.join(handle.run_dir, REQUESTS_FILE), {"requests": plan.requests})
+                _write_private_json(os.path.join(handle.run_dir, REQUESTS_FILE), {"requests": plan.requests})
                 self._progress(handle, on_progress)  # findable before its first replica exists
                 for request in plan.requests:
                     if os.path.exists(os.path.join(handle.run_dir, RUN_CANCEL_MARKER)):
@@ -842,6 +844,20 @@ def _size(n: int) -> str:
 def _restarts(handle: LocalRunHandle) -> int:
     """Relaunches recorded in ``handle`` (a copy with more is newer: relaunching keeps the number of processes)."""
     return sum(p.restarts for p in handle.processes)
+
+
+def _write_private_json(path: str, data: dict[str, Any]) -> None:
+    """``write_json_atomic`` readable by this user only (0600 from its creation): the requests hold the replicas'
+    environment, ``--env`` credentials included, which a relaunch must repeat, as ``~/.aws/credentials`` is."""
+    import json
+
+    tmp = f"{path}.tmp-{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def _pid_alive(pid: int) -> bool:

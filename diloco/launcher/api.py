@@ -100,11 +100,12 @@ def resolve(config: ConfigSource = None, /, **overrides: Any) -> RunConfig:
 
 def plan(config: ConfigSource = None, /, **overrides: Any) -> LaunchPlan:
     """The dry run (``diloco launch --dry-run``): every request the backend would send, its cost and warnings;
-    nothing is created. Checks what can be checked without launching (the trainer, the rendezvous' form)."""
+    nothing is created. Checks what can be checked without launching (the trainer, the rendezvous' form). Values
+    of ``env`` that look secret are masked (``LaunchPlan.masked``): this is the plan to show."""
     from diloco.launcher.orchestrate import plan_run, preflight
 
     _, launch_plan = plan_run(preflight(_config(config, overrides)))
-    return launch_plan
+    return launch_plan.masked()
 
 
 def _config(config: ConfigSource, overrides: Mapping[str, Any]) -> RunConfig:

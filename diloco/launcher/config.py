@@ -24,6 +24,7 @@ from diloco.errors import ConfigError
 from diloco.executors import DEFAULT_BACKEND
 from diloco.executors.base import BackendConfig
 from diloco.executors.flags import cli_flag
+from diloco.executors.user_env import masked_env, name_problem, value_problem
 from diloco.replica.settings import TrainerRef
 from diloco.store.settings import StoreSettings, min_replicas_problem
 from diloco.trainers.preflight import INJECTED
@@ -108,6 +109,33 @@ class RunConfig(_Strict):
                               "to N times (it rejoins at its peers' round; on EKS the Job's per-index retry); 0 "
                               "never.", json_schema_extra=cli_flag("--max-restarts", metavar="N", minimum=0,
                                                                   note="max_restarts; default 3"))
+    #: Extra environment for every replica on every backend (a package index, a model hub token, a store's
+    #: credentials off AWS). Names diloco sets itself are refused; values that look secret are masked in the dry
+    #: run and the run record (``diloco.executors.user_env``). On Kubernetes a Secret (``--env-from-secret``) keeps
+    #: credentials out of the Job's manifest.
+    env: dict[str, str] = Field(default_factory=dict, description="Environment variables for every replica, on "
+                                "every backend; values that look secret are masked in the dry run and the run "
+                                "record.", json_schema_extra=cli_flag("--env", metavar="KEY=VALUE", multiple=True,
+                                                                      note="env; repeatable"))
+
+
+    @model_validator(mode="before")
+    @classmethod
+    def _env_as_text(cls, data: Any) -> Any:
+        """A YAML number in ``env`` is the text it reads as (``OMP_NUM_THREADS: 4``); anything else but text is
+        refused with the fix, a boolean included (YAML's ``yes`` would otherwise reach the replica as ``True``)."""
+        env = data.get("env") if isinstance(data, dict) else None
+        if not isinstance(env, dict):
+            return data
+        out: dict[str, str] = {}
+        for name, item in env.items():
+            if isinstance(item, int) and not isinstance(item, bool):
+                item = str(item)
+            elif not isinstance(item, str):
+                raise ValueError(f"env.{name}: must be text (got {short(item)}); quote it in YAML, e.g. "
+                                 f"{name}: \"{item}\"")
+            out[str(name)] = item
+        return {**data, "env": out}
 
     @model_validator(mode="before")
     @classmethod
@@ -162,13 +190,46 @@ class RunConfig(_Strict):
         if not self.backend.places_some_replicas() and self.gpu is not None:
             raise ValueError(f"gpu: the {kind} backend runs on this machine and does not place replicas; leave it "
                              f"unset (got {self.gpu!r})")
+        for name, value in self.env.items():
+            problem = env_problem(name, value)
+            if problem:
+                raise ValueError(f"env.{name}: {problem}")
         problem = placeholder_problem(self.model_dump())
         if problem:
             raise ValueError(problem)
         return self
 
+    def recorded(self) -> dict[str, Any]:
+        """The config as the run record and the store's ``run.json`` keep it: plain JSON, with every ``env`` value
+        that looks secret masked (the replicas got the real ones; a later command never needs them)."""
+        data = self.model_dump(mode="json")
+        data["env"] = masked_env(self.env)
+        return data
+
 
 # ---------------------------------------------------------------------------------------------- errors
+def env_problem(name: str, value: str) -> str | None:
+    """Why ``name=value`` cannot go into every replica's environment (None: it can)."""
+    return name_problem(name) or value_problem(value)
+
+
+def parse_env_flags(items: list[str]) -> dict[str, str]:
+    """``--env KEY=VALUE`` items as a mapping, in order (a later one wins). The value is taken verbatim, never
+    parsed as YAML (a URL, a token or ``007`` stays what was typed); a one-line ``ConfigError`` naming ``--env``
+    for an item without ``=`` or a name that cannot be given."""
+    env: dict[str, str] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise ConfigError(f"--env: expected KEY=VALUE (got {short(item)})",
+                              hint="e.g. --env PIP_INDEX_URL=https://pypi.example/simple")
+        problem = env_problem(name, value)
+        if problem:
+            raise ConfigError(f"--env {name}: {problem}", hint="fix or drop that --env")
+        env[name] = value
+    return env
+
+
 def _backend_section(section: dict[str, Any]) -> BackendConfig:
     """The ``backend:`` mapping validated by its own backend's model (looked up in the backend registry).
 
@@ -307,6 +368,13 @@ def merge_sources(
         if key == "backend":
             if backend_kind(data) != value or not isinstance(data.get("backend"), dict):
                 data["backend"] = {"kind": value}
+            continue
+        if key == "env":  # added to the YAML's mapping, not replacing it
+            given = data.get("env") or {}
+            if not isinstance(given, dict):
+                raise ConfigError(f"env: must be a mapping of names to values (got {short(given)})",
+                                  hint="write env: {NAME: value} in the config, or drop it and use --env")
+            data["env"] = {**given, **parse_env_flags(list(value))}
             continue
         set_dotted(data, key, value)
     _apply_backend_flags(data, backend_flags or {})

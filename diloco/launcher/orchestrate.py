@@ -200,7 +200,7 @@ def build_spec(cfg: RunConfig, run_id: str) -> LaunchSpec:
                           **store_settings)
     return LaunchSpec(run_id=run_id, replicas=cfg.replicas, entrypoint_args=args, gpu=cfg.gpu,
                       timeout_s=cfg.timeout_s, spec_uri=f"{args.rendezvous_uri}/{SPEC_KEY}",
-                      max_restarts=cfg.max_restarts)
+                      max_restarts=cfg.max_restarts, env=dict(cfg.env))
 
 
 def _tensorboard_for(cfg: RunConfig, run_id: str) -> str | None:
@@ -426,7 +426,7 @@ def launch(cfg: RunConfig, registry: RunRegistry | None = None, *, force: bool =
             owned = True
             require_conditional_create(store, cfg)
             record = RunRecord(run_id=spec.run_id, backend=plan.backend, created_at=time.time(),
-                               rendezvous_uri=uri, replicas=spec.replicas, config=cfg.model_dump(mode="json"),
+                               rendezvous_uri=uri, replicas=spec.replicas, config=cfg.recorded(),
                                max_restarts=cfg.max_restarts)
             wrote = True
             store.put(RUN_INFO_KEY, json.dumps({"run_id": spec.run_id, "config": record.config},
