@@ -167,7 +167,8 @@ class KubernetesBackend(ServerlessExecutor[KubernetesBackendConfig, KubernetesRu
         if store:
             notes.append("store settings passed to the pods: " + ", ".join(f"{k}={v}" for k, v in sorted(
                 store.items())))
-        return LaunchPlan(backend=self.name, spec=spec, requests=[self.manifest(spec)], notes=notes)
+        return LaunchPlan(backend=self.name, spec=spec, requests=[self.manifest(spec)], notes=notes,
+                          warnings=self._secret_warnings(spec))
 
     def _sizing(self, spec: LaunchSpec) -> PodSizing:
         """The pod's image, GPUs, processes, ``/dev/shm`` and memory (pure: the same answer on every call)."""
@@ -249,8 +250,8 @@ class KubernetesBackend(ServerlessExecutor[KubernetesBackendConfig, KubernetesRu
         volumes = ([code_volume()] if self.ships_code else []) + (
             [shm_volume(sizing.shm_bytes)] if sizing.shm_bytes else [])
         if self.ships_code:
-            pod["initContainers"] = [init_container(sizing.image, spec, self._store_env(spec),
-                                                    cfg.image_pull_policy)]
+            init = init_container(sizing.image, spec, self._init_env(spec), cfg.image_pull_policy)
+            pod["initContainers"] = [self._with_secrets(init)]
         if volumes:
             pod["volumes"] = volumes
         if cfg.service_account:
@@ -269,6 +270,34 @@ class KubernetesBackend(ServerlessExecutor[KubernetesBackendConfig, KubernetesRu
     @staticmethod
     def _store_env(spec: LaunchSpec) -> list[dict[str, Any]]:
         return [{"name": k, "value": v} for k, v in sorted(store_env(spec).items())]
+
+    def _init_env(self, spec: LaunchSpec) -> list[dict[str, Any]]:
+        """The init container's env: the user's (``--env``) first, then the store settings they do not set. Its
+        copy from S3 needs what the replica's store needs (a store's endpoint and keys off AWS); a package index
+        or a hub token is unused there, and harmless."""
+        user = [{"name": k, "value": v} for k, v in sorted(spec.env.items())]
+        return user + [e for e in self._store_env(spec) if e["name"] not in spec.env]
+
+    def _with_secrets(self, container: dict[str, Any]) -> dict[str, Any]:
+        """``container`` with every ``--env-from-secret`` Secret as ``envFrom``: the kubelet sets its keys when the
+        container starts, so no value is in the manifest (a variable the ``env`` list names wins over a Secret's
+        key of the same name, as Kubernetes defines)."""
+        if self.config.env_from_secrets:
+            container["envFrom"] = [{"secretRef": {"name": name}} for name in self.config.env_from_secrets]
+        return container
+
+    @staticmethod
+    def _secret_warnings(spec: LaunchSpec) -> list[str]:
+        """A value that looks secret given by ``--env`` is written in the Job's manifest, which anyone who may read
+        Jobs or pods in the namespace reads: say so, with the way that keeps it out."""
+        from diloco.executors.user_env import looks_secret
+
+        names = [name for name in sorted(spec.env) if looks_secret(name)]
+        if not names:
+            return []
+        return [f"--env {', '.join(names)}: the value is written in the Job's manifest, readable by anyone who may "
+                f"get Jobs or pods in the namespace; put it in a Secret (kubectl create secret generic NAME "
+                f"--from-literal={names[0]}=...) and pass --env-from-secret NAME instead"]
 
     def _container(self, spec: LaunchSpec, sizing: PodSizing) -> dict[str, Any]:
         """The replica: ``python -m <entrypoint> <args>`` (a ready image) or the same through the bootstrap from the
@@ -304,7 +333,7 @@ class KubernetesBackend(ServerlessExecutor[KubernetesBackendConfig, KubernetesRu
             container["volumeMounts"] = mounts
         if cfg.image_pull_policy:
             container["imagePullPolicy"] = cfg.image_pull_policy
-        return container
+        return self._with_secrets(container)
 
     # ------------------------------------------------------------------ the cluster
     def api_client(self) -> Any:

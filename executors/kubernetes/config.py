@@ -95,6 +95,12 @@ class KubernetesBackendConfig(BackendConfig):
     namespace: str = Field("default", description="Kubernetes namespace.",
                            json_schema_extra=cli_flag("--namespace", metavar="NS"))
     service_account: str | None = None  # with IRSA / Pod Identity access to the rendezvous prefix
+    #: Secrets whose every key becomes an environment variable of every pod (both containers), so credentials
+    #: (HF_TOKEN, a store's keys off AWS) stay out of the Job's manifest and the dry run: ``envFrom.secretRef``.
+    env_from_secrets: list[str] = Field(default_factory=list, description="Every key of this Kubernetes Secret "
+                                        "becomes an environment variable of every pod (repeatable).",
+                                        json_schema_extra=cli_flag("--env-from-secret", metavar="NAME",
+                                                                   multiple=True))
     kube_context: str | None = Field(None, description="kubeconfig context (default: its current one).",
                                      json_schema_extra=cli_flag("--context", metavar="NAME"))
     kubeconfig: str | None = None  # default: $KUBECONFIG or ~/.kube/config; inside a pod: the in-cluster config
@@ -140,6 +146,10 @@ class KubernetesBackendConfig(BackendConfig):
         if self.service_account is not None and not _DNS_SUBDOMAIN.match(self.service_account):
             raise ValueError(f"backend.service_account: must be a DNS-1123 subdomain such as diloco-trainer "
                              f"(got {self.service_account!r})")
+        for secret in self.env_from_secrets:
+            if not _DNS_SUBDOMAIN.match(secret) or len(secret) > 253:
+                raise ValueError(f"backend.env_from_secrets: {secret!r} is not a Secret name (a DNS-1123 subdomain: "
+                                 f"lowercase letters, digits, '-' and '.', e.g. hf-token)")
         if self.gpu_product_value is not None and not self.gpu_product_label:
             raise ValueError("backend.gpu_product_value: needs backend.gpu_product_label (the node label it is the "
                              "value of)")
