@@ -122,14 +122,18 @@ def check_request(request: Mapping[str, Any], rank: int, *, procs_per_replica: i
     env = request.get("Environment") or {}
     if len(env) > ENV_MAX_ENTRIES:
         raise _limit_error(rank, "Environment", f"{len(env)} entries (SageMaker allows {ENV_MAX_ENTRIES})",
-                           "pass fewer environment variables")
+                           "pass fewer variables with --env / env: the others are diloco's own")
     for key, value in env.items():
         if not ENV_KEY_RE.match(key) or len(key) > ENV_VALUE_MAX:
             raise _limit_error(rank, f"Environment[{key!r}]", "not a valid variable name",
                                "use letters, digits and underscores, not starting with a digit")
         if len(value) > ENV_VALUE_MAX:
+            from diloco.envvars import RENDEZVOUS_URI
+
+            fix = ("shorten the rendezvous URI (--rendezvous)" if key == RENDEZVOUS_URI else
+                   f"shorten env.{key} (--env {key}=...): SageMaker takes at most {ENV_VALUE_MAX} characters a value")
             raise _limit_error(rank, f"Environment[{key!r}]", f"{len(value)} characters (limit {ENV_VALUE_MAX})",
-                               "shorten the value")
+                               fix)
     algorithm = request["AlgorithmSpecification"]
     for field in ("ContainerEntrypoint", "ContainerArguments"):
         items = algorithm.get(field) or []
