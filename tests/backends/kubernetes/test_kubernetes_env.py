@@ -146,3 +146,18 @@ def test_env_reaches_every_pods_replica(kube: KubernetesEmulator, s3_bucket: str
     for rank in (0, 1):
         seen = json.loads(store.get(f"env/rank_{rank}.json"))
         assert seen == {"MARKER": "from-the-launch", "PIP_INDEX_URL": "https://pypi.example/simple"}, rank
+
+
+def test_a_run_split_over_backends_passes_the_env_to_every_part_and_the_secret_to_the_kubernetes_one(
+        tmp_path: Path) -> None:
+    result = cli("launch", "--backend", "mixed", "--part", "local:1", "--part", "eks:1", "--rendezvous",
+                 "s3://bucket/p/{run_id}", "--env", f"HF_TOKEN={SECRET}", "--env", "MARKER=m",
+                 "--env-from-secret", "hf-token", "--dry-run", "-o", "json", home=tmp_path / "home", cwd=tmp_path,
+                 env={"KUBECONFIG": str(tmp_path / "no-cluster-here")})
+    assert result.returncode == 0, result.stderr
+    assert SECRET not in result.stdout + result.stderr
+    local, eks = (r["request"] for r in json.loads(result.stdout)["requests"])
+    assert local["env"]["MARKER"] == "m" and local["env"]["HF_TOKEN"] == MASK
+    [container] = _pod(eks)["containers"]
+    assert container["envFrom"] == [{"secretRef": {"name": "hf-token"}}]
+    assert {"name": "MARKER", "value": "m"} in container["env"] and {"name": "HF_TOKEN", "value": MASK} in container["env"]
