@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from diloco.executors.checks import Check, DoctorContext
 
 #: Labels and annotations diloco puts on the Job and its pods.
+from diloco.executors.gpus import check_default_image_runs_on
 from diloco.executors.kubernetes.api import _status_of, _timing, api_error, load_api_client
 from diloco.executors.kubernetes.code import (
     CODE_VOLUME,
@@ -158,6 +159,9 @@ class KubernetesBackend(ServerlessExecutor[KubernetesBackendConfig, KubernetesRu
     def plan(self, spec: LaunchSpec) -> LaunchPlan:
         """The Job manifest ``submit`` will create, and how its sizes were chosen; nothing is contacted or created."""
         sizing = self._sizing(spec)
+        if self.config.image is None:  # the default image's CUDA build must have kernels for --gpu's GPU
+            check_default_image_runs_on(replica_gpus(spec.gpu, spec.entrypoint_args.procs_per_replica)[1],
+                                        sizing.image, field=f"--gpu {spec.gpu}")
         notes = [sizing.memory_note] if sizing.memory_note else []
         if self.ships_code:
             notes.append(f"image: {sizing.image} (AWS's public PyTorch training image; pass --image for a ready "

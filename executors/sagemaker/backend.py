@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from diloco.executors.checks import Check, DoctorContext
 
 from diloco.executors.code_channel import bootstrap_environment, code_files, source_directory
+from diloco.executors.gpus import check_default_image_runs_on, gpu_of_instance
 from diloco.executors.sagemaker.cloudwatch import (
     DESCRIBE_LOG_STREAMS_BURST,
     DESCRIBE_LOG_STREAMS_RATE_PER_S,
@@ -52,6 +53,7 @@ from diloco.executors.sagemaker.config import (
     RUN_TAG,
     SageMakerBackendConfig,
     SageMakerRunHandle,
+    cuda12_image,
     default_spot_wait_s,
     instance_type_for,
     job_name,
@@ -242,14 +244,18 @@ class SageMakerBackend(ServerlessExecutor[SageMakerBackendConfig, SageMakerRunHa
                               hint="pass --rendezvous s3://<bucket>/<prefix>/{run_id}")
         region = self.region()
         check_region(region)
-        instance_type = instance_type_for(self.config, spec.gpu)
-        check_instance_type(instance_type)
         procs = spec.entrypoint_args.procs_per_replica
+        instance_type = instance_type_for(self.config, spec.gpu, procs)
+        check_instance_type(instance_type)
         if spec.gpu is not None and procs and procs > 1 and "instance_type" not in self.config.model_fields_set:
             # --gpu A10G --procs-per-replica 4: the same GPU family, with one GPU per local process.
             instance_type = instance_with_gpus(instance_type, procs) or instance_type
         image = self.config.image_uri or training_image_uri(region, instance_type, self.config.framework_version,
                                                             self.config.py_version)
+        if self.config.image_uri is None:  # the default image's CUDA build must run on the instance's GPU
+            check_default_image_runs_on(gpu_of_instance(instance_type), image,
+                                        field=f"--gpu {spec.gpu}" if spec.gpu else f"--instance-type {instance_type}",
+                                        older_image=cuda12_image(region, instance_type))
         requests = [self._request(spec, rank, region, instance_type, image) for rank in spec.own_ranks]
         for rank, request in zip(spec.own_ranks, requests, strict=True):
             check_request(request, rank, procs_per_replica=procs)

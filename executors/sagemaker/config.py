@@ -16,7 +16,7 @@ from diloco.executors.base import (
     RunHandle,
 )
 from diloco.executors.flags import cli_flag
-from diloco.executors.gpus import GPUS, canonical_gpu
+from diloco.executors.gpus import DLC_GPU_CUDA, canonical_gpu, gpu_of_instance, sagemaker_training_instances
 
 if TYPE_CHECKING:
     pass
@@ -62,19 +62,17 @@ CODE_CHANNEL = "code"
 BOOTSTRAP_FILE, SOURCE_ARCHIVE = code_channel.BOOTSTRAP_FILE, code_channel.SOURCE_ARCHIVE  # the same on every backend
 RUN_TAG, RANK_TAG = "diloco:run-id", "diloco:rank"
 
-#: ``--gpu`` names -> the smallest SageMaker training instance with that GPU (``diloco.executors.gpus``, the table
-#: every backend's ``--gpu`` reads).
-GPU_INSTANCE_TYPES = {gpu.name: gpu.sagemaker_instance for gpu in GPUS}
-
 #: Approximate on-demand SageMaker *training* prices in us-east-1, USD per instance-hour, from AWS's public
-#: SageMaker pricing page as of 2024-06. Used only when the Price List API cannot be reached; always labelled an
-#: estimate (prices differ by region and change).
+#: SageMaker pricing page as of 2024-06. ml.p5.4xlarge (one H100, offered since 2025-08, later than the table) is
+#: not read from that page: it is ml.p5.48xlarge's price per GPU (113.07 / 8), an estimate on the high side (AWS
+#: prices the one-GPU size at or below that share). Used only when the Price List API cannot be reached; always
+#: labelled an estimate (prices differ by region and change).
 PRICE_TABLE_DATE = "2024-06"
 PRICE_TABLE_USD_PER_HOUR = {
     "ml.m5.large": 0.115, "ml.m5.xlarge": 0.23, "ml.m5.2xlarge": 0.461, "ml.m5.4xlarge": 0.922,
     "ml.c5.xlarge": 0.204, "ml.c5.2xlarge": 0.408, "ml.g4dn.xlarge": 0.736, "ml.g5.xlarge": 1.408,
     "ml.g5.2xlarge": 1.515, "ml.g6.xlarge": 1.1672, "ml.p3.2xlarge": 3.825, "ml.p4d.24xlarge": 37.688,
-    "ml.p5.48xlarge": 113.07,
+    "ml.p5.4xlarge": 14.13, "ml.p5.48xlarge": 113.07,
 }
 
 
@@ -139,17 +137,31 @@ def job_name(run_id: str, rank: int) -> str:
     return f"{run_id[: JOB_NAME_MAX - len(suffix)].rstrip('-')}{suffix}"
 
 
-def instance_type_for(config: SageMakerBackendConfig, gpu: str | None) -> str:
-    """The instance type: ``--instance-type``, else the one ``--gpu`` names, else the config's default (CPU)."""
+def instance_type_for(config: SageMakerBackendConfig, gpu: str | None, procs: int | None = None) -> str:
+    """The instance type: ``--instance-type``, else the smallest SageMaker training instance with ``--gpu``'s GPU
+    (one per local process with ``--procs-per-replica``), else the config's default (CPU).
+
+    The instance comes from the GPU table's EC2 types (``diloco.executors.gpus``), kept to those in botocore's
+    ``TrainingInstanceType`` enum: ``--gpu H100`` is ``ml.p5.4xlarge`` (one H100), not the 8-GPU ``ml.p5.48xlarge``
+    (eight H100s billed for one process's work). When no size has ``procs`` GPUs the one-GPU size is returned, and the request check
+    (``check_procs_per_replica``) names the flag and the fix."""
     if gpu is None:
         return config.instance_type
     if ":" in gpu:
         raise ConfigError(f"--gpu: SageMaker takes a GPU model such as A10G, not a count (got {gpu!r})",
                           hint="the GPUs per replica follow --procs-per-replica, or set --instance-type")
-    wanted = canonical_gpu(gpu).sagemaker_instance  # any spelling: A10G, a10g, NVIDIA-A10G
-    if "instance_type" in config.model_fields_set and config.instance_type != wanted:
-        raise ConfigError(f"gpu: {gpu} means {wanted}, but backend.instance_type is {config.instance_type}",
+    model = canonical_gpu(gpu)  # any spelling: A10G, a10g, NVIDIA-A10G
+    known = sagemaker_training_instances()
+    if "instance_type" in config.model_fields_set:
+        if gpu_of_instance(config.instance_type) is model:
+            return config.instance_type
+        raise ConfigError(f"gpu: {gpu} means {model.sagemaker_instance(known) or 'an ' + model.name + ' instance'}, "
+                          f"but backend.instance_type is {config.instance_type}",
                           hint="give either --gpu or --instance-type, not both")
+    wanted = model.sagemaker_instance(known, max(1, procs or 1)) or model.sagemaker_instance(known)
+    if wanted is None:
+        raise ConfigError(f"--gpu: no SageMaker training instance with {model.name} is in this botocore's "
+                          "TrainingInstanceType list", hint="upgrade boto3, or pass --instance-type ml.<family>.<size>")
     return wanted
 
 
@@ -288,3 +300,17 @@ def training_image_uri(region: str, instance_type: str, framework_version: str |
     return f"{registry}.dkr.ecr.{region}.{domain}/{config['repository']}:{'-'.join(parts)}"
 
 
+
+
+def cuda12_image(region: str, instance_type: str) -> str:
+    """AWS's newest PyTorch training image with a CUDA 12 build for ``region`` (``DLC_GPU_CUDA``), to name in the
+    hint that refuses a GPU the default CUDA 13 image cannot drive; empty when the tables have none."""
+    from packaging.version import Version
+
+    for version in sorted(DLC_GPU_CUDA, key=Version, reverse=True):
+        if DLC_GPU_CUDA[version].startswith("cu12"):
+            try:
+                return training_image_uri(region, instance_type, version, None)
+            except ConfigError:
+                continue
+    return ""

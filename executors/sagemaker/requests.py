@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from diloco.errors import ConfigError
+from diloco.executors.gpus import GPUS
 
 if TYPE_CHECKING:
     pass
@@ -25,26 +26,21 @@ from diloco.executors.sagemaker.config import (
     TAGS_MAX,
 )
 
-#: GPUs per SageMaker training instance, by family and size (AWS's instance pages). A family not listed whose name
-#: starts with g or p is a GPU family of a size this table does not know (``instance_gpus`` returns None: not
-#: checked); any other family is a CPU one (0 GPUs: local processes run on its CPUs).
-_GPUS_BY_FAMILY: dict[str, dict[str, int]] = {
-    "g4dn": {"xlarge": 1, "2xlarge": 1, "4xlarge": 1, "8xlarge": 1, "16xlarge": 1, "12xlarge": 4, "metal": 8},
-    "g5": {"xlarge": 1, "2xlarge": 1, "4xlarge": 1, "8xlarge": 1, "16xlarge": 1, "12xlarge": 4, "24xlarge": 4,
-           "48xlarge": 8},
-    "g6": {"xlarge": 1, "2xlarge": 1, "4xlarge": 1, "8xlarge": 1, "16xlarge": 1, "12xlarge": 4, "24xlarge": 4,
-           "48xlarge": 8},
-    "g6e": {"xlarge": 1, "2xlarge": 1, "4xlarge": 1, "8xlarge": 1, "16xlarge": 1, "12xlarge": 4, "24xlarge": 4,
-            "48xlarge": 8},
-    "p3": {"2xlarge": 1, "8xlarge": 4, "16xlarge": 8},
-    "p3dn": {"24xlarge": 8},
-    "p4d": {"24xlarge": 8},
-    "p4de": {"24xlarge": 8},
-    "p5": {"48xlarge": 8},
-    "p5e": {"48xlarge": 8},
-    "p5en": {"48xlarge": 8},
-    "p6-b200": {"48xlarge": 8},
-}
+
+def _gpus_by_family() -> dict[str, dict[str, int]]:
+    """GPUs per instance, by family and size, from the GPU table every backend reads (``diloco.executors.gpus``,
+    AWS's instance pages). A family not listed whose name starts with g or p is a GPU family of a size this table
+    does not know (``instance_gpus`` returns None: not checked); any other family is a CPU one (0 GPUs: local
+    processes run on its CPUs)."""
+    table: dict[str, dict[str, int]] = {}
+    for gpu in GPUS:
+        for instance_type, count in gpu.instances.items():
+            family, size = instance_type.split(".", 1)
+            table.setdefault(family, {})[size] = count
+    return table
+
+
+_GPUS_BY_FAMILY = _gpus_by_family()
 
 
 def instance_gpus(instance_type: str) -> int | None:
