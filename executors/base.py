@@ -35,8 +35,9 @@ process can manage a run it did not launch. Backend configuration is a pydantic 
 Its fields may declare command-line flags (``cli_flag``, ``diloco.executors.flags``): ``diloco launch``, ``smoke``
 and ``doctor`` offer them under the backend's own help section.
 
-Every replica gets the same environment on every backend (``LaunchSpec.replica_env``): ``DILOCO_RUN_ID``,
-``REPLICA_RANK``, ``WORLD_SIZE``, ``RENDEZVOUS_URI``, plus the backend's native variables.
+Every replica gets the same environment on every backend (``LaunchSpec.replica_env``): the user's ``env``
+(``--env``), ``DILOCO_RUN_ID``, ``REPLICA_RANK``, ``WORLD_SIZE``, ``RENDEZVOUS_URI``, plus the backend's native
+variables. A plan shown to a person is ``LaunchPlan.masked()``: the user's values that look secret hidden.
 
 A run may be split over several backends (``diloco.executors.mixed``): each then runs a contiguous range of the
 run's ranks (``LaunchSpec.ranks``), ``replicas`` stays the run's world size, and every replica still gets its
