@@ -509,3 +509,80 @@ def test_runs_on_its_own_with_an_embedded_s3_and_stops_its_jobs_on_ctrl_c(tmp_pa
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_caller_policy_refuses_every_action_outside_it_the_way_aws_does(
+    sm: Any, emulator: SageMakerEmulator, job: Callable[..., dict[str, Any]]
+) -> None:
+    """IAM as the services evaluate it (``aws_iam``): an action outside the caller's policy is AccessDeniedException
+    in AWS's words, naming the action and the resource; CreateTrainingJob needs iam:PassRole on its role and
+    sagemaker:AddTags for its tags as well; every action evaluated is recorded."""
+    import boto3
+    from emulators.aws_iam import CallerPolicy
+
+    principal = f"arn:aws:iam::{emulator.account_id}:user/emulator-caller"
+    emulator.set_caller_policy(CallerPolicy(["sagemaker:CreateTrainingJob", "sagemaker:Describe*"],
+                                            principal=principal))
+    request = job("iam-0", "print('hi')", Tags=[{"Key": "k", "Value": "v"}])
+    code, message = error_of(lambda: sm.create_training_job(**request))
+    assert code == "AccessDeniedException"
+    assert message == (f"User: {principal} is not authorized to perform: iam:PassRole on resource: "
+                       f"{request['RoleArn']} because no identity-based policy allows the iam:PassRole action")
+    emulator.set_caller_policy(CallerPolicy(["sagemaker:CreateTrainingJob", "sagemaker:Describe*", "iam:PassRole"],
+                                            principal=principal))
+    assert "sagemaker:AddTags action" in error_of(lambda: sm.create_training_job(**request))[1]
+    assert emulator.jobs() == []  # a refused create creates nothing
+    sm.create_training_job(**job("iam-1", "print('hi')"))  # no tags: AddTags is not needed
+    arn = sm.describe_training_job(TrainingJobName="iam-1")["TrainingJobArn"]
+    code, message = error_of(lambda: sm.list_tags(ResourceArn=arn))
+    assert (code, message) == ("AccessDeniedException", f"User: {principal} is not authorized to perform: "
+                               f"sagemaker:ListTags on resource: {arn} because no identity-based policy allows "
+                               "the sagemaker:ListTags action")
+    assert "sagemaker:ListTrainingJobs because no identity-based policy" in error_of(sm.list_training_jobs)[1]
+    logs = boto3.client("logs", endpoint_url=emulator.logs_url)
+    assert error_of(lambda: logs.describe_log_streams(logGroupName=LOG_GROUP))[0] == "AccessDeniedException"
+    assert emulator.iam_actions.actions() == {
+        "sagemaker:CreateTrainingJob", "iam:PassRole", "sagemaker:AddTags", "sagemaker:DescribeTrainingJob",
+        "sagemaker:ListTags", "sagemaker:ListTrainingJobs", "logs:DescribeLogStreams"}
+    emulator.set_caller_policy(CallerPolicy(["sagemaker:*"], deny=["sagemaker:ListTags"], principal=principal))
+    assert error_of(lambda: sm.list_tags(ResourceArn=arn))[1].endswith(
+        "with an explicit deny in an identity-based policy")
+    assert sm.list_training_jobs()["TrainingJobSummaries"]
+
+
+def test_check_roles_refuses_a_role_that_is_missing_or_does_not_trust_sagemaker(
+    aws_env: str, s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, s3: Any
+) -> None:
+    """CreateTrainingJob's role check, in the service's words: the role must exist (under the ARN's own path) and
+    trust sagemaker.amazonaws.com; a refused job does not exist."""
+    import boto3
+
+    iam = boto3.client("iam")
+
+    def trust(service: str) -> str:
+        return json.dumps({"Version": "2012-10-17", "Statement": [
+            {"Effect": "Allow", "Principal": {"Service": service}, "Action": "sts:AssumeRole"}]})
+
+    good = iam.create_role(RoleName="trusts-sagemaker", AssumeRolePolicyDocument=trust("sagemaker.amazonaws.com"),
+                           Path="/service-role/")["Role"]["Arn"]
+    ec2 = iam.create_role(RoleName="trusts-ec2", AssumeRolePolicyDocument=trust("ec2.amazonaws.com"))["Role"]["Arn"]
+    account = good.split(":")[4]
+    with SageMakerEmulator(aws_endpoint=aws_env, root_dir=tmp_path / "sm", stop_grace_s=1.0, account_id=account,
+                           check_roles=True) as emu:
+        monkeypatch.setenv("AWS_ENDPOINT_URL_SAGEMAKER", emu.url)
+        sm = boto3.client("sagemaker")
+        base = {"AlgorithmSpecification": {"TrainingImage": "training-image:latest", "TrainingInputMode": "File",
+                                           "ContainerEntrypoint": ["python"], "ContainerArguments": ["-c", "pass"]},
+                "OutputDataConfig": {"S3OutputPath": f"s3://{s3_bucket}/output"},
+                "ResourceConfig": {"InstanceType": "ml.m5.xlarge", "InstanceCount": 1, "VolumeSizeInGB": 5},
+                "StoppingCondition": {"MaxRuntimeInSeconds": 60}}
+        for role_arn in (f"arn:aws:iam::{account}:role/no-such-role", ec2,
+                         f"arn:aws:iam::{account}:role/trusts-sagemaker"):  # without its path: another ARN
+            code, message = error_of(lambda r=role_arn: sm.create_training_job(
+                TrainingJobName="role-refused", RoleArn=r, **base))
+            assert (code, message) == ("ValidationException", f"Could not assume role {role_arn}. Please ensure "
+                                       "that the role exists and allows principal 'sagemaker.amazonaws.com' to "
+                                       "assume the role.")
+        assert emu.jobs() == []
+        sm.create_training_job(TrainingJobName="role-taken", RoleArn=good, **base)
+        assert [j.name for j in emu.jobs()] == ["role-taken"]

@@ -20,6 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
+from .aws_iam import ACCESS_DENIED, ActionLog, CallerPolicy, authorize
 from .rate_limits import THROTTLING_CODE, THROTTLING_MESSAGE, Call, RateLimits
 
 MAX_BATCH_EVENTS = 10_000
@@ -125,12 +126,16 @@ class LogsApiFront:
     call is forwarded unchanged (moto does not check signatures) and moto's answer relayed; a refused one gets
     ``{"__type": "ThrottlingException", "message": "Rate exceeded"}`` with HTTP 400, the service's answer.
     ``calls`` records every call with its outcome and parameters, for tests and the bench; ``throttle`` refuses
-    the next calls on purpose, as ``SageMakerEmulator.throttle`` does for SageMaker.
+    the next calls on purpose, as ``SageMakerEmulator.throttle`` does for SageMaker. ``iam``: the caller's policy
+    and the log its actions go to (``aws_iam``): a call the policy refuses gets ``AccessDeniedException`` (HTTP
+    400) before it reaches moto or the read quota.
     """
 
-    def __init__(self, upstream: str, limits: RateLimits | None, *, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, upstream: str, limits: RateLimits | None, *, host: str = "127.0.0.1", port: int = 0,
+                 iam: tuple[CallerPolicy | None, ActionLog] | None = None) -> None:
         self.upstream = upstream.rstrip("/")
         self.limits = limits
+        self.iam: tuple[CallerPolicy | None, ActionLog] = iam or (None, ActionLog())
         self.calls: list[Call] = []
         self._lock = threading.Lock()
         self._throttle_left = 0
@@ -202,6 +207,15 @@ def _front_handler(front: LogsApiFront) -> type[BaseHTTPRequestHandler]:
                 request = json.loads(body or b"{}")
             except ValueError:
                 request = None
+            policy, log = front.iam
+            group = request.get("logGroupName") if isinstance(request, dict) else None
+            denied = authorize(policy, log, f"logs:{operation}",
+                               f"arn:aws:logs:*:*:log-group:{group}:*" if group else None)
+            if denied is not None:
+                payload = json.dumps({"__type": ACCESS_DENIED, "message": denied}).encode()
+                self._send(400, [("Content-Type", "application/x-amz-json-1.1"),
+                                 ("x-amzn-RequestId", str(uuid.uuid4()))], payload)
+                return
             if not front.admit(operation, request if isinstance(request, dict) else None):
                 payload = json.dumps({"__type": THROTTLING_CODE, "message": THROTTLING_MESSAGE}).encode()
                 self._send(400, [("Content-Type", "application/x-amz-json-1.1"),

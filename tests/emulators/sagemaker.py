@@ -73,6 +73,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from .aws_iam import ACCESS_DENIED, ActionLog, CallerPolicy, authorize, role_problem
 from .cloudwatch_logs import LogsApiFront
 from .rate_limits import (
     LOGS_QUOTAS,
@@ -115,7 +116,8 @@ class SageMakerEmulator:
                  credentials: dict[str, str] | None = None, stop_grace_s: float = 120.0,
                  checkpoint_sync_s: float = 1.0, log_flush_s: float = 0.2, spot_savings: float = 0.7,
                  restart_delay_s: float = 0.2, history: int = 0, rate_limits: bool = True,
-                 prebuilt_python: str | Path | None = None, pip_wheelhouse: str | Path | None = None) -> None:
+                 prebuilt_python: str | Path | None = None, pip_wheelhouse: str | Path | None = None,
+                 caller_policy: CallerPolicy | None = None, check_roles: bool = False) -> None:
         """``aws_endpoint``: the S3/Logs server (None: start an embedded moto server). ``interpreter`` stands for
         the image's ``python`` (default: this interpreter). ``prebuilt_python``, if given, stands for it instead in
         jobs on AWS's prebuilt PyTorch training image (the default without ``--image``): an interpreter holding
@@ -125,7 +127,12 @@ class SageMakerEmulator:
         (120 s on the real service; keep it short in tests). ``credentials``: the AWS variables jobs get as the
         execution role's stand-in (default: this process's AWS_ACCESS_KEY_ID/SECRET/SESSION_TOKEN, else fakes).
         ``history``: older, ended jobs already in the account. ``rate_limits``: the account's request-rate quotas
-        (SageMaker's here, CloudWatch Logs' at ``logs_url``); False answers every call, as no real account does."""
+        (SageMaker's here, CloudWatch Logs' at ``logs_url``); False answers every call, as no real account does.
+        ``caller_policy``: the caller's identity policy (``aws_iam``): SageMaker and CloudWatch Logs calls outside it
+        are refused with AccessDeniedException; None allows every action. Either way ``iam_actions`` records every
+        action evaluated. ``check_roles``: CreateTrainingJob refuses a RoleArn that does not exist in IAM (the
+        ``aws_endpoint``'s) or does not trust SageMaker, as the service does; off, any RoleArn is taken (most tests
+        name roles they never create)."""
         self._host, self._port = host, port
         self.account_id = account_id
         self.default_region = default_region
@@ -152,6 +159,10 @@ class SageMakerEmulator:
         self.limits = RateLimits(SAGEMAKER_QUOTAS, SAGEMAKER_DEFAULT_QUOTA) if rate_limits else None
         self.logs_limits = RateLimits(LOGS_QUOTAS) if rate_limits else None
         self._history_size = history
+        self.policy = caller_policy
+        self.iam_actions = ActionLog()
+        self.check_roles = check_roles
+        self._iam: Any = None
         self._past: dict[str, PastJob] = {}
         self._past_summaries: list[dict[str, Any]] = []  # the history never changes: summarized once
         self._moto: Any = None
@@ -186,7 +197,8 @@ class SageMakerEmulator:
         self._past = {job.name: job for job in account_history(self._history_size, region=self.default_region,
                                                                  account_id=self.account_id)}
         self._past_summaries = [job.summary() for job in self._past.values()]
-        self._logs_front = LogsApiFront(self.aws_endpoint, self.logs_limits, host=self._host).start()
+        self._logs_front = LogsApiFront(self.aws_endpoint, self.logs_limits, host=self._host,
+                                        iam=(self.policy, self.iam_actions)).start()
         self._server = ThreadingHTTPServer((self._host, self._port), _make_handler(self))
         self._server.daemon_threads = True
         threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, name="sagemaker-emulator",
@@ -324,6 +336,12 @@ class SageMakerEmulator:
         """Let a job held in ``Interrupted`` come back."""
         self.job(name).resume()
 
+    def set_caller_policy(self, policy: CallerPolicy | None) -> None:
+        """The caller's identity policy from now on, for SageMaker and CloudWatch Logs (None: every action)."""
+        self.policy = policy
+        if self._logs_front is not None:
+            self._logs_front.iam = (policy, self.iam_actions)
+
     # ------------------------------------------------------------------ introspection for tests
     def job(self, name: str) -> TrainingJob:
         with self._lock:
@@ -355,6 +373,7 @@ class SageMakerEmulator:
             handler = _OPERATIONS.get(operation)
             if handler is None:
                 raise ServiceError("UnknownOperationException", f"Operation {operation} is not emulated")
+            self._authorize(operation, body, region)
             try:
                 check_model(operation, body)
                 result = handler(self, body, region)
@@ -365,6 +384,22 @@ class SageMakerEmulator:
             raise
         self._record(operation, None)
         return result
+
+    def _authorize(self, operation: str, body: dict[str, Any], region: str) -> None:
+        """AccessDeniedException for an action the caller's policy lacks (``aws_iam``): the operation's own, and for
+        CreateTrainingJob ``iam:PassRole`` on its role and ``sagemaker:AddTags`` for its tags."""
+        arn = body.get("ResourceArn")
+        if arn is None and body.get("TrainingJobName"):
+            arn = f"arn:aws:sagemaker:{region}:{self.account_id}:training-job/{str(body['TrainingJobName']).lower()}"
+        needed: list[tuple[str, str | None]] = [(f"sagemaker:{operation}", arn)]
+        if operation == "CreateTrainingJob":
+            needed.append(("iam:PassRole", str(body.get("RoleArn"))))
+            if body.get("Tags"):
+                needed.append(("sagemaker:AddTags", arn))
+        for action, resource in needed:
+            denied = authorize(self.policy, self.iam_actions, action, resource)
+            if denied is not None:
+                raise ServiceError(ACCESS_DENIED, denied)
 
     def _record(self, operation: str, error: str | None) -> None:
         with self._lock:
@@ -381,6 +416,10 @@ class SageMakerEmulator:
         errors = semantic_errors(body)
         if errors:
             raise RequestInvalid(validation_message(errors) if len(errors) > 1 else errors[0])
+        if self.check_roles:
+            problem = role_problem(self._iam_client(), body["RoleArn"])
+            if problem is not None:
+                raise RequestInvalid(problem)
         name = body["TrainingJobName"]
         arn = f"arn:aws:sagemaker:{region}:{self.account_id}:training-job/{name.lower()}"
         assert self._runtime is not None
@@ -414,6 +453,17 @@ class SageMakerEmulator:
                 f"The account-level service limit '{job.instance_type} for training job usage' is {limit} "
                 f"Instances, with current utilization of {in_use} Instances and a request delta of 1 Instances. "
                 "Please contact AWS support to request an increase for this limit.")
+
+    def _iam_client(self) -> Any:
+        """IAM of the account, where the execution roles are (the ``aws_endpoint``: the tests' moto)."""
+        if self._iam is None:
+            import boto3
+
+            self._iam = boto3.client("iam", endpoint_url=self.aws_endpoint, region_name=self.default_region,
+                                     aws_access_key_id=self.credentials["AWS_ACCESS_KEY_ID"],
+                                     aws_secret_access_key=self.credentials["AWS_SECRET_ACCESS_KEY"],
+                                     aws_session_token=self.credentials.get("AWS_SESSION_TOKEN"))
+        return self._iam
 
     def _find(self, name: str) -> TrainingJob | PastJob:
         with self._lock:
@@ -631,7 +681,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="run jobs on AWS's PyTorch training image in an interpreter holding only that image's "
                              "packages (built on first use and cached; see tests/emulators/sagemaker_image.py)")
     parser.add_argument("--pip-wheelhouse", default=None, help="folder of wheels jobs' pip installs from")
+    parser.add_argument("--caller-policy", default=None, metavar="FILE",
+                        help="an IAM policy document (JSON): SageMaker, CloudWatch Logs and Service Quotas calls "
+                             "outside its actions get AccessDeniedException (default: every action allowed)")
     args = parser.parse_args(argv)
+    policy = CallerPolicy.from_document(Path(args.caller_policy).read_text(),
+                                        principal=f"arn:aws:iam::{args.account}:user/emulator-caller") \
+        if args.caller_policy else None
     armed = [item.partition("=")[::2] for item in args.fail]
     for job, form in armed:
         if not job or form not in FAILURE_FORMS:
@@ -648,7 +704,7 @@ def main(argv: list[str] | None = None) -> int:
                                  account_id=args.account, default_region=args.region, root_dir=args.root,
                                  stop_grace_s=args.stop_grace, interpreter=args.python, history=args.history,
                                  rate_limits=not args.no_rate_limits, prebuilt_python=prebuilt,
-                                 pip_wheelhouse=args.pip_wheelhouse)
+                                 pip_wheelhouse=args.pip_wheelhouse, caller_policy=policy, check_roles=True)
     emulator.start()
     for job, form in armed:
         emulator.fail(job, form)
@@ -682,7 +738,8 @@ def _start_quotas(emulator: SageMakerEmulator, quota: int) -> Any:
         emulator.set_instance_limit(instance_type, quota)
         for usage in ("training job usage", "spot training job usage", "training warm pool usage"):
             quotas[f"{instance_type} for {usage}"] = quota
-    return QuotasEmulator(quotas, page_size=100).start()  # 100: ListServiceQuotas' largest MaxResults
+    # 100: ListServiceQuotas' largest MaxResults
+    return QuotasEmulator(quotas, page_size=100, policy=emulator.policy).start()
 
 
 def _provision(emulator: SageMakerEmulator, bucket: str, role_name: str) -> str:

@@ -4,7 +4,9 @@ Why: ``diloco doctor --backend sagemaker`` reads the account's training and warm
 ``service-quotas ListServiceQuotas(ServiceCode="sagemaker")``, and moto does not implement that call. This speaks
 the service's JSON 1.1 protocol (``X-Amz-Target: ServiceQuotasV20190624.ListServiceQuotas``), pages with
 ``NextToken``/``MaxResults`` like the service, and is found the standard way, through
-``AWS_ENDPOINT_URL_SERVICE_QUOTAS``.
+``AWS_ENDPOINT_URL_SERVICE_QUOTAS``. With a caller ``policy`` (``aws_iam``) a caller without
+``servicequotas:ListServiceQuotas`` gets ``AccessDeniedException``, as the service answers; ``iam_actions`` records
+the actions evaluated.
 """
 
 from __future__ import annotations
@@ -14,14 +16,18 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from .aws_iam import ACCESS_DENIED, ActionLog, CallerPolicy, authorize
+
 _TARGET = "ServiceQuotasV20190624.ListServiceQuotas"
 
 
 class QuotasEmulator:
     """``QuotasEmulator({"ml.m5.xlarge for training job usage": 4}).start()``; ``url``; ``stop()``."""
 
-    def __init__(self, quotas: dict[str, float], *, page_size: int = 2) -> None:
+    def __init__(self, quotas: dict[str, float], *, page_size: int = 2, policy: CallerPolicy | None = None) -> None:
         self.quotas = dict(quotas)
+        self.policy = policy
+        self.iam_actions = ActionLog()
         self.page_size = page_size  # small, so clients must follow NextToken
         self.calls = 0
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
@@ -68,6 +74,10 @@ def _handler(emulator: QuotasEmulator) -> type[BaseHTTPRequestHandler]:
             raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
             if self.headers.get("X-Amz-Target") != _TARGET:
                 self._reply(400, {"__type": "UnknownOperationException", "Message": "not emulated"})
+                return
+            denied = authorize(emulator.policy, emulator.iam_actions, "servicequotas:ListServiceQuotas")
+            if denied is not None:
+                self._reply(400, {"__type": ACCESS_DENIED, "Message": denied})
                 return
             self._reply(200, emulator.page(json.loads(raw or b"{}")))
 
