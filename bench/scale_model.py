@@ -28,8 +28,11 @@ following diloco/collectives (gather.py, sharded.py):
 * **requests**: ``store.put`` (gather's object, the reduced shard) is one PUT below two parts, ``put_stream``
   (sharded's contribution) one PUT up to one part; above that CreateMultipartUpload + one UploadPart per part
   (``--part-mib``, 50 MiB as ``diloco/store/s3.py``'s ``MULTIPART_CHUNKSIZE``) + CompleteMultipartUpload. Every awaited
-  peer object costs at least one HEAD (``exists``; more when a peer is late: ``--polls``). GETs: gather N-1,
-  sharded 3(N-1). DELETEs (a rank deletes its previous round's objects) are free on S3 and not counted.
+  peer object costs at least one look (``exists``; more when a peer is late: ``--polls``). A look that finds the
+  object is one HEAD; a look at a missing object is a HEAD (404) and then a ListObjectsV2 with ``MaxKeys=1``, which
+  s3fs sends to tell a missing key from a directory (``S3FileSystem._info``, fsspec/s3fs ``s3fs/core.py``), and a
+  LIST is billed at the PUT rate, 12.5 times a HEAD: with ``--polls P`` each object costs P HEADs and P-1 LISTs.
+  GETs: gather N-1, sharded 3(N-1). DELETEs (a rank deletes its previous round's objects) are free on S3 and not counted.
 * **time**: each phase (upload, then the reads it waited for) takes the longer of its bytes at the instance's S3
   throughput and its requests at S3's per-prefix request rate (all N ranks hit the round's prefixes at once),
   plus one request latency, plus half a poll interval for each phase that waits for peers. Encoding, checksums
@@ -61,6 +64,7 @@ GB = 10**9
 # requests (HEAD included) $0.0004 per 1,000; DELETE free. Multipart Create/UploadPart/Complete are PUT/POSTs.
 PRICES_AS_OF = "2026-11-30"
 PUT_USD_PER_1000 = 0.005
+LIST_USD_PER_1000 = PUT_USD_PER_1000  # ListObjectsV2 is priced with PUT, COPY and POST
 GET_USD_PER_1000 = 0.0004
 
 # S3's documented request rate per partitioned prefix (https://docs.aws.amazon.com/AmazonS3/latest/userguide/
@@ -112,7 +116,8 @@ class Assumptions:
     #: ``store.poll_interval_s``: a rank notices a peer's object half an interval late on average. 1 s, between
     #: the built-in default (0.2 s) and what ``configs/sagemaker.yaml`` and ``configs/eks.yaml`` set (2 s).
     poll_interval_s: float = 1.0
-    #: HEADs per awaited object: 1 is the minimum (every peer already there when polled).
+    #: Looks (``exists``) per awaited object: 1 is the minimum (every peer already there when polled); each look
+    #: beyond the one that finds the object is a miss, a HEAD and a LIST.
     polls_per_object: float = 1.0
     part_bytes: int = MULTIPART_CHUNKSIZE
     block: int = DEFAULT_BLOCK
@@ -132,7 +137,8 @@ class Phase:
     bytes_read: int = 0
     put_requests: int = 0
     get_requests: int = 0  # GETs (whole or ranged)
-    polls: int = 0  # HEADs while waiting for peers (billed at the GET rate)
+    polls: int = 0  # looks while waiting for peers: one HEAD each (billed at the GET rate)
+    poll_lists: int = 0  # the looks that missed: one ListObjectsV2 each after the HEAD (billed at the PUT rate)
     waits_for_peers: bool = False
 
 
@@ -151,7 +157,8 @@ class RoundCost:
     limit_read: int  # 2 S (N-1) / N: the bandwidth-optimal read for this payload
     put_requests: int  # per rank: PUT, multipart Create/UploadPart/Complete
     get_requests: int  # per rank: GETs, whole or ranged
-    polls: int  # per rank: HEADs while waiting (at least one per awaited object)
+    polls: int  # per rank: looks while waiting, a HEAD each (at least one per awaited object)
+    poll_lists: int  # per rank: the looks that missed, a LIST each after their HEAD
     round_s: float
     request_bound: bool  # S3's request rate, not bandwidth, sets over 10% of the round's time
     usd: float  # all N ranks
@@ -159,8 +166,8 @@ class RoundCost:
 
     @property
     def total_requests(self) -> int:
-        """Per rank: PUT-class, GETs and polls."""
-        return self.put_requests + self.get_requests + self.polls
+        """Per rank: PUT-class, GETs, and the polls' HEADs and LISTs."""
+        return self.put_requests + self.get_requests + self.polls + self.poll_lists
 
 
 # ---------------------------------------------------------------- bytes and requests
@@ -241,7 +248,7 @@ def gather_phases(n: int, s: int, a: Assumptions) -> tuple[Phase, ...]:
     return (
         Phase("upload", bytes_written=s,
               put_requests=upload_requests(s, a.part_bytes, single_put_max=put_single_max(a.part_bytes))),
-        Phase("read peers", bytes_read=peers * s, get_requests=peers, polls=_polls(peers, a), waits_for_peers=True),
+        Phase("read peers", bytes_read=peers * s, get_requests=peers, **_polls(peers, a), waits_for_peers=True),
     )
 
 
@@ -254,17 +261,25 @@ def sharded_phases(n: int, s: int, s_reduced: int, a: Assumptions) -> tuple[Phas
     probe = min(HEADER_PROBE_BYTES, s)
     return (
         Phase("upload", bytes_written=s, put_requests=upload_requests(s, a.part_bytes)),
-        Phase("reduce-scatter", bytes_read=peers * (probe + shard), get_requests=2 * peers, polls=_polls(peers, a),
+        Phase("reduce-scatter", bytes_read=peers * (probe + shard), get_requests=2 * peers, **_polls(peers, a),
               waits_for_peers=True),
         Phase("publish shard", bytes_written=reduced_shard,
               put_requests=upload_requests(reduced_shard, a.part_bytes, single_put_max=put_single_max(a.part_bytes))),
-        Phase("all-gather", bytes_read=peers * reduced_shard, get_requests=peers, polls=_polls(peers, a),
+        Phase("all-gather", bytes_read=peers * reduced_shard, get_requests=peers, **_polls(peers, a),
               waits_for_peers=True),
     )
 
 
-def _polls(peers: int, a: Assumptions) -> int:
-    return math.ceil(peers * a.polls_per_object)
+def _polls(peers: int, a: Assumptions) -> dict[str, int]:
+    """The HEADs (one per look) and LISTs (one per look that missed: all but the last look at each object) of
+    waiting for ``peers`` objects."""
+    heads = max(peers, math.ceil(peers * a.polls_per_object))
+    return {"polls": heads, "poll_lists": heads - peers}
+
+
+def poll_usd(looks: int, found: int) -> float:
+    """Dollars of ``looks`` polls of which ``found`` found their object: a HEAD each, and a LIST for each miss."""
+    return usd_for(0, looks, lists=looks - found)
 
 
 # ---------------------------------------------------------------- time and dollars
@@ -272,15 +287,15 @@ def phase_seconds(phase: Phase, n: int, a: Assumptions) -> tuple[float, float]:
     """(seconds, of which the request rate adds beyond the transfer) of one phase that all N ranks run at once."""
     transfer = (phase.bytes_written + phase.bytes_read) / a.instance_bytes_per_s
     by_puts = n * phase.put_requests / (PUT_RATE_PER_PREFIX * a.prefixes)
-    by_gets = n * (phase.get_requests + phase.polls) / (GET_RATE_PER_PREFIX * a.prefixes)
+    by_gets = n * (phase.get_requests + phase.polls + phase.poll_lists) / (GET_RATE_PER_PREFIX * a.prefixes)
     busiest = max(transfer, by_puts, by_gets)
     wait = a.poll_interval_s / 2 if phase.waits_for_peers else 0.0
     return busiest + a.request_latency_s + wait, busiest - transfer
 
 
-def usd_for(put_requests: float, get_requests: float) -> float:
-    """Dollars for that many PUT-class and GET-class requests at S3 Standard prices."""
-    return put_requests * PUT_USD_PER_1000 / 1000 + get_requests * GET_USD_PER_1000 / 1000
+def usd_for(put_requests: float, get_requests: float, lists: float = 0) -> float:
+    """Dollars for that many PUT-class, GET-class (HEAD included) and LIST requests at S3 Standard prices."""
+    return (put_requests * PUT_USD_PER_1000 + get_requests * GET_USD_PER_1000 + lists * LIST_USD_PER_1000) / 1000
 
 
 def round_cost(model: str, params: float, n: int, strategy: str, fmt: str, a: Assumptions = Assumptions()
@@ -300,12 +315,14 @@ def round_cost(model: str, params: float, n: int, strategy: str, fmt: str, a: As
     puts = sum(p.put_requests for p in phases)
     gets = sum(p.get_requests for p in phases)
     polls = sum(p.polls for p in phases)
+    lists = sum(p.poll_lists for p in phases)
     return RoundCost(
         model=model, params=params, n=n, strategy=strategy, fmt=fmt, payload_bytes=s,
         bytes_written=sum(p.bytes_written for p in phases), bytes_read=sum(p.bytes_read for p in phases),
         limit_read=math.ceil(2 * s * (n - 1) / n), put_requests=puts, get_requests=gets, polls=polls,
+        poll_lists=lists,
         round_s=sum(t for t, _ in timed), request_bound=sum(x for _, x in timed) > 0.1 * sum(t for t, _ in timed),
-        usd=n * usd_for(puts, gets + polls), phases=phases,
+        usd=n * usd_for(puts, gets + polls, lists), phases=phases,
     )
 
 
@@ -421,11 +438,12 @@ def describe(a: Assumptions) -> str:
     return (
         f"Assumptions: {a.instance_bytes_per_s * 8 / 1e9:g} Gbit/s of S3 throughput per instance, "
         f"{a.request_latency_s * 1e3:g} ms per request, poll interval {a.poll_interval_s:g} s, "
-        f"{a.polls_per_object:g} HEAD per awaited object, {a.part_bytes // MIB} MiB multipart parts, "
+        f"{a.polls_per_object:g} look(s) per awaited object (a HEAD each, and a LIST for each that misses), "
+        f"{a.part_bytes // MIB} MiB multipart parts, "
         f"int8/int4 scale block {a.block}, {a.prefixes} S3 prefix(es) per round at "
         f"{PUT_RATE_PER_PREFIX:,.0f} PUT/s and {GET_RATE_PER_PREFIX:,.0f} GET/s each, sharded reduced shards in "
         f"{'the wire format' if a.reduced == 'same' else FORMAT_LABELS[a.reduced]}; S3 Standard us-east-1 prices "
-        f"as of {PRICES_AS_OF} (PUT ${PUT_USD_PER_1000}/1000, GET/HEAD ${GET_USD_PER_1000}/1000); "
+        f"as of {PRICES_AS_OF} (PUT and LIST ${PUT_USD_PER_1000}/1000, GET/HEAD ${GET_USD_PER_1000}/1000); "
         "encode/decode CPU time and same-region transfer (free) not included."
     )
 
@@ -538,7 +556,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gbit", type=float, default=10.0, help="S3 throughput per instance, Gbit/s (default 10)")
     p.add_argument("--latency-ms", type=float, default=30.0, help="latency per request (default 30 ms)")
     p.add_argument("--poll-s", type=float, default=1.0, help="store.poll_interval_s (default 1)")
-    p.add_argument("--polls", type=float, default=1.0, help="HEADs per awaited object (default 1, the minimum)")
+    p.add_argument("--polls", type=float, default=1.0, help="looks per awaited object (default 1, the minimum; "
+                   "each look a HEAD, each miss also a LIST)")
     p.add_argument("--part-mib", type=int, default=MULTIPART_CHUNKSIZE // MIB, help="multipart part size, MiB")
     p.add_argument("--block", type=int, default=DEFAULT_BLOCK, help="int8/int4 elements per scale (default 256)")
     p.add_argument("--prefixes", type=int, default=1, help="S3 prefixes a round's objects are spread over (store.spread; default 1)")

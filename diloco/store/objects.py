@@ -76,7 +76,9 @@ class StoreTraffic:
     cost is measured, not computed. Subtract two snapshots (``after - before``) for the cost of what happened
     between them. Operation names: ``put``, ``put_if_absent``, ``get``, ``get_range``, ``size``, ``exists``,
     ``list``, ``delete``, and for streamed S3 uploads ``create_multipart``, ``put_part``, ``complete_multipart``,
-    ``abort_multipart``."""
+    ``abort_multipart``. On S3 ``size`` and ``exists`` are a HEAD each, and a look at a missing key is also a
+    ``miss_list``: s3fs follows the 404 with a ListObjectsV2 (``MaxKeys=1``) to tell a missing key from a
+    directory (``S3FileSystem._info``), a request billed at the PUT rate."""
 
     bytes_written: int = 0
     bytes_read: int = 0
@@ -416,8 +418,13 @@ class ObjectStore:
 
         def info() -> int:
             self.invalidate(path)
-            found = self.fs.info(path)
+            try:
+                found = self.fs.info(path)
+            except FileNotFoundError:
+                self._count_miss_list()
+                raise
             if found.get("type") == "directory":
+                self._count_miss_list()
                 raise FileNotFoundError(path)
             return int(found["size"])
 
@@ -437,12 +444,21 @@ class ObjectStore:
             try:
                 info = self.fs.info(path)
             except FileNotFoundError as exc:
+                self._count_miss_list()
                 if (better := self._explain("exists", key, exc)) is not None:
                     raise better from exc
                 return False
-            return info.get("type") != "directory"
+            if info.get("type") == "directory":
+                self._count_miss_list()
+                return False
+            return True
 
         return self.with_retries("exists", key, probe)
+
+    def _count_miss_list(self) -> None:
+        """A HEAD that found no object was followed by s3fs's ListObjectsV2 (``S3FileSystem._info``): count it."""
+        if self.protocol == "s3":
+            self.traffic_counter.request("miss_list")
 
     def list(self, prefix: str = "") -> list[str]:
         """Keys under ``prefix`` (recursive), relative to the root, sorted; temporaries excluded."""

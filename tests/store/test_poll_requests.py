@@ -1,0 +1,96 @@
+"""What a waiting replica's poll really costs on S3: counted on the wire, by the store, and by the cost model.
+
+A look at a peer's object (``ObjectStore.exists``) goes through s3fs's ``_info``: a HeadObject, and when that is a
+404, a ListObjectsV2 with ``MaxKeys=1`` to tell a missing key from a directory (fsspec/s3fs ``s3fs/core.py``,
+``S3FileSystem._info``). A LIST is billed at the PUT rate ($0.005 per 1,000, against $0.0004 for a HEAD), so a miss
+costs 13.5 times what one HEAD does. The requests are counted as moto's server receives them, through a
+forwarding proxy on loopback, and compared with the store's own counter and with ``bench/scale_model.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from support.faultproxy import FaultProxy
+
+from diloco.store.objects import ObjectStore
+
+ROOT = Path(__file__).resolve().parents[2]
+#: S3 Standard request prices (https://aws.amazon.com/s3/pricing/): GET and HEAD; PUT, COPY, POST and LIST.
+HEAD_USD, LIST_USD = 0.0004 / 1000, 0.005 / 1000
+
+
+def load_scale_model() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("scale_model", ROOT / "bench" / "scale_model.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["scale_model"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def wire(proxy: FaultProxy) -> list[str]:
+    """The S3 operations the server received, in order: HEAD (HeadObject) or LIST (ListObjectsV2)."""
+    ops = []
+    for seen in proxy.requests():
+        if seen.method == "HEAD":
+            ops.append("HEAD")
+        elif seen.method == "GET" and "list-type=2" in seen.path:
+            assert "max-keys=1" in seen.path, seen.path
+            ops.append("LIST")
+        else:
+            ops.append(f"{seen.method} {seen.path}")
+    return ops
+
+
+def test_a_look_at_a_missing_object_is_a_head_and_a_list(s3_uri: str, fault_proxy: FaultProxy) -> None:
+    store = ObjectStore(s3_uri)
+    before = store.traffic
+    assert store.exists("round-1/rank-3.bin") is False
+    assert wire(fault_proxy) == ["HEAD", "LIST"]
+    assert (store.traffic - before).requests == {"exists": 1, "miss_list": 1}
+
+    store.put("round-1/rank-3.bin", b"peer's update")
+    fault_proxy.clear()
+    before = store.traffic
+    assert store.exists("round-1/rank-3.bin") is True
+    assert wire(fault_proxy) == ["HEAD"], "a look that finds the object is one HEAD"
+    assert (store.traffic - before).requests == {"exists": 1}
+
+
+@pytest.mark.parametrize("misses", [0, 1, 4])
+def test_the_cost_model_prices_a_wait_as_the_server_counts_it(s3_uri: str, fault_proxy: FaultProxy,
+                                                             misses: int) -> None:
+    """A replica that looks ``misses`` times before its peer's object lands, then once more: the model's HEADs,
+    LISTs and dollars for ``misses + 1`` looks per object are what the server received."""
+    sm = load_scale_model()
+    ObjectStore(s3_uri).put("peer.bin", b"x")
+    fault_proxy.clear()  # the peer's own upload is not the waiting replica's cost
+    store = ObjectStore(s3_uri)
+    for _ in range(misses):
+        assert store.exists("absent.bin") is False
+    assert store.exists("peer.bin") is True
+    ops = wire(fault_proxy)
+    heads, lists = ops.count("HEAD"), ops.count("LIST")
+    assert (heads, lists) == (misses + 1, misses) and len(ops) == heads + lists, ops
+
+    modelled = sm._polls(1, sm.Assumptions(polls_per_object=misses + 1))
+    assert modelled == {"polls": heads, "poll_lists": lists}
+    assert sm.poll_usd(heads, found=1) == pytest.approx(heads * HEAD_USD + lists * LIST_USD)
+    counted = store.traffic.requests
+    assert (counted.get("exists"), counted.get("miss_list", 0)) == (heads, lists), counted
+
+
+def test_an_hour_of_waiting_costs_what_the_docs_say() -> None:
+    """docs/trainers.md and diloco/defaults.py: a replica waiting on S3 at the default 0.2 s costs about $0.10 an
+    hour, at 2 s (configs/sagemaker.yaml, configs/eks.yaml) about $0.01: nearly all of it the LISTs."""
+    sm = load_scale_model()
+    for interval, quoted in ((0.2, 0.10), (2.0, 0.01)):
+        looks = round(3600 / interval)
+        hourly = sm.poll_usd(looks, found=0)
+        assert hourly == pytest.approx(quoted, rel=0.05), (interval, hourly)
+        assert sm.poll_usd(looks, found=looks) < hourly / 13  # what a HEAD-only count said
