@@ -58,6 +58,7 @@ from diloco.executors.kubernetes.config import (
     CANCELLED_ANNOTATION,
     CONFIG_ERROR_EXIT,
     CONTAINER,
+    DO_NOT_DISRUPT_ANNOTATION,
     FAILURE_COUNT,
     GPU_RESOURCE,
     IGNORED_COUNT,
@@ -215,7 +216,9 @@ class KubernetesBackend(ServerlessExecutor[KubernetesBackendConfig, KubernetesRu
                 {"action": "Count", "onExitCodes": {"containerName": CONTAINER, "operator": "In", "values": [
                     EXIT_DROPPED]}},
             ]},
-            "template": {"metadata": {"labels": labels, "annotations": annotations}, "spec": self._pod_spec(spec)},
+            "template": {"metadata": {"labels": labels, "annotations": {DO_NOT_DISRUPT_ANNOTATION: "true",
+                                                                        **annotations}},
+                         "spec": self._pod_spec(spec)},
         }
         if cfg.ttl_seconds_after_finished is not None:
             job_spec["ttlSecondsAfterFinished"] = cfg.ttl_seconds_after_finished

@@ -35,6 +35,12 @@ IGNORED_COUNT = "batch.kubernetes.io/job-index-ignored-failure-count"
 CONTAINER = "replica"
 GPU_RESOURCE = "nvidia.com/gpu"
 IRSA_ANNOTATION = "eks.amazonaws.com/role-arn"
+#: On every pod: Karpenter (and EKS Auto Mode, which runs it) does not voluntarily disrupt a node while a pod with
+#: this annotation runs there: no consolidation, no drift replacement (karpenter docs/concepts/disruption.md, "Pod-
+#: Level Controls"). A replica moved by a disruption is retried, but starts cold (a new node pulls the image, the
+#: bootstrap's pip, the rejoin). Involuntary disruption (spot reclaim, node failure) still happens and is retried;
+#: ``backend.annotations`` may set it to "false" to let the autoscaler move replicas.
+DO_NOT_DISRUPT_ANNOTATION = "karpenter.sh/do-not-disrupt"
 #: The replica entrypoint's exit codes the pod failure policy fails an index on at once, whatever retries are left:
 #: the trainer's own error and a configuration error (a retry would fail the same way), and SIGTERM (a cancel).
 TRAINER_ERROR_EXIT, CONFIG_ERROR_EXIT, SIGTERM_EXIT = 1, 2, 143
