@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 from diloco.executors.code_channel import bootstrap_environment, code_files, source_directory
 from diloco.executors.gpus import check_default_image_runs_on, gpu_of_instance
+from diloco.executors.sagemaker.aws_errors import aws_call, aws_error, client_error
 from diloco.executors.sagemaker.cloudwatch import (
     DESCRIBE_LOG_STREAMS_BURST,
     DESCRIBE_LOG_STREAMS_RATE_PER_S,
@@ -133,15 +134,6 @@ def job_attempt(name: str, rank: int) -> int:
     """Which attempt of ``rank`` a job name is (0: the job the launch created)."""
     found = re.search(rf"-r{rank}-(\d+)$", name)
     return int(found.group(1)) if found else 0
-
-
-def _client_error(exc: BaseException) -> tuple[str, str]:
-    """(code, message) of a botocore error, or the exception's class and text."""
-    response = getattr(exc, "response", None)
-    if isinstance(response, dict):
-        err = response.get("Error", {})
-        return str(err.get("Code") or type(exc).__name__), str(err.get("Message") or exc)
-    return type(exc).__name__, str(exc)
 
 
 def _ts(value: Any) -> float | None:
@@ -368,16 +360,11 @@ class SageMakerBackend(ServerlessExecutor[SageMakerBackendConfig, SageMakerRunHa
                     raise BackendError(f"run {spec.run_id} was cancelled while it was being launched",
                                        hint="its jobs were stopped; launch again when ready")
                 failing = request["TrainingJobName"]
-                try:
-                    sm.create_training_job(**request)
-                except Exception as exc:  # noqa: BLE001 - every cause is reported the same way, with its code
-                    code, message = _client_error(exc)
-                    stopped = len(handle.job_names)
-                    raise BackendError(
-                        f"could not create the SageMaker training job of replica {rank} "
-                        f"({request['TrainingJobName']}): {code}: {message}",
-                        hint=f"the {stopped} job(s) already created were stopped; fix the cause and launch again"
-                        if stopped else "nothing was created; fix the cause and launch again") from exc
+                stopped = len(handle.job_names)
+                aws_call(f"could not create the SageMaker training job of replica {rank} "
+                         f"({request['TrainingJobName']})", lambda r=request: sm.create_training_job(**r),
+                         hint=f"the {stopped} job(s) already created were stopped; fix the cause and launch again"
+                         if stopped else "nothing was created; fix the cause and launch again")
                 failing = None
                 handle.job_names.append(request["TrainingJobName"])
                 if on_progress is not None:
@@ -432,7 +419,7 @@ class SageMakerBackend(ServerlessExecutor[SageMakerBackendConfig, SageMakerRunHa
                 try:
                     status = sm.describe_training_job(TrainingJobName=name).get("TrainingJobStatus")
                 except Exception as exc:  # noqa: BLE001 - not found: never created; anything else: ask again
-                    code, message = _client_error(exc)
+                    code, message = client_error(exc)
                     if "not found" in message.lower() or code == "ResourceNotFound":
                         continue
                     status = None
@@ -466,12 +453,9 @@ class SageMakerBackend(ServerlessExecutor[SageMakerBackendConfig, SageMakerRunHa
         if not self.config.output_s3_uri:
             return []
         base = f"{self.config.output_s3_uri.rstrip('/')}/{handle.run_id}"
-        try:
-            found = self._delete_prefix(base, handle.region or self.region(), dry_run=dry_run)
-        except Exception as exc:  # noqa: BLE001 - reported with its code, the run is kept
-            code, message = _client_error(exc)
-            raise BackendError(f"could not remove {base}/: {code}: {message}",
-                               hint="check you may list and delete objects under it") from exc
+        found = aws_call(f"could not remove {base}/",
+                         lambda: self._delete_prefix(base, handle.region or self.region(), dry_run=dry_run),
+                         hint="check you may list and delete objects under it")
         return [f"{base}/"] if found else []
 
     @staticmethod
@@ -487,7 +471,7 @@ class SageMakerBackend(ServerlessExecutor[SageMakerBackendConfig, SageMakerRunHa
                 sm.stop_training_job(TrainingJobName=name)
                 return
             except Exception as exc:  # noqa: BLE001
-                code, message = _client_error(exc)
+                code, message = client_error(exc)
                 if any(s in message for s in _NOT_STOPPABLE) or code in ("ResourceNotFound",):
                     return
                 if is_transient(exc) and time.monotonic() < deadline:
@@ -496,9 +480,9 @@ class SageMakerBackend(ServerlessExecutor[SageMakerBackendConfig, SageMakerRunHa
                     time.sleep(backoff_s(attempt))
                     attempt += 1
                     continue
-                raise BackendError(f"could not stop SageMaker training job {name}: {code}: {message}",
-                                   hint="stop it in the SageMaker console or with `aws sagemaker "
-                                        f"stop-training-job --training-job-name {name}`") from exc
+                raise aws_error(f"could not stop SageMaker training job {name}", exc,
+                                hint="stop it in the SageMaker console or with `aws sagemaker "
+                                     f"stop-training-job --training-job-name {name}`") from exc
 
     def _ship_code(self, spec: LaunchSpec, region: str) -> None:
         """Upload the wheel, the bootstrap and the source tarball to ``<base>/code/`` (the ``code`` channel)."""
@@ -506,13 +490,10 @@ class SageMakerBackend(ServerlessExecutor[SageMakerBackendConfig, SageMakerRunHa
         bucket, _, key = self.base_uri(spec)[len("s3://"):].partition("/")
         s3 = self.client("s3", region)
         for name, data in files:
-            try:
-                s3.put_object(Bucket=bucket, Key=f"{key}/code/{name}", Body=data)
-            except Exception as exc:  # noqa: BLE001
-                code, message = _client_error(exc)
-                raise BackendError(f"could not upload {name} to s3://{bucket}/{key}/code/: {code}: {message}",
-                                   hint="check you can write to the rendezvous bucket (`diloco doctor --backend "
-                                        "sagemaker --s3 <uri>`); no job was created") from exc
+            aws_call(f"could not upload {name} to s3://{bucket}/{key}/code/",
+                     lambda n=name, d=data: s3.put_object(Bucket=bucket, Key=f"{key}/code/{n}", Body=d),
+                     hint="check you can write to the rendezvous bucket (`diloco doctor --backend sagemaker --s3 "
+                          "<uri>`); no job was created")
 
     # ------------------------------------------------------------------ describe
     def describe(self, handle: SageMakerRunHandle) -> RunStatus:
@@ -575,13 +556,13 @@ class SageMakerBackend(ServerlessExecutor[SageMakerBackendConfig, SageMakerRunHa
         try:
             desc = sm.describe_training_job(TrainingJobName=name)
         except Exception as exc:  # noqa: BLE001
-            code, message = _client_error(exc)
+            code, message = client_error(exc)
             if "not found" in message.lower() or code == "ResourceNotFound":
                 return None, False
             if is_transient(exc):
                 raise
-            raise BackendError(f"could not describe SageMaker training job {name}: {code}: {message}",
-                               hint="check your AWS credentials and region") from exc
+            raise aws_error(f"could not describe SageMaker training job {name}", exc,
+                            hint="check your AWS credentials and region") from exc
         return desc, was_retried(desc)
 
     def native_state(self, desc: Mapping[str, Any]) -> str | None:
@@ -693,37 +674,29 @@ class SageMakerBackend(ServerlessExecutor[SageMakerBackendConfig, SageMakerRunHa
             raise BackendError(f"replica {rank} of run {handle.run_id} has no training job to relaunch",
                                hint="the launch did not get that far; launch the run again")
         sm = self.client("sagemaker", handle.region)
-        try:
-            desc = sm.describe_training_job(TrainingJobName=current)
-        except Exception as exc:  # noqa: BLE001 - the failed job's request cannot be read back: nothing is created
-            code, message = _client_error(exc)
-            raise BackendError(f"could not read back SageMaker training job {current} to relaunch replica {rank}: "
-                               f"{code}: {message}", hint="check your AWS credentials and region") from exc
+        # The failed job's request is read back (description and tags); if it cannot be, nothing is created.
+        reading = f"could not read back SageMaker training job {current} to relaunch replica {rank}"
+        desc = aws_call(reading, lambda: sm.describe_training_job(TrainingJobName=current))
         if desc.get("TrainingJobStatus") in ("InProgress", "Stopping"):
             raise BackendError(f"replica {rank} of run {handle.run_id} is still running ({current}); it cannot be "
                                f"relaunched", hint=f"stop it first: diloco cancel {handle.run_id}")
-        request = self._request_of(sm, desc)
+        tags = aws_call(reading, lambda: sm.list_tags(ResourceArn=desc["TrainingJobArn"]).get("Tags") or [])
+        request = self._request_of(desc, tags)
         request["TrainingJobName"] = attempt_job_name(handle.run_id, rank, job_attempt(current, rank) + 1)
-        try:
-            sm.create_training_job(**request)
-        except Exception as exc:  # noqa: BLE001 - every cause is reported the same way, with its code
-            code, message = _client_error(exc)
-            raise BackendError(f"could not relaunch replica {rank} as SageMaker training job "
-                               f"{request['TrainingJobName']}: {code}: {message}",
-                               hint="fix the cause (quota, permissions) and relaunch with `diloco watch "
-                                    f"{handle.run_id}`") from exc
+        aws_call(f"could not relaunch replica {rank} as SageMaker training job {request['TrainingJobName']}",
+                 lambda: sm.create_training_job(**request),
+                 hint=f"fix the cause (quota, permissions) and relaunch with `diloco watch {handle.run_id}`")
         names = list(handle.job_names)
         names[handle.created_ranks.index(rank)] = request["TrainingJobName"]
         return handle.model_copy(update={"job_names": names})
 
     @staticmethod
-    def _request_of(sm: Any, desc: Mapping[str, Any]) -> dict[str, Any]:
-        """The CreateTrainingJob request a job was created with, from its description and tags."""
+    def _request_of(desc: Mapping[str, Any], tags: list[dict[str, str]]) -> dict[str, Any]:
+        """The CreateTrainingJob request a job was created with, from its description and tags (ListTags)."""
         # A description spells out every default (False flags, empty maps); the request leaves them out.
         request = {k: desc[k] for k in _REQUEST_FIELDS if desc.get(k) is not False and desc.get(k) not in (None, {}, [])}
         algorithm = desc.get("AlgorithmSpecification") or {}
         request["AlgorithmSpecification"] = {k: algorithm[k] for k in _ALGORITHM_FIELDS if k in algorithm}
-        tags = sm.list_tags(ResourceArn=desc["TrainingJobArn"]).get("Tags") or []
         if tags:
             request["Tags"] = tags
         return request
@@ -817,9 +790,8 @@ class SageMakerBackend(ServerlessExecutor[SageMakerBackendConfig, SageMakerRunHa
                 page = sm.list_training_jobs(MaxResults=100, **({"NextToken": token} if token else {}))
             except Exception as exc:  # noqa: BLE001
                 if not is_transient(exc):
-                    code, message = _client_error(exc)
-                    raise BackendError(f"could not list SageMaker training jobs in {region}: {code}: {message}",
-                                       hint="check your AWS credentials and region") from exc
+                    raise aws_error(f"could not list SageMaker training jobs in {region}", exc,
+                                    hint="check your AWS credentials and region") from exc
                 pacer.throttled()
                 time.sleep(backoff_s(attempt))
                 attempt += 1
