@@ -23,7 +23,7 @@ A sharded model (FSDP2) is different: no process holds it whole, so each local p
 restores its own rows through the store (``LocalGroupManager``'s shard methods, ``diloco.replica.local_shards``).
 
 The inner optimizer's per-replica checkpoints (``$DILOCO_CHECKPOINT_DIR``, ``diloco.replica.checkpoint``): a sharded
-model's local processes each keep their own rows' state (``shard_checkpoints``) and get it back on a rejoin. With a
+model's local processes each keep their own rows' state (``inner_state_place``) and get it back on a rejoin. With a
 model every process holds whole (DDP) they are off (``LocalGroupManager`` has no ``rounds``): a rejoining replica
 then starts its inner optimizer fresh, as the log says.
 
@@ -442,10 +442,23 @@ class LocalGroupManager:
         """The whole tensors on local rank 0 (``None`` elsewhere), for the final export."""
         return self._shards.gather(tensors, specs)
 
-    def shard_checkpoints(self) -> tuple[str | None, tuple[int, int]] | None:
-        """Where this process keeps its rows' inner optimizer state: (the run id, (local rank, local processes)),
-        or ``None`` when the replica commits no rounds (no parts setup)."""
-        return self._shards.checkpoint_place()
+    def inner_state_place(self, shards: bool) -> tuple[str | None, tuple[int, int] | None] | None:
+        """Where this process keeps its inner optimizer state: with shards, its own rows' (the run id, (local rank,
+        local processes)), or ``None`` when the replica commits no rounds (no parts setup); a model held whole
+        keeps none here (local rank 0's rounds are its replica manager's)."""
+        return self._shards.checkpoint_place() if shards else None
+
+    # ---------------------------------------------------------------- the wire's state
+    def wire_state(self) -> dict[str, Any]:
+        """None kept across the local group: its processes share no residuals (rank 0's wire is its manager's)."""
+        return {}
+
+    def load_wire_state(self, state: Mapping[str, Any]) -> None:
+        return None
+
+    def error_feedback_active(self) -> bool | None:
+        """Not told: the local processes must agree on the outer rule, and only rank 0 sees the wire."""
+        return None
 
     # ---------------------------------------------------------------- checkpointing
     def state_dict(self) -> dict[str, Any]:

@@ -146,6 +146,11 @@ class ObjectStoreManager:
         if hasattr(self._allreduce, "load_wire_state"):
             self._allreduce.load_wire_state(state)
 
+    def inner_state_place(self, shards: bool) -> tuple[str | None, tuple[int, int] | None] | None:
+        """Where the outer loop keeps the inner optimizer's state: beside committed rounds (the run's id), or None
+        when this replica commits none. A one-process replica keeps its state whole, shards or not."""
+        return (self.rounds.run_id, None) if self.rounds is not None else None
+
     def num_participants(self) -> int:
         """The replicas of the run, ``world_size`` (with ``min_replicas`` a round may average fewer; its manifest,
         ``round_NNNNNN/manifest.json``, names them)."""

@@ -62,7 +62,16 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
+
+from diloco.replica.manager_api import (
+    Manager,
+    RoundKeeper,
+    ShardKeeper,
+    Work,
+    as_round_keeper,
+    as_shard_keeper,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -72,25 +81,6 @@ if TYPE_CHECKING:
     from diloco.replica.checkpoint import InnerOptimizerState
 
 logger = logging.getLogger(__name__)
-
-
-class Work(Protocol):
-    def wait(self, timeout: object = None) -> bool: ...
-
-
-class Manager(Protocol):
-    """What the outer loop needs from a manager (``diloco.replica.manager.ObjectStoreManager`` provides it).
-
-    Optional, used when present: ``metrics`` (a ``diloco.replica.metrics.MetricsWriter``: progress rows and ``report()``),
-    ``store``, ``rank`` and ``world_size`` (the final weights' export), ``report_error``."""
-
-    def start_quorum(self) -> None: ...
-
-    def allreduce(self, tensor_or_tensors: Any) -> Work: ...
-
-    def should_commit(self) -> bool: ...
-
-    def current_step(self) -> int: ...
 
 
 # ---------------------------------------------------------------- pure math (no I/O)
@@ -168,13 +158,16 @@ class _Fragment:
             for name, p in self.local().items():
                 p.copy_(self.global_params[name].to(p.dtype))
 
-    def prepare_sync(self, manager: Manager) -> None:
-        """Compute ``global - local`` and launch its all-reduce without waiting."""
+    def prepare_sync(self, manager: Manager, sharded: ShardKeeper | None = None) -> None:
+        """Compute ``global - local`` and launch its all-reduce without waiting (by rows through ``sharded`` when
+        the fragment's parameters are shards)."""
         if self._work is not None:
             raise RuntimeError(f"fragment {self.index} already has a sync in flight")
         self._grads = pseudo_gradient(self.global_params, self.local())
         if self.specs is not None:
-            self._work = manager.allreduce_shards(self._grads, self.specs)  # type: ignore[attr-defined]
+            if sharded is None:
+                raise RuntimeError(f"fragment {self.index} holds rows of a sharded model, but no ShardKeeper was given")
+            self._work = sharded.allreduce_shards(self._grads, self.specs)
         else:
             self._work = manager.allreduce(self._grads)
 
@@ -347,13 +340,10 @@ class DiLoCo:
                              "model's rows can only be exchanged by rows; leave shard_exchange unset")
         #: Whether every round, commit and rejoin goes by this process's rows (see the module docstring).
         self.shards = sharded or bool(shard_exchange)
-        if self.shards:
-            missing = [m for m in _SHARD_METHODS if not callable(getattr(manager, m, None))]
-            if missing:
-                raise ValueError(f"the model's parameters are exchanged by rows (FSDP2 shards or shard_exchange), "
-                                 f"but the manager ({type(manager).__name__}) has no {', '.join(missing)}: use the "
-                                 f"replica entrypoint's manager")
-        self.manager = manager
+        #: The manager, as what the loop asks of it (``diloco.replica.manager_api``); ``sharded`` is the same
+        #: manager as a ``ShardKeeper`` when the model goes by rows.
+        self.manager: RoundKeeper = as_round_keeper(manager)
+        self.sharded: ShardKeeper | None = as_shard_keeper(manager) if self.shards else None
         self.inner_optimizer = inner_optimizer
         self.sync_every = sync_every
         self.fragment_sync_delay = fragment_sync_delay
@@ -371,7 +361,7 @@ class DiLoCo:
                              f"got {type(model).__name__}")
         self._export_names = _export_names(self._fragments, model)
         self.export_metadata = {str(k): str(v) for k, v in (export_metadata or {}).items()}
-        self._metrics = getattr(manager, "metrics", None)  # a MetricsWriter on ObjectStoreManager
+        self._metrics = self.manager.metrics
         self._preparing: int | None = None  # the fragment whose sync is in flight
         self._failed: BaseException | None = None  # the first error raised by a sync; fatal for this loop
         self._hooks: list[RemovableHandle] = []
@@ -379,7 +369,7 @@ class DiLoCo:
         self.on_rejoin = on_rejoin
         self.rejoined_round: int | None = None  # the committed round this replica rejoined at, if it did
         self.inner_state_restored = False  # the rejoin also restored the inner optimizer's state of that round
-        self._inner_state = _inner_state_for(manager, checkpoint_dir, shards=self.shards)
+        self._inner_state = _inner_state_for(self.manager, checkpoint_dir, shards=self.shards)
 
     # ---------------------------------------------------------------- context manager
     def __enter__(self) -> DiLoCo:
@@ -429,10 +419,9 @@ class DiLoCo:
 
         The trainer's own position (its step counter, data order, inner optimizer) is restored through the
         ``on_rejoin(inner_step)`` hook; without one it restarts with fresh inner state, and the log says so."""
-        rejoin = getattr(self.manager, "rejoin_shards" if self.shards else "rejoin", None)
-        if self.inner_step or not callable(rejoin):
+        if self.inner_step:
             return
-        state = rejoin(self.round_specs()) if self.shards else rejoin()
+        state = self.sharded.rejoin_shards(self.round_specs()) if self.sharded else self.manager.rejoin()
         if state is None:
             return
         for fragment in self._fragments:
@@ -474,7 +463,7 @@ class DiLoCo:
                            "optimizer (%s)", round_number, found.reason, exc)
             return
         self.inner_state_restored = True
-        if found.wire and hasattr(self.manager, "load_wire_state"):
+        if found.wire:
             self.manager.load_wire_state(found.wire)  # the error feedback this replica still owed its peers
         logger.info("restored %s%s", found.reason, " and its error-feedback residuals" if found.wire else "")
 
@@ -490,7 +479,7 @@ class DiLoCo:
                 from diloco.replica.param_shards import local_optimizer_state
 
                 state = local_optimizer_state(state)
-            wire = self.manager.wire_state() if hasattr(self.manager, "wire_state") else {}
+            wire = self.manager.wire_state()
             self._inner_state.save(round_number, state, wire)
         except (OSError, ValueError, TypeError) as exc:
             logger.warning("could not save the inner optimizer state of round %d in %s: %s", round_number,
@@ -499,15 +488,15 @@ class DiLoCo:
     def _record_the_end(self) -> None:
         """Training ended normally: export the global weights (when the manager has a store), then the
         ``final`` metrics row. A failed export raises: a run whose model was not saved has not succeeded."""
-        store = getattr(self.manager, "store", None)
+        store = self.manager.store
         weights: dict[str, torch.Tensor] | None = self.global_state_dict()
-        if self.shards:  # every process takes part; the one with the store gets the whole tensors
-            weights = self.manager.gather_shards(weights, self._export_specs())  # type: ignore[attr-defined]
+        if self.sharded:  # every process takes part; the one with the store gets the whole tensors
+            weights = self.sharded.gather_shards(weights, self._export_specs())
         if store is not None and self._metrics is not None and weights is not None:
             from diloco.replica.final_weights import write_final_weights
 
-            key = write_final_weights(store, getattr(self.manager, "rank", 0), weights, {
-                "rank": getattr(self.manager, "rank", 0), "world_size": getattr(self.manager, "world_size", 1),
+            key = write_final_weights(store, self.manager.rank, weights, {
+                "rank": self.manager.rank, "world_size": self.manager.world_size,
                 "step": self.inner_step, "round": self.manager.current_step(), **self.export_metadata,
             })
             logger.info("final global weights (round %d, step %d) written to %s", self.manager.current_step(),
@@ -566,9 +555,7 @@ class DiLoCo:
                 synced = True
         except Exception as exc:
             self._failed = exc
-            report = getattr(self.manager, "report_error", None)
-            if callable(report):
-                report(exc)
+            self.manager.report_error(exc)
             raise
         if self._metrics is not None:
             if synced:
@@ -581,7 +568,7 @@ class DiLoCo:
         self.manager.start_quorum()
         fragment = self.current_fragment()
         logger.debug("prepare_sync fragment=%d local_step=%d", fragment, self.local_step)
-        self._fragments[fragment].prepare_sync(self.manager)
+        self._fragments[fragment].prepare_sync(self.manager, self.sharded)
         self._preparing = fragment
 
     def perform_sync(self) -> bool:
@@ -591,12 +578,11 @@ class DiLoCo:
             raise RuntimeError("perform_sync without a prepared fragment")
         self._preparing = None
         committed = self._fragments[fragment].perform_sync(self.manager)
-        if committed and self.shards:
-            self.manager.commit_round_shards(self.round_tensors(), self.round_specs())  # type: ignore[attr-defined]
-            self._save_inner_state()
-        commit_round = getattr(self.manager, "commit_round", None)
-        if committed and not self.shards and callable(commit_round):
-            commit_round(self.round_tensors())
+        if committed:
+            if self.sharded:
+                self.sharded.commit_round_shards(self.round_tensors(), self.round_specs())
+            else:
+                self.manager.commit_round(self.round_tensors())
             self._save_inner_state()
         logger.debug("perform_sync fragment=%d committed=%s step=%d", fragment, committed,
                      self.manager.current_step())
@@ -620,9 +606,7 @@ class DiLoCo:
             "inner_step": self.inner_step,
             "fragments": [f.state_dict() for f in self._fragments],
         }
-        manager_state = getattr(self.manager, "state_dict", None)
-        if callable(manager_state):
-            state["manager"] = manager_state()
+        state["manager"] = self.manager.state_dict()
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -638,7 +622,7 @@ class DiLoCo:
             fragment.load_state_dict(saved)
         self.local_step = local_step
         self.inner_step = int(state.get("inner_step", self.inner_step))
-        if "manager" in state and callable(getattr(self.manager, "load_state_dict", None)):
+        if "manager" in state:
             self.manager.load_state_dict(state["manager"])
 
 
@@ -726,39 +710,28 @@ def _require_error_feedback(manager: Manager) -> None:
     manager's collective has none (an uncompressed run, or error feedback turned off)."""
     from diloco.errors import ConfigError
 
-    active = getattr(manager, "error_feedback_active", None)
-    if callable(active) and not active():
+    if as_round_keeper(manager).error_feedback_active() is False:
         raise ConfigError("outer_rule sparseloco replaces the outer momentum with error feedback, but this run "
                           "sends its pseudo-gradients without it",
                           hint="use --compression topk (or another lossy format) with store.error_feedback on")
 
 
-#: What a manager needs for a model exchanged by rows (``diloco.replica.manager``, ``diloco.replica.local_group``).
-_SHARD_METHODS = ("allreduce_shards", "commit_round_shards", "rejoin_shards", "gather_shards")
-
-
-def _inner_state_for(manager: Manager, checkpoint_dir: str | None, *,
+def _inner_state_for(manager: RoundKeeper, checkpoint_dir: str | None, *,
                      shards: bool = False) -> InnerOptimizerState | None:
-    """Where this replica keeps its inner optimizer's state: only with committed rounds (a manager that commits
-    and rejoins) and a checkpoint directory (the argument, else ``$DILOCO_CHECKPOINT_DIR``). A sharded model's
-    local process keeps its own rows' state (``shard_checkpoints``: its run and its place in the replica)."""
+    """Where this replica keeps its inner optimizer's state: only with committed rounds (the manager's
+    ``inner_state_place``) and a checkpoint directory (the argument, else ``$DILOCO_CHECKPOINT_DIR``). A sharded
+    model's local process keeps its own rows' state (its place in the replica)."""
     import os
 
     from diloco.envvars import CHECKPOINT_DIR
     from diloco.replica.checkpoint import InnerOptimizerState
 
     directory = checkpoint_dir or os.environ.get(CHECKPOINT_DIR) or None
-    where = getattr(manager, "shard_checkpoints", None)
-    if directory is not None and shards and callable(where):
-        found = where()
-        if found is None:
-            return None
-        run_id, local = found
-        return InnerOptimizerState(directory, run_id=run_id, rank=getattr(manager, "rank", 0), local=local)
-    rounds = getattr(manager, "rounds", None)
-    if directory is None or rounds is None or not callable(getattr(manager, "commit_round", None)):
+    place = manager.inner_state_place(shards) if directory is not None else None
+    if directory is None or place is None:
         return None
-    return InnerOptimizerState(directory, run_id=getattr(rounds, "run_id", None), rank=getattr(manager, "rank", 0))
+    run_id, local = place
+    return InnerOptimizerState(directory, run_id=run_id, rank=manager.rank, local=local)
 
 
 def _export_names(fragments: Sequence[_Fragment], model: nn.Module | None) -> dict[str, tuple[_Fragment, str]]:
