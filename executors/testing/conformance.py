@@ -156,6 +156,24 @@ class BackendConformance:
         only_r1 = list(backend.logs(handle, [1]))
         assert only_r1 and {r.rank for r in only_r1} == {1}
 
+    def test_every_replica_gets_the_users_env_and_a_shown_plan_masks_its_secrets(self, case: BackendCase,
+                                                                                 tmp_path: Path) -> None:
+        """``LaunchSpec.env`` (``--env``) reaches every replica's environment as given, beside diloco's own
+        variables, and the plan as shown (``LaunchPlan.masked``, what ``--dry-run`` prints) holds no secret value."""
+        backend = case.backend()
+        run_id = _run_id("env")
+        secret = "hf_conformance_" + run_id[-6:]
+        user_env = {"PIP_INDEX_URL": "https://mirror.example/simple", "HF_TOKEN": secret, "SPACED": "a b=c"}
+        spec = case.spec(run_id, replicas=2, lines=1, env_out=str(tmp_path)).model_copy(update={"env": user_env})
+        plan = backend.plan(spec)
+        assert secret not in json.dumps(plan.masked().model_dump(mode="json")), "the shown plan leaks a secret"
+        handle = backend.submit(plan)
+        status = backend.wait(handle, timeout_s=case.patience_s, poll_interval_s=0.2)
+        assert [r.state for r in status.replicas] == [ReplicaState.SUCCEEDED] * 2, status
+        for rank in (0, 1):
+            seen = json.loads((tmp_path / f"rank_{rank}.json").read_text())["env"]
+            assert {name: seen.get(name) for name in user_env} == user_env, f"replica {rank} saw {seen}"
+
     def test_failure_has_exit_code_reason_and_stderr_tail(self, case: BackendCase) -> None:
         backend = case.backend()
         handle = backend.submit(backend.plan(case.spec(_run_id("fail"), replicas=2, fail_rank=1, fail_exit=3)))
