@@ -22,6 +22,7 @@ from diloco.cli.help_texts import ENVIRONMENT, TOP_EPILOG
 from diloco.cli.model_flags import LaunchCommand, given_backend_flags, given_run_flags
 from diloco.cli.render import FormatOpt, OutputFormat, emit, say, to_jsonable
 from diloco.cli.waiting import explain_failures as _explain_failures
+from diloco.cli.waiting import interrupted as _interrupted
 from diloco.cli.waiting import outcome_code as _outcome_code
 from diloco.cli.waiting import print_run as _print_run
 from diloco.cli.waiting import run_of as _run
@@ -314,8 +315,7 @@ def collect(
     try:
         report, timed_out = _wait(view, timeout_s=timeout, fail_fast=fail_fast, output=target, collect=True)
     except KeyboardInterrupt:
-        say(f"stopped waiting; run {run_id} keeps running")
-        raise typer.Exit(exit_codes.INTERRUPTED) from None
+        _interrupted(view, False)  # the run may have ended meanwhile: then it does not "keep running"
     if timed_out:
         _print_run(report, fmt)
         running = [r.rank for r in report.ranks if not r.state.is_terminal]

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field
 
-from diloco.errors import ConfigError, DilocoError, LaunchRefused
+from diloco.errors import BackendError, ConfigError, DilocoError, LaunchRefused
 from diloco.executors import create_backend
 from diloco.executors.base import (
     EntrypointArgs,
@@ -583,6 +583,41 @@ def restart_backoff() -> float:
     return value
 
 
+#: Seconds a wait goes on while some replica's backend cannot be asked, unless ``$DILOCO_UNREACHABLE_PATIENCE_S``
+#: says otherwise. A blip (a token refreshed, an API server restarting) passes well within it; a shell that has no
+#: access to that backend at all (no kubeconfig) would otherwise wait forever, since the replica reads ``unknown``.
+DEFAULT_UNREACHABLE_PATIENCE_S = 300.0
+UNREACHABLE_PATIENCE_ENV = "DILOCO_UNREACHABLE_PATIENCE_S"
+#: How ``MixedBackend.describe`` says a part's backend could not be asked (the reason of its ``unknown`` replicas).
+UNREACHABLE_REASON = "its backend could not be asked"
+
+
+class BackendUnreachable(BackendError):
+    """A wait gave up: some replica's backend could not be asked for ``unreachable_patience()`` seconds while the
+    run had not ended. The run itself is untouched."""
+
+
+def unreachable_patience() -> float:
+    """``$DILOCO_UNREACHABLE_PATIENCE_S``, else ``DEFAULT_UNREACHABLE_PATIENCE_S``."""
+    raw = os.environ.get(UNREACHABLE_PATIENCE_ENV, "").strip()
+    if not raw:
+        return DEFAULT_UNREACHABLE_PATIENCE_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise ConfigError(f"{UNREACHABLE_PATIENCE_ENV}: must be a number of seconds >= 0 (got {raw!r})",
+                          hint=f"e.g. {UNREACHABLE_PATIENCE_ENV}=300, or unset it")
+    return value
+
+
+def unreachable(status: RunStatus) -> list[ReplicaStatus]:
+    """The replicas whose backend could not be asked (``unknown``, saying so)."""
+    return [s for s in status.replicas
+            if s.state == ReplicaState.UNKNOWN and UNREACHABLE_REASON in (s.reason or "")]
+
+
 class RunView:
     """A run being observed: its record, backend and store, described on demand."""
 
@@ -844,17 +879,33 @@ class RunView:
               on_fail_fast: Callable[[ReplicaReport, list[int]], None] | None, fail_fast: bool, max_restarts: int,
               restart_backoff_s: float, on_relaunch: Callable[[int, int, str], None] | None,
               relaunch: bool) -> tuple[RunReport, bool]:
-        """``wait``'s loop."""
+        """``wait``'s loop. A run whose end is recorded (``final_state``) has ended whatever a backend answers
+        now: a part out of this shell's reach reads ``unknown`` forever, and is not waited on. While the run is
+        live, an unreachable backend is said (in ``report.warnings``, with its fix) and waited on for
+        ``unreachable_patience()`` seconds at most, then ``BackendUnreachable``."""
         stopping = False
+        patience = unreachable_patience()
+        out_of_reach_since: float | None = None
         while True:
             status = self.status()
-            if relaunch and not stopping:
+            if relaunch and not stopping and self.final_state is None:
                 status = self._recover(status, max_restarts, restart_backoff_s, on_relaunch)
             report = self.report(status, with_stderr=False)
+            gone = unreachable(status) if self.final_state is None else []
+            if gone:
+                out_of_reach_since = out_of_reach_since if out_of_reach_since is not None else time.monotonic()
+                report.warnings.append(self._unreachable_line(gone, patience))
+            else:
+                out_of_reach_since = None
             if on_update is not None:
                 on_update(report)
-            if status.terminal and not self._recovering:
+            if (status.terminal or self.final_state is not None) and not self._recovering:
                 return self._add_stderr(report), False
+            if out_of_reach_since is not None and time.monotonic() - out_of_reach_since >= patience:
+                raise BackendUnreachable(
+                    f"run {self.record.run_id}: {self._unreachable_line(gone, None)}; stopped waiting after "
+                    f"{patience:g}s", hint=f"the run was not stopped; once that backend answers: "
+                                           f"diloco watch {self.record.run_id}")
             lost = self.lost(status)
             failed = [r for r in report.failed if r.rank in lost]
             if failed and not stopping and not self.can_go_on_without(status):
@@ -868,6 +919,15 @@ class RunView:
             if deadline is not None and time.monotonic() >= deadline:
                 return self._add_stderr(report), True
             time.sleep(poll_interval_s)
+
+    @staticmethod
+    def _unreachable_line(gone: list[ReplicaStatus], patience: float | None) -> str:
+        """One line for the replicas whose backend could not be asked: which, why (with the backend's fix)."""
+        ranks = ", ".join(str(s.rank) for s in gone)
+        backends = ", ".join(dict.fromkeys(s.backend or "its backend" for s in gone))
+        wait = f"; waiting up to {patience:g}s ({UNREACHABLE_PATIENCE_ENV}) for it to answer" \
+            if patience is not None else ""
+        return f"replica(s) {ranks} ({backends}) cannot be seen from here: {gone[0].reason}{wait}"
 
     def _recover(self, status: RunStatus, max_restarts: int, backoff_s: float,
                  on_relaunch: Callable[[int, int, str], None] | None) -> RunStatus:

@@ -290,7 +290,8 @@ class MixedBackend(ServerlessExecutor[MixedBackendConfig, MixedRunHandle]):
                 status = self._describe_part(part)
             except DilocoError as exc:
                 replicas += [ReplicaStatus(rank=rank, state=ReplicaState.UNKNOWN, backend=part.backend,
-                                           part=part.part, reason=f"its backend could not be asked: {exc}")
+                                           part=part.part, reason=f"its backend could not be asked: {exc}"
+                                           + (f" ({exc.hint})" if exc.hint else ""))
                              for rank in part.ranks]
                 continue
             replicas += [r.model_copy(update={"backend": part.backend, "part": part.part}) for r in status.replicas]
