@@ -3,12 +3,30 @@ sized for the work (memory, ``/dev/shm``), plus the store settings the pods need
 
 **The image.** Without ``backend.image`` the pods run AWS's Deep Learning Container for PyTorch training on
 EC2/ECS/EKS from its public ECR registry, ``public.ecr.aws/deep-learning-containers/pytorch-training:<version>-
-<cpu|gpu>-<py>-ec2`` (the tags of aws/deep-learning-containers ``docs/releasenotes/pytorch/pytorch-training-2.9-
-{cpu,gpu}-ec2.md``; 2.9.0 is the newest release with both a CPU and a CUDA build documented there). The CUDA build is
-chosen when the replica asks for GPUs. The public registry needs no credentials on the node, so the same image
-pulls on EKS and on any other cluster with internet access; a cluster without it (or one that wants the regional
-copy, ``763104351884.dkr.ecr.<region>.amazonaws.com/pytorch-training:<same tag>``, whose pull needs the node
-role's ECR permissions) passes ``--image``. The image holds Python, pip, torch and boto3, not diloco.
+<cpu|gpu>-<py>-ec2``. Which release is computed, not written down: ``EC2_RELEASES`` lists the EC2 releases AWS
+publishes with both a CPU and a CUDA tag (aws/deep-learning-containers ``docs/src/data/pytorch-training/<release>-
+{cpu,gpu}-ec2.yml``: the tags, ``public_registry: true`` and ``eop``, the date AWS stops patching it), and
+``default_image_versions`` picks the newest one still patched today whose PyTorch and Python diloco's own
+requirements admit (``newest_admitted_image``, the rule SageMaker's default follows). When every release is past
+its end of patch the newest admitted one is still the best there is. ``backend.framework_version`` and
+``py_version`` choose another. The CUDA build is chosen when the replica asks for GPUs. The public registry needs
+no credentials on the node, so the same image pulls on EKS and on any other cluster with internet access; a
+cluster without it (or one that wants the regional copy, ``763104351884.dkr.ecr.<region>.amazonaws.com/pytorch-
+training:<same tag>``, whose pull needs the node role's ECR permissions) passes ``--image``. The image holds Python,
+pip, torch and boto3, not diloco.
+
+**The node's disk.** The CUDA image is 28,000 MiB unpacked and the CPU one 7,200 MiB (the buildspecs'
+``image_size_baseline``, ``pytorch/training/buildspec-2-10-ec2.yml``; the build fails above 1.2x it). containerd
+keeps the compressed layers as well as the unpacked image on the node's disk, and the kubelet puts the node under
+DiskPressure (and starts evicting) below 10 % free (``nodefs.available<10%``). So an image needs a disk of at least
+twice its unpacked size over 0.9 (``min_disk_gib``: 61 GiB for the CUDA image, 16 GiB for the CPU one; the
+compressed size is not published and is bounded by the unpacked one). Stock nodes have 20 GiB (EKS managed node
+groups' ``diskSize`` default; Karpenter's AL2023 root and Bottlerocket data volume), which the CPU image fits
+and no CUDA PyTorch image does (every CUDA build of PyTorch carries gigabytes of CUDA libraries). Rather than a
+default that cannot train on a GPU, the default stays AWS's CUDA image and the disk is a documented requirement:
+GPU nodes need ``RECOMMENDED_GPU_DISK_GIB`` (100 GiB: the minimum plus room for the OS, a second image during an
+upgrade and the replica's own files); ``diloco doctor --backend eks`` checks the nodes' ephemeral storage against
+it and a pod stuck on a pull that ran out of disk says so, with that fix (``pods.disk_verdict``).
 
 **The code channel**, exactly as the SageMaker backend ships it (``diloco.executors.code_channel``: the one wheel
 builder's wheel, ``diloco_bootstrap.py``, ``source.tar.gz``), is uploaded under the run's store prefix
@@ -38,6 +56,7 @@ The dry run's notes say how it was reached.
 
 from __future__ import annotations
 
+import datetime as dt
 import math
 import os
 import re
@@ -104,9 +123,77 @@ print("diloco: copied " + ", ".join(sorted(names)) + " from " + uri + " to " + t
 """
 
 
+#: AWS's EC2 releases of the PyTorch training image with both a CPU and a CUDA tag ``<version>-{cpu,gpu}-<py>-ec2``
+#: in the public registry, and the day AWS stops patching each (DLC ``docs/src/data/pytorch-training/2.9-{cpu,gpu}-
+#: ec2.yml``, ``2.10-{cpu,gpu}-ec2.yml``: ``tags``, ``public_registry: true``, ``eop``). Add a release here when AWS
+#: publishes one; the default moves by itself as releases age out.
+EC2_RELEASES: tuple[tuple[str, str, str], ...] = (
+    ("2.9.0", "py312", "2026-10-15"),
+    ("2.10.0", "py313", "2027-01-21"),
+)
+#: Unpacked sizes of the default images in MiB (DLC ``pytorch/training/buildspec-2-10-ec2.yml``
+#: ``image_size_baseline``; 2.9's buildspec states the same CUDA size).
+DEFAULT_IMAGE_MIB = {"gpu": 28_000, "cpu": 7_200}
+#: The kubelet's hard eviction threshold ``nodefs.available<10%``: below it the node has DiskPressure.
+EVICTION_FREE = 0.10
+#: The disk to give GPU nodes for the default CUDA image (the minimum is ``min_disk_gib``; see the docstring).
+RECOMMENDED_GPU_DISK_GIB = 100
+#: What EKS managed node groups and Karpenter give a node without a disk setting.
+STOCK_DISK_GIB = 20
+
+
+def default_image_versions(today: dt.date | None = None,
+                           releases: tuple[tuple[str, str, str], ...] = EC2_RELEASES) -> tuple[str, str]:
+    """The default image's (PyTorch version, py version): the newest of ``releases`` still patched ``today``
+    (else the newest of all) whose PyTorch and Python diloco's requirements admit."""
+    from diloco.errors import ConfigError
+    from diloco.executors.sagemaker.config import diloco_ranges, newest_admitted_image
+
+    today = today or dt.datetime.now(dt.timezone.utc).date()
+    patched = [r for r in releases if dt.date.fromisoformat(r[2]) >= today] or list(releases)
+    try:
+        torch, python = diloco_ranges()
+    except ImportError:  # no ``packaging``: nothing to filter by, the newest patched release
+        return max(patched, key=lambda r: tuple(int(p) for p in r[0].split(".")))[:2]
+    table = {"versions": {version: {"py_versions": [py]} for version, py, _ in patched}}
+    try:
+        return newest_admitted_image(table, torch, python, None)
+    except ConfigError:
+        raise ConfigError(f"backend.framework_version: AWS publishes no EC2 PyTorch training image for torch{torch} "
+                          f"and Python {python} (known: {', '.join(r[0] for r in releases)})",
+                          hint="set backend.framework_version and backend.py_version, or pass --image URI") from None
+
+
 def default_image(cfg: KubernetesBackendConfig, gpus: int) -> str:
-    """AWS's public PyTorch training image for EC2/EKS: the CUDA build for a replica with GPUs, else the CPU one."""
-    return f"{DEFAULT_REPOSITORY}:{cfg.framework_version}-{'gpu' if gpus else 'cpu'}-{cfg.py_version}-ec2"
+    """AWS's public PyTorch training image for EC2/EKS: the CUDA build for a replica with GPUs, else the CPU one;
+    the release is ``backend.framework_version``/``py_version``, else ``default_image_versions``."""
+    version, py_version = cfg.framework_version, cfg.py_version
+    if version is None:
+        version, computed_py = default_image_versions()
+        py_version = py_version or computed_py
+    elif py_version is None:
+        py_version = next((py for v, py, _ in EC2_RELEASES if v == version), None)
+        if py_version is None:
+            from diloco.errors import ConfigError
+
+            raise ConfigError(f"backend.py_version: not known for framework_version {version!r} (known releases: "
+                              f"{', '.join(v for v, _, _ in EC2_RELEASES)})", hint="set backend.py_version, e.g. py312")
+    return f"{DEFAULT_REPOSITORY}:{version}-{'gpu' if gpus else 'cpu'}-{py_version}-ec2"
+
+
+def image_unpacked_mib(image: str) -> int | None:
+    """The unpacked size of an AWS PyTorch training image (public or regional, CPU or CUDA), None for others."""
+    repository, _, tag = image.rpartition(":")
+    if not repository.endswith("/pytorch-training"):
+        return None
+    kind = next((k for k in ("gpu", "cpu") if f"-{k}-" in f"-{tag}-"), None)
+    return DEFAULT_IMAGE_MIB.get(kind) if kind else None
+
+
+def min_disk_gib(unpacked_mib: int) -> int:
+    """The smallest node disk (GiB) that holds an image of this unpacked size, its compressed layers (at most as
+    large) and the kubelet's 10 % of free space: ``2 x unpacked / 0.9``, rounded up."""
+    return math.ceil(2 * unpacked_mib * 2**20 / (1 - EVICTION_FREE) / GIB)
 
 
 def code_uri(spec: LaunchSpec) -> str:

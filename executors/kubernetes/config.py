@@ -92,8 +92,8 @@ class KubernetesBackendConfig(BackendConfig):
     image: str | None = Field(None, description="A ready image with diloco installed (default: AWS's public "
                               "PyTorch image, your code shipped).",
                               json_schema_extra=cli_flag("--image", metavar="URI"))
-    framework_version: str = "2.9.0"  # the default image's PyTorch
-    py_version: str = "py312"  # the default image's Python
+    framework_version: str | None = None  # the default image's PyTorch; default: the newest release AWS patches
+    py_version: str | None = None  # the default image's Python; default: that release's
     source_dir: str | None = Field(None, description="Your code, shipped to every pod without image (default: "
                                    "the current directory).",
                                    json_schema_extra=cli_flag("--source-dir", metavar="DIR"))

@@ -234,7 +234,7 @@ def test_without_an_image_two_replicas_train_on_the_public_image_to_identical_we
     job = cluster.job(run_id)
     assert job is not None
     pod = job["spec"]["template"]["spec"]
-    assert pod["initContainers"][0]["image"] == pod["containers"][0]["image"] == f"{DLC}:2.9.0-cpu-py312-ec2"
+    assert pod["initContainers"][0]["image"] == pod["containers"][0]["image"] == f"{DLC}:2.10.0-cpu-py313-ec2"
     env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
     assert env["AWS_ENDPOINT_URL"] == os.environ["AWS_ENDPOINT_URL"], "the pods reach S3 through the manifest"
     assert len(logs) == 2

@@ -67,7 +67,7 @@ def test_without_an_image_the_pods_fetch_the_code_channel_and_run_the_bootstrap_
     pod = _pod(_job(_spec()))
     init, = pod["initContainers"]
     replica, = pod["containers"]
-    assert replica["image"] == init["image"] == f"{DLC}:2.9.0-cpu-py312-ec2"
+    assert replica["image"] == init["image"] == f"{DLC}:2.10.0-cpu-py313-ec2"
     assert init["command"][:2] == ["python", "-c"] and "boto3" in init["command"][2]
     assert _env(init)["DILOCO_CODE_URI"] == f"{RENDEZVOUS}/eks/code" and _env(init)["DILOCO_CODE_DIR"] == \
         "/opt/diloco/code"
@@ -84,7 +84,7 @@ def test_without_an_image_the_pods_fetch_the_code_channel_and_run_the_bootstrap_
 
     gpu_pod = _pod(_job(_spec(gpu="NVIDIA-A10G")))
     assert gpu_pod["containers"][0]["image"] == gpu_pod["initContainers"][0]["image"] == \
-        f"{DLC}:2.9.0-gpu-py312-ec2"
+        f"{DLC}:2.10.0-gpu-py313-ec2"
 
 
 def test_a_ready_image_keeps_the_plain_entrypoint_and_nothing_to_fetch() -> None:

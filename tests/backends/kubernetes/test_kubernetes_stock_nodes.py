@@ -56,3 +56,23 @@ def test_every_pod_asks_karpenter_not_to_disrupt_it_and_a_user_may_say_otherwise
     allowed = _backend(kube, tmp_path, annotations={"karpenter.sh/do-not-disrupt": "false"})
     manifest = allowed.manifest(_spec("nodisrupt-2"))
     assert manifest["spec"]["template"]["metadata"]["annotations"]["karpenter.sh/do-not-disrupt"] == "false"
+
+
+# ---------------------------------------------------------------------------------------------- the default image
+def test_the_default_image_is_the_newest_ec2_release_still_patched_that_diloco_admits() -> None:
+    import datetime as dt
+
+    from diloco.executors.kubernetes.code import EC2_RELEASES, default_image, default_image_versions
+
+    config = KubernetesBackendConfig()
+    assert default_image(config, 0).endswith("pytorch-training:2.10.0-cpu-py313-ec2")
+    assert default_image(config, 1).endswith("pytorch-training:2.10.0-gpu-py313-ec2")
+    assert ("2.9.0", "py312", "2026-10-15") in EC2_RELEASES, "the table is DLC's, end of patch included"
+    releases = (("2.9.0", "py312", "2026-10-15"), ("2.10.0", "py313", "2027-01-21"), ("2.99.0", "py313", "2026-01-01"))
+    assert default_image_versions(dt.date(2026, 12, 4), releases) == ("2.10.0", "py313"), \
+        "a newer release past its end of patch is not the default"
+    assert default_image_versions(dt.date(2025, 12, 1), releases) == ("2.99.0", "py313")
+    assert default_image_versions(dt.date(2030, 1, 1), releases) == ("2.99.0", "py313"), \
+        "when every release is out of patch, the newest is still the best there is"
+    pinned = KubernetesBackendConfig(framework_version="2.9.0")
+    assert default_image(pinned, 1).endswith("pytorch-training:2.9.0-gpu-py312-ec2"), "its Python from the table"
