@@ -41,6 +41,13 @@ from .kube_errors import (
     invalid_object,
     not_found,
 )
+from .kube_images import (
+    DEFAULT_SIZES,
+    DISK_PRESSURE_TAINT,
+    disk_pressure_condition,
+    no_space_message,
+    pull_bytes,
+)
 from .kube_nodes import GPU_RESOURCE, Node, default_node, ready_conditions
 from .kube_store import Obj, Store, now_rfc3339, random_suffix
 from .kube_validation import admit_job, parse_quantity, validate_job
@@ -190,6 +197,8 @@ class PodRuntime:
     restart_at: dict[str, float] = field(default_factory=dict)
     pull_failures: dict[str, int] = field(default_factory=dict)
     volumes_released: bool = False
+    #: An image of this pod does not fit its node's disk (the node has DiskPressure while such a pod waits).
+    disk_full: bool = False
 
 
 def format_intervals(indexes: set[int]) -> str:
@@ -239,6 +248,9 @@ class Cluster:
         self.trackers: dict[str, JobTracker] = {}
         self.holds: list[Hold] = []
         self.image_errors: dict[str, str] = {}
+        #: Image glob -> unpacked MiB (``kube_images``), and the images each node holds (what they cost its disk).
+        self.image_sizes: dict[str, int] = dict(DEFAULT_SIZES)
+        self.node_images: dict[str, set[str]] = {}
         self.denials: list[Denial] = []
         self.rejections: list[Rejection] = []
         #: Declared nodes by name (their GPUs' device ids), when each lost node stopped answering, and the
@@ -893,6 +905,9 @@ class Cluster:
                 self.store.touch("pods", pod)
             return
         runtime = self.runtimes.setdefault(pod["metadata"]["uid"], PodRuntime())
+        if runtime.disk_full and (pod["metadata"].get("deletionTimestamp") or is_terminal(pod)):
+            runtime.disk_full = False
+            self._refresh_disk_pressure(pod["spec"]["nodeName"])
         if pod["metadata"].get("deletionTimestamp"):
             self._terminate(pod, runtime)
         elif not is_terminal(pod):
@@ -917,12 +932,63 @@ class Cluster:
                 self._image_pull_failure(pod, runtime, c, message)
         if runtime.waiting:
             return
+        for c in [*pod["spec"].get("initContainers", []), *pod["spec"]["containers"]]:
+            if not self._pull_fits(pod, runtime, c):
+                if pod["spec"].get("initContainers") and c["name"] not in {x["name"] for x in pod["spec"]["containers"]}:
+                    for main in pod["spec"]["containers"]:
+                        runtime.waiting[main["name"]] = ("PodInitializing", "")
+                return
         runtime.started = True
         for c in pod["spec"].get("initContainers", [])[:1] or pod["spec"]["containers"]:
             self._start_container(pod, runtime, c)
         if pod["spec"].get("initContainers"):
             for c in pod["spec"]["containers"]:
                 runtime.waiting[c["name"]] = ("PodInitializing", "")
+
+    def _pull_fits(self, pod: Obj, runtime: PodRuntime, container: Obj) -> bool:
+        """Pull the container's image onto the pod's node if it is not there; False (the kubelet's pull error, the
+        node's DiskPressure) when it does not fit the disk (``kube_images``)."""
+        node_name, image = pod["spec"]["nodeName"], container["image"]
+        present = self.node_images.setdefault(node_name, set())
+        if image in present:
+            return True
+        node = self.store.get("nodes", "", node_name) or {}
+        raw = (node.get("status") or {}).get("capacity", {}).get("ephemeral-storage")
+        used = sum(pull_bytes(i, self.image_sizes) for i in present)
+        if raw is not None and used + pull_bytes(image, self.image_sizes) > runtime_limits.quantity_bytes(raw):
+            self._image_pull_failure(pod, runtime, container, no_space_message(image))
+            runtime.disk_full = True
+            self._refresh_disk_pressure(node_name)
+            return False
+        present.add(image)
+        return True
+
+    def _refresh_disk_pressure(self, node_name: str) -> None:
+        """The node's ``DiskPressure`` condition and ``disk-pressure`` taint: set while a pod on it waits for an
+        image that does not fit, cleared when none does."""
+        node = self.store.get("nodes", "", node_name)
+        if node is None:
+            return
+        pressure = any(self.runtimes.get(p["metadata"]["uid"], PodRuntime()).disk_full for p in self._pods_on(node_name)
+                       if not is_terminal(p) and not p["metadata"].get("deletionTimestamp"))
+        conditions = node["status"].setdefault("conditions", [])
+        current = next((c for c in conditions if c["type"] == "DiskPressure"), None)
+        if current is not None and (current["status"] == "True") == pressure:
+            return
+        stamp = now_rfc3339()
+        conditions[:] = [disk_pressure_condition(stamp, pressure) if c["type"] == "DiskPressure" else c
+                         for c in conditions] if current is not None else [*conditions,
+                                                                           disk_pressure_condition(stamp, pressure)]
+        taints = [t for t in node["spec"].get("taints", []) if t.get("key") != DISK_PRESSURE_TAINT]
+        if pressure:
+            taints.append({"key": DISK_PRESSURE_TAINT, "effect": "NoSchedule"})
+        if taints:
+            node["spec"]["taints"] = taints
+        else:
+            node["spec"].pop("taints", None)
+        self.store.touch("nodes", node)
+        status = "NodeHasDiskPressure" if pressure else "NodeHasNoDiskPressure"
+        self.record_event("Node", node, "Normal", status, f"Node {node_name} status is now: {status}", "kubelet")
 
     def _image_pull_failure(self, pod: Obj, runtime: PodRuntime, container: Obj, message: str) -> None:
         """``ErrImagePull`` on the first attempt, ``ImagePullBackOff`` after, with the kubelet's events."""

@@ -29,6 +29,14 @@ Where the values come from:
   (awslabs/amazon-eks-ami ``bootstrap.sh`` / ``nodeadm`` kubelet defaults). Capacity memory is the instance's
   nominal memory less about 5 % the firmware and kernel keep (what ``kubectl describe node`` shows on EKS; an
   approximation, not a per-type measurement).
+- Disk (``ephemeral-storage``): the filesystem the kubelet and containerd share. An EKS managed node group's
+  default disk is **20 GiB** (CreateNodegroup ``diskSize``: "the default disk size is 20 GiB for Linux and
+  Bottlerocket"); Karpenter's EC2NodeClass defaults are a **20Gi** root volume for AL2023 and a 20Gi data volume
+  for Bottlerocket (karpenter ``docs/concepts/nodeclasses.md``, "blockDeviceMappings" defaults). So
+  :func:`eks_node` and :func:`karpenter_node` get ``disk_gib=20`` unless a test asks for more (``disk_gib=100``,
+  or ``--node eks:TYPE@100Gi``). Capacity is the disk; allocatable holds back the EKS AMI's kube-reserved
+  ``ephemeral-storage: 1Gi`` and the kubelet's hard eviction threshold ``nodefs.available<10%`` (kubelet
+  defaults). A plain node keeps a roomy ~100 GB disk. What images cost it: ``kube_images``.
 - Device ids: the device plugin's default ``deviceIDStrategy=uuid`` sets ``NVIDIA_VISIBLE_DEVICES`` to
   ``GPU-<uuid>`` values (NVIDIA/k8s-device-plugin README, "deviceListStrategy"/"deviceIDStrategy").
 """
@@ -43,6 +51,11 @@ from dataclasses import dataclass, field
 from .kube_store import Obj, now_rfc3339
 
 GPU_RESOURCE = "nvidia.com/gpu"
+#: The stock node disks (GiB): EKS managed node groups' ``diskSize`` default and Karpenter's AL2023 root /
+#: Bottlerocket data volume default (see the module docstring).
+MANAGED_NODEGROUP_DISK_GIB = 20
+KARPENTER_DISK_GIB = 20
+GIB = 1024 ** 3
 #: What ``kubeletVersion`` the emulated nodes report (the API server's minor version).
 KUBELET_VERSION = "v1.33.0-eks-emulator"
 
@@ -101,13 +114,19 @@ class Node:
     gpu_ids: tuple[str, ...] = ()
     provider_id: str = ""
     unschedulable: bool = False
+    #: The node's disk in GiB (``ephemeral-storage`` capacity); None: a roomy ~100 GB one.
+    disk_gib: float | None = None
 
     def __post_init__(self) -> None:
         self.labels = {"kubernetes.io/hostname": self.name, "kubernetes.io/os": "linux", "kubernetes.io/arch": "amd64",
                        "beta.kubernetes.io/os": "linux", "beta.kubernetes.io/arch": "amd64", **self.labels}
-        self.allocatable = {"pods": "110", "ephemeral-storage": "95551679124", "hugepages-1Gi": "0",
-                            "hugepages-2Mi": "0", **self.allocatable}
-        self.capacity = {**self.allocatable, "ephemeral-storage": "104845292Ki", **self.capacity}
+        disk = {"ephemeral-storage": "95551679124"}, {"ephemeral-storage": "104845292Ki"}
+        if self.disk_gib is not None:
+            capacity = int(self.disk_gib * GIB)
+            disk = ({"ephemeral-storage": str(max(0, int(capacity * 0.9) - GIB))},
+                    {"ephemeral-storage": f"{capacity // 1024}Ki"})
+        self.allocatable = {"pods": "110", **disk[0], "hugepages-1Gi": "0", "hugepages-2Mi": "0", **self.allocatable}
+        self.capacity = {**self.allocatable, **disk[1], **self.capacity}
         gpus = int(self.allocatable.get(GPU_RESOURCE, "0"))
         if gpus and not self.gpu_ids:
             self.gpu_ids = tuple(gpu_uuid(self.name, i) for i in range(gpus))
@@ -219,8 +238,10 @@ def _provider_id(name: str, zone: str) -> str:
 
 def eks_node(name: str, instance_type_name: str, *, capacity_type: str = "ON_DEMAND", nodegroup: str = "default",
              zone: str = "us-east-1a", taints: list[dict[str, str]] | tuple[dict[str, str], ...] = (),
-             device_plugin: bool = True, gfd: bool = False, labels: dict[str, str] | None = None) -> Node:
-    """The node a stock EKS managed node group starts for ``instance_type_name`` (no GFD labels unless ``gfd``)."""
+             device_plugin: bool = True, gfd: bool = False, labels: dict[str, str] | None = None,
+             disk_gib: float = MANAGED_NODEGROUP_DISK_GIB) -> Node:
+    """The node a stock EKS managed node group starts for ``instance_type_name`` (no GFD labels unless ``gfd``;
+    the node group's default 20 GiB disk unless ``disk_gib``)."""
     if capacity_type not in ("ON_DEMAND", "SPOT", "CAPACITY_BLOCK"):
         raise ValueError(f"capacity_type {capacity_type!r}: a managed node group says ON_DEMAND, SPOT or "
                          "CAPACITY_BLOCK")
@@ -233,14 +254,15 @@ def eks_node(name: str, instance_type_name: str, *, capacity_type: str = "ON_DEM
         all_labels.update(gfd_labels(itype))
     all_labels.update(labels or {})
     return Node(name, labels=all_labels, taints=[dict(t) for t in taints], allocatable=allocatable,
-                capacity=capacity, provider_id=_provider_id(name, zone))
+                capacity=capacity, provider_id=_provider_id(name, zone), disk_gib=disk_gib)
 
 
 def karpenter_node(name: str, instance_type_name: str, *, capacity_type: str = "on-demand",
                    nodepool: str = "default", zone: str = "us-east-1a",
                    taints: list[dict[str, str]] | tuple[dict[str, str], ...] = (), device_plugin: bool = True,
-                   labels: dict[str, str] | None = None) -> Node:
-    """The node Karpenter (AWS provider) launches for ``instance_type_name``, with its well-known labels."""
+                   labels: dict[str, str] | None = None, disk_gib: float = KARPENTER_DISK_GIB) -> Node:
+    """The node Karpenter (AWS provider) launches for ``instance_type_name``, with its well-known labels (the
+    EC2NodeClass's default 20Gi volume unless ``disk_gib``)."""
     if capacity_type not in ("on-demand", "spot", "reserved"):
         raise ValueError(f"capacity_type {capacity_type!r}: Karpenter says on-demand, spot or reserved")
     itype = instance_type(instance_type_name)
@@ -260,27 +282,35 @@ def karpenter_node(name: str, instance_type_name: str, *, capacity_type: str = "
                            "karpenter.k8s.aws/instance-gpu-memory": str(itype.gpu_memory_mib)})
     all_labels.update(labels or {})
     return Node(name, labels=all_labels, taints=[dict(t) for t in taints], allocatable=allocatable,
-                capacity=capacity, provider_id=_provider_id(name, zone))
+                capacity=capacity, provider_id=_provider_id(name, zone), disk_gib=disk_gib)
 
 
 def stock_eks_nodes(*, cpu_nodes: int = 2, cpu_type: str = "m5.xlarge", gpu_type: str = "g5.12xlarge",
-                    gpu_nodes: int = 1) -> list[Node]:
+                    gpu_nodes: int = 1, disk_gib: float = MANAGED_NODEGROUP_DISK_GIB,
+                    device_plugin: bool = True) -> list[Node]:
     """A stock EKS cluster: a ``cpu`` managed node group of ``cpu-1``.. and a ``gpu`` one of ``gpu-1``.. (no taint,
-    no GFD labels: what ``eksctl create nodegroup`` gives with the NVIDIA device plugin installed)."""
-    return [eks_node(f"cpu-{i + 1}", cpu_type, nodegroup="cpu") for i in range(cpu_nodes)] + [
-        eks_node(f"gpu-{i + 1}", gpu_type, nodegroup="gpu") for i in range(gpu_nodes)]
+    no GFD labels: what ``eksctl create nodegroup`` gives with the NVIDIA device plugin installed), every node with
+    the node group's default disk unless ``disk_gib``."""
+    return [eks_node(f"cpu-{i + 1}", cpu_type, nodegroup="cpu", disk_gib=disk_gib) for i in range(cpu_nodes)] + [
+        eks_node(f"gpu-{i + 1}", gpu_type, nodegroup="gpu", disk_gib=disk_gib, device_plugin=device_plugin)
+        for i in range(gpu_nodes)]
 
 
 def parse_node_flag(text: str, index: int = 0) -> Node:
-    """A ``--node`` value: ``eks:TYPE[:NAME]``, ``karpenter:TYPE[:NAME]`` or ``plain:CPU,MEMORY[,GPUS][:NAME]``;
-    without a name the ``index``-th node gets an EC2-style private DNS name (``ip-10-0-0-10.ec2.internal``)."""
+    """A ``--node`` value: ``eks:TYPE[@DISK][:NAME]``, ``karpenter:TYPE[@DISK][:NAME]`` (``DISK`` like ``100Gi``;
+    default the stock 20Gi) or ``plain:CPU,MEMORY[,GPUS][:NAME]``; without a name the ``index``-th node gets an
+    EC2-style private DNS name (``ip-10-0-0-10.ec2.internal``)."""
     kind, _, rest = text.partition(":")
     spec, _, name = rest.partition(":")
     name = name or (f"ip-10-0-0-{10 + index}.ec2.internal" if kind in ("eks", "karpenter") else f"node-{index}")
+    spec, _, disk = spec.partition("@")
+    if disk and not (disk.endswith("Gi") and disk[:-2].isdigit()):
+        raise ValueError(f"--node {text!r}: the disk is whole GiB, e.g. eks:g5.xlarge@100Gi")
+    sized = {"disk_gib": int(disk[:-2])} if disk else {}
     if kind == "eks":
-        return eks_node(name, spec)
+        return eks_node(name, spec, **sized)
     if kind == "karpenter":
-        return karpenter_node(name, spec)
+        return karpenter_node(name, spec, **sized)
     if kind == "plain":
         parts = spec.split(",")
         if len(parts) not in (2, 3):
@@ -289,5 +319,5 @@ def parse_node_flag(text: str, index: int = 0) -> Node:
     raise ValueError(f"--node {text!r}: start with eks:, karpenter: or plain: (e.g. eks:g5.12xlarge)")
 
 
-__all__ = ["GPU_RESOURCE", "INSTANCE_TYPES", "InstanceType", "Node", "default_node", "eks_node", "gfd_labels",
+__all__ = ["GPU_RESOURCE", "INSTANCE_TYPES", "KARPENTER_DISK_GIB", "MANAGED_NODEGROUP_DISK_GIB", "InstanceType", "Node", "default_node", "eks_node", "gfd_labels",
            "gpu_uuid", "karpenter_node", "node", "parse_node_flag", "ready_conditions", "stock_eks_nodes"]

@@ -19,7 +19,10 @@ Nodes (``kube_nodes``): ``KubernetesEmulator(root, nodes=[eks_node("gpu-1", "g5.
 cluster's nodes, with the labels, taints and allocatable a stock EKS or Karpenter node has; pods bind only where
 their nodeSelector, required node affinity, tolerations and resource requests fit (else they stay Pending with
 the scheduler's ``FailedScheduling`` reason), and a container that asked for ``nvidia.com/gpu`` gets the device
-plugin's ``NVIDIA_VISIBLE_DEVICES``. Without ``nodes`` there is one roomy CPU node, so any CPU pod binds.
+plugin's ``NVIDIA_VISIBLE_DEVICES``. Without ``nodes`` there is one roomy CPU node, so any CPU pod binds. EKS and
+Karpenter nodes have the stock 20 GiB disk unless declared bigger, and images their real size (``kube_images``:
+AWS's PyTorch training images, ``image_size`` for others): a pull that does not fit leaves the pod in
+``ErrImagePull``/``ImagePullBackOff`` with containerd's "no space left on device" and the node under DiskPressure.
 
 Faults a test can inject: evict a pod (``DisruptionTarget``), kill a container with an exit code or as
 ``OOMKilled``, keep pods pending (``Unschedulable``, ``ImagePullBackOff``, ...), deny RBAC verbs, refuse creates
@@ -39,10 +42,10 @@ or on its own, from the repository root::
 
     python -m tests.emulators.kubernetes --port 8766 --kubeconfig /tmp/kc.yaml
 
-with nodes (repeat ``--node``; ``eks:TYPE``, ``karpenter:TYPE`` or ``plain:CPU,MEMORY[,GPUS]``, each optionally
-``:NAME``; the types are ``kube_nodes.INSTANCE_TYPES``)::
+with nodes (repeat ``--node``; ``eks:TYPE[@DISK]``, ``karpenter:TYPE[@DISK]`` (the stock 20Gi disk unless
+``@100Gi``) or ``plain:CPU,MEMORY[,GPUS]``, each optionally ``:NAME``; the types are ``kube_nodes.INSTANCE_TYPES``)::
 
-    python -m tests.emulators.kubernetes --kubeconfig /tmp/kc.yaml --node eks:m5.xlarge --node eks:g5.12xlarge:gpu-1
+    python -m tests.emulators.kubernetes --kubeconfig /tmp/kc.yaml --node eks:m5.xlarge --node eks:g5.12xlarge@100Gi:gpu-1
 """
 
 from __future__ import annotations
@@ -761,6 +764,13 @@ class KubernetesEmulator:
         with self.cluster.store.lock:
             self.cluster.image_errors[pattern] = message or "rpc error: code = NotFound desc = failed to pull and " \
                                                             "unpack image: not found"
+
+    def image_size(self, pattern: str, unpacked_mib: int) -> None:
+        """Images matching ``pattern`` take ``unpacked_mib`` unpacked on a node's disk (checked before the sizes
+        ``kube_images.DEFAULT_SIZES`` knows, e.g. the DLC training images'); a pull that does not fit fails the
+        way containerd's does and puts the node under DiskPressure."""
+        with self.cluster.store.lock:
+            self.cluster.image_sizes = {pattern: unpacked_mib, **self.cluster.image_sizes}
 
     # ------------------------------------------------------------------------------------------ inspection
 
