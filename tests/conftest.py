@@ -34,6 +34,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 pytest.register_assert_rewrite("support")
 
 from support.faultproxy import FaultProxy  # noqa: E402 (tests/ is on sys.path: pytest's rootdir-relative import)
+from support.time_budget import TimeBudgets  # noqa: E402
 
 BUCKET = "diloco-test-bucket"
 REGION = "us-east-1"
@@ -58,7 +59,9 @@ def _expected_cost(item: pytest.Item) -> int:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Ctrl-C tests send SIGINT to the CLI and expect Python's KeyboardInterrupt there. A shell that starts the
+    """Each test file is held to its time budget (``support.time_budget``).
+
+    Ctrl-C tests send SIGINT to the CLI and expect Python's KeyboardInterrupt there. A shell that starts the
     suite in the background (``make test &``, ``nohup``) leaves SIGINT ignored, and an ignored signal stays ignored
     across exec in every process started from here; give it back its default so the tests see what a user's
     terminal gives."""
@@ -66,6 +69,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    config.pluginmanager.register(TimeBudgets(), "diloco-time-budgets")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
