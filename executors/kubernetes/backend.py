@@ -83,12 +83,15 @@ from diloco.executors.kubernetes.pods import (
     _disruption,
     _exit_code,
     _PodLog,
+    disk_verdict,
     failed_create,
     failed_create_fix,
     failure_action,
     failure_reason,
     job_name_for,
     label_value,
+    needs_disk_evidence,
+    out_of_disk,
     parse_intervals,
     parse_time,
     pending_reason,
@@ -517,8 +520,27 @@ class KubernetesBackend(ServerlessExecutor[KubernetesBackendConfig, KubernetesRu
                               if (e.get("involvedObject") or {}).get("uid") in (None, uid)
                               and (parse_time(e.get("lastTimestamp") or e.get("eventTime")) or 0.0) >= newest])
 
+    def _disk(self, pod: dict[str, Any]) -> tuple[str, str] | None:
+        """``disk_verdict`` for a pending pod whose image does not fit its node's disk, else None. The node and the
+        pod's events are read only while the pod waits on an image pull or a disk-pressure taint; either read may
+        be forbidden (both are courtesies), and the other evidence still decides."""
+        if not needs_disk_evidence(pod):
+            return None
+        meta, name = pod["metadata"], (pod.get("spec") or {}).get("nodeName")
+        node: dict[str, Any] | None = None
+        try:
+            node = self._call(f"could not read node {name}", self._core().read_node, name) if name else None
+        except BackendError:
+            node = None
+        try:
+            events = self._call(f"could not list the events of pod {meta['name']}", self._core().list_namespaced_event,
+                                meta["namespace"], field_selector=f"involvedObject.name={meta['name']}").get("items")
+        except BackendError:
+            events = []
+        return disk_verdict(pod, node) if out_of_disk(pod, node, events or []) else None
+
     def _stuck(self, job: dict[str, Any], rank: int, latest: dict[str, Any] | None, refused: str | None,
-               job_id: str, common: dict[str, Any]) -> ReplicaStatus | None:
+               job_id: str, common: dict[str, Any], *, disk: tuple[str, str] | None = None) -> ReplicaStatus | None:
         """A pending replica past ``pending_timeout_s`` on a reason that does not heal by waiting, as Failed (not
         relaunched: a new attempt would wait the same way); None while it may still start. The time counts from
         the pod's creation (the Job's, for a pod the cluster refuses to create), so every ``describe`` agrees."""
@@ -528,7 +550,7 @@ class KubernetesBackend(ServerlessExecutor[KubernetesBackendConfig, KubernetesRu
             why, fix = f"FailedCreate: {refused}", failed_create_fix(refused, job["metadata"]["namespace"])
             since = parse_time(job["metadata"].get("creationTimestamp"))
         else:
-            stuck = stuck_pending(latest)
+            stuck = stuck_pending(latest, disk)
             if stuck is None:
                 return None
             why, fix = stuck
@@ -668,11 +690,14 @@ class KubernetesBackend(ServerlessExecutor[KubernetesBackendConfig, KubernetesRu
         if latest["metadata"].get("deletionTimestamp"):
             return self._status(rank, "Terminating", job_id, reason="its pod is being deleted",
                                 detail=f"pod {phase}", **common)
+        disk = self._disk(latest) if phase == "Pending" else None
         if phase == "Pending":
-            stuck = self._stuck(job, rank, latest, None, job_id, common)
+            stuck = self._stuck(job, rank, latest, None, job_id, common, disk=disk)
             if stuck is not None:
                 return stuck
         reason = pending_reason(latest) if phase == "Pending" else None
+        if disk is not None:
+            reason = f"{disk[0]}; fix: {disk[1]}"
         if reason is None and len(pods) > 1:  # retried: why the attempt before this one ended
             reason = f"attempt {len(pods) - 1} ended ({failure_reason(pods[-2])}); this is attempt {len(pods)}"
         return self._status(rank, phase or "Unknown", job_id, reason=reason,

@@ -221,6 +221,78 @@ STUCK_WAITING = {
 }
 
 
+#: How a node's disk running out shows: the runtime's ENOSPC in a pull error, the kubelet's condition, its taint.
+NO_SPACE = "no space left on device"
+DISK_PRESSURE = "DiskPressure"
+DISK_PRESSURE_TAINT = "node.kubernetes.io/disk-pressure"
+
+
+def needs_disk_evidence(pod: Mapping[str, Any]) -> bool:
+    """Whether the pod waits on something a full disk causes (an image pull that fails, or a node the scheduler
+    refuses for its ``disk-pressure`` taint), so that its node's condition and its events are worth reading."""
+    reason = pending_reason(pod) or ""
+    waiting = (_container_state(pod).get("waiting") or {}).get("reason")
+    return waiting in ("ErrImagePull", "ImagePullBackOff") or (
+        reason.startswith("Unschedulable") and DISK_PRESSURE_TAINT in reason)
+
+
+def out_of_disk(pod: Mapping[str, Any], node: Mapping[str, Any] | None = None,
+                events: list[Mapping[str, Any]] | tuple[()] = ()) -> bool:
+    """Whether the pod's pull ran out of the node's disk, on any evidence the cluster gives (the kubelet's
+    ``ErrImagePull`` message carries containerd's "no space left on device" only on the first attempt; after it,
+    ``ImagePullBackOff`` says only "Back-off pulling image", so the pod's ``Failed`` events and the node's
+    ``DiskPressure`` condition or taint count too; reading either may be forbidden, the others still decide)."""
+    if not needs_disk_evidence(pod):
+        return False
+    reason = pending_reason(pod) or ""
+    if NO_SPACE in reason or DISK_PRESSURE_TAINT in reason:
+        return True
+    if any(NO_SPACE in str(e.get("message") or "") for e in events):
+        return True
+    if node is not None:
+        if any(t.get("key") == DISK_PRESSURE_TAINT for t in (node.get("spec") or {}).get("taints") or []):
+            return True
+        return DISK_PRESSURE in _conditions(node)
+    return False
+
+
+def _pod_image(pod: Mapping[str, Any]) -> str:
+    spec = pod.get("spec") or {}
+    containers = [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]
+    return str(containers[0].get("image", "")) if containers else ""
+
+
+def disk_verdict(pod: Mapping[str, Any], node: Mapping[str, Any] | None) -> tuple[str, str]:
+    """``(why, fix)`` for a pod whose image does not fit its node's disk: the image and its unpacked size (AWS's
+    PyTorch images'), the node's disk, and the real fix: a bigger node disk, or a smaller image."""
+    from diloco.executors.kubernetes.code import (
+        RECOMMENDED_GPU_DISK_GIB,
+        STOCK_DISK_GIB,
+        image_unpacked_mib,
+        min_disk_gib,
+        quantity_bytes,
+    )
+
+    image = _pod_image(pod)
+    mib = image_unpacked_mib(image)
+    size = f" ({mib * 2**20 // 2**30} GiB unpacked, about twice that on disk while it is pulled)" if mib else ""
+    where = (pod.get("spec") or {}).get("nodeName")
+    disk = ((node or {}).get("status") or {}).get("capacity", {}).get("ephemeral-storage")
+    try:
+        disk_words = f" ({round(quantity_bytes(str(disk)) / 2**30)} GiB)" if disk else ""
+    except ValueError:
+        disk_words = ""
+    on = f"node {where}'s disk{disk_words}" if where else "the nodes' disk"
+    why = f"the image {image}{size} does not fit {on}: no space left on device / DiskPressure"
+    want = max(RECOMMENDED_GPU_DISK_GIB, min_disk_gib(mib)) if mib and mib > 10_000 else (
+        max(STOCK_DISK_GIB, min_disk_gib(mib)) if mib else RECOMMENDED_GPU_DISK_GIB)
+    fix = (f"give the nodes a bigger disk, at least {want}Gi (stock nodes have {STOCK_DISK_GIB} GiB): a managed "
+           f"node group's diskSize (eksctl: volumeSize), a Karpenter EC2NodeClass's blockDeviceMappings "
+           f"ebs.volumeSize (e.g. {want}Gi); or pass a smaller --image; `diloco doctor --backend eks` checks the "
+           "nodes' disk")
+    return why, fix
+
+
 def pod_selector(pod: Mapping[str, Any]) -> str:
     """Where the pod may run, in one line: its node selector, required affinity terms and GPU request."""
     spec = pod.get("spec") or {}
@@ -232,12 +304,15 @@ def pod_selector(pod: Mapping[str, Any]) -> str:
     return f"{where}, with {gpus} allocatable {GPU_RESOURCE}" if gpus else where
 
 
-def stuck_pending(pod: Mapping[str, Any]) -> tuple[str, str] | None:
+def stuck_pending(pod: Mapping[str, Any], disk: tuple[str, str] | None = None) -> tuple[str, str] | None:
     """``(why, fix)`` for a pending pod whose reason will not go away by waiting (the scheduler finds no node, an
-    image cannot be pulled); None while it is merely on its way (being scheduled, pulling, starting)."""
+    image cannot be pulled, or does not fit the node's disk: ``disk``, the ``disk_verdict`` when ``out_of_disk``);
+    None while it is merely on its way (being scheduled, pulling, starting)."""
     reason = pending_reason(pod)
     if reason is None:
         return None
+    if disk is not None:
+        return disk
     if reason.startswith("Unschedulable"):
         return reason, (f"no node fits its selector ({pod_selector(pod)}): add such nodes (a node group, a "
                         f"Karpenter NodePool) or change --gpu / backend.node_selector; `diloco doctor --backend "

@@ -1,5 +1,10 @@
 """A first job on stock EKS infrastructure: what stock nodes give and what Karpenter does with them.
 
+* A stock node has a 20 GiB disk and the default CUDA image is 28,000 MiB unpacked: its pull runs out of disk
+  (containerd's "no space left on device", the node's DiskPressure). The replica says so while it waits, and the
+  launch gives up naming the disk and the real fix (a bigger node disk, or a smaller ``--image``), not the image
+  reference. On nodes with the documented disk the default image schedules and two replicas train to identical
+  weights.
 * Karpenter (and EKS Auto Mode) consolidates and replaces drifted nodes on its own; every pod carries
   ``karpenter.sh/do-not-disrupt: "true"``, which it honours against both, so a replica is not restarted cold.
 
@@ -13,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from emulators.kube_nodes import stock_eks_nodes
 from emulators.kubernetes import KubernetesEmulator
+from support.commands import start_cli
 from support.polling import until
 
 from diloco.executors.base import EntrypointArgs, LaunchSpec
@@ -34,8 +41,8 @@ def _backend(kube: KubernetesEmulator, tmp_path: Path, **settings: Any) -> Kuber
         "state_dir": str(tmp_path / "state"), **settings}))
 
 
-def _spec(run_id: str, replicas: int = 1) -> LaunchSpec:
-    args = EntrypointArgs(rendezvous_uri=f"file:///nowhere/{run_id}", world_size=replicas)
+def _spec(run_id: str, replicas: int = 1, rendezvous: str | None = None) -> LaunchSpec:
+    args = EntrypointArgs(rendezvous_uri=rendezvous or f"file:///nowhere/{run_id}", world_size=replicas)
     return LaunchSpec(run_id=run_id, replicas=replicas, entrypoint_args=args, timeout_s=3600)
 
 
@@ -76,3 +83,103 @@ def test_the_default_image_is_the_newest_ec2_release_still_patched_that_diloco_a
         "when every release is out of patch, the newest is still the best there is"
     pinned = KubernetesBackendConfig(framework_version="2.9.0")
     assert default_image(pinned, 1).endswith("pytorch-training:2.9.0-gpu-py312-ec2"), "its Python from the table"
+
+
+# ---------------------------------------------------------------------------------------------- the node's disk
+TIMEOUT_S = 1.5  # the pending timeout the disk tests set; every wait below is bounded by a multiple of it
+DISK_FIX = "blockDeviceMappings"
+
+
+@pytest.fixture
+def stock(tmp_path: Path) -> Iterator[KubernetesEmulator]:
+    """A stock EKS cluster: two CPU nodes and a g5.12xlarge node, each with the node group's default 20 GiB disk."""
+    with KubernetesEmulator(tmp_path / "kube", namespace=NAMESPACE, nodes=stock_eks_nodes()) as emulator:
+        yield emulator
+
+
+def test_the_default_cuda_image_on_a_stock_node_says_the_disk_is_too_small_and_how_to_grow_it(
+        stock: KubernetesEmulator, tmp_path: Path) -> None:
+    patient = _backend(stock, tmp_path, image=None, pending_timeout_s=3600)
+    backend = _backend(stock, tmp_path, image=None, pending_timeout_s=TIMEOUT_S)
+    spec = _spec("disk-1", rendezvous=(tmp_path / "rdv" / "disk-1").as_uri()).model_copy(update={"gpu": "A10G"})
+    handle = backend.submit(backend.plan(spec))
+    waiting = until(lambda: (r := patient.describe(handle).replica(0)).reason and "disk" in r.reason and r,
+                    20 * TIMEOUT_S)
+    assert waiting, patient.describe(handle).replica(0).reason
+    assert waiting.state.value == "pending"
+    assert "27 GiB unpacked" in waiting.reason and "does not fit" in waiting.reason, waiting.reason
+    failed = until(lambda: (r := backend.describe(handle).replica(0)).state.value == "failed" and r, 20 * TIMEOUT_S)
+    assert failed, "the pending timeout ended it"
+    reason = failed.reason or ""
+    assert "(backend.pending_timeout_s)" in reason and "does not fit" in reason and "20 GiB" in reason, reason
+    assert DISK_FIX in reason and "diskSize" in reason and "100Gi" in reason and "--image" in reason, reason
+    assert "check the image reference" not in reason, reason
+    assert until(lambda: stock.job("disk-1") is None, 20 * TIMEOUT_S)
+
+
+@pytest.fixture
+def stock_cli(aws_env: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[KubernetesEmulator]:
+    """The stock cluster, its pods reaching moto like IRSA-credentialed pods do; the CLI finds it by KUBECONFIG."""
+    import os
+
+    node_env = {key: os.environ[key] for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION",
+                                                 "AWS_REGION", "AWS_ENDPOINT_URL") if key in os.environ}
+    with KubernetesEmulator(tmp_path / "kube", namespace=NAMESPACE, node_env=node_env,
+                            nodes=stock_eks_nodes()) as emulator:
+        monkeypatch.setenv("KUBECONFIG", str(emulator.kubeconfig))
+        yield emulator
+
+
+def test_status_and_the_waiting_launch_name_the_disk_and_the_fix(
+        stock_cli: KubernetesEmulator, s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from diloco.cli.main import app
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("DILOCO_HOME", str(home))
+    launch = start_cli("launch", "--backend", "eks", "--namespace", NAMESPACE, "--replicas", "2", "--gpu", "A10G",
+                       "--rendezvous", f"s3://{s3_bucket}/disk/{{run_id}}", "--set", "backend.pending_timeout_s=6",
+                       "--set", "backend.grace_period_s=1", "--steps", "2", "--sync-every", "1", home=home,
+                       cwd=tmp_path)
+    try:
+        shown = until(lambda: (r := CliRunner().invoke(app, ["status", "-o", "json"])).exit_code == 0 and
+                      "does not fit" in r.stdout and r, 120)
+        assert shown, "status names the disk while the launch waits"
+        _, stderr = launch.communicate(timeout=240)
+    finally:
+        launch.kill()
+    assert launch.returncode == 1, stderr[-3000:]
+    assert "does not fit" in stderr and DISK_FIX in stderr and "check the image reference" not in stderr, \
+        stderr[-3000:]
+    assert "Traceback" not in stderr
+
+
+def test_any_one_piece_of_the_clusters_evidence_names_the_disk_and_a_plain_pull_error_does_not() -> None:
+    """After the first attempt the kubelet says only "Back-off pulling image"; the pod's events or its node's
+    DiskPressure (either may be unreadable) still tell a full disk from a wrong image reference."""
+    from diloco.executors.kubernetes.pods import out_of_disk
+
+    image = "public.ecr.aws/deep-learning-containers/pytorch-training:2.10.0-gpu-py313-ec2"
+
+    def pod(reason: str, message: str) -> dict[str, Any]:
+        return {"metadata": {"name": "p", "namespace": NAMESPACE},
+                "spec": {"nodeName": "gpu-1", "containers": [{"name": "replica", "image": image}]},
+                "status": {"phase": "Pending", "containerStatuses": [
+                    {"name": "replica", "state": {"waiting": {"reason": reason, "message": message}}}]}}
+    backoff = pod("ImagePullBackOff", f'Back-off pulling image "{image}"')
+    enospc = pod("ErrImagePull", "rpc error: code = Unknown desc = failed to pull and unpack image: failed to "
+                                 "extract layer sha256:0: write /var/lib/containerd/x: no space left on device: unknown")
+    pressure = {"spec": {"taints": [{"key": "node.kubernetes.io/disk-pressure", "effect": "NoSchedule"}]},
+                "status": {"conditions": [{"type": "DiskPressure", "status": "True"}]}}
+    healthy = {"status": {"conditions": [{"type": "DiskPressure", "status": "False"}]}}
+    failed_event = {"reason": "Failed", "message": f'Failed to pull image "{image}": ... no space left on device'}
+    assert out_of_disk(enospc)
+    assert out_of_disk(backoff, pressure) and out_of_disk(backoff, None, [failed_event])
+    assert not out_of_disk(backoff, healthy, [{"reason": "Failed", "message": "manifest unknown"}])
+    assert not out_of_disk(pod("ContainerCreating", ""), pressure), "a pod merely starting is not stuck"
+    refused = {"metadata": {"name": "p"}, "spec": {"containers": [{"name": "replica", "image": image}]},
+               "status": {"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "False", "reason":
+                          "Unschedulable", "message": "0/1 nodes are available: 1 node(s) had untolerated taint "
+                                                      "{node.kubernetes.io/disk-pressure: }."}]}}
+    assert out_of_disk(refused), "the scheduler refusing the disk-pressure taint is the disk too"
