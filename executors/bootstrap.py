@@ -20,7 +20,10 @@ Python image has pip), since it runs before anything is installed.
    source has one (the SageMaker SDK's convention). Nothing unsatisfied and no requirements file: no resolver.
 4. **How.** pip resolves everything (diloco's own requirements included, so nothing can push them out of range)
    against this interpreter's packages (``pip install --dry-run --report``), which count as installed: what pip
-   reports is exactly what the image lacks or has too old. pip weighs only the packages it is asked about, so an
+   reports is exactly what the image lacks or has too old. A requirement the image meets by name and version still
+   goes to pip when its installed dependency closure is broken (``broken_closure``: an image that forced botocore
+   above what its aiobotocore requires, as AWS's PyTorch 2.10 image does), since looking at the top-level names
+   alone would never ask pip anything; the repair below needs pip to be asked. pip weighs only the packages it is asked about, so an
    image package whose requirements that set would break (the image's boto3, pinned to its own botocore, next to
    the newer botocore a new s3fs's aiobotocore needs) is added to the question until none is broken. Those
    distributions and the wheel are installed with ``--no-deps --target`` into a directory of our own, first on
@@ -168,6 +171,57 @@ def unsatisfied(requirements: list[str]) -> list[str]:
     return missing
 
 
+def broken_closure(requirements: list[str]) -> list[tuple[str, str]]:
+    """The requirements this interpreter meets by name and version whose installed dependency closure is broken:
+    ``(requirement, why)``, ``why`` naming the first broken link. An image may hold a set pip itself called
+    inconsistent when it built it (AWS's PyTorch 2.10 training image forces botocore 1.43.34 over an aiobotocore
+    that requires botocore<1.43.1, and says pip "will print an aiobotocore-vs-botocore conflict warning"): looking
+    only at the top-level names, ``s3fs>=2025.7.0`` is met, pip is never asked, and the store runs on a pair its
+    authors never released together. Each one found goes to pip with the unmet ones, and pip, which weighs the
+    requirements of the installed packages it keeps, resolves a consistent set for our own directory."""
+    try:
+        from pip._vendor.packaging.requirements import InvalidRequirement, Requirement
+    except ImportError:  # a pip without its vendored packaging: only the top-level names are checked
+        return []
+
+    def first_break(name: str, extras: set[str], seen: set[str]) -> str | None:
+        try:
+            dist = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+        for text in dist.requires or []:
+            try:
+                req = Requirement(text)
+            except InvalidRequirement:
+                continue
+            if req.marker is not None and not any(req.marker.evaluate({"extra": e}) for e in {"", *extras}):
+                continue
+            label = f"{dist.metadata['Name']} {dist.version} requires {req}"
+            try:
+                have = importlib.metadata.version(req.name)
+            except importlib.metadata.PackageNotFoundError:
+                return f"{label}, which this image lacks"
+            if req.specifier and not req.specifier.contains(have, prereleases=True):
+                return f"{label}, but this image has {req.name} {have}"
+            key = canonical(req.name) + "[" + ",".join(sorted(req.extras)) + "]"
+            if key not in seen:
+                seen.add(key)
+                found = first_break(req.name, set(req.extras), seen)
+                if found:
+                    return found
+        return None
+
+    broken = []
+    for text in requirements:
+        req = Requirement(text)
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue
+        why = first_break(req.name, set(req.extras), {canonical(req.name)})
+        if why:
+            broken.append((text, why))
+    return broken
+
+
 def pip_reports() -> bool:
     """Whether this pip has ``install --dry-run --report`` (pip 22.2 and later)."""
     try:
@@ -268,6 +322,9 @@ def install(wheel: str) -> None:
     own = wheel_requirements(wheel)
     wanted, files = requested()
     missing = unsatisfied([*own, *wanted])
+    for text, why in broken_closure([r for r in [*own, *wanted] if r not in missing]):
+        say(f"this image's packages for {text} are inconsistent ({why}): installing a consistent set")
+        missing.append(text)
     targets = [wheel]
     if missing or files:
         file_args = [arg for path in files for arg in ("-r", path)]

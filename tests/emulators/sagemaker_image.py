@@ -1,46 +1,48 @@
 """An interpreter holding only what AWS's prebuilt PyTorch training image holds, for the emulator's jobs.
 
-Why: without ``--image`` a diloco job runs on the PyTorch training image (``pytorch-training:2.8.0-cpu-py312`` and
-its GPU twin) and the bootstrap must install whatever that image lacks. Run with the development environment's
-interpreter, which has every extra, a job can never show that the image has no transformers, tokenizers or
-tensorboard, or an s3fs older than diloco needs. The emulator runs the jobs of a prebuilt image in this
-interpreter instead (``SageMakerEmulator(prebuilt_python=image_python())``).
+Why: without ``--image`` a diloco job runs on the PyTorch training image (SageMaker's default, the newest in
+sagemaker-core's table that diloco admits: ``pytorch-training:2.10.0-cpu-py313`` and its GPU twin) and the bootstrap
+must install or repair whatever that image lacks or holds broken. Run with the development environment's
+interpreter, which has every extra in a consistent set, a job could never show that the image has no transformers,
+tokenizers or tensorboard, or that its AWS SDK packages contradict each other. The emulator runs the jobs of a
+prebuilt image in this interpreter instead (``SageMakerEmulator(prebuilt_python=image_python())``).
 
-What it holds, and where each part comes from (aws/deep-learning-containers, ``pytorch/training/docker/2.8/py3/
-Dockerfile.cpu`` and ``pytorch/training/docker/2.8/py3/cu129/Dockerfile.gpu``, both read at commit 00c21d8):
+What it holds, and where each part comes from: aws/deep-learning-containers ``pytorch/training/docker/2.10/py3/
+Dockerfile.cpu`` at commit b872b74994 (the GPU Dockerfile's stages install the same Python packages):
 
-* **The common stage's explicit installs** that diloco's dependency closure touches: ``setuptools>=70.0.0``,
-  ``packaging``, ``PyYAML``, ``numpy`` (1.26.4: the Dockerfile's own comment "sagemaker doesn't support latest
-  numpy"), ``click``, ``psutil``, ``pillow``, ``requests>=2.32.0``, ``urllib3>=2.5.0``, ``idna>=3.7``,
-  ``tqdm>=4.66.3``, ``jinja2>=3.1.6``, ``boto3``; ``fsspec`` too, at the version s3fs pins (see below); and pip,
-  which the Dockerfile upgrades (``python -m pip install --upgrade pip``): 25.2, the release of the image's time.
-* **The PyTorch step**: torch, and with it ``accelerate`` (bringing ``safetensors`` and ``huggingface_hub``) and
-  ``typer`` (bringing ``rich``). Torch is the one deliberate difference: the image has 2.8.0; this interpreter
-  has this machine's build of the development environment's torch version (the CPU build, installed by pip from
-  the local wheel file this machine's pip configuration offers, in seconds instead of a 900 MB download).
-* **The SageMaker stage**: the GPU image pins ``"boto3<1.40.50"`` and ``"awscli<1.42.50"`` "to address package
-  regression caused by smclarify dependency s3fs". ``smclarify`` brings ``pyarrow`` and ``s3fs``
-  (aws/amazon-sagemaker-clarify setup.py: ``["boto3", "pyarrow", "pandas", "s3fs"]``, no versions) and
-  ``sagemaker`` brings ``pydantic`` (through sagemaker-core).
-* **s3fs: old.** Nothing in either Dockerfile pins it, and pip backtracks s3fs when boto3 is newer than any
-  aiobotocore accepts ("pip installs work, but s3fs rolls back all the way to 0.4.2",
-  ECCO-GROUP/ECCOv4-py#183): which s3fs a built image holds is not knowable from its Dockerfile. This list takes
-  s3fs 2024.10.0, older than diloco's ``s3fs>=2025.7.0`` and the last release whose ``pipe_file`` does not know
-  ``mode="create"`` (2024.12.0 added it; read from the two releases' ``s3fs/core.py``): it drops the unknown
-  argument without a word (s3fs keeps only PutObject's own parameters), so a "create" is a plain overwrite that
-  reports success. With it, the aiobotocore of its release (2.15.2) and the botocore and boto3 that one accepts
-  (1.35.36, below the GPU image's ``boto3<1.40.50``): an aiobotocore too old for a current s3fs (which needs
-  2.19 or later), so a bootstrap that upgrades s3fs must bring aiobotocore, botocore and boto3 along together.
-* Versions the Dockerfiles leave open are pinned to releases of the image's time where diloco or its extras care
-  (numpy, safetensors, huggingface_hub, pydantic, typer, rich, pyarrow), and to what pip resolved when this list
-  was written otherwise. The result is a complete, consistent set: pip installs exactly these.
+* **The common stage's explicit installs** that diloco's dependency closure touches (lines 163-198): ``packaging``,
+  ``boto3``, ``PyYAML``, ``numpy`` (no longer pinned), ``click``, ``psutil``, ``pillow``, ``fsspec``,
+  ``idna>=3.7``, ``tqdm>=4.66.3``, ``requests>=2.32.0``, ``setuptools>=80.10.1``, ``urllib3>=2.5.0``,
+  ``jinja2>=3.1.6``, ``filelock>=3.20.1``; and pip, which the Dockerfile upgrades (line 160): 26.2, a release of
+  the image's time.
+* **The PyTorch step** (lines 201-220): torch, ``accelerate`` (bringing ``safetensors`` and ``huggingface_hub``) and
+  ``"typer-slim>=0.24.0"`` ("weasel 1.0.0 dropped it but spacy still needs it"), which requires ``typer`` and brings
+  ``rich``. Torch is the one deliberate difference: the image has 2.10.0; this interpreter has this machine's
+  build of the development environment's torch version (the CPU build, installed by pip from the local wheel file
+  this machine's pip configuration offers, in seconds instead of a 900 MB download).
+* **The SageMaker stage** (lines 281-332): ``smclarify`` brings ``pyarrow``, ``sagemaker>=3.0.0`` brings
+  ``pydantic``; then ``"s3fs>=2026.2.0"`` (line 313: "pip resolves to ancient 0.4.2 without pin"), with the
+  aiobotocore it pulls; then a forced upgrade (lines 318-332) of ``"boto3>=1.43.34"``, ``"botocore>=1.43.34"`` and
+  ``"s3transfer>=0.19.0"`` "above the ceiling that aiobotocore (transitively pulled by s3fs>=2026.2.0) declares
+  (botocore<1.43.1)", knowing that "pip will print an aiobotocore-vs-botocore conflict warning here but
+  installation proceeds". So the image holds s3fs 2026.7.0 (the release of the Dockerfile's date) with
+  aiobotocore 3.7.0, whose own requirement is ``botocore<1.43.1,>=1.42.90``, next to botocore 1.43.34: every
+  top-level requirement of diloco's store is met by name and version, and the set is still broken. The build
+  reproduces it the way the Dockerfile does: a consistent set first (``IMAGE_PACKAGES``, botocore 1.43.0 as
+  aiobotocore 3.7.0 wants), then ``IMAGE_FORCED`` with ``--no-deps``, over it.
+* Versions the Dockerfile leaves open are what pip resolved for the list at a release of the image's time where
+  diloco or its extras care (numpy, safetensors, huggingface_hub, pydantic, typer, rich, pyarrow), and what pip
+  resolved otherwise.
 
 Left out, because nothing in diloco's dependency closure or its extras' imports or requires them, and together
 they are gigabytes: cython, cryptography, pyOpenSSL, pybind11, mkl, scipy, ipython, h5py, awscli, opencv-python,
 mpi4py, torchvision, torchaudio, torchtnt, torchdata, s3torchconnector, fastai, spacy and its family, smclarify and
 pandas themselves, the sagemaker SDK and toolkits, bokeh, imageio, numba, plotly, scikit-learn, seaborn, shap,
-cloudpickle. Also different from the image: Python is this machine's (the image has 3.12.10), and the image's
-``ENTRYPOINT`` is not run (``ContainerEntrypoint`` replaces it on the real service too).
+cloudpickle. The image's ``ENTRYPOINT`` is not run (``ContainerEntrypoint`` replaces it on the real service too).
+
+What cannot be modelled: the interpreter. The image's Python is 3.13.11 (the Dockerfile's ``PYTHON_VERSION``); this
+one is the machine's own (3.11 here), so a difference that only 3.13 shows (a removed module, a wheel without a
+cp313 build) is not seen. The package set is modelled exactly; the pins above all have wheels for both.
 
 Build: a virtual environment without the system's packages, made once per pin list and cached under
 ``$DILOCO_TEST_CACHE`` (default ``~/.cache/diloco-tests``) in a folder named by the list's hash, so every test
@@ -66,26 +68,32 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-#: The image's packages other than torch, exact versions (see the module docstring for where each comes from).
+#: The image's packages other than torch as a consistent set, exact versions (see the module docstring for where
+#: each comes from): the common and PyTorch stages, and the SageMaker stage's s3fs with the aiobotocore it pulls and
+#: the botocore that aiobotocore accepts.
 IMAGE_PACKAGES: tuple[str, ...] = (
-    "pip==25.2", "setuptools==80.9.0",
+    "pip==26.2", "setuptools==80.10.2",
     # common stage
-    "packaging==25.0", "PyYAML==6.0.2", "numpy==1.26.4", "click==8.2.1", "psutil==7.0.0", "pillow==11.3.0",
+    "packaging==25.0", "PyYAML==6.0.2", "numpy==2.3.5", "click==8.2.1", "psutil==7.0.0", "pillow==11.3.0",
     "requests==2.32.5", "urllib3==2.5.0", "idna==3.10", "tqdm==4.67.1", "Jinja2==3.1.6", "MarkupSafe==3.0.4",
-    "certifi==2026.10.19.post1", "charset-normalizer==3.5.3",
-    # s3fs old, with the aiobotocore, botocore and boto3 of its release (below the GPU image's boto3 pin)
-    "boto3==1.35.36", "botocore==1.35.36", "s3transfer==0.10.4", "jmespath==1.1.0", "python-dateutil==2.9.0.post0",
-    "six==1.17.0", "s3fs==2024.10.0", "fsspec==2024.10.0", "aiobotocore==2.15.2", "aiohttp==3.14.5",
+    "certifi==2026.10.19.post1", "charset-normalizer==3.5.3", "filelock==4.3.1",
+    # s3fs>=2026.2.0 and what it pulls, with the AWS SDK its aiobotocore accepts (replaced by IMAGE_FORCED)
+    "s3fs==2026.7.0", "fsspec==2026.7.0", "aiobotocore==3.7.0", "boto3==1.43.0", "botocore==1.43.0",
+    "s3transfer==0.17.1", "jmespath==1.1.0", "python-dateutil==2.9.0.post0", "six==1.17.0", "aiohttp==3.14.5",
     "aiohappyeyeballs==2.7.1", "aioitertools==0.13.0", "aiosignal==1.4.0", "attrs==26.1.0", "frozenlist==1.8.0",
-    "multidict==6.9.1", "propcache==0.5.4", "yarl==1.25.1", "wrapt==1.17.3",
+    "multidict==6.9.1", "propcache==0.5.4", "yarl==1.25.1", "wrapt==2.5.2",
     # torch's own dependencies
-    "filelock==4.3.1", "sympy==1.14.0", "mpmath==1.3.0", "networkx==3.6.1", "typing_extensions==4.16.0",
-    # accelerate, typer, smclarify's pyarrow, sagemaker's pydantic
-    "accelerate==1.10.1", "safetensors==0.6.2", "huggingface-hub==0.34.4", "hf-xet==1.8.0", "typer==0.16.1",
-    "rich==14.1.0", "markdown-it-py==4.3.0", "mdurl==0.1.2", "Pygments==2.21.0", "shellingham==1.5.4",
+    "sympy==1.14.0", "mpmath==1.3.0", "networkx==3.6.1", "typing_extensions==4.16.0",
+    # accelerate, typer-slim (typer, rich), smclarify's pyarrow, sagemaker's pydantic
+    "accelerate==1.10.1", "safetensors==0.8.0", "huggingface_hub==1.16.1", "hf-xet==1.8.0", "httpx==0.29.0",
+    "httpcore==1.0.9", "h11==0.16.0", "anyio==4.16.0", "typer-slim==0.24.0", "typer==0.29.2", "rich==15.0.0",
+    "annotated-doc==0.0.7", "markdown-it-py==4.3.0", "mdurl==0.1.2", "Pygments==2.21.0", "shellingham==1.5.4",
     "pyarrow==21.0.0", "pydantic==2.11.7", "pydantic_core==2.33.2", "annotated-types==0.8.0",
     "typing-inspection==0.4.5",
 )
+#: The SageMaker stage's forced upgrade, installed over ``IMAGE_PACKAGES`` without dependencies as the Dockerfile's
+#: ``pip install -U`` ends up (its floors, lines 328-332): botocore above aiobotocore 3.7.0's ``<1.43.1``.
+IMAGE_FORCED: tuple[str, ...] = ("boto3==1.43.34", "botocore==1.43.34", "s3transfer==0.19.0")
 _READY = ".diloco-image-ready"
 
 
@@ -102,7 +110,7 @@ def torch_requirement() -> str:
 
 
 def image_pins() -> list[str]:
-    """The complete pin list the interpreter is built from."""
+    """The consistent pin list the interpreter is built from (``IMAGE_FORCED`` goes over it afterwards)."""
     return [torch_requirement(), *IMAGE_PACKAGES]
 
 
@@ -139,7 +147,7 @@ def _pip(*args: str) -> None:
 def image_python(root: Path | None = None) -> Path:
     """The image-like interpreter, built on first use and cached (see the module docstring); its ``bin/python``."""
     pins = image_pins()
-    home = (root or cache_root()) / f"pytorch-training-image-{_key(pins)}"
+    home = (root or cache_root()) / f"pytorch-training-image-{_key([*pins, '--no-deps', *IMAGE_FORCED])}"
     python = home / "bin" / "python"
     if (home / _READY).is_file():
         return python
@@ -150,7 +158,9 @@ def image_python(root: Path | None = None) -> Path:
         started = time.monotonic()
         subprocess.run([_base_python(), "-m", "venv", "--without-pip", str(home)], check=True)
         _pip("--python", str(python), "install", "--quiet", "--no-compile", *pins)
-        (home / _READY).write_text(json.dumps({"pins": pins, "build_s": round(time.monotonic() - started, 1)}))
+        _pip("--python", str(python), "install", "--quiet", "--no-compile", "--no-deps", *IMAGE_FORCED)
+        (home / _READY).write_text(json.dumps({"pins": pins, "forced": list(IMAGE_FORCED),
+                                               "build_s": round(time.monotonic() - started, 1)}))
     return python
 
 

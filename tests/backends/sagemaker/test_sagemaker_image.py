@@ -1,10 +1,13 @@
 """Jobs on AWS's prebuilt PyTorch training image, run by the emulator in an interpreter that holds only that image's
-packages (tests/emulators/sagemaker_image.py: no transformers, tokenizers or tensorboard, an s3fs older than diloco
-needs), with the bootstrap's pip installing for real from a local wheelhouse.
+packages (tests/emulators/sagemaker_image.py: the default 2.10 image's, no transformers, tokenizers or tensorboard,
+and a botocore forced above what its aiobotocore requires), with the bootstrap's pip installing for real from a
+local wheelhouse.
 
-* The emulated image is what its Dockerfile makes it (the packages the proofs below depend on).
-* A job's store writes work although the image's s3fs predates ``pipe_file(mode="create")``: the bootstrap brings
-  s3fs with its own aiobotocore, botocore and boto3 into its own directory, and the image is left untouched.
+* The emulated image is what its Dockerfile makes it (the packages the proofs below depend on), the conflict pip
+  warns about when the Dockerfile forces botocore included.
+* A job's store works on a consistent set although the image meets every top-level requirement of the store by
+  name and version: the bootstrap sees aiobotocore's botocore pin broken, says so, and installs a consistent
+  aiobotocore and botocore into its own directory; the image is left untouched.
 * ``configs/hf-qwen.yaml`` with a tiny model config and local data trains 2 replicas, and the collected directory
   loads with ``AutoModelForCausalLM.from_pretrained``.
 """
@@ -110,9 +113,15 @@ print(json.dumps({"versions": found, "prefix": sys.prefix, "base": sys.base_pref
     versions = info["versions"]
     assert versions["transformers"] is None and versions["tokenizers"] is None and versions["tensorboard"] is None
     assert versions["diloco"] is None  # only the bootstrap brings diloco
-    assert versions["s3fs"] == "2024.10.0" and versions["boto3"] == "1.35.36"  # old s3fs, boto3 below the GPU pin
-    assert versions["numpy"] == "1.26.4" and versions["pyarrow"] and versions["safetensors"]
+    # s3fs>=2026.2.0 with the aiobotocore it pulled, then boto3/botocore forced to >=1.43.34 over that aiobotocore
+    assert (versions["s3fs"], versions["aiobotocore"]) == ("2026.7.0", "3.7.0")
+    assert (versions["boto3"], versions["botocore"]) == ("1.43.34", "1.43.34")
+    assert versions["numpy"] == "2.3.5" and versions["pyarrow"] and versions["safetensors"]
     assert info["torch_imports"] and info["prefix"] != info["base"]  # its own environment, not the system's
+    check = run_in(image_python, "import runpy, sys; sys.argv = ['pip', 'check']; runpy.run_module('pip', "
+                                 "run_name='__main__')")
+    assert "aiobotocore 3.7.0 has requirement botocore<1.43.1,>=1.42.90, but you have botocore 1.43.34" in \
+        check.stdout, check.stdout + check.stderr  # the conflict the Dockerfile says pip warns about
 
 
 # ---------------------------------------------------------------------------------------------------- s3fs
@@ -167,13 +176,18 @@ def test_a_job_on_the_image_writes_to_the_store_with_the_s3fs_diloco_needs(
     assert Version(probe["versions"]["s3fs"]) >= Version("2025.7.0")
     site = Path(image_emulator.job(f"{run_id}-r0").opt_ml or "") / "diloco" / "site"
     bootstrap = [line for line in lines if line.startswith("diloco bootstrap")]
-    for module, path in probe["files"].items():  # all four from the bootstrap's directory: one consistent set
-        assert Path(path).is_relative_to(site), (module, path, bootstrap)
+    repair = next((line for line in bootstrap if "are inconsistent" in line), None)
+    assert repair is not None, bootstrap  # every top-level name is met: only the closure check asks pip
+    assert "s3fs[boto3]>=2025.7.0" in repair and "aiobotocore 3.7.0 requires botocore<1.43.1" in repair, repair
+    assert "this image has botocore 1.43.34" in repair, repair
+    for module in ("aiobotocore", "botocore"):  # the repaired pair, from the bootstrap's directory
+        assert Path(probe["files"][module]).is_relative_to(site), (module, probe["files"], bootstrap)
     assert any(r.startswith("botocore") for r in probe["requires"])  # aiobotocore's and boto3's pins all hold
     for requirement in map(Requirement, probe["requires"]):
         assert requirement.specifier.contains(probe["versions"][requirement.name]), (requirement, probe["versions"])
     installing = next(line for line in lines if line.startswith("diloco bootstrap: installing what this image lacks"))
-    assert "s3fs==" in installing and "transformers" not in installing  # the default trainer needs no hf extra
+    assert "botocore==" in installing and "aiobotocore==" in installing, installing
+    assert "transformers" not in installing  # the default trainer needs no hf extra
 
 
 # ---------------------------------------------------------------------------------------------------- Hugging Face
