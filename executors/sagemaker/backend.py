@@ -237,11 +237,7 @@ class SageMakerBackend(ServerlessExecutor[SageMakerBackendConfig, SageMakerRunHa
         region = self.region()
         check_region(region)
         procs = spec.entrypoint_args.procs_per_replica
-        instance_type = instance_type_for(self.config, spec.gpu, procs)
-        check_instance_type(instance_type)
-        if spec.gpu is not None and procs and procs > 1 and "instance_type" not in self.config.model_fields_set:
-            # --gpu A10G --procs-per-replica 4: the same GPU family, with one GPU per local process.
-            instance_type = instance_with_gpus(instance_type, procs) or instance_type
+        instance_type = self._instance_type(spec)
         image = self.config.image_uri or training_image_uri(region, instance_type, self.config.framework_version,
                                                             self.config.py_version)
         if self.config.image_uri is None:  # the default image's CUDA build must run on the instance's GPU
@@ -256,6 +252,32 @@ class SageMakerBackend(ServerlessExecutor[SageMakerBackendConfig, SageMakerRunHa
         warnings = [w for w in map(bucket_scope_warning, buckets) if w]
         return LaunchPlan(backend=self.name, spec=spec, requests=requests, cost=plan_cost(requests, region),
                           warnings=warnings)
+
+    def _instance_type(self, spec: LaunchSpec) -> str:
+        """The instance type of every job of the run (``--instance-type``, else the one ``--gpu`` picks)."""
+        procs = spec.entrypoint_args.procs_per_replica
+        instance_type = instance_type_for(self.config, spec.gpu, procs)
+        check_instance_type(instance_type)
+        if spec.gpu is not None and procs and procs > 1 and "instance_type" not in self.config.model_fields_set:
+            # --gpu A10G --procs-per-replica 4: the same GPU family, with one GPU per local process.
+            instance_type = instance_with_gpus(instance_type, procs) or instance_type
+        return instance_type
+
+    def preflight(self, spec: LaunchSpec, *, force: bool = False) -> None:
+        """Refuse (exit 2, nothing created) a launch of more replicas than the account's instance quota holds,
+        when Service Quotas can be read (``quotas``); when it cannot, go on: SageMaker's refusal stays the
+        backstop. ``force`` skips the check."""
+        if force:
+            return
+        from diloco.executors.sagemaker.quotas import check_instance_quota, read_quotas
+
+        region = self.region()
+        try:
+            quotas = read_quotas(hint_client("service-quotas", region))
+        except Exception:  # noqa: BLE001 - unreadable (denied, not Service Quotas, offline): SageMaker decides
+            return
+        check_instance_quota(quotas, self._instance_type(spec), len(spec.own_ranks), spot=self.config.use_spot,
+                             region=region)
 
     def _request(self, spec: LaunchSpec, rank: int, region: str, instance_type: str, image: str) -> dict[str, Any]:
         base = self.base_uri(spec)
@@ -361,10 +383,15 @@ class SageMakerBackend(ServerlessExecutor[SageMakerBackendConfig, SageMakerRunHa
                                        hint="its jobs were stopped; launch again when ready")
                 failing = request["TrainingJobName"]
                 stopped = len(handle.job_names)
-                aws_call(f"could not create the SageMaker training job of replica {rank} "
-                         f"({request['TrainingJobName']})", lambda r=request: sm.create_training_job(**r),
-                         hint=f"the {stopped} job(s) already created were stopped; fix the cause and launch again"
-                         if stopped else "nothing was created; fix the cause and launch again")
+                try:
+                    aws_call(f"could not create the SageMaker training job of replica {rank} "
+                             f"({request['TrainingJobName']})", lambda r=request: sm.create_training_job(**r),
+                             hint=f"the {stopped} job(s) already created were stopped; fix the cause and launch "
+                                  "again" if stopped else "nothing was created; fix the cause and launch again")
+                except BackendError as exc:
+                    if _refused(exc.__cause__):
+                        failing = None  # the service answered no: that job does not exist
+                    raise
                 failing = None
                 handle.job_names.append(request["TrainingJobName"])
                 if on_progress is not None:
@@ -388,29 +415,39 @@ class SageMakerBackend(ServerlessExecutor[SageMakerBackendConfig, SageMakerRunHa
 
         Signals are held meanwhile, so a second Ctrl-C cannot cut the rollback in two; it only hurries it (the
         wait for the stopped jobs ends, and their late output may then land under ``base``). A job that cannot
-        be stopped is reported after the rest is done."""
+        be stopped is reported after the rest is done. Each step is said on stderr as it happens (``_say``): stopping
+        a few dozen jobs takes minutes, which would otherwise pass in silence."""
         from diloco.executors.signals import signals_deferred
 
         names = [*handle.job_names, *([failing] if failing else [])]
         problem: BackendError | None = None
         with signals_deferred() as hurry:
             for name in names:
+                _say(f"rolling back: stopping SageMaker training job {name} ...")
                 try:
                     self._stop(sm, name)
                 except BackendError as exc:
+                    _say(f"rolling back: could not stop {name}: {exc}")
                     problem = problem or exc
-            self._wait_ended(sm, names, hurry)
+            left = self._wait_ended(sm, names, hurry,
+                                    on_ended=lambda n, st: _say(f"rolling back: {n} {(st or 'not created').lower()}"))
+            for name in left:
+                _say(f"rolling back: {name} has not ended yet; its late output may land under {base}/")
+            _say(f"rolling back: deleting {base}/ ...")
             try:
-                self._delete_prefix(base, region)
-            except Exception:  # noqa: BLE001 - see _delete_prefix
-                pass
+                found = self._delete_prefix(base, region)
+                _say(f"rolling back: deleted {found} object(s) under {base}/")
+            except Exception as exc:  # noqa: BLE001 - see _delete_prefix
+                _say(f"rolling back: could not delete {base}/: {' '.join(client_error(exc))}")
         if problem is not None:
             raise problem
 
-    def _wait_ended(self, sm: Any, names: Sequence[str], hurry: Callable[[], bool]) -> None:
+    def _wait_ended(self, sm: Any, names: Sequence[str], hurry: Callable[[], bool],
+                    on_ended: Callable[[str, str | None], None] | None = None) -> list[str]:
         """Until every job in ``names`` is Completed, Failed or Stopped (or does not exist), for at most
         ``ROLLBACK_WAIT_S``: a stopped job keeps its container 120 s after SIGTERM and then uploads what it saved
-        to the job's output and checkpoint prefixes, which the rollback deletes only after that."""
+        to the job's output and checkpoint prefixes, which the rollback deletes only after that. ``on_ended`` hears
+        of each job as it ends (its status; None: it never existed). Returns the jobs that had not ended."""
         deadline = time.monotonic() + ROLLBACK_WAIT_S
         pending = list(names)
         while pending and time.monotonic() < deadline and not hurry():
@@ -421,13 +458,18 @@ class SageMakerBackend(ServerlessExecutor[SageMakerBackendConfig, SageMakerRunHa
                 except Exception as exc:  # noqa: BLE001 - not found: never created; anything else: ask again
                     code, message = client_error(exc)
                     if "not found" in message.lower() or code == "ResourceNotFound":
+                        if on_ended is not None:
+                            on_ended(name, None)
                         continue
                     status = None
                 if status not in ("Completed", "Failed", "Stopped"):
                     still.append(name)
+                elif on_ended is not None:
+                    on_ended(name, status)
             pending = still
             if pending:
                 time.sleep(ROLLBACK_POLL_S)
+        return pending
 
     def _delete_prefix(self, base: str, region: str, *, dry_run: bool = False) -> int:
         """Delete every object under ``base/`` (the run's own prefix: its run id is in the path); how many there
@@ -818,6 +860,23 @@ class SageMakerBackend(ServerlessExecutor[SageMakerBackendConfig, SageMakerRunHa
         checks = [check_role(ctx)]
         ctx.results[ROLE_CHECK] = checks[0]
         return [*checks, check_role_bucket(ctx), check_logs(ctx), check_training_image(ctx), *check_quotas(ctx)]
+
+
+def _refused(exc: BaseException | None) -> bool:
+    """Whether the service answered a create with a 4xx error, so it created nothing (a timeout or a 5xx leaves it
+    unknown, and so does ResourceInUse: botocore may have retried a create whose first try did create the job)."""
+    response = getattr(exc, "response", None)
+    if not isinstance(response, dict) or (response.get("Error") or {}).get("Code") == "ResourceInUse":
+        return False
+    status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+    return isinstance(status, int) and 400 <= status < 500
+
+
+def _say(line: str) -> None:
+    """A progress line on stderr (stdout stays the command's result, e.g. its JSON)."""
+    import sys
+
+    print(f"diloco: {line}", file=sys.stderr, flush=True)
 
 
 def _latest_attempts(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from emulators.aws_iam import CallerPolicy
 from emulators.sagemaker import SageMakerEmulator
+from emulators.sagemaker_quotas import QuotasEmulator
 from support.commands import run_cli as cli
 from support.polling import wait_for
 from support.run_processes import processes_of
@@ -61,7 +62,7 @@ def source(tmp_path: Path) -> Path:
 def iam_emulator(aws_env: str, s3_bucket: str, tmp_path: Path,
                  monkeypatch: pytest.MonkeyPatch) -> Iterator[SageMakerEmulator]:
     """The emulator enforcing the documented policy and checking the execution role, which exists in moto's IAM
-    and trusts SageMaker (``role_arn`` below)."""
+    and trusts SageMaker (``role_arn`` below); Service Quotas under the same policy (``quotas`` attribute)."""
     import boto3
 
     arn = boto3.client("iam").create_role(RoleName="diloco-iam", AssumeRolePolicyDocument=TRUST)["Role"]["Arn"]
@@ -70,9 +71,15 @@ def iam_emulator(aws_env: str, s3_bucket: str, tmp_path: Path,
     with SageMakerEmulator(aws_endpoint=aws_env, root_dir=tmp_path / "sagemaker", stop_grace_s=2.0,
                            log_flush_s=0.1, restart_delay_s=0.2, account_id=account, caller_policy=policy,
                            check_roles=True) as emu:
+        quotas = QuotasEmulator({"ml.m5.xlarge for training job usage": 8.0}, page_size=100, policy=policy).start()
+        emu.quotas = quotas  # type: ignore[attr-defined]
         monkeypatch.setenv("AWS_ENDPOINT_URL_SAGEMAKER", emu.url)
         monkeypatch.setenv("AWS_ENDPOINT_URL_CLOUDWATCH_LOGS", emu.logs_url)
-        yield emu
+        monkeypatch.setenv("AWS_ENDPOINT_URL_SERVICE_QUOTAS", quotas.url)
+        try:
+            yield emu
+        finally:
+            quotas.stop()
 
 
 def role_arn(emulator: SageMakerEmulator, name: str = "diloco-iam") -> str:
@@ -133,11 +140,12 @@ def test_the_documented_policy_alone_holds_every_action_of_a_run_with_a_relaunch
     cancel = cli("cancel", second_id, home=home, cwd=tmp_path)
     assert cancel.returncode == 0, cancel.stderr
 
-    called = emulator.iam_actions.actions()
+    quotas = emulator.quotas  # type: ignore[attr-defined]
+    called = emulator.iam_actions.actions() | quotas.iam_actions.actions()
     policy = CallerPolicy.from_document(documented_policy())
     assert {"sagemaker:CreateTrainingJob", "sagemaker:ListTags", "sagemaker:StopTrainingJob", "iam:PassRole",
-            "logs:GetLogEvents"} <= called  # the run did what the test says it did
-    assert emulator.iam_actions.denied() == []
+            "logs:GetLogEvents", "servicequotas:ListServiceQuotas"} <= called  # the run did what the test says
+    assert emulator.iam_actions.denied() == [] and quotas.iam_actions.denied() == []
     assert sorted(a for a in called if not policy.allows(a)) == []
     assert processes_of(run_id) == [] and processes_of(second_id) == []
 
