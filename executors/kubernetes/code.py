@@ -190,6 +190,17 @@ def image_unpacked_mib(image: str) -> int | None:
     return DEFAULT_IMAGE_MIB.get(kind) if kind else None
 
 
+def disk_fix(unpacked_mib: int | None) -> str:
+    """How to give nodes the disk an image of this unpacked size needs (None: unknown, the CUDA recommendation)."""
+    if unpacked_mib is None or unpacked_mib > DEFAULT_IMAGE_MIB["cpu"]:
+        want = max(RECOMMENDED_GPU_DISK_GIB, min_disk_gib(unpacked_mib or DEFAULT_IMAGE_MIB["gpu"]))
+    else:
+        want = max(STOCK_DISK_GIB, min_disk_gib(unpacked_mib))
+    return (f"give the nodes a bigger disk, at least {want}Gi (stock nodes have {STOCK_DISK_GIB} GiB): a managed node "
+            f"group's diskSize (eksctl: volumeSize), a Karpenter EC2NodeClass's blockDeviceMappings ebs.volumeSize "
+            f"(e.g. {want}Gi); or pass a smaller --image")
+
+
 def min_disk_gib(unpacked_mib: int) -> int:
     """The smallest node disk (GiB) that holds an image of this unpacked size, its compressed layers (at most as
     large) and the kubelet's 10 % of free space: ``2 x unpacked / 0.9``, rounded up."""

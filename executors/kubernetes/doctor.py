@@ -1,4 +1,5 @@
-"""``diloco doctor --backend eks``: context and server, namespace, service account (IRSA / Pod Identity), RBAC, image."""
+"""``diloco doctor --backend eks``: context and server, namespace, service account (IRSA / Pod Identity), RBAC, the
+nodes a replica would run on (their disk for the image, the GPU nodes' device plugin), image."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def check_cluster(ctx: DoctorContext) -> list[Check]:
     from diloco.executors.checks import Check, Status, skip_check
 
     names = ("kubernetes client", "kubernetes context", "kubernetes API", "kubernetes namespace", "service account",
-             "kubernetes permissions", NODES_CHECK)
+             "kubernetes permissions", NODES_CHECK, DISK_CHECK, PLUGIN_CHECK)
     try:
         import kubernetes
     except ImportError:
@@ -57,7 +58,10 @@ def check_cluster(ctx: DoctorContext) -> list[Check]:
     checks.append(_check_namespace(api, namespace))
     checks.append(_check_service_account(ctx, api, namespace))
     checks.append(_check_permissions(api, namespace))
-    checks.append(check_nodes(ctx, api))
+    nodes = _list_nodes(api)
+    checks.append(check_nodes(ctx, api, nodes))
+    checks.append(check_node_disks(ctx, nodes))
+    checks.append(check_device_plugin(ctx, nodes))
     return checks
 
 
@@ -216,12 +220,137 @@ def _check_permissions(api: Any, namespace: str) -> Check:
 NODES_CHECK = "kubernetes nodes"
 
 
-def check_nodes(ctx: DoctorContext, api: Any) -> Check:
+DISK_CHECK = "node disk"
+PLUGIN_CHECK = "GPU device plugin"
+
+
+def _list_nodes(api: Any) -> list[dict[str, Any]] | Exception:
+    """Every node, or the exception listing them raised (a namespaced user often may not)."""
+    from kubernetes import client
+
+    try:
+        found = json.loads(client.CoreV1Api(api).list_node(_preload_content=False, _request_timeout=TIMEOUT).data)
+    except Exception as exc:  # noqa: BLE001 - the checks say what it means
+        return exc
+    return list(found.get("items") or [])
+
+
+def _replica_nodes(ctx: DoctorContext, nodes: list[dict[str, Any]]) -> tuple[int, list[dict[str, Any]]]:
+    """(GPUs per replica, the nodes that would take a replica now)."""
+    from diloco.executors.kubernetes.placement import gpu_terms_for, node_fits
+    from diloco.executors.kubernetes.pods import replica_gpus
+
+    gpus, product = replica_gpus(ctx.gpu, ctx.procs_per_replica)
+    terms = gpu_terms_for(ctx.section, product, gpus) if product else None
+    tolerations = list(ctx.option("tolerations") or [])
+    if gpus:
+        tolerations.append({"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
+    return gpus, [n for n in nodes if node_fits(n, dict(ctx.option("node_selector") or {}), terms, tolerations,
+                                                gpus)]
+
+
+def check_node_disks(ctx: DoctorContext, nodes: list[dict[str, Any]] | Exception) -> Check:
+    """The nodes a replica would run on have the disk its image needs (``code.min_disk_gib``: the unpacked image,
+    its compressed layers and the kubelet's 10 % of free space), read from their ``ephemeral-storage`` capacity.
+    Only AWS's PyTorch images have a known size; for another ``--image`` the check says so and passes on."""
+    from diloco.executors.checks import Check, Status
+    from diloco.executors.kubernetes.code import DEFAULT_IMAGE_MIB, disk_fix, image_unpacked_mib, min_disk_gib
+
+    if isinstance(nodes, Exception):
+        return Check(name=DISK_CHECK, status=Status.SKIP, detail="the nodes cannot be listed (see above)")
+    try:
+        gpus, matching = _replica_nodes(ctx, nodes)
+    except ConfigError as exc:
+        return Check(name=DISK_CHECK, status=Status.SKIP, detail=str(exc))
+    image = ctx.option("image")
+    mib = image_unpacked_mib(image) if image else DEFAULT_IMAGE_MIB["gpu" if gpus else "cpu"]
+    if mib is None:
+        return Check(name=DISK_CHECK, status=Status.PASS, detail=f"the size of {image} is not known here: it must "
+                     "fit the nodes' disk twice over (compressed and unpacked) with 10% to spare")
+    if not matching:
+        return Check(name=DISK_CHECK, status=Status.SKIP, detail="no node would take a replica now (see above)")
+    need = min_disk_gib(mib)
+    what = f"the {'CUDA' if gpus else 'CPU'} image ({mib * 2**20 // 2**30} GiB unpacked) needs a {need} GiB disk"
+    small = [(n, gib) for n in matching if (gib := _disk_gib(n)) is not None and gib < need]
+    if not small:
+        return Check(name=DISK_CHECK, status=Status.PASS,
+                     detail=f"{what}; the {len(matching)} node(s) that would take a replica have it")
+    shown = ", ".join(f"{_node_name(n)}: {gib:g} GiB" for n, gib in small[:5]) + (
+        f" and {len(small) - 5} more" if len(small) > 5 else "")
+    every = len(small) == len(matching)
+    return Check(name=DISK_CHECK, status=Status.FAIL if every else Status.WARN,
+                 detail=f"{what}; {'every' if every else 'some'} node that would take a replica has less ({shown}): "
+                        "its pull fails with no space left on device and the node comes under DiskPressure",
+                 fix=disk_fix(mib))
+
+
+def _disk_gib(node: dict[str, Any]) -> float | None:
+    """The node's ``ephemeral-storage`` capacity in GiB (one decimal), None when it reports none."""
+    from diloco.executors.kubernetes.code import quantity_bytes
+
+    raw = ((node.get("status") or {}).get("capacity") or {}).get("ephemeral-storage")
+    try:
+        return round(quantity_bytes(str(raw)) / 2**30, 1) if raw is not None else None
+    except ValueError:
+        return None
+
+
+def _is_gpu_node(node: dict[str, Any]) -> bool:
+    """Whether a node has NVIDIA GPUs by any stock label: an EC2 GPU instance type, Karpenter's or Auto Mode's GPU
+    count, or GPU Feature Discovery's."""
+    from diloco.executors.gpus import (
+        AUTO_MODE_GPU_COUNT,
+        GFD_COUNT,
+        INSTANCE_TYPE_LABEL,
+        KARPENTER_GPU_COUNT,
+        gpu_of_instance,
+    )
+
+    labels = (node.get("metadata") or {}).get("labels") or {}
+    if any(str(labels.get(k, "0")).isdigit() and int(labels.get(k, "0")) > 0
+           for k in (KARPENTER_GPU_COUNT, AUTO_MODE_GPU_COUNT, GFD_COUNT)):
+        return True
+    return labels.get("nvidia.com/gpu.present") == "true" or gpu_of_instance(labels.get(INSTANCE_TYPE_LABEL, "")) \
+        is not None
+
+
+#: What makes a GPU node's GPUs schedulable: NVIDIA's device plugin DaemonSet (its README's Helm install).
+DEVICE_PLUGIN_FIX = ("install the NVIDIA device plugin DaemonSet (`helm repo add nvdp https://nvidia.github.io/"
+                     "k8s-device-plugin && helm upgrade -i nvdp nvdp/nvidia-device-plugin -n nvidia-device-plugin "
+                     "--create-namespace`, or the NVIDIA GPU operator): the EKS AL2023 NVIDIA AMIs ship the driver "
+                     "but not the plugin; Bottlerocket NVIDIA nodes and EKS Auto Mode include it")
+
+
+def check_device_plugin(ctx: DoctorContext, nodes: list[dict[str, Any]] | Exception) -> Check:
+    """Every GPU node advertises ``nvidia.com/gpu`` in its allocatable: only the NVIDIA device plugin does, and
+    without it no pod can ask for the node's GPUs (EKS user guide, "NVIDIA device plugin for Kubernetes": the
+    AL2023 accelerated AMIs need it installed; Bottlerocket and Auto Mode include it). A failure with ``--gpu``
+    (its replicas would stay pending), a warning without."""
+    from diloco.executors.checks import Check, Status
+    from diloco.executors.kubernetes.placement import _allocatable
+
+    if isinstance(nodes, Exception):
+        return Check(name=PLUGIN_CHECK, status=Status.SKIP, detail="the nodes cannot be listed (see above)")
+    gpu_nodes = [n for n in nodes if _is_gpu_node(n)]
+    if not gpu_nodes:
+        return Check(name=PLUGIN_CHECK, status=Status.SKIP, detail="no GPU node in the cluster now")
+    missing = [n for n in gpu_nodes if _allocatable(n, GPU_RESOURCE) <= 0]
+    if not missing:
+        return Check(name=PLUGIN_CHECK, status=Status.PASS,
+                     detail=f"the {len(gpu_nodes)} GPU node(s) advertise {GPU_RESOURCE}")
+    shown = ", ".join(_node_name(n) for n in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5
+                                                             else "")
+    return Check(name=PLUGIN_CHECK, status=Status.FAIL if ctx.gpu else Status.WARN,
+                 detail=f"{len(missing)} of {len(gpu_nodes)} GPU node(s) advertise no allocatable {GPU_RESOURCE}, "
+                        f"so no pod can ask for their GPUs (the NVIDIA device plugin is not running there): {shown}",
+                 fix=DEVICE_PLUGIN_FIX)
+
+
+def check_nodes(ctx: DoctorContext, api: Any, nodes: list[dict[str, Any]] | Exception | None = None) -> Check:
     """The nodes a replica pod could run on now: its node selector, the GPU affinity of ``--gpu`` (with
     ``--procs-per-replica``), tolerated taints, and enough allocatable ``nvidia.com/gpu``. None matching is a
     warning, not a failure: Karpenter or the cluster autoscaler may add one on demand. Listing nodes needs
     cluster-scoped RBAC a namespaced user often lacks; then the row says so."""
-    from kubernetes import client
 
     from diloco.executors.checks import Check, Status
     from diloco.executors.kubernetes.placement import describe_selector, gpu_terms_for, node_fits
@@ -237,15 +366,14 @@ def check_nodes(ctx: DoctorContext, api: Any) -> Check:
     if gpus:
         tolerations.append({"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
     wanted = describe_selector(selector, terms) + (f", with {gpus} allocatable {GPU_RESOURCE}" if gpus else "")
-    try:
-        found = json.loads(client.CoreV1Api(api).list_node(_preload_content=False, _request_timeout=TIMEOUT).data)
-    except Exception as exc:  # noqa: BLE001
+    nodes = _list_nodes(api) if nodes is None else nodes
+    if isinstance(nodes, Exception):
+        exc = nodes
         why = "not allowed to list nodes (a cluster-scoped permission)" if getattr(exc, "status", None) == 403 \
             else str(api_error(exc, "list nodes"))
         return Check(name=NODES_CHECK, status=Status.WARN,
                      detail=f"{why}: cannot tell whether a node would take a replica ({wanted})",
                      fix="ask your cluster admin whether such nodes exist (or for `list nodes` through a ClusterRole)")
-    nodes = found.get("items") or []
     matching = [n for n in nodes if node_fits(n, selector, terms, tolerations, gpus)]
     if not matching:
         return Check(name=NODES_CHECK, status=Status.WARN,

@@ -265,13 +265,7 @@ def _pod_image(pod: Mapping[str, Any]) -> str:
 def disk_verdict(pod: Mapping[str, Any], node: Mapping[str, Any] | None) -> tuple[str, str]:
     """``(why, fix)`` for a pod whose image does not fit its node's disk: the image and its unpacked size (AWS's
     PyTorch images'), the node's disk, and the real fix: a bigger node disk, or a smaller image."""
-    from diloco.executors.kubernetes.code import (
-        RECOMMENDED_GPU_DISK_GIB,
-        STOCK_DISK_GIB,
-        image_unpacked_mib,
-        min_disk_gib,
-        quantity_bytes,
-    )
+    from diloco.executors.kubernetes.code import disk_fix, image_unpacked_mib, quantity_bytes
 
     image = _pod_image(pod)
     mib = image_unpacked_mib(image)
@@ -284,12 +278,7 @@ def disk_verdict(pod: Mapping[str, Any], node: Mapping[str, Any] | None) -> tupl
         disk_words = ""
     on = f"node {where}'s disk{disk_words}" if where else "the nodes' disk"
     why = f"the image {image}{size} does not fit {on}: no space left on device / DiskPressure"
-    want = max(RECOMMENDED_GPU_DISK_GIB, min_disk_gib(mib)) if mib and mib > 10_000 else (
-        max(STOCK_DISK_GIB, min_disk_gib(mib)) if mib else RECOMMENDED_GPU_DISK_GIB)
-    fix = (f"give the nodes a bigger disk, at least {want}Gi (stock nodes have {STOCK_DISK_GIB} GiB): a managed "
-           f"node group's diskSize (eksctl: volumeSize), a Karpenter EC2NodeClass's blockDeviceMappings "
-           f"ebs.volumeSize (e.g. {want}Gi); or pass a smaller --image; `diloco doctor --backend eks` checks the "
-           "nodes' disk")
+    fix = f"{disk_fix(mib)}; `diloco doctor --backend eks` checks the nodes' disk"
     return why, fix
 
 

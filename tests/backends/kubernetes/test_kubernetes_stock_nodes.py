@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from emulators.kube_nodes import stock_eks_nodes
 from emulators.kubernetes import KubernetesEmulator
-from support.commands import start_cli
+from support.commands import run_cli, start_cli
 from support.polling import until
 
 from diloco.executors.base import EntrypointArgs, LaunchSpec
@@ -183,3 +183,50 @@ def test_any_one_piece_of_the_clusters_evidence_names_the_disk_and_a_plain_pull_
                           "Unschedulable", "message": "0/1 nodes are available: 1 node(s) had untolerated taint "
                                                       "{node.kubernetes.io/disk-pressure: }."}]}}
     assert out_of_disk(refused), "the scheduler refusing the disk-pressure taint is the disk too"
+
+
+# ---------------------------------------------------------------------------------------------- doctor
+def test_doctor_checks_the_nodes_disk_for_the_image_and_that_gpu_nodes_run_the_device_plugin(tmp_path: Path) -> None:
+    from emulators.kube_nodes import eks_node
+
+    from diloco.executors.kubernetes.doctor import check_cluster
+    from diloco.launcher.doctor import DoctorContext
+
+    nodes = [*stock_eks_nodes(), eks_node("roomy", "g5.12xlarge", disk_gib=100),
+             eks_node("no-plugin", "g5.xlarge", disk_gib=100, device_plugin=False)]
+    with KubernetesEmulator(tmp_path / "kube", namespace=NAMESPACE, nodes=nodes) as kube:
+        def rows(gpu: str | None, **options: Any) -> dict[str, Any]:
+            ctx = DoctorContext.for_backend("eks", namespace=NAMESPACE, kubeconfig=str(kube.kubeconfig), **options)
+            ctx.gpu, ctx.procs_per_replica = gpu, None
+            return {c.name: c for c in check_cluster(ctx)}
+
+        gpu = rows("A10G")
+        disk = gpu["node disk"]
+        assert disk.status.value == "warn", disk
+        assert "needs a 61 GiB disk" in disk.detail and "gpu-1 (g5.12xlarge): 20 GiB" in disk.detail, disk.detail
+        assert "roomy" not in disk.detail and "blockDeviceMappings" in disk.fix and "100Gi" in disk.fix
+        plugin = gpu["GPU device plugin"]
+        assert plugin.status.value == "fail" and "no-plugin (g5.xlarge)" in plugin.detail, plugin
+        assert "1 of 3 GPU node(s) advertise no allocatable nvidia.com/gpu" in plugin.detail
+        assert "NVIDIA device plugin" in plugin.fix and "Bottlerocket" in plugin.fix
+        cpu = rows(None)
+        assert cpu["node disk"].status.value == "pass", "the CPU image fits a stock 20 GiB node"
+        assert cpu["GPU device plugin"].status.value == "warn", "not needed by a CPU run, still worth saying"
+        ready = rows(None, image="registry.example/diloco:1")
+        assert ready["node disk"].status.value == "pass" and "not known" in ready["node disk"].detail
+        kube.remove_node("roomy")
+        only_stock = rows("A10G")["node disk"]
+        assert only_stock.status.value == "fail" and "every node that would take a replica" in only_stock.detail
+
+
+def test_the_documented_doctor_command_runs_as_printed_and_fails_a_stock_gpu_node_group(
+        stock_cli: KubernetesEmulator, s3_bucket: str, tmp_path: Path) -> None:
+    import json
+
+    out = run_cli("doctor", "--backend", "eks", "--namespace", NAMESPACE, "--s3", f"s3://{s3_bucket}/prefix",
+                  "--gpu", "A10G", "-o", "json", home=tmp_path / "home", cwd=tmp_path)
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    checks = {c["name"]: c for c in json.loads(out.stdout)["checks"]}
+    assert checks["node disk"]["status"] == "fail", checks["node disk"]
+    assert checks["GPU device plugin"]["status"] == "pass"
+    assert out.returncode != 0, "a failed check fails doctor"
