@@ -198,3 +198,54 @@ def check_image(ctx: DoctorContext, image: str | None) -> Check:
             check.status = Status.WARN  # e.g. AWS's own DLC registry: pullable, not describable
         return check
     return Check(name=name, status=Status.PASS, detail=f"{image} exists")
+
+
+# ---------------------------------------------------------------------------------------------- bucket region
+#: AWS's typical price of data transferred between two regions, per GB (EC2 and S3 "Data Transfer to other AWS
+#: Regions", https://aws.amazon.com/ec2/pricing/on-demand/#Data_Transfer and https://aws.amazon.com/s3/pricing/;
+#: most region pairs, some cost more). An estimate: every byte a replica sends to or reads from a bucket in
+#: another region is billed at it, and an all-reduce moves the model several times per round per replica.
+INTER_REGION_USD_PER_GB = 0.02
+#: Backends whose service refuses a bucket in another region: SageMaker's S3 inputs ("Your input bucket must be in
+#: the same Amazon region as your training job", SageMaker API Reference, S3DataSource), which carry the code
+#: channel from the run's store, and its outputs.
+SAME_REGION_BACKENDS = frozenset({"sagemaker"})
+
+
+def bucket_region(client: Any, bucket: str) -> str | None:
+    """The bucket's region as S3 says it: HeadBucket's ``x-amz-bucket-region`` header, which S3 sends on a 200 and
+    on its 301 and 403 answers too. None when it cannot be learned (no such header: an S3-compatible store)."""
+    from botocore.exceptions import ClientError
+
+    try:
+        out = client.head_bucket(Bucket=bucket)
+    except ClientError as exc:
+        out = exc.response
+    headers = (out.get("ResponseMetadata", {}) or {}).get("HTTPHeaders", {}) or {}
+    region = headers.get("x-amz-bucket-region") or out.get("BucketRegion")
+    return str(region) if region else None
+
+
+@dataclass
+class RegionFinding:
+    """A part's jobs and the bucket in different regions: ``refuse`` when its service requires them together."""
+
+    refuse: bool
+    message: str
+    fix: str
+
+
+def region_finding(kind: str, jobs_region: str | None, bucket: str, bucket_region: str | None,
+                   where: str = "backend.region") -> RegionFinding | None:
+    """Compare where a backend's jobs run with where the run's bucket is; None when they agree or one is unknown.
+    SageMaker (``SAME_REGION_BACKENDS``) is refused; any other backend is warned of the transfer price."""
+    if not jobs_region or not bucket_region or jobs_region == bucket_region:
+        return None
+    said = f"the {kind} jobs run in {jobs_region} but bucket {bucket!r} is in {bucket_region}"
+    if kind in SAME_REGION_BACKENDS:
+        return RegionFinding(True, f"{where}: {said}, and SageMaker reads and writes S3 only in its own region",
+                             f"pass --region {bucket_region} (run the jobs next to their bucket), or use a bucket "
+                             f"in {jobs_region}")
+    return RegionFinding(False, f"{said}: every byte the replicas exchange crosses regions, billed at about "
+                                f"${INTER_REGION_USD_PER_GB:.2f}/GB (AWS inter-region transfer, an estimate)",
+                         f"use a bucket in {jobs_region}, or run the jobs in {bucket_region}")

@@ -117,7 +117,26 @@ def check_bucket(ctx: DoctorContext) -> Check:
     except Exception as exc:  # noqa: BLE001
         return fail_check(name, exc, f"s3:ListBucket on {ctx.bucket}")
     region = (out.get("ResponseMetadata", {}).get("HTTPHeaders", {}) or {}).get("x-amz-bucket-region")
+    finding = _region_finding(ctx, region)
+    if finding is not None:
+        return Check(name=name, status=Status.FAIL if finding.refuse else Status.WARN, detail=finding.message,
+                     fix=finding.fix)
     return Check(name=name, status=Status.PASS, detail=f"{ctx.bucket!r} reachable" + (f" ({region})" if region else ""))
+
+
+def _region_finding(ctx: DoctorContext, bucket_region: str | None) -> Any:
+    """The bucket's region against where the jobs run (``executors.checks.region_finding``), the first part that
+    is refused winning over one only warned; None when they agree. A run split over backends: each part's
+    ``region`` setting, else the region this shell resolves."""
+    from diloco.executors.checks import region_finding
+
+    parts = ctx.option("parts") if ctx.backend == "mixed" else None
+    places = [(f"backend.parts[{i}].region", p.get("kind", ""), p.get("region") or ctx.region)
+              for i, p in enumerate(parts or []) if isinstance(p, dict)] or \
+        [("backend.region", ctx.backend, ctx.region)]
+    found = [f for where, kind, region in places
+             if (f := region_finding(kind, region, ctx.bucket or "", bucket_region, where)) is not None]
+    return next((f for f in found if f.refuse), found[0] if found else None)
 
 
 def check_read_write(ctx: DoctorContext) -> list[Check]:

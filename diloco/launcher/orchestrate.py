@@ -42,6 +42,7 @@ from diloco.executors.signals import terminate_as_interrupt
 from diloco.launcher.config import RunConfig, backend_config
 from diloco.launcher.progress import ReplicaProgress, read_progress
 from diloco.launcher.runs import RunRecord, RunRegistry, new_run_id
+from diloco.launcher.tracking import start_tracking
 from diloco.launcher.weights import WeightsCheck, check_final_weights, write_agreed_model
 from diloco.store.layout import RUN_INFO_KEY, SPEC_KEY
 from diloco.store.settings import StoreSettings
@@ -197,10 +198,18 @@ def build_spec(cfg: RunConfig, run_id: str) -> LaunchSpec:
     args = EntrypointArgs(rendezvous_uri=rendezvous_for(cfg, run_id), world_size=cfg.replicas,
                           trainer=cfg.train.trainer, trainer_kwargs=trainer_kwargs,
                           procs_per_replica=cfg.train.procs_per_replica, tensorboard=_tensorboard_for(cfg, run_id),
-                          **store_settings)
+                          **tracking_settings(cfg), **store_settings)
     return LaunchSpec(run_id=run_id, replicas=cfg.replicas, entrypoint_args=args, gpu=cfg.gpu,
                       timeout_s=cfg.timeout_s, spec_uri=f"{args.rendezvous_uri}/{SPEC_KEY}",
                       max_restarts=cfg.max_restarts, env=dict(cfg.env))
+
+
+def tracking_settings(cfg: RunConfig) -> dict[str, str | None]:
+    """The replicas' tracker settings: a tracker only with the run the launcher created in it
+    (``diloco.launcher.tracking``)."""
+    metrics = cfg.metrics
+    return {"mlflow": metrics.mlflow if metrics.mlflow_run_id else None, "mlflow_run_id": metrics.mlflow_run_id,
+            "wandb": metrics.wandb if metrics.wandb_run_id else None, "wandb_run_id": metrics.wandb_run_id}
 
 
 def _tensorboard_for(cfg: RunConfig, run_id: str) -> str | None:
@@ -356,6 +365,59 @@ def require_conditional_create(store: ObjectStore, cfg: RunConfig) -> None:
                                "checks one), or drop --min-replicas so every round waits for every replica")
 
 
+def job_regions(backend: ServerlessExecutor[Any, Any]) -> list[tuple[str, str, str | None]]:
+    """``(field, backend kind, region)`` for each place the run's replicas go: a backend's own ``region`` setting,
+    else the region this shell resolves (``diloco.store.aws_region``: where an EKS cluster or a local replica is
+    taken to be); each part of a run split over backends."""
+    from diloco.store.aws_region import resolve_region
+
+    try:
+        default = resolve_region()[0]
+    except Exception:  # noqa: BLE001 - e.g. a profile that does not exist: the region check has nothing to compare
+        default = None
+
+    def region_of(part: ServerlessExecutor[Any, Any]) -> str | None:
+        return getattr(part.config, "region", None) or default
+
+    parts = getattr(backend.config, "parts", None)
+    part_backend = getattr(backend, "part_backend", None)
+    if parts and part_backend is not None:
+        return [(f"backend.parts[{i}].region", part.kind, region_of(part_backend(i))) for i, part in enumerate(parts)]
+    return [("backend.region", backend.name, region_of(backend))]
+
+
+def check_bucket_region(uri: str, backend: ServerlessExecutor[Any, Any]) -> list[str]:
+    """Compare the run's bucket's region with where its jobs run (``executors.checks.region_finding``): a
+    SageMaker part in another region is refused (``ConfigError``, nothing launched); any other backend gets a
+    warning with the transfer price (returned). A bucket whose region cannot be learned is not judged."""
+    if not uri.startswith("s3://"):
+        return []
+    from diloco.executors.checks import bucket_region, region_finding
+
+    bucket = uri[len("s3://"):].split("/", 1)[0]
+    regions = job_regions(backend)
+    try:
+        import boto3
+        from botocore.config import Config
+
+        client = boto3.client("s3", region_name=next((r for _, _, r in regions if r), None) or "us-east-1",
+                              config=Config(connect_timeout=5, read_timeout=10, retries={"max_attempts": 2}))
+        where_bucket = bucket_region(client, bucket)
+    except Exception:  # noqa: BLE001 - the store probe below reports an unreachable bucket in its own words
+        return []
+    warnings = []
+    for where, kind, region in regions:
+        finding = region_finding(kind, region, bucket, where_bucket, where)
+        if finding is None:
+            continue
+        if finding.refuse:
+            raise ConfigError(finding.message, hint=finding.fix)
+        line = f"{finding.message} ({finding.fix})"
+        if line not in warnings:  # two parts in one region: said once
+            warnings.append(line)
+    return warnings
+
+
 def preflight(cfg: RunConfig) -> RunConfig:
     """Everything about the config checkable before anything is launched, without side effects (``--dry-run``
     runs it too); returns the config with the trainer's kwargs coerced, a plain-path rendezvous as its absolute
@@ -400,6 +462,11 @@ def launch(cfg: RunConfig, registry: RunRegistry | None = None, *, force: bool =
     cfg = preflight(cfg)  # before anything is created, DILOCO_HOME included
     backend, plan = plan_run(cfg)
     backend.preflight(plan.spec, force=force)  # e.g. more local replicas than this machine holds: nothing created
+    cfg, tracking_warnings = start_tracking(cfg, plan.spec.run_id)  # before any replica: their settings name it
+    if cfg.metrics.mlflow_run_id or cfg.metrics.wandb_run_id or tracking_warnings:
+        backend, plan = plan_run(cfg, plan.spec.run_id)
+        plan.warnings.extend(tracking_warnings)
+    plan.warnings += check_bucket_region(plan.spec.entrypoint_args.rendezvous_uri, backend)
     if on_plan is not None:
         on_plan(plan)
     registry = registry or RunRegistry()
