@@ -7,7 +7,8 @@
   is checked: a command that waits hours for a run and then writes nothing leaves no empty directory behind.
 
 The path is checked before any waiting, so a typo costs nothing: the nearest directory that exists must be
-writable, and nothing on the way may be a file. Pure standard library: the CLI imports it.
+writable, nothing on the way may be a file, and it may not be on a kernel filesystem (``/proc``, ``/sys``:
+the same refusal ``--rendezvous`` gets). Standard library and ``diloco.local_dirs`` only: the CLI imports it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import os
 
 from diloco.errors import ConfigError
+from diloco.local_dirs import PSEUDO_FILESYSTEMS
 
 
 def resolve_output(output: str | None, default_name: str, *, option: str = "--output") -> str:
@@ -25,6 +27,9 @@ def resolve_output(output: str | None, default_name: str, *, option: str = "--ou
     text = os.path.expanduser(output) if output is not None else os.curdir
     names_directory = text.endswith(("/", os.sep)) or os.path.isdir(text)
     path = os.path.abspath(os.path.join(text, default_name) if names_directory else text)
+    if any(path == p or path.startswith(p + "/") for p in PSEUDO_FILESYSTEMS):  # writable by os.access, for root
+        raise ConfigError(f"{option}: {path} is on a kernel filesystem, which cannot hold files",
+                          hint="use a directory on a disk, e.g. under $HOME or /tmp")
     if os.path.isdir(path):
         raise ConfigError(f"{option}: {path} is a directory, not a file",
                           hint="give a file path, or a directory to write the default file name in")

@@ -44,3 +44,16 @@ def test_collect_output_directory_forms_and_missing_parents(home: Path, tmp_path
     assert shown.returncode == 0
     help_text = " ".join(shown.stdout.replace("│", " ").split())
     assert "ending in /" in help_text and "missing directories are created" in help_text
+
+
+def test_an_output_on_a_kernel_filesystem_is_refused_in_one_line_as_the_rendezvous_is(home: Path) -> None:
+    """/proc and /sys take a path and refuse every write (root may "write" there by os.access): refused before
+    any waiting, in the words ``--rendezvous`` gets, exit 2, never an internal error."""
+    run_id = launch_small_run(home)
+    for command, target in (("collect", "/proc/model.safetensors"), ("plot", "/sys/plots/"),
+                            ("collect", "/proc")):
+        result = run_cli(command, run_id, "--output", target, home=home)
+        assert result.returncode == 2, result.stderr
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1, result.stderr
+        assert lines[0].startswith("diloco: error: --output: ") and "is on a kernel filesystem" in lines[0]
