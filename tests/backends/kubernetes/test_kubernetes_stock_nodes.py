@@ -130,6 +130,7 @@ def stock_cli(aws_env: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
         yield emulator
 
 
+@pytest.mark.slow
 def test_status_and_the_waiting_launch_name_the_disk_and_the_fix(
         stock_cli: KubernetesEmulator, s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from typer.testing import CliRunner
@@ -230,3 +231,48 @@ def test_the_documented_doctor_command_runs_as_printed_and_fails_a_stock_gpu_nod
     assert checks["node disk"]["status"] == "fail", checks["node disk"]
     assert checks["GPU device plugin"]["status"] == "pass"
     assert out.returncode != 0, "a failed check fails doctor"
+
+
+# ---------------------------------------------------------------------------------------------- the documented disk
+TINY = ["--steps", "4", "--sync-every", "2", "-k", "n_layer=1", "-k", "n_embd=16", "-k", "eval_batches=1",
+        "-k", "threads=1"]
+
+
+@pytest.fixture
+def documented(aws_env: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[KubernetesEmulator]:
+    """A stock EKS cluster whose nodes have the disk the docs ask GPU nodes for (100 GiB); the public image runs
+    the emulator's own interpreter (diloco's dependencies present, so the bootstrap installs only the wheel)."""
+    import os
+
+    from diloco.executors.kubernetes.code import RECOMMENDED_GPU_DISK_GIB
+
+    node_env = {key: os.environ[key] for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+                                                 "AWS_DEFAULT_REGION", "AWS_REGION", "AWS_CONFIG_FILE",
+                                                 "AWS_SHARED_CREDENTIALS_FILE", "AWS_EC2_METADATA_DISABLED")
+                if key in os.environ}
+    node_env.update({"OMP_NUM_THREADS": "1", "PIP_NO_INDEX": "1"})
+    nodes = stock_eks_nodes(cpu_nodes=0, disk_gib=RECOMMENDED_GPU_DISK_GIB)
+    with KubernetesEmulator(tmp_path / "kube", namespace=NAMESPACE, node_env=node_env, nodes=nodes) as emulator:
+        monkeypatch.setenv("KUBECONFIG", str(emulator.kubeconfig))
+        yield emulator
+
+
+@pytest.mark.slow
+def test_on_nodes_with_the_documented_disk_the_default_cuda_image_trains_two_replicas_to_identical_weights(
+        documented: KubernetesEmulator, s3_bucket: str, tmp_path: Path) -> None:
+    import json
+
+    launch = run_cli("launch", "--backend", "eks", "--namespace", NAMESPACE, "--replicas", "2", "--gpu", "A10G",
+                     "--rendezvous", f"s3://{s3_bucket}/documented/{{run_id}}", "--set", "store.poll_interval_s=0.2",
+                     "--set", "backend.grace_period_s=2", *TINY, "-o", "json", home=tmp_path / "home", cwd=tmp_path,
+                     timeout=600)
+    report = json.loads(launch.stdout) if launch.stdout.strip() else {}
+    assert launch.returncode == 0, launch.stderr[-3000:]
+    assert report["state"] == "succeeded" and report["weights_identical"] is True, report
+    job = documented.job(report["run_id"])
+    assert job is not None
+    pod = job["spec"]["template"]["spec"]
+    assert pod["containers"][0]["image"].endswith("pytorch-training:2.10.0-gpu-py313-ec2"), "the default CUDA image"
+    node = next(n for n in documented.nodes() if n["metadata"]["name"] == "gpu-1")
+    assert node["status"]["capacity"]["ephemeral-storage"] == f"{100 * 2**30 // 1024}Ki"
+    assert all(c["status"] == "False" for c in node["status"]["conditions"] if c["type"] == "DiskPressure")
