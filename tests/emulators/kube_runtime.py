@@ -55,9 +55,9 @@ the emulator's ``interpreter`` (the development environment, with diloco and eve
 references matching a glob to another interpreter, first match in the order added, e.g. AWS's PyTorch
 training image (``*pytorch-training:*``, whose EKS default is now the ``2.10.0-{cpu,gpu}-py313-ec2`` tag) to
 ``sagemaker_image.image_python()``, which holds the 2.10 SageMaker image's packages (torch, boto3, s3fs; no diloco,
-no transformers). The EC2 build of the same release differs: it has boto3 and awscli but no s3fs or aiobotocore
-(its Dockerfile's ``ec2`` stage), so there the bootstrap installs more than the stand-in makes it; the packages
-diloco needs are what both lack or hold, and the bootstrap installs whatever is missing either way. What an
+no transformers). The EC2 build may hold less: the 2.9 Dockerfile's ``ec2`` stage installs boto3 and awscli but no
+s3fs or aiobotocore (the 2.10 one is not modelled separately), so on a real node the bootstrap may install more
+than it does here; it installs whatever is missing either way. What an
 image costs a node's disk is ``kube_images``'s.
 """
 
