@@ -427,6 +427,10 @@ def preflight(cfg: RunConfig) -> RunConfig:
     if cfg.store.rendezvous:
         cfg = cfg.model_copy(update={"store": cfg.store.model_copy(
             update={"rendezvous": local_store_uri(cfg.store.rendezvous)})})
+    if not cfg.store.rendezvous and cfg.backend.default_rendezvous("{run_id}") is not None:
+        from diloco.launcher.runs import check_home
+
+        check_home()  # the default store is under DILOCO_HOME: name it, not store.rendezvous
     check_rendezvous(rendezvous_for(cfg, "{run_id}"), probe=False)
     if cfg.metrics.tensorboard is not None:
         from diloco.replica.tensorboard_dirs import check_tensorboard, normalized
@@ -1150,6 +1154,11 @@ def collect(view: RunView, *, output: str | None = None, timeout_s: float | None
     check = add_weights_verdict(view, report)
     if output is not None and check is not None and check.identical:
         report.model_path = write_agreed_model(view.store, check, output, view.record.run_id)
+        from diloco.launcher.tracking import log_model
+
+        problem = log_model(view.record.config, report.model_path)  # the run's MLflow run, when it has one
+        if problem is not None:
+            report.warnings.append(problem)
     if check is not None and check.identical and not report.left_behind:  # one copy of the agreed model is enough
         from diloco.launcher.compaction import compact_store
 

@@ -75,6 +75,22 @@ class RunRecord(BaseModel):
     weights_disagree: str | None = None
 
 
+def check_home() -> None:
+    """``ConfigError`` naming DILOCO_HOME unless runs can be recorded under it, checked without creating anything
+    (``--dry-run`` runs it too). A local run's default store is there as well, so a read-only home would otherwise
+    be reported as a ``store.rendezvous`` the user never set."""
+    from diloco.local_dirs import check_writable_dir
+
+    where = runs_dir()
+    try:
+        check_writable_dir(str(where), "DILOCO_HOME")
+    except ConfigError as exc:
+        message = str(exc).replace(f"DILOCO_HOME: cannot create or write {where}", f"DILOCO_HOME: cannot record "
+                                                                                  f"runs in {where}")
+        raise ConfigError(message, hint="set DILOCO_HOME to a writable directory (default ~/.diloco): runs are "
+                                        "recorded there, and a local run's store and logs kept") from None
+
+
 class RunRegistry:
     """Run records under ``<home>/runs``; writes are atomic so a concurrent reader never sees half a record."""
 

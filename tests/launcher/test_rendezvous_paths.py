@@ -111,3 +111,16 @@ def test_a_scheme_missing_a_slash_is_refused_not_taken_for_a_directory(tmp_path:
     assert result.returncode == exit_codes.USAGE, result.stderr
     assert "store.rendezvous:" in error_line(result) and "needs two slashes" in error_line(result)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_read_only_diloco_home_is_named_as_such_not_as_the_rendezvous(tmp_path: Path) -> None:
+    """A local run meets by default under ``$DILOCO_HOME/runs/<id>/store``: when DILOCO_HOME refuses writes, the
+    one line names DILOCO_HOME and its fix, not a ``store.rendezvous`` the user never set."""
+    home = tmp_path / "diloco-home"
+    with read_only(home) as prefix:
+        result = diloco(*LAUNCH, home=home, cwd=tmp_path, prefix=prefix)
+    assert result.returncode == exit_codes.USAGE, result.stderr
+    line = error_line(result)
+    assert line.startswith(f"diloco: error: DILOCO_HOME: cannot record runs in {home}/runs"), line
+    assert "store.rendezvous" not in line and "set DILOCO_HOME to a writable directory" in line
+    assert list(home.iterdir()) == []
