@@ -81,6 +81,16 @@ class MetricsConfig(_Strict):
     tensorboard: str | None = Field(None, description="Also write metrics as TensorBoard events to DIR (a "
                                     "directory or URI).",
                                     json_schema_extra=cli_flag("--tensorboard", metavar="DIR"))
+    mlflow: str | None = Field(None, description="Also log metrics, the run's settings and the collected model to "
+                               "this MLflow tracking server (one MLflow run per run; credentials from "
+                               "MLFLOW_TRACKING_TOKEN in env).", json_schema_extra=cli_flag("--mlflow", metavar="URI"))
+    wandb: str | None = Field(None, description="Also log metrics and the run's settings to this Weights & Biases "
+                              "project (one W&B run per run; WANDB_API_KEY in env).",
+                              json_schema_extra=cli_flag("--wandb", metavar="PROJECT"))
+    #: Set by the launcher when it creates the tracker runs (``diloco.launcher.tracking``), kept in the run record
+    #: so that relaunched replicas and ``diloco collect`` log into the same runs.
+    mlflow_run_id: str | None = Field(None, description="The run's MLflow run (set by the launcher).")
+    wandb_run_id: str | None = Field(None, description="The run's W&B run id (set by the launcher).")
 
 
 class RunConfig(_Strict):

@@ -41,6 +41,8 @@ the root cause's code and its ``diloco: error:`` line comes last; its log holds 
 
 TensorBoard (``--tensorboard DIR``): the metrics rows are also written as TensorBoard events under
 ``DIR/rank_RRRR`` (``diloco.replica.tensorboard``); without the ``tensorboard`` package the replica exits 2 before training.
+MLflow and W&B (``--mlflow URI --mlflow-run-id ID``, ``--wandb PROJECT --wandb-run-id ID``): the history rows are
+also logged into the launcher's tracker run (``diloco.replica.tracking``); a tracker that fails costs one warning.
 
 Exit codes: 0 success; 1 the training failed (the full traceback of the exception on stderr, then one last line
 ``diloco: error: ...``, which is what the CLI quotes; an all-reduce timeout is the one line alone and names the
@@ -502,6 +504,7 @@ def run_replica(args: ReplicaArgs, trainer: Callable[..., Any], kwargs: dict[str
     allreduce = None
     parts = None
     board = None
+    sinks: list[Any] = []  # experiment trackers (diloco.replica.tracking)
     previous = None
     if _in_main_thread():
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
@@ -522,6 +525,10 @@ def run_replica(args: ReplicaArgs, trainer: Callable[..., Any], kwargs: dict[str
 
                 board = TensorBoardWriter(args.settings.tensorboard, args.rank)
                 manager.metrics.add_listener(board.on_row)
+            if args.settings.mlflow_run_id or args.settings.wandb_run_id:
+                from diloco.replica.tracking import open_sinks
+
+                sinks = open_sinks(args.settings, args.rank, manager.metrics)
         if group is not None:
             from diloco.replica.local_group import LocalGroupManager
 
@@ -539,6 +546,8 @@ def run_replica(args: ReplicaArgs, trainer: Callable[..., Any], kwargs: dict[str
             metrics.close()  # a `final` row for a trainer that recorded progress outside an outer loop
         if board is not None:
             board.close()
+        for sink in sinks:
+            sink.close()
         if allreduce is not None:
             allreduce.close()  # lets an upload the trainer left in flight land (a SIGTERM here still exits 143)
         parts.close()
@@ -578,6 +587,8 @@ def run_replica(args: ReplicaArgs, trainer: Callable[..., Any], kwargs: dict[str
     finally:
         if board is not None:
             board.close()
+        for sink in sinks:
+            sink.close(wait_s=5.0)  # failed or stopped: what the tracker takes quickly, never a long wait
         if allreduce is not None:
             allreduce.close(wait=False)  # failed or stopped: never wait for an upload (no-op after success)
         if parts is not None:

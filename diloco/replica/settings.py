@@ -74,6 +74,16 @@ class ReplicaSettings(StoreSettings):
                                           "GPU, 1 without one).", json_schema_extra=replica_flag(metavar="K"))
     tensorboard: str | None = Field(None, description="Also write the metrics as TensorBoard events under this "
                                     "run directory.", json_schema_extra=replica_flag(metavar="DIR"))
+    mlflow: str | None = Field(None, description="Also log the metrics to this MLflow tracking server (needs "
+                               "mlflow_run_id).", json_schema_extra=replica_flag(metavar="URI"))
+    mlflow_run_id: str | None = Field(None, description="The run's MLflow run, created by the launcher: every "
+                                      "replica, relaunched ones too, logs into it.",
+                                      json_schema_extra=replica_flag(metavar="ID"))
+    wandb: str | None = Field(None, description="Also log the metrics to this Weights & Biases project (needs "
+                              "wandb_run_id).", json_schema_extra=replica_flag(metavar="PROJECT"))
+    wandb_run_id: str | None = Field(None, description="The run's stable W&B run id, chosen by the launcher: "
+                                     "every replica, relaunched ones too, resumes it.",
+                                     json_schema_extra=replica_flag(metavar="ID"))
 
     @model_validator(mode="after")
     def _fits_the_world(self) -> ReplicaSettings:
