@@ -487,8 +487,8 @@ def test_runs_on_its_own_with_an_embedded_s3_and_stops_its_jobs_on_ctrl_c(tmp_pa
                                         region_name=exports["AWS_REGION"])
         session.client("s3", endpoint_url=exports["AWS_ENDPOINT_URL"]).create_bucket(Bucket="standalone-bucket")
         sm = session.client("sagemaker", endpoint_url=exports["AWS_ENDPOINT_URL_SAGEMAKER"])
-        sm.create_training_job(
-            TrainingJobName="standalone", RoleArn="arn:aws:iam::000000000000:role/r",
+        request = dict(
+            TrainingJobName="standalone",
             AlgorithmSpecification={"TrainingImage": "i", "TrainingInputMode": "File",
                                     "ContainerEntrypoint": ["python", "-c"],
                                     "ContainerArguments": ["import os, time; print(os.getpid(), flush=True); "
@@ -496,6 +496,10 @@ def test_runs_on_its_own_with_an_embedded_s3_and_stops_its_jobs_on_ctrl_c(tmp_pa
                                                            "time.sleep(300)"]},
             OutputDataConfig={"S3OutputPath": "s3://standalone-bucket/out"},
             ResourceConfig={"InstanceType": "ml.m5.xlarge", "InstanceCount": 1, "VolumeSizeInGB": 1})
+        # On its own it checks roles as the service does: only the role it provisioned (it trusts SageMaker) works.
+        code, _ = error_of(lambda: sm.create_training_job(RoleArn="arn:aws:iam::000000000000:role/r", **request))
+        assert code == "ValidationException"
+        sm.create_training_job(RoleArn="arn:aws:iam::000000000000:role/any", **request)
         pid_file = tmp_path / "jobs" / "standalone" / "home" / "pid"
         deadline = time.monotonic() + 30
         while not (pid_file.exists() and pid_file.read_text()):

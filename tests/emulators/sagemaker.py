@@ -18,6 +18,10 @@ credential scope, the signature itself is not checked) and answers with the serv
   ListTrainingJobs 2 requests/s, not adjustable). CloudWatch Logs' read quotas (GetLogEvents 10/s, ...) apply at
   the Logs front the emulator serves for clients (``logs_url``, exported as
   ``AWS_ENDPOINT_URL_CLOUDWATCH_LOGS``).
+* The caller's IAM (``caller_policy``, ``--caller-policy FILE``): actions outside the policy answer
+  AccessDeniedException in AWS's words, CreateTrainingJob needing ``iam:PassRole`` (and ``sagemaker:AddTags`` for
+  tags) too; ``iam_actions`` records every action evaluated. ``check_roles`` (on when run on its own): a RoleArn
+  that does not exist in IAM or does not trust SageMaker is refused ("Could not assume role ..."). See ``aws_iam``.
 * An account with a past (``history=N``): N older, ended jobs (``sagemaker_history``), as any account that has
   trained before holds (jobs cannot be deleted).
 * ListTrainingJobs as the service pages it: jobs sorted by ``SortBy`` (default CreationTime) and ``SortOrder``
@@ -331,6 +335,15 @@ class SageMakerEmulator:
         shipped-code job's bootstrap fails as it does when what the job needs cannot be installed."""
         assert self._runtime is not None, "start the emulator first"
         self._runtime.image_env["PIP_CONSTRAINT"] = str(self.root / "no-such-constraints.txt")
+
+    def cut_off_package_index(self) -> None:
+        """Give every job started from now no route to a package index, as a job in a network without egress has
+        (a VPC without a NAT): its pip gets no wheelhouse, ``PIP_INDEX_URL`` names a closed loopback port, and this
+        machine's pip configuration (its own mirrors) is not read (``PIP_CONFIG_FILE`` is the null device, which
+        pip takes as "no configuration files"). A job's ``Environment`` still overrides all three, as the request's
+        variables do on the service."""
+        assert self._runtime is not None, "start the emulator first"
+        self._runtime.pip_env = {"PIP_CONFIG_FILE": os.devnull, "PIP_INDEX_URL": "http://127.0.0.1:9/simple"}
 
     def resume(self, name: str) -> None:
         """Let a job held in ``Interrupted`` come back."""
