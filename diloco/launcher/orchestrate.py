@@ -277,7 +277,8 @@ def check_trainer(cfg: RunConfig) -> RunConfig:
     check_procs_per_replica(cfg.train.procs_per_replica, fn, cfg.train.trainer)
     owned = {"total_steps": cfg.train.steps, "sync_every": cfg.train.sync_every, **_mode_kwarg(cfg)}
     checked = check_trainer_kwargs(fn, {**owned, **cfg.train.trainer_kwargs}, world_size=cfg.replicas,
-                                   on_this_machine=not cfg.backend.places_some_replicas())
+                                   on_this_machine=not cfg.backend.places_some_replicas(),
+                                   store=cfg.store.model_dump())
     kwargs = {k: v for k, v in checked.items() if k not in owned}
     return cfg.model_copy(update={"train": cfg.train.model_copy(update={"trainer_kwargs": kwargs})})
 

@@ -60,6 +60,26 @@ _DEVICE = re.compile(r"^(auto|cpu|cuda|mps|xpu|hpu|npu|meta)(:\d+)?$")
 
 def _preflight(kwargs: dict[str, Any], context: PreflightContext) -> None:
     check_config(kwargs, world_size=context.world_size, on_this_machine=context.on_this_machine)
+    if context.store is not None:
+        check_outer_rule_store(kwargs, context.store)
+
+
+def check_outer_rule_store(kwargs: Mapping[str, Any], store: Mapping[str, Any]) -> None:
+    """SparseLoCo's outer rule replaces the outer momentum with the wire's error feedback, which only a lossy
+    format with ``store.error_feedback`` on gives (``diloco.replica.outer``'s run-time refusal): checked before
+    launch, where the store settings are known, so a run is not started only for every replica to exit 1."""
+    if kwargs.get("outer_rule", "nesterov") != "sparseloco":
+        return
+    if str(store.get("compression", "none")) == "none":
+        why = "store.compression is none"
+    elif store.get("error_feedback", True) is False:
+        why = "store.error_feedback is false"
+    else:
+        return
+    raise ConfigError(f"train.trainer_kwargs.outer_rule: sparseloco needs error feedback, but {why} (the "
+                      f"pseudo-gradients would cross the store without it)",
+                      hint="add --compression topk (or another lossy format) with store.error_feedback on, or "
+                           "drop -k outer_rule=sparseloco")
 
 
 #: One replica of this trainer before its model and data: Python, torch and diloco's replica side (measured at

@@ -55,6 +55,9 @@ class PreflightContext:
 
     world_size: int | None = None  # the number of replicas, when known
     on_this_machine: bool = False  # the replicas run on this machine (local backend, or the replica itself)
+    #: The run's store settings (``store:``, e.g. ``compression``, ``error_feedback``) when the launcher checks, so a
+    #: trainer can refuse a combination its replicas would refuse only once started; None inside a replica.
+    store: Mapping[str, Any] | None = None
 
 
 PreflightCheck = Callable[[dict[str, Any], PreflightContext], None]
@@ -156,6 +159,7 @@ def check_trainer_kwargs(
     *,
     world_size: int | None = None,
     on_this_machine: bool = False,
+    store: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Check ``kwargs`` for ``fn`` (see the module docstring); the coerced kwargs, or ``ConfigError`` naming the
     key, the value and the fix."""
@@ -179,7 +183,8 @@ def check_trainer_kwargs(
     if check is not None:
         defaults = {k: p.default for k, p in params.items()
                     if p.default is not inspect.Parameter.empty and k not in INJECTED}
-        check({**defaults, **out}, PreflightContext(world_size=world_size, on_this_machine=on_this_machine))
+        check({**defaults, **out}, PreflightContext(world_size=world_size, on_this_machine=on_this_machine,
+                                                    store=store))
     return out
 
 

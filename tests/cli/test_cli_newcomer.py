@@ -64,6 +64,12 @@ def test_status_shows_why_a_replica_failed_and_prints_trainer_text_literally(hom
     (["--rendezvous", "file:///etc/hostname/sub/{run_id}"], "/etc/hostname is a file"),
     (["--rendezvous", "file:///tmp/{foo}/x"], "store.rendezvous: unknown placeholder {foo}"),
     (["--role", "arn:aws:iam::123456789012:role/x"], "--role: the local backend has no such setting"),
+    # docs/concepts.md's SparseLoCo recipe without its --compression topk: the trainer/store combination
+    (["--sync-every", "5", "--set", "store.error_feedback_decay=0.95", "-k", "outer_rule=sparseloco", "-k",
+      "outer_lr=2"], "train.trainer_kwargs.outer_rule: sparseloco needs error feedback, but store.compression is "
+                     "none"),
+    (["--compression", "int8", "--set", "store.error_feedback=false", "-k", "outer_rule=sparseloco"],
+     "train.trainer_kwargs.outer_rule: sparseloco needs error feedback, but store.error_feedback is false"),
 ])
 @pytest.mark.parametrize("dry_run", [True, False])
 def test_invalid_settings_fail_before_launch(home: Path, args: list[str], message: str, dry_run: bool) -> None:
