@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from diloco.errors import BackendError
+from diloco.executors.sagemaker.aws_errors import aws_error
 from diloco.executors.sagemaker.pacing import Pacer, backoff_s, error_code, is_transient, was_retried
 
 #: This process's share of GetLogEvents' account-wide 10 requests/s.
@@ -150,9 +150,9 @@ class RunLogs:
                 if error_code(exc) == "ResourceNotFoundException":
                     return None
                 if not is_transient(exc):
-                    raise BackendError(f"could not read CloudWatch Logs ({self.group}): {exc}",
-                                       hint="your AWS identity needs logs:DescribeLogStreams and "
-                                            "logs:GetLogEvents on it") from exc
+                    raise aws_error(f"could not read CloudWatch Logs ({self.group})", exc,
+                                    hint="your AWS identity needs logs:DescribeLogStreams and logs:GetLogEvents "
+                                         "on it") from exc
                 pacer.throttled()
                 self._sleep(backoff_s(attempt))
                 attempt += 1

@@ -177,6 +177,12 @@ def test_a_relaunch_without_list_tags_ends_watch_in_one_line_naming_the_action(
     assert f"could not read back SageMaker training job {name} to relaunch replica 1: AccessDeniedException" \
         in errors[0] and "(allow sagemaker:ListTags to your AWS identity" in errors[0], errors[0]
     assert sorted(j.name for j in emulator.jobs()) == [f"{run_id}-r0", name]  # no relaunched job
+    emulator.set_caller_policy(CallerPolicy(documented.allow, deny=["logs:GetLogEvents"],
+                                            principal=documented.principal))
+    logs = cli("logs", run_id, home=home, cwd=tmp_path)
+    errors = error_lines(logs.stderr)
+    assert logs.returncode == 1 and len(errors) == 1 and "internal error" not in errors[0], logs.stderr[-3000:]
+    assert "AccessDeniedException" in errors[0] and "(allow logs:GetLogEvents to your AWS identity" in errors[0]
     emulator.set_caller_policy(documented)
     assert cli("cancel", run_id, home=home, cwd=tmp_path).returncode == 0
 
