@@ -102,25 +102,102 @@ def on_sigterm(signum: int, frame: Any) -> None:
     sys.exit(EXIT_SIGTERM)
 
 
-def run(cmd: list[str], what: str) -> int:
-    """Run ``cmd`` to its end (stoppable by SIGTERM, see ``on_sigterm``); its exit code."""
+def run(cmd: list[str], what: str, env: dict[str, str] | None = None) -> tuple[int, str]:
+    """Run ``cmd`` to its end (stoppable by SIGTERM, see ``on_sigterm``): its exit code and its output (stdout and
+    stderr, kept in a file while it runs so the caller can tell a network failure from any other)."""
     global _child
-    child = subprocess.Popen(cmd, cwd=WORK, env={**os.environ, "PIP_ROOT_USER_ACTION": "ignore"})
-    _child = child
-    try:
-        while True:
-            try:
-                code = child.wait(timeout=0.5)
-                break
-            except subprocess.TimeoutExpired:
-                if _stop_requested_at is not None and time.monotonic() - _stop_requested_at > STOP_WAIT_S:
-                    child.kill()
-    finally:
-        _child = None
+    with tempfile.TemporaryFile("w+") as out:
+        child = subprocess.Popen(cmd, cwd=WORK, stdout=out, stderr=subprocess.STDOUT,
+                                 env={**os.environ, "PIP_ROOT_USER_ACTION": "ignore", **(env or {})})
+        _child = child
+        try:
+            while True:
+                try:
+                    code = child.wait(timeout=0.5)
+                    break
+                except subprocess.TimeoutExpired:
+                    if _stop_requested_at is not None and time.monotonic() - _stop_requested_at > STOP_WAIT_S:
+                        child.kill()
+        finally:
+            _child = None
+        out.seek(0)
+        output = out.read()
     if _stop_requested_at is not None:
+        sys.stdout.write(output)
         say(f"stopped by SIGTERM while {what} ran (it ended with {describe_exit(code)}); exiting {EXIT_SIGTERM}")
         sys.exit(EXIT_SIGTERM)
-    return code
+    return code, output
+
+
+# ---------------------------------------------------------------------------------------------- the index
+#: What pip prints (its retry warnings, urllib3's errors) when it cannot reach an index at all: refused, unresolved,
+#: unroutable or timed-out connections; an index that answers, even with an error, is reachable.
+UNREACHABLE = re.compile(r"NewConnectionError|NameResolutionError|ConnectTimeoutError|ReadTimeoutError|"
+                         r"Connection refused|Failed to establish a new connection|Failed to resolve|"
+                         r"Temporary failure in name resolution|Name or service not known|Network is unreachable|"
+                         r"No route to host|timed out")
+_HOST = re.compile(r"host='([^']+)', port=(\d+)")
+_INDEXES = re.compile(r"Looking in indexes: ([^\s,]+)")
+#: The probe's retries: pip's default is 5 per request (each waiting up to its timeout, 15 s by default), which on a
+#: network that drops packets to the index is minutes per package before pip gives up. One retry over one request
+#: tells a closed network in seconds (refused, unresolved) or two timeouts; the install itself keeps pip's own
+#: retries and timeout (or the job's PIP_RETRIES / PIP_TIMEOUT), so a slow or flaky index that answers still works.
+PROBE_RETRIES = "1"
+INDEX_FIX = ("give the replicas a package index they can reach with --env PIP_INDEX_URL=<your mirror> (or "
+             "PIP_EXTRA_INDEX_URL), or pass --image with an image that holds diloco and what the run needs")
+
+
+#: The causes a line of pip's output may name, the most telling first.
+_CAUSES = ("Connection refused", "Temporary failure in name resolution", "Name or service not known",
+           "Failed to resolve", "Network is unreachable", "No route to host", "timed out", "NameResolutionError",
+           "ConnectTimeoutError", "ReadTimeoutError", "NewConnectionError")
+
+
+def unreachable_index(output: str) -> str | None:
+    """The network failure pip's ``output`` shows, shortly (``127.0.0.1:9: Connection refused``), or None."""
+    line = next((text for text in output.splitlines() if UNREACHABLE.search(text)), None)
+    if line is None:
+        return None
+    host = _HOST.search(line)
+    index = _INDEXES.search(output)
+    if host:
+        where = f"{host.group(1)}:{host.group(2)}: "
+    elif index or os.environ.get("PIP_INDEX_URL"):  # older pips print the connection object, not its host
+        url = index.group(1) if index else os.environ["PIP_INDEX_URL"]
+        where = f"{urllib.parse.urlsplit(url).netloc or url}: "
+    else:
+        where = ""
+    return where + next((cause for cause in _CAUSES if cause in line), "no connection")
+
+
+def fail_unreachable(cause: str, wanted: str) -> NoReturn:
+    fail(f"the package index is unreachable from this job ({cause}), so pip cannot install {wanted}: {INDEX_FIX}")
+
+
+def probe_index(name: str, wanted: str) -> None:
+    """Ask the index for ``name`` once (``pip index versions``, one request and one retry) before resolving, and
+    fail in one line when pip cannot reach it. Nothing is decided otherwise: an index that answers, a wheelhouse
+    (``PIP_NO_INDEX``) or a pip without the ``index`` command (before 21.2) leaves it to the install."""
+    if not pip_at_least(21, 2):
+        return
+    env = {} if os.environ.get("PIP_RETRIES") else {"PIP_RETRIES": PROBE_RETRIES}
+    code, output = run([*PIP, "index", "versions", name], "pip (reaching the index)", env)
+    cause = unreachable_index(output) if code else None
+    if cause:
+        fail_unreachable(cause, wanted)
+
+
+def pip_or_fail(args: list[str], what: str, failure: str, wanted: str) -> str:
+    """Run pip with ``args``; its output. A failure is one line: the unreachable index and its fix when pip could
+    not reach it, else ``failure`` after pip's own output."""
+    code, output = run([*PIP, *args], what)
+    if code == 0:
+        return output
+    cause = unreachable_index(output)
+    if cause:
+        fail_unreachable(cause, wanted)
+    sys.stderr.write(output)
+    fail(failure)
 
 
 def describe_exit(code: int) -> str:
@@ -222,22 +299,33 @@ def broken_closure(requirements: list[str]) -> list[tuple[str, str]]:
     return broken
 
 
-def pip_reports() -> bool:
-    """Whether this pip has ``install --dry-run --report`` (pip 22.2 and later)."""
+def pip_at_least(major: int, minor: int) -> bool:
+    """Whether this interpreter's pip is ``major.minor`` or later."""
     try:
-        major, minor = (int(p) for p in importlib.metadata.version("pip").split(".")[:2])
+        have = tuple(int(p) for p in importlib.metadata.version("pip").split(".")[:2])
     except (importlib.metadata.PackageNotFoundError, ValueError):
         return False
-    return (major, minor) >= (22, 2)
+    return have >= (major, minor)
+
+
+def pip_reports() -> bool:
+    """Whether this pip has ``install --dry-run --report`` (pip 22.2 and later)."""
+    return pip_at_least(22, 2)
 
 
 def resolve(args: list[str]) -> list[tuple[str, str, str]] | None:
     """What pip would install into this interpreter for ``args``: ``(name, version, where from)``; None if pip
-    finds no consistent set."""
+    finds no consistent set (its output is shown); one line and exit when it cannot reach the index."""
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "report.json")
-        if run([*PIP, "install", "--quiet", "--dry-run", "--report", report, *args], "pip (resolving)"):
+        code, output = run([*PIP, "install", "--quiet", "--dry-run", "--report", report, *args], "pip (resolving)")
+        if code:
+            cause = unreachable_index(output)
+            if cause:
+                fail_unreachable(cause, " ".join(args))
+            sys.stderr.write(output)
             return None
+        sys.stdout.write(output)
         with open(report) as f:
             items = json.load(f).get("install", [])
     return [(i["metadata"]["name"], i["metadata"]["version"], location(i["download_info"])) for i in items]
@@ -328,6 +416,8 @@ def install(wheel: str) -> None:
     targets = [wheel]
     if missing or files:
         file_args = [arg for path in files for arg in ("-r", path)]
+        probe_index(requirement_name(missing[0]) if missing else "pip",
+                    ", ".join([*missing, *(f"-r {os.path.basename(path)}" for path in files)]))
         if pip_reports():
             resolved = consistent_set([*own, *wanted, *file_args])
             if resolved:
@@ -336,10 +426,17 @@ def install(wheel: str) -> None:
             targets += [where for _, _, where in resolved]
         else:
             say(f"installing what this image lacks into {SITE}: {', '.join([*missing, *file_args])}")
-            if run([*PIP, "install", "--quiet", "--target", SITE, *missing, *file_args], "pip"):
-                fail("pip could not install " + ", ".join([*missing, *file_args]))
-    if run([*PIP, "install", "--quiet", "--no-compile", "--no-deps", "--upgrade", "--target", SITE, *targets], "pip"):
-        fail("pip could not install " + ", ".join(os.path.basename(t) for t in targets))
+            sys.stdout.write(pip_or_fail(["install", "--quiet", "--target", SITE, *missing, *file_args], "pip",
+                                         "pip could not install " + ", ".join([*missing, *file_args]),
+                                         ", ".join([*missing, *file_args])))
+    names = ", ".join(os.path.basename(t) for t in targets)
+    sys.stdout.write(pip_or_fail(["install", "--quiet", "--no-compile", "--no-deps", "--upgrade", "--target", SITE,
+                                  *targets], "pip", "pip could not install " + names, names))
+
+
+def requirement_name(text: str) -> str:
+    """The distribution a requirement names (``s3fs[boto3]>=2025.7.0`` -> ``s3fs``), for the index probe."""
+    return re.split(r"[\s\[<>=!~;@]", text.strip(), maxsplit=1)[0] or "pip"
 
 
 def main() -> None:

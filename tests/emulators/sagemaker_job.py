@@ -16,7 +16,8 @@ goes through the service's life cycle on a thread of its own and does for real w
   it (an interpreter with only that image's packages, ``sagemaker_image``), else, and for every other image (one
   the user built, holding diloco), ``shim_dir``'s. The process gets what the platform provides
   (``TRAINING_JOB_NAME``, ``TRAINING_JOB_ARN``, the request's ``Environment``), the image's own ``ENV``
-  (``image_env``), ``pip_env`` (a local wheelhouse standing for the package index, when the emulator has one),
+  (``image_env``), ``pip_env`` (a local wheelhouse standing for the package index, when the emulator has one; or,
+  after ``cut_off_package_index``, no route to any index),
   and, as the emulator's stand-in for the execution role and the regional endpoints, the AWS
   endpoint, credentials and region that reach the loopback S3/Logs server (with ``EnableNetworkIsolation`` the
   endpoint is a closed port and there are no credentials, so any AWS call fails as it would in isolation).
@@ -116,7 +117,7 @@ class Runtime:
     #: Failure forms armed for jobs not created yet, by job name (``SageMakerEmulator.fail``).
     armed_failures: dict[str, FailureForm] = field(default_factory=dict)
     prebuilt_shim_dir: Path | None = None  # the ``python`` of AWS's PyTorch training image, when not shim_dir's
-    pip_env: dict[str, str] = field(default_factory=dict)  # how a job's pip reaches packages (a local wheelhouse)
+    pip_env: dict[str, str] = field(default_factory=dict)  # how a job's pip reaches packages (or cannot)
 
 
 #: The life-cycle phases a failure form can happen in, in order.
