@@ -166,3 +166,16 @@ def test_a_gpu_and_an_instance_type_with_that_gpu_agree() -> None:
     assert instance_type_for(SageMakerBackendConfig(), "T4", 4) == "ml.g4dn.12xlarge"
     with pytest.raises(ConfigError, match="H100 means ml.p5.4xlarge, but backend.instance_type is ml.g5.xlarge"):
         instance_type_for(SageMakerBackendConfig(instance_type="ml.g5.xlarge"), "H100")
+
+
+def test_sagemaker_runs_a_volta_gpu_under_a_cuda_12_release_of_aws_image() -> None:
+    """``backend.framework_version: "2.8"`` is AWS's image too, a CUDA 12.9 build: V100s are allowed there."""
+    from diloco.executors.base import EntrypointArgs, LaunchSpec
+    from diloco.executors.sagemaker import SageMakerBackend, SageMakerBackendConfig
+
+    backend = SageMakerBackend(SageMakerBackendConfig(role_arn=ROLE, region="us-east-1", framework_version="2.8"))
+    spec = LaunchSpec(run_id="volta-run", replicas=1, gpu="V100",
+                      entrypoint_args=EntrypointArgs(rendezvous_uri="s3://any-bucket/v/run", world_size=1))
+    [request] = backend.plan(spec).requests
+    assert request["ResourceConfig"]["InstanceType"] == "ml.p3.2xlarge"
+    assert "/pytorch-training:2.8.0-gpu-py3" in request["AlgorithmSpecification"]["TrainingImage"]
