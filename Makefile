@@ -34,6 +34,7 @@ docs: setup
 
 demo: setup
 	$(BIN)/diloco launch --config configs/local.yaml
+	@echo 'diloco is in $(BIN): run `. $(BIN)/activate` (or `export PATH=$$PWD/$(BIN):$$PATH`) to type diloco status, logs, collect'
 
 lint: setup
 	$(BIN)/ruff check diloco executors cli tests bench
