@@ -106,14 +106,23 @@ def wait(view: Any, *, timeout_s: float | None, fail_fast: bool, output: str | N
         def relaunching(rank: int, attempt: int, reason: str) -> None:
             progress.note(f"replica {rank} failed ({reason}); relaunching it (restart {attempt} of {max_restarts})")
 
+        def retried(rank: int, attempt: int, reason: str) -> None:
+            progress.note(f"replica {rank} preempted ({reason}); {backend_retrier(view)} brings it back "
+                          f"(restart {attempt})")
+
         options = {"timeout_s": timeout_s, "on_update": update, "on_fail_fast": stopping, "fail_fast": fail_fast,
-                   "max_restarts": max_restarts, "on_relaunch": relaunching}
+                   "max_restarts": max_restarts, "on_relaunch": relaunching, "on_retried": retried}
         run = api.Run(view)
         try:  # the output was checked before waiting (``_model_target``): here it is only written
             report = run.collect(output, force=True, **options) if collect else run.wait(**options)
         except api.RunWaitTimeout as exc:
             return exc.report, True
         return report, False
+
+
+def backend_retrier(view: Any) -> str:
+    """Who brings a replica back when its backend does: the cluster's Job on EKS, the service on SageMaker."""
+    return {"eks": "the cluster", "sagemaker": "SageMaker"}.get(view.record.backend, "its backend")
 
 
 def state_now(view: Any) -> tuple[Any, list[int]]:

@@ -221,23 +221,26 @@ class Run:
     def wait(self, timeout_s: float | None = None, *, fail_fast: bool = True, max_restarts: int | None = None,
              poll_interval_s: float | None = None, on_update: Callable[[RunReport], None] | None = None,
              on_fail_fast: Callable[[ReplicaReport, list[int]], None] | None = None,
-             on_relaunch: Callable[[int, int, str], None] | None = None) -> RunReport:
+             on_relaunch: Callable[[int, int, str], None] | None = None,
+             on_retried: Callable[[int, int, str], None] | None = None) -> RunReport:
         """Wait until the run's outcome is decided and return its report (``report.state`` says which).
 
         ``fail_fast`` stops the other replicas once one has failed for good (they cannot finish without it);
         a failed replica is relaunched up to ``max_restarts`` times (default: the run's own setting) on a backend
         that can. ``RunWaitTimeout`` (carrying the report) after ``timeout_s``; the run goes on. The callbacks
-        see each poll's report, a fail-fast stop, and each relaunch ``(rank, attempt, reason)``."""
+        see each poll's report, a fail-fast stop, each relaunch ``(rank, attempt, reason)``, and each time the
+        backend brings a replica back itself (``on_retried``: an Indexed Job's retry, a spot restart)."""
         report, timed_out = self.view.wait(**self._wait_options(timeout_s, fail_fast, max_restarts,
                                                                poll_interval_s, on_update, on_fail_fast,
-                                                               on_relaunch))
+                                                               on_relaunch, on_retried))
         return self._ended(report, timed_out, timeout_s)
 
     def collect(self, output: str | os.PathLike[str] | None = "./", *, timeout_s: float | None = None,
                 force: bool = False, fail_fast: bool = True, max_restarts: int = 0,
                 poll_interval_s: float | None = None, on_update: Callable[[RunReport], None] | None = None,
                 on_fail_fast: Callable[[ReplicaReport, list[int]], None] | None = None,
-                on_relaunch: Callable[[int, int, str], None] | None = None) -> RunReport:
+                on_relaunch: Callable[[int, int, str], None] | None = None,
+                on_retried: Callable[[int, int, str], None] | None = None) -> RunReport:
         """Wait for the run (as ``wait``), check that every replica's final weights are bitwise identical, and
         write the agreed model to ``output`` (a file or a directory, see ``model_target``; ``force`` overwrites a
         file; ``None`` checks the weights and writes nothing).
@@ -250,7 +253,7 @@ class Run:
         target = None if output is None else model_target(output, self.run_id, force=force)
         report, timed_out = collect(self.view, output=target,
                                     **self._wait_options(timeout_s, fail_fast, max_restarts, poll_interval_s,
-                                                         on_update, on_fail_fast, on_relaunch))
+                                                         on_update, on_fail_fast, on_relaunch, on_retried))
         return self._ended(report, timed_out, timeout_s)
 
     def logs(self, *, follow: bool = False, ranks: list[int] | None = None,
@@ -277,14 +280,15 @@ class Run:
     # ------------------------------------------------------------------------------------------ helpers
     def _wait_options(self, timeout_s: float | None, fail_fast: bool, max_restarts: int | None,
                       poll_interval_s: float | None, on_update: Any, on_fail_fast: Any,
-                      on_relaunch: Any) -> dict[str, Any]:
+                      on_relaunch: Any, on_retried: Any = None) -> dict[str, Any]:
         if timeout_s is not None and timeout_s <= 0:
             raise ConfigError(f"--timeout: must be > 0 seconds (got {timeout_s:g})")
         if poll_interval_s is None:
             poll_interval_s = self.view.poll_interval_s
         return {"timeout_s": timeout_s, "poll_interval_s": poll_interval_s, "fail_fast": fail_fast,
                 "max_restarts": self.view.max_restarts if max_restarts is None else max_restarts,
-                "on_update": on_update, "on_fail_fast": on_fail_fast, "on_relaunch": on_relaunch}
+                "on_update": on_update, "on_fail_fast": on_fail_fast, "on_relaunch": on_relaunch,
+                "on_retried": on_retried}
 
     def _ended(self, report: RunReport, timed_out: bool, timeout_s: float | None) -> RunReport:
         if timed_out:

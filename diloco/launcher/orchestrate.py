@@ -700,6 +700,8 @@ class RunView:
         self.registry = registry
         self._recovering: dict[int, float] = {}  # rank -> when its relaunch is due (RunView.wait)
         self._waiter_restarts = 0  # how often the wait in progress relaunches a replica itself (RunView.wait)
+        self._retries_seen: set[tuple[int, int]] = set()  # (rank, attempt) already told (RunView.wait)
+        self._on_retried: Callable[[int, int, str], None] | None = None
 
     @functools.cached_property
     def store(self) -> ObjectStore:
@@ -915,6 +917,7 @@ class RunView:
         max_restarts: int = 0,
         restart_backoff_s: float | None = None,
         on_relaunch: Callable[[int, int, str], None] | None = None,
+        on_retried: Callable[[int, int, str], None] | None = None,
     ) -> tuple[RunReport, bool]:
         """Poll until the run's outcome is decided; ``(report, timed_out)``. KeyboardInterrupt propagates.
 
@@ -923,7 +926,9 @@ class RunView:
         round, see ``diloco.replica.checkpoint``) up to ``max_restarts`` times, while the run can still finish
         (``can_finish``: never into a cancelled run, nor one failed for good), after a backoff of
         ``restart_backoff_s * 2**restarts`` (default ``restart_backoff()``); ``on_relaunch(rank, attempt, reason)``
-        is told first. While a relaunch is pending the failure is not the run's: no fail-fast, and the peers' all-reduce
+        is told first. A replica its backend brings back itself (an Indexed Job's per-index retry, a SageMaker
+        spot restart: ``preempted``, or a new attempt this wait did not start) is told to
+        ``on_retried(rank, attempt, reason)``, once per attempt. While a relaunch is pending the failure is not the run's: no fail-fast, and the peers' all-reduce
         waits past its timeout until the time recorded at ``relaunch/rank_RRRR.json`` (``announce_relaunch``).
 
         Decided means every replica is terminal. With ``fail_fast`` a failure for good (one no relaunch can
@@ -939,6 +944,8 @@ class RunView:
         relaunch = max_restarts > 0 and any(self.relaunches(rank) for rank in range(self.record.replicas))
         self._recovering = {}
         self._waiter_restarts = max_restarts if relaunch else 0
+        self._retries_seen = set()
+        self._on_retried = on_retried
         try:
             return self._wait(deadline, poll_interval_s, on_update, on_fail_fast, fail_fast, max_restarts,
                               restart_backoff_s, on_relaunch, relaunch)
@@ -955,7 +962,7 @@ class RunView:
         now: a part out of this shell's reach reads ``unknown`` forever, and is not waited on. While the run is
         live, an unreachable backend is said (in ``report.warnings``, with its fix) and waited on for
         ``unreachable_patience()`` seconds at most, then ``BackendUnreachable``."""
-        stopping = False
+        stopping, first_look = False, True
         patience = unreachable_patience()
         out_of_reach_since: float | None = None
         while True:
@@ -963,6 +970,8 @@ class RunView:
             if relaunch and not stopping and self.final_state is None:
                 status = self._recover(status, max_restarts, restart_backoff_s, on_relaunch)
             report = self.report(status, with_stderr=False)
+            self._tell_retries(status, first=first_look)
+            first_look = False
             gone = unreachable(status) if self.final_state is None else []
             if gone:
                 out_of_reach_since = out_of_reach_since if out_of_reach_since is not None else time.monotonic()
@@ -991,6 +1000,23 @@ class RunView:
             if deadline is not None and time.monotonic() >= deadline:
                 return self._add_stderr(report), True
             time.sleep(poll_interval_s)
+
+    def _tell_retries(self, status: RunStatus, *, first: bool) -> None:
+        """Tell ``on_retried`` of each replica its backend is bringing back itself: ``preempted`` now, or on a
+        later attempt than last seen, that this wait did not relaunch. The first look only learns the attempts
+        already made (a ``watch`` started long after a retry does not announce it)."""
+        for s in status.replicas:
+            if s.state == ReplicaState.PREEMPTED:
+                attempt, reason = s.restarts + 1, s.reason or s.detail or "its attempt ended"
+            elif s.restarts > 0 and not s.state.is_terminal:
+                attempt, reason = s.restarts, "its previous attempt ended"
+            else:
+                continue
+            if (s.rank, attempt) in self._retries_seen:
+                continue
+            self._retries_seen.add((s.rank, attempt))
+            if not first and self._on_retried is not None and s.rank not in self._recovering:
+                self._on_retried(s.rank, attempt, reason)
 
     @staticmethod
     def _unreachable_line(gone: list[ReplicaStatus], patience: float | None) -> str:
@@ -1033,6 +1059,7 @@ class RunView:
             self.record.handle = handle.model_dump(mode="json")
             if self.registry is not None:
                 self.registry.save(self.record)
+            self._retries_seen.add((rank, status.replica(rank).restarts + 1))  # announced as this wait's relaunch
         return self.status() if due else status
 
     def announce_relaunch(self, rank: int, *, attempt: int, ready_in_s: float, reason: str) -> None:
