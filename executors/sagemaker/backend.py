@@ -281,8 +281,14 @@ class SageMakerBackend(ServerlessExecutor[SageMakerBackendConfig, SageMakerRunHa
 
     def _request(self, spec: LaunchSpec, rank: int, region: str, instance_type: str, image: str) -> dict[str, Any]:
         base = self.base_uri(spec)
-        env = {**spec.replica_env(rank), "SM_MODEL_DIR": CONTAINER_MODEL_DIR, "AWS_DEFAULT_REGION": region,
-               "PYTHONUNBUFFERED": "1"}
+        given_region = spec.env.get("AWS_DEFAULT_REGION")
+        if given_region is not None and given_region != region:
+            raise ConfigError(f"env.AWS_DEFAULT_REGION: the training jobs run in {region}, and a replica's AWS "
+                              f"region is its job's (got {given_region!r} in --env)",
+                              hint="drop AWS_DEFAULT_REGION from --env/env:, or launch in that region with --region")
+        # The user's PYTHONUNBUFFERED wins (diloco's only makes the log lines arrive as they are printed).
+        env = {"PYTHONUNBUFFERED": "1", **spec.replica_env(rank), "SM_MODEL_DIR": CONTAINER_MODEL_DIR,
+               "AWS_DEFAULT_REGION": region}
         if self.ships_code:
             entrypoint = ["python", f"/opt/ml/input/data/{CODE_CHANNEL}/{BOOTSTRAP_FILE}"]
             arguments = ["-m", spec.entrypoint, *spec.entrypoint_argv()]

@@ -114,6 +114,8 @@ def test_the_bootstraps_pip_resolves_against_the_index_given_by_env(emulator: Sa
      "replica 0's CreateTrainingJob Environment['LONG']: 513 characters (limit 512) (shorten env.LONG (--env LONG=...)"),
     ([arg for i in range(100) for arg in ("--env", f"V{i}=1")],
      "replica 0's CreateTrainingJob Environment: 10"),
+    (["--env", "AWS_DEFAULT_REGION=eu-west-1"],
+     "env.AWS_DEFAULT_REGION: the training jobs run in us-east-1, and a replica's AWS region is its job's"),
 ])
 def test_an_env_sagemaker_would_refuse_is_one_line_at_plan_time(tmp_path: Path, args: list[str],
                                                                 expected: str) -> None:
@@ -123,3 +125,16 @@ def test_an_env_sagemaker_would_refuse_is_one_line_at_plan_time(tmp_path: Path, 
     assert out.returncode == 2, out.stderr[-2000:]
     assert out.stderr.startswith(f"diloco: error: {expected}"), out.stderr
     assert out.stderr.count("\n") == 1
+
+
+def test_the_users_pythonunbuffered_and_matching_region_are_kept(tmp_path: Path) -> None:
+    """diloco's own PYTHONUNBUFFERED gives way to the user's, and an AWS_DEFAULT_REGION that names the jobs' own
+    region is no conflict: nothing a user passed is dropped silently."""
+    out = cli("launch", "--backend", "sagemaker", "--role", "arn:aws:iam::111122223333:role/diloco", "--region",
+              "us-east-1", "--image", "ready:1", "--rendezvous", "s3://bucket/p/{run_id}", "--replicas", "1",
+              "--env", "PYTHONUNBUFFERED=0", "--env", "AWS_DEFAULT_REGION=us-east-1", "--dry-run", "-o", "json",
+              home=tmp_path / "home", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    [request] = json.loads(out.stdout)["requests"]
+    assert request["Environment"]["PYTHONUNBUFFERED"] == "0"
+    assert request["Environment"]["AWS_DEFAULT_REGION"] == "us-east-1"
