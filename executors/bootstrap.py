@@ -73,8 +73,25 @@ _child: subprocess.Popen[bytes] | None = None
 _stop_requested_at: float | None = None
 
 
+#: A file the bootstrap keeps its own lines in (``[time, line]`` as JSON, one a line), named to the replica it execs:
+#: the replica ships its log into the run's store, where it outlives the pod, but starts after the bootstrap, so it
+#: ships these first (``diloco.store.logs.ship_output``).
+KEPT_LOG_ENV = "DILOCO_BOOTSTRAP_LOG"
+
+
 def say(message: str) -> None:
     print("diloco bootstrap: " + message, flush=True)
+    keep("diloco bootstrap: " + message)
+
+
+def keep(line: str) -> None:
+    path = os.environ.get(KEPT_LOG_ENV)
+    if path:
+        try:
+            with open(path, "a") as f:
+                f.write(json.dumps([time.time(), line]) + "\n")
+        except OSError:
+            pass  # the container log still has it
 
 
 def fail(message: str) -> NoReturn:
@@ -446,6 +463,7 @@ def main() -> None:
         fail("no wheel in the code channel " + HERE)
     os.makedirs(SITE, exist_ok=True)
     os.makedirs(WORK, exist_ok=True)
+    os.environ.setdefault(KEPT_LOG_ENV, os.path.join(SITE, ".diloco-bootstrap-log.jsonl"))
     unpack_source()
     install(wheels[-1])
     env = dict(os.environ)

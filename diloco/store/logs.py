@@ -195,7 +195,33 @@ def ship_output(env: Mapping[str, str] | None = None) -> LogShipper | None:
         store = ObjectStore(uri, retries=2)
     except Exception:  # noqa: BLE001 - no shipping is better than no training
         return None
-    return LogShipper(store, rank, attempt).start()
+    shipper = LogShipper(store, rank, attempt)
+    shipper._keep([(ts, line.encode()) for ts, line in kept_lines(environ.get(KEPT_LOG_ENV, ""))])
+    os.environ.pop(KEPT_LOG_ENV, None)  # a child that ships (none should) would ship them again
+    return shipper.start()
+
+
+#: Where the job's bootstrap (``diloco_bootstrap.py``, which runs before this process) kept its own lines: it
+#: cannot ship them (nothing is installed yet), so the replica ships them first, with their own times.
+KEPT_LOG_ENV = "DILOCO_BOOTSTRAP_LOG"
+
+
+def kept_lines(path: str) -> list[tuple[float, str]]:
+    """The ``[time, line]`` rows of ``path`` (none when unset or unreadable; a torn last row is skipped)."""
+    if not path:
+        return []
+    rows: list[tuple[float, str]] = []
+    try:
+        with open(path) as f:
+            for raw in f:
+                try:
+                    ts, line = json.loads(raw)
+                    rows.append((float(ts), str(line)))
+                except (ValueError, TypeError):
+                    continue
+    except OSError:
+        return []
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------- reading

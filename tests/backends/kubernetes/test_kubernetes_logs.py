@@ -415,3 +415,38 @@ def test_a_replica_of_one_part_of_a_run_ships_under_its_global_rank(tmp_path: Pa
     assert [p.name for p in (tmp_path / "logs").iterdir()] == ["rank_0003"]
     attempt = read_attempts(ObjectStore((tmp_path / "logs").as_uri()), 3)["part-1-xyz"]
     assert [text for _, text in attempt.lines] == ["hello from the part"]
+
+
+
+def test_the_bootstraps_lines_are_shipped_first_by_the_replica_it_execs(tmp_path: Path) -> None:
+    """The bootstrap runs before the replica ships its own log, and cannot ship (nothing is installed yet): its
+    lines were in the container log only, gone with the pod. The real bootstrap's ``say`` keeps each line where
+    ``DILOCO_BOOTSTRAP_LOG`` names (``main`` names a file in its site directory, inherited by the exec), and the
+    replica ships them first, with their own times, so ``diloco logs`` still has them once the pods are gone."""
+    import os
+    import subprocess
+    import sys
+
+    from diloco.store.logs import read_attempts
+    from diloco.store.objects import ObjectStore
+
+    bootstrap = Path(__file__).resolve().parents[3] / "executors" / "bootstrap.py"
+    kept = tmp_path / "site" / ".diloco-bootstrap-log.jsonl"
+    kept.parent.mkdir()
+    env = {**os.environ, "DILOCO_LOG_URI": (tmp_path / "logs").as_uri(), "REPLICA_RANK": "1",
+           "DILOCO_LOG_ATTEMPT": "pod-1-xyz", "PYTHONUNBUFFERED": "1", "DILOCO_BOOTSTRAP_LOG": str(kept)}
+    booting = (f"import runpy\nboot = runpy.run_path({str(bootstrap)!r})\n"
+               "boot['say']('installing what this image lacks: s3fs')\n"
+               "boot['say']('installed diloco.whl into /opt/diloco/site; running python -m entry')\n")
+    booted = subprocess.run([sys.executable, "-c", booting], env=env, capture_output=True, text=True, timeout=60)
+    assert booted.returncode == 0, booted.stderr
+    replica = ("from diloco.store.logs import ship_output\nshipping = ship_output()\n"
+               "print('replica line', flush=True)\nshipping.close(0)\n")
+    result = subprocess.run([sys.executable, "-c", replica], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["replica line"], "the container log already had the bootstrap's lines"
+    lines = read_attempts(ObjectStore((tmp_path / "logs").as_uri()), 1)["pod-1-xyz"].lines
+    assert [text for _, text in lines] == [
+        "diloco bootstrap: installing what this image lacks: s3fs",
+        "diloco bootstrap: installed diloco.whl into /opt/diloco/site; running python -m entry", "replica line"]
+    assert [ts for ts, _ in lines] == sorted(ts for ts, _ in lines)
