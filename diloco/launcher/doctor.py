@@ -131,8 +131,9 @@ def _region_finding(ctx: DoctorContext, bucket_region: str | None) -> Any:
     from diloco.executors.checks import region_finding
 
     parts = ctx.option("parts") if ctx.backend == "mixed" else None
-    places = [(f"backend.parts[{i}].region", p.get("kind", ""), p.get("region") or ctx.region)
-              for i, p in enumerate(parts or []) if isinstance(p, dict)] or \
+    sections = [p.model_dump() if hasattr(p, "model_dump") else p for p in parts or []]
+    places = [(f"backend.parts[{i}].region", str(p.get("kind", "")), p.get("region") or ctx.region)
+              for i, p in enumerate(sections) if isinstance(p, dict)] or \
         [("backend.region", ctx.backend, ctx.region)]
     found = [f for where, kind, region in places
              if (f := region_finding(kind, region, ctx.bucket or "", bucket_region, where)) is not None]

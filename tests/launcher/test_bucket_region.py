@@ -68,3 +68,16 @@ def test_doctor_refuses_the_sagemaker_bucket_in_another_region_and_warns_for_a_l
     rows = {c["name"]: c for c in json.loads(local.stdout)["checks"]}
     assert rows["s3 bucket"]["status"] == "warn", rows["s3 bucket"]
     assert "$0.02/GB" in rows["s3 bucket"]["detail"]
+
+
+def test_doctor_of_a_mixed_run_refuses_its_sagemaker_part_in_another_region(far_bucket: str, tmp_path: Path) -> None:
+    config = tmp_path / "mixed.yaml"
+    config.write_text(json.dumps({
+        "backend": {"kind": "mixed", "parts": [{"kind": "local", "replicas": 1},
+                                               {"kind": "sagemaker", "replicas": 1, "role_arn": ROLE,
+                                                "region": "us-east-1"}]},
+        "store": {"rendezvous": f"s3://{far_bucket}/mixed/{{run_id}}"}}))
+    doctor = run_cli("doctor", "-c", str(config), "-o", "json", home=tmp_path / "home")
+    rows = {c["name"]: c for c in json.loads(doctor.stdout)["checks"]}
+    assert rows["s3 bucket"]["status"] == "fail", rows["s3 bucket"]
+    assert rows["s3 bucket"]["detail"].startswith("backend.parts[1].region: the sagemaker jobs run in us-east-1")
