@@ -152,6 +152,8 @@ def create_wandb_run(project: str, wandb_id: str, run_id: str, params: Mapping[s
                      reinit="create_new", settings=wandb.Settings(console="off", silent=True, x_disable_stats=True,
                                                                  x_disable_machine_info=True))
     run.finish()
+    wandb.teardown()  # its wandb-core process ends here; the replicas must not inherit its WANDB_SERVICE
+    os.environ.pop("WANDB_SERVICE", None)
 
 
 def log_model(cfg_data: Mapping[str, Any], path: str) -> str | None:

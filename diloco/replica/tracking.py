@@ -261,7 +261,14 @@ class WandbSink(TrackingSink):
     def connect(self) -> None:
         import wandb
 
-        self._run = wandb.init(project=self.project, id=self.run_id, resume="allow", reinit="create_new",
+        # A WANDB_SERVICE inherited from the launcher names the launcher's own wandb-core process, not ours.
+        os.environ.pop("WANDB_SERVICE", None)
+        # Each attempt its own local run directory: wandb names it by the second and the run id, which the
+        # replicas share, and two writers of one offline ``.wandb`` file would interleave their records.
+        base = os.environ.get("WANDB_DIR") or os.getcwd()
+        local = os.path.join(base, "diloco", f"rank_{self.rank:04d}-{os.getpid()}")
+        os.makedirs(local, exist_ok=True)
+        self._run = wandb.init(project=self.project, id=self.run_id, resume="allow", reinit="create_new", dir=local,
                                settings=wandb.Settings(console="off", silent=True, x_disable_stats=True,
                                                        x_disable_machine_info=True))
         step = self.prefix + "step"

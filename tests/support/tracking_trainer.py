@@ -1,0 +1,57 @@
+"""A tiny trainer on the real outer loop that reports its loss and tokens (what a tracker logs) and SIGKILLs its
+own process once at a planned moment (``support.kill_trainer``'s plan and manager): the tracking tests' replica.
+
+Each step's data depends only on (rank, step), and ``on_rejoin`` puts a relaunched replica at its peers' step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import diloco
+from diloco.replica.outer import make_diloco_outer_loop
+from support.kill_trainer import _KillingManager
+
+
+def train(*, manager: Any, rank: int, world_size: int, total_steps: int = 12, sync_every: int = 3,
+          kills: list[dict[str, Any]] | None = None, done_dir: str = "") -> None:
+    import os
+    import signal
+
+    plan = [k for k in kills or [] if k["rank"] == rank]
+
+    def die(moment: str, round_number: int, step: int) -> None:
+        for kill in plan:
+            if (kill["moment"], kill["round"], kill["step"]) != (moment, round_number, step):
+                continue
+            try:
+                os.close(os.open(os.path.join(done_dir, f"trial_{kill['trial']}"), os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                return  # this kill happened already: this is the relaunched replica
+            print(f"kill trial {kill['trial']}: SIGKILL rank {rank} {moment} of round {round_number}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    start = [0]
+
+    def on_rejoin(inner_step: int) -> None:
+        start[0] = inner_step
+
+    with make_diloco_outer_loop(manager=_KillingManager(manager, die), model_fragments=[model], inner_optimizer=opt,
+                                sync_every=sync_every, outer_lr=0.7, outer_momentum=0.9, on_rejoin=on_rejoin):
+        for step in range(start[0] + 1, total_steps + 1):
+            g = torch.Generator().manual_seed(1000 * rank + step)
+            x = torch.randn(8, 4, generator=g)
+            loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            diloco.report(train_loss=float(loss), tokens=8, compression_error=0.0)
+            within = step % sync_every
+            if within:
+                die("mid_round", step // sync_every + 1, within)
