@@ -108,7 +108,9 @@ def bootstrap_environment(spec: LaunchSpec, source: Path) -> dict[str, str]:
     args = spec.entrypoint_args
     requirements = replica_requirements(trainer=args.trainer, rendezvous_uri=args.rendezvous_uri,
                                         tensorboard=args.tensorboard is not None, source_dir=source,
-                                        ships_requirements_txt=ships(source, REQUIREMENTS_TXT))
+                                        ships_requirements_txt=ships(source, REQUIREMENTS_TXT),
+                                        trackers=tuple(name for name, run in (("mlflow", args.mlflow_run_id),
+                                                                              ("wandb", args.wandb_run_id)) if run))
     return {BOOTSTRAP_REQUIREMENTS_ENV: requirements_value(requirements)}
 
 

@@ -10,6 +10,8 @@ entry, ``DILOCO_BOOTSTRAP_REQUIREMENTS``, a JSON list of pip arguments:
   from its source without importing it (the module may import torch or transformers at the top, which the
   launcher may not have); ``diloco.trainers.hf`` declares ``hf``;
 * tensorboard (the requirement diloco declares for it) when the run writes TensorBoard events;
+* the extra of each experiment tracker the run logs to (``mlflow``: mlflow-skinny, ``wandb``), which the launcher
+  named in the replica settings;
 * ``-r requirements.txt`` when the shipped source directory has one (the SageMaker SDK's convention).
 
 Requirement strings come from diloco's installed metadata, the same that the shipped wheel carries, so the
@@ -117,8 +119,10 @@ def _module_source(module: str, search_path: list[str]) -> Path | None:
 
 
 def replica_requirements(*, trainer: str, rendezvous_uri: str, tensorboard: bool,
-                         source_dir: Path | None, ships_requirements_txt: bool) -> list[str]:
-    """The pip arguments the bootstrap installs beyond diloco's own requirements, in order, without repeats."""
+                         source_dir: Path | None, ships_requirements_txt: bool,
+                         trackers: tuple[str, ...] = ()) -> list[str]:
+    """The pip arguments the bootstrap installs beyond diloco's own requirements, in order, without repeats.
+    ``trackers``: the extras of the experiment trackers the run logs to (``mlflow``, ``wandb``)."""
     extras = diloco_extras()
     wanted: list[str] = []
     if rendezvous_uri.startswith("s3://"):
@@ -127,6 +131,8 @@ def replica_requirements(*, trainer: str, rendezvous_uri: str, tensorboard: bool
         wanted += extras[extra]
     if tensorboard:
         wanted.append(requirement_named("tensorboard"))
+    for tracker in trackers:
+        wanted += extras.get(tracker, [])
     if ships_requirements_txt:
         wanted.append(f"-r {REQUIREMENTS_TXT}")
     return list(dict.fromkeys(wanted))

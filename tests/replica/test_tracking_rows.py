@@ -89,3 +89,15 @@ def test_the_cli_and_the_launch_path_import_no_tracker() -> None:
             "print(sorted(m for m in ('mlflow', 'wandb') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_job_without_the_tracker_installs_its_extra() -> None:
+    """A SageMaker or Kubernetes job's bootstrap installs a tracker's extra only for a run that logs to it."""
+    from diloco.defaults import DEFAULT_TRAINER
+    from diloco.executors.replica_requirements import diloco_extras, replica_requirements
+
+    common = {"trainer": DEFAULT_TRAINER, "rendezvous_uri": "file:///tmp/r", "tensorboard": False,
+              "source_dir": None, "ships_requirements_txt": False}
+    assert replica_requirements(**common) == []
+    wanted = replica_requirements(**common, trackers=("mlflow", "wandb"))
+    assert wanted == [*diloco_extras()["mlflow"], *diloco_extras()["wandb"]] and wanted
