@@ -158,7 +158,8 @@ def create_wandb_run(project: str, wandb_id: str, run_id: str, params: Mapping[s
 
 def log_model(cfg_data: Mapping[str, Any], path: str) -> str | None:
     """Log the collected model file or directory ``path`` as an artifact of the run's MLflow run (``diloco
-    collect``); a warning line when that fails, None when it worked or the run has no MLflow run."""
+    collect``, which writes a model only for a run that succeeded with identical weights) and mark that run
+    finished; a warning line when that fails, None when it worked or the run has no MLflow run."""
     metrics = cfg_data.get("metrics") or {}
     uri, mlflow_run = metrics.get("mlflow"), metrics.get("mlflow_run_id")
     if not uri or not mlflow_run:
@@ -174,6 +175,7 @@ def log_model(cfg_data: Mapping[str, Any], path: str) -> str | None:
                 client.log_artifacts(mlflow_run, path, artifact_path="model")
             else:
                 client.log_artifact(mlflow_run, path, artifact_path="model")
+            client.set_terminated(mlflow_run, "FINISHED")
         except Exception as exc:  # noqa: BLE001 - the model is written; the tracker is a copy
             return (f"MLflow at {safe_uri(uri)}: the model was not logged ({type(exc).__name__}: "
                     f"{_short(exc)})")

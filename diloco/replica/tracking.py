@@ -11,7 +11,8 @@ Why it looks the way it does:
   ``diloco.replica.metrics.MetricsWriter``, like the TensorBoard writer: it logs the history rows (``init``,
   every ``round``, ``final``) once their losses are final: train and eval loss, tokens/s, the committed round,
   the seconds blocked in sync so far (``sync_s``) and in this round (``round_sync_s``: the round's latency as
-  this replica saw it), the bytes written and read so far, and whatever the trainer reported under another name
+  this replica saw it), the bytes written and read so far, the replicas the round averaged (``participants``),
+  and whatever the trainer reported under another name
   (``extra/<name>``, e.g. a compression error). Progress snapshots between rounds are not logged: their losses
   are repeats, and a tracker call per snapshot would cost more than it tells.
 * **Each step once, none missing.** A series never gets a step twice, not even across a relaunch: at start a
@@ -103,10 +104,12 @@ class TrackingSink:
 
     tracker = "tracker"
 
-    def __init__(self, rank: int, history: Callable[[], list[dict[str, Any]]] | None = None) -> None:
+    def __init__(self, rank: int, history: Callable[[], list[dict[str, Any]]] | None = None,
+                 participants: Callable[[int], int | None] | None = None) -> None:
         self.rank = rank
         self.prefix = prefix(rank)
         self._history = history
+        self._participants = participants
         self._queue: queue.Queue[Mapping[str, Any] | None] = queue.Queue()
         self._last_step: int | None = None  # the latest step of this replica's series in the tracker
         self._last_sync_s: float | None = None
@@ -178,6 +181,10 @@ class TrackingSink:
             self._last_sync_s = float(sync_s)
         if STEP_MARK not in metrics:
             metrics[STEP_MARK] = 0.0  # a row before the first round: the series still marks its step
+        if self._participants is not None and row.get("kind") == "round":
+            count = self._participants(int(row.get("round") or 0))
+            if count is not None:
+                metrics["participants"] = float(count)
         self.log_step({self.prefix + name: value for name, value in metrics.items()}, step,
                       timestamp=row.get("time"))
         self._last_step = step
@@ -211,14 +218,14 @@ class MlflowSink(TrackingSink):
 
     tracker = "mlflow"
 
-    def __init__(self, uri: str, run_id: str, rank: int,
-                 history: Callable[[], list[dict[str, Any]]] | None = None) -> None:
+    def __init__(self, uri: str, run_id: str, rank: int, history: Callable[[], list[dict[str, Any]]] | None = None,
+                 participants: Callable[[int], int | None] | None = None) -> None:
         self.uri = uri
         self.run_id = run_id
         self._client: Any = None
         for name, value in MLFLOW_HTTP_DEFAULTS.items():
             os.environ.setdefault(name, value)
-        super().__init__(rank, history)
+        super().__init__(rank, history, participants)
 
     def describe(self) -> str:
         return f"MLflow at {safe_uri(self.uri)}"
@@ -248,12 +255,13 @@ class WandbSink(TrackingSink):
     tracker = "wandb"
 
     def __init__(self, project: str, run_id: str, rank: int, store: Any = None,
-                 history: Callable[[], list[dict[str, Any]]] | None = None) -> None:
+                 history: Callable[[], list[dict[str, Any]]] | None = None,
+                 participants: Callable[[int], int | None] | None = None) -> None:
         self.project = project
         self.run_id = run_id
         self._store = store
         self._run: Any = None
-        super().__init__(rank, history)
+        super().__init__(rank, history, participants)
 
     def describe(self) -> str:
         return f"W&B project {self.project}"
@@ -295,15 +303,37 @@ class WandbSink(TrackingSink):
             self._run.finish()
 
 
+def participants_reader(settings: Any, store: Any) -> Callable[[int], int | None]:
+    """How many replicas a committed round averaged: every replica of the run, unless ``min_replicas`` lets a
+    round go without some, when its manifest (``round_NNNNNN/manifest.json``, NNNNNN = round - 1) names them.
+    None when the manifest is gone or unreadable (old rounds are deleted as the run goes)."""
+    from diloco.store.layout import ROUND_MANIFEST_KEY
+
+    def participants(round_: int) -> int | None:
+        if round_ < 1:
+            return None
+        if settings.min_replicas is None or store is None:
+            return int(settings.world_size)
+        try:
+            manifest = json.loads(store.get(ROUND_MANIFEST_KEY.format(round=round_ - 1)))
+            return len(manifest.get("members") or [])
+        except Exception:  # noqa: BLE001 - a count for a chart, never worth a failure
+            return None
+
+    return participants
+
+
 def open_sinks(settings: Any, rank: int, metrics: Any) -> list[TrackingSink]:
     """The sinks this replica's settings ask for, each a listener of ``metrics`` (its ``MetricsWriter``)."""
     sinks: list[TrackingSink] = []
     history = (lambda: metrics.history) if metrics is not None else None
+    store = getattr(metrics, "store", None)
+    participants = participants_reader(settings, store)
     if settings.mlflow and settings.mlflow_run_id:
-        sinks.append(MlflowSink(settings.mlflow, settings.mlflow_run_id, rank, history))
+        sinks.append(MlflowSink(settings.mlflow, settings.mlflow_run_id, rank, history, participants))
     if settings.wandb and settings.wandb_run_id:
-        sinks.append(WandbSink(settings.wandb, settings.wandb_run_id, rank,
-                               store=getattr(metrics, "store", None), history=history))
+        sinks.append(WandbSink(settings.wandb, settings.wandb_run_id, rank, store=store, history=history,
+                               participants=participants))
     if metrics is not None:
         for sink in sinks:
             metrics.add_listener(sink.on_row)

@@ -130,6 +130,8 @@ def test_mlflow_holds_one_run_with_each_replicas_steps_once_after_a_kill(tmp_pat
         assert rounds == {step: step // SYNC_EVERY for step in EXPECTED_STEPS}, (rank, rounds)
         written = client.get_metric_history(mlflow_run.info.run_id, f"r{rank}/bytes_written")
         assert max(m.value for m in written) > 0
+        participants = client.get_metric_history(mlflow_run.info.run_id, f"r{rank}/participants")
+        assert {m.step: m.value for m in participants} == {s: REPLICAS for s in EXPECTED_STEPS[1:]}, participants
         latency = client.get_metric_history(mlflow_run.info.run_id, f"r{rank}/round_sync_s")
         assert latency and all(m.value >= 0 for m in latency), (rank, latency)
     # `diloco collect` logs the collected model into the same MLflow run
@@ -139,6 +141,7 @@ def test_mlflow_holds_one_run_with_each_replicas_steps_once_after_a_kill(tmp_pat
     assert collected.returncode == 0, collected.stderr[-3000:]
     artifacts = [a.path for a in client.list_artifacts(mlflow_run.info.run_id, "model")]
     assert artifacts == ["model/model.safetensors"], artifacts
+    assert client.get_run(mlflow_run.info.run_id).info.status == "FINISHED"
 
 
 @pytest.mark.slow

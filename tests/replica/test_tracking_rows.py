@@ -4,9 +4,11 @@ does (a step twice, a progress snapshot, a credential in a message). The tracker
 
 from __future__ import annotations
 
+import json
 import logging
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -101,3 +103,18 @@ def test_a_job_without_the_tracker_installs_its_extra() -> None:
     assert replica_requirements(**common) == []
     wanted = replica_requirements(**common, trackers=("mlflow", "wandb"))
     assert wanted == [*diloco_extras()["mlflow"], *diloco_extras()["wandb"]] and wanted
+
+
+def test_participants_are_the_world_or_what_a_partial_rounds_manifest_names(tmp_path: Path) -> None:
+    from diloco.replica.settings import ReplicaSettings
+    from diloco.replica.tracking import participants_reader
+    from diloco.store.layout import ROUND_MANIFEST_KEY
+    from diloco.store.objects import ObjectStore
+
+    store = ObjectStore(tmp_path.as_uri())
+    full = ReplicaSettings(rendezvous_uri=tmp_path.as_uri(), world_size=4)
+    assert participants_reader(full, store)(3) == 4 and participants_reader(full, store)(0) is None
+    partial = ReplicaSettings(rendezvous_uri=tmp_path.as_uri(), world_size=4, min_replicas=2, allreduce="gather")
+    store.put(ROUND_MANIFEST_KEY.format(round=2), json.dumps({"round": 2, "members": [0, 2, 3]}).encode())
+    assert participants_reader(partial, store)(3) == 3  # round 3 is round_000002
+    assert participants_reader(partial, store)(5) is None  # its manifest is gone: no number rather than a wrong one
