@@ -861,7 +861,30 @@ class KubernetesBackend(ServerlessExecutor[KubernetesBackendConfig, KubernetesRu
         history = self._logs.setdefault((handle.namespace, handle.job_name, index), {})
         yield from ReplicaLogReader(self, handle, index, history).records(follow=follow, since=since)
 
-    def _pod_events(self, handle: KubernetesRunHandle, rank: int, pod: dict[str, Any],
+    # ---------------------------------------------------------------- what the log reader asks (logs.ReplicaLogSource)
+    @property
+    def log_poll_interval_s(self) -> float:
+        return self.config.log_poll_interval_s
+
+    def observe_replica(self, handle: KubernetesRunHandle, index: int, *,
+                        with_state: bool) -> tuple[dict[str, Any] | None, list[dict[str, Any]], bool]:
+        """The Job (None when it is gone), the pods of index ``index`` in attempt order (one Job GET, one pod
+        LIST) and, ``with_state``, whether the replica is terminal (else False)."""
+        job = self._job(handle)
+        if job is None:
+            return None, [], True
+        pods = self._pods(handle).get(index, [])
+        if not with_state:
+            return job, pods, False
+        return job, pods, self._replica(job, index, pods, self._read_state(handle, "cancel")).state.is_terminal
+
+    def read_pod_log(self, name: str, namespace: str, **options: Any) -> Any:
+        return self._core().read_namespaced_pod_log(name, namespace, **options)
+
+    def api_error(self, exc: BaseException, what: str) -> BackendError:
+        return api_error(exc, what, self.config)
+
+    def pod_events(self, handle: KubernetesRunHandle, rank: int, pod: dict[str, Any],
                     log: _PodLog) -> Iterator[None]:
         """The pod's events not shown yet, as lines (``[event] FailedScheduling: 0/3 nodes are available...``)."""
         name = pod["metadata"]["name"]

@@ -32,18 +32,37 @@ import email.utils
 import math
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from diloco.errors import BackendError
 from diloco.executors.base import LogRecord
-from diloco.executors.kubernetes.api import _lines, _status_of, api_error
+from diloco.executors.kubernetes.api import _lines, _status_of
 from diloco.executors.kubernetes.config import CONTAINER, TIMEOUT, KubernetesRunHandle
 from diloco.executors.kubernetes.pods import _Boundary, _PodLog, parse_time, split_log_line
 from diloco.store.logs import FLUSH_EVERY_S
 
 if TYPE_CHECKING:
-    from diloco.executors.kubernetes.backend import KubernetesBackend
     from diloco.store.logs import ShippedAttempt
+
+
+class ReplicaLogSource(Protocol):
+    """What the reader asks of the cluster (``diloco.executors.kubernetes.backend.KubernetesBackend`` answers):
+    declared here, so that this module, which the backend imports, does not import the backend back."""
+
+    @property
+    def log_poll_interval_s(self) -> float: ...
+
+    def observe_replica(self, handle: KubernetesRunHandle, index: int, *,
+                        with_state: bool) -> tuple[dict[str, Any] | None, list[dict[str, Any]], bool]:
+        """(the Job or None when it is gone, the replica's pods in attempt order, whether the replica is
+        terminal: asked only ``with_state``)."""
+
+    def read_pod_log(self, name: str, namespace: str, **options: Any) -> Any: ...
+
+    def pod_events(self, handle: KubernetesRunHandle, rank: int, pod: dict[str, Any],
+                   log: _PodLog) -> Iterator[None]: ...
+
+    def api_error(self, exc: BaseException, what: str) -> BackendError: ...
 
 #: How far before the last line read a read starts: the kubelet's whole-second ``since`` plus the ``Date``
 #: header's second and some clock difference between the API server and the node.
@@ -70,7 +89,7 @@ class ReplicaLogReader:
     ``index`` is the replica's index in its Job (its pods'); ``rank`` its global rank, which its records carry and
     its shipped log is kept under (the same unless the Job runs one part of a run split over backends)."""
 
-    def __init__(self, backend: KubernetesBackend, handle: KubernetesRunHandle, index: int,
+    def __init__(self, backend: ReplicaLogSource, handle: KubernetesRunHandle, index: int,
                  history: dict[str, _PodLog]) -> None:
         self.backend, self.handle, self.index = backend, handle, index
         self.rank = index + handle.own_ranks[0]
@@ -100,7 +119,7 @@ class ReplicaLogReader:
                 outage += 1
                 if outage == 1:
                     yield LogRecord(self._cluster_now(), self.rank, "err", f"[diloco] {exc}; retrying")
-                time.sleep(min(MAX_BACKOFF_S, self.backend.config.log_poll_interval_s * 2 ** outage))
+                time.sleep(min(MAX_BACKOFF_S, self.backend.log_poll_interval_s * 2 ** outage))
                 continue
             outage = 0
             stream_latest = follow and not done
@@ -122,20 +141,15 @@ class ReplicaLogReader:
             if done:
                 yield from self._explain_empty()
                 return
-            time.sleep(self.backend.config.log_poll_interval_s)
+            time.sleep(self.backend.log_poll_interval_s)
 
     def _observe(self, follow: bool) -> tuple[bool, list[dict[str, Any]]]:
         """Whether the replica is terminal, and its pods in attempt order (one Job GET, one pod LIST)."""
-        backend, handle = self.backend, self.handle
-        job = backend._job(handle)
+        job, pods, terminal = self.backend.observe_replica(self.handle, self.index, with_state=follow)
         if job is None:
             self.job_gone = True
             return True, []
-        pods = backend._pods(handle).get(self.index, [])
-        if not follow:
-            return True, pods
-        state = backend._replica(job, self.index, pods, backend._read_state(handle, "cancel")).state
-        return state.is_terminal, pods
+        return (terminal if follow else True), pods
 
     def _attempt_order(self) -> list[str]:
         """The attempts by when they started (a pod's creation, a shipped attempt's first line)."""
@@ -180,23 +194,21 @@ class ReplicaLogReader:
         if since_seconds is not None:
             options["since_seconds"] = since_seconds
         try:
-            response = self.backend._core().read_namespaced_pod_log(
-                name, self.handle.namespace, follow=stream, _preload_content=False, **options)
+            response = self.backend.read_pod_log(name, self.handle.namespace, follow=stream,
+                                                 _preload_content=False, **options)
         except ApiException as exc:
             if exc.status == 400:  # no log yet (pending, pulling its image): say why instead
-                yield from self.backend._pod_events(self.handle, self.rank, pod, log)
+                yield from self.backend.pod_events(self.handle, self.rank, pod, log)
             elif exc.status == 404:
                 log.complete = True  # the pod is gone: its shipped log stands in
             elif _transient(exc):
                 yield from self._unreachable(name, log, exc)
             else:
-                raise api_error(exc, f"could not read the log of pod {self.handle.namespace}/{name}",
-                                self.backend.config) from exc
+                raise self._log_error(exc, name) from exc
             return
         except Exception as exc:  # noqa: BLE001 - the API server could not be reached this time
             if not _transient(exc):
-                raise api_error(exc, f"could not read the log of pod {self.handle.namespace}/{name}",
-                                self.backend.config) from exc
+                raise self._log_error(exc, name) from exc
             yield from self._unreachable(name, log, exc)
             return
         self._note_server_clock(response)
@@ -220,8 +232,7 @@ class ReplicaLogReader:
                 yield None
         except Exception as exc:  # noqa: BLE001 - a stream cut or gone silent: read on from its last line
             if not _transient(exc):
-                raise api_error(exc, f"could not read the log of pod {self.handle.namespace}/{name}",
-                                self.backend.config) from exc
+                raise self._log_error(exc, name) from exc
             if not stream:
                 yield from self._unreachable(name, log, exc)
             return
@@ -231,6 +242,9 @@ class ReplicaLogReader:
             log.failures, log.retry_at = 0, 0.0
         if ended:
             log.complete = True
+
+    def _log_error(self, exc: BaseException, pod: str) -> BackendError:
+        return self.backend.api_error(exc, f"could not read the log of pod {self.handle.namespace}/{pod}")
 
     def _cluster_now(self) -> float:
         """Now on the cluster's clock (the lines' timestamps), so a note sorts among them whatever this machine's

@@ -68,6 +68,18 @@ def test_no_import_cycle() -> None:
     )
 
 
+def test_no_two_modules_import_each_other() -> None:
+    """Two modules that import each other share one concept between them, whichever way each arrow runs (at import,
+    in a function, or only for an annotation): one of them should own it, or a third. A back-reference for
+    typing is a protocol declared on the side that needs it."""
+    arrows: dict[tuple[str, str], Edge] = {}
+    for edge in EDGES:
+        arrows.setdefault((edge.source, edge.target), edge)
+    pairs = sorted(f"{a} ({edge.where()}) <-> {b} ({arrows[(b, a)].where()})"
+                   for (a, b), edge in arrows.items() if a < b and (b, a) in arrows)
+    assert not pairs, "modules that import each other:\n" + "\n".join(pairs)
+
+
 @pytest.mark.parametrize("rule", RULES, ids=lambda rule: rule.name)
 def test_layer_rule(rule: Rule) -> None:
     broken = [edge for edge in EDGES if rule.broken_by(edge)]
