@@ -121,8 +121,14 @@ def wait(view: Any, *, timeout_s: float | None, fail_fast: bool, output: str | N
 
 
 def backend_retrier(view: Any) -> str:
-    """Who brings a replica back when its backend does: the cluster's Job on EKS, the service on SageMaker."""
-    return {"eks": "the cluster", "sagemaker": "SageMaker"}.get(view.record.backend, "its backend")
+    """Who brings a replica back when its backend does (the backend's ``retrier``: the cluster's Job on EKS, the
+    service on SageMaker)."""
+    from diloco.executors import backend_class
+
+    try:
+        return backend_class(view.record.backend).retrier
+    except Exception:  # noqa: BLE001 - a backend this install cannot load: say it plainly
+        return "its backend"
 
 
 def state_now(view: Any) -> tuple[Any, list[int]]:

@@ -444,6 +444,9 @@ class ServerlessExecutor(Generic[C, H]):
     #: Whether the backend runs one part of a run split over several backends: a spec whose ``ranks`` is a range
     #: of the run's (``LaunchSpec.is_part``), creating, naming and reporting exactly those global ranks.
     supports_rank_ranges: ClassVar[bool] = False
+    #: Who brings a replica back when the backend retries it itself (a Job's retry, a spot restart), as the waiting
+    #: launch says it: "replica 1 preempted (...); the cluster brings it back".
+    retrier: ClassVar[str] = "its backend"
 
     def __init__(self, config: C) -> None:
         self.config = config

@@ -125,6 +125,7 @@ class KubernetesBackend(ServerlessExecutor[KubernetesBackendConfig, KubernetesRu
     #: A part of a run split over backends is its own Job (``<run_id>-r<first>-<last>``) whose pods, indexed
     #: 0..n-1, add ``DILOCO_RANK_OFFSET`` to their index; everything here speaks global ranks (``_index``).
     supports_rank_ranges: ClassVar[bool] = True
+    retrier: ClassVar[str] = "the cluster"
     config_type = KubernetesBackendConfig
     handle_type = KubernetesRunHandle
     install_hint = INSTALL_HINT

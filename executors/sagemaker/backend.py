@@ -150,6 +150,7 @@ class SageMakerBackend(ServerlessExecutor[SageMakerBackendConfig, SageMakerRunHa
     supports_relaunch: ClassVar[bool] = True
     #: Jobs, checkpoint prefixes and tags are per global rank, so a part of a run needs nothing more.
     supports_rank_ranges: ClassVar[bool] = True
+    retrier: ClassVar[str] = "SageMaker"
     config_type = SageMakerBackendConfig
     handle_type = SageMakerRunHandle
     install_hint = "pip install 'diloco[sagemaker]'"
