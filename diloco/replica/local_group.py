@@ -43,6 +43,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from diloco.replica.manager_api import NoWireState
+
 if TYPE_CHECKING:
     import torch
 
@@ -282,7 +284,7 @@ class _BroadcastWork:
         return self._done
 
 
-class LocalGroupManager:
+class LocalGroupManager(NoWireState):
     """The outer loop's ``Manager`` (``diloco.replica.outer.Manager``) for one process of a multi-process replica.
 
     On local rank 0 every call goes to the real manager (``diloco.replica.manager.ObjectStoreManager``) and what the other
@@ -447,18 +449,6 @@ class LocalGroupManager:
         local processes)), or ``None`` when the replica commits no rounds (no parts setup); a model held whole
         keeps none here (local rank 0's rounds are its replica manager's)."""
         return self._shards.checkpoint_place() if shards else None
-
-    # ---------------------------------------------------------------- the wire's state
-    def wire_state(self) -> dict[str, Any]:
-        """None kept across the local group: its processes share no residuals (rank 0's wire is its manager's)."""
-        return {}
-
-    def load_wire_state(self, state: Mapping[str, Any]) -> None:
-        return None
-
-    def error_feedback_active(self) -> bool | None:
-        """Not told: the local processes must agree on the outer rule, and only rank 0 sees the wire."""
-        return None
 
     # ---------------------------------------------------------------- checkpointing
     def state_dict(self) -> dict[str, Any]:

@@ -99,7 +99,23 @@ class ShardKeeper(RoundKeeper, Protocol):
                       specs: Mapping[str, ShardSpec]) -> dict[str, torch.Tensor] | None: ...
 
 
-class ForeignManager:
+class NoWireState:
+    """The wire answers of a manager that keeps no error-feedback residuals of its own: a foreign manager, and the
+    local group of a multi-process replica (its processes share none; local rank 0's wire is its replica
+    manager's). Whether the wire has error feedback is not told: only rank 0 sees it, and the local processes must
+    agree on the outer rule."""
+
+    def wire_state(self) -> dict[str, Any]:
+        return {}
+
+    def load_wire_state(self, state: Mapping[str, Any]) -> None:
+        return None
+
+    def error_feedback_active(self) -> bool | None:
+        return None
+
+
+class ForeignManager(NoWireState):
     """A torchft-style manager diloco did not build, as a ``RoundKeeper``: its four calls forwarded, and the
     additions answered as a manager without a store: one replica of one, nothing committed or rejoined, no export,
     no residuals; errors and checkpoint state go to the manager's own ``report_error``/``state_dict`` (torchft's
@@ -137,15 +153,6 @@ class ForeignManager:
         return None
 
     def inner_state_place(self, shards: bool) -> InnerStatePlace | None:
-        return None
-
-    def wire_state(self) -> dict[str, Any]:
-        return {}
-
-    def load_wire_state(self, state: Mapping[str, Any]) -> None:
-        return None
-
-    def error_feedback_active(self) -> bool | None:
         return None
 
     def state_dict(self) -> dict[str, Any]:
