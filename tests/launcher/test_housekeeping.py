@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.polling import wait_for
 from typer.testing import CliRunner
 
 from diloco.cli.main import app
@@ -158,6 +159,10 @@ def test_rm_never_removes_a_run_still_going(home: Path, tmp_path: Path) -> None:
         assert not record_exists(home, done)
     finally:
         assert invoke("cancel", live.run_id).exit_code == 0
+    # A cancel asks and returns; the replicas end within the backend's grace period (SIGTERM, then SIGKILL).
+    grace_s = LocalBackendConfig().grace_period_s
+    wait_for(lambda: json.loads(invoke("status", live.run_id, "-o", "json").stdout)["state"] not in
+             ("running", "cancelling", "pending"), "the cancelled run to end", limit_s=4 * grace_s + 30)
     cancelled = invoke("rm", live.run_id)  # once it has ended it can go
     assert cancelled.exit_code == 0, cancelled.output
     assert not record_exists(home, live) and not run_dir(home, live).exists()

@@ -7,9 +7,9 @@ every test ran is judged: a run that picks tests within files (``-k``, ``-m``, `
 run stopped early (``-x``) judges none it left unfinished; a run of one file alone is judged (its budget holds
 wherever it runs).
 
-The budgets (``tests/time_budgets.json``) are the seconds each file took on an idle 2-core machine, times a margin
-that covers a machine running two other busy processes (what the suite must survive: CI machines are shared);
-files not named there get the default. ``make test`` writes every file's measured time to
+The budgets (``tests/time_budgets.json``) are the seconds each file took in a whole ``make test`` on an idle 2-core
+machine, times 3 (rounded up to 10 s, at least the default): a margin that covers a machine running two other busy
+processes (what the suite must survive: CI machines are shared); files not named there get the default (60 s). ``make test`` writes every file's measured time to
 ``build/test-file-times.json``, from which the budgets were made; raising one is a reviewed change to that file.
 ``DILOCO_TIME_BUDGETS=report`` prints the overruns without failing the run (for a machine known to be slower).
 """

@@ -109,7 +109,8 @@ def test_the_documented_policy_alone_holds_every_action_of_a_run_with_a_relaunch
     emulator, home = iam_emulator, tmp_path / "home"
     monkeypatch.setenv("DILOCO_RESTART_BACKOFF_S", "0")
     launch = cli(*launch_args(emulator, s3_bucket, source, "--replicas", "2", "--trainer", "pacedtrain:train",
-                              "--steps", "40", "--sync-every", "5", "--detach", "-o", "json"), home=home,
+                              "--steps", "40", "--sync-every", "5", "-k", "step_s=0.4", "--detach", "-o", "json"),
+                 home=home,
                  cwd=tmp_path)
     assert launch.returncode == 0, launch.stderr[-3000:]
     run_id = json.loads(launch.stdout)["run_id"]
@@ -117,11 +118,11 @@ def test_the_documented_policy_alone_holds_every_action_of_a_run_with_a_relaunch
     committed = f"iam/{run_id}/committed/round_000001/COMMITTED"
     wait_for(lambda: s3.list_objects_v2(Bucket=s3_bucket, Prefix=committed).get("KeyCount", 0) > 0,
              "round 1 to commit")
+    emulator.crash(f"{run_id}-r1")  # at once: the other 7 rounds (14 s of paced steps) are the margin
     status = cli("status", run_id, "-o", "json", home=home, cwd=tmp_path)
     assert status.returncode == 0, status.stderr
     logs = cli("logs", run_id, "--replica", "0", home=home, cwd=tmp_path)
     assert logs.returncode == 0 and logs.stdout.strip(), logs.stderr
-    emulator.crash(f"{run_id}-r1")
 
     watch = cli("watch", run_id, "-o", "json", home=home, cwd=tmp_path, timeout=240)
     assert watch.returncode == 0, watch.stderr[-3000:]
