@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -56,8 +57,9 @@ class _KillingManager:
         self._manager.commit_round(tensors)
 
 
-def train(*, manager: Any, rank: int, world_size: int, total_steps: int = 48, sync_every: int = 4,
-          kills: list[dict[str, Any]] | None = None, done_dir: str = "") -> None:
+def planned_kills(kills: list[dict[str, Any]] | None, rank: int, done_dir: str) -> Callable[[str, int, int], None]:
+    """``die(moment, round, step)``: SIGKILL this process when ``kills`` plans one for ``rank`` there, once per
+    trial (a marker file in ``done_dir`` says a relaunched replica that its kill already happened)."""
     plan = [k for k in kills or [] if k["rank"] == rank]
 
     def die(moment: str, round_number: int, step: int) -> None:
@@ -70,6 +72,13 @@ def train(*, manager: Any, rank: int, world_size: int, total_steps: int = 48, sy
                 return  # this kill happened already: this is the relaunched replica
             print(f"kill trial {kill['trial']}: SIGKILL rank {rank} {moment} of round {round_number}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
+
+    return die
+
+
+def train(*, manager: Any, rank: int, world_size: int, total_steps: int = 48, sync_every: int = 4,
+          kills: list[dict[str, Any]] | None = None, done_dir: str = "") -> None:
+    die = planned_kills(kills, rank, done_dir)
 
     torch.set_num_threads(1)  # a 4-parameter model: extra threads would only spin against the peers on 2 cores
     torch.manual_seed(0)

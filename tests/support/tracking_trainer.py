@@ -12,26 +12,12 @@ import torch
 
 import diloco
 from diloco.replica.outer import make_diloco_outer_loop
-from support.kill_trainer import _KillingManager
+from support.kill_trainer import _KillingManager, planned_kills
 
 
 def train(*, manager: Any, rank: int, world_size: int, total_steps: int = 12, sync_every: int = 3,
           kills: list[dict[str, Any]] | None = None, done_dir: str = "") -> None:
-    import os
-    import signal
-
-    plan = [k for k in kills or [] if k["rank"] == rank]
-
-    def die(moment: str, round_number: int, step: int) -> None:
-        for kill in plan:
-            if (kill["moment"], kill["round"], kill["step"]) != (moment, round_number, step):
-                continue
-            try:
-                os.close(os.open(os.path.join(done_dir, f"trial_{kill['trial']}"), os.O_CREAT | os.O_EXCL))
-            except FileExistsError:
-                return  # this kill happened already: this is the relaunched replica
-            print(f"kill trial {kill['trial']}: SIGKILL rank {rank} {moment} of round {round_number}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
+    die = planned_kills(kills, rank, done_dir)
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
