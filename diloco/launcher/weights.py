@@ -80,6 +80,11 @@ def check_final_weights(store: ObjectStore, world_size: int, ranks: Sequence[int
         return WeightsCheck(identical=None, world_size=world_size, missing_ranks=missing,
                             detail=f"{who} {', '.join(map(str, missing))} wrote no final weights "
                                    f"({store.url(first)} is missing)")
+    who = (f"{world_size} replica(s)" if len(checked) == world_size
+           else f"the {len(checked)} replicas that finished ({', '.join(map(str, checked))} of {world_size})")
+    same = byte_identical_verdict(store, checked, world_size, who)
+    if same is not None:
+        return same
     for rank in checked:
         key = FINAL_KEY.format(rank=rank)
         try:
@@ -100,11 +105,90 @@ def check_final_weights(store: ObjectStore, world_size: int, ranks: Sequence[int
                                        f"{difference.detail}")
     assert reference is not None  # at least one rank checked
     n = sum(t.numel() for t in reference.values())
-    who = (f"{world_size} replica(s)" if len(checked) == world_size
-           else f"the {len(checked)} replicas that finished ({', '.join(map(str, checked))} of {world_size})")
     return WeightsCheck(identical=True, world_size=world_size, tensor_count=len(reference), value_count=n,
                         tensors=reference, metadata=ref_meta,
                         detail=f"{who} hold identical final weights ({len(reference)} tensors, {n} values)")
+
+
+def byte_identical_verdict(store: ObjectStore, ranks: Sequence[int], world_size: int,
+                           who: str) -> WeightsCheck | None:
+    """The "identical" verdict without torch, or ``None`` to leave the verdict to the decoding check.
+
+    Why: the launcher checks the weights at the end of every waited launch and every ``collect``, and decoding
+    them means importing torch (seconds of a snappy CLI's time) only to find, as in every healthy run, the same
+    bytes everywhere. Here each copy's tensor table (names, dtypes, shapes, offsets) and data section are hashed
+    as bytes; when every copy hashes alike and the first is ours with a checksum that holds over those bytes
+    (``diloco.store.codec.tensor_digest``'s definition, computed from the raw table), the copies are bitwise
+    identical and intact. Anything else (a difference, a plain safetensors file, a streamed object, an unknown
+    dtype, an unreadable object) returns ``None``: the decoding check then says exactly what and where. The
+    verdict names the first copy (``kept_key``) and its hash, from which ``write_agreed_model`` writes the
+    model without decoding it.
+    """
+    import hashlib
+
+    from diloco.store.codec import FORMAT
+
+    reference: tuple[str, str, str, dict[str, str], dict[str, Any]] | None = None
+    for rank in ranks:
+        key = FINAL_KEY.format(rank=rank)
+        try:
+            data = store.get(key)
+            header = _header(data, source=store.url(key))
+        except (ObjectNotFound, CorruptObjectError):
+            return None
+        meta = header.pop("__metadata__", None) or {}
+        n = int.from_bytes(data[:8], "little")
+        section = memoryview(data)[8 + n:]
+        digest = hashlib.sha256(json_bytes(header))
+        digest.update(section)
+        if reference is None:
+            meta = {str(k): str(v) for k, v in meta.items()} if isinstance(meta, dict) else {}
+            if meta.get("format") != FORMAT or raw_tensor_digest(header, section) != meta.get("sha256"):
+                return None
+            reference = (digest.hexdigest(), key, hashlib.sha256(data).hexdigest(), meta, header)
+        elif digest.hexdigest() != reference[0]:
+            return None
+    if reference is None:
+        return None
+    _, kept_key, kept_sha256, meta, table = reference
+    values = sum(math.prod(entry["shape"]) for entry in table.values())
+    return WeightsCheck(identical=True, world_size=world_size, tensor_count=len(table), value_count=values,
+                        metadata=meta, kept_key=kept_key, kept_sha256=kept_sha256,
+                        detail=f"{who} hold identical final weights ({len(table)} tensors, {values} values)")
+
+
+def raw_tensor_digest(table: Mapping[str, Any], section: memoryview) -> str | None:
+    """``diloco.store.codec.tensor_digest`` computed from a safetensors tensor table and its data section, without
+    torch: name, torch's dtype name, shape, then the raw bytes, in name order. ``None`` for a table this cannot
+    read (an unknown dtype, offsets outside the section)."""
+    import hashlib
+    import json
+
+    from diloco.store.codec import torch_dtype_name
+
+    h = hashlib.sha256()
+    try:
+        for name in sorted(table):
+            entry = table[name]
+            dtype = torch_dtype_name(entry["dtype"])
+            begin, end = entry["data_offsets"]
+            if dtype is None or not 0 <= begin <= end <= len(section):
+                return None
+            header = json.dumps([name, dtype, list(entry["shape"])]).encode()
+            h.update(len(header).to_bytes(8, "little"))
+            h.update(header)
+            if math.prod(entry["shape"]):
+                h.update(section[begin:end])
+    except (KeyError, TypeError, ValueError):
+        return None
+    return h.hexdigest()
+
+
+def json_bytes(value: Any) -> bytes:
+    """A canonical JSON encoding (sorted keys, no spaces): two equal tables give equal bytes."""
+    import json
+
+    return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
 
 
 @dataclass(frozen=True)
@@ -149,6 +233,19 @@ def max_abs_difference(a: torch.Tensor, b: torch.Tensor) -> float | None:
         return None
     gap = (a.detach().cpu().to(torch.float64) - b.detach().cpu().to(torch.float64)).abs().max().item()
     return gap if math.isfinite(gap) else None
+
+
+def agreed_tensors(store: ObjectStore, check: WeightsCheck) -> dict[str, torch.Tensor]:
+    """The agreed weights of an ``identical`` check as tensors: those it holds, else its kept copy decoded (its
+    checksum verified again), for callers that need the values themselves (an export, an evaluation)."""
+    from diloco.store.codec import decode
+
+    if check.tensors is not None:
+        return dict(check.tensors)
+    if check.identical is not True or check.kept_key is None:
+        raise CorruptObjectError(f"no agreed weights to read: {check.detail}")
+    tensors, _ = decode(store.get(check.kept_key), source=store.url(check.kept_key))
+    return tensors
 
 
 # ---------------------------------------------------------------------------------------------- model file

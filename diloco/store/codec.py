@@ -60,6 +60,13 @@ _DTYPE_NAMES = {
 }
 
 
+def torch_dtype_name(safetensors_dtype: str) -> str | None:
+    """What ``str(tensor.dtype)`` says for a safetensors dtype code (``"F32"`` -> ``"torch.float32"``), without
+    importing torch; ``None`` for a code torch and safetensors do not share."""
+    name = _DTYPE_NAMES.get(safetensors_dtype)
+    return None if name is None else f"torch.{name}"
+
+
 def tensor_digest(tensors: Mapping[str, torch.Tensor]) -> str:
     """SHA-256 over the tensors in name order: name, dtype, shape, then raw bytes (CPU, contiguous)."""
     h = hashlib.sha256()

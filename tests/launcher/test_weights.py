@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from diloco.launcher.weights import check_final_weights, write_model
+from diloco.launcher.weights import agreed_tensors, byte_identical_verdict, check_final_weights, write_model
 from diloco.replica.final_weights import write_final_weights
 from diloco.store.codec import decode, encode_tensors
 from diloco.store.objects import ObjectStore
@@ -36,7 +36,7 @@ def test_identical_weights_agree_and_come_back_with_rank_0s_metadata() -> None:
     check = check_final_weights(store, 3)
     assert check.identical is True and check.tensor_count == 2 and check.value_count == 17
     assert "3 replica(s) hold identical final weights (2 tensors, 17 values)" == check.detail
-    assert check.metadata["rank"] == "0" and torch.equal(check.tensors["a"], tensors["a"])
+    assert check.metadata["rank"] == "0" and torch.equal(agreed_tensors(store, check)["a"], tensors["a"])
 
 
 def test_bitwise_equal_nan_weights_agree() -> None:
@@ -123,3 +123,81 @@ def test_write_model_drops_the_rank_and_tags_the_run(tmp_path: Path) -> None:
     tensors, meta = decode(Path(path).read_bytes())
     assert "rank" not in meta and meta["run_id"] == "run-1" and meta["model_config"] == '{"n": 1}'
     assert "sha256" in meta and torch.equal(tensors["w"], torch.ones(2))
+
+
+# ---------------------------------------------------------------------------------------------- without torch
+def test_the_raw_digest_is_the_codecs_checksum_for_every_shared_dtype_and_shape() -> None:
+    """The torch-free verdict trusts a copy only when its checksum holds over the raw bytes: the raw digest must be
+    the codec's own, dtype names, 0-d and empty tensors included."""
+    from diloco.launcher.weights import _header, raw_tensor_digest
+    from diloco.store.codec import tensor_digest
+
+    tensors = {"f32": torch.randn(3, 5), "bf16": torch.randn(7).to(torch.bfloat16), "i64": torch.arange(4),
+               "u8": torch.arange(9, dtype=torch.uint8).reshape(3, 3), "flag": torch.tensor([True, False]),
+               "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4), "f16": torch.ones(2, dtype=torch.float16)}
+    data = encode_tensors(tensors, {"rank": 0})
+    header = _header(data, source="test")
+    header.pop("__metadata__")
+    section = memoryview(data)[8 + int.from_bytes(data[:8], "little"):]
+    assert raw_tensor_digest(header, section) == tensor_digest(tensors)
+
+
+def test_identical_copies_are_judged_from_their_bytes_with_the_first_copy_kept() -> None:
+    store = new_store()
+    tensors = {"a": torch.randn(3, 4), "b": torch.arange(5, dtype=torch.bfloat16)}
+    for rank in range(3):
+        put_ours(store, rank, tensors)
+    verdict = byte_identical_verdict(store, [0, 1, 2], 3, "3 replica(s)")
+    assert verdict is not None and verdict.identical is True and verdict.tensors is None
+    assert (verdict.kept_key, verdict.tensor_count, verdict.value_count) == ("final/rank_0000.safetensors", 2, 17)
+    assert verdict.metadata["rank"] == "0"
+    assert all(torch.equal(agreed_tensors(store, verdict)[k], v) for k, v in tensors.items())
+
+
+@pytest.mark.parametrize("case", ["different", "plain", "corrupt first"])
+def test_anything_but_intact_identical_copies_of_ours_goes_to_the_decoding_check(case: str) -> None:
+    """A difference, a plain safetensors file (no checksum to trust) or a first copy whose bytes fail its checksum
+    is not judged from bytes: the decoding check says what and where."""
+    store = new_store()
+    w = torch.arange(64.0)
+    if case == "plain":
+        for rank in range(2):
+            store.put(f"final/rank_{rank:04d}.safetensors", save({"w": w}))
+    else:
+        put_ours(store, 1, {"w": w})
+        data = bytearray(encode_tensors({"w": w}, {"rank": 0}))
+        if case == "corrupt first":
+            data[-5] ^= 0x10
+        else:
+            data = bytearray(encode_tensors({"w": w + 1}, {"rank": 0}))
+        store.put("final/rank_0000.safetensors", bytes(data))
+    assert byte_identical_verdict(store, [0, 1], 2, "2 replica(s)") is None
+    check = check_final_weights(store, 2)
+    assert check.identical is (case == "plain"), check.detail
+    if case == "corrupt first":
+        assert check.differing_rank == 0 and "checksum" in check.detail
+
+
+def test_checking_and_writing_agreed_weights_imports_no_torch(tmp_path: Path) -> None:
+    """The launcher checks the weights after every waited launch and every collect: a healthy run's verdict and
+    model file must not cost a torch import (seconds of a CLI command's time)."""
+    import subprocess
+    import sys
+
+    store_dir = tmp_path / "store"
+    store = ObjectStore(f"file://{store_dir}")
+    for rank in range(2):
+        put_ours(store, rank, {"w": torch.arange(6.0).reshape(2, 3)})
+    script = (
+        "import json, sys\n"
+        "from diloco.launcher.weights import check_final_weights, write_agreed_model\n"
+        "from diloco.store.objects import ObjectStore\n"
+        f"store = ObjectStore({f'file://{store_dir}'!r})\n"
+        "check = check_final_weights(store, 2)\n"
+        f"path = write_agreed_model(store, check, {str(tmp_path / 'model.safetensors')!r}, 'run-1')\n"
+        "print(json.dumps([check.identical, check.detail, 'torch' in sys.modules]))\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert json.loads(out) == [True, "2 replica(s) hold identical final weights (1 tensors, 6 values)", False]
+    tensors, meta = decode((tmp_path / "model.safetensors").read_bytes())
+    assert torch.equal(tensors["w"], torch.arange(6.0).reshape(2, 3)) and meta["run_id"] == "run-1"
+    assert "rank" not in meta
