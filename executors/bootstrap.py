@@ -31,7 +31,12 @@ Python image has pip), since it runs before anything is installed.
    s3fs older than diloco needs is replaced together with the aiobotocore, botocore and boto3 it requires, so no
    process mixes the image's boto3 with a newer botocore. (A pip without ``--report``, before 22.2, installs the
    unsatisfied requirements with their whole dependency closure into that directory instead.)
-5. ``exec`` of the entrypoint in the working directory: the same process, so the same PID 1.
+5. **Reuse.** With a directory that outlives the job (``CACHE_ENVS``: SageMaker's warm-pool persistent cache, or
+   ``DILOCO_BOOTSTRAP_CACHE``), the packages go into a site there named by a digest of everything that decides
+   them (``install_key``: the wheel, the requirements, pip's index settings, the image's interpreter and
+   packages); a later job with the same digest, a relaunched replica on a warm instance say, finds it complete
+   and runs no pip at all (``install_cached``).
+6. ``exec`` of the entrypoint in the working directory: the same process, so the same PID 1.
 
 Paths come from this file's place in SageMaker's layout (the channel is ``<root>/input/data/<channel>``, so
 ``<root>`` is ``/opt/ml``): packages in ``<root>/diloco/site``, the source in ``<root>/code``, a failure's reason in
@@ -72,6 +77,17 @@ PIP = [sys.executable, "-m", "pip", "--no-input", "--disable-pip-version-check"]
 _child: subprocess.Popen[bytes] | None = None
 _stop_requested_at: float | None = None
 
+
+#: Directories that outlive the job, in the order asked: ``DILOCO_BOOTSTRAP_CACHE`` (a Kubernetes node's hostPath,
+#: say), then SageMaker's persistent cache of a warm pool (``/opt/ml/sagemaker/warmpoolcache``, named by this
+#: variable: "Train Using SageMaker Managed Warm Pools", Using persistent cache). Packages installed there for one
+#: wheel, one list of requirements and one image are reused by the next job that would install the very same.
+CACHE_ENVS = ("DILOCO_BOOTSTRAP_CACHE", "SAGEMAKER_MANAGED_WARMPOOL_CACHE_DIRECTORY")
+#: Written into a cached site once everything is installed: a site without it was cut short and is redone.
+INSTALLED_MARKER = ".diloco-installed"
+#: pip's settings that change what it installs, so part of what a cached site is for.
+PIP_SETTINGS = ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS", "PIP_NO_INDEX", "PIP_CONSTRAINT",
+                "PIP_CONFIG_FILE")
 
 #: A file the bootstrap keeps its own lines in (``[time, line]`` as JSON, one a line), named to the replica it execs:
 #: the replica ships its log into the run's store, where it outlives the pod, but starts after the bootstrap, so it
@@ -451,6 +467,64 @@ def install(wheel: str) -> None:
                                   *targets], "pip", "pip could not install " + names, names))
 
 
+def cache_root() -> str | None:
+    """The first of ``CACHE_ENVS`` naming a writable directory, or None (every job installs afresh)."""
+    for name in CACHE_ENVS:
+        path = os.environ.get(name, "")
+        if path and os.path.isdir(path) and os.access(path, os.W_OK):
+            return path
+    return None
+
+
+def install_key(wheel: str) -> str:
+    """What a site holds, as a digest: the wheel's bytes, the launcher's requirements (and the requirement files'
+    contents), pip's index settings, and the image (its interpreter and every distribution it has, by version).
+    Two jobs with one key would install exactly the same packages."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(wheel, "rb") as f:
+        digest.update(f.read())
+    digest.update(os.environ.get(REQUIREMENTS_ENV, "").encode())
+    for path in requested()[1]:
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                digest.update(f.read())
+    digest.update(json.dumps([os.environ.get(name, "") for name in PIP_SETTINGS]).encode())
+    digest.update(f"{sys.executable}\n{sys.version}".encode())
+    found = sorted(f"{d.metadata['Name']}=={d.version}" for d in importlib.metadata.distributions()
+                   if d.metadata["Name"])
+    digest.update("\n".join(found).encode())
+    return digest.hexdigest()[:24]
+
+
+def install_cached(wheel: str, root: str) -> str:
+    """Install into ``root``'s site for this wheel's key, or reuse it when an earlier job completed it; the site.
+
+    Jobs that start together on one machine take turns (an exclusive lock on the site's lock file); the first
+    installs, the others find its marker. A job stopped in the middle leaves no marker, so the next one starts
+    the site afresh."""
+    import fcntl
+    import shutil
+
+    global SITE
+    site = os.path.join(root, f"diloco-site-{install_key(wheel)}")
+    with open(site + ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.exists(os.path.join(site, INSTALLED_MARKER)):
+            say(f"reusing the packages an earlier job installed for {os.path.basename(wheel)} in {site} "
+                "(the same wheel, requirements and image)")
+            SITE = site
+            return site
+        shutil.rmtree(site, ignore_errors=True)
+        os.makedirs(site)
+        SITE = site
+        install(wheel)
+        with open(os.path.join(site, INSTALLED_MARKER), "w") as f:
+            f.write(json.dumps({"wheel": os.path.basename(wheel), "installed_at": time.time()}))
+    return site
+
+
 def requirement_name(text: str) -> str:
     """The distribution a requirement names (``s3fs[boto3]>=2025.7.0`` -> ``s3fs``), for the index probe."""
     return re.split(r"[\s\[<>=!~;@]", text.strip(), maxsplit=1)[0] or "pip"
@@ -465,7 +539,11 @@ def main() -> None:
     os.makedirs(WORK, exist_ok=True)
     os.environ.setdefault(KEPT_LOG_ENV, os.path.join(SITE, ".diloco-bootstrap-log.jsonl"))
     unpack_source()
-    install(wheels[-1])
+    root = cache_root()
+    if root is None:
+        install(wheels[-1])
+    else:
+        install_cached(wheels[-1], root)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([SITE, WORK] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     say(f"installed {os.path.basename(wheels[-1])} into {SITE}; running python {' '.join(sys.argv[1:3])}")

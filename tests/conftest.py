@@ -87,14 +87,24 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def bootstrap_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory the emulated jobs' bootstrap keeps installed packages in for the whole session (a warm
+    instance's persistent cache): the install of one wheel is paid once, not by every job. The tests about the
+    install itself (tests/backends/sagemaker/test_sagemaker_bootstrap.py, test_sagemaker_image.py, the
+    Kubernetes code channel) run without it, and a job whose pip settings differ gets a site of its own."""
+    return tmp_path_factory.mktemp("bootstrap-cache")
+
+
 @pytest.fixture
-def emulator(aws_env: str, s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+def emulator(aws_env: str, s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+             bootstrap_cache: Path) -> Iterator[Any]:
     """The SageMaker emulator on the test's clean moto, as the CLI meets it: a subprocess finds it through
     ``AWS_ENDPOINT_URL_SAGEMAKER`` (tests/test_emulator_sagemaker.py overrides it with its own settings)."""
     from emulators.sagemaker import SageMakerEmulator
 
     with SageMakerEmulator(aws_endpoint=aws_env, root_dir=tmp_path / "sagemaker", stop_grace_s=2.0,
-                           log_flush_s=0.1, restart_delay_s=0.2) as emu:
+                           log_flush_s=0.1, restart_delay_s=0.2, bootstrap_cache=bootstrap_cache) as emu:
         monkeypatch.setenv("AWS_ENDPOINT_URL_SAGEMAKER", emu.url)
         yield emu
 

@@ -121,7 +121,8 @@ class SageMakerEmulator:
                  checkpoint_sync_s: float = 1.0, log_flush_s: float = 0.2, spot_savings: float = 0.7,
                  restart_delay_s: float = 0.2, history: int = 0, rate_limits: bool = True,
                  prebuilt_python: str | Path | None = None, pip_wheelhouse: str | Path | None = None,
-                 caller_policy: CallerPolicy | None = None, check_roles: bool = False) -> None:
+                 caller_policy: CallerPolicy | None = None, check_roles: bool = False,
+                 bootstrap_cache: str | Path | None = None) -> None:
         """``aws_endpoint``: the S3/Logs server (None: start an embedded moto server). ``interpreter`` stands for
         the image's ``python`` (default: this interpreter). ``prebuilt_python``, if given, stands for it instead in
         jobs on AWS's prebuilt PyTorch training image (the default without ``--image``): an interpreter holding
@@ -136,13 +137,16 @@ class SageMakerEmulator:
         are refused with AccessDeniedException; None allows every action. Either way ``iam_actions`` records every
         action evaluated. ``check_roles``: CreateTrainingJob refuses a RoleArn that does not exist in IAM (the
         ``aws_endpoint``'s) or does not trust SageMaker, as the service does; off, any RoleArn is taken (most tests
-        name roles they never create)."""
+        name roles they never create). ``bootstrap_cache``: a directory the jobs' bootstrap keeps installed packages
+        in and reuses (``DILOCO_BOOTSTRAP_CACHE``), as a warm instance's persistent cache: a test session pays
+        the install once per wheel; None: every job installs afresh."""
         self._host, self._port = host, port
         self.account_id = account_id
         self.default_region = default_region
         self.interpreter = interpreter or sys.executable
         self.prebuilt_python = str(prebuilt_python) if prebuilt_python is not None else None
         self.pip_wheelhouse = Path(pip_wheelhouse) if pip_wheelhouse is not None else None
+        self.bootstrap_cache = Path(bootstrap_cache) if bootstrap_cache is not None else None
         self.aws_endpoint = aws_endpoint
         self._own_root = root_dir is None
         self.root = Path(root_dir) if root_dir is not None else Path(tempfile.mkdtemp(prefix="sagemaker-emu-"))
@@ -263,7 +267,7 @@ class SageMakerEmulator:
         return Runtime(root=self.root / "jobs", shim_dir=shim_dir, aws_endpoint=endpoint,
                        credentials=dict(self.credentials), s3=session.client("s3", endpoint_url=endpoint),
                        logs=session.client("logs", endpoint_url=endpoint), prebuilt_shim_dir=prebuilt_shims,
-                       pip_env=pip_env, **self._timing)
+                       pip_env=pip_env, bootstrap_cache=self.bootstrap_cache, **self._timing)
 
     # ------------------------------------------------------------------ fault knobs
     def throttle(self, calls: int, operations: list[str] | None = None) -> None:
@@ -694,6 +698,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="run jobs on AWS's PyTorch training image in an interpreter holding only that image's "
                              "packages (built on first use and cached; see tests/emulators/sagemaker_image.py)")
     parser.add_argument("--pip-wheelhouse", default=None, help="folder of wheels jobs' pip installs from")
+    parser.add_argument("--bootstrap-cache", default=None, metavar="DIR",
+                        help="a directory the jobs' bootstrap keeps installed packages in and reuses, as a warm "
+                             "instance's persistent cache (default: every job installs afresh)")
     parser.add_argument("--caller-policy", default=None, metavar="FILE",
                         help="an IAM policy document (JSON): SageMaker, CloudWatch Logs and Service Quotas calls "
                              "outside its actions get AccessDeniedException (default: every action allowed)")
@@ -717,7 +724,8 @@ def main(argv: list[str] | None = None) -> int:
                                  account_id=args.account, default_region=args.region, root_dir=args.root,
                                  stop_grace_s=args.stop_grace, interpreter=args.python, history=args.history,
                                  rate_limits=not args.no_rate_limits, prebuilt_python=prebuilt,
-                                 pip_wheelhouse=args.pip_wheelhouse, caller_policy=policy, check_roles=True)
+                                 pip_wheelhouse=args.pip_wheelhouse, caller_policy=policy, check_roles=True,
+                                 bootstrap_cache=args.bootstrap_cache)
     emulator.start()
     for job, form in armed:
         emulator.fail(job, form)

@@ -17,7 +17,9 @@ goes through the service's life cycle on a thread of its own and does for real w
   the user built, holding diloco), ``shim_dir``'s. The process gets what the platform provides
   (``TRAINING_JOB_NAME``, ``TRAINING_JOB_ARN``, the request's ``Environment``), the image's own ``ENV``
   (``image_env``), ``pip_env`` (a local wheelhouse standing for the package index, when the emulator has one; or,
-  after ``cut_off_package_index``, no route to any index),
+  after ``cut_off_package_index``, no route to any index), ``DILOCO_BOOTSTRAP_CACHE`` when the emulator has a
+  ``bootstrap_cache`` (a directory shared by its jobs, as a warm instance's persistent cache outlives a job; the
+  real service gives one only to warm-pool jobs, at ``SAGEMAKER_MANAGED_WARMPOOL_CACHE_DIRECTORY``),
   and, as the emulator's stand-in for the execution role and the regional endpoints, the AWS
   endpoint, credentials and region that reach the loopback S3/Logs server (with ``EnableNetworkIsolation`` the
   endpoint is a closed port and there are no credentials, so any AWS call fails as it would in isolation).
@@ -118,6 +120,9 @@ class Runtime:
     armed_failures: dict[str, FailureForm] = field(default_factory=dict)
     prebuilt_shim_dir: Path | None = None  # the ``python`` of AWS's PyTorch training image, when not shim_dir's
     pip_env: dict[str, str] = field(default_factory=dict)  # how a job's pip reaches packages (or cannot)
+    #: A directory every job's bootstrap may keep installed packages in (``DILOCO_BOOTSTRAP_CACHE``), standing for
+    #: a warm instance's persistent cache; None: every job installs afresh, as on a cold instance.
+    bootstrap_cache: Path | None = None
 
 
 #: The life-cycle phases a failure form can happen in, in order.
@@ -666,6 +671,8 @@ class TrainingJob:
             shims = self.rt.prebuilt_shim_dir
         env["PATH"] = f"{shims}{os.pathsep}/usr/local/bin{os.pathsep}/usr/bin{os.pathsep}/bin"
         env.update(self.rt.pip_env)
+        if self.rt.bootstrap_cache is not None:
+            env["DILOCO_BOOTSTRAP_CACHE"] = str(self.rt.bootstrap_cache)
         env["HOME"] = str(self.rt.root / self.name / "home")
         env["AWS_REGION"] = env["AWS_DEFAULT_REGION"] = self.region
         if self.request.get("EnableNetworkIsolation"):

@@ -59,8 +59,8 @@ def source(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def iam_emulator(aws_env: str, s3_bucket: str, tmp_path: Path,
-                 monkeypatch: pytest.MonkeyPatch) -> Iterator[SageMakerEmulator]:
+def iam_emulator(aws_env: str, s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                 bootstrap_cache: Path) -> Iterator[SageMakerEmulator]:
     """The emulator enforcing the documented policy and checking the execution role, which exists in moto's IAM
     and trusts SageMaker (``role_arn`` below); Service Quotas under the same policy (``quotas`` attribute)."""
     import boto3
@@ -70,7 +70,7 @@ def iam_emulator(aws_env: str, s3_bucket: str, tmp_path: Path,
     policy = CallerPolicy.from_document(documented_policy(), principal=f"arn:aws:iam::{account}:user/launcher")
     with SageMakerEmulator(aws_endpoint=aws_env, root_dir=tmp_path / "sagemaker", stop_grace_s=2.0,
                            log_flush_s=0.1, restart_delay_s=0.2, account_id=account, caller_policy=policy,
-                           check_roles=True) as emu:
+                           check_roles=True, bootstrap_cache=bootstrap_cache) as emu:
         quotas = QuotasEmulator({"ml.m5.xlarge for training job usage": 8.0}, page_size=100, policy=policy).start()
         emu.quotas = quotas  # type: ignore[attr-defined]
         monkeypatch.setenv("AWS_ENDPOINT_URL_SAGEMAKER", emu.url)
