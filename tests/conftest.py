@@ -34,6 +34,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 pytest.register_assert_rewrite("support")
 
 from support.faultproxy import FaultProxy  # noqa: E402 (tests/ is on sys.path: pytest's rootdir-relative import)
+from support.process_census import ProcessCensus  # noqa: E402
 from support.time_budget import TimeBudgets  # noqa: E402
 
 BUCKET = "diloco-test-bucket"
@@ -59,7 +60,8 @@ def _expected_cost(item: pytest.Item) -> int:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Each test file is held to its time budget (``support.time_budget``).
+    """Each test file is held to its time budget (``support.time_budget``), and the real replica processes the
+    tests start are counted by backend (``support.process_census``).
 
     Ctrl-C tests send SIGINT to the CLI and expect Python's KeyboardInterrupt there. A shell that starts the
     suite in the background (``make test &``, ``nohup``) leaves SIGINT ignored, and an ignored signal stays ignored
@@ -70,6 +72,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     config.pluginmanager.register(TimeBudgets(), "diloco-time-budgets")
+    config.pluginmanager.register(ProcessCensus(), "diloco-process-census")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
