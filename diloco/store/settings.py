@@ -58,7 +58,7 @@ class StoreSettings(BaseModel):
         "none", description="Pseudo-gradient wire format: none, bf16, int8, int4 (fp32 accumulation after decode, "
         "per-block scales for the integers) or topk (SparseLoCo's sparse format: the largest topk_density of "
         "every topk_chunk elements, topk_value_bits each; gather only), or a registered format "
-        "(docs/compression.md).",
+        "(docs/extending.md).",
         json_schema_extra={"enum": list(registry.names()), **cli_flag("--compression", metavar="FORMAT"),
                            **replica_flag(metavar="FORMAT")})
     compression_options: dict[str, Any] = Field(
