@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import threading
 from typing import TYPE_CHECKING, Any
 
 from diloco.errors import ConfigError
@@ -22,7 +23,11 @@ if TYPE_CHECKING:
 ENTRY_POINT_GROUP = "diloco.formats"
 
 _FORMATS: dict[str, type[WireFormat]] = {}
+#: Entry points that failed to load, name -> why: named when a run asks for them, harmless otherwise.
+_BROKEN: dict[str, str] = {}
 _loaded = False
+_loading = False
+_lock = threading.RLock()  # ranks run as threads in one process: the first lookups may race
 
 __all__ = ["ENTRY_POINT_GROUP", "check_name", "format_for", "from_settings", "get", "names", "register",
            "settings_problem", "unregister"]
@@ -57,6 +62,9 @@ def get(name: str) -> type[WireFormat]:
     """The format class named ``name``; ``ConfigError`` naming the setting and the choices."""
     _load()
     cls = _FORMATS.get(name)
+    if cls is None and name in _BROKEN:
+        raise ConfigError(f"store.compression: {name!r} {_BROKEN[name]}",
+                          hint="reinstall the package that declares it, or choose another format")
     if cls is None:
         raise ConfigError(f"store.compression: {name!r} is not a compression format; use one of "
                           f"{', '.join(_FORMATS)}")
@@ -67,6 +75,8 @@ def check_name(name: str) -> str:
     """``name`` if it names a format, else ``ValueError`` in the settings' words (``must be 'none', ... or 'topk'
     (got 'int9')``)."""
     _load()
+    if name in _BROKEN:
+        raise ValueError(f"{name!r} {_BROKEN[name]}")
     if name not in _FORMATS:
         choices = [repr(n) for n in _FORMATS]
         listed = f"{', '.join(choices[:-1])} or {choices[-1]}" if len(choices) > 1 else choices[0]
@@ -105,10 +115,21 @@ _BUILTIN_ORDER = ("none", "bf16", "int8", "int4", "topk")
 def _load() -> None:
     """Register the built-ins and the entry points once, on first use (not at import: the format modules import
     ``diloco.formats.base`` only, and a format may call ``register`` while it is imported)."""
-    global _loaded
+    global _loaded, _loading
     if _loaded:
         return
-    _loaded = True
+    with _lock:
+        if _loaded or _loading:  # done by another thread meanwhile, or a format registering while discovered
+            return
+        _loading = True
+        try:
+            _discover()
+            _loaded = True
+        finally:
+            _loading = False
+
+
+def _discover() -> None:
     import diloco.formats as package
 
     builtins: list[type[WireFormat]] = []
@@ -129,10 +150,11 @@ def _load_entry_points() -> None:
     for point in entry_points(group=ENTRY_POINT_GROUP):
         try:
             cls = point.load()
-        except Exception as exc:  # noqa: BLE001 - one broken plugin must not hide the built-in formats
-            raise ConfigError(f"wire format entry point {point.name} = {point.value}: cannot be loaded ({exc})",
-                              hint="reinstall the package that declares it, or uninstall it") from None
+        except Exception as exc:  # noqa: BLE001 - one broken plugin must not break runs that do not use it
+            _BROKEN[point.name] = f"is declared by the entry point {point.value}, which cannot be loaded ({exc})"
+            continue
         if getattr(cls, "name", None) != point.name:
-            raise ConfigError(f"wire format entry point {point.name} = {point.value}: the class is named "
-                              f"{getattr(cls, 'name', None)!r}", hint="make the entry point's name the class's name")
+            _BROKEN[point.name] = (f"is declared by the entry point {point.value}, whose class is named "
+                                   f"{getattr(cls, 'name', None)!r}")
+            continue
         _FORMATS.setdefault(point.name, cls)

@@ -194,7 +194,8 @@ def test_the_toy_carries_real_rounds_with_identical_means_on_every_rank(fp16: ty
 # ---------------------------------------------------------------- a format from another package
 def test_a_package_ships_a_format_through_an_entry_point(tmp_path: Path) -> None:
     """A fresh process (a launcher, a replica) knows a format an installed package declares under the
-    ``diloco.formats`` entry points, validates settings with it and encodes with it."""
+    ``diloco.formats`` entry points, validates settings with it and encodes with it. A broken entry point is
+    named when a run asks for it and breaks nothing else."""
     source = Path(__file__).read_text()
     toy = source[source.index("@dataclass(frozen=True)\nclass Fp16"):source.index("@pytest.fixture")]
     module = "\n".join(["from __future__ import annotations", "import math", "from collections.abc import Mapping",
@@ -204,7 +205,8 @@ def test_a_package_ships_a_format_through_an_entry_point(tmp_path: Path) -> None
     info = tmp_path / "toyformat-0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: toyformat\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text(f"[{registry.ENTRY_POINT_GROUP}]\nfp16 = toyformat:Fp16\n")
+    (info / "entry_points.txt").write_text(f"[{registry.ENTRY_POINT_GROUP}]\nfp16 = toyformat:Fp16\n"
+                                           "gone = toyformat_gone:Gone\n")
     script = textwrap.dedent("""
         import torch
         from diloco.collectives import compression
@@ -212,11 +214,15 @@ def test_a_package_ships_a_format_through_an_entry_point(tmp_path: Path) -> None
         settings = StoreSettings(compression="fp16", compression_options={"scale": 8.0})
         wire, meta = compression.encode({"x": torch.tensor([0.5, -0.25])}, "fp16")
         print(settings.compression, meta["compression"], wire["x"].dtype)
+        try:
+            StoreSettings(compression="gone")
+        except ValueError as exc:
+            print("gone:", "toyformat_gone:Gone, which cannot be loaded" in str(exc))
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(tmp_path)}, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["fp16", "fp16", "torch.float16"]
+    assert done.stdout.split() == ["fp16", "fp16", "torch.float16", "gone:", "True"]
 
 
 # ---------------------------------------------------------------- no name branches elsewhere
