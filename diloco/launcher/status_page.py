@@ -265,7 +265,14 @@ class StatusPage:
         with self._lock:
             self._body = {"/": (page, "text/html; charset=utf-8"), "/status.json": (data, "application/json")}
 
+    @property
+    def serving(self) -> bool:
+        return self._thread is not None
+
     def start(self) -> StatusPage:
+        """Serve from a daemon thread (it never keeps the process alive); ``close`` stops it."""
+        if self._thread is not None:
+            return self
         self._thread = threading.Thread(target=self.server.serve_forever, name="diloco-status-page", daemon=True)
         self._thread.start()
         return self
