@@ -14,6 +14,7 @@ step changed), so a page started late draws from then on; ``diloco plot`` draws 
 from __future__ import annotations
 
 import html
+import ipaddress
 import json
 import threading
 import time
@@ -27,8 +28,6 @@ from diloco.errors import ConfigError
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
 #: How often the page reloads itself while the run goes on, seconds.
 REFRESH_S = 2
-#: Hosts that only this machine reaches; any other ``--serve-host`` is warned about.
-LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 #: The most chart points kept per rank and loss (older ones are thinned), so a long run's page stays small.
 MAX_POINTS = 2000
 
@@ -39,6 +38,17 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("written", "bytes_written", "bytes"), ("read", "bytes_read", "bytes"), ("cost", "cost_usd", "usd"),
     ("restarts", "restarts", "int"), ("reason", "reason", "text"),
 )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether only this machine reaches ``host`` (``localhost``, ``127.0.0.0/8``, ``::1``); any other
+    ``--serve-host`` is warned about."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def shown(value: Any, kind: str) -> str:
