@@ -33,7 +33,8 @@ MAX_POINTS = 2000
 
 #: The columns of the replica table: (heading, report key, how the value is shown).
 COLUMNS: tuple[tuple[str, str, str], ...] = (
-    ("state", "state", "text"), ("step", "step", "int"), ("total steps", "total_steps", "int"), ("round", "round", "int"),
+    ("state", "state", "text"), ("step", "step", "int"), ("total steps", "total_steps", "int"),
+    ("round", "round", "int"),
     ("train loss", "train_loss", "loss"), ("eval loss", "eval_loss", "loss"), ("tok/s", "tokens_per_s", "rate"),
     ("written", "bytes_written", "bytes"), ("read", "bytes_read", "bytes"), ("cost", "cost_usd", "usd"),
     ("restarts", "restarts", "int"), ("reason", "reason", "text"),
