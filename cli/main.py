@@ -1,4 +1,4 @@
-"""The ``diloco`` command line: parse, load config, one call into ``diloco.launcher.orchestrate``, render.
+"""The ``diloco`` command line: parse, load config, one call into ``diloco.launcher.api``, render.
 
 Data goes to stdout (a table, or JSON with ``-o json``), narration and progress to stderr. Exit codes of the
 commands that wait on a run (each command's ``--help`` lists its own, from ``help_texts``): 0 all replicas
@@ -171,7 +171,7 @@ def launch(
         return
 
     run = api.launch(cfg, registry=registry, force=force, on_plan=_announce_plan)
-    record, view = run.record, run.view
+    record, view = run.record, run
     run_id = record.run_id
     say(f"launched {run_id}: {record.replicas} replica(s) on {record.backend}, meeting at "
         f"{record.rendezvous_uri}")
@@ -212,7 +212,7 @@ def status(
         _print_run(found.status(trends=True), fmt)
         return
     try:
-        report, _ = _wait(found.view, timeout_s=None, fail_fast=False)
+        report, _ = _wait(found, timeout_s=None, fail_fast=False)
     except KeyboardInterrupt:
         say("stopped watching; the run is unaffected")
         raise typer.Exit(exit_codes.INTERRUPTED) from None

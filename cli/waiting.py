@@ -27,7 +27,7 @@ def run_of(run: str | None) -> Any:
 
 
 def view_of(run: str | None) -> Any:
-    return run_of(run).view
+    return run_of(run)
 
 
 def outcome_code(report: Any, timed_out: bool, *, weights_checked: bool = True) -> int:
@@ -112,7 +112,7 @@ def wait(view: Any, *, timeout_s: float | None, fail_fast: bool, output: str | N
 
         options = {"timeout_s": timeout_s, "on_update": update, "on_fail_fast": stopping, "fail_fast": fail_fast,
                    "max_restarts": max_restarts, "on_relaunch": relaunching, "on_retried": retried}
-        run = api.Run(view)
+        run = view
         try:  # the output was checked before waiting (``_model_target``): here it is only written
             report = run.collect(output, force=True, **options) if collect else run.wait(**options)
         except api.RunWaitTimeout as exc:
@@ -135,7 +135,7 @@ def state_now(view: Any) -> tuple[Any, list[int]]:
     """The run's state as it stands and the replicas still running (``(None, [])`` if the backend cannot be read
     now): what a Ctrl-C message should speak of, since the run may have ended while the command waited."""
     try:
-        status = view.status()
+        status = view.replica_status()
         return view.final_state or view.judge(status), [s.rank for s in status.replicas if not s.state.is_terminal]
     except (Exception, KeyboardInterrupt):  # noqa: BLE001 - a second Ctrl-C, or a backend that does not answer
         return None, []

@@ -3,7 +3,7 @@
 Why a command of its own: ``launch --detach`` returns at once, and nothing then relaunches a replica that is killed or
 preempted; ``status --watch`` only observes. ``watch`` is the launcher's waiting half for a run started elsewhere (or
 by a ``launch`` whose terminal went away): the same live progress, the same relaunch of failed replicas with
-``--max-restarts`` and backoff (``diloco.launcher.orchestrate.RunView.wait``), the same summary, weights check and exit
+``--max-restarts`` and backoff (``diloco.launcher.run.Run.wait``), the same summary, weights check and exit
 code. Ctrl-C stops watching and never the run.
 
 A run that has ended (succeeded, failed, cancelled), or can no longer finish, is never relaunched into: ``watch``
@@ -40,10 +40,8 @@ def wait_and_summarize(view: Any, *, fmt: OutputFormat, fail_fast: bool, max_res
 def summarize_ended(view: Any, *, fmt: OutputFormat) -> NoReturn:
     """The summary of a run that has ended, as ``launch`` printed it, and its exit code; nothing is waited on,
     relaunched or stopped (the weights of a succeeded run are checked, as ``launch`` did)."""
-    from diloco.launcher import api
-
     try:  # no timeout: an ended run is read, never waited on
-        report = api.Run(view).collect(None, fail_fast=False, max_restarts=0)
+        report = view.collect(None, fail_fast=False, max_restarts=0)
     except KeyboardInterrupt:
         waiting.interrupted(view, False)
     summarize(view, report, False, fmt=fmt)
@@ -90,7 +88,7 @@ def watch(
     try:  # from here on, Ctrl-C at any moment only stops watching
         ended = view.final_state
         if ended is None:
-            status = view.status()
+            status = view.replica_status()
             judged = view.judge(status)
             ended = judged if judged.is_terminal and status.terminal else None
         if ended is not None:
