@@ -21,14 +21,15 @@ from diloco.cli.errors import command
 from diloco.cli.help_texts import ENVIRONMENT, TOP_EPILOG
 from diloco.cli.model_flags import LaunchCommand, given_backend_flags, given_run_flags
 from diloco.cli.render import FormatOpt, OutputFormat, emit, say, to_jsonable
-from diloco.cli.waiting import explain_failures as _explain_failures
-from diloco.cli.waiting import interrupted as _interrupted
-from diloco.cli.waiting import outcome_code as _outcome_code
-from diloco.cli.waiting import print_run as _print_run
-from diloco.cli.waiting import run_of as _run
-from diloco.cli.waiting import run_registry as _registry
-from diloco.cli.waiting import view_of as _view
-from diloco.cli.waiting import wait as _wait
+from diloco.cli.watch import NotifyCostOpt, NotifyOpt, ServeHostOpt, ServeLingerOpt, ServeOpt
+from diloco.cli.watch import explain_failures as _explain_failures
+from diloco.cli.watch import interrupted as _interrupted
+from diloco.cli.watch import outcome_code as _outcome_code
+from diloco.cli.watch import print_run as _print_run
+from diloco.cli.watch import run_of as _run
+from diloco.cli.watch import run_registry as _registry
+from diloco.cli.watch import view_of as _view
+from diloco.cli.watch import wait as _wait
 from diloco.errors import ConfigError, error_line
 
 #: Every command's help ends with its own exit codes (``help_texts.apply``, after the commands are registered).
@@ -130,6 +131,11 @@ def launch(
                                    ] = False,
     fail_fast: Annotated[bool, typer.Option(help="Stop the other replicas as soon as one fails.")] = True,
     fmt: FormatOpt = OutputFormat.table,
+    serve: ServeOpt = None,
+    serve_host: ServeHostOpt = "127.0.0.1",
+    serve_linger: ServeLingerOpt = 0.0,
+    notify: NotifyOpt = None,
+    notify_cost: NotifyCostOpt = None,
 ) -> None:
     """Launch a DiLoCo run and (unless --detach) wait for it with live progress, then print the summary.
 
@@ -155,6 +161,8 @@ def launch(
     data = merge_sources(config, flags, set_, trainer_kwargs, backend_flags)
     cfg = api.resolve(data)  # a backend not shipped yet fails before anything else
 
+    observers = _observers(detach or dry_run, serve=serve, serve_host=serve_host, linger_s=serve_linger,
+                           notify=notify, notify_cost=notify_cost)
     if dry_run:
         from diloco.cli.views import render_plan
 
@@ -187,7 +195,18 @@ def launch(
     from diloco.cli.watch import wait_and_summarize
 
     wait_and_summarize(view, fmt=fmt, fail_fast=fail_fast, max_restarts=cfg.max_restarts,
-                       cancel_on_interrupt=cancel_on_interrupt)
+                       cancel_on_interrupt=cancel_on_interrupt, observers=observers)
+
+
+def _observers(returns_at_once: bool, **options: Any) -> Any:
+    """``launch``'s status page and notifier (``diloco.cli.watch.Observers``), checked and bound before anything
+    is launched; they need a launch that waits."""
+    from diloco.cli.watch import Observers
+
+    if returns_at_once and (options["serve"] is not None or options["notify"] is not None):
+        raise ConfigError("--serve/--notify: need a launch that waits (not --detach or --dry-run)",
+                          hint="launch with --detach, then: diloco watch RUN --serve PORT --notify URL")
+    return None if returns_at_once else Observers(**options)
 
 
 @app.command(epilog=EPILOG)
