@@ -64,15 +64,16 @@ def write_shards(directory: Path, tokenizer: Any) -> dict[str, bytes]:
 STEPS, SYNC, KILL_STEP, BLOCK, BATCH, EVAL_BATCHES = 12, 4, 6, 32, 4, 1
 
 
-def launch_with_a_kill(home: Path, tmp_path: Path, data: str, tokenizer: Path) -> tuple[str, Path]:
-    """The run with replica 1 killed after step 6, waited for; returns its id and the data log directory."""
+def launch_with_a_kill(home: Path, tmp_path: Path, data: str, tokenizer: Path, **extra: Any) -> tuple[str, Path]:
+    """The run with replica 1 killed after step 6, waited for; returns its id and the data log directory.
+    ``extra``: more trainer kwargs."""
     from diloco.launcher import api
 
     done, logs = tmp_path / "done", tmp_path / "data_log"
     done.mkdir()
     kwargs = {"model_config": MODEL_CONFIG, "tokenizer": str(tokenizer), "data": data, "block_size": BLOCK,
               "batch_size": BATCH, "eval_batches": EVAL_BATCHES, "lr": 3e-3, "seed": SEED, "data_log": str(logs),
-              "kill_step": KILL_STEP, "done_dir": str(done)}
+              "kill_step": KILL_STEP, "done_dir": str(done), **extra}
     args = ["launch", "--replicas", "2", "--backend", "local", "--trainer", "support.hf_data_kill_trainer:train",
             "--steps", str(STEPS), "--sync-every", str(SYNC), "--max-restarts", "1", "--set", "store.timeout_s=120",
             "--detach", "-o", "json"]
