@@ -95,8 +95,9 @@ class TokenFile:
 def token_files(data: str, *, text_field: str = "text", token_field: str = "input_ids", token_dtype: str = "uint16",
                 probe: bool = False) -> list[TokenFile]:
     """The pre-tokenized files under ``data`` (a local file or directory, or a store URI), in name order: every
-    ``.bin``/``.npy`` file, and Parquet files with a ``token_field`` column and no ``text_field`` one (text Parquet
-    is the text path's). Empty when ``data`` holds none. ``probe``: only find out whether there are any."""
+    ``.bin``/``.npy`` file, and the Parquet files when the first one has a ``token_field`` column and no
+    ``text_field`` one (text Parquet is the text path's; only the first file's schema is read). Empty when ``data``
+    holds none. ``probe``: only find out whether there are any."""
     local = "://" not in data or data.startswith("file://")
     path = data.removeprefix("file://")
     if local:
@@ -113,12 +114,14 @@ def token_files(data: str, *, text_field: str = "text", token_field: str = "inpu
         store = ObjectStore(data)
         names, root = store.list(), ""
     found: list[TokenFile] = []
+    parquet_kind: bool | None = None  # whether this data's Parquet files hold token ids (the first one says)
     for name in names:
         lower = name.lower()
         if os.path.basename(name).startswith("."):
             continue
-        if lower.endswith(TOKEN_SUFFIXES) or (lower.endswith(PARQUET_SUFFIXES) and _token_parquet(
-                _bytes_of(data, root, name, local), name, text_field, token_field)):
+        if lower.endswith(PARQUET_SUFFIXES) and parquet_kind is None:
+            parquet_kind = _token_parquet(_bytes_of(data, root, name, local), name, text_field, token_field)
+        if lower.endswith(TOKEN_SUFFIXES) or (lower.endswith(PARQUET_SUFFIXES) and parquet_kind):
             found.append(TokenFile(name, _reader(data, root, name, local, token_field, token_dtype)))
             if probe:
                 return found
