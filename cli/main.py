@@ -18,6 +18,9 @@ import typer
 
 from diloco.cli import exit_codes
 from diloco.cli.errors import command
+from diloco.cli.evaluation import HfOpt
+from diloco.cli.evaluation import hf_target as _hf_target
+from diloco.cli.evaluation import write_hf as _write_hf
 from diloco.cli.help_texts import ENVIRONMENT, TOP_EPILOG
 from diloco.cli.model_flags import LaunchCommand, given_backend_flags, given_run_flags
 from diloco.cli.render import FormatOpt, OutputFormat, emit, say, to_jsonable
@@ -316,6 +319,7 @@ def collect(
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing model file.")] = False,
     fail_fast: Annotated[bool, typer.Option(help="Stop the other replicas as soon as one fails.")] = True,
     fmt: FormatOpt = OutputFormat.table,
+    hf: HfOpt = None,
 ) -> None:
     """Wait for the run, check every replica's final weights are identical, print the final metrics and write
     the agreed model.
@@ -325,12 +329,14 @@ def collect(
       diloco collect                                  # latest run, writes ./<run_id>.safetensors
       diloco collect 7c98 --output model.safetensors
       diloco collect --timeout 3600 -o json           # exit 124 if it has not ended within an hour
+      diloco collect 7c98 --hf ./hf-model             # also a save_pretrained directory (HF trainer runs)
     """
     if timeout is not None and timeout <= 0:
         raise ConfigError(f"--timeout: must be > 0 seconds (got {timeout:g})")
     view = _view(run)
     run_id = view.record.run_id
     target = _model_target(output, run_id, force)
+    hf_dir = _hf_target(view, hf, force)
     try:
         report, timed_out = _wait(view, timeout_s=timeout, fail_fast=fail_fast, output=target, collect=True)
     except KeyboardInterrupt:
@@ -347,6 +353,7 @@ def collect(
     _explain_failures(report)
     if report.weights_identical is False:
         say(f"the replicas' final weights disagree: {report.weights_detail}")
+    _write_hf(view, report, hf_dir, force)
     raise typer.Exit(_outcome_code(report, False))
 
 
@@ -426,6 +433,10 @@ plot_commands.register(app, EPILOG)
 from diloco.cli import watch as watch_commands  # noqa: E402 - registers `watch` (launch's waiting, for a detached run)
 
 watch_commands.register(app, EPILOG)
+
+from diloco.cli import evaluation as evaluation_commands  # noqa: E402 - registers `eval`
+
+evaluation_commands.register(app, EPILOG)
 
 from diloco.cli import help_texts  # noqa: E402 - once every command is registered
 
