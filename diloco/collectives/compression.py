@@ -60,13 +60,12 @@ from diloco.formats.topk import POSITIONS_CODING, POSITIONS_KEY, TOPK_KEYS, Topk
 if TYPE_CHECKING:
     import torch
 
-#: The built-in formats, in their documented order (``diloco.formats.registry.names()`` adds registered ones).
+#: The formats known when this module is imported: the built-ins in their documented order, then installed entry
+#: points (``diloco.formats.registry.names()`` is the live list, with formats registered since).
 FORMATS: tuple[str, ...] = registry.names()
 
 #: name -> (shape, original dtype) of a payload: what ``decode`` needs to rebuild it.
 Layout = Mapping[str, "tuple[tuple[int, ...], torch.dtype]"]
-#: A format as callers give it: an instance with its parameters, or a name (its defaults, or ``block``/``sparse``).
-Format = "str | WireFormat"
 
 __all__ = ["BLOCK_KEY", "CODES_SUFFIX", "DEFAULT_BLOCK", "FORMATS", "FORMAT_KEY", "INDEX_SUFFIX", "POSITIONS_CODING",
            "POSITIONS_KEY", "SCALE_SUFFIX", "TOPK_KEYS", "ErrorFeedback", "TopkSpec", "WireFormat", "check",
