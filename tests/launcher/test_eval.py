@@ -115,3 +115,25 @@ def test_bad_input_is_one_line_exit_2_and_nothing_recorded(run: EvalRun, args: l
     assert result.exit_code == 2, result.output
     assert result.stderr.count("\n") == 1 and message.format(root=run.root) in result.stderr, result.stderr
     assert run.store.list("eval/") == before
+
+
+def test_the_scores_go_into_the_runs_mlflow_run_and_a_failing_tracker_is_a_warning(tmp_path: Path) -> None:
+    """A real MLflow tracking store (SQLite): the scores as ``eval/<task>/<metric>`` metrics at step 0, the
+    characters MLflow refuses replaced; a run id MLflow does not know is one warning line, not a failure."""
+    from mlflow.tracking import MlflowClient
+
+    from diloco.launcher.evaluate import EvalRecord, EvalSettings, log_to_trackers
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    mlflow_run = client.create_run(client.create_experiment("diloco")).info.run_id
+    record = EvalRecord(run_id="r", created_at=0.0, model="m", settings=EvalSettings(tasks=[TASK, "gsm8k"]),
+                        scores={TASK: {"acc": 0.75, "acc_stderr": 0.25}, "gsm8k": {"exact_match,strict-match": 0.5}},
+                        samples={TASK: 4, "gsm8k": 2}, lm_eval_version="0")
+    assert log_to_trackers({"metrics": {"mlflow": uri, "mlflow_run_id": mlflow_run}}, record) == []
+    assert client.get_run(mlflow_run).data.metrics == {
+        f"eval/{TASK}/acc": 0.75, f"eval/{TASK}/acc_stderr": 0.25, "eval/gsm8k/exact_match_strict-match": 0.5}
+    assert [m.step for m in client.get_metric_history(mlflow_run, f"eval/{TASK}/acc")] == [0]
+
+    [warning] = log_to_trackers({"metrics": {"mlflow": uri, "mlflow_run_id": "0" * 32}}, record)
+    assert warning.startswith("MLflow at ") and "the scores were not logged" in warning and "\n" not in warning
