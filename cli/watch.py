@@ -246,6 +246,10 @@ class Observers:
         store = view.record.config.get("store") if isinstance(view.record.config, dict) else None
         self.stall_s = float(store.get("timeout_s", 1800.0)) if isinstance(store, dict) else 1800.0
         if self.page is not None and not self.page.serving:
+            try:
+                self.page.history.seed(view.store, view.replicas)
+            except Exception as exc:  # noqa: BLE001 - the chart then starts at this watch's first poll
+                say(f"warning: the status page's chart starts now: the run's loss history could not be read ({exc})")
             self.page.start()
             say(f"status page: {self.page.url} (JSON: {self.page.url}status.json)")
 

@@ -7,8 +7,8 @@ while the run goes on. A request never calls a backend: it is answered from the 
 poll. Every string of the report is HTML-escaped; nothing but the report is shown (no configuration, environment
 or credentials), and the server answers GET and HEAD only.
 
-The chart's points are the losses this process saw at its polls (each replica's train and eval loss whenever its
-step changed), so a page started late draws from then on; ``diloco plot`` draws a run's whole history.
+The chart starts from the run's recorded history (what ``diloco plot`` draws, read once when the page starts) and
+adds the losses this process sees at its polls (each replica's train and eval loss whenever its step moved).
 """
 
 from __future__ import annotations
@@ -20,9 +20,12 @@ import threading
 import time
 from collections.abc import Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from diloco.errors import ConfigError
+
+if TYPE_CHECKING:
+    from diloco.store.objects import ObjectStore
 
 #: The colours of the ranks' curves, in rank order (repeating).
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
@@ -81,10 +84,21 @@ def exact(value: Any) -> str:
 
 
 class LossHistory:
-    """Each rank's ``(step, loss)`` points, train and eval, as seen at the polls (a point when the step moved)."""
+    """Each rank's ``(step, loss)`` points, train and eval: the run's recorded history when the page started
+    (``seed``), then what the polls saw (a point when the step moved)."""
 
     def __init__(self) -> None:
         self.points: dict[str, dict[int, list[tuple[int, float]]]] = {"train_loss": {}, "eval_loss": {}}
+
+    def seed(self, store: ObjectStore, world_size: int) -> None:
+        """Start from the curves ``diloco plot`` draws (every rank's metric history in the store): read once, when
+        the page starts, so a page started late still shows the run from its first step."""
+        from diloco.launcher.plot import load_curves
+
+        curves, _ = load_curves(store, world_size)
+        for curve in curves:
+            for key, points in (("train_loss", curve.train), ("eval_loss", curve.eval)):
+                self.points[key][curve.rank] = [(step, value) for step, _, value in points][-MAX_POINTS:]
 
     def add(self, report: Mapping[str, Any]) -> None:
         for rep in report.get("ranks", []):

@@ -212,6 +212,31 @@ def test_the_page_escapes_every_string_serves_only_the_report_and_is_read_only()
         page.close()
 
 
+def test_the_chart_starts_from_the_runs_recorded_history_and_goes_on_with_the_polls(tmp_path: Path) -> None:
+    from diloco.store.layout import METRICS_KEY
+    from diloco.store.objects import ObjectStore
+
+    store = ObjectStore(f"file://{tmp_path}/store")
+    for rank in (0, 1):
+        rows = [{"kind": "init", "step": 0, "round": 0, "eval_loss": 5.0},
+                {"kind": "round", "step": 5, "round": 1, "train_loss": 4.0 + rank, "eval_loss": 4.5},
+                {"kind": "round", "step": 10, "round": 2, "train_loss": 3.0 + rank, "eval_loss": 3.5}]
+        text = "".join(json.dumps({"time": 100.0 + row["step"], "total_steps": 20, **row}) + "\n" for row in rows)
+        store.put(METRICS_KEY.format(rank=rank), text.encode())
+    page = StatusPage()
+    try:
+        page.history.seed(store, 2)
+        assert page.history.points["train_loss"] == {0: [(5, 4.0), (10, 3.0)], 1: [(5, 5.0), (10, 4.0)]}
+        assert page.history.points["eval_loss"][0] == [(0, 5.0), (5, 4.5), (10, 3.5)]
+        page.update(report(ranks=[{"rank": 0, "state": "running", "step": 12, "train_loss": 2.5}]), 10.0)
+        assert page.history.points["train_loss"][0] == [(5, 4.0), (10, 3.0), (12, 2.5)]
+        svg = page.body("/")[0].decode()  # type: ignore[index]
+        assert 'data-rank="0" data-loss="train_loss" data-points="3"' in svg
+        assert 'data-rank="1" data-loss="eval_loss" data-points="3"' in svg
+    finally:
+        page.close()
+
+
 def test_any_host_but_loopback_is_warned_about(capsys: pytest.CaptureFixture[str]) -> None:
     from diloco.cli.watch import Observers
     from diloco.launcher.status_page import is_loopback
