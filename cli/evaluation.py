@@ -126,7 +126,11 @@ def eval_(
         settings = evaluate.EvalSettings(tasks=evaluate.parse_tasks(tasks), include_path=include_path, limit=limit,
                                          num_fewshot=num_fewshot, batch_size=batch_size, device=device,
                                          dtype=dtype)
-        model_dir = evaluate.check_model_dir(model) if model is not None else None
+        if model is not None:
+            model_dir: str | None = evaluate.check_model_dir(model)
+        else:
+            model_dir = None
+            evaluate.check_store_model(store, found.run_id)
         evaluate.require_lm_eval()
         say(f"evaluating run {found.run_id} on {', '.join(settings.tasks)} with lm-eval ...")
         listing = evaluate.evaluate(store, found.run_id, settings, config=found.config, model_dir=model_dir)

@@ -37,6 +37,7 @@ from pydantic import BaseModel, Field
 from diloco.errors import ConfigError, CorruptObjectError, DilocoError
 
 if TYPE_CHECKING:
+    from diloco.launcher.compaction import CompactionMarker
     from diloco.store.objects import ObjectStore
 
 #: Where evaluations are recorded in the run's store, one object each.
@@ -136,12 +137,12 @@ def check_model_dir(directory: str) -> str:
     return path
 
 
-@contextmanager
-def model_from_store(store: ObjectStore, run_id: str) -> Iterator[str]:
-    """The run's agreed model as a temporary ``save_pretrained`` directory (see the module docstring), removed
-    afterwards. ``ConfigError`` when the run was never collected or is not a Hugging Face run."""
+def check_store_model(store: ObjectStore, run_id: str) -> CompactionMarker:
+    """What scoring the run's own model needs, checked before lm-eval is started: the run was collected (its
+    store keeps the agreed weights' one copy, ``final/compacted.json``) and trained a Hugging Face model
+    (``hf_model/``). ``ConfigError`` naming the fix otherwise; the compaction marker when both hold."""
     from diloco.launcher.compaction import read_marker
-    from diloco.launcher.hf_export import HF_MODEL_PREFIX, export_hf
+    from diloco.launcher.hf_export import HF_MODEL_PREFIX
 
     marker = read_marker(store)
     if marker is None:
@@ -150,6 +151,16 @@ def model_from_store(store: ObjectStore, run_id: str) -> Iterator[str]:
     if not store.exists(HF_MODEL_PREFIX + "config.json"):
         raise ConfigError(f"run {run_id} holds no Hugging Face model ({store.url(HF_MODEL_PREFIX)} is missing)",
                           hint="diloco eval scores runs of diloco.trainers.hf:train, or --model DIR")
+    return marker
+
+
+@contextmanager
+def model_from_store(store: ObjectStore, run_id: str) -> Iterator[str]:
+    """The run's agreed model as a temporary ``save_pretrained`` directory (see the module docstring), removed
+    afterwards. ``ConfigError`` when the run was never collected or is not a Hugging Face run."""
+    from diloco.launcher.hf_export import export_hf
+
+    marker = check_store_model(store, run_id)
     data = store.get(marker.kept_key)
     digest = hashlib.sha256(data).hexdigest()
     if digest != marker.sha256:

@@ -137,3 +137,20 @@ def test_the_scores_go_into_the_runs_mlflow_run_and_a_failing_tracker_is_a_warni
 
     [warning] = log_to_trackers({"metrics": {"mlflow": uri, "mlflow_run_id": "0" * 32}}, record)
     assert warning.startswith("MLflow at ") and "the scores were not logged" in warning and "\n" not in warning
+
+
+def test_a_run_never_collected_is_refused_in_one_line_naming_collect(run: EvalRun) -> None:
+    """Without the compaction marker (a run never collected) there is no checked model to score: exit 2 before
+    lm-eval starts, the fix named, nothing recorded."""
+    marker = run.store.get("final/compacted.json")
+    before = run.store.list("eval/")
+    run.store.delete("final/compacted.json")
+    try:
+        result = runner.invoke(app, ["eval", run.run_id, "--tasks", TASK, "--include-path", str(run.tasks)])
+    finally:
+        run.store.put("final/compacted.json", marker)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert f"run {run.run_id} has no collected model" in result.stderr
+    assert f"diloco collect {run.run_id}" in result.stderr
+    assert run.store.list("eval/") == before
