@@ -147,7 +147,7 @@ def train(
     model_config: dict[str, Any] | None = None,
     tokenizer: str | None = None,  # default: the model's own
     # data
-    data: str | None = None,  # a local file/directory or an s3:// prefix
+    data: str | None = None,  # a local file/directory, an s3:// prefix (text or token shards), or hf:NAME[:CFG][@SPLIT]
     text_field: str = "text",  # the JSONL key / Parquet column holding the text
     token_field: str = "input_ids",  # the column of token-id lists (pre-tokenized Parquet, hf: rows without text)
     token_dtype: str = "uint16",  # the dtype of raw .bin token files
