@@ -11,7 +11,7 @@ TEST_WORKERS ?= 2
 TEST_SCHEDULING := --dist load --maxschedchunk 2
 BIN := $(VENV)/bin
 
-.PHONY: setup test docs demo lint bench gpu-check clean
+.PHONY: setup browser test docs demo lint bench gpu-check clean
 
 $(BIN)/diloco: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,7 +22,15 @@ $(BIN)/diloco: pyproject.toml
 	$(BIN)/pip install --quiet --no-deps -c constraints-dev.txt sagemaker-core
 	touch $(BIN)/diloco
 
-setup: $(BIN)/diloco
+setup: $(BIN)/diloco browser
+
+# The status page test reads the page in a real headless Chromium: Debian's package, installed when missing and
+# apt-get can; otherwise that test fails saying to install it.
+APT_INSTALL := DEBIAN_FRONTEND=noninteractive apt-get install -y -q
+browser:
+	@command -v chromium >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && { $(APT_INSTALL) chromium \
+	  || { apt-get update -q && $(APT_INSTALL) chromium; }; }; } \
+	  || echo "chromium is not installed (apt-get install chromium): the status page test fails without it"
 
 # The 30 slowest tests are printed at the end, so a test that grew slow is seen in every run.
 test: setup lint docs

@@ -122,7 +122,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def topk_note() -> str:
     """What the topk row measures: the format's defaults, read from ``TopkSpec`` so the note cannot go stale."""
-    from diloco.collectives.topk import TopkSpec, low_bits
+    from diloco.formats.kernels.topk import TopkSpec, low_bits
 
     spec = TopkSpec()
     return (f"topk: {spec.k} of every {spec.chunk} elements ({100 * spec.k / spec.chunk:.2g}%), positions as "

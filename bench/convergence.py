@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from diloco.collectives.topk import TopkSpec
+from diloco.formats.kernels.topk import TopkSpec
 from diloco.trainers.data import eval_batches, load_corpus, sample_batch, split_corpus
 from diloco.trainers.gpt_model import GPT, GPTConfig, build_model
 

@@ -1,4 +1,4 @@
-"""The ``diloco`` command line: parse, load config, one call into ``diloco.launcher.orchestrate``, render.
+"""The ``diloco`` command line: parse, load config, one call into ``diloco.launcher.api``, render.
 
 Data goes to stdout (a table, or JSON with ``-o json``), narration and progress to stderr. Exit codes of the
 commands that wait on a run (each command's ``--help`` lists its own, from ``help_texts``): 0 all replicas
@@ -18,17 +18,21 @@ import typer
 
 from diloco.cli import exit_codes
 from diloco.cli.errors import command
+from diloco.cli.evaluation import HfOpt
+from diloco.cli.evaluation import hf_target as _hf_target
+from diloco.cli.evaluation import write_hf as _write_hf
 from diloco.cli.help_texts import ENVIRONMENT, TOP_EPILOG
 from diloco.cli.model_flags import LaunchCommand, given_backend_flags, given_run_flags
 from diloco.cli.render import FormatOpt, OutputFormat, emit, say, to_jsonable
-from diloco.cli.waiting import explain_failures as _explain_failures
-from diloco.cli.waiting import interrupted as _interrupted
-from diloco.cli.waiting import outcome_code as _outcome_code
-from diloco.cli.waiting import print_run as _print_run
-from diloco.cli.waiting import run_of as _run
-from diloco.cli.waiting import run_registry as _registry
-from diloco.cli.waiting import view_of as _view
-from diloco.cli.waiting import wait as _wait
+from diloco.cli.watch import NotifyCostOpt, NotifyOpt, ServeHostOpt, ServeLingerOpt, ServeOpt
+from diloco.cli.watch import explain_failures as _explain_failures
+from diloco.cli.watch import interrupted as _interrupted
+from diloco.cli.watch import outcome_code as _outcome_code
+from diloco.cli.watch import print_run as _print_run
+from diloco.cli.watch import run_of as _run
+from diloco.cli.watch import run_registry as _registry
+from diloco.cli.watch import view_of as _view
+from diloco.cli.watch import wait as _wait
 from diloco.errors import ConfigError, error_line
 
 #: Every command's help ends with its own exit codes (``help_texts.apply``, after the commands are registered).
@@ -130,6 +134,11 @@ def launch(
                                    ] = False,
     fail_fast: Annotated[bool, typer.Option(help="Stop the other replicas as soon as one fails.")] = True,
     fmt: FormatOpt = OutputFormat.table,
+    serve: ServeOpt = None,
+    serve_host: ServeHostOpt = "127.0.0.1",
+    serve_linger: ServeLingerOpt = 0.0,
+    notify: NotifyOpt = None,
+    notify_cost: NotifyCostOpt = None,
 ) -> None:
     """Launch a DiLoCo run and (unless --detach) wait for it with live progress, then print the summary.
 
@@ -155,6 +164,8 @@ def launch(
     data = merge_sources(config, flags, set_, trainer_kwargs, backend_flags)
     cfg = api.resolve(data)  # a backend not shipped yet fails before anything else
 
+    observers = _observers(detach or dry_run, serve=serve, serve_host=serve_host, linger_s=serve_linger,
+                           notify=notify, notify_cost=notify_cost)
     if dry_run:
         from diloco.cli.views import render_plan
 
@@ -171,7 +182,7 @@ def launch(
         return
 
     run = api.launch(cfg, registry=registry, force=force, on_plan=_announce_plan)
-    record, view = run.record, run.view
+    record, view = run.record, run
     run_id = record.run_id
     say(f"launched {run_id}: {record.replicas} replica(s) on {record.backend}, meeting at "
         f"{record.rendezvous_uri}")
@@ -187,7 +198,18 @@ def launch(
     from diloco.cli.watch import wait_and_summarize
 
     wait_and_summarize(view, fmt=fmt, fail_fast=fail_fast, max_restarts=cfg.max_restarts,
-                       cancel_on_interrupt=cancel_on_interrupt)
+                       cancel_on_interrupt=cancel_on_interrupt, observers=observers)
+
+
+def _observers(returns_at_once: bool, **options: Any) -> Any:
+    """``launch``'s status page and notifier (``diloco.cli.watch.Observers``), checked and bound before anything
+    is launched; they need a launch that waits."""
+    from diloco.cli.watch import Observers
+
+    if returns_at_once and (options["serve"] is not None or options["notify"] is not None):
+        raise ConfigError("--serve/--notify: need a launch that waits (not --detach or --dry-run)",
+                          hint="launch with --detach, then: diloco watch RUN --serve PORT --notify URL")
+    return None if returns_at_once else Observers(**options)
 
 
 @app.command(epilog=EPILOG)
@@ -212,7 +234,7 @@ def status(
         _print_run(found.status(trends=True), fmt)
         return
     try:
-        report, _ = _wait(found.view, timeout_s=None, fail_fast=False)
+        report, _ = _wait(found, timeout_s=None, fail_fast=False)
     except KeyboardInterrupt:
         say("stopped watching; the run is unaffected")
         raise typer.Exit(exit_codes.INTERRUPTED) from None
@@ -297,6 +319,7 @@ def collect(
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing model file.")] = False,
     fail_fast: Annotated[bool, typer.Option(help="Stop the other replicas as soon as one fails.")] = True,
     fmt: FormatOpt = OutputFormat.table,
+    hf: HfOpt = None,
 ) -> None:
     """Wait for the run, check every replica's final weights are identical, print the final metrics and write
     the agreed model.
@@ -306,12 +329,14 @@ def collect(
       diloco collect                                  # latest run, writes ./<run_id>.safetensors
       diloco collect 7c98 --output model.safetensors
       diloco collect --timeout 3600 -o json           # exit 124 if it has not ended within an hour
+      diloco collect 7c98 --hf ./hf-model             # also a save_pretrained directory (HF trainer runs)
     """
     if timeout is not None and timeout <= 0:
         raise ConfigError(f"--timeout: must be > 0 seconds (got {timeout:g})")
     view = _view(run)
     run_id = view.record.run_id
     target = _model_target(output, run_id, force)
+    hf_dir = _hf_target(view, hf, force)
     try:
         report, timed_out = _wait(view, timeout_s=timeout, fail_fast=fail_fast, output=target, collect=True)
     except KeyboardInterrupt:
@@ -328,6 +353,7 @@ def collect(
     _explain_failures(report)
     if report.weights_identical is False:
         say(f"the replicas' final weights disagree: {report.weights_detail}")
+    _write_hf(view, report, hf_dir, force)
     raise typer.Exit(_outcome_code(report, False))
 
 
@@ -407,6 +433,10 @@ plot_commands.register(app, EPILOG)
 from diloco.cli import watch as watch_commands  # noqa: E402 - registers `watch` (launch's waiting, for a detached run)
 
 watch_commands.register(app, EPILOG)
+
+from diloco.cli import evaluation as evaluation_commands  # noqa: E402 - registers `eval`
+
+evaluation_commands.register(app, EPILOG)
 
 from diloco.cli import help_texts  # noqa: E402 - once every command is registered
 

@@ -43,17 +43,17 @@ def plot(
       diloco plot 7c98 --output curves.png
       diloco plot -o json | jq -r .path
     """
-    from diloco.launcher.orchestrate import RunView
     from diloco.launcher.plot import plot_run
+    from diloco.launcher.run import Run
     from diloco.launcher.runs import RunRegistry
 
     registry = RunRegistry()
-    view = RunView(registry.resolve(run), registry=registry)
+    view = Run(registry.resolve(run), registry=registry)
     from diloco.errors import DilocoError
 
     states: dict[int, str] | None
     try:  # the legend says each rank's real state, as its backend reports it
-        states = {r.rank: r.state.value for r in view.status().replicas}
+        states = {r.rank: r.state.value for r in view.replica_status().replicas}
     except (DilocoError, ImportError, OSError) as exc:  # the backend cannot be asked now: the store still plots
         states = None
         say(f"warning: replica states unknown ({exc}); the legend marks only replicas with no final row")

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from rich.console import RenderableType
     from rich.live import Live
 
-    from diloco.launcher.orchestrate import RunReport
+    from diloco.launcher.reports import RunReport
 
 
 class RunProgress:

@@ -35,9 +35,10 @@ def output_schema() -> dict[str, Any]:
 
     from diloco.executors.base import LaunchPlan
     from diloco.launcher.doctor import DoctorReport
+    from diloco.launcher.evaluate import EvalListing
     from diloco.launcher.housekeeping import RemovalReport
-    from diloco.launcher.orchestrate import RunReport, RunSummary
     from diloco.launcher.plot import PlotReport
+    from diloco.launcher.reports import RunReport, RunSummary
     from diloco.launcher.smoke import SmokeReport
 
     runs_list: type[BaseModel] = create_model("RunList", runs=(list[RunSummary], ...))
@@ -47,6 +48,7 @@ def output_schema() -> dict[str, Any]:
         "plan": (LaunchPlan, ("launch --dry-run",)),
         "removal": (RemovalReport, ("rm", "prune")),
         "plot": (PlotReport, ("plot",)),
+        "eval": (EvalListing, ("eval",)),
         "doctor": (DoctorReport, ("doctor",)),
         "smoke": (SmokeReport, ("smoke",)),
     }

@@ -1,4 +1,4 @@
-"""Human renderings (Rich tables) of the reports in ``diloco.launcher.orchestrate``; JSON output needs none of this."""
+"""Human renderings (Rich tables) of the reports in ``diloco.launcher.reports``; JSON output needs none of this."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from diloco.executors.base import LaunchPlan
-    from diloco.launcher.orchestrate import ReplicaReport, RunReport, RunSummary
+    from diloco.launcher.reports import ReplicaReport, RunReport, RunSummary
 
 STATE_STYLES = {
     "succeeded": "green", "failed": "bold red", "cancelled": "yellow", "cancelling": "yellow",

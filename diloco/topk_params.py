@@ -1,9 +1,9 @@
 """The sparse format's parameters and their rules, with nothing but the standard library.
 
-Two layers read them: the format itself (``diloco.collectives.topk.TopkSpec`` adds what the wire costs) and the
-store settings a user writes (``diloco.store.settings``), which sit below the collectives and may not import them.
-So the defaults and the rules (a chunk from 2 to 65536 elements, more kept values than magnitude groups, ...) are
-written once, here.
+Three readers: the format (``diloco.formats.topk``), its arithmetic (``diloco.formats.kernels.topk.TopkSpec`` adds
+what the wire costs) and the store settings' defaults (``diloco.store.settings``). The format module cannot hold
+them: its arithmetic reads them, and the format imports its arithmetic. So the defaults and the rules (a chunk from
+2 to 65536 elements, more kept values than magnitude groups, ...) are written once, here.
 """
 
 from __future__ import annotations

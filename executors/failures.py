@@ -8,7 +8,7 @@ report diloco cannot read, since guessing "curable" there pays for every wrong g
 
 A backend that can read its service's failure report sets ``ReplicaStatus.failure`` to a ``FailureVerdict``
 (the SageMaker backend reads ``FailureReason``: ``diloco.executors.sagemaker.failures``); ``relaunchable`` in
-``diloco.launcher.orchestrate`` follows it. A backend that leaves it ``None`` is judged by its exit code alone (killed by a
+``diloco.launcher.lifecycle`` follows it. A backend that leaves it ``None`` is judged by its exit code alone (killed by a
 signal, or lost without one: relaunched). ``summary()`` is the one line ``diloco status`` shows.
 
 One exit code is curable on every backend: ``EXIT_DROPPED`` (75), a replica dropped from a ``min_replicas`` round

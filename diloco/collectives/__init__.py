@@ -9,8 +9,8 @@ One protocol (``Collective``, what ``diloco.replica.manager.ObjectStoreManager``
 
 Both are a ``RoundDriver`` (``diloco.collectives.driver``: round counter, background round thread, ``Work``,
 polling, verified reads, deletion, stats) around their own ``Exchange``; neither subclasses the other. The wire
-format (``store.compression``, with error feedback) is ``diloco.collectives.wire`` over the formats of
-``diloco.collectives.compression`` (their arithmetic in ``blockquant``, ``topk`` and ``bitpack``); every
+format (``store.compression``, with error feedback) is ``diloco.collectives.wire`` over the payload framing of
+``diloco.collectives.compression`` and the registered formats of ``diloco.formats``, one module each; every
 contribution, a rank's own included, is added to the sum from its wire tensors; the arithmetic they share (fp32,
 rank order, so bitwise-identical means) is ``diloco.collectives.reduce``; the keys are ``diloco.store.layout``.
 A round writes into the buffers the round before handed on (``diloco.collectives.spares``) and reads its peers

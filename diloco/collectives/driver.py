@@ -182,7 +182,7 @@ class RoundIO:
 
     def relaunch_deadline(self, peer: int) -> float | None:
         """The wall-clock time until which the launcher said ``peer`` is being relaunched, if it said so
-        (``relaunch/rank_RRRR.json``, written by ``diloco.launcher.orchestrate``)."""
+        (``relaunch/rank_RRRR.json``, written by the launcher's wait: ``diloco.launcher.waiter``)."""
         from diloco.store.layout import RELAUNCH_KEY
 
         try:

@@ -156,10 +156,9 @@ class ShardedExchange:
     """The sharded strategy's round (see the module docstring)."""
 
     def __init__(self, codec_: PayloadCodec, *, world_size: int, spread: int = 1) -> None:
-        if codec_.fmt == "topk":
-            raise ConfigError("store.compression topk works with store.allreduce gather only: the sharded strategy "
-                              "re-encodes every reduced shard, and a sparse format would drop most of the mean",
-                              hint="use --allreduce gather with topk")
+        if codec_.format.not_shardable:
+            raise ConfigError(f"store.compression {codec_.fmt} works with store.allreduce gather only: "
+                              f"{codec_.format.not_shardable}", hint=f"use --allreduce gather with {codec_.fmt}")
         self.codec = codec_
         self.world_size = world_size  # the number of shards
         self.spread = check_spread(spread)

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 from diloco.collectives import compression
 from diloco.collectives.reduce import Allocator, accumulate
 from diloco.errors import CorruptObjectError
+from diloco.formats import registry
+from diloco.formats.base import WireFormat
 
 if TYPE_CHECKING:
     import torch
@@ -29,9 +31,6 @@ if TYPE_CHECKING:
     from diloco.store.settings import StoreSettings
 
 NONE = "none"
-#: Formats whose payloads go on the wire packed (``compression.pack``): three tensors whatever the model, so the
-#: object's header does not outweigh a sparse payload.
-PACKED_FORMATS = ("topk",)
 
 Layout = Mapping[str, tuple[tuple[int, ...], "torch.dtype"]]
 Wire = tuple[dict[str, "torch.Tensor"], dict[str, str], dict[str, "torch.Tensor"]]
@@ -40,11 +39,12 @@ Wire = tuple[dict[str, "torch.Tensor"], dict[str, str], dict[str, "torch.Tensor"
 class PayloadCodec:
     """One rank's wire format: encode its contributions (with error feedback) and decode its peers'."""
 
-    def __init__(self, fmt: str = NONE, *, error_feedback: bool = True, block: int = compression.DEFAULT_BLOCK,
+    def __init__(self, fmt: str | WireFormat = NONE, *, error_feedback: bool = True, block: int | None = None,
                  sparse: compression.TopkSpec | None = None, feedback_decay: float = 1.0) -> None:
-        self.fmt = compression.check_format(fmt)
-        self.block = compression.check_block(block)
-        self.sparse = sparse or compression.TopkSpec()  # topk's parameters (unused by the other formats)
+        #: The format with its parameters (a name takes its defaults, ``block`` and ``sparse`` aside).
+        self.format = compression.resolve(fmt, block, sparse)
+        self.fmt = self.format.name
+        self.block = self.format.alignment  # the sharded strategy aligns every tensor to it
         self.error_feedback = error_feedback
         self.feedback_decay = feedback_decay
         self._feedback: dict[Hashable, Any] = {}  # layout key -> compression.ErrorFeedback
@@ -52,11 +52,9 @@ class PayloadCodec:
 
     @classmethod
     def from_settings(cls, settings: StoreSettings) -> PayloadCodec:
-        """The wire format the store settings name (``diloco.store.settings``): format, error feedback and its
-        decay, topk's parameters."""
-        sparse = compression.TopkSpec(density=settings.topk_density, chunk=settings.topk_chunk,
-                                      value_bits=settings.topk_value_bits)
-        return cls(settings.compression, error_feedback=settings.error_feedback, sparse=sparse,
+        """The wire format the store settings name (``diloco.store.settings``): the format with its parameters
+        (``diloco.formats.registry.from_settings``), error feedback and its decay."""
+        return cls(registry.from_settings(settings), error_feedback=settings.error_feedback,
                    feedback_decay=settings.error_feedback_decay)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -75,7 +73,7 @@ class PayloadCodec:
 
     @property
     def compressed(self) -> bool:
-        return self.fmt != NONE
+        return not self.format.lossless
 
     def encode_contribution(self, key: Hashable, tensors: Mapping[str, torch.Tensor]) -> Wire:
         """``(wire tensors, metadata, decoded)`` of this rank's contribution; ``decoded`` is what peers will see.
@@ -91,9 +89,7 @@ class PayloadCodec:
         """The error-feedback memory of the payload layout ``key``."""
         feedback = self._feedback.get(key)
         if feedback is None:
-            feedback = self._feedback[key] = compression.ErrorFeedback(self.fmt, block=self.block,
-                                                                       enabled=self.error_feedback,
-                                                                       sparse=self.sparse,
+            feedback = self._feedback[key] = compression.ErrorFeedback(self.format, enabled=self.error_feedback,
                                                                        decay=self.feedback_decay)
             restored = self._pending.pop(layout_id(key), None)
             if restored is not None:
@@ -109,14 +105,14 @@ class PayloadCodec:
         if not self.compressed:
             return dict(tensors), {}
         wire, meta = self._feedback_for(key).compress_wire(as_fp32(tensors), empty=empty)
-        return compression.pack(wire, meta) if self.fmt in PACKED_FORMATS else (wire, meta)
+        return compression.pack(wire, meta) if self.format.packed else (wire, meta)
 
     def _unpacked(self, wire: Mapping[str, torch.Tensor], meta: Mapping[str, str],
                   layout: Layout) -> Mapping[str, torch.Tensor]:
         """A packed payload's wire tensors (views), or ``wire`` itself when it was not packed."""
         if meta.get(compression.PACKED_KEY) != "1":
             return wire
-        return compression.unpack(wire, meta, layout, fmt=self.fmt, block=self.block, sparse=self.sparse)
+        return compression.unpack(wire, meta, layout, fmt=self.format)
 
     def check(self, wire: Mapping[str, torch.Tensor], meta: Mapping[str, str], layout: Layout, source: str) -> None:
         """``CorruptObjectError`` naming ``source`` unless a payload is in this run's format and decodes whole
@@ -127,8 +123,7 @@ class PayloadCodec:
                                      f"{self.fmt!r}")
         if self.compressed:
             try:
-                compression.check(self._unpacked(wire, meta, layout), meta, layout, fmt=self.fmt, block=self.block,
-                                  sparse=self.sparse)
+                compression.check(self._unpacked(wire, meta, layout), meta, layout, fmt=self.format)
             except CorruptObjectError as exc:
                 raise CorruptObjectError(f"{source}: {exc}") from exc
 
@@ -151,17 +146,16 @@ class PayloadCodec:
                 acc[name] = empty(tuple(shape), torch.float32) if empty is not None else \
                     torch.empty(tuple(shape), dtype=torch.float32)
         compression.decode_into(self._unpacked(wire, meta, layout), meta, layout, acc,
-                                mode="write" if first else "add", fmt=self.fmt, block=self.block, sparse=self.sparse)
+                                mode="write" if first else "add", fmt=self.format)
 
     def encode_plain(self, tensors: Mapping[str, torch.Tensor]) -> Wire:
         """Like ``encode_contribution`` but without error feedback: for a value sent once (a reduced shard)."""
         if not self.compressed:
             return dict(tensors), {}, dict(tensors)
         fp32 = as_fp32(tensors)
-        wire, meta = compression.encode(fp32, self.fmt, block=self.block, sparse=self.sparse)
+        wire, meta = compression.encode(fp32, self.format)
         layout = compression.layout_of(fp32)
-        return wire, meta, compression.decode(wire, meta, layout, fmt=self.fmt, block=self.block,
-                                              sparse=self.sparse)
+        return wire, meta, compression.decode(wire, meta, layout, fmt=self.format)
 
     def decode(self, wire: Mapping[str, torch.Tensor], meta: Mapping[str, str], layout: Layout,
                source: str) -> dict[str, torch.Tensor]:
@@ -174,8 +168,7 @@ class PayloadCodec:
         if not self.compressed:
             return dict(wire)
         try:
-            return compression.decode(self._unpacked(wire, meta, layout), meta, layout, fmt=self.fmt,
-                                      block=self.block, sparse=self.sparse)
+            return compression.decode(self._unpacked(wire, meta, layout), meta, layout, fmt=self.format)
         except CorruptObjectError as exc:
             raise CorruptObjectError(f"{source}: {exc}") from exc
 

@@ -9,8 +9,8 @@ the kept copy's SHA-256 and what the store said of it (its fingerprint), so a la
 ``launch`` summary says "identical" without the copies it no longer has, and without reading or decoding the kept
 copy while the fingerprint still matches (``compacted_verdict``).
 
-Run at the end of a run by ``diloco.launcher.orchestrate``; it reads the store and the weights check only, never
-a run view, so orchestration and housekeeping (which reads run views) both import it without a cycle.
+Run at the end of a run by ``Run.collect`` (``diloco.launcher.run``); it reads the store and the weights check only,
+never a ``Run``, so the run and housekeeping (which reads runs) both import it without a cycle.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ a run recorded here is removed through that record (as ``rm RUN``); otherwise th
 config in ``run.json``, is asked whether it still sees the run going (``Backend.list_runs``), and a prefix whose
 run is going, or whose backend cannot be asked, is kept.
 
-Shrinking a finished run's store is ``diloco.launcher.compaction`` (``orchestrate`` runs it at a run's end).
+Shrinking a finished run's store is ``diloco.launcher.compaction`` (``Run.collect`` runs it at a run's end).
 
 Nothing here prints: every function returns a pydantic report that the CLI renders. torch is imported only by
 the weight check, inside the functions that need it.
@@ -135,19 +135,19 @@ def run_condition(record: RunRecord) -> RunCondition:
     cached once every replica had ended (a run that ended cannot resume). A replica still going always keeps the
     run, whatever the cache says (a run is "failed" as soon as one replica fails, while the others may still run).
     The backend is asked in any case: it knows when the run ended, and it removes its own files."""
-    from diloco.launcher.orchestrate import RunView
+    from diloco.launcher.run import Run
 
     cached = RunState(record.final_state) if record.final_state else None
     final = cached if cached is not None and cached.is_terminal else None
     try:
-        view = RunView(record)
-        handle = view.handle
+        run = Run(record)
+        handle = run.handle
     except (DilocoError, ImportError, ValueError) as exc:  # no such backend here, or a handle it cannot read
         return RunCondition(state=final or RunState.UNKNOWN, problem=_problem(exc))
     try:
-        status = view.status()
+        status = run.replica_status()
     except (DilocoError, ImportError, OSError) as exc:  # the backend cannot be reached now
-        return RunCondition(state=final or RunState.UNKNOWN, backend=view.backend, handle=handle,
+        return RunCondition(state=final or RunState.UNKNOWN, backend=run.executor, handle=handle,
                             problem=_problem(exc))
     going = [r.rank for r in status.replicas if not r.state.is_terminal and r.state != ReplicaState.UNKNOWN]
     unknown = [r.rank for r in status.replicas if r.state == ReplicaState.UNKNOWN]
@@ -159,7 +159,7 @@ def run_condition(record: RunRecord) -> RunCondition:
         state = final or status.state
     ended = [r.ended_at for r in status.replicas if r.ended_at is not None]
     reasons = {r.reason for r in status.replicas if r.state == ReplicaState.UNKNOWN and r.reason}
-    return RunCondition(state=state, going=going, unknown=unknown, backend=view.backend, handle=handle,
+    return RunCondition(state=state, going=going, unknown=unknown, backend=run.executor, handle=handle,
                         ended_at=max(ended) if not going and not unknown and ended else None,
                         problem="; ".join(sorted(reasons)) or None)
 

@@ -22,10 +22,10 @@ if TYPE_CHECKING:
     from diloco.store.objects import ObjectStore
 
 
-class ReplicaProgress(BaseModel):
-    """One replica's progress as the CLI shows it: the newest row's values, plus what the history adds."""
+class ProgressMetrics(BaseModel):
+    """What a replica's metrics say of its progress, declared once: ``ReplicaProgress`` reads them back, and each
+    row of a run's report (``diloco.launcher.reports.ReplicaReport``) shows them beside the backend's status."""
 
-    rank: int
     step: int | None = None
     total_steps: int | None = None
     round: int | None = None
@@ -40,6 +40,12 @@ class ReplicaProgress(BaseModel):
     diverged: bool = False  # some recorded loss was NaN or infinite
     finished_training: bool = False  # the newest row is the ``final`` one
     updated_at: float | None = None  # time of the newest row (seconds since the epoch)
+
+
+class ReplicaProgress(ProgressMetrics):
+    """One replica's progress as the CLI shows it: the newest row's values, plus what the history adds."""
+
+    rank: int
     extra: dict[str, float | None] = Field(default_factory=dict)
 
 

@@ -21,12 +21,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from diloco.errors import ConfigError, RunNotFound
+from diloco.launcher.lifecycle import RunPolicy
 from diloco.run_dirs import default_local_rendezvous, diloco_home, runs_dir
 
-RECORD_VERSION = 2  # 2: one run-level backend handle; "replicas" is the count
+RECORD_VERSION = 3  # 2: one run-level backend handle; "replicas" is the count. 3: the typed run policy
 LATEST = "latest"
 
 __all__ = ["LATEST", "RunRecord", "RunRegistry", "default_local_rendezvous", "diloco_home", "new_run_id",
@@ -64,15 +65,28 @@ class RunRecord(BaseModel):
     config: dict[str, Any]  # the resolved RunConfig, as JSON (its ``backend`` section rebuilds the backend)
     handle: dict[str, Any] | None = None  # the backend's RunHandle as JSON; None until the first replica started
     final_state: str | None = None  # cached once observed terminal, so `diloco runs` needs no polling
-    #: How many times a replica of the run may be relaunched (``launch --max-restarts``; ``watch --max-restarts``
-    #: changes it). A later ``watch`` relaunches by it, and ``status`` judges by it whether a dead replica can still
-    #: come back. ``None``: recorded by an older diloco (the resolved config's ``max_restarts`` then holds).
-    max_restarts: int | None = None
+    #: The settings the run is judged and relaunched by (``diloco.launcher.lifecycle``), typed; its
+    #: ``max_restarts`` is the one ``watch --max-restarts`` changes. Read from the config for an older record.
+    policy: RunPolicy
     #: Cached with ``final_state``: the replicas a ``min_replicas`` run finished without (they failed for good).
     left_behind: list[int] = Field(default_factory=list)
     #: Set when the weights check found the replicas' final weights different (its finding): every replica
     #: exited 0, but the run has no one model, so it is ``failed`` and every later command says why.
     weights_disagree: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _migrate(cls, data: Any) -> Any:
+        """A record without a policy (version 2, whose ``max_restarts`` was at the top, ``None`` when older still;
+        or one built without it) gets the one its config and ``max_restarts`` say, so every later command judges the
+        run as it was launched."""
+        if not isinstance(data, dict) or data.get("policy") is not None:
+            return data
+        data = dict(data)
+        config = data.get("config") if isinstance(data.get("config"), dict) else {}
+        data["policy"] = RunPolicy.of_config(config, max_restarts=data.pop("max_restarts", None))
+        data["version"] = RECORD_VERSION
+        return data
 
 
 def check_home() -> None:

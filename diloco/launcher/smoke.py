@@ -47,6 +47,7 @@ from diloco.executors.checks import Check, Status
 
 if TYPE_CHECKING:
     from diloco.executors.base import BackendConfig, LaunchPlan, LaunchSpec, ServerlessExecutor
+    from diloco.launcher.run import Run
     from diloco.launcher.runs import RunRecord
 
 #: The tiny model and schedule: seconds per round on a laptop core, yet the full DiLoCo path.
@@ -226,7 +227,7 @@ def _run_smoke(
     """``run_smoke``'s body, run with SIGTERM and SIGHUP taking Ctrl-C's path."""
     from diloco.executors.base import ReplicaState
     from diloco.executors.signals import signals_deferred
-    from diloco.launcher.orchestrate import RunView
+    from diloco.launcher.run import Run
     from diloco.launcher.runs import RunRecord
     from diloco.launcher.weights import check_final_weights
     from diloco.replica.metric_rows import read_history
@@ -281,20 +282,20 @@ def _run_smoke(
 
         record = RunRecord(run_id=run_id, backend=plan.backend, created_at=time.time(), rendezvous_uri=uri,
                            replicas=replicas, config={"backend": backend.config.model_dump(mode="json")})
-        view = RunView(record, backend)
+        run = Run(record, backend)
         try:
             record.handle = backend.submit(plan, on_progress=lambda h: setattr(
                 record, "handle", h.model_dump(mode="json"))).model_dump(mode="json")
         except BaseException:
-            _await_rollback(view)
+            _await_rollback(run)
             raise
         try:
-            report, timed_out = view.wait(timeout_s=timeout_s, poll_interval_s=status_every,
-                                          on_update=lambda _r: observed.update(_observe(store)))
+            report, timed_out = run.wait_for_outcome(timeout_s=timeout_s, poll_interval_s=status_every,
+                                                      on_update=lambda _r: observed.update(_observe(store)))
             observed |= _observe(store)
         finally:
-            _stop_replicas(view)  # timed out, or Ctrl-C: stop the replicas before anything else
-        report = view.report(with_stderr=True)
+            _stop_replicas(run)  # timed out, or Ctrl-C: stop the replicas before anything else
+        report = run.report(with_stderr=True)
         timed_out = timed_out or report.timed_out  # a replica hit its own time limit
         bad = [r for r in report.ranks if r.state != ReplicaState.SUCCEEDED]
         if bad:
@@ -381,25 +382,25 @@ def _where_logs_are(work_dir: str, run_id: str, job_ids: list[str]) -> str:
     return f"the jobs' logs stay with the backend: {ids}" if ids else "rerun with --keep to inspect the store"
 
 
-def _stop_replicas(view: Any, patience_s: float = 30.0) -> None:
+def _stop_replicas(run: Run, patience_s: float = 30.0) -> None:
     """Stop the smoke's replicas and wait until they have ended, so nothing writes into the directory about to be
     deleted. Signals are held meanwhile; another Ctrl-C only hurries the stop (a second cancel kills at once)."""
     from diloco.executors.signals import signals_deferred
 
     with signals_deferred() as hurry:
-        if view.status().terminal:
+        if run.replica_status().terminal:
             return
-        view.cancel()
+        run.stop()
         escalated = False
         deadline = time.monotonic() + patience_s
-        while not view.status().terminal and time.monotonic() < deadline:
+        while not run.replica_status().terminal and time.monotonic() < deadline:
             if hurry() and not escalated:
-                view.cancel()
+                run.stop()
                 escalated = True
             time.sleep(0.1)
 
 
-def _await_rollback(view: Any, patience_s: float = 30.0) -> None:
+def _await_rollback(run: Run, patience_s: float = 30.0) -> None:
     """After a failed submit, whose backend has already asked what it created to stop: wait until those replicas
     (the ones with a job id) have ended, so nothing (a stopped job's last upload, a replica's last write) lands in
     the prefix after the clean-up. Signals are held meanwhile."""
@@ -409,7 +410,7 @@ def _await_rollback(view: Any, patience_s: float = 30.0) -> None:
         deadline = time.monotonic() + patience_s
         while time.monotonic() < deadline:
             try:
-                created = [r for r in view.status().replicas if r.job_id]
+                created = [r for r in run.replica_status().replicas if r.job_id]
             except Exception:  # noqa: BLE001 - cannot tell: the clean-up goes on, the submit's error is reported
                 return
             if all(r.state.is_terminal for r in created):

@@ -13,16 +13,21 @@ A data model only (pydantic and the shared basics), light enough for the CLI's s
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from diloco.defaults import DEFAULT_POLL_INTERVAL_S
 from diloco.flags import cli_flag, replica_flag
+from diloco.formats import registry
 from diloco.topk_params import TopkParams
 
 #: The sparse format's defaults, declared once with its rules (``diloco.topk_params``).
 _SPARSE = TopkParams()
+
+#: A wire format's name: any registered format (``diloco.formats.registry``), checked when the settings are made,
+#: so a format registered by a plugin or a test is accepted like a built-in one.
+FormatName = Annotated[str, AfterValidator(registry.check_name)]
 
 
 def min_replicas_problem(min_replicas: int | None, world_size: int) -> str | None:
@@ -49,11 +54,17 @@ class StoreSettings(BaseModel):
         "gather", description="How rounds are averaged: gather (every rank reads every peer's object, (N-1)*S "
         "bytes) or sharded (reduce-scatter + all-gather through the store, under 2*S bytes).",
         json_schema_extra={**cli_flag("--allreduce", metavar="STRATEGY"), **replica_flag(metavar="STRATEGY")})
-    compression: Literal["none", "bf16", "int8", "int4", "topk"] = Field(
+    compression: FormatName = Field(
         "none", description="Pseudo-gradient wire format: none, bf16, int8, int4 (fp32 accumulation after decode, "
         "per-block scales for the integers) or topk (SparseLoCo's sparse format: the largest topk_density of "
-        "every topk_chunk elements, topk_value_bits each; gather only).",
-        json_schema_extra={**cli_flag("--compression", metavar="FORMAT"), **replica_flag(metavar="FORMAT")})
+        "every topk_chunk elements, topk_value_bits each; gather only), or a registered format "
+        "(docs/extending.md).",
+        json_schema_extra={"enum": list(registry.names()), **cli_flag("--compression", metavar="FORMAT"),
+                           **replica_flag(metavar="FORMAT")})
+    compression_options: dict[str, Any] = Field(
+        default_factory=dict, description="Parameters of the compression format, by name (int8/int4: block; a "
+        "registered format's own; topk's are topk_density, topk_chunk and topk_value_bits).",
+        json_schema_extra=replica_flag("--compression-options-json", metavar="JSON"))
     error_feedback: bool = Field(True, description="Keep what a lossy format dropped and add it to the next "
                                  "round's contribution.")
     error_feedback_decay: float = Field(1.0, gt=0, le=1, description="What is kept of the residual each round "
@@ -84,14 +95,9 @@ class StoreSettings(BaseModel):
         if self.min_replicas is not None and self.allreduce == "sharded":
             raise ValueError("min_replicas: partial participation needs allreduce gather (a sharded round cannot "
                              "go on without a member: its shard would be missing); drop one of the two")
-        if self.compression == "topk":
-            if self.allreduce == "sharded":
-                raise ValueError("compression: topk needs allreduce gather (the sharded strategy re-encodes every "
-                                 "reduced shard, and a sparse format would drop most of the mean); drop one")
-            try:  # the format's own rules (more levels than kept values, ...), written once, there
-                TopkParams(density=self.topk_density, chunk=self.topk_chunk, value_bits=self.topk_value_bits)
-            except ValueError as exc:
-                raise ValueError(str(exc).replace("topk ", "topk_", 1)) from None
+        problem = registry.settings_problem(self)  # the format's own rules, written once, in its module
+        if problem:
+            raise ValueError(problem)
         return self
 
 

@@ -70,8 +70,11 @@ def check_outer_rule_store(kwargs: Mapping[str, Any], store: Mapping[str, Any]) 
     launch, where the store settings are known, so a run is not started only for every replica to exit 1."""
     if kwargs.get("outer_rule", "nesterov") != "sparseloco":
         return
-    if str(store.get("compression", "none")) == "none":
-        why = "store.compression is none"
+    from diloco.formats import registry
+
+    name = str(store.get("compression", "none"))
+    if name in registry.names() and registry.get(name).lossless:
+        why = f"store.compression is {name}"
     elif store.get("error_feedback", True) is False:
         why = "store.error_feedback is false"
     else:

@@ -21,6 +21,15 @@ evaluate after each round with ``diloco.report``. What it adds is what a real mo
   ``BlockSampler`` state, so a resumed replica continues where it stopped instead of re-reading its shard: a
   replica restarted mid-run rejoins at the last committed round (``on_rejoin``) and trains only the remaining
   steps, its sampler and inner schedule moved on by the steps done.
+* **Streamed data** (``diloco.trainers.hf_data``): ``data=hf:NAME[:CONFIG][@SPLIT]`` (a ``datasets`` dataset,
+  streamed; or a local ``save_to_disk``/Parquet path) and pre-tokenized shards (``.bin``/``.npy`` token files or
+  Parquet of ``token_field`` id lists, local or ``s3://``) are read as training goes, never tokenized whole at
+  start, and dealt per process deterministically. Each process saves its exact position with every committed
+  round (``diloco.trainers.data_positions``, JSON in the store) and a relaunched one restores the position of the
+  round it rejoins at. ``data_log=DIR`` appends each inner step's token-id digest, to check that.
+* **Evaluation**: by default every rank evaluates the held-out blocks after every round; ``eval_every=K`` has
+  rank 0 alone evaluate the committed global model every K rounds (and after the last), a cheap held-out loss in
+  the metrics rows that status and the TensorBoard/MLflow/W&B sinks show.
 * **Inner loop**: bf16 (or fp16 with a loss scaler) autocast on GPU, fp32 weights; ``grad_accum`` micro-batches
   per inner step; gradient clipping; linear warmup then cosine decay to ``min_lr_ratio * lr``.
 * **Several processes per replica** (``--procs-per-replica K``, default one per GPU): the replica entrypoint
@@ -77,6 +86,8 @@ if TYPE_CHECKING:
     from diloco.replica.local_group import LocalGroup
     from diloco.replica.manager import ObjectStoreManager
     from diloco.store.objects import ObjectStore
+    from diloco.trainers.data_positions import DataPositions
+    from diloco.trainers.hf_feed import Feed
     from diloco.trainers.hub import Field as HubField
 
 log = logging.getLogger("diloco.trainers.hf")
@@ -136,11 +147,14 @@ def train(
     model_config: dict[str, Any] | None = None,
     tokenizer: str | None = None,  # default: the model's own
     # data
-    data: str | None = None,  # a local file/directory or an s3:// prefix
+    data: str | None = None,  # a local file/directory, an s3:// prefix (text or token shards), or hf:NAME[:CFG][@SPLIT]
     text_field: str = "text",  # the JSONL key / Parquet column holding the text
+    token_field: str = "input_ids",  # the column of token-id lists (pre-tokenized Parquet, hf: rows without text)
+    token_dtype: str = "uint16",  # the dtype of raw .bin token files
     block_size: int = 128,
     eval_fraction: float = 0.1,
     eval_batches: int = 4,
+    eval_every: int | None = None,  # None: every rank after every round; K: rank 0 alone, every K rounds and the last
     # inner optimizer
     batch_size: int = 8,  # per process: a replica of K local processes steps on K * batch_size * grad_accum blocks
     grad_accum: int = 1,
@@ -160,6 +174,7 @@ def train(
     fsdp: bool | Literal["auto"] = "auto",  # shard the model over the local processes; auto: when it cannot fit one GPU
     activation_checkpointing: bool = False,  # recompute each layer's activations in the backward (less memory)
     threads: int = 1,  # torch CPU threads; 1 because several replicas often share one machine's cores
+    data_log: str | None = None,  # a directory: each process appends its per-step token-id digests (for checks)
 ) -> dict[str, Any]:
     """Train a causal LM on this replica's shard with DiLoCo; returns a summary (losses, rounds, where the model is).
 
@@ -171,6 +186,7 @@ def train(
     from diloco import report
     from diloco.replica.local_group import current_local_group
     from diloco.replica.outer import make_diloco_outer_loop
+    from diloco.trainers.hf_feed import DataLog, restore_position
     from diloco.trainers.hf_fsdp import choose_fsdp, full_weights, shard_model
 
     if not 0 <= rank < world_size:
@@ -184,11 +200,13 @@ def train(
     amp_dtype = _resolve_precision(precision, dev)
 
     tok = load_tokenizer(tokenizer or model, cache_only=sources["tokenizer" if tokenizer else "model"])
-    blocks = load_blocks(data, tok, block_size=block_size, text_field=text_field)  # type: ignore[arg-type]
-    split = split_blocks(blocks, rank=rank, world_size=world_size, eval_fraction=eval_fraction)
-    eval_set = split.eval[: eval_batches * batch_size]
-    shard = local_shard(split.train, local_rank=local_rank, local_size=local_size)
-    sampler = BlockSampler(len(shard), seed=seed + 7919 * (rank + 1) + 104729 * local_rank)
+    assert isinstance(data, str)  # check_config
+    feed = _open_data(data, tok, rank=rank, world_size=world_size, local_rank=local_rank, local_size=local_size,
+                      block_size=block_size, eval_fraction=eval_fraction, eval_blocks=eval_batches * batch_size,
+                      seed=seed, text_field=text_field, token_field=token_field, token_dtype=token_dtype)
+    eval_set = feed.eval[: eval_batches * batch_size]
+    positions = _positions(manager, rank=rank, local_rank=local_rank, data=data)
+    digests = DataLog(data_log, rank=rank, local_rank=local_rank) if data_log else None
 
     def build(meta: bool = False) -> Any:
         return build_model(model=model, model_config=model_config, vocab_size=len(tok), seed=seed,
@@ -220,7 +238,8 @@ def train(
         """Position hook (a restart rejoining the run): skip the steps done, so the data order (each process's
         sampler) and the inner schedule continue where they were."""
         done[0] = inner_step
-        sampler.advance(inner_step * grad_accum * batch_size)
+        restore_position(feed, positions, round_number=inner_step // sync_every,
+                          blocks_per_round=sync_every * grad_accum * batch_size)
         schedule.last_epoch = inner_step
         for group_, base in zip(inner_opt.param_groups, schedule.base_lrs, strict=True):
             group_["lr"] = base * lr_factor(inner_step, warmup_steps=warmup_steps, total_steps=total_steps,
@@ -232,35 +251,43 @@ def train(
         export_metadata={"model": "transformers:AutoModelForCausalLM", "model_config": net.config.to_json_string()},
         on_rejoin=on_rejoin, shard_exchange=True if sharded else None,
     )
-    log.info("%s (%d params) on %s, %s; %d blocks of %d tokens: %d in this %s, %d held out; %d steps of %d x %d%s",
-             net.config.model_type, sum(p.numel() for p in net.parameters()), dev, precision_name(amp_dtype),
-             len(blocks), block_size, len(shard), "sub-shard" if group is not None else "shard", len(split.eval),
-             total_steps, grad_accum, batch_size, f" x {local_size} processes" if group is not None else "")
+    log.info("%s (%d params) on %s, %s; %s; %d steps of %d x %d%s", net.config.model_type,
+             sum(p.numel() for p in net.parameters()), dev, precision_name(amp_dtype), feed.describe, total_steps,
+             grad_accum, batch_size, f" x {local_size} processes" if group is not None else "")
 
     tokens_per_step = grad_accum * batch_size * block_size * local_size
     net.train()
     init_eval = eval_loss = None
-    evaluates = leader or fsdp_net is not None  # a sharded forward is collective: every process takes part
+    # a sharded forward is collective: every process of an evaluating replica takes part
+    evaluates = (leader or fsdp_net is not None) and (eval_every is None or rank == 0)
     with diloco:
         if evaluates:
             init_eval = eval_loss = evaluate(net, eval_set, batch_size=batch_size, device=dev, amp_dtype=amp_dtype)
         if leader:
-            report(eval_loss=init_eval, total_steps=total_steps)  # amends the loop's `init` row
+            report(**_present(eval_loss=init_eval), total_steps=total_steps)  # amends the loop's `init` row
         loss_sum = torch.zeros((), device=dev)
+        committed = manager.current_step()
         for step in range(done[0] + 1, total_steps + 1):
-            loss = _accumulate(net, shard, sampler, grad_accum=grad_accum, batch_size=batch_size, device=dev,
-                               amp_dtype=amp_dtype, scaler=scaler, ddp=ddp, fsdp=fsdp_net)
+            loss = _accumulate(net, None, None, grad_accum=grad_accum, batch_size=batch_size, device=dev,
+                               amp_dtype=amp_dtype, scaler=scaler, ddp=ddp, fsdp=fsdp_net, batches=feed.take,
+                               on_step=digests.step(step) if digests else None)
             _inner_step(net, inner_opt, scaler, grad_clip=grad_clip)  # every sync_every-th runs the outer round
             schedule.step()
             report(tokens=tokens_per_step)
             loss_sum += loss
             if step % sync_every:
                 continue
+            if positions is not None and manager.current_step() > committed:  # this step committed a round
+                committed = manager.current_step()
+                positions.save(committed, feed.state_dict())
             train_loss = (group.mean(loss_sum) if group is not None else loss_sum).item() / sync_every
-            if evaluates:
+            due = eval_every is None or step == total_steps or (step // sync_every) % eval_every == 0
+            evaluated = evaluates and due
+            if evaluated:
                 eval_loss = evaluate(net, eval_set, batch_size=batch_size, device=dev, amp_dtype=amp_dtype)
             if leader:
-                report(train_loss=train_loss, eval_loss=eval_loss, lr=schedule.get_last_lr()[0])
+                report(train_loss=train_loss, **_present(eval_loss=eval_loss if evaluated else None),
+                       lr=schedule.get_last_lr()[0])
             loss_sum.zero_()
 
     weights = full_weights(fsdp_net) if fsdp_net is not None else None  # gathered on local rank 0 only
@@ -281,7 +308,43 @@ def train(
     return {"rank": rank, "local_rank": local_rank, "local_processes": local_size, "sharded": sharded,
             "rounds": manager.current_step(),
             "steps": total_steps, "init_eval_loss": init_eval, "final_eval_loss": eval_loss, "saved": saved,
-            "data_position": sampler.state_dict(), "weights_sha256": digest}
+            "data_position": feed.state_dict(), "weights_sha256": digest}
+
+
+def _present(**values: float | None) -> dict[str, float]:
+    """The values that are there (a metric not measured this round is left out of the row, not written as null)."""
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def _open_data(data: str, tok: Any, *, rank: int, world_size: int, local_rank: int, local_size: int,
+               block_size: int, eval_fraction: float, eval_blocks: int, seed: int, text_field: str,
+               token_field: str, token_dtype: str) -> Feed:
+    """This process's data: a stream (``hf:``, pre-tokenized shards; ``diloco.trainers.hf_data``) dealt to slot
+    ``rank * local_size + local_rank``, or the text under ``data`` tokenized whole and split (``split_blocks``)."""
+    from diloco.trainers import hf_data
+    from diloco.trainers.hf_feed import MemoryFeed, StreamFeed
+
+    if hf_data.is_streamed(data, text_field=text_field, token_field=token_field):
+        slot, slots = rank * local_size + local_rank, world_size * local_size
+        stream = hf_data.open_stream(data, tok, block_size=block_size, slot=slot, slots=slots, n_eval=eval_blocks,
+                                     text_field=text_field, token_field=token_field, token_dtype=token_dtype)
+        what = "rows" if stream.kind == "hf" else "blocks"
+        return StreamFeed(stream, f"{data} streamed, {what} dealt to slot {slot} of {slots}, {eval_blocks} blocks "
+                                  f"of {block_size} tokens held out")
+    blocks = load_blocks(data, tok, block_size=block_size, text_field=text_field)
+    split = split_blocks(blocks, rank=rank, world_size=world_size, eval_fraction=eval_fraction)
+    shard = local_shard(split.train, local_rank=local_rank, local_size=local_size)
+    sampler = BlockSampler(len(shard), seed=seed + 7919 * (rank + 1) + 104729 * local_rank)
+    return MemoryFeed(shard, sampler, split.eval, f"{len(blocks)} blocks of {block_size} tokens: {len(shard)} in "
+                      f"this {'sub-shard' if local_size > 1 else 'shard'}, {len(split.eval)} held out")
+
+
+def _positions(manager: Any, *, rank: int, local_rank: int, data: str) -> DataPositions | None:
+    """Where this process saves its data position per committed round: the run's store (none without one)."""
+    from diloco.trainers.data_positions import DataPositions
+
+    store = getattr(manager, "store", None)
+    return DataPositions(store, rank=rank, local_rank=local_rank, data=data) if store is not None else None
 
 
 def _count_params(net: Any) -> int:
@@ -349,10 +412,14 @@ def _data_parallel(net: Any, group: LocalGroup | None) -> Any:
 
 
 # ------------------------------------------------------------------------------------------------ inner step
-def _accumulate(net: Any, train_blocks: torch.Tensor, sampler: BlockSampler, *, grad_accum: int, batch_size: int,
-                device: torch.device, amp_dtype: torch.dtype | None, scaler: Any, ddp: Any = None,
-                fsdp: Any = None) -> torch.Tensor:
+def _accumulate(net: Any, train_blocks: torch.Tensor | None, sampler: BlockSampler | None, *, grad_accum: int,
+                batch_size: int, device: torch.device, amp_dtype: torch.dtype | None, scaler: Any, ddp: Any = None,
+                fsdp: Any = None, batches: Callable[[int], torch.Tensor] | None = None,
+                on_step: Callable[[list[torch.Tensor]], None] | None = None) -> torch.Tensor:
     """Forward and backward ``grad_accum`` micro-batches; returns the mean loss (detached, on the device).
+
+    The micro-batches come from ``batches(batch_size)`` (the trainer's data feed), or are ``train_blocks`` rows
+    chosen by ``sampler``; ``on_step`` gets them all (the data log).
 
     With ``ddp`` (several local processes) the forward goes through it and the gradients are averaged across the
     processes once, on the last micro-batch (``no_sync`` before it); with ``fsdp`` (the sharded model itself) the
@@ -363,8 +430,15 @@ def _accumulate(net: Any, train_blocks: torch.Tensor, sampler: BlockSampler, *, 
 
     model = ddp if ddp is not None else net
     total = torch.zeros((), device=device)
+    taken = []
     for i in range(grad_accum):
-        x = train_blocks[sampler.take(batch_size)].to(device)
+        if batches is not None:
+            x = batches(batch_size)
+        else:
+            assert train_blocks is not None and sampler is not None
+            x = train_blocks[sampler.take(batch_size)]
+        taken.append(x)
+        x = x.to(device)
         last = i == grad_accum - 1
         if fsdp is not None:
             fsdp.set_requires_gradient_sync(last)
@@ -373,6 +447,8 @@ def _accumulate(net: Any, train_blocks: torch.Tensor, sampler: BlockSampler, *, 
                 loss = model(input_ids=x, labels=x).loss / grad_accum
             (scaler.scale(loss) if scaler is not None else loss).backward()
         total += loss.detach()
+    if on_step is not None:
+        on_step(taken)
     return total
 
 
@@ -691,6 +767,15 @@ def check_config(values: Mapping[str, Any], *, on_this_machine: bool = False) ->
             raise ConfigError(f"{name} must be a number >= 0, got {v!r}")
     _check_ranges(values)
     _check_sources(values, on_this_machine=on_this_machine)
+    from diloco.trainers.hf_data import check_data
+
+    check_data(values, on_this_machine=on_this_machine)
+    eval_every = values.get("eval_every")
+    if eval_every is not None and (isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 1):
+        raise ConfigError(f"eval_every must be an integer >= 1 (rounds between evaluations) or null, got "
+                          f"{eval_every!r}")
+    if values.get("data_log") is not None and not isinstance(values["data_log"], str):
+        raise ConfigError(f"data_log must be a directory path, got {values['data_log']!r}")
     total, every = values.get("total_steps", 200), values.get("sync_every", 50)
     if total % every:
         lower, upper = max(every, total - total % every), total - total % every + every
@@ -737,10 +822,11 @@ def _check_sources(values: Mapping[str, Any], *, on_this_machine: bool) -> None:
                           hint="pass -k tokenizer=<hub name or directory>")
     if not isinstance(data, str) or not data:
         raise ConfigError("data: required: a local file or directory, or an s3:// prefix, holding .txt, .jsonl or "
-                          ".parquet files", hint="pass -k data=s3://bucket/corpus/ or -k data=./corpus")
+                          ".parquet files or pre-tokenized .bin/.npy shards, or hf:NAME[:CONFIG][@SPLIT]",
+                          hint="pass -k data=s3://bucket/corpus/, -k data=./corpus or -k data=hf:./saved_dataset")
     if not isinstance(values.get("text_field", "text"), str):
         raise ConfigError(f"text_field must be a string, got {values['text_field']!r}")
-    if on_this_machine and "://" not in data and not os.path.exists(data):
+    if on_this_machine and "://" not in data and not data.startswith("hf:") and not os.path.exists(data):
         raise ConfigError(f"data: {data} does not exist on this machine", hint="pass an existing path")
     if on_this_machine:  # the replicas run here: a Hub they cannot reach fails now, in seconds, not in each of them
         check_hub_sources(model=model, tokenizer=tokenizer)

@@ -281,7 +281,7 @@ def test_unwritable_diloco_home_is_a_usage_error_naming_it(tmp_path: Path) -> No
 
 def test_failure_why_prefers_the_informative_cause() -> None:
     from diloco.cli.views import failure_why
-    from diloco.launcher.orchestrate import ReplicaReport
+    from diloco.launcher.reports import ReplicaReport
 
     def rep(reason: str | None, tail: list[str]) -> ReplicaReport:
         return ReplicaReport(rank=0, state=RunState.FAILED, reason=reason, stderr_tail=tail)

@@ -235,7 +235,7 @@ def test_tables_fit_a_60_column_terminal_and_summarize_hidden_replicas() -> None
 
     from diloco.cli.views import replica_table
     from diloco.executors.base import ReplicaState, RunState
-    from diloco.launcher.orchestrate import ReplicaReport, RunReport
+    from diloco.launcher.reports import ReplicaReport, RunReport
 
     ranks = [ReplicaReport(rank=i, state=ReplicaState.FAILED if i == 7 else ReplicaState.RUNNING, step=10,
                            total_steps=100, round=1, train_loss=2.6, eval_loss=2.5, tokens_per_s=12345.0, sync_s=1.2)

@@ -107,7 +107,7 @@ def test_ctrl_c_stops_watching_and_never_the_run(tmp_path: Path) -> None:
 def test_the_relaunch_backoff_comes_from_the_environment_and_bad_values_name_the_variable(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from diloco.errors import ConfigError
-    from diloco.launcher.orchestrate import restart_backoff
+    from diloco.launcher.waiter import restart_backoff
 
     monkeypatch.delenv("DILOCO_RESTART_BACKOFF_S", raising=False)
     assert restart_backoff() == 2.0

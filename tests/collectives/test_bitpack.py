@@ -1,4 +1,4 @@
-"""Fixed-width fields packed into bytes (diloco.collectives.bitpack): the documented LSB-first layout for every
+"""Fixed-width fields packed into bytes (diloco.formats.kernels.bitpack): the documented LSB-first layout for every
 width from 1 to 16 bits, at counts that do and do not fill the last byte, checked against a plain Python-integer
 bit stream (tests/support/codec_reference.py)."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from support.codec_reference import pack_bits, unpack_bits
 
-from diloco.collectives import bitpack
+from diloco.formats.kernels import bitpack
 
 
 @pytest.mark.parametrize("bits", range(1, 17))

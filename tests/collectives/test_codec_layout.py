@@ -77,7 +77,7 @@ def test_integer_formats_match_the_reference_bit_for_bit(fmt: str, block: int, n
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_a_payload_larger_than_a_chunk_of_work_matches_the_reference(fmt: str) -> None:
     """More elements than one cache-sized chunk, with a short last block: chunk boundaries change no bit."""
-    from diloco.collectives import blockquant
+    from diloco.formats.kernels import blockquant
 
     n = 2 * blockquant.CPU_CHUNK_BYTES // 4 + 3 * 256 + 5
     x = adversarial(n, seed=5)["random"]
@@ -165,7 +165,7 @@ def test_topk_magnitudes_equal_in_their_high_bits_match_the_reference() -> None:
 def test_topk_over_several_passes_matches_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     """A tensor is described a pass of chunks at a time: with the smallest passes, pass boundaries change no
     bit (three passes and a short last chunk; ties and a NaN in the middle)."""
-    from diloco.collectives import topk
+    from diloco.formats.kernels import topk
 
     monkeypatch.setattr(topk, "CPU_PASS_ELEMENTS", 1)  # a pass is then one call's worth of chunks
     spec = TopkSpec()

@@ -148,7 +148,7 @@ def test_a_dropped_rank_says_which_round_and_exits_with_the_dropped_code() -> No
 @pytest.mark.parametrize(("exit_code", "curable"), [(75, True), (1, False), (2, False), (137, True), (None, True)])
 def test_a_dropped_replica_is_relaunchable_and_its_own_error_is_not(exit_code: int | None, curable: bool) -> None:
     from diloco.executors.base import ReplicaState, ReplicaStatus
-    from diloco.launcher.orchestrate import relaunchable
+    from diloco.launcher.lifecycle import relaunchable
 
     assert relaunchable(ReplicaStatus(rank=2, state=ReplicaState.FAILED, exit_code=exit_code)) is curable
     assert not relaunchable(ReplicaStatus(rank=2, state=ReplicaState.FAILED, exit_code=exit_code, timed_out=True))
@@ -164,7 +164,7 @@ def test_sagemaker_reads_a_dropped_replica_as_curable(reason: str) -> None:
     from diloco.executors.base import ReplicaState, ReplicaStatus
     from diloco.executors.failures import FailureClass
     from diloco.executors.sagemaker.failures import classify_failure
-    from diloco.launcher.orchestrate import relaunchable
+    from diloco.launcher.lifecycle import relaunchable
 
     verdict = classify_failure(reason)
     assert (verdict.failure_class, verdict.relaunch) == (FailureClass.DROPPED, True), verdict

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load, save
 from support.ranks import run_ranks  # tests/ is on sys.path
 
-from diloco.collectives import bitpack, compression, topk
+from diloco.collectives import compression
 from diloco.collectives.allreduce import create_allreduce
 from diloco.collectives.compression import (
     ErrorFeedback,
@@ -24,6 +24,7 @@ from diloco.collectives.compression import (
 )
 from diloco.collectives.wire import PayloadCodec
 from diloco.errors import ConfigError, CorruptObjectError
+from diloco.formats.kernels import bitpack, topk
 
 SPEC = TopkSpec()  # 102 of every 4096, 2-bit values
 
@@ -61,7 +62,7 @@ def test_the_cpu_and_the_accelerator_searches_keep_the_same_elements(kind: str) 
     """Chunks on a CPU are searched with NumPy, chunks on an accelerator with torch alone (which this CPU runs
     here): on every row neither calls inexact, both keep the same elements in the same order, and ``select``
     (with its fallbacks) keeps what the keys of the whole chunk say."""
-    from diloco.collectives.topk import _keys, _Selector
+    from diloco.formats.kernels.topk import _keys, _Selector
 
     gen = torch.Generator().manual_seed(7)
     rows = {"normal": torch.randn(64, 4096, generator=gen),

@@ -16,7 +16,7 @@ from support.commands import run_cli
 from diloco.errors import ConfigError
 from diloco.executors.user_env import MASK, mask_value, masked
 from diloco.launcher.config import resolve_config
-from diloco.launcher.orchestrate import build_spec
+from diloco.launcher.launch import build_spec
 
 SECRET = "hf_not-a-real-token-3f9a"
 TINY = ["--steps", "1", "--sync-every", "1"]

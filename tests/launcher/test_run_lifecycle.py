@@ -136,7 +136,7 @@ def test_a_run_whose_launcher_died_reads_as_running_with_the_killed_replica_and_
         report = json.loads(watch.stdout)
         assert report["state"] == "succeeded" and report["weights_identical"] is True, report
         assert [r["restarts"] for r in report["ranks"]] == [0, 1] and report["awaiting_relaunch"] == []
-        assert json.loads((home / "runs" / f"{run_id}.json").read_text())["max_restarts"] == 2
+        assert json.loads((home / "runs" / f"{run_id}.json").read_text())["policy"]["max_restarts"] == 2
         runs = json.loads(cli("runs", "-o", "json", home=home).stdout)["runs"]
         assert [r["state"] for r in runs] == ["succeeded"]
         assert not processes_of(run_id)

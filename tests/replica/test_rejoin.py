@@ -415,7 +415,7 @@ def test_sigkill_of_a_random_replica_at_every_named_moment_is_survived_with_iden
 def test_only_failures_a_relaunch_can_cure_are_relaunched(exit_code: int | None, timed_out: bool,
                                                         expected: bool) -> None:
     from diloco.executors.base import ReplicaState, ReplicaStatus
-    from diloco.launcher.orchestrate import relaunchable
+    from diloco.launcher.lifecycle import relaunchable
 
     status = ReplicaStatus(rank=0, state=ReplicaState.FAILED, exit_code=exit_code, timed_out=timed_out)
     assert relaunchable(status) is expected

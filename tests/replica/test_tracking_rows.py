@@ -87,7 +87,7 @@ def test_a_counter_that_restarted_gives_no_round_latency() -> None:
 
 
 def test_the_cli_and_the_launch_path_import_no_tracker() -> None:
-    code = ("import sys, diloco.cli.main, diloco.launcher.orchestrate, diloco.replica.entrypoint\n"
+    code = ("import sys, diloco.cli.main, diloco.launcher.launch, diloco.launcher.run, diloco.replica.entrypoint\n"
             "print(sorted(m for m in ('mlflow', 'wandb') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "[]"

@@ -20,7 +20,7 @@ from support.faultproxy import FaultProxy
 from diloco.cli import exit_codes
 from diloco.errors import ConfigError
 from diloco.launcher.config import validate
-from diloco.launcher.orchestrate import require_conditional_create
+from diloco.launcher.launch import require_conditional_create
 from diloco.store.objects import ObjectStore
 
 TESTS_DIR = str(Path(__file__).resolve().parents[1])

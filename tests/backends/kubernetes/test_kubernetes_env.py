@@ -22,7 +22,7 @@ from support.commands import run_cli as cli
 from diloco.executors.code_channel import BOOTSTRAP_FILE
 from diloco.executors.user_env import MASK
 from diloco.launcher.config import resolve_config
-from diloco.launcher.orchestrate import plan_run
+from diloco.launcher.launch import plan_run
 from diloco.store.objects import ObjectStore
 
 TESTS_DIR = str(Path(__file__).resolve().parents[2])

@@ -144,7 +144,7 @@ def test_the_shipped_qwen_config_gets_at_least_the_readmes_host_memory_estimate(
     data["store"]["rendezvous"] = "s3://bucket/diloco-rdv/{run_id}"
     data["train"]["trainer_kwargs"]["data"] = "s3://bucket/corpus/"
     data["gpu"] = "NVIDIA-A10G"
-    from diloco.launcher.orchestrate import plan_run
+    from diloco.launcher.launch import plan_run
 
     _, plan = plan_run(validate(data), "run-qwen")
     container = _pod(plan.requests[0])["containers"][0]

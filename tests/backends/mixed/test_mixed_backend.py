@@ -205,7 +205,7 @@ def test_a_part_error_found_while_planning_names_the_part_and_nothing_is_created
     """Every part is planned before anything is sent: a SageMaker part without its role fails the plan."""
     cfg = resolved("local:1", "sagemaker:1", backend_flags={"region": "us-east-1"})
     backend = MixedBackend(cfg.backend)
-    from diloco.launcher.orchestrate import build_spec
+    from diloco.launcher.launch import build_spec
 
     with pytest.raises(ConfigError, match=r"^backend\.parts\[1\]\.role_arn: the SageMaker execution role is required"):
         backend.plan(build_spec(cfg, "mixed-plan-1"))
@@ -215,7 +215,7 @@ def test_the_cost_is_the_parts_costs_summed_with_each_parts_in_the_detail() -> N
     """Before anything is created: the SageMaker part bills, the local part is free, the eks part's cluster is
     already paid for; the plan's estimate and ``estimate_cost`` are the billing parts' own, summed and labelled."""
     from diloco.executors.sagemaker import SageMakerBackend
-    from diloco.launcher.orchestrate import build_spec
+    from diloco.launcher.launch import build_spec
 
     cfg = resolved("eks:1", "sagemaker:2", "local:1", backend_flags={"role": ROLE, "region": "us-east-1",
                                                                       "image": "registry.example/d:1"})

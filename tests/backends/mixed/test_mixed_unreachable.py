@@ -1,7 +1,7 @@
 """A run split over backends when this shell cannot reach one part's backend (no kubeconfig here, the cluster's
 credentials expired): a run that has ended is ended, whatever the backend answers now, so ``collect`` and
 ``watch`` give its summary and exit code at once; a run that is still live is said to be out of reach once, with
-the fix, and the wait on it is bounded (``RunView.UNREACHABLE_PATIENCE_S``).
+the fix, and the wait on it is bounded (``diloco.launcher.waiter.unreachable_patience``).
 
 The run is real and cheap: a mixed run of two local parts through the CLI. Its record is then what a run whose
 second part ran on a cluster looks like from a shell without that cluster's kubeconfig: the part is an ``eks`` part,

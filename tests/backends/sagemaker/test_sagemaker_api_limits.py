@@ -162,13 +162,13 @@ def test_every_watcher_in_one_process_shares_one_poll_schedule(emulator: SageMak
 
 # ---------------------------------------------------------------------------------------------------- throttling
 def run_view(backend: SageMakerBackend, handle: Any, bucket: str) -> Any:
-    from diloco.launcher.orchestrate import RunView
+    from diloco.launcher.run import Run
     from diloco.launcher.runs import RunRecord
 
     record = RunRecord(run_id=handle.run_id, backend="sagemaker", created_at=time.time(),
                        rendezvous_uri=f"s3://{bucket}/limits/{handle.run_id}", replicas=handle.replicas,
                        config={}, handle=handle.model_dump(mode="json"))
-    return RunView(record, backend=backend)
+    return Run(record, executor=backend)
 
 
 def test_throttling_slows_a_wait_down_and_never_ends_it(
@@ -177,7 +177,7 @@ def test_throttling_slows_a_wait_down_and_never_ends_it(
     backend = new_backend(emulator)
     handle = submit(backend, s3_bucket, sleep=1)
     emulator.throttle(4, operations=["DescribeTrainingJob", "ListTrainingJobs"])  # 2 calls' worth of attempts
-    report, timed_out = run_view(backend, handle, s3_bucket).wait(timeout_s=120, poll_interval_s=0.2)
+    report, timed_out = run_view(backend, handle, s3_bucket).wait_for_outcome(timeout_s=120, poll_interval_s=0.2)
     assert not timed_out and report.state.value == "succeeded"
     throttled = [c for c in emulator.calls if c.error == "ThrottlingException"]
     assert len(throttled) == 4

@@ -102,7 +102,8 @@ def test_each_form_through_the_backend_gets_the_right_decision_and_status_line(
 ) -> None:
     """One job per form, as the service would end it; the backend describes them, the orchestrator decides, and
     ``diloco status``'s rendering says which kind of failure each was and whether it is relaunched."""
-    from diloco.launcher.orchestrate import RunView, relaunchable
+    from diloco.launcher.lifecycle import relaunchable
+    from diloco.launcher.run import Run
     from diloco.launcher.runs import RunRecord
 
     backend = backend_for(emulator)
@@ -124,7 +125,7 @@ def test_each_form_through_the_backend_gets_the_right_decision_and_status_line(
     record = RunRecord(run_id=run_id, backend="sagemaker", created_at=time.time(), rendezvous_uri=uri,
                        replicas=len(FORMS), config={"backend": backend.config.model_dump(mode="json")},
                        handle=handle.model_dump(mode="json"))
-    report = RunView(record, backend).report(status, with_stderr=False)
+    report = Run(record, backend).report(status, with_stderr=False)
     lines = {}  # rank -> its "r1, r2: why" line (replicas that failed alike share one)
     for line in _render(report).splitlines():
         found = re.match(r"^(r\d+(?:, r\d+)*): (.+)$", line)
@@ -181,7 +182,7 @@ def test_a_backends_verdict_decides_over_the_exit_code(failure: FailureClass | N
                                                        expected: bool) -> None:
     from diloco.executors.base import ReplicaStatus
     from diloco.executors.failures import FailureVerdict
-    from diloco.launcher.orchestrate import relaunchable
+    from diloco.launcher.lifecycle import relaunchable
 
     verdict = FailureVerdict.of(failure, "because") if failure is not None else None
     status = ReplicaStatus(rank=0, state=ReplicaState.FAILED, exit_code=exit_code, failure=verdict)
@@ -229,7 +230,7 @@ def test_the_emulators_command_line_arms_a_failure_form(aws_env: str, tmp_path: 
 def test_a_training_job_failed_by_the_knob_is_killed_and_reports_the_form(
     emulator: SageMakerEmulator, s3_bucket: str
 ) -> None:
-    from diloco.launcher.orchestrate import relaunchable
+    from diloco.launcher.lifecycle import relaunchable
 
     backend = backend_for(emulator)
     run_id = f"knob-{int(time.time() * 1000) % 10**8}"

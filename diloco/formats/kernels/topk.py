@@ -2,7 +2,7 @@
 
 SparseLoCo (arXiv 2508.15706) keeps, in every chunk of 4096 consecutive elements of the error-feedback buffer,
 the k largest in magnitude (1-3% of them), quantizes each kept value to 2 bits and sends the rest nowhere: error
-feedback carries it into later rounds. ``diloco.collectives.compression`` documents the wire layout; this module
+feedback carries it into later rounds. ``diloco.formats.topk`` documents the wire layout; this module
 computes it (``TopkSpec`` holds the parameters, ``encode``/``decode`` do the work, vectorised over whole batches of
 chunks, on the tensor's device, with no Python loop over chunks).
 
@@ -46,8 +46,8 @@ import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from diloco.collectives import bitpack
 from diloco.errors import CorruptObjectError
+from diloco.formats.kernels import bitpack
 from diloco.topk_params import TopkParams
 
 if TYPE_CHECKING:
@@ -104,7 +104,7 @@ def encode_positions(cols: torch.Tensor, width: int) -> torch.Tensor:
     ``width`` elements. Position ``p``, the ``i``-th of its row, splits into its ``low`` lowest bits and
     ``high = p >> low``: the lows of every row, ``low`` bits each, row after row, packed; then every row's upper
     bitmap (``upper_bits`` bits) with bit ``high + i`` set, row after row, packed; both LSB-first
-    (``diloco.collectives.bitpack``), each starting on a byte. Why: about ``2 + log2(width / kept)`` bits per
+    (``diloco.formats.kernels.bitpack``), each starting on a byte. Why: about ``2 + log2(width / kept)`` bits per
     position instead of ``log2(width)`` (7 instead of 12 at 2.5% of 4096), which is what lets 2.5% density cost
     under 1/100 of fp32; and it stays vectorised (a scatter to encode, a ``nonzero`` to decode)."""
     import torch

@@ -1,7 +1,7 @@
 """The int8 and int4 formats' arithmetic: block-absmax quantization of a flat fp32 tensor, and its inverse.
 
-The layout is ``diloco.collectives.compression``'s (its module docstring is the specification); this module only
-computes it fast: vectorised over whole chunks of blocks, on the device the tensor lives on (a CUDA tensor is
+The layouts are ``diloco.formats.int8``'s and ``diloco.formats.int4``'s (their module docstrings are the
+specification); this module only computes it fast: vectorised over whole chunks of blocks, on the device the tensor lives on (a CUDA tensor is
 encoded on the GPU and only the codes travel to the host), with no Python loop over blocks.
 
 How it stays fast on a CPU: a chunk (``CPU_CHUNK_BYTES`` of fp32, whole blocks) is small enough for its
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from diloco.collectives.reduce import Allocator
+    from diloco.formats.base import Allocator
 
 #: fp32 bytes per CPU chunk: its temporaries stay in a core's cache between passes (1 MiB of L2 on current x86).
 CPU_CHUNK_BYTES = 512 * 2**10
@@ -246,6 +246,18 @@ def _nibble_pairs(device: torch.device) -> torch.Tensor:
             word = (high & 0xFF) | ((low & 0xFF) << 8)
         table = _NIBBLE_PAIRS[device] = torch.where(word >= 1 << 15, word - (1 << 16), word).to(torch.int16).to(device)
     return table
+
+
+def combine_dense(value: torch.Tensor, out: torch.Tensor, mode: str) -> None:
+    """Write, add or subtract a dense decoded (or narrower, e.g. bf16) flat tensor into ``out`` (``none`` and
+    ``bf16``), widened chunk by chunk in cache rather than whole."""
+    if mode == "write":
+        out.copy_(value)
+        return
+    step = chunk_elements(1, out.device)
+    for start in range(0, out.numel(), step):
+        part = value[start : start + step].to(out.dtype)
+        combine(out[start : start + step], part, mode)
 
 
 def combine(out: torch.Tensor, decoded: torch.Tensor, mode: str) -> None:
