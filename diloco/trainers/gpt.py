@@ -158,6 +158,9 @@ def diloco_train(
     # data and evaluation
     seed: int = 1337,
     eval_batches: int = 8,
+    # None: every replica evaluates after every round; K: replica 0 alone, every K rounds and after the last (the
+    # other replicas hold the same global model after a round, so one evaluation says it for all)
+    eval_every: int | None = None,
     eval_batch_size: int = 0,  # 0: batch_size. Fix it to compare runs of different batch sizes on the same data
     eval_fraction: float = 0.1,
     corpus: str | None = None,
@@ -241,9 +244,13 @@ def diloco_train(
 
     tokens_per_step = batch_size * block_size
     model.train()
+    evaluates = eval_every is None or rank == 0
+    init_eval: float | None = None
+    eval_loss: float | None = None
     with diloco:  # report() goes to this replica's metrics while the loop is open
-        init_eval = eval_loss = _evaluate(model, batches, dev)
-        report(eval_loss=init_eval, total_steps=total_steps)  # amends the loop's `init` row
+        if evaluates:
+            init_eval = eval_loss = _evaluate(model, batches, dev)
+        report(**_present(eval_loss=init_eval), total_steps=total_steps)  # amends the loop's `init` row
         loss_sum = torch.zeros((), device=dev)
         for step in range(done[0] + 1, total_steps + 1):
             loss = inner_step()  # every sync_every-th step also runs the outer round: blocks on the store
@@ -252,22 +259,35 @@ def diloco_train(
             if step % sync_every:
                 continue
             train_loss = (loss_sum / sync_every).item()  # a device sync point, once per sync_every steps
-            eval_loss = _evaluate(model, batches, dev)
-            report(train_loss=train_loss, eval_loss=eval_loss)  # amends the row of the round just completed
+            due = evaluates and (eval_every is None or step == total_steps or (step // sync_every) % eval_every == 0)
+            if due:
+                eval_loss = _evaluate(model, batches, dev)
+            # amends the row of the round just completed
+            report(train_loss=train_loss, **_present(eval_loss=eval_loss if due else None))
             loss_sum.zero_()
         # With one fragment the model already holds the global weights (the last step was an outer sync with
         # alpha 0); with several, the fragments synced earlier have trained locally since: evaluate the global
         # model, which is what the loop exports on leaving.
         if fragments > 1:
             diloco.restore_global_parameters()
-            eval_loss = _evaluate(model, batches, dev)
-            report(eval_loss=eval_loss)
+            if evaluates:
+                eval_loss = _evaluate(model, batches, dev)
+                report(eval_loss=eval_loss)
 
     key = FINAL_KEY.format(rank=rank)
-    log.info("done: %d rounds, eval_loss %.4f -> %.4f, final weights at %s", manager.current_step(), init_eval,
-             eval_loss, manager.store.url(key))
+    log.info("done: %d rounds, eval_loss %s -> %s, final weights at %s", manager.current_step(),
+             _loss_text(init_eval), _loss_text(eval_loss), manager.store.url(key))
     return {"rank": rank, "rounds": manager.current_step(), "steps": total_steps, "init_eval_loss": init_eval,
             "final_eval_loss": eval_loss, "final_key": key}
+
+
+def _present(**values: float | None) -> dict[str, float]:
+    """The keyword arguments that carry a value: a replica that did not evaluate reports no eval loss, not None."""
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def _loss_text(loss: float | None) -> str:
+    return "-" if loss is None else f"{loss:.4f}"
 
 
 def load_initial_weights(model: torch.nn.Module, source: str) -> None:
@@ -356,6 +376,12 @@ def check_config(values: Mapping[str, Any], *, world_size: int | None = None, on
     factor = values.get("slow_factor", 1.0)
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1:
         raise ConfigError(f"slow_factor must be a number >= 1 (1 = not slowed), got {factor!r}")
+    every = values.get("eval_every")
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+        raise ConfigError(f"eval_every must be an integer >= 1 (rounds between evaluations), got {every!r}")
+    if every is not None and values.get("mode", "sync") == "async":
+        raise ConfigError("eval_every: the asynchronous mode evaluates on its own schedule; drop eval_every "
+                          "(or use --mode sync)")
     if values.get("outer_rule", "nesterov") not in ("nesterov", "sparseloco"):
         raise ConfigError(f"outer_rule must be 'nesterov' or 'sparseloco', got {values['outer_rule']!r}")
     if values.get("mode", "sync") not in ("sync", "async"):

@@ -173,6 +173,8 @@ def test_total_steps_must_be_a_multiple_of_sync_every_and_nothing_is_written() -
     (dict(batch_size=2.5), "batch_size"),
     (dict(n_embd=30, n_head=4), "n_embd"),
     (dict(device="gpu-please"), "device"),
+    (dict(eval_every=0), "eval_every must be an integer >= 1"),
+    (dict(eval_every=2, mode="async"), "eval_every: the asynchronous mode"),
     *([] if torch.cuda.is_available() else [(dict(device="cuda"), "no usable CUDA device")]),
 ])
 def test_bad_trainer_values_are_config_errors_naming_the_field(bad: dict, field: str) -> None:
@@ -223,6 +225,22 @@ def test_single_replica_run_writes_metrics_and_a_rebuildable_final_model(tmp_pat
         batches = eval_batches(split.eval, n_batches=2, batch_size=8, block_size=32, seed=1337)
         loss = torch.stack([model(x, y)[1] for x, y in batches]).mean().item()
     assert loss == pytest.approx(rows[-1]["eval_loss"], abs=1e-5)
+
+
+def test_eval_every_evaluates_the_global_model_every_k_rounds_and_after_the_last(tmp_path) -> None:
+    """``eval_every=2`` over 3 rounds: replica 0 evaluates at the start, after round 2 and after the last round;
+    the rows of the other rounds carry no new eval loss of their own."""
+    manager = _manager(f"file://{tmp_path / 'rdv'}")
+    summary = diloco_train(manager=manager, rank=0, world_size=1, total_steps=30, sync_every=10, eval_every=2,
+                           **TINY)
+    rows = [json.loads(line) for line in manager.store.get("metrics/rank_0000.jsonl").decode().splitlines()]
+    assert [(r["kind"], r["round"]) for r in rows] == [("init", 0), ("round", 1), ("round", 2), ("round", 3),
+                                                       ("final", 3)]
+    evaluated = [r["eval_loss"] for r in rows]
+    assert evaluated[0] is not None and evaluated[2] is not None and evaluated[3] is not None
+    assert evaluated[1] in (None, evaluated[0])  # nothing measured after round 1
+    assert len({evaluated[0], evaluated[2], evaluated[3]}) == 3  # three measurements of a model that trained
+    assert summary["final_eval_loss"] == evaluated[3]
 
 
 def test_a_diverged_run_is_reported_as_divergence_with_valid_json_and_agreeing_weights() -> None:
