@@ -175,10 +175,12 @@ class ProcessCensus:
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         if hasattr(terminalreporter.config, "workerinput"):
             return  # an xdist worker: the controller reports
-        census = summarize(self.per_test)
-        if not self.per_test and self.sampler is None:
+        if self.sampler is None:
             terminalreporter.write_line("process census: no /proc on this machine, nothing counted")
             return
+        if not self.per_test:
+            return  # no test started a replica: nothing to say (a unit-test run)
+        census = summarize(self.per_test)
         self.census_file.parent.mkdir(parents=True, exist_ok=True)
         self.census_file.write_text(json.dumps({"summary": census, "tests": self.per_test}, indent=1,
                                                sort_keys=True) + "\n")
