@@ -243,8 +243,7 @@ class Observers:
 
     def start(self, view: Any) -> None:
         """Start serving, and learn the run's round deadline (its ``store.timeout_s``) for stall notices."""
-        store = view.record.config.get("store") if isinstance(view.record.config, dict) else None
-        self.stall_s = float(store.get("timeout_s", 1800.0)) if isinstance(store, dict) else 1800.0
+        self.stall_s = view.record.policy.round_timeout_s
         if self.page is not None and not self.page.serving:
             try:
                 self.page.history.seed(view.store, view.replicas)

@@ -32,7 +32,7 @@ from diloco.trainers.preflight import INJECTED
 DEFAULT_TIMEOUT_S = 86400.0
 #: Trainer keyword arguments the launcher owns: set by ``train.steps``/``train.sync_every`` or injected.
 RESERVED_TRAINER_KWARGS = {"total_steps": "train.steps", "sync_every": "train.sync_every", "mode": "train.mode",
-                           **dict.fromkeys(INJECTED)}
+                           "eval_every": "train.eval_every (--eval-every)", **dict.fromkeys(INJECTED)}
 _BRACES_RE = re.compile(r"\{[^{}]*\}")
 _SCHEMES = ("file", "s3")
 
@@ -61,6 +61,10 @@ class TrainConfig(_Strict):
                        json_schema_extra=cli_flag("--steps", metavar="N"))
     sync_every: int = Field(50, ge=1, description="Inner steps per outer round (DiLoCo's H).",
                             json_schema_extra=cli_flag("--sync-every", metavar="H"))
+    eval_every: int | None = Field(None, ge=1, description="Evaluate the committed global model every K rounds "
+                                   "(and after the last) on replica 0 alone, instead of on every replica after "
+                                   "every round (the trainer's eval_every).",
+                                   json_schema_extra=cli_flag("--eval-every", metavar="K"))
     trainer_kwargs: dict[str, Any] = Field(default_factory=dict)  # model/data knobs of the trainer
     #: "sync": DiLoCo rounds; "async": rank 0 is a master applying each replica's delta as it arrives
     #: (diloco.replica.async_diloco); passed to the trainer as ``mode`` only when "async".

@@ -45,8 +45,7 @@ def build_spec(cfg: RunConfig, run_id: str) -> LaunchSpec:
     """The backend-neutral launch spec. The trainer gets ``total_steps``/``sync_every`` from ``train``. The
     replicas' settings travel as the run's spec object (``spec.json`` in its store, published by ``launch``), so
     no backend's argument limits bound them."""
-    trainer_kwargs = {"total_steps": cfg.train.steps, "sync_every": cfg.train.sync_every, **_mode_kwarg(cfg),
-                      **cfg.train.trainer_kwargs}
+    trainer_kwargs = {**owned_trainer_kwargs(cfg), **cfg.train.trainer_kwargs}
     store_settings = cfg.store.model_dump(include=set(StoreSettings.model_fields))  # all of them, by name
     args = EntrypointArgs(rendezvous_uri=rendezvous_for(cfg, run_id), world_size=cfg.replicas,
                           trainer=cfg.train.trainer, trainer_kwargs=trainer_kwargs,
@@ -74,10 +73,27 @@ def _tensorboard_for(cfg: RunConfig, run_id: str) -> str | None:
     return run_directory(cfg.metrics.tensorboard, run_id)
 
 
-def _mode_kwarg(cfg: RunConfig) -> dict[str, str]:
-    """``{"mode": "async"}`` for an asynchronous run; nothing for a synchronous one, so a trainer without a
-    ``mode`` argument keeps working in sync mode."""
-    return {"mode": cfg.train.mode} if cfg.train.mode != "sync" else {}
+def owned_trainer_kwargs(cfg: RunConfig) -> dict[str, Any]:
+    """The trainer's keyword arguments the run's own settings give: ``total_steps`` and ``sync_every`` always;
+    ``mode`` for an asynchronous run and ``eval_every`` when set, only then, so a trainer without those
+    arguments keeps working when they are not asked for."""
+    owned: dict[str, Any] = {"total_steps": cfg.train.steps, "sync_every": cfg.train.sync_every}
+    if cfg.train.mode != "sync":
+        owned["mode"] = cfg.train.mode
+    if cfg.train.eval_every is not None:
+        owned["eval_every"] = cfg.train.eval_every
+    return owned
+
+
+def takes_keyword(fn: Any, name: str) -> bool:
+    """Whether ``fn`` accepts the keyword argument ``name`` (by name, or through ``**kwargs``)."""
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature to read: leave it to the call
+        return True
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def check_trainer(cfg: RunConfig) -> RunConfig:
@@ -128,7 +144,11 @@ def check_trainer(cfg: RunConfig) -> RunConfig:
     from diloco.replica.local_group import check_procs_per_replica
 
     check_procs_per_replica(cfg.train.procs_per_replica, fn, cfg.train.trainer)
-    owned = {"total_steps": cfg.train.steps, "sync_every": cfg.train.sync_every, **_mode_kwarg(cfg)}
+    if cfg.train.eval_every is not None and not takes_keyword(fn, "eval_every"):
+        raise ConfigError(f"train.eval_every: {cfg.train.trainer} takes no eval_every argument, so it cannot "
+                          "evaluate every K rounds", hint="drop --eval-every (the built-in and Hugging Face "
+                          "trainers take it), or add eval_every to your trainer")
+    owned = owned_trainer_kwargs(cfg)
     checked = check_trainer_kwargs(fn, {**owned, **cfg.train.trainer_kwargs}, world_size=cfg.replicas,
                                    on_this_machine=not cfg.backend.places_some_replicas(),
                                    store=cfg.store.model_dump())

@@ -63,7 +63,7 @@ def test_backend_flag_switches_kind_and_drops_other_backend_options(tmp_path: Pa
     ({"flags": {"backend": "ec2"}}, "backend: must be one of local, sagemaker, eks, mixed (got 'ec2')"),
     ({"sets": ["replicas=four"]}, "replicas: must be an integer (got 'four')"),
     ({"sets": ["train.bogus=1"]},
-     "train.bogus: unknown key (allowed: trainer, steps, sync_every, trainer_kwargs, mode, procs_per_replica)"),
+     "train.bogus: unknown key (allowed: trainer, steps, sync_every, eval_every, trainer_kwargs, mode, procs_per_replica)"),
     ({"sets": ["backend.bogus=1"]},
      "backend.bogus: unknown key for the local backend (allowed: log_root, grace_period_s, python"),
     ({"sets": ["store.timeout_s=0"]}, "store.timeout_s: must be > 0 (got 0)"),

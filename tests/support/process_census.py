@@ -51,7 +51,7 @@ def _parent_and_start(pid: int) -> tuple[int, str] | None:
 def _replica_key(pid: int) -> tuple[str, str, str, str] | None:
     """``(backend, run, rank, local rank)`` of a replica process, or None when ``pid`` is not one."""
     cmdline = _read(f"/proc/{pid}/cmdline").split(b"\0")
-    if not any(marker.encode() in part for part in cmdline for marker in _MARKERS):
+    if not _runs_a_replica([part.decode(errors="replace") for part in cmdline if part]):
         return None
     env = dict(item.decode(errors="replace").partition("=")[::2]
                for item in _read(f"/proc/{pid}/environ").split(b"\0") if b"=" in item)
@@ -62,6 +62,18 @@ def _replica_key(pid: int) -> tuple[str, str, str, str] | None:
         args[args.index("--rank") + 1] if "--rank" in args[:-1] else "?")
     run = env.get("DILOCO_RUN_ID") or env.get("TRAINING_JOB_NAME", "").rsplit("-r", 1)[0] or "?"
     return backend, run, rank, env.get("LOCAL_RANK", "")
+
+
+def _runs_a_replica(args: list[str]) -> bool:
+    """Whether an interpreter's command line runs the replica entrypoint (``-m diloco.replica.entrypoint``) or the
+    bootstrap script, as its program: a supervisor that names them after its own module (``local_supervisor
+    ... -- python -m diloco.replica.entrypoint``) is not a replica."""
+    rest = args[1:]
+    while rest and rest[0].startswith("-") and rest[0] != "-m":
+        rest = rest[1:]  # the interpreter's own flags (-u, -X ...)
+    if len(rest) >= 2 and rest[0] == "-m":
+        return rest[1] == _MARKERS[0]
+    return bool(rest) and os.path.basename(rest[0]) == _MARKERS[1]
 
 
 class _Sampler:
