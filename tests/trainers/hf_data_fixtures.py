@@ -64,9 +64,10 @@ def write_shards(directory: Path, tokenizer: Any) -> dict[str, bytes]:
 STEPS, SYNC, KILL_STEP, BLOCK, BATCH, EVAL_BATCHES = 12, 4, 6, 32, 4, 1
 
 
-def launch_with_a_kill(home: Path, tmp_path: Path, data: str, tokenizer: Path, **extra: Any) -> tuple[str, Path]:
+def launch_with_a_kill(home: Path, tmp_path: Path, data: str, tokenizer: Path, *, eval_every: int | None = None,
+                       **extra: Any) -> tuple[str, Path]:
     """The run with replica 1 killed after step 6, waited for; returns its id and the data log directory.
-    ``extra``: more trainer kwargs."""
+    ``eval_every``: ``--eval-every``; ``extra``: more trainer kwargs."""
     from diloco.launcher import api
 
     done, logs = tmp_path / "done", tmp_path / "data_log"
@@ -76,7 +77,7 @@ def launch_with_a_kill(home: Path, tmp_path: Path, data: str, tokenizer: Path, *
               "kill_step": KILL_STEP, "done_dir": str(done), **extra}
     args = ["launch", "--replicas", "2", "--backend", "local", "--trainer", "support.hf_data_kill_trainer:train",
             "--steps", str(STEPS), "--sync-every", str(SYNC), "--max-restarts", "1", "--set", "store.timeout_s=120",
-            "--detach", "-o", "json"]
+            "--detach", "-o", "json", *(["--eval-every", str(eval_every)] if eval_every else [])]
     for key, value in kwargs.items():
         args += ["-k", f"{key}={json.dumps(value)}"]
     launched = runner.invoke(app, args)

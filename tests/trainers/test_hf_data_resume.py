@@ -8,7 +8,7 @@ relaunch must train steps 5..12 on exactly the token ids a run without the kill 
 same slot, and the killed process's own steps 5 and 6), restoring the position saved with round 1 rather than the
 one the killed process had reached at step 6.
 
-The same run has ``eval_every=2``: only replica 0 evaluates the committed global model, every 2 rounds and after the
+The same run has ``--eval-every 2``: only replica 0 evaluates the committed global model, every 2 rounds and after the
 last, and its metrics rows carry that loss.
 """
 
