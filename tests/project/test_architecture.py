@@ -14,7 +14,9 @@ import pytest
 from support.import_graph import Edge, build, cycles, describe_cycle, within
 
 LAUNCHER, CLI, EXECUTORS = "diloco.launcher", "diloco.cli", "diloco.executors"
-SUBPACKAGES = ("diloco.store", "diloco.collectives", "diloco.replica", "diloco.trainers", LAUNCHER, CLI, EXECUTORS)
+FORMATS = "diloco.formats"
+SUBPACKAGES = ("diloco.store", "diloco.collectives", "diloco.replica", "diloco.trainers", FORMATS, LAUNCHER, CLI,
+               EXECUTORS)
 
 
 def is_shared_basic(name: str) -> bool:
@@ -23,7 +25,7 @@ def is_shared_basic(name: str) -> bool:
 
 
 def is_replica_side(name: str) -> bool:
-    replica = ("diloco.replica", "diloco.collectives", "diloco.trainers", "diloco.store")
+    replica = ("diloco.replica", "diloco.collectives", "diloco.trainers", "diloco.store", FORMATS)
     return is_shared_basic(name) or any(within(name, p) for p in replica)
 
 
@@ -47,6 +49,9 @@ RULES = (
     Rule("only the CLI imports the CLI", lambda name: not within(name, CLI), (CLI,)),
     Rule("the store imports neither the collectives, the replica side nor the trainers",
          lambda name: within(name, "diloco.store"), ("diloco.collectives", "diloco.replica", "diloco.trainers")),
+    Rule("the wire formats are pure arithmetic and settings: they import none of the rest of diloco",
+         lambda name: within(name, FORMATS), ("diloco.store", "diloco.collectives", "diloco.replica",
+                                              "diloco.trainers")),
 )
 
 MODULES, EDGES = build()
