@@ -29,8 +29,6 @@ pytestmark = pytest.mark.slow
 TESTS_DIR = str(Path(__file__).resolve().parents[2])
 NAMESPACE = "diloco"
 IMAGE = "registry.example/diloco:e2e"
-TINY = ["--steps", "20", "--sync-every", "10", "-k", "n_layer=1", "-k", "n_embd=16", "-k", "eval_batches=1",
-        "-k", "threads=1"]
 
 #: Trainers baked into the "image" (a folder on the pods' PYTHONPATH).
 TRAINERS = '''
@@ -38,15 +36,17 @@ import pathlib
 import time
 
 from diloco.errors import ConfigError
-from diloco.trainers.gpt import diloco_train
 
 
 def gated(*, gate, **kwargs):
-    """The real trainer, once ``gate`` exists: a test can disrupt a replica before its first round."""
+    """The paced trainer (paced_trainer.py, beside this file), once ``gate`` exists: a test can disrupt a replica
+    before its first round, and one after a committed round that must still end with identical weights."""
     print("waiting for the gate", flush=True)
     while not pathlib.Path(gate).exists():
         time.sleep(0.05)
-    return diloco_train(**kwargs)
+    from paced_trainer import train
+
+    return train(**kwargs)
 
 
 def bad_config_on(*, manager, rank, world_size, total_steps, sync_every, bad_rank=1):
@@ -113,11 +113,18 @@ def running(kube: KubernetesEmulator, job: str, count: int) -> dict[int, dict[st
 
 # ---------------------------------------------------------------------------------------------------- tests
 @pytest.mark.long
-def test_three_replicas_train_through_s3_survive_an_eviction_and_agree(
+def test_replicas_train_through_s3_survive_evictions_before_and_after_round_1_and_agree(
         kube: KubernetesEmulator, s3_bucket: str, home: Path, tmp_path: Path) -> None:
+    """Two node drains in one run whose rank 0 is left alone: replica 1 is evicted before the first round (once
+    `logs -f` has shown it waiting), replica 2 after round 1 is committed. The Job retries each evicted index (not
+    counted as a failure), `logs -f` goes on with each index's new pod, the pod evicted after round 1 rejoins from
+    the latest committed round, and the run ends as if nothing happened (weights bitwise identical)."""
+    import boto3
+
     gate = tmp_path / "gate"
     launch = cli(*launch_args(s3_bucket, "--replicas", "3", "--trainer", "k8s_trainers:gated", "-k",
-                              f"gate={gate}", *TINY, "--detach", "-o", "json"), home=home, cwd=tmp_path)
+                              f"gate={gate}", "--steps", "40", "--sync-every", "5", "--detach", "-o", "json"),
+                 home=home, cwd=tmp_path)
     assert launch.returncode == 0, launch.stderr[-3000:]
     run_id = json.loads(launch.stdout)["run_id"]
 
@@ -148,6 +155,13 @@ def test_three_replicas_train_through_s3_survive_an_eviction_and_agree(
     kube.wait_for(lambda: any(p["metadata"]["name"] != victim and "waiting for the gate" in kube.pod_log(
         p["metadata"]["name"]) for p in by_index(kube, run_id).get(1, [])), timeout=90)
     gate.write_text("open")
+    # Another drain evicts replica 2 once round 1 is committed: its new pod rejoins from that round.
+    committed = f"e2e/{run_id}/committed/round_000001/COMMITTED"
+    s3 = boto3.client("s3")
+    kube.wait_for(lambda: s3.list_objects_v2(Bucket=s3_bucket, Prefix=committed).get("KeyCount", 0) > 0,
+                  timeout=120)
+    late_victim = running(kube, run_id, 3)[2]["metadata"]["name"]
+    kube.evict(late_victim)
     follow.wait(timeout=240)
     reader.join(timeout=10)
     assert follow.returncode == 0, follow.stderr.read()[-3000:]
@@ -156,13 +170,14 @@ def test_three_replicas_train_through_s3_survive_an_eviction_and_agree(
     for rank in range(3):
         assert any(line.startswith(f"[r{rank}] waiting for the gate") for line in lines), rank
     assert sum(1 for line in lines if line.startswith("[r1] waiting for the gate")) == 2, "both attempts of r1"
+    assert sum(1 for line in lines if line.startswith("[r2] waiting for the gate")) == 2, "both attempts of r2"
 
     status = cli("status", run_id, "-o", "json", home=home, cwd=tmp_path)
     assert status.returncode == 0, status.stderr
     report = json.loads(status.stdout)
     assert report["state"] == "succeeded" and report["backend"] == "eks"
     assert [r["state"] for r in report["ranks"]] == ["succeeded"] * 3
-    assert report["ranks"][1]["restarts"] == 1 and report["ranks"][0]["restarts"] == 0
+    assert [r["restarts"] for r in report["ranks"]] == [0, 1, 1]
     assert all(r["job_id"].startswith(f"{run_id}-{r['rank']}-") for r in report["ranks"])
 
     collect = cli("collect", run_id, "--output", str(tmp_path / "model.safetensors"), "-o", "json", home=home,
@@ -170,36 +185,11 @@ def test_three_replicas_train_through_s3_survive_an_eviction_and_agree(
     assert collect.returncode == 0, collect.stderr[-3000:]
     result = json.loads(collect.stdout)
     assert result["weights_identical"] is True, result["weights_detail"]
+    assert [r["restarts"] for r in result["ranks"]] == [0, 1, 1]
     assert Path(result["model_path"]).is_file()
     assert kube.job(run_id)["status"].get("failed") is None, "an eviction is not a failure"
-
-
-@pytest.mark.long
-def test_an_eviction_after_round_1_is_retried_and_rejoins_with_identical_weights(
-        kube: KubernetesEmulator, s3_bucket: str, home: Path, tmp_path: Path) -> None:
-    """Issue 11 through Kubernetes: the Job retries the evicted index (not counted); the new pod rejoins from the
-    latest committed round and the run ends as if nothing happened."""
-    import boto3
-
-    launch = cli(*launch_args(s3_bucket, "--replicas", "2", "--trainer", "support.paced_trainer:train", "--steps", "40",
-                              "--sync-every", "5", "--detach", "-o", "json"), home=home, cwd=tmp_path)
-    assert launch.returncode == 0, launch.stderr[-3000:]
-    run_id = json.loads(launch.stdout)["run_id"]
-    committed = f"e2e/{run_id}/committed/round_000001/COMMITTED"
-    s3 = boto3.client("s3")
-    kube.wait_for(lambda: s3.list_objects_v2(Bucket=s3_bucket, Prefix=committed).get("KeyCount", 0) > 0,
-                  timeout=120)
-    victim = running(kube, run_id, 2)[1]["metadata"]["name"]
-    kube.evict(victim)
-
-    collect = cli("collect", run_id, "--output", str(tmp_path / "model.safetensors"), "-o", "json", home=home,
-                  cwd=tmp_path)
-    assert collect.returncode == 0, collect.stderr[-3000:]
-    report = json.loads(collect.stdout)
-    assert report["weights_identical"] is True, report["weights_detail"]
-    assert [r["restarts"] for r in report["ranks"]] == [0, 1]
-    retried = [p for p in by_index(kube, run_id).get(1, []) if p["metadata"]["name"] != victim]
-    assert retried and "rank 1 rejoined at step" in kube.pod_log(retried[-1]["metadata"]["name"])
+    retried = [p for p in by_index(kube, run_id).get(2, []) if p["metadata"]["name"] != late_victim]
+    assert retried and "rank 2 rejoined at step" in kube.pod_log(retried[-1]["metadata"]["name"])
 
 
 @pytest.mark.long
@@ -233,8 +223,10 @@ def test_an_async_master_killed_while_publishing_is_retried_and_resumes_from_its
 
 def test_cancel_mid_run_deletes_the_job_and_leaves_no_process(kube: KubernetesEmulator, s3_bucket: str,
                                                                home: Path, tmp_path: Path) -> None:
+    # 400 steps of 1 s: the run cannot end by itself before the cancel, however slow the machine (it is stopped)
     launch = cli(*launch_args(s3_bucket, "--replicas", "2", "--trainer", "support.cli_trainers:slow", "--steps", "400",
-                              "--sync-every", "100", "--detach", "-o", "json"), home=home, cwd=tmp_path)
+                              "--sync-every", "100", "-k", "step_s=1.0", "--detach", "-o", "json"),
+                 home=home, cwd=tmp_path)
     assert launch.returncode == 0, launch.stderr[-3000:]
     run_id = json.loads(launch.stdout)["run_id"]
     running(kube, run_id, 2)
