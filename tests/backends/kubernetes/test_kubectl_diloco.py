@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 from backends.kubernetes.test_kubernetes_e2e import (  # noqa: F401 - the e2e module's fixtures, shared
     NAMESPACE,
-    TINY,
     cli,
     home,
     image_dir,
@@ -51,7 +50,8 @@ def test_kubectl_and_diloco_agree_on_a_running_run_and_on_its_deletion(
         kube: KubernetesEmulator, s3_bucket: str, home: Path, tmp_path: Path) -> None:  # noqa: F811
     gate = tmp_path / "gate"  # never opened: the replicas stay running until the Job is deleted
     launch = cli(*launch_args(s3_bucket, "--replicas", "2", "--trainer", "k8s_trainers:gated", "-k",
-                              f"gate={gate}", *TINY, "--detach", "-o", "json"), home=home, cwd=tmp_path)
+                              f"gate={gate}", "--steps", "20", "--sync-every", "10", "--detach", "-o", "json"),
+                 home=home, cwd=tmp_path)
     assert launch.returncode == 0, launch.stderr[-3000:]
     run_id = json.loads(launch.stdout)["run_id"]
     pods = running(kube, run_id, 2)
