@@ -21,6 +21,7 @@ from diloco.executors.replica_requirements import (
     REQUIREMENTS_TXT,
     replica_requirements,
     requirements_value,
+    streams_hf_data,
 )
 
 if TYPE_CHECKING:
@@ -110,7 +111,8 @@ def bootstrap_environment(spec: LaunchSpec, source: Path) -> dict[str, str]:
                                         tensorboard=args.tensorboard is not None, source_dir=source,
                                         ships_requirements_txt=ships(source, REQUIREMENTS_TXT),
                                         trackers=tuple(name for name, run in (("mlflow", args.mlflow_run_id),
-                                                                              ("wandb", args.wandb_run_id)) if run))
+                                                                              ("wandb", args.wandb_run_id)) if run),
+                                        hf_data=streams_hf_data(args.trainer_kwargs))
     return {BOOTSTRAP_REQUIREMENTS_ENV: requirements_value(requirements)}
 
 

@@ -26,8 +26,9 @@ import importlib.metadata
 import importlib.util
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from diloco.errors import ConfigError
 
@@ -118,11 +119,22 @@ def _module_source(module: str, search_path: list[str]) -> Path | None:
     return Path(origin) if origin and origin.endswith(".py") else None
 
 
+#: The extra a run streaming a Hugging Face dataset needs (``-k data=hf:NAME``), and the prefix that says so.
+HF_DATA_EXTRA, HF_DATA_PREFIX = "hf-data", "hf:"
+
+
+def streams_hf_data(trainer_kwargs: Mapping[str, Any]) -> bool:
+    """Whether the trainer is asked to stream a ``datasets`` dataset (``data=hf:NAME[:CONFIG][@SPLIT]``)."""
+    data = trainer_kwargs.get("data")
+    return isinstance(data, str) and data.startswith(HF_DATA_PREFIX)
+
+
 def replica_requirements(*, trainer: str, rendezvous_uri: str, tensorboard: bool,
                          source_dir: Path | None, ships_requirements_txt: bool,
-                         trackers: tuple[str, ...] = ()) -> list[str]:
+                         trackers: tuple[str, ...] = (), hf_data: bool = False) -> list[str]:
     """The pip arguments the bootstrap installs beyond diloco's own requirements, in order, without repeats.
-    ``trackers``: the extras of the experiment trackers the run logs to (``mlflow``, ``wandb``)."""
+    ``trackers``: the extras of the experiment trackers the run logs to (``mlflow``, ``wandb``); ``hf_data``:
+    the run streams a Hugging Face dataset (``streams_hf_data``), so the ``datasets`` library comes too."""
     extras = diloco_extras()
     wanted: list[str] = []
     if rendezvous_uri.startswith("s3://"):
@@ -133,6 +145,8 @@ def replica_requirements(*, trainer: str, rendezvous_uri: str, tensorboard: bool
         wanted.append(requirement_named("tensorboard"))
     for tracker in trackers:
         wanted += extras.get(tracker, [])
+    if hf_data:
+        wanted += extras.get(HF_DATA_EXTRA, [])
     if ships_requirements_txt:
         wanted.append(f"-r {REQUIREMENTS_TXT}")
     return list(dict.fromkeys(wanted))

@@ -323,7 +323,7 @@ def open_hf_rows(source: HFSource, data: str) -> Callable[[int], Iterator[Mappin
     try:
         import datasets
     except ImportError:
-        raise ConfigError(f"data: {data} needs the datasets library", hint="pip install 'diloco[hf]'") from None
+        raise ConfigError(f"data: {data} needs the datasets library", hint="pip install 'diloco[hf-data]' (a job without --image gets it from the bootstrap)") from None
     path = os.path.expanduser(source.name)
     if os.path.isdir(path) and any(os.path.exists(os.path.join(path, f)) for f in
                                    ("dataset_info.json", "state.json", "dataset_dict.json")):

@@ -196,7 +196,8 @@ BASE = ["--rendezvous", "memory://usage", "--world-size", "2"]
     ([*BASE, "--rank", "0", "--trainer-kwargs-json", '{"rank": 1}'], {}, "set rank, which each replica is given"),
     ([*BASE, "--rank", "0", "--trainer-kwargs-json", '{"learning_rate": 1}'], {}, "learning_rate"),
     ([*BASE, "--rank", "0", "--timeout", "0"], {}, "--timeout: Input should be greater than 0"),
-    ([*BASE, "--rank", "0", "--compression", "fp8"], {}, "--compression: Input should be 'none', 'bf16'"),
+    ([*BASE, "--rank", "0", "--compression", "fp8"], {},
+     "--compression: must be 'none', 'bf16', 'int8', 'int4' or 'topk' (got 'fp8')"),
     ([*BASE, "--rank", "0", "--min-replicas", "3"], {}, "--min-replicas: must be at most the number of replicas"),
     ([*BASE, "--rank", "0", "--min-replicas", "2", "--allreduce", "sharded"], {}, "--min-replicas: partial "
      "participation needs allreduce gather"),

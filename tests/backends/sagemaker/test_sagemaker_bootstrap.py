@@ -56,6 +56,17 @@ def process_gone(pid: int) -> bool:
 
 
 @pytest.fixture
+def emulator(aws_env: str, s3_bucket: str, tmp_path: Path,
+             monkeypatch: pytest.MonkeyPatch) -> Iterator[SageMakerEmulator]:
+    """The suite's emulator without the session's bootstrap cache: these tests are about the install itself, so
+    every job installs afresh into its own site, as on a cold instance."""
+    with SageMakerEmulator(aws_endpoint=aws_env, root_dir=tmp_path / "sagemaker", stop_grace_s=2.0,
+                           log_flush_s=0.1, restart_delay_s=0.2) as emu:
+        monkeypatch.setenv("AWS_ENDPOINT_URL_SAGEMAKER", emu.url)
+        yield emu
+
+
+@pytest.fixture
 def patient_emulator(aws_env: str, s3_bucket: str, tmp_path: Path,
                      monkeypatch: pytest.MonkeyPatch) -> Iterator[SageMakerEmulator]:
     """The emulator with the real service's 120 s stop grace period."""
@@ -239,8 +250,11 @@ def test_the_sources_requirements_txt_is_installed_by_pip_before_the_trainer_run
     ([], ["s3fs[boto3]>=2025.7.0"]),
     (["--trainer", "diloco.trainers.hf:train", "-k", "model=m", "-k", "data=d"],
      ["s3fs[boto3]>=2025.7.0", "transformers>=5.0", "tokenizers>=0.22", "pyarrow>=15", "tensorboard>=2.14"]),
+    (["--trainer", "diloco.trainers.hf:train", "-k", "model=m", "-k", "data=hf:wikitext:wikitext-2-raw-v1"],
+     ["s3fs[boto3]>=2025.7.0", "transformers>=5.0", "tokenizers>=0.22", "pyarrow>=15", "tensorboard>=2.14",
+      "datasets>=3.0"]),
     (["--tensorboard", "s3://diloco-test-bucket/tb/"], ["s3fs[boto3]>=2025.7.0", "tensorboard>=2.14"]),
-], ids=["built-in-trainer", "hf-trainer", "tensorboard"])
+], ids=["built-in-trainer", "hf-trainer", "hf-trainer-streaming-a-dataset", "tensorboard"])
 def test_the_dry_run_lists_what_each_job_will_install(
     emulator: SageMakerEmulator, s3_bucket: str, home: Path, tmp_path: Path, extra: list[str], expected: list[str]
 ) -> None:
