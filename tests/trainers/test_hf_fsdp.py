@@ -4,7 +4,9 @@ real ``diloco launch`` (local backend, ``file://`` store), a tiny Llama built fr
 What it proves: every local process holds half of each parameter's rows (a sharded model, not DDP), exchanges its
 own rows through the store (one object per local process per replica per round, and no whole-model contribution),
 commits its own rows of every round; the two replicas end on bitwise identical final weights; the gathered
-``save_pretrained`` directory loads with ``from_pretrained`` and beats the initial model on held-out blocks.
+``save_pretrained`` directory loads with ``from_pretrained`` and beats the initial model on held-out blocks. All on
+one run in which local process 1 of replica 1 is SIGKILLed mid-run: the replica is relaunched and each of its
+processes rejoins with its own rows' state (a run without the kill would prove nothing the killed one does not).
 """
 
 from __future__ import annotations
@@ -31,36 +33,82 @@ STEPS, SYNC = 12, 6
 PART = re.compile(r"^round_(\d{6})/rank_(\d{4})/part_(\d{4})\.safetensors$")
 
 
-def launch(data: str, tokenizer: Path, **extra: Any) -> str:
-    """The run, detached and waited for (not collected: the store still holds the run's last round)."""
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"fsdp": "yes"}, "fsdp must be true, false or auto"),
+    ({"fsdp": True, "precision": "fp16"}, "precision fp16 with fsdp"),
+    ({"activation_checkpointing": 1}, "activation_checkpointing must be true or false"),
+])
+def test_bad_fsdp_settings_fail_in_one_line_naming_the_knob(kwargs: dict[str, Any], message: str) -> None:
+    from diloco.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        hf.check_config({"data": "s3://b/p", "model": "m", **kwargs})
+
+
+def test_auto_shards_only_a_model_that_cannot_train_on_one_gpu() -> None:
+    import torch
+
+    from diloco.trainers.hf_fsdp import choose_fsdp
+
+    gpu, gib = torch.device("cuda", 0), 2**30
+    small = choose_fsdp("auto", params=500_000_000, local_size=8, device=gpu, device_bytes=24 * gib)
+    big = choose_fsdp("auto", params=8_000_000_000, local_size=8, device=gpu, device_bytes=24 * gib)
+    alone = choose_fsdp("auto", params=8_000_000_000, local_size=1, device=gpu, device_bytes=24 * gib)
+    cpu = choose_fsdp("auto", params=8_000_000_000, local_size=8, device=torch.device("cpu"))
+    assert not small[0] and "fits one 24 GiB GPU" in small[1]
+    assert big[0] and "119.2 GiB" in big[1] and "sharded over 8 processes" in big[1]
+    assert not alone[0] and "--procs-per-replica" in alone[1]
+    assert not cpu[0] and choose_fsdp(True, params=1, local_size=1, device=gpu)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.long  # two replica starts of 2 processes each, one relaunch: about a minute on two cores
+def test_two_replicas_of_two_fsdp_processes_survive_a_killed_process_agree_and_save_a_model_that_loads(
+        home: Path, tmp_path: Path, tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """Local process 1 of replica 1 is SIGKILLed after inner step 8 (round 1 committed at step 6). The replica
+    fails, the launcher relaunches it, and both of its processes rejoin after round 1: each reads its own rows of
+    the committed round and gets its rows' inner optimizer state back. The run then holds what a sharded run
+    must: per-process contributions of half the rows each, per-row commits, identical final weights, a model
+    that loads and learned."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     from diloco.launcher import api
 
-    kwargs = {"model_config": TINY_LLAMA, "tokenizer": str(tokenizer), "data": data, "block_size": BLOCK,
-              "batch_size": 4, "lr": 3e-3, "eval_batches": 2, "seed": SEED, "fsdp": True, **extra}
-    args = ["launch", "--replicas", "2", "--backend", "local", "--trainer", "diloco.trainers.hf:train",
-            "--steps", str(STEPS), "--sync-every", str(SYNC), "--procs-per-replica", "2", "--detach", "-o", "json"]
+    monkeypatch.setenv("DILOCO_RESTART_BACKOFF_S", "0")
+    monkeypatch.setenv("DILOCO_CHECKPOINT_DIR", str(tmp_path / "checkpoints"))
+    monkeypatch.chdir(Path(__file__).resolve().parent.parent)  # tests/: the replicas import support.fsdp_kill_trainer
+    (tmp_path / "done").mkdir()
+    data = str(write_jsonl(tmp_path / "corpus"))
+    kwargs = {"model_config": TINY_LLAMA, "tokenizer": str(tokenizer_dir), "data": data, "block_size": BLOCK,
+              "batch_size": 4, "lr": 3e-3, "eval_batches": 2, "seed": SEED, "fsdp": True, "kill_step": 8,
+              "done_dir": str(tmp_path / "done")}
+    args = ["launch", "--replicas", "2", "--backend", "local", "--trainer", "support.fsdp_kill_trainer:train",
+            "--steps", str(STEPS), "--sync-every", str(SYNC), "--procs-per-replica", "2", "--max-restarts", "1",
+            "--set", "store.timeout_s=120", "--detach", "-o", "json"]
     for key, value in kwargs.items():
         args += ["-k", f"{key}={json.dumps(value)}"]
     launched = runner.invoke(app, args)
     assert launched.exit_code == 0, launched.output
     run_id = str(json.loads(launched.stdout)["run_id"])
-    report = api.get_run(run_id).wait()
-    assert report.state.value == "succeeded", report
-    return run_id
+    run = api.get_run(run_id)
+    waited = run.wait()  # relaunches the failed replica (the run's --max-restarts)
+    assert waited.state.value == "succeeded", waited
+    assert [r.restarts for r in waited.ranks] == [0, 1]
 
+    # The kill landed where planned, and each process of the relaunched replica came back with its own state.
+    logs = home / "runs" / run_id / "logs"
+    killed = (next(logs.glob("rank_1.try*")) / "combined.log").read_text(errors="replace")
+    again = (logs / "rank_1" / "combined.log").read_text(errors="replace")
+    assert "SIGKILL local process 1 of replica 1 after inner step 8" in killed
+    assert "rank 1 rejoins the run after committed round 1" in again
+    for local in (0, 1):  # each process: its own rows' inner optimizer state of round 1, restored
+        assert re.search(rf"\[rank 1\.{local}\] .*restored the inner optimizer state of round 1 from .*"
+                         rf"local_000{local}_of_0002", again), again[-4000:]
 
-@pytest.mark.slow
-def test_two_replicas_of_two_fsdp_processes_agree_and_save_a_model_that_loads(
-        home: Path, tmp_path: Path, tokenizer_dir: Path) -> None:  # noqa: F811
-    import torch
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    data = str(write_jsonl(tmp_path / "corpus"))
-    run_id = launch(data, tokenizer_dir)
     store = ObjectStore(f"file://{home.resolve()}/runs/{run_id}/store")
     keys = store.list()
-
     # One contribution per local process per replica, for the last round (earlier rounds are deleted as the run
     # goes); no whole-model contribution at all.
     parts = sorted((int(m[2]), int(m[3])) for k in keys if (m := PART.match(k)) and int(m[1]) == STEPS // SYNC - 1)
@@ -95,76 +143,8 @@ def test_two_replicas_of_two_fsdp_processes_agree_and_save_a_model_that_loads(
     rows = [json.loads(line) for line in store.get(METRICS_KEY.format(rank=0)).decode().splitlines()]
     rounds = [r for r in rows if r["kind"] == "round"]
     assert len(rounds) == STEPS // SYNC and rounds[0]["bytes_written"] > 0  # the replica's parts, counted
-    logs = "".join(p.read_text(errors="replace") for p in (home / "runs" / run_id / "logs").rglob("*") if p.is_file())
-    assert "fsdp=true" in logs and "FSDP2 over 2 local processes" in logs
-
-
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"fsdp": "yes"}, "fsdp must be true, false or auto"),
-    ({"fsdp": True, "precision": "fp16"}, "precision fp16 with fsdp"),
-    ({"activation_checkpointing": 1}, "activation_checkpointing must be true or false"),
-])
-def test_bad_fsdp_settings_fail_in_one_line_naming_the_knob(kwargs: dict[str, Any], message: str) -> None:
-    from diloco.errors import ConfigError
-
-    with pytest.raises(ConfigError, match=message):
-        hf.check_config({"data": "s3://b/p", "model": "m", **kwargs})
-
-
-def test_auto_shards_only_a_model_that_cannot_train_on_one_gpu() -> None:
-    import torch
-
-    from diloco.trainers.hf_fsdp import choose_fsdp
-
-    gpu, gib = torch.device("cuda", 0), 2**30
-    small = choose_fsdp("auto", params=500_000_000, local_size=8, device=gpu, device_bytes=24 * gib)
-    big = choose_fsdp("auto", params=8_000_000_000, local_size=8, device=gpu, device_bytes=24 * gib)
-    alone = choose_fsdp("auto", params=8_000_000_000, local_size=1, device=gpu, device_bytes=24 * gib)
-    cpu = choose_fsdp("auto", params=8_000_000_000, local_size=8, device=torch.device("cpu"))
-    assert not small[0] and "fits one 24 GiB GPU" in small[1]
-    assert big[0] and "119.2 GiB" in big[1] and "sharded over 8 processes" in big[1]
-    assert not alone[0] and "--procs-per-replica" in alone[1]
-    assert not cpu[0] and choose_fsdp(True, params=1, local_size=1, device=gpu)[0]
-
-
-@pytest.mark.slow
-@pytest.mark.long  # two replica starts of 2 processes each, one relaunch: about a minute on two cores
-def test_a_killed_local_process_is_relaunched_and_every_shard_rejoins_with_its_state(
-        home: Path, tmp_path: Path, tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
-    """Local process 1 of replica 1 is SIGKILLed after inner step 8 (round 1 committed at step 6). The replica
-    fails, the launcher relaunches it, and both of its processes rejoin after round 1: each reads its own rows of
-    the committed round and gets its rows' inner optimizer state back; the run ends with identical weights."""
-    from diloco.launcher import api
-
-    monkeypatch.setenv("DILOCO_RESTART_BACKOFF_S", "0")
-    monkeypatch.setenv("DILOCO_CHECKPOINT_DIR", str(tmp_path / "checkpoints"))
-    monkeypatch.chdir(Path(__file__).resolve().parent.parent)  # tests/: the replicas import support.fsdp_kill_trainer
-    (tmp_path / "done").mkdir()
-    data = str(write_jsonl(tmp_path / "corpus"))
-    kwargs = {"model_config": TINY_LLAMA, "tokenizer": str(tokenizer_dir), "data": data, "block_size": BLOCK,
-              "batch_size": 4, "lr": 3e-3, "eval_batches": 1, "seed": SEED, "fsdp": True, "kill_step": 8,
-              "done_dir": str(tmp_path / "done")}
-    args = ["launch", "--replicas", "2", "--backend", "local", "--trainer", "support.fsdp_kill_trainer:train",
-            "--steps", str(STEPS), "--sync-every", str(SYNC), "--procs-per-replica", "2", "--max-restarts", "1",
-            "--set", "store.timeout_s=120", "--detach", "-o", "json"]
-    for key, value in kwargs.items():
-        args += ["-k", f"{key}={json.dumps(value)}"]
-    launched = runner.invoke(app, args)
-    assert launched.exit_code == 0, launched.output
-    run = api.get_run(str(json.loads(launched.stdout)["run_id"]))
-    run.wait()  # relaunches the failed replica (the run's --max-restarts)
-    report = run.collect(None)
-    assert report.state.value == "succeeded" and report.weights_identical is True, report
-    assert [r.restarts for r in report.ranks] == [0, 1]
-
-    logs = home / "runs" / run.run_id / "logs"
-    killed = (next(logs.glob("rank_1.try*")) / "combined.log").read_text(errors="replace")
-    again = (logs / "rank_1" / "combined.log").read_text(errors="replace")
-    assert "SIGKILL local process 1 of replica 1 after inner step 8" in killed
-    assert "rank 1 rejoins the run after committed round 1" in again
-    for local in (0, 1):  # each process: its own rows' inner optimizer state of round 1, restored
-        assert re.search(rf"\[rank 1\.{local}\] .*restored the inner optimizer state of round 1 from .*"
-                         rf"local_000{local}_of_0002", again), again[-4000:]
+    every_log = "".join(p.read_text(errors="replace") for p in logs.rglob("*") if p.is_file())
+    assert "fsdp=true" in every_log and "FSDP2 over 2 local processes" in every_log
 
 
 def test_the_gpu_check_skips_in_one_line_without_cuda() -> None:
