@@ -45,6 +45,16 @@ global rank. A backend that can run such a part says so (``supports_rank_ranges`
 describes, cancels, relaunches and logs exactly its ranks (``LaunchSpec.own_ranks``, ``RunHandle.own_ranks``), with
 names and directories per global rank so two parts of one run never collide. One that does not is refused such a
 part with one clear line (``require_rank_support``); for whole runs nothing changes.
+
+A run may grow while it runs (``diloco scale``): a backend that ``supports_scaling`` starts replicas for new global
+ranks on the live run with ``add_ranks(handle, ranks, spec)``, under the same argv and environment contract as
+``submit``, and returns the handle that now covers them, so ``describe``, ``logs``, ``relaunch``, ``cancel`` and
+``remove`` reach the new replicas as they reach the first ones (``RunHandle.replicas`` and ``RunHandle.ranks`` grow;
+nothing may assume they are fixed at submit). New ranks come after every rank the handle has (``grown_ranks``), so
+a rank is never reused. ``WORLD_SIZE`` is the run's *rank space*, one more than its highest rank (``max(ranks)+1``
+for the replicas that grow it), not how many replicas live: who takes part in a round is that round's membership,
+kept in the store. A run shrinks without a backend call: a drained replica exits 0 by itself; ``cancel(handle,
+ranks)`` is the fallback.
 """
 
 from __future__ import annotations
@@ -161,6 +171,10 @@ class LaunchSpec(BaseModel):
     #: The global ranks this backend runs, ascending and contiguous, when it runs one part of a run split over
     #: several backends; ``None``: all ``replicas`` of them. ``replicas`` stays the run's world size either way.
     ranks: list[int] | None = None
+    #: The most replicas the run may grow to (``--max-replicas``); None: no bound was set. With it, a backend whose
+    #: service may refuse a replica for capacity (SageMaker managed spot) keeps asking for that replica, the rank
+    #: waiting as pending, instead of failing it (the backend says how in its docs).
+    max_replicas: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _check_ranks(self) -> LaunchSpec:
@@ -278,6 +292,41 @@ def rank_range_problem(ranks: Sequence[int], replicas: int) -> str | None:
     if ranks[0] < 0 or ranks[-1] >= replicas:
         return f"must lie in 0..{replicas - 1}, the run's ranks (got {list(ranks)})"
     return None
+
+
+class GrownRanks(BaseModel):
+    """What a handle becomes when ``add_ranks`` gives it new ``ranks``: the run's new rank space (``replicas``),
+    the handle's ranks (``own``: None when they are every rank of that space), and the spec the new replicas are
+    planned from (``spec``: ``replicas`` the new rank space, ``ranks`` the new ones)."""
+
+    replicas: int
+    own: list[int] | None
+    spec: LaunchSpec
+
+
+def grown_ranks(handle: RunHandle, ranks: Sequence[int], spec: LaunchSpec) -> GrownRanks:
+    """Check ``ranks`` as the new ranks of ``handle``'s run and say what the handle becomes (``GrownRanks``);
+    ``ConfigError`` (one line naming ``ranks`` and the fix, nothing created) when they are empty, not ascending and
+    contiguous, or not after every rank the handle already has (a rank is never reused: a replica that ended is
+    relaunched, not added)."""
+    new = [int(r) for r in ranks]
+    if spec.run_id != handle.run_id:
+        raise ConfigError(f"spec.run_id: the spec is run {spec.run_id}'s, the handle run {handle.run_id}'s",
+                          hint="pass the spec of the run being grown")
+    if not new or new != list(range(new[0], new[0] + len(new))) or new[0] < 0:
+        raise ConfigError(f"ranks: the new ranks must be ascending and contiguous, at least one (got {new})",
+                          hint="add ranks such as [2, 3] to a run of ranks 0-1")
+    have = handle.own_ranks
+    if new[0] <= max(have):
+        taken = sorted(set(new) & set(have))
+        why = f"rank(s) {taken} already run here" if taken else f"they must come after its highest rank, {max(have)}"
+        raise ConfigError(f"ranks: cannot add {new} to run {handle.run_id} (ranks {have}): {why}",
+                          hint=f"add ranks from {max(handle.replicas, max(have) + 1)} on; a replica that ended is "
+                               "relaunched, not added")
+    replicas = max(handle.replicas, new[-1] + 1)
+    own = sorted([*have, *new])
+    grown_spec = spec.model_copy(update={"replicas": replicas, "ranks": new})
+    return GrownRanks(replicas=replicas, own=None if own == list(range(replicas)) else own, spec=grown_spec)
 
 
 def ranks_label(ranks: Sequence[int]) -> str:
@@ -444,6 +493,8 @@ class ServerlessExecutor(Generic[C, H]):
     #: Whether the backend runs one part of a run split over several backends: a spec whose ``ranks`` is a range
     #: of the run's (``LaunchSpec.is_part``), creating, naming and reporting exactly those global ranks.
     supports_rank_ranges: ClassVar[bool] = False
+    #: Whether ``add_ranks`` works: new replicas can join a live run for new global ranks (``diloco scale``).
+    supports_scaling: ClassVar[bool] = False
     #: Who brings a replica back when the backend retries it itself (a Job's retry, a spot restart), as the waiting
     #: launch says it: "replica 1 preempted (...); the cluster brings it back".
     retrier: ClassVar[str] = "its backend"
@@ -474,6 +525,21 @@ class ServerlessExecutor(Generic[C, H]):
                      since: float | None = None) -> Iterator[LogRecord]:
         """One replica's lines in order; with ``follow``, until it is terminal (then one last read)."""
         raise NotImplementedError(f"{type(self).__name__}.replica_logs")
+
+    def add_ranks(self, handle: H, ranks: Sequence[int], spec: LaunchSpec) -> H:
+        """Start new replicas for the global ``ranks`` of a run this backend is running (``handle``), and return
+        the handle that covers them as well as the first ones. Only when ``supports_scaling``.
+
+        ``spec`` is the run's spec (its entrypoint, settings, environment; its ``replicas`` and ``ranks`` are not
+        read); each new replica gets exactly what ``submit`` gives one (``LaunchSpec.replica_env(rank)``), with
+        ``WORLD_SIZE`` the run's new rank space: ``max(handle.replicas, max(ranks) + 1)`` (``grown_ranks``).
+        ``ranks`` must be ascending, contiguous and after every rank of the handle (``grown_ranks`` says why not, as
+        a ``ConfigError`` naming the field, before anything is created). All or nothing, as ``submit``: a replica
+        that cannot be started stops the ones this call started before the error propagates, and the run's first
+        replicas are untouched either way. The new replicas find the run's latest committed round in the store and
+        join at the next one, as a relaunched replica does."""
+        raise NotImplementedError(f"the {self.name} backend cannot add replicas to a live run ({type(self).__name__}"
+                                  f".add_ranks): it does not declare supports_scaling")
 
     # ---------------------------------------------------------------- defaults
     def relaunches(self, handle: H, rank: int) -> bool:

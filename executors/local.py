@@ -59,6 +59,7 @@ from diloco.executors.base import (
     RunListing,
     RunStatus,
     ServerlessExecutor,
+    grown_ranks,
     ranks_label,
 )
 from diloco.executors.local_supervisor import (
@@ -155,6 +156,8 @@ class LocalBackend(ServerlessExecutor[LocalBackendConfig, LocalRunHandle]):
     #: A part of a run split over backends gets a directory of its own (``part_dir``: its handle, requests, logs
     #: and checkpoints, removed with it); logs and checkpoints are per global rank.
     supports_rank_ranges: ClassVar[bool] = True
+    #: New ranks join a live run as more supervised processes in its directory (``add_ranks``).
+    supports_scaling: ClassVar[bool] = True
     config_type = LocalBackendConfig
     handle_type = LocalRunHandle
     STATES: ClassVar[dict[str, ReplicaState]] = {
@@ -203,20 +206,23 @@ class LocalBackend(ServerlessExecutor[LocalBackendConfig, LocalRunHandle]):
 
     def plan(self, spec: LaunchSpec) -> LaunchPlan:
         """The exact argv, added environment, cwd and log dir of every replica (of its ranks). Creates nothing."""
+        return LaunchPlan(backend=self.name, spec=spec, requests=self._requests(spec, self.part_dir(spec)))
+
+    def _requests(self, spec: LaunchSpec, base: str, processes: int | None = None) -> list[dict[str, Any]]:
+        """The spawn request of each of ``spec``'s own ranks, whose directory is ``base`` (the run's or its part's);
+        ``processes``: the training processes to share the cores between (default: the spec's)."""
         added: dict[str, str] = {"PYTHONUNBUFFERED": "1"}
         if "OMP_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in spec.env:
-            added["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // processes_of(spec)))
+            added["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // (processes or processes_of(spec))))
         if envvars.CHECKPOINT_DIR not in os.environ and envvars.CHECKPOINT_DIR not in spec.env:
             # Each rank keeps its inner optimizer state here (rank_RRRR/), so a relaunched replica resumes it.
-            added[envvars.CHECKPOINT_DIR] = os.path.join(self.part_dir(spec), "checkpoints")
+            added[envvars.CHECKPOINT_DIR] = os.path.join(base, "checkpoints")
         cwd = os.getcwd()
-        base = self.part_dir(spec)
-        requests = [
+        return [
             {"rank": rank, "argv": spec.argv(self.python), "env": {**added, **spec.replica_env(rank)}, "cwd": cwd,
              "log_dir": self.log_dir(spec.run_id, rank, base), "timeout_s": spec.timeout_s}
             for rank in spec.own_ranks
         ]
-        return LaunchPlan(backend=self.name, spec=spec, requests=requests)
 
     # ------------------------------------------------------------------ capacity
     def check_capacity(self, spec: LaunchSpec, force: bool = False) -> CapacityEstimate:
@@ -270,6 +276,68 @@ class LocalBackend(ServerlessExecutor[LocalBackendConfig, LocalRunHandle]):
                     ) from exc
                 raise
         return handle
+
+    def add_ranks(self, handle: LocalRunHandle, ranks: Sequence[int], spec: LaunchSpec) -> LocalRunHandle:
+        """Start replicas for the new global ``ranks`` of a live run, in the run's (or part's) directory, each under
+        its own supervisor exactly as ``submit`` starts one, and return the handle that lists them.
+
+        Their requests join ``requests.json`` (so ``relaunch`` repeats them) and the handle joins ``handle.json``
+        after each start (a replica started is a replica recorded, as in ``submit``): a ``describe``, ``logs`` or
+        ``cancel`` from any process then covers them. Refused (``ConfigError``, nothing started) for a run that was
+        cancelled, launched on another host, or that this machine cannot hold with them (``check_capacity`` over
+        every rank the run would then have, unless ``backend.oversubscribe``). If one cannot be started, the ones
+        this call started are stopped and forgotten before the error propagates; the run's other replicas go on."""
+        handle = self._current(handle)
+        grown = grown_ranks(handle, ranks, spec)
+        if handle.host != socket.gethostname():
+            raise ConfigError(f"run {handle.run_id} runs on host {handle.host}; its replicas are added there",
+                              hint=f"run diloco scale on {handle.host}")
+        if os.path.exists(os.path.join(handle.run_dir, RUN_CANCEL_MARKER)):
+            raise ConfigError(f"run {handle.run_id} was cancelled; a cancelled run does not grow",
+                              hint="launch a new run")
+        every = len(handle.own_ranks) + len(grown.spec.own_ranks)
+        self.check_capacity(spec.model_copy(update={"replicas": every, "ranks": None}))
+        requests = self._requests(grown.spec, handle.run_dir, every * (spec.entrypoint_args.procs_per_replica or 1))
+        path = os.path.join(handle.run_dir, REQUESTS_FILE)
+        recorded = (read_json(path) or {}).get("requests") or []
+        started: list[LocalProcess] = []
+        grown_handle = handle.model_copy(update={"replicas": grown.replicas, "ranks": grown.own})
+        with terminate_as_interrupt():
+            try:
+                _write_private_json(path, {"requests": [*recorded, *requests]})
+                for request in requests:
+                    with signals_deferred():  # a replica started is a replica recorded, Ctrl-C or not
+                        started.append(self._spawn(request))
+                        grown_handle = grown_handle.model_copy(
+                            update={"processes": [*handle.processes, *started]})
+                        write_json_atomic(os.path.join(handle.run_dir, HANDLE_FILE),
+                                          grown_handle.model_dump(mode="json"))
+            except BaseException as exc:
+                self._forget_added(handle, started, recorded)
+                if isinstance(exc, OSError):
+                    rank = grown.spec.own_ranks[len(started)]
+                    raise BackendError(f"could not start local replica {rank}: {type(exc).__name__}: {exc}",
+                                       hint="the replicas this call had started were stopped; the run goes on "
+                                            "as it was") from exc
+                raise
+        return grown_handle
+
+    def _forget_added(self, handle: LocalRunHandle, started: list[LocalProcess],
+                      recorded: list[dict[str, Any]]) -> None:
+        """Undo an ``add_ranks`` cut short: stop and kill the replicas it started, and put the run's handle and
+        requests back as they were (the run's first replicas are never touched)."""
+        with signals_deferred():
+            if started:
+                partial = handle.model_copy(update={"processes": started})
+                self.cancel(partial, [p.rank for p in started])
+                deadline = time.monotonic() + self.config.grace_period_s + 5.0
+                while time.monotonic() < deadline and any(self._alive(p) for p in started):
+                    time.sleep(0.05)
+                for p in started:
+                    if self._alive(p):
+                        self._signal_group(p, signal.SIGKILL)
+            write_json_atomic(os.path.join(handle.run_dir, HANDLE_FILE), handle.model_dump(mode="json"))
+            _write_private_json(os.path.join(handle.run_dir, REQUESTS_FILE), {"requests": recorded})
 
     def roll_back(self, handle: LocalRunHandle) -> None:
         """What a failed ``submit`` does: stop the replicas, kill what outlives the grace period, delete the run's

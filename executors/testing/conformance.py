@@ -264,6 +264,56 @@ class BackendConformance:
             time.sleep(0.2)
         assert case.live(run_id) == []
 
+    # ------------------------------------------------------------------ growing a live run
+    def test_add_ranks_grows_a_live_run(self, case: BackendCase, tmp_path: Path) -> None:
+        """``add_ranks`` (``diloco scale``): ranks 2 and 3 join a live run of 2 with the same argv and environment
+        contract as the first replicas (their global rank, the run's new rank space as ``WORLD_SIZE``), and the
+        handle it returns makes describe, logs, relaunch (where the backend relaunches) and cancel cover them.
+        Ranks that are taken or not contiguous are refused in one line before anything is created. A backend
+        that does not declare ``supports_scaling`` must say so (``NotImplementedError`` naming it)."""
+        backend = case.backend()
+        run_id = _run_id("grow")
+        spec = case.spec(run_id, replicas=2, lines=2, announce_world=True, sleep=120, env_out=str(tmp_path))
+        if not backend.supports_scaling:
+            handle = backend.submit(backend.plan(case.spec(run_id, replicas=2, lines=1)))
+            with pytest.raises(NotImplementedError, match=backend.name):
+                backend.add_ranks(handle, [2], spec)
+            backend.wait(handle, timeout_s=case.patience_s, poll_interval_s=0.2)
+            return
+        handle = backend.submit(backend.plan(spec))
+        try:
+            wait_until(backend, handle, {ReplicaState.RUNNING}, case.patience_s)
+            for taken in ([1, 2], [3, 5], []):
+                with pytest.raises(ConfigError, match="ranks"):
+                    backend.add_ranks(handle, taken, spec)
+            assert [r.rank for r in backend.describe(handle).replicas] == [0, 1], "a refused add created nothing"
+            grown = backend.add_ranks(handle, [2, 3], spec)
+            assert grown.own_ranks == [0, 1, 2, 3] and grown.replicas == 4
+            status = wait_until(backend, grown, {ReplicaState.RUNNING}, case.patience_s)
+            assert [r.rank for r in status.replicas] == [0, 1, 2, 3], status
+            wait_for_output(backend, grown, "line 1", case.patience_s)
+            records = list(backend.logs(grown, [2, 3]))
+            for rank in (2, 3):
+                assert f"rank {rank} of world size 4" in [r.text for r in records if r.rank == rank], records
+                env = json.loads((tmp_path / f"rank_{rank}.json").read_text())["env"]
+                assert (env.get("DILOCO_RUN_ID"), env.get("WORLD_SIZE")) == (run_id, "4"), env
+            if backend.supports_relaunch:
+                backend.cancel(grown, ranks=[3])
+                ended = wait_until(backend, grown, {ReplicaState.RUNNING, ReplicaState.CANCELLED}, case.patience_s)
+                assert ended.replica(3).state == ReplicaState.CANCELLED, ended
+                grown = backend.relaunch(grown, 3)
+                again = wait_until(backend, grown, {ReplicaState.RUNNING}, case.patience_s)
+                assert again.replica(3).state == ReplicaState.RUNNING and again.replica(3).restarts >= 1, again
+            backend.cancel(grown)
+            final = backend.wait(grown, timeout_s=case.patience_s, poll_interval_s=0.2)
+            assert [r.state for r in final.replicas] == [ReplicaState.CANCELLED] * 4, final
+        finally:
+            backend.cancel(handle)
+        deadline = time.monotonic() + case.patience_s
+        while case.live(run_id) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert case.live(run_id) == [], "cancel must reach the added replicas too"
+
     # ------------------------------------------------------------------ a later CLI process
     def test_describe_from_a_restarted_process(self, case: BackendCase, tmp_path: Path) -> None:
         backend = case.backend()
