@@ -279,16 +279,17 @@ def test_inner_optimizer_state_saved_for_an_older_round_is_ignored_with_a_log_li
 
 # ---------------------------------------------------------------- the kill harness: real processes, real launcher
 TESTS_DIR = Path(__file__).resolve().parents[1]
-#: Seeded trials in runs of 4 replicas with 5 kills each (the runs share their start-up: four torch imports per run
-#: instead of per trial). The runs are independent (each its own home, store and checkpoint directory) and go side
-#: by side: most of a run is its replicas waiting on a relaunched peer. Two runs (10 trials) hit every moment at
-#: least twice; DILOCO_KILL_TRIALS=20 runs the full 20 of the acceptance run.
+#: Seeded trials in runs of 2 replicas with 5 kills each (a run's kills share its start-up: two torch imports per
+#: run plus one per kill, instead of a run per trial). One run (5 trials) hits every named moment: its first kill
+#: before the first round, the other four mid-round, during an upload, during the outer step and mid-round again.
+#: DILOCO_KILL_TRIALS=20 runs the 20 trials of the acceptance run (four runs side by side, the moments in turn).
 KILLS_PER_RUN = 5
-TRIALS = int(os.environ.get("DILOCO_KILL_TRIALS", "10")) // KILLS_PER_RUN * KILLS_PER_RUN
-HARNESS_SYNC_EVERY, HARNESS_ROUNDS = 4, 2 * KILLS_PER_RUN
+TRIALS = max(1, int(os.environ.get("DILOCO_KILL_TRIALS", "5")) // KILLS_PER_RUN) * KILLS_PER_RUN
+HARNESS_REPLICAS, HARNESS_SYNC_EVERY, HARNESS_ROUNDS = 2, 4, 2 * KILLS_PER_RUN
 #: The moments the issue names. "start" (before the first round) only fits a run's first kill, so slot s of a run
-#: kills in round 2s+1: slot 0 before the first round, slots 1-4 mid-round, during an upload or during the outer
-#: step, in turn (each of those three is hit five times or more).
+#: kills in round 2s+1: slot 0 before the first round (in the first run always at the very start; in later runs
+#: before the first inner step or after a few steps of round 1), slots 1-4 mid-round, during an upload or during
+#: the outer step, in turn.
 MOMENTS = ("start", "mid_round", "upload", "outer_step")
 #: A safety net for one launch, not a speed bound: each of a run's rounds is bounded by store.timeout_s (60 s,
 #: extended while a relaunch is pending), and its launcher gives up on a replica after --max-restarts.
@@ -299,17 +300,19 @@ def trial_plan(trial: int) -> dict[str, int | str]:
     """Trial ``trial``'s kill, from its seed (1000 + trial): a random victim, at a random point of its moment."""
     rng = random.Random(1000 + trial)
     slot = trial % KILLS_PER_RUN
-    moment = "start" if slot == 0 else MOMENTS[1 + (trial // KILLS_PER_RUN + slot) % 3]
+    moment = "start" if slot == 0 else MOMENTS[1 + (trial // KILLS_PER_RUN + slot - 1) % 3]
     round_number = 2 * slot + 1
-    if moment == "start":  # before the first inner step, or after a few steps of round 1
-        moment, step = rng.choice([("start", 0), ("mid_round", rng.randrange(1, HARNESS_SYNC_EVERY))])
+    if moment == "start":  # before the first inner step, or (after the first run) after a few steps of round 1
+        moment, step = ("start", 0) if trial == 0 else rng.choice(
+            [("start", 0), ("mid_round", rng.randrange(1, HARNESS_SYNC_EVERY))])
     elif moment == "mid_round":
         step = rng.randrange(1, HARNESS_SYNC_EVERY)
     elif moment == "outer_step":
         step = rng.randrange(2)  # 0: before the outer step is applied; 1: after, before the round is committed
     else:
         step = 0
-    return {"trial": trial, "rank": rng.randrange(4), "moment": moment, "round": round_number, "step": step}
+    return {"trial": trial, "rank": rng.randrange(HARNESS_REPLICAS), "moment": moment, "round": round_number,
+            "step": step}
 
 
 def attempt_logs(home: Path, rank: int) -> list[str]:
@@ -348,7 +351,8 @@ class HarnessRun:
         self.done.mkdir()
         started = time.monotonic()
         self.launch = subprocess.run(
-            [DILOCO, "launch", "--replicas", "4", "--backend", "local", "--trainer", "support.kill_trainer:train",
+            [DILOCO, "launch", "--replicas", str(HARNESS_REPLICAS), "--backend", "local",
+             "--trainer", "support.kill_trainer:train",
              "--steps", str(HARNESS_SYNC_EVERY * HARNESS_ROUNDS), "--sync-every", str(HARNESS_SYNC_EVERY),
              "--max-restarts", str(KILLS_PER_RUN), "--set", "store.poll_interval_s=0.1",
              "--set", "store.timeout_s=60", "-k", f"kills={json.dumps(self.plans)}", "-k", f"done_dir={self.done}",
@@ -361,10 +365,10 @@ class HarnessRun:
 
 @pytest.mark.slow
 @pytest.mark.long
-@pytest.mark.timeout(900)  # 36 replica starts (four runs side by side): far longer when the cores are shared
+@pytest.mark.timeout(900)  # 7 replica starts (20 trials: 28, four runs side by side)
 def test_sigkill_of_a_random_replica_at_every_named_moment_is_survived_with_identical_weights(
         tmp_path: Path) -> None:
-    """Seeded trials (``TRIALS``), each a SIGKILL of a random replica of a 4-replica local run at one of the named
+    """Seeded trials (``TRIALS``), each a SIGKILL of a random replica of a 2-replica local run at one of the named
     moments; every run completes through the real launcher (relaunch, rejoin) with identical weights."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -390,7 +394,8 @@ def test_sigkill_of_a_random_replica_at_every_named_moment_is_survived_with_iden
             print("rejoin trial:", json.dumps(log))  # the trial log, kept in the test output
         assert launch.returncode == 0, (plans, launch.stderr[-3000:])
         assert summary["state"] == "succeeded" and summary["weights_identical"] is True, summary
-        assert [r["restarts"] for r in ranks] == [sum(p["rank"] == r for p in plans) for r in range(4)], plans
+        assert [r["restarts"] for r in ranks] == [sum(p["rank"] == r for p in plans)
+                                                  for r in range(HARNESS_REPLICAS)], plans
         for log in trial_log[-KILLS_PER_RUN:]:
             assert log["killed"] is True, log
             # it rejoins at the round it was killed in, or after it (killed after its upload: that round commits
