@@ -542,6 +542,14 @@ class ServerlessExecutor(Generic[C, H]):
                                   f".add_ranks): it does not declare supports_scaling")
 
     # ---------------------------------------------------------------- defaults
+    def ask_again_for_capacity(self, handle: H) -> H:
+        """Ask again for the replicas the service refused for capacity, when the run keeps asking
+        (``LaunchSpec.max_replicas`` on a backend whose service refuses capacity: SageMaker managed spot); returns
+        the updated handle, unchanged when nothing was due. Such a replica reads as pending meanwhile, never
+        failed, so the run goes on with the others. Whoever waits on the run calls it each poll and records the
+        handle it returns; default: nothing is ever refused for capacity."""
+        return handle
+
     def relaunches(self, handle: H, rank: int) -> bool:
         """Whether a failed replica ``rank`` can be relaunched (``relaunch``): ``supports_relaunch`` for a backend
         that runs every replica the same way; a composite one answers per replica, by the part that runs it."""

@@ -23,6 +23,7 @@ from diloco.executors.base import (
     RunState,
     RunStatus,
     ServerlessExecutor,
+    grown_ranks,
 )
 from diloco.executors.logstream import LogRecord
 
@@ -150,6 +151,8 @@ class SageMakerBackend(ServerlessExecutor[SageMakerBackendConfig, SageMakerRunHa
     supports_relaunch: ClassVar[bool] = True
     #: Jobs, checkpoint prefixes and tags are per global rank, so a part of a run needs nothing more.
     supports_rank_ranges: ClassVar[bool] = True
+    #: New ranks are new training jobs, named, tagged and checkpointed per global rank like the first ones.
+    supports_scaling: ClassVar[bool] = True
     retrier: ClassVar[str] = "SageMaker"
     config_type = SageMakerBackendConfig
     handle_type = SageMakerRunHandle
@@ -378,7 +381,8 @@ class SageMakerBackend(ServerlessExecutor[SageMakerBackendConfig, SageMakerRunHa
         or checkpoints) is deleted. A failed launch leaves no job running and no object of its own."""
         spec = plan.spec
         region = self.region()
-        handle = SageMakerRunHandle(run_id=spec.run_id, replicas=spec.replicas, ranks=spec.ranks, region=region)
+        handle = SageMakerRunHandle(run_id=spec.run_id, replicas=spec.replicas, ranks=spec.ranks, region=region,
+                                    capacity_retry_s=self._capacity_policy(spec))
         sm = self.client("sagemaker", region)
         failing: str | None = None
         try:
@@ -406,6 +410,65 @@ class SageMakerBackend(ServerlessExecutor[SageMakerBackendConfig, SageMakerRunHa
         except BaseException:
             self._roll_back(sm, handle, failing, self.base_uri(spec), region)
             raise
+        return handle
+
+    def _capacity_policy(self, spec: LaunchSpec) -> float | None:
+        """``capacity_retry_s`` when the run keeps asking for capacity: managed spot (where capacity comes and goes)
+        with a bound on the run's size (``--max-replicas``: the run is elastic, so it can go on without a replica
+        SageMaker has no instance for yet); None otherwise."""
+        return self.config.capacity_retry_s if self.config.use_spot and spec.max_replicas is not None else None
+
+    # ------------------------------------------------------------------ growing a live run
+    def add_ranks(self, handle: SageMakerRunHandle, ranks: Sequence[int],
+                  spec: LaunchSpec) -> SageMakerRunHandle:
+        """One new training job per new rank, named, tagged, checkpointed and configured as ``submit`` creates the
+        first ones (``plan`` of the new ranks, the run's rank space as ``WORLD_SIZE``), reusing the code the launch
+        shipped. Returns the handle whose ``job_names`` end with them, which describe, logs, relaunch and cancel
+        then follow. Refused (``ConfigError``, nothing created) while the launch is still creating its jobs. If
+        creating one fails, the jobs this call created are stopped before the error propagates; the run's other
+        jobs and its files are untouched."""
+        grown = grown_ranks(handle, ranks, spec)
+        if len(handle.job_names) < len(handle.own_ranks):
+            raise ConfigError(f"ranks: run {handle.run_id} is still being launched (replicas "
+                              f"{handle.own_ranks[len(handle.job_names):]} have no job yet)",
+                              hint="scale it once its launch has finished")
+        plan = self.plan(grown.spec)
+        region = handle.region or self.region()
+        sm = self.client("sagemaker", region)
+        created: list[str] = []
+        for rank, request in zip(grown.spec.own_ranks, plan.requests, strict=True):
+            try:
+                aws_call(f"could not create the SageMaker training job of new replica {rank} "
+                         f"({request['TrainingJobName']})", lambda r=request: sm.create_training_job(**r),
+                         hint=f"the {len(created)} job(s) this scale had created were stopped; the run goes on as "
+                              "it was" if created else "nothing was created; the run goes on as it was")
+            except BaseException as exc:
+                unknown = [] if _refused(getattr(exc, "__cause__", None)) else [request["TrainingJobName"]]
+                for name in [*created, *unknown]:  # a create whose answer was lost may have created the job
+                    try:
+                        self._stop(sm, name)
+                    except BackendError as stop_error:
+                        _say(f"could not stop {name}: {stop_error}")
+                raise
+            created.append(request["TrainingJobName"])
+        return handle.model_copy(update={
+            "replicas": grown.replicas, "ranks": grown.own, "job_names": [*handle.job_names, *created],
+            "capacity_retry_s": handle.capacity_retry_s if handle.capacity_retry_s is not None
+            else self._capacity_policy(spec)})
+
+    def ask_again_for_capacity(self, handle: SageMakerRunHandle) -> SageMakerRunHandle:
+        """For a run that keeps asking for capacity (``capacity_retry_s``): a new job (``relaunch``, the same request
+        under the next attempt's name) for each rank whose current job SageMaker refused for capacity at least
+        ``capacity_retry_s`` ago. Returns the handle naming the new jobs (unchanged when none was due)."""
+        if handle.capacity_retry_s is None:
+            return handle
+        descs = self._poller(handle).descriptions([n for n in handle.job_names])
+        now = time.time()
+        for rank in handle.created_ranks:
+            desc = descs.get(handle.job_of(rank) or "") or {}
+            ended = _ts(desc.get("TrainingEndTime") or desc.get("LastModifiedTime"))
+            if _capacity_refused(desc) and (ended is None or now - ended >= handle.capacity_retry_s):
+                handle = self.relaunch(handle, rank)
         return handle
 
     def _stopped_meanwhile(self, sm: Any, handle: SageMakerRunHandle) -> bool:
@@ -561,8 +624,29 @@ class SageMakerBackend(ServerlessExecutor[SageMakerBackendConfig, SageMakerRunHa
                                               detail="not created yet (the launch is still creating jobs)"))
                 continue
             earlier = self._earlier_billable_s(descs, handle, rank)
-            replicas.append(self._replica_status(rank, name, descs.get(name), region, earlier))
+            status = self._replica_status(rank, name, descs.get(name), region, earlier)
+            if handle.capacity_retry_s is not None:
+                status = self._waiting_for_capacity(status, descs, handle, rank)
+            replicas.append(status)
         return RunStatus(run_id=handle.run_id, replicas=replicas)
+
+    def _waiting_for_capacity(self, status: ReplicaStatus, descs: Mapping[str, Mapping[str, Any] | None],
+                              handle: SageMakerRunHandle, rank: int) -> ReplicaStatus:
+        """A rank of a run that keeps asking for capacity: its jobs refused for capacity are not restarts (they
+        never ran), and while its current job is one, the rank is pending, to be asked for again, not failed."""
+        jobs = self.rank_jobs(handle, rank)
+        refusals = sum(1 for name in jobs[:-1] if _capacity_refused(descs.get(name) or {}))
+        status = status.model_copy(update={"restarts": max(0, status.restarts - refusals)})
+        current = descs.get(jobs[-1]) or {}
+        if not _capacity_refused(current):
+            return status
+        ended = _ts(current.get("TrainingEndTime") or current.get("LastModifiedTime")) or time.time()
+        again = time.strftime("%H:%M:%S", time.localtime(ended + (handle.capacity_retry_s or 0)))
+        return status.model_copy(update={
+            "state": ReplicaState.PENDING, "failure": None, "exit_code": None, "ended_at": None,
+            "reason": f"waiting for capacity: SageMaker refused {jobs[-1]} ({current.get('FailureReason')}); "
+                      f"a new job is asked for from {again} (spot with --max-replicas)",
+            "detail": f"{status.detail}; waiting for capacity ({refusals + 1} refusal(s))"})
 
     def _earlier_billable_s(self, descs: Mapping[str, Mapping[str, Any] | None], handle: SageMakerRunHandle,
                             rank: int) -> float:
@@ -877,6 +961,12 @@ def _refused(exc: BaseException | None) -> bool:
         return False
     status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
     return isinstance(status, int) and 400 <= status < 500
+
+
+def _capacity_refused(desc: Mapping[str, Any]) -> bool:
+    """Whether a job ended because SageMaker had no capacity for it (``Failed``, ``CapacityError: ...``)."""
+    return desc.get("TrainingJobStatus") == "Failed" and \
+        str(desc.get("FailureReason") or "").startswith("CapacityError:")
 
 
 def _say(line: str) -> None:

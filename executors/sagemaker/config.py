@@ -109,6 +109,9 @@ class SageMakerBackendConfig(BackendConfig):
     max_wait_s: int | None = Field(None, ge=1)  # spot only, >= the time limit; default default_spot_wait_s()
     log_poll_interval_s: float = Field(5.0, gt=0)  # how often `diloco logs -f` reads CloudWatch
     tags: dict[str, str] = Field(default_factory=dict)
+    #: A spot run with ``--max-replicas``: how long after SageMaker refused a replica's job for capacity
+    #: (``CapacityError``) a new job is asked for (``ask_again_for_capacity``); the rank waits as pending meanwhile.
+    capacity_retry_s: float = Field(60.0, gt=0)
 
 
 class SageMakerRunHandle(RunHandle):
@@ -117,6 +120,10 @@ class SageMakerRunHandle(RunHandle):
     backend: str = "sagemaker"
     region: str | None = None
     job_names: list[str] = Field(default_factory=list)
+    #: Set (seconds) when the run keeps asking for capacity (managed spot with ``--max-replicas``): a job refused
+    #: for capacity leaves its rank pending, not failed, and a new job is asked for this long after; None: a
+    #: refusal is a failure like any other (relaunched within ``--max-restarts``).
+    capacity_retry_s: float | None = None
 
     @property
     def created_ranks(self) -> list[int]:

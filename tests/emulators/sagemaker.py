@@ -34,7 +34,8 @@ credential scope, the signature itself is not checked) and answers with the serv
 
 Each job runs as a local process (``sagemaker_job.TrainingJob`` documents exactly what it gets and does), with
 S3 input channels, checkpoints, artifacts and CloudWatch Logs on an S3/Logs endpoint (the tests' moto server, or
-an embedded one). Fault knobs for tests: ``throttle``, ``refuse_create``, ``set_instance_limit``, ``interrupt`` (a spot
+an embedded one). Fault knobs for tests: ``throttle``, ``refuse_create``, ``set_instance_limit``, ``refuse_capacity``
+(no capacity for the next spot jobs: each fails while Starting with the service's ``CapacityError``), ``interrupt`` (a spot
 reclaim: the job comes back), ``crash`` (the job fails for good), ``fail`` (the job fails with one of the
 ``FailureReason`` forms on record, ``sagemaker_job.FAILURE_FORMS``), ``break_pip`` (the image's pip installs
 nothing), ``throttle_logs``, ``hold_create`` (a CreateTrainingJob whose answer
@@ -160,6 +161,7 @@ class SageMakerEmulator:
         self._refuse_at: int | None = None
         self._creates_seen = 0
         self._instance_limits: dict[str, int] = {}
+        self._capacity_refusals: dict[str, Any] = {}  # the refuse_capacity knob: left, instance_type, spot_only
         self._hold_at: int | None = None
         self._held = threading.Event()  # set while a CreateTrainingJob answer is being held
         self._release = threading.Event()
@@ -289,6 +291,29 @@ class SageMakerEmulator:
         with self._lock:
             self._creates_seen = 0
             self._refuse_at = nth
+
+    def refuse_capacity(self, jobs: int = 1, *, instance_type: str | None = None, spot_only: bool = True) -> None:
+        """No capacity for the next ``jobs`` training jobs created from now (managed spot ones only, with
+        ``spot_only``; of ``instance_type`` only, if given), as the service refuses capacity: CreateTrainingJob
+        succeeds (capacity is not a request error: a quota is, ``ResourceLimitExceeded``), and the job then fails
+        while ``Starting``, before any instance is billed, with FailureReason "CapacityError: Unable to provision
+        requested ML compute capacity. Please retry using a different ML instance type." (the form on record,
+        DIAGNijmegen/rse-grand-challenge#2631 and aws/sagemaker-pytorch-training-toolkit#171; ``FAILURE_FORMS``'s
+        ``capacity``). A job asked for again later gets capacity once the count is spent."""
+        with self._lock:
+            self._capacity_refusals = {"left": jobs, "instance_type": instance_type, "spot_only": spot_only}
+
+    def _refuses_capacity(self, body: dict[str, Any]) -> bool:
+        """Whether the ``refuse_capacity`` knob takes this valid CreateTrainingJob (and count it)."""
+        knob = self._capacity_refusals
+        if not knob or knob["left"] <= 0:
+            return False
+        if knob["spot_only"] and not body.get("EnableManagedSpotTraining"):
+            return False
+        if knob["instance_type"] not in (None, (body.get("ResourceConfig") or {}).get("InstanceType")):
+            return False
+        knob["left"] -= 1
+        return True
 
     def set_instance_limit(self, instance_type: str, instances: int) -> None:
         """The account quota of ``instance_type`` for training jobs (jobs InProgress or Stopping count)."""
@@ -446,6 +471,8 @@ class SageMakerEmulator:
                                    f"region, and a training job with this name already exists ({arn})")
             job = TrainingJob(body, arn=arn, region=region, runtime=self._runtime)
             self._check_quota(job)
+            if self._refuses_capacity(body):
+                job.fail(FAILURE_FORMS["capacity"])  # armed: it fires while Starting, as the service's does
             self._jobs[name] = job
             hold = self._hold_at is not None and self._creates_seen == self._hold_at
             if hold:
