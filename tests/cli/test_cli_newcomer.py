@@ -36,6 +36,23 @@ def launch_args(trainer: str, *extra: str, steps: int = 2) -> list[str]:
             *extra]
 
 
+@pytest.fixture(scope="module")
+def ended_run_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A DILOCO_HOME holding one ended 2-replica run of the ``slow`` trainer (which writes no final weights): the
+    run that the read-only commands below (logs, completion, collect's refusals) are tried on, launched once."""
+    home = tmp_path_factory.mktemp("ended-run") / "home"
+    launched = run_cli(*launch_args("slow", "-k", "step_s=0.01"), home=home)
+    assert launched.returncode in (0, 1), launched.stderr
+    return home
+
+
+@pytest.fixture
+def ended_run(ended_run_home: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """``ended_run_home`` as this test's DILOCO_HOME."""
+    monkeypatch.setenv("DILOCO_HOME", str(ended_run_home))
+    return ended_run_home
+
+
 # ---------------------------------------------------------------------------------------------- B: true reports
 def test_a_diverged_run_gives_valid_json(home: Path) -> None:
     launched = run_cli(*launch_args("diverge"), "-o", "json", home=home)
@@ -114,9 +131,8 @@ def test_diloco_home_pointing_at_a_file_fails_every_command_clearly(tmp_path: Pa
 
 
 # ---------------------------------------------------------------------------------------------- collect --output
-def test_collect_output_directory_empty_path_and_overwrite(home: Path, tmp_path: Path) -> None:
-    launched = run_cli(*launch_args("slow", "-k", "step_s=0.01"), home=home)
-    assert launched.returncode in (0, 1), launched.stderr
+def test_collect_output_directory_empty_path_and_overwrite(ended_run: Path, tmp_path: Path) -> None:
+    home = ended_run
     run_id = strict_json(run_cli("status", "-o", "json", home=home).stdout)["run_id"]
     empty = runner.invoke(app, ["collect", "--output", ""])
     assert empty.exit_code == 2 and "--output: must be a file or directory path" in empty.stderr
@@ -144,8 +160,7 @@ def test_version() -> None:
     assert result.exit_code == 0 and result.stdout.strip() == f"diloco {version('diloco')}"
 
 
-def test_logs_as_json_lines(home: Path) -> None:
-    run_cli(*launch_args("slow", "-k", "step_s=0.01"), home=home)
+def test_logs_as_json_lines(ended_run: Path) -> None:
     result = runner.invoke(app, ["logs", "-o", "json"])
     assert result.exit_code == 0
     rows = [strict_json(line) for line in result.stdout.splitlines()]
@@ -180,8 +195,8 @@ def test_timeout_is_a_launch_flag_with_a_documented_default(home: Path) -> None:
     assert plan["requests"][0]["timeout_s"] == 60
 
 
-def test_shell_completion_of_run_ids_and_backends(home: Path) -> None:
-    run_cli(*launch_args("slow", "-k", "step_s=0.01"), home=home)
+def test_shell_completion_of_run_ids_and_backends(ended_run: Path) -> None:
+    home = ended_run
     run_id = strict_json(run_cli("status", "-o", "json", home=home).stdout)["run_id"]  # type: ignore[index]
 
     def complete(words: str) -> list[str]:
