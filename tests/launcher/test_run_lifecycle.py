@@ -1,5 +1,5 @@
 """A run's lifecycle as the launcher judges it, through the real CLI on the local backend (real replica processes,
-real kills): ``watch`` never relaunches into a run that has ended, and honours the run's own ``--max-restarts``;
+real kills): ``watch`` honours the run's own ``--max-restarts`` and never relaunches into a run that has ended;
 a run whose replica died but can still finish reads as running (with the replica awaiting a relaunch) until
 nothing can help; a run whose launcher died is finished by ``watch``; Ctrl-C says what state the run is in."""
 
@@ -66,30 +66,11 @@ def cleaned_up(home: Path, *procs: subprocess.Popen[str]) -> Iterator[None]:
                 cli("cancel", record.stem, home=home)
 
 
-def test_watch_on_a_run_that_failed_and_was_cancelled_relaunches_nothing(tmp_path: Path) -> None:
-    home = tmp_path / "home"
-    launch = background("launch", *PACED, "--steps", "400", "--max-restarts", "0", "--set", "store.timeout_s=15",
-                        "-o", "json", home=home)
-    with cleaned_up(home, launch):
-        kill_replica(home, 1)
-        out, err = launch.communicate(timeout=120)
-        assert launch.returncode == 1, err[-3000:]
-        launched = json.loads(out)
-        assert [r["state"] for r in launched["ranks"]] == ["cancelled", "failed"], launched["ranks"]
-        run_id = launched["run_id"]
-
-        watch = cli("watch", run_id, "-o", "json", home=home)
-        assert watch.returncode == 1, watch.stderr[-3000:]
-        assert f"run {run_id} has already ended (failed)" in watch.stderr
-        assert "relaunching" not in watch.stderr, watch.stderr[-3000:]
-        report = json.loads(watch.stdout)
-        assert report["state"] == "failed" and [r["restarts"] for r in report["ranks"]] == [0, 0], report
-        assert report["ranks"][1]["reason"] == launched["ranks"][1]["reason"]  # still the kill, not a timeout
-        assert not list(home.glob("runs/*/logs/rank_1.try*")), "a replica was relaunched into the run"
-        assert not processes_of(run_id)
-
-
-def test_watch_honours_the_max_restarts_the_run_was_launched_with(tmp_path: Path) -> None:
+def test_watch_honours_the_runs_max_restarts_and_on_the_run_it_ended_relaunches_nothing(tmp_path: Path) -> None:
+    """A detached run launched with ``--max-restarts 0`` loses replica 1 to a SIGKILL: it reads as failed at once
+    (no relaunch can help) though replica 0 still runs; ``watch`` stops replica 0 and relaunches nothing (``watch``
+    waits as ``launch`` does: one waiting code); a second ``watch`` on the run that has now ended (failed, replica 0
+    cancelled) only says so, still with the kill as replica 1's reason."""
     home = tmp_path / "home"
     launch = cli("launch", *PACED, "--steps", "400", "--max-restarts", "0", "--set", "store.timeout_s=60",
                  "--detach", "-o", "json", home=home)
@@ -105,8 +86,20 @@ def test_watch_honours_the_max_restarts_the_run_was_launched_with(tmp_path: Path
         assert watch.returncode == 1, watch.stderr[-3000:]
         assert "relaunching" not in watch.stderr, watch.stderr[-3000:]
         assert re.search(r"replica 1 failed \(.+\); stopping replica\(s\) 0", watch.stderr), watch.stderr[-3000:]
-        assert [r["restarts"] for r in json.loads(watch.stdout)["ranks"]] == [0, 0]
+        watched = json.loads(watch.stdout)
+        assert [r["restarts"] for r in watched["ranks"]] == [0, 0]
+        assert [r["state"] for r in watched["ranks"]] == ["cancelled", "failed"], watched["ranks"]
         assert status["awaiting_relaunch"] == [] and "diloco watch" not in cli("status", run_id, home=home).stderr
+        assert not processes_of(run_id)
+
+        again = cli("watch", run_id, "-o", "json", home=home)
+        assert again.returncode == 1, again.stderr[-3000:]
+        assert f"run {run_id} has already ended (failed)" in again.stderr
+        assert "relaunching" not in again.stderr, again.stderr[-3000:]
+        report = json.loads(again.stdout)
+        assert report["state"] == "failed" and [r["restarts"] for r in report["ranks"]] == [0, 0], report
+        assert report["ranks"][1]["reason"] == watched["ranks"][1]["reason"]  # still the kill, not a timeout
+        assert not list(home.glob("runs/*/logs/rank_1.try*")), "a replica was relaunched into the run"
         assert not processes_of(run_id)
 
 
