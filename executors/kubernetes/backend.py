@@ -24,6 +24,7 @@ from diloco.executors.base import (
     RunState,
     RunStatus,
     ServerlessExecutor,
+    grown_ranks,
     ranks_label,
 )
 from diloco.executors.failures import EXIT_DROPPED, FailureClass, FailureVerdict
@@ -71,6 +72,7 @@ from diloco.executors.kubernetes.config import (
     SIGTERM_EXIT,
     TIMEOUT,
     TRAINER_ERROR_EXIT,
+    AddedJob,
     KubernetesBackendConfig,
     KubernetesRunHandle,
 )
@@ -125,6 +127,8 @@ class KubernetesBackend(ServerlessExecutor[KubernetesBackendConfig, KubernetesRu
     #: A part of a run split over backends is its own Job (``<run_id>-r<first>-<last>``) whose pods, indexed
     #: 0..n-1, add ``DILOCO_RANK_OFFSET`` to their index; everything here speaks global ranks (``_index``).
     supports_rank_ranges: ClassVar[bool] = True
+    #: New ranks are a second Indexed Job, planned as a part of the run (``add_ranks``).
+    supports_scaling: ClassVar[bool] = True
     retrier: ClassVar[str] = "the cluster"
     config_type = KubernetesBackendConfig
     handle_type = KubernetesRunHandle
@@ -463,9 +467,41 @@ class KubernetesBackend(ServerlessExecutor[KubernetesBackendConfig, KubernetesRu
             return False
         return True
 
+    # ------------------------------------------------------------------ growing a live run
+    def add_ranks(self, handle: KubernetesRunHandle, ranks: Sequence[int],
+                  spec: LaunchSpec) -> KubernetesRunHandle:
+        """A second Indexed Job for the new ranks, planned as a part of the run (``<run_id>-r<first>-<last>``, its
+        pods adding the first new rank to their index, ``WORLD_SIZE`` the run's new rank space), with the same pod
+        template, failure policy and per-index retries as the first; the code the launch shipped is reused. Why not
+        the first Job, patched: see ``docs/backends/kubernetes.md`` (its pod template, hence every pod's
+        environment, is immutable). Returns the handle whose ``added`` names it, so describe, logs, cancel and
+        remove cover it. One object, so all or nothing: a create refused by the API leaves nothing, one whose answer
+        was lost is deleted again before the error propagates."""
+        grown = grown_ranks(handle, ranks, spec)
+        manifest = self.plan(grown.spec).requests[0]
+        meta = manifest["metadata"]
+        added = AddedJob(ranks=grown.spec.own_ranks, replicas=grown.replicas, job_name=meta["name"])
+        try:
+            answer = self._call(f"could not create Job {meta['namespace']}/{meta['name']}",
+                                self._batch().create_namespaced_job, meta["namespace"], manifest)
+        except BaseException as exc:
+            if not (isinstance(exc, BackendError) and _status_of(exc) is not None):  # the API's answer was lost
+                self._roll_back(handle.model_copy(update={"job_name": added.job_name, "job_uid": "", "added": []}))
+            raise
+        added.job_uid = answer["metadata"]["uid"]
+        first = {"first_replicas": handle.replicas, "first_ranks": handle.ranks} if not handle.added else {}
+        return handle.model_copy(update={"replicas": grown.replicas, "ranks": grown.own,
+                                         "added": [*handle.added, added], **first})
+
     # ------------------------------------------------------------------ describe
     def describe(self, handle: KubernetesRunHandle) -> RunStatus:
-        """Every replica from the Job and its pods (one GET, one LIST), by global rank."""
+        """Every replica from the run's Jobs and their pods (one GET, one LIST per Job: one for a run that never
+        grew), by global rank."""
+        return RunStatus(run_id=handle.run_id, replicas=[
+            r for job in handle.jobs() for r in self._describe_job(job).replicas])
+
+    def _describe_job(self, handle: KubernetesRunHandle) -> RunStatus:
+        """``describe`` of one Job (``handle`` as that Job alone was submitted)."""
         by_index = self._describe_indexes(handle)
         first = handle.own_ranks[0]
         return RunStatus(run_id=handle.run_id, replicas=[
@@ -721,7 +757,13 @@ class KubernetesBackend(ServerlessExecutor[KubernetesBackendConfig, KubernetesRu
 
     # ------------------------------------------------------------------ cancel
     def cancel(self, handle: KubernetesRunHandle, ranks: Sequence[int] | None = None) -> None:
-        """Stop the (given) replicas and return at once; idempotent, and a repeat stops their pods at once.
+        """Stop the (given) replicas of every Job of the run (``_cancel_job``)."""
+        for job in handle.jobs():
+            if ranks is None or set(ranks) & set(job.own_ranks):
+                self._cancel_job(job, ranks)
+
+    def _cancel_job(self, handle: KubernetesRunHandle, ranks: Sequence[int] | None = None) -> None:
+        """Stop the (given) replicas of one Job and return at once; idempotent, and a repeat stops their pods at once.
 
         All replicas still running: delete the Job with foreground propagation (its pods go first). Some of them:
         raise ``maxFailedIndexes`` so the Job survives their end, note them on the Job, delete their pods.
@@ -796,6 +838,10 @@ class KubernetesBackend(ServerlessExecutor[KubernetesBackendConfig, KubernetesRu
 
     # ------------------------------------------------------------------ remove
     def remove(self, handle: KubernetesRunHandle, *, dry_run: bool = False) -> list[str]:
+        """Every Job of the run and what diloco kept of each (``_remove_job``)."""
+        return [path for job in handle.jobs() for path in self._remove_job(job, dry_run=dry_run)]
+
+    def _remove_job(self, handle: KubernetesRunHandle, *, dry_run: bool = False) -> list[str]:
         """A run that has ended leaves its Job (and the pods' logs) until ``ttlSecondsAfterFinished``; ``diloco
         rm`` and ``diloco smoke`` delete it now, with foreground propagation so its pods go first (a Job already
         gone, or being deleted, is fine), then the cancel and final-state files diloco kept of it."""
@@ -856,6 +902,7 @@ class KubernetesBackend(ServerlessExecutor[KubernetesBackendConfig, KubernetesRu
         """
         from diloco.executors.kubernetes.logs import ReplicaLogReader
 
+        handle = handle.job_of(rank) or handle
         index = self._index(handle, rank)
         if index is None:
             return
@@ -910,6 +957,7 @@ class KubernetesBackend(ServerlessExecutor[KubernetesBackendConfig, KubernetesRu
         events when it never ran; from the shipped log when its pod is gone."""
         from diloco.executors.kubernetes.logs import ReplicaLogReader
 
+        handle = handle.job_of(rank) or handle
         index = self._index(handle, rank)
         if index is None:
             return []
@@ -945,7 +993,7 @@ class KubernetesBackend(ServerlessExecutor[KubernetesBackendConfig, KubernetesRu
             out.append(RunListing(run_id=(meta.get("annotations") or {}).get(RUN_LABEL, meta["name"]),
                                   backend=self.name, state=state, replicas=int(job["spec"].get("completions") or 1),
                                   created_at=parse_time(meta.get("creationTimestamp"))))
-        return out
+        return _one_listing_per_run(out)
 
     # ------------------------------------------------------------------ doctor
     @classmethod
@@ -953,3 +1001,20 @@ class KubernetesBackend(ServerlessExecutor[KubernetesBackendConfig, KubernetesRu
         return [*check_cluster(ctx), check_image_reference(ctx)]
 
 
+
+
+def _one_listing_per_run(listings: list[RunListing]) -> list[RunListing]:
+    """One listing per run: a run that grew (``add_ranks``) has a Job per growth; its replicas add up, it was
+    created with its first Job, and its state is the one its Jobs' states make together."""
+    runs: dict[str, list[RunListing]] = {}
+    for listing in listings:
+        runs.setdefault(listing.run_id, []).append(listing)
+    out = []
+    for run_id, jobs in runs.items():
+        states = {j.state for j in jobs}
+        state = next((s for s in (RunState.FAILED, RunState.CANCELLING, RunState.RUNNING, RunState.PENDING)
+                      if s in states), jobs[0].state) if len(states) > 1 else jobs[0].state
+        created = [j.created_at for j in jobs if j.created_at is not None]
+        out.append(RunListing(run_id=run_id, backend=jobs[0].backend, state=state,
+                              replicas=sum(j.replicas for j in jobs), created_at=min(created) if created else None))
+    return out

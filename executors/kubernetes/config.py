@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from diloco.executors.base import (
     BackendConfig,
@@ -170,8 +170,20 @@ class KubernetesBackendConfig(BackendConfig):
         return self
 
 
+class AddedJob(BaseModel):
+    """An Indexed Job that ``add_ranks`` created for ranks added to a live run: ``ranks`` (its pods add the first
+    of them to their index, as a part's do), of a rank space of ``replicas`` when it was created."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ranks: list[int]
+    replicas: int
+    job_name: str
+    job_uid: str = ""
+
+
 class KubernetesRunHandle(RunHandle):
-    """The run's Job."""
+    """The run's Job, and one more Indexed Job per ``add_ranks`` (``added``)."""
 
     backend: str = "eks"
     namespace: str = "default"
@@ -180,5 +192,23 @@ class KubernetesRunHandle(RunHandle):
     kube_context: str | None = None
     #: Where the replicas ship their own logs and exit codes (``diloco.store.logs``); "" for runs without.
     log_uri: str = ""
+    #: The Jobs ``add_ranks`` created, in order; empty for a run that never grew.
+    added: list[AddedJob] = Field(default_factory=list)
+    #: The first Job's rank space and ranks as submitted (``replicas``, ``ranks`` then), once the run has grown.
+    first_replicas: int | None = None
+    first_ranks: list[int] | None = None
+
+    def jobs(self) -> list[KubernetesRunHandle]:
+        """One handle per Job of the run, each as that Job alone was submitted: the first, then each added one."""
+        if not self.added:
+            return [self]
+        first = self.model_copy(update={"replicas": self.first_replicas or self.replicas, "ranks": self.first_ranks,
+                                        "added": [], "first_replicas": None, "first_ranks": None})
+        return [first, *(first.model_copy(update={"replicas": a.replicas, "ranks": a.ranks, "job_name": a.job_name,
+                                                   "job_uid": a.job_uid}) for a in self.added)]
+
+    def job_of(self, rank: int) -> KubernetesRunHandle | None:
+        """The handle of the Job that runs global rank ``rank`` (None: no Job of this handle does)."""
+        return next((job for job in self.jobs() if rank in job.own_ranks), None)
 
 

@@ -621,9 +621,10 @@ def test_patches_change_mutable_fields_and_refuse_immutable_ones(batch: client.B
         "one failed index is within the raised maxFailedIndexes"
     with pytest.raises(ApiException) as caught:
         batch.patch_namespaced_job("patched", NS, [{"op": "replace", "path": "/spec/completions", "value": 5}])
-    assert caught.value.status == 422
+    assert caught.value.status == 422  # an Indexed Job is resized with parallelism (KEP-3715), never alone
     assert error_body(caught.value)["message"] == \
-        'Job.batch "patched" is invalid: spec.completions: Invalid value: 5: field is immutable'
+        'Job.batch "patched" is invalid: spec.completions: Invalid value: 5: can only be modified in tandem with ' \
+        'spec.parallelism'
 
 
 def test_rbac_denials_answer_403_and_self_subject_access_review_agrees(batch: client.BatchV1Api,

@@ -33,6 +33,7 @@ from . import kube_runtime as runtime_limits
 from . import kube_scheduler as scheduler
 from .kube_errors import (
     ApiError,
+    FieldError,
     FieldErrors,
     already_exists,
     bad_request,
@@ -474,6 +475,9 @@ class Cluster:
             for key in IMMUTABLE_JOB_FIELDS:
                 if updated["spec"].get(key) != job["spec"].get(key):
                     errors.add(invalid(f"spec.{key}", updated["spec"].get(key), "field is immutable"))
+            completions = completions_update_error(updated["spec"], job["spec"])
+            if completions is not None:
+                errors.add(completions)
             if errors.items:
                 raise invalid_object("Job", "batch", name, errors)
             validate_job(updated)
@@ -1588,9 +1592,26 @@ class Cluster:
 
 
 #: ``ValidateJobSpecUpdate``: what a patch may not change (``maxFailedIndexes``, ``parallelism``, ``suspend``,
-#: ``activeDeadlineSeconds``, labels and annotations may).
-IMMUTABLE_JOB_FIELDS = ("completions", "selector", "template", "completionMode", "podFailurePolicy",
-                        "backoffLimitPerIndex")
+#: ``activeDeadlineSeconds``, labels and annotations may; ``completions`` has its own rule,
+#: ``completions_update_error``).
+IMMUTABLE_JOB_FIELDS = ("selector", "template", "completionMode", "podFailurePolicy", "backoffLimitPerIndex")
+
+
+def completions_update_error(spec: Obj, old: Obj) -> FieldError | None:
+    """``validateCompletions`` (kubernetes/kubernetes pkg/apis/batch/validation/validation.go), with the
+    ElasticIndexedJob gate on (KEP-3715, GA and locked on since 1.31): ``completions`` is immutable unless the Job
+    is Indexed, and an Indexed Job's may change only together with ``parallelism``, to the same value (scaling an
+    elastic Indexed Job); the error, otherwise, is the API server's."""
+    new, before = spec.get("completions"), old.get("completions")
+    if new == before:
+        return None
+    if spec.get("completionMode") != "Indexed":
+        return invalid("spec.completions", new, "field is immutable")
+    if new is None:  # an Indexed Job without completions is refused by the spec's own validation
+        return None
+    if new != spec.get("parallelism"):
+        return invalid("spec.completions", new, "can only be modified in tandem with spec.parallelism")
+    return None
 
 
 def _pointer(path: str) -> list[str]:
