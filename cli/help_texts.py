@@ -122,6 +122,12 @@ COMMANDS: dict[str, CommandHelp] = {
         (2, "usage error, unknown RUN, no losses yet, or matplotlib missing"),
         (130, "interrupted (Ctrl-C)"),
     )),
+    "scale": CommandHelp("Grow or shrink a live elastic run's replicas.", (
+        (0, "the run was scaled (new replicas started, or leaving ones told to drain), or already had that many"),
+        (1, "the backend could not start the new replicas (the membership was put back)"),
+        (2, "usage error, unknown RUN, a run that ended or is not elastic, or a count outside its bounds"),
+        (130, "interrupted (Ctrl-C)"),
+    )),
     "smoke": CommandHelp("Run a tiny end-to-end DiLoCo job on a backend, with checks.", (
         (0, "every check passed"),
         (1, "a check failed (the table says which, and the fix)"),

@@ -438,6 +438,10 @@ from diloco.cli import evaluation as evaluation_commands  # noqa: E402 - registe
 
 evaluation_commands.register(app, EPILOG)
 
+from diloco.cli import scale as scale_commands  # noqa: E402 - registers `scale` (grow or shrink an elastic run)
+
+scale_commands.register(app, EPILOG)
+
 from diloco.cli import help_texts  # noqa: E402 - once every command is registered
 
 help_texts.apply(app)  # each command's one-line summary and its own exit codes

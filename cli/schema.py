@@ -39,6 +39,7 @@ def output_schema() -> dict[str, Any]:
     from diloco.launcher.housekeeping import RemovalReport
     from diloco.launcher.plot import PlotReport
     from diloco.launcher.reports import RunReport, RunSummary
+    from diloco.launcher.scale import ScaleReport
     from diloco.launcher.smoke import SmokeReport
 
     runs_list: type[BaseModel] = create_model("RunList", runs=(list[RunSummary], ...))
@@ -51,6 +52,7 @@ def output_schema() -> dict[str, Any]:
         "eval": (EvalListing, ("eval",)),
         "doctor": (DoctorReport, ("doctor",)),
         "smoke": (SmokeReport, ("smoke",)),
+        "scale": (ScaleReport, ("scale",)),
     }
     defs: dict[str, Any] = {}
     printed_by: dict[str, str] = {}

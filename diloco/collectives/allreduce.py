@@ -58,6 +58,12 @@ Round semantics (what a caller can rely on, whatever the strategy):
   divides by their number, so results stay bitwise identical. A contribution that lands after the manifest is not
   averaged; its rank raises ``DroppedFromRound`` (the replica exits 75) and rejoins at the next round once
   relaunched. Without ``min_replicas`` nothing is ever averaged over a partial set.
+* **Elastic membership** (``max_replicas`` set, gather only). The members of a round are data: every round
+  commits a manifest naming the ranks it averaged and the next round's members, copied from the launcher's target
+  (``membership.json``, ``diloco scale``) by whoever creates it; a rank waits only for the members its previous
+  round's manifest named (``diloco.collectives.membership``). A rank the next round does not name leaves the run
+  after its last round (``ReplicaDrained``); a rank added since waits, as a rejoining rank does, until a manifest
+  names it.
 * **Relaunch in progress.** Past ``timeout_s``, a peer the launcher is relaunching (``relaunch/rank_RRRR.json``
   with an ``until`` wall-clock time, see ``diloco.store.layout``) extends the wait until then instead of timing out.
 * **Rejoined peer.** A restarted rank announces the round it rejoins for (``rejoin/rank_RRRR.json``, with the
@@ -102,7 +108,7 @@ def create_allreduce(uri: str, rank: int, world_size: int, settings: StoreSettin
         s = StoreSettings.model_validate({**base, **fields})
     except ValidationError as exc:
         raise ConfigError(f"store.{validation_line(exc)}", hint="see docs/reference/configuration.md") from None
-    problem = min_replicas_problem(s.min_replicas, world_size)
+    problem = min_replicas_problem(s.min_replicas, world_size) if s.max_replicas is None else None
     if problem:
         raise ConfigError(f"store.min_replicas: {problem}", hint="lower --min-replicas")
     from diloco.collectives.wire import PayloadCodec
@@ -111,7 +117,8 @@ def create_allreduce(uri: str, rank: int, world_size: int, settings: StoreSettin
                   codec=PayloadCodec.from_settings(s))
     if s.allreduce == "sharded":
         return ShardedAllReduce(uri, rank, world_size, **common)
-    return ObjectStoreAllReduce(uri, rank, world_size, min_replicas=s.min_replicas, **common)
+    return ObjectStoreAllReduce(uri, rank, world_size, min_replicas=s.min_replicas, elastic=s.max_replicas is not None,
+                                **common)
 
 
 __all__ = ["READ_ATTEMPTS", "STRATEGIES", "AllReduceStats", "AllReduceWork", "Collective", "ObjectStoreAllReduce",

@@ -349,10 +349,12 @@ class RoundDriver(Generic[S, P]):
 
     def __init__(self, uri: str, rank: int, world_size: int, *, exchange: Exchange[S, P], timeout_s: float = 1800,
                  poll_interval_s: float = 1.0, run_id: str | None = None, spread: int = 1,
-                 store: ObjectStore | None = None) -> None:
+                 store: ObjectStore | None = None, elastic: bool = False) -> None:
         if world_size < 1:
             raise ConfigError(f"world_size must be >= 1, got {world_size}")
-        if not 0 <= rank < world_size:
+        if elastic and rank < 0:
+            raise ConfigError(f"rank must be >= 0, got {rank}")
+        if not elastic and not 0 <= rank < world_size:
             raise ConfigError(f"rank must be in [0, {world_size - 1}] for world_size {world_size}, got {rank}")
         if not timeout_s > 0:
             raise ConfigError(f"timeout_s must be > 0, got {timeout_s}")
@@ -360,7 +362,10 @@ class RoundDriver(Generic[S, P]):
             raise ConfigError(f"poll_interval_s must be > 0, got {poll_interval_s}")
         self.uri = uri
         self.rank = rank
+        #: The ranks of the run's first round; in an elastic run later rounds' members are data
+        #: (``diloco.collectives.membership``), and this rank may be one added since (``rank >= world_size``).
         self.world_size = world_size
+        self.elastic = elastic
         self.timeout_s = float(timeout_s)
         self.poll_interval_s = float(poll_interval_s)
         self.run_id = run_id
@@ -427,6 +432,12 @@ class RoundDriver(Generic[S, P]):
             logger.warning("could not tell the peers that rank %d rejoins at round %d: %s", self.rank,
                            number(round_), exc)
         self._training_since = time.monotonic()
+
+    def members_after(self, round_: int) -> list[int] | None:
+        """Elastic: the members of the round after ``round_``, as that round's manifest names them (None when the
+        run is not elastic or ``round_`` was not reduced here)."""
+        members_after = getattr(self._exchange, "members_after", None)
+        return members_after(round_) if callable(members_after) else None
 
     def has_own_contribution(self, round_: int) -> bool:
         """Whether this rank's contribution for ``round_`` is already in the store (written before a restart)."""

@@ -12,7 +12,7 @@ grow with N (the sharded strategy reads under 2·S whatever N is).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -53,10 +53,15 @@ class _Published:
 class GatherExchange:
     """The gather strategy's round: one object per rank, all of them read by everyone."""
 
-    def __init__(self, codec: PayloadCodec, *, spread: int = 1, min_replicas: int | None = None) -> None:
+    def __init__(self, codec: PayloadCodec, *, spread: int = 1, min_replicas: int | None = None,
+                 elastic: bool = False) -> None:
         self.codec = codec
         self.spread = check_spread(spread)
         self.min_replicas = min_replicas
+        #: Membership is data (``diloco.collectives.membership``): every round commits a manifest naming its
+        #: members and the next round's.
+        self.elastic = elastic
+        self._next: dict[int, list[int]] = {}  # elastic: round -> the members its manifest names for the next
         self._spares = Spares()  # buffers of the latest round, for the next one's snapshot and sum
         self._reads = ReadBuffer()  # every peer object (or window of one) is read into it, in turn
         self._means: dict[int, dict[str, torch.Tensor]] = {}  # round -> its mean, until the caller has it
@@ -81,7 +86,12 @@ class GatherExchange:
         """Accumulate every rank's contribution in rank order 0..N-1 (our own from the wire tensors peers read,
         by the very operations they use; uncompressed, our snapshot, which may become the sum itself)."""
         deadline = io.deadline()
-        members = range(io.world_size) if self.min_replicas is None else self._agree_on_members(io, round_, deadline)
+        if self.elastic:
+            members: Sequence[int] = self._agree_on_members(io, round_, deadline, self._expected(io, round_))
+        elif self.min_replicas is None:
+            members = range(io.world_size)
+        else:
+            members = self._agree_on_members(io, round_, deadline, list(range(io.world_size)))
         acc: dict[str, torch.Tensor] = {}
         for peer in members:
             if peer == io.rank:
@@ -115,8 +125,29 @@ class GatherExchange:
         self._spares.clear()
         self._reads = ReadBuffer()
 
-    def _agree_on_members(self, io: RoundIO, round_: int, deadline: Deadline) -> list[int]:
-        """Partial participation (``min_replicas``): the ranks this round averages, the same on every rank.
+    def members_after(self, round_: int) -> list[int] | None:
+        """Elastic: the members round ``round_``'s manifest names for the next round (None: not elastic, or that
+        round has not been reduced here)."""
+        return self._next.get(round_)
+
+    def _expected(self, io: RoundIO, round_: int) -> list[int]:
+        """Elastic: the ranks this round waits for, from the previous round's manifest (read once per round; a
+        rank that reduced the previous round here has it already)."""
+        from diloco.collectives.membership import round_members
+
+        known = self._next.get(round_ - 1)
+        if known is not None:
+            return known
+        members = round_members(io.store, round_, io.world_size)
+        if members is None:
+            raise CorruptObjectError(f"all-reduce round {number(round_)}: the previous round's manifest "
+                                     f"{io.store.url(ROUND_MANIFEST_KEY.format(round=round_ - 1))} is missing, so "
+                                     "this round's members are unknown")
+        return members
+
+    def _agree_on_members(self, io: RoundIO, round_: int, deadline: Deadline, expected: list[int]) -> list[int]:
+        """Partial participation (``min_replicas``) and elastic rounds: the ranks this round averages, the same on
+        every rank.
 
         Wait until every rank's contribution exists, or until the deadline (extended while a peer is being
         relaunched) has passed with at least ``min_replicas`` of them; propose the ranks present as the round's
@@ -126,19 +157,24 @@ class GatherExchange:
         ``min_replicas`` past the deadline is an ``AllReduceTimeout`` naming the missing ranks."""
         import json
 
-        assert self.min_replicas is not None
+        quorum = len(expected) if self.min_replicas is None else min(self.min_replicas, len(expected))
         key_of = lambda r: self._key(round_, r)  # noqa: E731
         manifest_key = ROUND_MANIFEST_KEY.format(round=round_)
         while True:
             if io.store.exists(manifest_key):
                 break
-            present = [r for r in range(io.world_size) if r == io.rank or io.store.exists(key_of(r))]
-            missing = [r for r in range(io.world_size) if r not in present]
-            if not missing or (deadline.remaining_for(missing, round_) <= 0 and len(present) >= self.min_replicas):
-                proposal = {"round": round_, "members": present, "proposed_by": io.rank, "run_id": io.run_id or ""}
+            present = [r for r in expected if r == io.rank or io.store.exists(key_of(r))]
+            missing = [r for r in expected if r not in present]
+            if not missing or (deadline.remaining_for(missing, round_) <= 0 and len(present) >= quorum):
+                proposal: dict[str, object] = {"round": round_, "members": present, "proposed_by": io.rank,
+                                               "run_id": io.run_id or ""}
+                if self.elastic:  # the target read now is the next round's membership, for everyone
+                    from diloco.collectives.membership import members_for_next
+
+                    proposal["next"] = members_for_next(io.store, expected)
                 io.store.put_if_absent(manifest_key, json.dumps(proposal).encode())
                 break
-            if len(present) < self.min_replicas:
+            if len(present) < quorum:
                 if deadline.remaining_for(missing, round_) > 0:  # a missing rank may be owed more time
                     io.wait_a_poll(round_)
                 else:
@@ -148,15 +184,19 @@ class GatherExchange:
         manifest = json.loads(io.store.get(manifest_key))
         members = [int(r) for r in manifest.get("members", [])]
         if manifest.get("round") != round_ or manifest.get("run_id", "") != (io.run_id or "") or \
-                len(members) < self.min_replicas:
+                len(members) < quorum:
             raise CorruptObjectError(f"all-reduce round {number(round_)}: the manifest at "
                                      f"{io.store.url(manifest_key)} is not this round's: {manifest}")
+        if self.elastic:
+            from diloco.collectives.membership import next_of
+
+            self._next = {round_: next_of(manifest) or members}  # only the latest round's is ever asked for
         if io.rank not in members:
             raise DroppedFromRound(round_=number(round_), rank=io.rank, members=members,
-                                   min_replicas=self.min_replicas)
-        if len(members) < io.world_size:
+                                   min_replicas=quorum)
+        if len(members) < len(expected):
             logger.warning("round %d averages %d of %d replicas: %s (min_replicas %d)", number(round_),
-                           len(members), io.world_size, members, self.min_replicas)
+                           len(members), len(expected), members, quorum)
         return members
 
     def own_keys(self, round_: int, rank: int) -> list[str]:
@@ -297,13 +337,15 @@ class ObjectStoreAllReduce(RoundDriver[dict, _Published]):
 
     def __init__(self, uri: str, rank: int, world_size: int, timeout_s: float = 1800, poll_interval_s: float = 1.0,
                  run_id: str | None = None, *, compression: str = "none", error_feedback: bool = True,
-                 spread: int = 1, min_replicas: int | None = None, codec: PayloadCodec | None = None) -> None:
+                 spread: int = 1, min_replicas: int | None = None, codec: PayloadCodec | None = None,
+                 elastic: bool = False) -> None:
+        bound = max(world_size, rank + 1) if elastic else world_size
         if min_replicas is not None and (isinstance(min_replicas, bool) or not isinstance(min_replicas, int)
-                                         or not 1 <= min_replicas <= world_size):
+                                         or not 1 <= min_replicas <= bound):
             raise ConfigError(f"min_replicas must be an integer in [1, {world_size}] (the replicas), got "
                               f"{min_replicas!r}", hint="leave it unset to average every round over all replicas")
         codec = codec or PayloadCodec(compression, error_feedback=error_feedback)
-        exchange = GatherExchange(codec, spread=spread,
-                                  min_replicas=None if min_replicas == world_size else min_replicas)
+        exchange = GatherExchange(codec, spread=spread, elastic=elastic,
+                                  min_replicas=None if min_replicas == world_size and not elastic else min_replicas)
         super().__init__(uri, rank, world_size, exchange=exchange, timeout_s=timeout_s,
-                         poll_interval_s=poll_interval_s, run_id=run_id, spread=spread)
+                         poll_interval_s=poll_interval_s, run_id=run_id, spread=spread, elastic=elastic)

@@ -179,6 +179,9 @@ class RunConfig(_Strict):
         problem = min_replicas_problem(self.store.min_replicas, self.replicas)
         if problem:
             raise ValueError(f"store.min_replicas: {problem}")
+        if self.store.max_replicas is not None and self.store.max_replicas < self.replicas:
+            raise ValueError(f"store.max_replicas: must be at least the replicas launched ({self.replicas}) (got "
+                             f"{self.store.max_replicas})")
         problem = self.backend.replicas_problem(self.replicas)
         if problem:
             raise ValueError(problem)

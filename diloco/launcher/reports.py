@@ -46,6 +46,16 @@ class PartShare(BaseModel):
     cost_usd: float | None = None
 
 
+class MembershipChange(BaseModel):
+    """An elastic run's membership where it changed: round ``round`` (numbered from 1) averaged ``members``;
+    ``joined`` took part for the first time, ``left`` had taken part in the round before and not in this one."""
+
+    round: int
+    members: list[int]
+    joined: list[int] = Field(default_factory=list)
+    left: list[int] = Field(default_factory=list)
+
+
 class RunReport(BaseModel):
     """A run as the CLI shows it; ``-o json`` prints exactly this (plus ``schema_version``)."""
 
@@ -79,6 +89,9 @@ class RunReport(BaseModel):
     #: A run split over backends (``--backend mixed``): each part's replicas and their billing, summed; empty for a
     #: run on one backend.
     parts: list[PartShare] = Field(default_factory=list)
+    #: An elastic run (``--max-replicas``): the committed rounds where its members changed (the first round
+    #: included), read from the rounds' manifests; empty for a run of fixed replicas.
+    membership: list[MembershipChange] = Field(default_factory=list)
 
     @property
     def failed(self) -> list[ReplicaReport]:

@@ -30,6 +30,7 @@ from diloco.launcher.runs import RunRecord, RunRegistry
 if TYPE_CHECKING:
     from diloco.executors.base import ServerlessExecutor
     from diloco.launcher.lifecycle import Relaunches, RunPolicy
+    from diloco.launcher.scale import ScaleReport
     from diloco.launcher.waiter import Waiter
     from diloco.launcher.weights import WeightsCheck
     from diloco.store.objects import ObjectStore
@@ -204,6 +205,10 @@ class Run:
         report = run_report(self.record, status, read_progress(self.store, self.replicas), state=state,
                             left_behind=left_behind, awaiting_relaunch=awaiting)
         add_async_status(report, self.store)
+        if self.record.config.get("store", {}).get("max_replicas") is not None:
+            from diloco.launcher.scale import add_membership
+
+            add_membership(report, self.store, self.record)
         self._remember(status)
         if trends:  # one line of eval loss per replica, for `diloco status` (reads each rank's history)
             from diloco.launcher.plot import eval_trends
@@ -319,6 +324,9 @@ class Run:
         from diloco.launcher.weights import check_final_weights
 
         ranks = [r.rank for r in report.ranks if r.state == ReplicaState.SUCCEEDED] if report.left_behind else None
+        members = self.final_members()
+        if members is not None:  # an elastic run: the drained ranks left before the end and hold no final weights
+            ranks = [r for r in (ranks if ranks is not None else members) if r in members]
         # A compacted store's recorded verdict is reused while its kept copy is unchanged: no torch on a finished run.
         check = compacted_verdict(self.store, self.replicas, with_tensors=False) if ranks is None else None
         if check is None:
@@ -327,6 +335,24 @@ class Run:
         if check.identical is False:
             self.disagreed(report, check.detail)
         return check
+
+    def final_members(self) -> list[int] | None:
+        """An elastic run that was scaled: the members it asked for last (those that end holding the final model;
+        the others left drained). None for a run never scaled."""
+        from diloco.collectives.membership import read_target
+
+        target = read_target(self.store)
+        return list(target.members) if target is not None else None
+
+    def scale(self, replicas: int | str, *, part: str | None = None) -> ScaleReport:
+        """Grow or shrink this live elastic run (``diloco scale``): ``replicas`` is a count ``N`` or a change
+        ``"+K"``/``"-K"``; ``part`` names the backend of a mixed run that starts new replicas. New replicas join at
+        the next round from the latest committed one; leaving ones are drained after their last round (counted).
+        ``ConfigError`` (nothing changed) for an ended or non-elastic run or a count outside the run's
+        ``--min-replicas``..``--max-replicas`` (``diloco.launcher.scale``)."""
+        from diloco.launcher.scale import scale_run
+
+        return scale_run(self, replicas, part=part)
 
     def collect_outcome(self, output: str | None = None, **wait: Any) -> tuple[RunReport, bool]:
         """The one collect flow: wait for the run's end (``wait`` goes to ``wait_for_outcome``), check the final

@@ -181,7 +181,9 @@ def resolve_args(argv: list[str], env: Mapping[str, str]) -> ReplicaArgs:
         sources[flag.field] = source
     settings = _validated({**base, **given}, sources)
     rank = _rank(ns.rank, env)
-    if not 0 <= rank < settings.world_size:
+    if settings.max_replicas is not None and rank >= 0:
+        pass  # elastic: a rank added by diloco scale lies past the world the run was launched with
+    elif not 0 <= rank < settings.world_size:
         raise UsageError(f"rank {rank} is outside the world of size {settings.world_size}",
                          f"rank must be in 0..{settings.world_size - 1}")
     return ReplicaArgs(settings=settings, rank=rank, run_id=run_id)
@@ -566,6 +568,14 @@ def run_replica(args: ReplicaArgs, trainer: Callable[..., Any], kwargs: dict[str
         _fail(env, f"{exc} ({exc.hint or fix})")
         return EXIT_USAGE
     except Exception as exc:  # noqa: BLE001 - the one place a replica's failure becomes an exit code
+        from diloco.collectives.membership import ReplicaDrained
+
+        drained = _in_chain(exc, ReplicaDrained)
+        if drained is not None:  # an elastic run scaled down: this rank's last round was counted; not a failure
+            log.info("replica %d drained: %s", args.rank, drained)
+            if allreduce is not None:
+                allreduce.close()
+            return EXIT_OK
         dropped = _find_dropped(exc)
         if dropped is not None:
             if debug:

@@ -267,6 +267,8 @@ class ObjectStoreManager:
             raise RuntimeError("rejoin() must come before the first round")
         own = contributed or self._allreduce.has_own_contribution
         poll = self._allreduce.poll_interval_s if poll_s is None else poll_s
+        if getattr(self._allreduce, "elastic", False):
+            self._wait_until_named(poll)
         deadline = time.monotonic() + self._allreduce.timeout_s
         while True:
             latest = self.rounds.latest_round()
@@ -290,6 +292,54 @@ class ObjectStoreManager:
         logger.info("rank %d rejoins the run after committed round %d (its next round is %d)", self.rank, latest,
                     latest + 1)
         return latest
+
+    def leaving(self) -> bool:
+        """Whether the round that just committed was this rank's last: in an elastic run, its manifest does not
+        name this rank among the next round's members (the run was scaled down). The rank's contribution to that
+        round was averaged; the outer loop then ends it as drained (``ReplicaDrained``), exit 0."""
+        members_after = getattr(self._allreduce, "members_after", None)
+        done = self._allreduce.next_round
+        if not callable(members_after) or done == 0:
+            return False
+        after = members_after(done - 1)
+        return after is not None and self.rank not in after
+
+    def _wait_until_named(self, poll: float) -> None:
+        """Elastic: wait until the round this rank would join (the one after the latest committed) names it, as
+        it does a rank ``diloco scale`` added once the next manifest was committed; a rank neither that round nor
+        the launcher's target names is not part of the run (a drained rank started again) and leaves at once
+        (``ReplicaDrained``). A run that ended meanwhile (a member's final weights exist) is joined at its end."""
+        from diloco.collectives.membership import ReplicaDrained, read_target, round_members
+        from diloco.store.layout import FINAL_KEY
+
+        assert self.rounds is not None
+        store = self._allreduce.store
+        patience = 4 * self._allreduce.timeout_s
+        latest, since, told = self.rounds.latest_round(), time.monotonic(), False
+        while True:
+            members = round_members(store, latest, self._allreduce.world_size)
+            if members is not None and self.rank in members:
+                if told:
+                    logger.info("rank %d: round %d names it; joining the run", self.rank, latest + 1)
+                return
+            target = read_target(store)
+            if members is not None and (target is None or self.rank not in target.members):
+                raise ReplicaDrained(self.rank, latest)
+            if members and any(store.exists(FINAL_KEY.format(rank=m)) for m in members):
+                logger.info("rank %d: the run ended before a round named it; it adopts the final model", self.rank)
+                return
+            if not told:
+                logger.info("rank %d joins the run: waiting for a committed round to name it (after round %d)",
+                            self.rank, latest)
+                told = True
+            if time.monotonic() - since > patience:
+                raise DilocoError(f"rank {self.rank} could not join the run: no round named it, and no round "
+                                  f"committed for {patience:g}s", hint="check the run's other replicas "
+                                                                     "(diloco status RUN)")
+            time.sleep(poll)
+            now = self.rounds.latest_round()
+            if now != latest:
+                latest, since = now, time.monotonic()
 
     # ---------------------------------------------------------------- a model exchanged by rows
     def parts_collective(self, part: int = 0, parts: int = 1) -> PartsAllReduce:

@@ -562,6 +562,21 @@ class DiLoCo:
                 self._metrics.on_round(self.inner_step)
             else:
                 self._metrics.on_step(self.inner_step)
+        if synced:
+            self._leave_if_drained()
+
+    def _leave_if_drained(self) -> None:
+        """An elastic run scaled down: the round that just committed (this rank's contribution counted) was this
+        rank's last. It leaves the trainer's loop by ``ReplicaDrained`` (the entrypoint exits 0, not relaunched);
+        its own error-feedback residuals leave with it."""
+        leaving = getattr(self.manager, "leaving", None)
+        if callable(leaving) and leaving():
+            from diloco.collectives.membership import ReplicaDrained
+
+            exc = ReplicaDrained(self.manager.rank, self.manager.current_step())
+            self._failed = exc
+            logger.info("%s", exc)
+            raise exc
 
     def prepare_sync(self) -> None:
         """Open a round, choose its fragment and launch the all-reduce of that fragment's pseudo-gradient."""

@@ -2,8 +2,11 @@
 
     round_NNNNNN/rank_RRRR.safetensors   each rank's contribution to one all-reduce round (see diloco.collectives.allreduce);
                                          NNNNNN is the round's zero-based index: round 1 is round_000000
-    round_NNNNNN/manifest.json           with min_replicas only: the ranks whose contributions that round averages,
-                                         created exactly once (diloco.collectives.gather)
+    round_NNNNNN/manifest.json           with min_replicas, and every round of an elastic run: the ranks whose
+                                         contributions that round averages (and, elastic, the next round's
+                                         members), created exactly once (diloco.collectives.gather)
+    membership.json                      an elastic run's target membership, written by `diloco scale` and copied
+                                         into the next manifest (diloco.collectives.membership)
     round_NNNNNN/shard_SSSS.safetensors  sharded all-reduce only: the mean of shard SSSS of that round, published by
                                          its owner (rank SSSS) for the others to read (diloco.collectives.sharded)
     round_NNNNNN/rank_RRRR/part_PPPP.safetensors
@@ -68,6 +71,8 @@ PART_KEY = PART_PREFIX + "part_{part:04d}.safetensors"
 COMMITTED_PART_KEY = "committed/round_{round:06d}/parts_{parts:04d}/part_{part:04d}.safetensors"
 #: Partial participation (min_replicas): the round's member set, created exactly once (never spread: one per round).
 ROUND_MANIFEST_KEY = "round_{round:06d}/manifest.json"
+#: An elastic run's target membership (diloco.collectives.membership), written by the launcher's scale.
+MEMBERSHIP_KEY = "membership.json"
 #: The most prefixes a round may be spread over (S3 partitions far fewer in practice; more only adds listings).
 MAX_SPREAD = 4096
 

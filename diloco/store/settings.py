@@ -86,6 +86,13 @@ class StoreSettings(BaseModel):
         json_schema_extra={**cli_flag("--min-replicas", metavar="K", note="store.min_replicas; default: every "
                                       "round needs every replica"), **replica_flag(metavar="K")})
 
+    max_replicas: int | None = Field(
+        None, ge=1, description="Make the run elastic: diloco scale may grow it up to K replicas (or shrink it); "
+        "every round then commits a manifest naming its members and the next round's (null: a fixed set of "
+        "replicas).",
+        json_schema_extra={**cli_flag("--max-replicas", metavar="K", note="store.max_replicas; default: the run "
+                                      "cannot be scaled"), **replica_flag(metavar="K")})
+
     keep_rounds: int = Field(3, ge=1, description="Committed rounds kept in the store (each one the global state "
                              "a relaunched replica rejoins from); older ones are deleted as new ones commit.",
                              json_schema_extra=replica_flag(metavar="K"))
@@ -95,6 +102,12 @@ class StoreSettings(BaseModel):
         if self.min_replicas is not None and self.allreduce == "sharded":
             raise ValueError("min_replicas: partial participation needs allreduce gather (a sharded round cannot "
                              "go on without a member: its shard would be missing); drop one of the two")
+        if self.max_replicas is not None and self.allreduce == "sharded":
+            raise ValueError("max_replicas: an elastic run needs allreduce gather (a sharded round's shards are "
+                             "owned by a fixed set of ranks); drop one of the two")
+        if self.max_replicas is not None and self.min_replicas is not None and self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas: must be at most max_replicas ({self.max_replicas}) (got "
+                             f"{self.min_replicas})")
         problem = registry.settings_problem(self)  # the format's own rules, written once, in its module
         if problem:
             raise ValueError(problem)

@@ -1,0 +1,144 @@
+"""Elastic runs on the local backend, through the real launcher and real replica processes: a run of 2 replicas
+scaled to 4 at round 3 and back to 3 at round 6 (``Run.scale``) ends with every remaining replica holding identical
+weights, every replica exiting 0; the committed rounds' member sets, read from the round manifests, are 2, 4 and 3.
+One of the added replicas is SIGKILLed in its first round, during the change: it is relaunched by the waiting
+launcher and rejoins. Scaling the ended run is one line, exit 2, through the CLI.
+
+The scenario runs once (a module fixture) and the tests assert on it. Gates in the trainer
+(``support.elastic_trainer``) hold every replica at a known step while the test scales, so the scale lands at a
+known round boundary whatever the machine's load."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support.commands import run_cli
+
+from diloco.store.layout import ROUND_MANIFEST_KEY
+from diloco.store.objects import ObjectStore
+
+pytestmark = pytest.mark.slow
+
+ROUNDS, SYNC_EVERY = 9, 2
+GROW_GATE, SHRINK_GATE = 5, 11  # the first step of rounds 3 and 6: held there while the test scales
+
+
+@dataclass
+class Scenario:
+    home: Path
+    gate_dir: Path
+    run_id: str
+    report: Any
+    store: ObjectStore
+    grown: Any
+    shrunk: Any
+    relaunched: list[tuple[int, int, str]]
+
+
+def _wait_for(paths: list[Path], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not all(p.exists() for p in paths):
+        assert time.monotonic() < deadline, f"never reached: {[str(p) for p in paths if not p.exists()]}"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def scenario(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
+    import os
+
+    from diloco.launcher import api
+
+    root = tmp_path_factory.mktemp("elastic")
+    home, gate_dir = root / "home", root / "gates"
+    gate_dir.mkdir()
+    saved = {k: os.environ.get(k) for k in ("DILOCO_HOME", "DILOCO_RESTART_BACKOFF_S")}
+    os.environ.update(DILOCO_HOME=str(home), DILOCO_RESTART_BACKOFF_S="0")
+    # Without min_replicas the round deadline only bounds a hang (no round commits without all its members), so
+    # it is generous rather than measured.
+    deadline_s = 120.0
+    try:
+        run = api.launch(backend={"kind": "local", "oversubscribe": True}, replicas=2, max_restarts=2,
+                         train={"trainer": "support.elastic_trainer:train", "steps": ROUNDS * SYNC_EVERY,
+                                "sync_every": SYNC_EVERY,
+                                "trainer_kwargs": {"gate_dir": str(gate_dir), "gates": f"{GROW_GATE},{SHRINK_GATE}",
+                                                   "kill_rank": 3, "kill_at_step": 7}},
+                         store={"max_replicas": 4, "poll_interval_s": 0.05, "timeout_s": deadline_s})
+        relaunched: list[tuple[int, int, str]] = []
+        outcome: dict[str, Any] = {}
+
+        def wait() -> None:
+            try:
+                outcome["report"] = run.wait(max_restarts=2, on_relaunch=lambda *a: relaunched.append(a))
+            except BaseException as exc:  # noqa: BLE001 - re-raised on the test's thread
+                outcome["error"] = exc
+
+        waiter = threading.Thread(target=wait, daemon=True)
+        waiter.start()
+        patience = 2 * deadline_s
+        _wait_for([gate_dir / f"step{GROW_GATE}.rank{r}.waiting" for r in (0, 1)], patience)
+        grown = run.scale(4)  # held before round 3: its manifest names 4 members for round 4
+        (gate_dir / f"step{GROW_GATE}.open").touch()
+        _wait_for([gate_dir / f"step{SHRINK_GATE}.rank{r}.waiting" for r in range(4)], patience)
+        shrunk = run.scale("-1")  # held before round 6: rank 3's last round is 6
+        (gate_dir / f"step{SHRINK_GATE}.open").touch()
+        waiter.join(patience)
+        assert not waiter.is_alive(), "the run did not end"
+        if "error" in outcome:
+            raise outcome["error"]
+        report = outcome["report"]
+        run.check_weights(report)
+        yield Scenario(home=home, gate_dir=gate_dir, run_id=run.run_id, report=report,
+                       store=ObjectStore(report.rendezvous_uri), grown=grown, shrunk=shrunk, relaunched=relaunched)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def test_scaled_2_to_4_to_3_every_replica_ends_0_with_identical_weights(scenario: Scenario) -> None:
+    report = scenario.report
+    assert report.state.value == "succeeded", report
+    assert [(r.rank, r.state.value, r.exit_code) for r in report.ranks] == [(r, "succeeded", 0) for r in range(4)]
+    assert report.weights_identical is True, report.weights_detail
+    assert "0, 1, 2" in (report.weights_detail or "") or "3 replica" in (report.weights_detail or ""), \
+        report.weights_detail
+    assert scenario.grown.added == [2, 3] and scenario.grown.after == [0, 1, 2, 3]
+    assert scenario.shrunk.leaving == [3] and scenario.shrunk.after == [0, 1, 2]
+    # The drained rank holds no final weights: it left after round 6, exit 0, not relaunched for it.
+    assert not scenario.store.exists("final/rank_0003.safetensors")
+    assert all(scenario.store.exists(f"final/rank_{r:04d}.safetensors") for r in range(3))
+
+
+def test_the_committed_rounds_member_sets_are_2_then_4_then_3(scenario: Scenario) -> None:
+    members = [json.loads(scenario.store.get(ROUND_MANIFEST_KEY.format(round=k)))["members"] for k in range(ROUNDS)]
+    assert members == [[0, 1]] * 3 + [[0, 1, 2, 3]] * 3 + [[0, 1, 2]] * 3, members
+    # status shows the joins and leaves by round
+    assert [(c.round, c.joined, c.left) for c in scenario.report.membership] == [
+        (1, [], []), (4, [2, 3], []), (7, [], [3])], scenario.report.membership
+
+
+def test_a_replica_killed_during_the_scale_change_is_relaunched_and_rejoins(scenario: Scenario) -> None:
+    assert [(rank, attempt) for rank, attempt, _ in scenario.relaunched] == [(3, 1)], scenario.relaunched
+    assert scenario.report.ranks[3].restarts == 1
+    assert (scenario.gate_dir / "killed.rank3").exists()
+    # It trained step 7 twice (before its death, after its rejoin), then went on with the others through round 6:
+    # step 12's update ended that round, its last, so ``opt.step()`` raised the drain before the step was logged.
+    steps = [int(line.split()[1]) for line in (scenario.gate_dir / "steps.rank3").read_text().splitlines()]
+    assert steps == [7, 7, 8, 9, 10, 11], steps
+
+
+def test_scaling_an_ended_run_is_one_line_exit_2(scenario: Scenario) -> None:
+    result = run_cli("scale", scenario.run_id, "--replicas", "+1", home=scenario.home)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "has ended (succeeded)" in lines[0] and "cannot be scaled" in lines[0], lines
+    assert not scenario.store.exists("relaunch/rank_0004.json")
