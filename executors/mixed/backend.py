@@ -10,6 +10,11 @@ meet only in the run's one store. Every call is the parts' calls, per part:
   propagates, so a refused launch leaves no job, pod or process on any backend.
 * ``describe`` merges the parts' replicas by rank, each with its backend (``ReplicaStatus.backend``); ``cancel``,
   ``relaunch``, ``replica_logs``, ``failure_tail``, ``remove`` and ``estimate_cost`` go to the part(s) concerned.
+* ``add_ranks_on(handle, part, ranks, spec)`` grows one part (named by its backend's kind, ``sagemaker``, or by its
+  index, ``1``) with the part backend's own ``add_ranks``; ``add_ranks`` grows the part that runs the run's
+  highest rank. New ranks come after every rank of the run, whichever part runs them, so a part's ranks stay
+  ascending but may stop being contiguous (local ranks 0-1 and 4-5 beside SageMaker's 2-3): every call routes by
+  the ranks a part lists, never by a range.
 
 The handle holds each part's ranks and its backend's handle, as JSON (as the run registry stores handles).
 """
@@ -33,6 +38,7 @@ from diloco.executors.base import (
     RunHandle,
     RunStatus,
     ServerlessExecutor,
+    grown_ranks,
     require_rank_support,
 )
 from diloco.executors.mixed.config import MIXED, MixedBackendConfig
@@ -75,6 +81,8 @@ class MixedBackend(ServerlessExecutor[MixedBackendConfig, MixedRunHandle]):
     #: Relaunching is per replica: where its part's backend relaunches (``relaunches``); an Indexed Job's
     #: replicas are retried by the cluster itself.
     supports_relaunch: ClassVar[bool] = True
+    #: A part grows with its own backend's ``add_ranks`` (``add_ranks_on``); a part whose backend cannot is refused.
+    supports_scaling: ClassVar[bool] = True
     #: Its replicas take their states from their parts' backends: it has no service of its own to map from.
     STATES: ClassVar[dict[str, ReplicaState]] = {}
 
@@ -313,6 +321,53 @@ class MixedBackend(ServerlessExecutor[MixedBackendConfig, MixedRunHandle]):
                 problem = problem or exc
         if problem is not None:
             raise problem
+
+    # ------------------------------------------------------------------ growing a live run
+    def add_ranks(self, handle: MixedRunHandle, ranks: Sequence[int], spec: LaunchSpec) -> MixedRunHandle:
+        """The new ranks on the part that runs the run's highest rank (``add_ranks_on`` names another)."""
+        return self.add_ranks_on(handle, None, ranks, spec)
+
+    def add_ranks_on(self, handle: MixedRunHandle, part: str | int | None, ranks: Sequence[int],
+                     spec: LaunchSpec) -> MixedRunHandle:
+        """Start the new global ``ranks`` on one part: ``part`` names it by its backend's kind (``sagemaker``,
+        when one part runs on it) or its index in ``backend.parts`` (``1``); None: the part running the highest
+        rank. The part's backend adds them (its ``add_ranks``, all or nothing); the returned handle lists them in
+        that part. ``ConfigError`` (nothing started) for a part that does not exist, is ambiguous, was never
+        submitted, or whose backend cannot grow a live run."""
+        grown = grown_ranks(handle, ranks, spec)
+        target = self._part_named(handle, part)
+        backend = self.part_backend(target.part)
+        if not backend.supports_scaling:
+            raise ConfigError(f"--part: {self._label(target.part, target.ranks)} cannot add replicas to a live run "
+                              f"(the {backend.name} backend does not declare supports_scaling)",
+                              hint="grow another part of the run (--part KIND:+K)")
+        if target.handle is None:
+            raise ConfigError(f"--part: {self._label(target.part, target.ranks)} was not submitted yet",
+                              hint="scale the run once its launch has finished")
+        try:
+            fresh = backend.add_ranks(self._part_handle(target), grown.spec.own_ranks, spec)
+        except DilocoError as exc:
+            raise self._part_error(exc, target.part, target.ranks) from exc
+        parts = [p.model_copy(update={"handle": fresh.model_dump(mode="json"),
+                                      "ranks": [*p.ranks, *grown.spec.own_ranks]}) if p.part == target.part else p
+                 for p in handle.parts]
+        return handle.model_copy(update={"replicas": grown.replicas, "ranks": grown.own, "parts": parts})
+
+    def _part_named(self, handle: MixedRunHandle, part: str | int | None) -> MixedPartHandle:
+        """The part ``add_ranks_on`` grows (see there); ``ConfigError`` naming the parts when none or several match."""
+        kinds = ", ".join(f"{p.part}: {p.backend}" for p in handle.parts)
+        if part is None:
+            return max(handle.parts, key=lambda p: max(p.ranks))
+        if isinstance(part, int) or str(part).isdigit():
+            found = [p for p in handle.parts if p.part == int(part)]
+        else:
+            found = [p for p in handle.parts if p.backend == part or self.config.parts[p.part].kind == part]
+        if len(found) == 1:
+            return found[0]
+        why = "several parts run on it" if found else "no part of the run is that"
+        raise ConfigError(f"--part: {part!r} does not name one part of run {handle.run_id} ({why}; its parts are "
+                          f"{kinds})", hint="name the part by its backend (--part sagemaker:+2) or, when two parts "
+                                            "share a backend, by its index (--part 1:+2)")
 
     def relaunches(self, handle: MixedRunHandle, rank: int) -> bool:
         part = handle.part_of(rank)
