@@ -340,7 +340,7 @@ class MixedBackend(ServerlessExecutor[MixedBackendConfig, MixedRunHandle]):
         if not backend.supports_scaling:
             raise ConfigError(f"--part: {self._label(target.part, target.ranks)} cannot add replicas to a live run "
                               f"(the {backend.name} backend does not declare supports_scaling)",
-                              hint="grow another part of the run (--part KIND:+K)")
+                              hint="grow another part of the run (--part KIND)")
         if target.handle is None:
             raise ConfigError(f"--part: {self._label(target.part, target.ranks)} was not submitted yet",
                               hint="scale the run once its launch has finished")
@@ -366,8 +366,8 @@ class MixedBackend(ServerlessExecutor[MixedBackendConfig, MixedRunHandle]):
             return found[0]
         why = "several parts run on it" if found else "no part of the run is that"
         raise ConfigError(f"--part: {part!r} does not name one part of run {handle.run_id} ({why}; its parts are "
-                          f"{kinds})", hint="name the part by its backend (--part sagemaker:+2) or, when two parts "
-                                            "share a backend, by its index (--part 1:+2)")
+                          f"{kinds})", hint="name the part by its backend (--part sagemaker) or, when two parts "
+                                            "share a backend, by its index (--part 1)")
 
     def relaunches(self, handle: MixedRunHandle, rank: int) -> bool:
         part = handle.part_of(rank)
