@@ -1,5 +1,5 @@
-"""``diloco plot``: a PNG of the training curves, for a finished run (the built-in trainer, 2 replicas) and for a
-run still training (``support.cli_trainers:slow``, detached, plotted mid-run, then cancelled). The PNG is opened and
+"""``diloco plot``: a PNG of the training curves, for a finished run (the built-in trainer, 2 replicas), a failed
+one and a run still training (``support.plot_trainers``, detached, plotted mid-run, then cancelled). The PNG is opened and
 checked: its size, and that it holds drawn curves, not a blank canvas."""
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from diloco.replica.metric_rows import MetricRow
 from diloco.store.layout import METRICS_KEY, PROGRESS_KEY
 from diloco.store.objects import ObjectStore
 
-TESTS_DIR = Path(__file__).resolve().parents[1]
 runner = CliRunner()
 
 
@@ -57,27 +56,6 @@ def test_plot_of_a_finished_run(home: Path, tmp_path: Path) -> None:
     default = runner.invoke(app, ["plot", "--output", str(tmp_path)])  # latest run, into a directory
     assert default.exit_code == 0, default.output
     assert_drawn_png(tmp_path / f"{run_id}-curves.png")
-
-
-def test_plot_of_a_running_run(home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(TESTS_DIR)  # cli_trainers is importable from the replicas' working directory
-    launched = runner.invoke(app, ["launch", "-n", "2", "-b", "local", "--trainer", "support.cli_trainers:slow",
-                                   "--steps", "4000", "--sync-every", "10", "-k", "step_s=0.02", "--detach",
-                                   "-o", "json"])
-    assert launched.exit_code == 0, launched.output
-    run_id = json.loads(launched.stdout)["run_id"]
-    try:
-        store = ObjectStore(f"file://{home.resolve()}/runs/{run_id}/store")
-        wait_for_rounds(store, ranks=2, rounds=2)
-        out = tmp_path / "running.png"
-        result = runner.invoke(app, ["plot", run_id, "--output", str(out), "-o", "json"])
-        assert result.exit_code == 0, result.output
-        report = json.loads(result.stdout)
-        assert report["ranks"] == [0, 1] and report["finished_ranks"] == [] and report["rounds"] >= 2
-        assert_drawn_png(out)
-    finally:
-        cancelled = runner.invoke(app, ["cancel", run_id])
-        assert cancelled.exit_code == 0, cancelled.output
 
 
 def wait_for_rounds(store: ObjectStore, *, ranks: int, rounds: int, timeout_s: float = 60.0) -> None:
@@ -174,11 +152,12 @@ def test_a_failed_run_says_each_ranks_real_state_and_that_no_eval_was_recorded(h
     assert_drawn_png(tmp_path / "failed.png")
 
 
-def test_a_live_runs_progress_row_adds_a_point_only_for_a_loss_measured_at_its_step(
+def test_plot_of_a_running_run_adds_a_progress_point_only_for_a_loss_measured_at_its_step(
         home: Path, tmp_path: Path) -> None:
-    """Mid-way to round 2, rank 0's progress row carries round 1's train loss over (nothing measured since): no
-    point at its step, which would draw a flat segment as if rank 0 had stopped learning. Rank 1's progress row
-    carries a loss measured at its step: that one is a point."""
+    """A run still training, plotted mid-run (detached, then cancelled): a drawn PNG of both ranks, none finished.
+    Mid-way to round 3, rank 0's progress row carries round 2's train loss over (nothing measured since): no point
+    at its step, which would draw a flat segment as if rank 0 had stopped learning. Rank 1's progress row carries a
+    loss measured at its step: that one is a point."""
     launched = run_cli("launch", "-n", "2", "-b", "local", "--trainer", "support.plot_trainers:stale_progress",
                        "--steps", "100", "--sync-every", "10", "--detach", "-o", "json", home=home)
     assert launched.returncode == 0, launched.stderr
@@ -189,13 +168,16 @@ def test_a_live_runs_progress_row_adds_a_point_only_for_a_loss_measured_at_its_s
         while not all(store.exists(PROGRESS_KEY.format(rank=r)) for r in (0, 1)):
             assert time.monotonic() < deadline, "the replicas wrote no progress rows"
             time.sleep(0.2)
+        wait_for_rounds(store, ranks=2, rounds=2)
         report = plotted(home, run_id, tmp_path / "live.png")
-        assert report["train_points"] == 3  # round 1 of each rank, and rank 1's fresh loss
+        assert report["ranks"] == [0, 1] and report["finished_ranks"] == [] and report["rounds"] >= 2, report
+        assert report["train_points"] == 5  # rounds 1 and 2 of each rank, and rank 1's fresh loss
         curves = {c["rank"]: c for c in report["curves"]}  # type: ignore[index, union-attr]
-        assert [(p[0], p[2]) for p in curves[0]["train"]] == [(10, 4.0)]
-        assert [(p[0], p[2]) for p in curves[1]["train"]] == [(10, 4.0), (15, 3.5)]
+        assert [(p[0], p[2]) for p in curves[0]["train"]] == [(10, 4.0), (20, 3.8)]
+        assert [(p[0], p[2]) for p in curves[1]["train"]] == [(10, 4.0), (20, 3.8), (25, 3.5)]
         assert [c["label"] for c in curves.values()] == ["rank 0 (running)", "rank 1 (running)"]
         assert report["notes"] == {}
+        assert_drawn_png(tmp_path / "live.png")
     finally:
         cancelled = run_cli("cancel", run_id, home=home)
         assert cancelled.returncode == 0, cancelled.stderr

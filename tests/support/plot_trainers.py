@@ -41,13 +41,14 @@ def fail_before_eval(*, manager: Any, rank: int, world_size: int, total_steps: i
 
 def stale_progress(*, manager: Any, rank: int, world_size: int, total_steps: int, sync_every: int,
                    **_: Any) -> None:
-    """One round, then a progress row mid-way to the next: rank 0's carries the round's train loss over (no loss
+    """Two rounds, then a progress row mid-way to the next: rank 0's carries round 2's train loss over (no loss
     measured since, as a trainer that reports once per round leaves it); rank 1's carries a loss it just measured.
     Then it waits to be cancelled."""
     rows = [_row(kind="init", step=0, round=0, total_steps=total_steps, eval_loss=5.0),
-            _row(kind="round", step=sync_every, round=1, total_steps=total_steps, train_loss=4.0, eval_loss=4.5)]
+            _row(kind="round", step=sync_every, round=1, total_steps=total_steps, train_loss=4.0, eval_loss=4.5),
+            _row(kind="round", step=2 * sync_every, round=2, total_steps=total_steps, train_loss=3.8, eval_loss=4.2)]
     _history(manager, rank, rows)
-    fresh = 3.5 if rank == 1 else 4.0
-    _progress(manager, rank, _row(kind="progress", step=sync_every + sync_every // 2, round=1,
-                                  total_steps=total_steps, train_loss=fresh, eval_loss=4.5))
+    fresh = 3.5 if rank == 1 else 3.8
+    _progress(manager, rank, _row(kind="progress", step=2 * sync_every + sync_every // 2, round=2,
+                                  total_steps=total_steps, train_loss=fresh, eval_loss=4.2))
     time.sleep(300)
