@@ -4,11 +4,12 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
 # Test processes (pytest-xdist): most tests wait on replica processes and stores, so two workers finish the suite
-# in about two thirds of the time even on two cores. Tests go out two at a time (--maxschedchunk 2) in collection
-# order, which tests/conftest.py makes longest first: a worker that drew a long test does not sit on a queue of
-# others while the second worker runs dry.
+# in about two thirds of the time even on two cores. Tests go out in collection order, which tests/conftest.py makes
+# longest first (--no-loadscope-reorder keeps it), each a unit of its own, except a module marked
+# xdist_group: its tests go to one worker together, so its module-scoped run or server is started once, not once
+# per worker. A worker is handed its next unit as soon as it has fewer than two pending.
 TEST_WORKERS ?= 2
-TEST_SCHEDULING := --dist load --maxschedchunk 2
+TEST_SCHEDULING := --dist loadgroup --no-loadscope-reorder
 BIN := $(VENV)/bin
 
 .PHONY: setup browser test docs demo lint bench gpu-check clean

@@ -75,6 +75,17 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(ProcessCensus(), "diloco-process-census")
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under ``--dist loadgroup``, a module marked ``xdist_group`` goes to one worker whole
+    (``support.xdist_groups``: what xdist's own grouping no longer does on this pytest)."""
+    if config.getoption("dist") != "loadgroup":
+        return None
+    from support.xdist_groups import ModuleGroupScheduling
+
+    return ModuleGroupScheduling(config, log)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Longest tests first: pytest-xdist's ``load`` scheduling hands tests out in collection order, so a long test
     collected late would leave one worker running it alone while the other has finished. The sort is stable:

@@ -12,6 +12,9 @@ from pathlib import Path
 import pytest
 from support.cli_runs import RealRuns, run_cli
 
+#: One worker runs this module: its module-scoped run (or server) is then started once, not once per worker.
+pytestmark = pytest.mark.xdist_group("test_cli_narrow")
+
 HIDDEN = re.compile(r"^columns hidden: (?P<names>.+); widen the terminal or use -o json$")
 
 

@@ -13,6 +13,9 @@ from typer.testing import CliRunner
 
 from diloco.cli.main import app
 
+#: One worker runs this module: its module-scoped run (or server) is then started once, not once per worker.
+pytestmark = pytest.mark.xdist_group("test_cli_newcomer")
+
 TESTS_DIR = str(Path(__file__).resolve().parents[1])
 runner = CliRunner()
 

@@ -15,6 +15,9 @@ from support.cli_runs import RealRuns, run_cli
 
 from diloco.cli.main import app
 
+#: One worker runs this module: its module-scoped run (or server) is then started once, not once per worker.
+pytestmark = pytest.mark.xdist_group("test_cli_schema")
+
 SCHEMA = json.loads((Path(__file__).resolve().parents[2] / "docs" / "output-schema.json").read_text())
 
 

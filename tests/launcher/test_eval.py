@@ -19,6 +19,9 @@ from typer.testing import CliRunner
 from diloco.cli.main import app
 from diloco.store.objects import ObjectStore
 
+#: One worker runs this module: its module-scoped run (or server) is then started once, not once per worker.
+pytestmark = pytest.mark.xdist_group("test_eval")
+
 runner = CliRunner()
 
 

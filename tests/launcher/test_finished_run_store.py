@@ -16,6 +16,9 @@ from support.store_cli import launch_small_run, run_cli, store_dir
 from diloco.launcher.compaction import COMPACTED_KEY
 from diloco.store.layout import FINAL_KEY, METRICS_KEY, PROGRESS_KEY, RUN_INFO_KEY, SPEC_KEY
 
+#: One worker runs this module: its module-scoped run (or server) is then started once, not once per worker.
+pytestmark = pytest.mark.xdist_group("test_finished_run_store")
+
 REPLICAS = 2
 
 

@@ -15,6 +15,9 @@ from typer.testing import CliRunner
 
 from diloco.cli.main import app
 
+#: One worker runs this module: its module-scoped run (or server) is then started once, not once per worker.
+pytestmark = pytest.mark.xdist_group("test_hf_export")
+
 runner = CliRunner()
 
 

@@ -19,6 +19,9 @@ from pathlib import Path
 import pytest
 from support.polling import wait_for
 
+#: One worker runs this module: its module-scoped run (or server) is then started once, not once per worker.
+pytestmark = pytest.mark.xdist_group("test_tracking")
+
 TESTS_DIR = Path(__file__).resolve().parents[1]
 DILOCO = str(Path(sys.executable).with_name("diloco"))
 MLFLOW = str(Path(sys.executable).with_name("mlflow"))

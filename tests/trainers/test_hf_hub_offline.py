@@ -28,6 +28,9 @@ import pytest
 from readme_blocks import block_starting
 from support.commands import DILOCO_SCRIPT as DILOCO
 
+#: One worker runs this module: its module-scoped run (or server) is then started once, not once per worker.
+pytestmark = pytest.mark.xdist_group("test_hf_hub_offline")
+
 #: A launch that fails before starting anything takes a CLI start and one bounded Hub probe; an unfixed launch
 #: starts replicas that retry the Hub for over a minute. Past this the test fails (and cleans up) instead of
 #: waiting for them.

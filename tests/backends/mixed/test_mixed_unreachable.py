@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 from support.commands import run_cli
 
-pytestmark = pytest.mark.slow
+#: One worker runs this module: its module-scoped run (or server) is then started once, not once per worker.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_mixed_unreachable")]
 
 #: Only bounds a hang: each command below answers from the record and the store.
 PATIENCE_S = 120.0
