@@ -1,6 +1,7 @@
-"""End to end, asynchronous DiLoCo: a master and 3 workers as real replica processes
-(``python -m diloco.replica.entrypoint`` with the built-in trainer in ``mode="async"``) train the built-in model
-through a ``file://`` store and through the loopback S3 server, to an eval loss clearly below its start.
+"""End to end, asynchronous DiLoCo: ``diloco launch --mode async`` starts a master and 3 workers as real replica
+processes (the local backend, the built-in trainer in ``mode="async"``) that train the built-in model through the
+loopback S3 server to an eval loss clearly below its start. (The ``file://`` store's async runs are the kill
+tests' in tests/replica/test_async_rejoin.py.)
 
 Also: every rank exports the same final global weights, and the published metadata (what ``diloco status``
 shows) names the global version and each worker's last upload and staleness.
@@ -17,7 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from diloco import envvars
 from diloco.launcher.async_status import read_async_status
 from diloco.store.codec import decode_tensors
 from diloco.store.objects import ObjectStore
@@ -27,35 +27,6 @@ pytestmark = pytest.mark.slow
 TINY = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32, "batch_size": 8, "eval_batches": 4,
         "max_corpus_bytes": 150_000, "mode": "async"}
 GUARD_S = 240  # only against a hang: the runs take seconds
-
-
-def launch(tmp_path: Path, uri: str, world_size: int, kwargs: dict, extra_env: dict[str, str] | None = None
-           ) -> list[tuple[int, int, str]]:
-    """One replica process per rank (rank via ``REPLICA_RANK``, as every backend sets it); wait for all."""
-    env = {k: v for k, v in os.environ.items() if k not in (envvars.SM_MODEL_DIR, envvars.JOB_COMPLETION_INDEX)}
-    env.update(extra_env or {})
-    env["TMPDIR"] = str(tmp_path)  # the master's local state folder belongs to this test
-    procs = []
-    for rank in range(world_size):
-        err = open(tmp_path / f"r{rank}.err", "w")
-        cmd = [sys.executable, "-m", "diloco.replica.entrypoint", "--rendezvous", uri, "--world-size",
-               str(world_size), "--trainer", "diloco.trainers.gpt:diloco_train", "--trainer-kwargs-json",
-               json.dumps(kwargs), "--timeout", "120", "--poll-interval", "0.05"]
-        procs.append((rank, subprocess.Popen(cmd, cwd=tmp_path, env={**env, envvars.REPLICA_RANK: str(rank)},
-                                             stdout=subprocess.DEVNULL, stderr=err), err))
-    results = []
-    try:
-        for rank, proc, err in procs:
-            proc.wait(timeout=GUARD_S)
-            err.close()
-            results.append((rank, proc.returncode, (tmp_path / f"r{rank}.err").read_text()))
-    finally:
-        for _, proc, err in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            err.close()
-    return results
 
 
 def check_run(store: ObjectStore, results: list[tuple[int, int, str]], world_size: int) -> None:
@@ -86,28 +57,24 @@ def check_run(store: ObjectStore, results: list[tuple[int, int, str]], world_siz
         assert worker.applied >= 1 and worker.last_upload_time and worker.staleness is not None
 
 
-def test_cli_launch_mode_async_on_file_store_and_status(tmp_path: Path) -> None:
-    """``diloco launch --mode async`` on the local backend (a file:// store), then ``diloco status``."""
+def test_cli_launch_mode_async_over_s3_and_status(tmp_path: Path, s3_uri: str, aws_env: str) -> None:
+    """``diloco launch --mode async`` on the local backend with an S3 rendezvous, then ``diloco status``."""
     diloco = str(Path(sys.executable).with_name("diloco"))
     env = {**os.environ, "DILOCO_HOME": str(tmp_path / "home"), "TMPDIR": str(tmp_path)}
     env.pop("DILOCO_DEBUG", None)
     knobs = [f"-k{k}={v}" for k, v in TINY.items() if k != "mode"]
     launched = subprocess.run([diloco, "launch", "--mode", "async", "-n", "4", "--steps", "60", "--sync-every",
-                               "10", *knobs], capture_output=True, text=True, env=env, cwd=tmp_path,
-                              timeout=GUARD_S)
+                               "10", "--rendezvous", f"{s3_uri}/{{run_id}}", "--set", "store.poll_interval_s=0.05",
+                               *knobs], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=GUARD_S)
     assert launched.returncode == 0, launched.stdout + launched.stderr
     assert "final weights: identical: 4 replica(s)" in launched.stdout, launched.stdout
     table = subprocess.run([diloco, "status"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
     assert "async: global version" in table.stdout and "staleness" in table.stdout, table.stdout
     shown = json.loads(subprocess.run([diloco, "status", "-o", "json"], capture_output=True, text=True, env=env,
                                       cwd=tmp_path, timeout=60).stdout)
+    assert shown["rendezvous_uri"].startswith(s3_uri), shown["rendezvous_uri"]
     store = ObjectStore(shown["rendezvous_uri"])
     check_run(store, [(r, 0, "") for r in range(4)], 4)
     published = read_async_status(store)
     assert published is not None and shown["async_global_version"] == published.version
     assert all(r["async_last_upload_at"] and r["async_staleness"] is not None for r in shown["ranks"])
-
-
-def test_master_and_three_workers_on_loopback_s3(tmp_path: Path, s3_uri: str, aws_env: str) -> None:
-    results = launch(tmp_path, s3_uri, 4, {**TINY, "total_steps": 60, "sync_every": 10})
-    check_run(ObjectStore(s3_uri), results, 4)
