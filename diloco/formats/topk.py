@@ -22,6 +22,7 @@ positions otherwise is refused by name). Its payloads go on the wire packed; the
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -85,10 +86,9 @@ class Topk(WireFormat):
 
     @property
     def spec(self) -> TopkSpec:
-        """The parameters with what they cost on the wire (``diloco.formats.kernels.topk``)."""
-        from diloco.formats.kernels.topk import TopkSpec
-
-        return TopkSpec(density=self.density, chunk=self.chunk, value_bits=self.value_bits)
+        """The parameters with what they cost on the wire (``diloco.formats.kernels.topk``); one instance per
+        parameters (asked for every tensor of every payload a round encodes, checks and decodes)."""
+        return _spec(self.density, self.chunk, self.value_bits)
 
     def describe(self) -> str:
         spec = TopkParams(density=self.density, chunk=self.chunk, value_bits=self.value_bits)
@@ -171,6 +171,13 @@ class Topk(WireFormat):
         import torch
 
         return all(bool(torch.isfinite(t).all()) for name, t in wire.items() if name.endswith(SCALE_SUFFIX))
+
+
+@functools.lru_cache(maxsize=32)
+def _spec(density: float, chunk: int, value_bits: int) -> TopkSpec:
+    from diloco.formats.kernels.topk import TopkSpec
+
+    return TopkSpec(density=density, chunk=chunk, value_bits=value_bits)
 
 
 FORMAT = Topk

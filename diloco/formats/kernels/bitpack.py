@@ -20,6 +20,7 @@ import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 #: Field widths supported (the sparse format's indices need up to 16 bits; its codes 1 to 8).
@@ -44,6 +45,8 @@ def pack(values: torch.Tensor, bits: int) -> torch.Tensor:
     per_group, group_bytes = _group(bits)
     if group_bytes > 8:
         return _pack_by_bits(values, bits, nbytes)
+    if values.device.type == "cpu":
+        return torch.from_numpy(_pack_numpy(values.reshape(-1).numpy(), bits, nbytes))
     groups = -(-n // per_group)
     v = values.reshape(-1).to(torch.int64)
     if groups * per_group != n:
@@ -71,6 +74,8 @@ def unpack(stream: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     per_group, group_bytes = _group(bits)
     if group_bytes > 8:
         return _unpack_by_bits(stream, bits, count)
+    if stream.device.type == "cpu":
+        return torch.from_numpy(_unpack_numpy(stream.numpy(), bits, count))
     groups = -(-count // per_group)
     padded = torch.zeros(groups * group_bytes, dtype=torch.int64, device=stream.device)
     padded[:nbytes] = stream.reshape(-1)[:nbytes]
@@ -78,6 +83,47 @@ def unpack(stream: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     word = (padded.view(groups, group_bytes) << byte_shifts).sum(dim=1, keepdim=True)
     shifts = torch.arange(per_group, device=stream.device) * bits
     return ((word >> shifts) & ((1 << bits) - 1)).view(-1)[:count]
+
+
+def _pack_numpy(values: np.ndarray, bits: int, nbytes: int) -> np.ndarray:
+    """``pack`` on a CPU, in NumPy (``_unpack_numpy`` says why): the same group words, their bytes read in place
+    as little-endian."""
+    import numpy as np
+
+    per_group, group_bytes = _group(bits)
+    n = values.size
+    groups = -(-n // per_group)
+    fields = np.zeros(groups * per_group, dtype=np.uint64)
+    fields[:n] = values
+    fields &= np.uint64((1 << bits) - 1)
+    fields = fields.reshape(groups, per_group)
+    word = fields[:, 0].copy()  # the fields OR-ed into one word per group, one field at a time
+    for j in range(1, per_group):
+        word |= fields[:, j] << np.uint64(j * bits)
+    as_bytes = word.astype("<u8", copy=False).view(np.uint8).reshape(groups, 8)
+    return np.ascontiguousarray(as_bytes[:, :group_bytes]).reshape(-1)[:nbytes].copy()
+
+
+def _unpack_numpy(stream: np.ndarray, bits: int, count: int) -> np.ndarray:
+    """``unpack`` on a CPU, in NumPy: the same group words, read in place as little-endian uint64 (a NumPy
+    operation costs about a microsecond where a torch one costs several, and a small tensor's unpack is a few
+    operations: what a round of many small tensors pays for every peer)."""
+    import numpy as np
+
+    per_group, group_bytes = _group(bits)
+    groups = -(-count // per_group)
+    nbytes = packed_nbytes(count, bits)
+    words = np.zeros((groups, 8), dtype=np.uint8)
+    if group_bytes == 8 or groups == 0:
+        words.reshape(-1)[:nbytes] = stream.reshape(-1)[:nbytes]
+    else:
+        padded = np.zeros(groups * group_bytes, dtype=np.uint8)
+        padded[:nbytes] = stream.reshape(-1)[:nbytes]
+        words[:, :group_bytes] = padded.reshape(groups, group_bytes)
+    word = words.view("<u8")  # (groups, 1): the group's bytes, least significant first, whatever the machine
+    shifts = np.arange(per_group, dtype=np.uint64) * np.uint64(bits)
+    fields = (word >> shifts) & np.uint64((1 << bits) - 1)
+    return fields.reshape(-1)[:count].astype(np.int64)
 
 
 def pack_flags(flags: torch.Tensor) -> torch.Tensor:

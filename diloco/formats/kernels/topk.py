@@ -63,6 +63,9 @@ DEVICE_PASS_ELEMENTS = 1 << 26
 _SERIAL_ELEMENTS = 1 << 15
 #: The pre-filter's groups: at least this many per kept element, so few groups tie and candidates stay few.
 GROUPS_PER_KEPT = 8
+#: A CPU tensor of at most this many elements is encoded and decoded in NumPy (``_encode_small``, ``_decode_small``):
+#: below it a torch operation's fixed cost, not the data, is most of the work.
+SMALL_ELEMENTS = 1 << 16
 _MAGNITUDE = 0x7FFFFFFF
 _NONFINITE_BITS = 0x7F800000  # fp32 bits of +inf: magnitudes at or above are inf or NaN
 
@@ -112,6 +115,8 @@ def encode_positions(cols: torch.Tensor, width: int) -> torch.Tensor:
     rows, kept = cols.shape
     low = low_bits(width, kept)
     slots = upper_bits(width, kept)
+    if cols.device.type == "cpu":
+        return torch.from_numpy(_encode_positions_numpy(cols.numpy(), width))
     upper = torch.zeros(rows, slots, dtype=torch.uint8, device=cols.device)
     rank = torch.arange(kept, device=cols.device)
     upper.scatter_(1, (cols >> low) + rank, 1)
@@ -119,6 +124,22 @@ def encode_positions(cols: torch.Tensor, width: int) -> torch.Tensor:
     if not low:
         return upper_stream
     return torch.cat([bitpack.pack((cols & ((1 << low) - 1)).view(-1), low), upper_stream])
+
+
+def _encode_positions_numpy(cols: np.ndarray, width: int) -> np.ndarray:
+    """``encode_positions`` on a CPU, in NumPy (``_decode_positions_numpy`` says why): the same stream."""
+    import numpy as np
+
+    rows, kept = cols.shape
+    low = low_bits(width, kept)
+    slots = upper_bits(width, kept)
+    upper = np.zeros((rows, slots), dtype=np.uint8)
+    np.put_along_axis(upper, (cols >> low) + np.arange(kept, dtype=np.int64), 1, axis=1)
+    upper_stream = np.packbits(upper.reshape(-1), bitorder="little")
+    if not low:
+        return upper_stream
+    lows = bitpack._pack_numpy((cols & ((1 << low) - 1)).reshape(-1), low, bitpack.packed_nbytes(rows * kept, low))
+    return np.concatenate([lows, upper_stream])
 
 
 def decode_positions(stream: torch.Tensor, rows: int, width: int, kept: int) -> torch.Tensor:
@@ -132,6 +153,8 @@ def decode_positions(stream: torch.Tensor, rows: int, width: int, kept: int) -> 
     expected = _positions_nbytes(rows, width, kept)
     if stream.numel() != expected:
         raise CorruptObjectError(f"topk payload: {stream.numel()} bytes of positions, expected {expected}")
+    if stream.device.type == "cpu":
+        return torch.from_numpy(_decode_positions_numpy(stream.numpy(), rows, width, kept))
     upper = bitpack.unpack_flags(stream[low_nbytes:], rows * slots)
     if not bool((upper.view(rows, slots).sum(dim=1, dtype=torch.int32) == kept).all()):
         raise CorruptObjectError(f"topk payload: a chunk's position bitmap does not mark exactly {kept} elements")
@@ -143,6 +166,30 @@ def decode_positions(stream: torch.Tensor, rows: int, width: int, kept: int) -> 
     if low:
         positions |= bitpack.unpack(stream[:low_nbytes], low, rows * kept).view(rows, kept)
     _check_positions(positions, width)
+    return positions
+
+
+def _decode_positions_numpy(stream: np.ndarray, rows: int, width: int, kept: int) -> np.ndarray:
+    """``decode_positions`` on a CPU, in NumPy, with the same checks: a NumPy operation costs about a microsecond
+    where a torch one costs several, and a round decodes the positions of every tensor of every peer (dozens of
+    small tensors for a small model), so the fixed cost per operation is most of a small payload's decode."""
+    import numpy as np
+
+    low = low_bits(width, kept)
+    slots = upper_bits(width, kept)
+    low_nbytes = bitpack.packed_nbytes(rows * kept, low) if low else 0
+    upper = np.unpackbits(stream[low_nbytes:], count=rows * slots, bitorder="little").reshape(rows, slots)
+    if rows and not (np.count_nonzero(upper, axis=1) == kept).all():
+        raise CorruptObjectError(f"topk payload: a chunk's position bitmap does not mark exactly {kept} elements")
+    high = np.flatnonzero(upper).astype(np.int64, copy=False).reshape(rows, kept)  # ascending: row by row, within a row
+    high -= np.arange(0, rows * slots, slots, dtype=np.int64)[:, None]  # the bit's index in its row ...
+    high -= np.arange(kept, dtype=np.int64)  # ... less the ones before it
+    positions = high << low
+    if low:
+        positions |= bitpack._unpack_numpy(stream[:low_nbytes], low, rows * kept).reshape(rows, kept)
+    if positions.size and (not (positions[:, 1:] > positions[:, :-1]).all() or int(positions[:, -1].max()) >= width):
+        raise CorruptObjectError(f"topk payload: kept positions are not strictly increasing positions within "
+                                 f"their chunk of {width} elements")
     return positions
 
 
@@ -188,6 +235,8 @@ def encode(flat: torch.Tensor, spec: TopkSpec) -> tuple[torch.Tensor, torch.Tens
     import torch
 
     n = flat.numel()
+    if flat.device.type == "cpu" and n <= SMALL_ELEMENTS:
+        return _encode_small(flat, spec)
     full, tail = divmod(n, spec.chunk)
     k = spec.k
     cols = torch.empty(spec.kept(n), dtype=torch.int64, device=flat.device)
@@ -209,6 +258,60 @@ def encode(flat: torch.Tensor, spec: TopkSpec) -> tuple[torch.Tensor, torch.Tens
         _describe_kept(_Kept.of_keys(rows, torch.topk(keys, kt, dim=1).values, spec.index_bits), kt, spec,
                        cols[full * k :].view(1, kt), codes[full * k :].view(1, kt), levels[full:])
     return encode_index(cols, spec, n), bitpack.pack(codes, spec.value_bits), levels.view(-1)
+
+
+def _encode_small(flat: torch.Tensor, spec: TopkSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``encode`` of a small CPU tensor, in NumPy, by the selection rule itself (every row's ``kept`` largest
+    keys: magnitude bits, then the reversed position), which the pre-filter of large tensors reproduces exactly:
+    the same bits. Why: a model's biases and norms are a few hundred elements each, where a torch operation's
+    fixed cost (several microseconds, dozens of them per tensor) is the whole encode; NumPy's is about one."""
+    import numpy as np
+    import torch
+
+    x = flat.detach().numpy()
+    n = x.size
+    full = n // spec.chunk
+    cols, codes, levels = [], [], []
+    for rows, width, kept in spec.parts(n):
+        first = 0 if width == spec.chunk else full * spec.chunk
+        block = x[first : first + rows * width].reshape(rows, width)
+        c, q, lv = _describe_rows(block, kept, spec)
+        cols.append(c)
+        codes.append(q)
+        levels.append(lv)
+    if not cols:
+        return torch.zeros(0, dtype=torch.uint8), torch.zeros(0, dtype=torch.uint8), torch.zeros(0)
+    all_cols = np.concatenate([c.reshape(-1) for c in cols])
+    all_codes = np.concatenate([q.reshape(-1) for q in codes])
+    index = encode_index(torch.from_numpy(all_cols), spec, n)
+    packed_codes = bitpack.pack(torch.from_numpy(all_codes), spec.value_bits)
+    return index, packed_codes, torch.from_numpy(np.concatenate([lv.reshape(-1) for lv in levels]))
+
+
+def _describe_rows(block: np.ndarray, kept: int, spec: TopkSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(positions ascending, codes in position order, levels) of every row of ``block`` (R, width) fp32, each
+    keeping its ``kept`` largest keys (``_keys``); what ``_describe_kept`` writes, in NumPy."""
+    import numpy as np
+
+    rows, width = block.shape
+    bits = block.view(np.int32)
+    keys = (bits & _MAGNITUDE).astype(np.int64) << spec.index_bits
+    keys |= (width - 1) - np.arange(width, dtype=np.int64)
+    top = np.partition(keys, width - kept, axis=1)[:, width - kept :] if kept < width else keys
+    top = np.sort(top, axis=1)[:, ::-1]  # rank order: largest key first
+    position = (width - 1) - (top & ((1 << spec.index_bits) - 1))
+    magnitude = (top >> spec.index_bits).astype(np.int32)
+    negative = np.take_along_axis(bits, position, axis=1) < 0
+    rank = np.argsort(position, axis=1)  # positions are unique in a row
+    cols = np.take_along_axis(position, rank, axis=1)
+    group_code = np.arange(kept, dtype=np.int64) * spec.levels // kept * 2
+    median, empty = _median_ranks(kept, spec.levels)
+    codes = np.take_along_axis(group_code + negative, rank, axis=1)
+    levels = np.ascontiguousarray(magnitude[:, median]).view(np.float32)
+    if empty:
+        levels[:, empty] = 0.0
+    levels[magnitude[:, 0] >= _NONFINITE_BITS] = np.nan  # the whole chunk decodes to NaN
+    return cols, codes, levels
 
 
 class _Kept:
@@ -509,6 +612,10 @@ def decode(packed_cols: torch.Tensor, packed_codes: torch.Tensor, levels: torch.
     import torch
 
     n = out.numel()
+    if n <= SMALL_ELEMENTS and out.device.type == "cpu" and out.dtype == torch.float32 and \
+            packed_cols.device.type == "cpu":
+        _decode_small(packed_cols, packed_codes, levels, spec, out, mode=mode, zeroed=zeroed)
+        return out
     full = n // spec.chunk
     kept = spec.kept(n)
     positions = decode_index(packed_cols, spec, n)
@@ -538,6 +645,56 @@ def decode(packed_cols: torch.Tensor, packed_codes: torch.Tensor, levels: torch.
         if tail and bool(bad[-1]):
             out[full * spec.chunk :] = float("nan")
     return out
+
+
+def _decode_small(packed_cols: torch.Tensor, packed_codes: torch.Tensor, levels: torch.Tensor, spec: TopkSpec,
+                  out: torch.Tensor, *, mode: str, zeroed: bool) -> None:
+    """``decode`` of a small CPU tensor, in NumPy (``_encode_small`` says why), with the same checks and the same
+    operations: one fp32 addition (subtraction: the addition of the negated value) or one store per kept
+    position, then NaN over every chunk with a non-finite level."""
+    import numpy as np
+
+    n = out.numel()
+    target = out.numpy()
+    parts = spec.parts(n)
+    stream = packed_cols.numpy()
+    positions, at = [], 0
+    for rows, width, kept in parts:  # decode_index's checks, in NumPy
+        size = _positions_nbytes(rows, width, kept)
+        if stream[at : at + size].size != size:
+            raise CorruptObjectError(f"topk payload: {stream[at : at + size].size} bytes of positions, expected "
+                                     f"{size}")
+        positions.append(_decode_positions_numpy(stream[at : at + size], rows, width, kept))
+        at += size
+    if at != stream.size:
+        raise CorruptObjectError(f"topk payload: {stream.size} bytes of positions, expected {at}")
+    kept_n = spec.kept(n)
+    if packed_codes.numel() < bitpack.packed_nbytes(kept_n, spec.value_bits):
+        raise ValueError(f"a stream of {packed_codes.numel()} bytes cannot hold {kept_n} fields of "
+                         f"{spec.value_bits} bits")
+    codes = bitpack._unpack_numpy(packed_codes.numpy(), spec.value_bits, kept_n)
+    chunk_levels = levels.numpy().reshape(-1, spec.levels)
+    signed = np.stack([chunk_levels, -chunk_levels], axis=2).reshape(-1, 2 * spec.levels)
+    if mode == "subtract":
+        signed = -signed  # a + (-v) is a - v, exactly
+    if mode == "write" and not zeroed:
+        target[:] = 0.0
+    first = 0
+    for (rows, width, _), cols in zip(parts, positions, strict=True):
+        row_codes = codes[first * spec.k : first * spec.k + cols.size].reshape(cols.shape)
+        values = np.take_along_axis(signed[first : first + rows], row_codes, axis=1)
+        flat = cols + (first * spec.chunk + np.arange(rows, dtype=np.int64) * width)[:, None]
+        if mode != "write":
+            target[flat] += values  # positions are unique: one addition each, as out + decode does
+        else:
+            target[flat] = values
+        first += rows
+    bad = ~np.isfinite(chunk_levels).all(axis=1)
+    if bad.any():
+        full = n // spec.chunk
+        target[: full * spec.chunk].reshape(full, spec.chunk)[bad[:full]] = np.nan
+        if n > full * spec.chunk and bad[-1]:
+            target[full * spec.chunk :] = np.nan
 
 
 def check_positions(packed_cols: torch.Tensor, spec: TopkSpec, n: int) -> None:
