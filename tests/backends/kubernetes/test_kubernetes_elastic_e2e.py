@@ -1,0 +1,50 @@
+"""A live Kubernetes run grown from 2 to 4 replicas (``Run.scale``) on the API emulator, through the real launcher and
+real replica processes (the gated ``support.elastic_trainer``, its pods local processes reaching moto's S3): the
+second Indexed Job's pods adopt the committed global model, join at the next round, and the run ends with every
+replica's weights identical."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from emulators.kubernetes import KubernetesEmulator
+from support.elastic_scaleup import scale_up_run
+
+pytestmark = pytest.mark.slow
+
+TESTS_DIR = str(Path(__file__).resolve().parents[2])
+NAMESPACE = "elastic"
+IMAGE = "registry.example/diloco:e2e"
+
+
+@pytest.fixture
+def kube(aws_env: str, tmp_path: Path) -> Iterator[KubernetesEmulator]:
+    """The emulator, its pods reaching moto as IRSA-credentialed pods reach S3."""
+    node_env = {key: os.environ[key] for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+                                                 "AWS_DEFAULT_REGION", "AWS_REGION", "AWS_ENDPOINT_URL",
+                                                 "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE",
+                                                 "AWS_EC2_METADATA_DISABLED") if key in os.environ}
+    node_env["PYTHONPATH"] = TESTS_DIR
+    node_env["OMP_NUM_THREADS"] = "1"
+    with KubernetesEmulator(tmp_path / "kube", namespace=NAMESPACE, node_env=node_env) as emulator:
+        yield emulator
+
+
+def test_a_kubernetes_run_scaled_from_2_to_4_ends_with_identical_weights(
+    kube: KubernetesEmulator, s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DILOCO_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("DILOCO_RESTART_BACKOFF_S", "0")
+    backend = {"kind": "eks", "image": IMAGE, "namespace": NAMESPACE, "kubeconfig": str(kube.kubeconfig),
+               "grace_period_s": 2, "log_poll_interval_s": 0.2, "state_dir": str(tmp_path / "state")}
+    done = scale_up_run(backend, f"s3://{s3_bucket}/elastic/{{run_id}}", tmp_path / "gates")
+    report = done.report
+    assert report.state.value == "succeeded", report
+    assert [(r.rank, r.exit_code) for r in report.ranks] == [(r, 0) for r in range(4)], report.ranks
+    assert report.weights_identical is True, report.weights_detail
+    assert done.grown.added == [2, 3]
+    assert [a["job_name"] for a in done.handle["added"]] == [f"{done.run_id}-r2-3"]
+    assert kube.job(f"{done.run_id}-r2-3") is not None
