@@ -44,11 +44,11 @@ def wait_until_running(home: Path, n: int, timeout: float = 60) -> str:
     raise AssertionError("the run did not start in time")
 
 
-def test_four_replicas_train_agree_and_report(tmp_path: Path) -> None:
-    """Four replicas with the sparse format (``--compression topk``): they agree bit for bit, and every round each
-    one wrote and read over 100x fewer bytes than the same round in fp32 would have."""
+def test_replicas_train_agree_and_report(tmp_path: Path) -> None:
+    """The demo config's replicas (two of them) with the sparse format (``--compression topk``): they agree bit for
+    bit, and every round each one wrote and read over 100x fewer bytes than the same round in fp32 would have."""
     home = tmp_path / "home"
-    launch = cli("launch", "--config", str(ROOT / "configs" / "local.yaml"), "--replicas", "4", "--backend",
+    launch = cli("launch", "--config", str(ROOT / "configs" / "local.yaml"), "--replicas", "2", "--backend",
                  "local", "--steps", "40", "--sync-every", "20", "--set", "train.trainer_kwargs.eval_batches=4",
                  "--compression", "topk", "-o", "json", home=home, cwd=tmp_path)
     assert launch.returncode == 0, launch.stderr
@@ -58,16 +58,16 @@ def test_four_replicas_train_agree_and_report(tmp_path: Path) -> None:
     assert "launched " + run_id in launch.stderr  # narration on stderr, data on stdout
     fp32_object = len(encode_tensors(decode_tensors(
         (home / "runs" / run_id / "store" / "final" / "rank_0000.safetensors").read_bytes())[0], {}))
-    for rank in summary["ranks"]:  # counted by each replica's store: 2 rounds, 3 peers read per round
+    for rank in summary["ranks"]:  # counted by each replica's store: 2 rounds, 1 peer read per round
         assert rank["round"] == 2
         assert rank["bytes_written"] * 100 < 2 * fp32_object, rank
-        assert rank["bytes_read"] * 100 < 2 * 3 * fp32_object, rank
+        assert rank["bytes_read"] * 100 < 2 * 1 * fp32_object, rank
 
     collect = cli("collect", "-o", "json", "--output", str(tmp_path / "model.safetensors"), home=home, cwd=tmp_path)
     assert collect.returncode == 0, collect.stderr
     report = json.loads(collect.stdout)
     assert report["run_id"] == run_id and report["state"] == "succeeded"
-    assert [r["state"] for r in report["ranks"]] == ["succeeded"] * 4
+    assert [r["state"] for r in report["ranks"]] == ["succeeded"] * 2
     assert report["weights_identical"] is True
     for rep in report["ranks"]:
         assert rep["step"] == 40 and rep["round"] == 2 and rep["finished_training"]
@@ -83,26 +83,26 @@ def test_four_replicas_train_agree_and_report(tmp_path: Path) -> None:
 
     shown = cli("status", run_id, home=home, cwd=tmp_path).stdout  # a one-line eval-loss trend per replica
     trends = [line.split() for line in shown.splitlines() if line.rstrip().endswith("%)")]
-    assert [t[0] for t in trends] == ["r0", "r1", "r2", "r3"], shown
+    assert [t[0] for t in trends] == ["r0", "r1"], shown
 
     logs = cli("logs", run_id, home=home, cwd=tmp_path)
     assert logs.returncode == 0
     lines = logs.stdout.splitlines()
     prefixes = {line.split(" ", 1)[0] for line in lines}
-    assert prefixes == {"[r0]", "[r1]", "[r2]", "[r3]"}
-    for rank in range(4):
+    assert prefixes == {"[r0]", "[r1]"}
+    for rank in range(2):
         assert any(line.startswith(f"[r{rank}] ") and "replica" in line and "finished" in line for line in lines)
     assert processes_of(run_id) == []
 
 
 def test_crashing_replica_fails_launch_and_collect_naming_it(tmp_path: Path) -> None:
     home = tmp_path / "home"
-    args = ("--replicas", "3", "--trainer", "support.cli_trainers:crash_at_rank", "--steps", "2", "--sync-every", "1")
+    args = ("--replicas", "2", "--trainer", "support.cli_trainers:crash_at_rank", "--steps", "2", "--sync-every", "1")
     launch = cli("launch", *args, home=home, cwd=TESTS_DIR)
     assert launch.returncode == 1, launch.stderr
     assert "replica 1 failed with exit code 1" in launch.stderr
     assert "RuntimeError: injected failure at rank 1" in launch.stderr  # the last lines of its stderr
-    assert "stopping replica(s) 0, 2" in launch.stderr  # fail-fast: the others cannot finish without it
+    assert "stopping replica(s) 0" in launch.stderr  # fail-fast: the other cannot finish without it
     run_id = RunRegistry(home).ids()[-1]
     assert processes_of(run_id) == []
 
@@ -114,7 +114,7 @@ def test_crashing_replica_fails_launch_and_collect_naming_it(tmp_path: Path) -> 
     assert collect.returncode == 1
     report = json.loads(collect.stdout)
     assert report["state"] == "failed"
-    assert [r["state"] for r in report["ranks"]] == ["cancelled", "failed", "cancelled"]
+    assert [r["state"] for r in report["ranks"]] == ["cancelled", "failed"]
     assert report["ranks"][1]["exit_code"] == 1
     assert "replica 1 failed with exit code 1" in collect.stderr
     assert processes_of(run_id) == []
@@ -144,39 +144,35 @@ def test_a_run_whose_replicas_disagree_is_failed_not_succeeded_in_every_command(
     assert not list(tmp_path.glob("*.safetensors"))  # no model written
 
 
-def test_cancel_mid_run_stops_everything_and_waiters_exit_4(tmp_path: Path) -> None:
+def test_ctrl_c_stops_waiting_but_not_the_run_and_cancel_stops_everything_and_waiters_exit_4(tmp_path: Path) -> None:
+    """One run, two moments: Ctrl-C in ``launch`` stops waiting (exit 130, naming ``diloco cancel``) while the
+    replicas go on; then ``diloco cancel`` stops everything, and every command waiting on the run (``collect``, and
+    ``watch``: the launcher reattached, which waits as ``launch`` does) exits 4."""
     home = tmp_path / "home"
     launch = start("launch", "--replicas", "2", "--trainer", "support.cli_trainers:slow", "--steps", "4000",
                    "--sync-every", "10", home=home, cwd=TESTS_DIR)
+    waiters = []
     try:
         run_id = wait_until_running(home, 2)
-        collect = start("collect", run_id, home=home, cwd=TESTS_DIR)
-        cancel = cli("cancel", run_id, home=home, cwd=TESTS_DIR)
-        assert cancel.returncode == 0, cancel.stderr
-        assert launch.wait(timeout=60) == 4
-        assert collect.wait(timeout=60) == 4
-        assert processes_of(run_id) == []
-        status = json.loads(cli("status", run_id, "-o", "json", home=home, cwd=TESTS_DIR).stdout)
-        assert status["state"] == "cancelled"
-    finally:
-        launch.kill()
-
-
-def test_ctrl_c_stops_waiting_but_not_the_run(tmp_path: Path) -> None:
-    home = tmp_path / "home"
-    launch = start("launch", "--replicas", "2", "--trainer", "support.cli_trainers:slow", "--steps", "4000",
-                   "--sync-every", "10", home=home, cwd=TESTS_DIR)
-    run_id = wait_until_running(home, 2)
-    launch.send_signal(signal.SIGINT)
-    _, err = launch.communicate(timeout=60)
-    try:
+        waiters.append(start("collect", run_id, home=home, cwd=TESTS_DIR))
+        launch.send_signal(signal.SIGINT)
+        _, err = launch.communicate(timeout=60)
         assert launch.returncode == 130
         assert f"diloco cancel {run_id}" in err
         status = json.loads(cli("status", run_id, "-o", "json", home=home, cwd=TESTS_DIR).stdout)
         assert [r["state"] for r in status["ranks"]] == ["running", "running"]
+
+        waiters.append(start("watch", run_id, home=home, cwd=TESTS_DIR))
+        cancel = cli("cancel", run_id, home=home, cwd=TESTS_DIR)
+        assert cancel.returncode == 0, cancel.stderr
+        ended = [waiter.communicate(timeout=60) for waiter in waiters]
+        assert [waiter.returncode for waiter in waiters] == [4, 4], ended
+        assert processes_of(run_id) == []
+        status = json.loads(cli("status", run_id, "-o", "json", home=home, cwd=TESTS_DIR).stdout)
+        assert status["state"] == "cancelled"
     finally:
-        assert cli("cancel", run_id, home=home, cwd=TESTS_DIR).returncode == 0
-    assert processes_of(run_id) == []
+        for proc in [launch, *waiters]:
+            proc.kill()
 
 
 def test_ctrl_c_with_cancel_on_interrupt_cancels(tmp_path: Path) -> None:
