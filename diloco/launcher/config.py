@@ -179,9 +179,16 @@ class RunConfig(_Strict):
         problem = min_replicas_problem(self.store.min_replicas, self.replicas)
         if problem:
             raise ValueError(f"store.min_replicas: {problem}")
-        if self.store.max_replicas is not None and self.store.max_replicas < self.replicas:
-            raise ValueError(f"store.max_replicas: must be at least the replicas launched ({self.replicas}) (got "
-                             f"{self.store.max_replicas})")
+        if self.store.max_replicas is not None:
+            if self.store.max_replicas < self.replicas:
+                raise ValueError(f"store.max_replicas: must be at least the replicas launched ({self.replicas}) "
+                                 f"(got {self.store.max_replicas})")
+            if t.mode == "async":
+                raise ValueError("store.max_replicas: an elastic run is synchronous (its rounds' manifests name "
+                                 "their members); drop --max-replicas or --mode async")
+            if (t.procs_per_replica or 1) > 1:
+                raise ValueError(f"store.max_replicas: an elastic run has one process per replica (got "
+                                 f"train.procs_per_replica {t.procs_per_replica}); drop one of the two")
         problem = self.backend.replicas_problem(self.replicas)
         if problem:
             raise ValueError(problem)

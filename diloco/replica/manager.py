@@ -105,6 +105,7 @@ class ObjectStoreManager:
         self._round_open = False
         self._commit_decision: bool | None = None
         self._pending: ManagedWork | None = None  # the round in flight (the all-reduce allows one at a time)
+        self._members: dict[int, list[int]] = {}  # elastic: round index -> its members (``members_of``)
 
     # ---------------------------------------------------------------- identity
     @property
@@ -292,6 +293,25 @@ class ObjectStoreManager:
         logger.info("rank %d rejoins the run after committed round %d (its next round is %d)", self.rank, latest,
                     latest + 1)
         return latest
+
+    def members_of(self, round_index: int) -> list[int] | None:
+        """Elastic: the members of the round of zero-based index ``round_index`` (what the trainers deal data by,
+        ``diloco.trainers.dealing``): the ranks the run started with for the first round, else what the previous
+        round's manifest names; manifests never change, so each is read once. None for a run of fixed replicas."""
+        if not getattr(self._allreduce, "elastic", False):
+            return None
+        known = self._members.get(round_index)
+        if known is not None:
+            return known
+        from diloco.collectives.membership import round_members
+
+        after = self._allreduce.members_after(round_index - 1) if round_index else None
+        members = after if after is not None else round_members(self.store, round_index, self.world_size)
+        if members is None:
+            raise DilocoError(f"the members of round {round_index + 1} are not known yet: round {round_index}'s "
+                              "manifest is not committed", hint="a trainer asks only for rounds this replica reached")
+        self._members[round_index] = list(members)
+        return self._members[round_index]
 
     def leaving(self) -> bool:
         """Whether the round that just committed was this rank's last: in an elastic run, its manifest does not

@@ -26,6 +26,7 @@ the trainer's preflight hook (``@preflight``), so ``diloco launch`` rejects ``-k
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import math
@@ -189,15 +190,18 @@ def diloco_train(
     from diloco.trainers.gpt_model import GPTConfig, build_model, split_fragments
 
     check_config({k: v for k, v in locals().items() if k in _KNOBS}, world_size=world_size)
-    _check_identity(manager, rank=rank, world_size=world_size)
+    members_of = _elastic_members(manager, mode)
+    _check_identity(manager, rank=rank, world_size=world_size, elastic=members_of is not None)
     config = GPTConfig(block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
     dev = _resolve_device(device)
     if threads:
         torch.set_num_threads(threads)
 
-    # --- data: this rank's disjoint shard; the held-out tail is shared by all ranks
-    split = split_corpus(load_corpus(corpus, max_corpus_bytes), rank=rank, world_size=world_size,
-                         block_size=block_size, eval_fraction=eval_fraction)
+    # --- data: this rank's disjoint shard; the held-out tail is shared by all ranks. An elastic run deals the
+    # whole training region by each round's members instead (diloco.trainers.dealing).
+    split = split_corpus(load_corpus(corpus, max_corpus_bytes), rank=0 if members_of else rank,
+                         world_size=1 if members_of else world_size, block_size=block_size,
+                         eval_fraction=eval_fraction)
     batches = make_eval_batches(split.eval, n_batches=eval_batches, batch_size=eval_batch_size or batch_size,
                                 block_size=block_size, seed=seed)
     train_gen = torch.Generator().manual_seed(seed + 7919 * (rank + 1))  # per-rank batch order
@@ -209,8 +213,15 @@ def diloco_train(
         load_initial_weights(model, init_from)
     inner_opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
     position = [0]  # inner steps taken in the run so far (a rejoining replica starts where the run is)
+    draw = None
+    if members_of is not None:
+        from diloco.trainers.dealing import MembershipDealer
+
+        dealer = MembershipDealer(members_of, steps_per_round=sync_every // fragments, per_step=batch_size,
+                                  total=(len(split.train) - 1) // block_size, seed=seed)
+        draw = functools.partial(_dealt_batch, dealer, split.train, rank=rank, block_size=block_size)
     inner_step = _inner_step(model, inner_opt, split.train, train_gen, dev, batch_size=batch_size,
-                             block_size=block_size, grad_clip=grad_clip,
+                             block_size=block_size, grad_clip=grad_clip, draw=draw,
                              slow_factor=slow_factor if rank == slow_rank else 1.0, position=position,
                              lr_at=lambda step: inner_lr_at(step, lr=lr, warmup_steps=warmup_steps,
                                                             total_steps=total_steps, min_lr_ratio=min_lr_ratio))
@@ -453,7 +464,30 @@ def _check_corpus_size(corpus: str | None, max_bytes: int, *, world_size: int, b
         )
 
 
-def _check_identity(manager: Any, *, rank: int, world_size: int) -> None:
+def _elastic_members(manager: Any, mode: str) -> Callable[[int], list[int]] | None:
+    """The manager's ``members_of`` when the run is elastic (``--max-replicas``, synchronous), else None."""
+    members_of = getattr(manager, "members_of", None)
+    if mode == "sync" and callable(members_of) and members_of(0) is not None:
+        return members_of  # type: ignore[no-any-return]
+    return None
+
+
+def _dealt_batch(dealer: Any, data: torch.Tensor, step: int, *, rank: int,
+                 block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An elastic run's batch at inner step ``step`` (zero-based): the blocks the round's membership deals this
+    rank (``MembershipDealer``), block ``b`` being the window ``data[b*block_size : (b+1)*block_size]`` and its
+    next-byte targets."""
+    import torch
+
+    starts = [b * block_size for b in dealer.blocks(step, rank)]
+    x = torch.stack([data[s:s + block_size] for s in starts])
+    y = torch.stack([data[s + 1:s + 1 + block_size] for s in starts])
+    return x, y
+
+
+def _check_identity(manager: Any, *, rank: int, world_size: int, elastic: bool = False) -> None:
+    if elastic:  # a rank added to an elastic run lies past the world it was launched with
+        return
     if not 0 <= rank < world_size:
         raise ConfigError(f"rank {rank} is outside 0..{world_size - 1} for world_size {world_size}")
     for attr, want in (("rank", rank), ("world_size", world_size)):
@@ -481,20 +515,25 @@ def _resolve_device(device: str) -> torch.device:
 
 def _inner_step(model: GPT, inner_opt: torch.optim.Optimizer, data: Any, train_gen: torch.Generator,
                 dev: torch.device, *, batch_size: int, block_size: int, grad_clip: float,
-                slow_factor: float, position: list[int],
-                lr_at: Callable[[int], float]) -> Callable[[], torch.Tensor]:
+                slow_factor: float, position: list[int], lr_at: Callable[[int], float],
+                draw: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
+                ) -> Callable[[], torch.Tensor]:
     """One inner AdamW step on this rank's next batch, as a function of no arguments returning the loss: the
     same step in both modes (the outer loop's optimizer hook runs the outer round inside ``inner_opt.step()``).
 
     ``position[0]`` counts the run's inner steps (the rejoin hook moves it); the step sets AdamW's lr to
-    ``lr_at(step)`` for the step it is about to take."""
+    ``lr_at(step)`` for the step it is about to take. ``draw(step)``: the batch of zero-based inner step ``step``
+    (an elastic run's dealing), instead of random windows of this rank's shard."""
     import torch
 
     from diloco.trainers.data import sample_batch
 
     def step() -> torch.Tensor:
         began = time.perf_counter()
-        x, y = sample_batch(data, batch_size=batch_size, block_size=block_size, generator=train_gen)
+        if draw is not None:
+            x, y = draw(position[0])
+        else:
+            x, y = sample_batch(data, batch_size=batch_size, block_size=block_size, generator=train_gen)
         _, loss = model(x.to(dev), y.to(dev))
         inner_opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -189,7 +189,9 @@ def train(
     from diloco.trainers.hf_feed import DataLog, restore_position
     from diloco.trainers.hf_fsdp import choose_fsdp, full_weights, shard_model
 
-    if not 0 <= rank < world_size:
+    members_of = getattr(manager, "members_of", None)
+    members_of = members_of if callable(members_of) and members_of(0) is not None else None  # an elastic run
+    if members_of is None and not 0 <= rank < world_size:
         raise ConfigError(f"rank {rank} is outside 0..{world_size - 1} for world_size {world_size}")
     if threads:
         torch.set_num_threads(threads)
@@ -203,7 +205,8 @@ def train(
     assert isinstance(data, str)  # check_config
     feed = _open_data(data, tok, rank=rank, world_size=world_size, local_rank=local_rank, local_size=local_size,
                       block_size=block_size, eval_fraction=eval_fraction, eval_blocks=eval_batches * batch_size,
-                      seed=seed, text_field=text_field, token_field=token_field, token_dtype=token_dtype)
+                      seed=seed, text_field=text_field, token_field=token_field, token_dtype=token_dtype,
+                      members_of=members_of, dealing=(sync_every, grad_accum * batch_size))
     eval_set = feed.eval[: eval_batches * batch_size]
     positions = _positions(manager, rank=rank, local_rank=local_rank, data=data)
     digests = DataLog(data_log, rank=rank, local_rank=local_rank) if data_log else None
@@ -318,13 +321,34 @@ def _present(**values: float | None) -> dict[str, float]:
 
 def _open_data(data: str, tok: Any, *, rank: int, world_size: int, local_rank: int, local_size: int,
                block_size: int, eval_fraction: float, eval_blocks: int, seed: int, text_field: str,
-               token_field: str, token_dtype: str) -> Feed:
+               token_field: str, token_dtype: str, members_of: Callable[[int], Any] | None = None,
+               dealing: tuple[int, int] = (1, 1)) -> Feed:
     """This process's data: a stream (``hf:``, pre-tokenized shards; ``diloco.trainers.hf_data``) dealt to slot
-    ``rank * local_size + local_rank``, or the text under ``data`` tokenized whole and split (``split_blocks``)."""
+    ``rank * local_size + local_rank``, or the text under ``data`` tokenized whole and split (``split_blocks``).
+
+    An elastic run (``members_of``, the manager's) deals the in-memory blocks by each round's membership instead
+    (``diloco.trainers.dealing``; ``dealing``: inner steps per round, blocks per process per step); streamed data
+    is dealt to fixed slots and is refused there."""
     from diloco.trainers import hf_data
     from diloco.trainers.hf_feed import MemoryFeed, StreamFeed
 
-    if hf_data.is_streamed(data, text_field=text_field, token_field=token_field):
+    streamed = hf_data.is_streamed(data, text_field=text_field, token_field=token_field)
+    if members_of is not None:
+        if streamed:
+            raise ConfigError(f"data: {data} is streamed to fixed slots, but this run is elastic (--max-replicas), "
+                              "whose data is dealt by each round's members",
+                              hint="train an elastic run on in-memory text data, or launch without --max-replicas")
+        from diloco.trainers.dealing import DealtFeed, MembershipDealer
+
+        blocks = load_blocks(data, tok, block_size=block_size, text_field=text_field)
+        split = split_blocks(blocks, rank=0, world_size=1, eval_fraction=eval_fraction)
+        steps_per_round, per_step = dealing
+        dealer = MembershipDealer(members_of, steps_per_round=steps_per_round, per_step=per_step,
+                                  total=len(split.train), seed=seed, procs=local_size)
+        return DealtFeed(split.train, split.eval, dealer, rank=rank, proc=local_rank, per_step=per_step,
+                         describe=f"{len(blocks)} blocks of {block_size} tokens dealt by each round's members, "
+                                  f"{len(split.eval)} held out")
+    if streamed:
         slot, slots = rank * local_size + local_rank, world_size * local_size
         stream = hf_data.open_stream(data, tok, block_size=block_size, slot=slot, slots=slots, n_eval=eval_blocks,
                                      text_field=text_field, token_field=token_field, token_dtype=token_dtype)

@@ -2,7 +2,8 @@
 scaled to 4 at round 3 and back to 3 at round 6 (``Run.scale``) ends with every remaining replica holding identical
 weights, every replica exiting 0; the committed rounds' member sets, read from the round manifests, are 2, 4 and 3.
 One of the added replicas is SIGKILLed in its first round, during the change: it is relaunched by the waiting
-launcher and rejoins. Scaling the ended run is one line, exit 2, through the CLI.
+launcher and rejoins. The data dealt by each round's membership covers the epoch exactly: counting the blocks every
+replica trained on, none twice, none skipped. Scaling the ended run is one line, exit 2, through the CLI.
 
 The scenario runs once (a module fixture) and the tests assert on it. Gates in the trainer
 (``support.elastic_trainer``) hold every replica at a known step while the test scales, so the scale lands at a
@@ -28,6 +29,8 @@ pytestmark = pytest.mark.slow
 
 ROUNDS, SYNC_EVERY = 9, 2
 GROW_GATE, SHRINK_GATE = 5, 11  # the first step of rounds 3 and 6: held there while the test scales
+PER_STEP = 2  # blocks per replica per step
+EPOCH = (2 * 3 + 4 * 3 + 3 * 3) * SYNC_EVERY * PER_STEP  # exactly the blocks the run trains on: one epoch
 
 
 @dataclass
@@ -68,7 +71,8 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
                          train={"trainer": "support.elastic_trainer:train", "steps": ROUNDS * SYNC_EVERY,
                                 "sync_every": SYNC_EVERY,
                                 "trainer_kwargs": {"gate_dir": str(gate_dir), "gates": f"{GROW_GATE},{SHRINK_GATE}",
-                                                   "kill_rank": 3, "kill_at_step": 7}},
+                                                   "kill_rank": 3, "kill_at_step": 7,
+                                                   "per_step": PER_STEP, "epoch_blocks": EPOCH}},
                          store={"max_replicas": 4, "poll_interval_s": 0.05, "timeout_s": deadline_s})
         relaunched: list[tuple[int, int, str]] = []
         outcome: dict[str, Any] = {}
@@ -130,10 +134,21 @@ def test_a_replica_killed_during_the_scale_change_is_relaunched_and_rejoins(scen
     assert [(rank, attempt) for rank, attempt, _ in scenario.relaunched] == [(3, 1)], scenario.relaunched
     assert scenario.report.ranks[3].restarts == 1
     assert (scenario.gate_dir / "killed.rank3").exists()
-    # It trained step 7 twice (before its death, after its rejoin), then went on with the others through round 6:
-    # step 12's update ended that round, its last, so ``opt.step()`` raised the drain before the step was logged.
-    steps = [int(line.split()[1]) for line in (scenario.gate_dir / "steps.rank3").read_text().splitlines()]
-    assert steps == [7, 7, 8, 9, 10, 11], steps
+    # It trained step 7 twice (before its death, after its rejoin), then went on with the others through round 6,
+    # its last.
+    steps = [int(line.split()[0]) for line in (scenario.gate_dir / "steps.rank3").read_text().splitlines()]
+    assert steps == [7, 7, 8, 9, 10, 11, 12], steps
+
+
+def test_the_data_dealt_by_membership_covers_the_epoch_once(scenario: Scenario) -> None:
+    trained: dict[tuple[int, int], list[int]] = {}  # (rank, step) -> its blocks; a step redone after a kill counts once
+    for rank in range(4):
+        for line in (scenario.gate_dir / f"steps.rank{rank}").read_text().splitlines():
+            step, *blocks = map(int, line.split())
+            assert trained.setdefault((rank, step), blocks) == blocks, (rank, step)  # a redone step reads the same
+    counted = sorted(b for blocks in trained.values() for b in blocks)
+    assert counted == list(range(EPOCH)), "some block was trained on twice or never"
+    assert {step for rank, step in trained if rank == 3} == set(range(7, 13))  # rounds 4-6 only
 
 
 def test_scaling_an_ended_run_is_one_line_exit_2(scenario: Scenario) -> None:
