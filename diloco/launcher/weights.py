@@ -117,12 +117,14 @@ def byte_identical_verdict(store: ObjectStore, ranks: Sequence[int], world_size:
     Why: the launcher checks the weights at the end of every waited launch and every ``collect``, and decoding
     them means importing torch (seconds of a snappy CLI's time) only to find, as in every healthy run, the same
     bytes everywhere. Here each copy's tensor table (names, dtypes, shapes, offsets) and data section are hashed
-    as bytes; when every copy hashes alike and the first is ours with a checksum that holds over those bytes
-    (``diloco.store.codec.tensor_digest``'s definition, computed from the raw table), the copies are bitwise
-    identical and intact. Anything else (a difference, a plain safetensors file, a streamed object, an unknown
-    dtype, an unreadable object) returns ``None``: the decoding check then says exactly what and where. The
-    verdict names the first copy (``kept_key``) and its hash, from which ``write_agreed_model`` writes the
-    model without decoding it.
+    as bytes; when every copy hashes alike and the first is intact, the copies are bitwise identical. Intact: ours
+    with a checksum that holds over those bytes (``diloco.store.codec.tensor_digest``'s definition, computed from
+    the raw table), or a plain safetensors file (a trainer's own ``save_file``, ``save_pretrained``) whose table is
+    well formed (``well_formed_table``: what safetensors itself checks when it loads one). Anything else (a
+    difference, a streamed object, an unknown dtype, a malformed table, an unreadable object) returns ``None``:
+    the decoding check then says exactly what and where. The verdict names the first copy (``kept_key``) and its
+    hash, from which ``write_agreed_model`` writes the model (decoding a plain copy then, as it must to add the
+    checksum).
     """
     import hashlib
 
@@ -143,7 +145,10 @@ def byte_identical_verdict(store: ObjectStore, ranks: Sequence[int], world_size:
         digest.update(section)
         if reference is None:
             meta = {str(k): str(v) for k, v in meta.items()} if isinstance(meta, dict) else {}
-            if meta.get("format") != FORMAT or raw_tensor_digest(header, section) != meta.get("sha256"):
+            if meta.get("format") == FORMAT:
+                if raw_tensor_digest(header, section) != meta.get("sha256"):
+                    return None
+            elif not well_formed_table(header, len(section)):
                 return None
             reference = (digest.hexdigest(), key, hashlib.sha256(data).hexdigest(), meta, header)
         elif digest.hexdigest() != reference[0]:
@@ -182,6 +187,37 @@ def raw_tensor_digest(table: Mapping[str, Any], section: memoryview) -> str | No
     except (KeyError, TypeError, ValueError):
         return None
     return h.hexdigest()
+
+
+#: Bytes per element of each safetensors dtype code that torch shares (``diloco.store.codec.torch_dtype_name``).
+_ITEM_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
+               "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def well_formed_table(table: Mapping[str, Any], section_bytes: int) -> bool:
+    """Whether a safetensors tensor table (``__metadata__`` removed) describes its data section exactly, as the
+    safetensors library validates a file it loads: every dtype known, every shape a list of non-negative integers,
+    each tensor's byte range as long as its shape and dtype say, and the ranges, in order, covering the section
+    from its first byte to its last with no gap and no overlap."""
+    spans: list[tuple[int, int]] = []
+    try:
+        for entry in table.values():
+            size = _ITEM_BYTES.get(entry["dtype"])
+            shape = entry["shape"]
+            begin, end = entry["data_offsets"]
+            if size is None or not all(isinstance(d, int) and d >= 0 for d in shape):
+                return False
+            if not (isinstance(begin, int) and isinstance(end, int)) or end - begin != math.prod(shape) * size:
+                return False
+            spans.append((begin, end))
+    except (KeyError, TypeError, ValueError):
+        return False
+    position = 0
+    for begin, end in sorted(spans):
+        if begin != position:
+            return False
+        position = end
+    return position == section_bytes
 
 
 def json_bytes(value: Any) -> bytes:

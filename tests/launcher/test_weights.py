@@ -14,7 +14,14 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from diloco.launcher.weights import agreed_tensors, byte_identical_verdict, check_final_weights, write_model
+from diloco.launcher.weights import (
+    agreed_tensors,
+    byte_identical_verdict,
+    check_final_weights,
+    well_formed_table,
+    write_agreed_model,
+    write_model,
+)
 from diloco.replica.final_weights import write_final_weights
 from diloco.store.codec import decode, encode_tensors
 from diloco.store.objects import ObjectStore
@@ -154,28 +161,71 @@ def test_identical_copies_are_judged_from_their_bytes_with_the_first_copy_kept()
     assert all(torch.equal(agreed_tensors(store, verdict)[k], v) for k, v in tensors.items())
 
 
-@pytest.mark.parametrize("case", ["different", "plain", "corrupt first"])
-def test_anything_but_intact_identical_copies_of_ours_goes_to_the_decoding_check(case: str) -> None:
-    """A difference, a plain safetensors file (no checksum to trust) or a first copy whose bytes fail its checksum
-    is not judged from bytes: the decoding check says what and where."""
+@pytest.mark.parametrize("case", ["different", "corrupt first"])
+def test_anything_but_intact_identical_copies_goes_to_the_decoding_check(case: str) -> None:
+    """A difference, or a first copy whose bytes fail its checksum, is not judged from bytes: the decoding check
+    says what and where."""
     store = new_store()
     w = torch.arange(64.0)
-    if case == "plain":
-        for rank in range(2):
-            store.put(f"final/rank_{rank:04d}.safetensors", save({"w": w}))
+    put_ours(store, 1, {"w": w})
+    data = bytearray(encode_tensors({"w": w}, {"rank": 0}))
+    if case == "corrupt first":
+        data[-5] ^= 0x10
     else:
-        put_ours(store, 1, {"w": w})
-        data = bytearray(encode_tensors({"w": w}, {"rank": 0}))
-        if case == "corrupt first":
-            data[-5] ^= 0x10
-        else:
-            data = bytearray(encode_tensors({"w": w + 1}, {"rank": 0}))
-        store.put("final/rank_0000.safetensors", bytes(data))
+        data = bytearray(encode_tensors({"w": w + 1}, {"rank": 0}))
+    store.put("final/rank_0000.safetensors", bytes(data))
     assert byte_identical_verdict(store, [0, 1], 2, "2 replica(s)") is None
     check = check_final_weights(store, 2)
-    assert check.identical is (case == "plain"), check.detail
+    assert check.identical is False, check.detail
     if case == "corrupt first":
         assert check.differing_rank == 0 and "checksum" in check.detail
+
+
+def test_identical_plain_safetensors_copies_are_judged_from_their_bytes_and_written_with_our_checksum(
+        tmp_path: Path) -> None:
+    """A trainer's own ``save_file`` (no checksum of ours): identical well-formed copies agree without decoding;
+    the model written from them carries our checksum."""
+    from diloco.store.codec import FORMAT, decode
+
+    store = new_store()
+    tensors = {"w": torch.arange(64.0), "b": torch.ones(3, dtype=torch.bfloat16), "empty": torch.zeros(0)}
+    for rank in range(2):
+        store.put(f"final/rank_{rank:04d}.safetensors", save(tensors))
+    verdict = byte_identical_verdict(store, [0, 1], 2, "2 replica(s)")
+    assert verdict is not None and verdict.identical is True and verdict.tensors is None
+    assert (verdict.tensor_count, verdict.value_count) == (3, 67)
+    path = write_agreed_model(store, verdict, str(tmp_path / "model.safetensors"), "run-1")
+    written, meta = decode(Path(path).read_bytes(), source=path)
+    assert meta["format"] == FORMAT and meta["run_id"] == "run-1" and "sha256" in meta
+    assert all(torch.equal(written[k], v) for k, v in tensors.items())
+
+
+@pytest.mark.parametrize("damage", ["a gap", "an overlap", "a short range", "an unknown dtype", "a bad shape"])
+def test_a_plain_copy_whose_table_does_not_describe_its_bytes_goes_to_the_decoding_check(damage: str) -> None:
+    """Identical copies of a malformed file are not called identical from their bytes (the decoder then says
+    the object is unreadable): the table must tile its data section exactly, as safetensors checks on load."""
+    data = save({"a": torch.arange(4.0), "b": torch.arange(2.0)})
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    section = data[8 + n:]
+    first, second = sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
+    if damage == "a gap":
+        section += b"\0" * 4
+    elif damage == "an overlap":
+        header[second]["data_offsets"] = [header[first]["data_offsets"][1] - 4, len(section) - 4]
+    elif damage == "a short range":
+        header[second]["data_offsets"][1] -= 4
+        section = section[:-4]
+    elif damage == "an unknown dtype":
+        header[first]["dtype"] = "F4"
+    else:
+        header[first]["shape"] = [-4]
+    table = json.dumps(header).encode()
+    assert well_formed_table({k: v for k, v in header.items() if k != "__metadata__"}, len(section)) is False
+    store = new_store()
+    for rank in range(2):
+        store.put(f"final/rank_{rank:04d}.safetensors", len(table).to_bytes(8, "little") + table + section)
+    assert byte_identical_verdict(store, [0, 1], 2, "2 replica(s)") is None
 
 
 def test_checking_and_writing_agreed_weights_imports_no_torch(tmp_path: Path) -> None:
@@ -188,6 +238,10 @@ def test_checking_and_writing_agreed_weights_imports_no_torch(tmp_path: Path) ->
     store = ObjectStore(f"file://{store_dir}")
     for rank in range(2):
         put_ours(store, rank, {"w": torch.arange(6.0).reshape(2, 3)})
+    plain_dir = tmp_path / "plain"
+    plain = ObjectStore(f"file://{plain_dir}")
+    for rank in range(2):  # a trainer's own safetensors file: judged without torch too (writing it decodes)
+        plain.put(f"final/rank_{rank:04d}.safetensors", save({"w": torch.arange(6.0).reshape(2, 3)}))
     script = (
         "import json, sys\n"
         "from diloco.launcher.weights import check_final_weights, write_agreed_model\n"
@@ -195,9 +249,10 @@ def test_checking_and_writing_agreed_weights_imports_no_torch(tmp_path: Path) ->
         f"store = ObjectStore({f'file://{store_dir}'!r})\n"
         "check = check_final_weights(store, 2)\n"
         f"path = write_agreed_model(store, check, {str(tmp_path / 'model.safetensors')!r}, 'run-1')\n"
-        "print(json.dumps([check.identical, check.detail, 'torch' in sys.modules]))\n")
+        f"plain = check_final_weights(ObjectStore({f'file://{plain_dir}'!r}), 2)\n"
+        "print(json.dumps([check.identical, check.detail, plain.identical, 'torch' in sys.modules]))\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
-    assert json.loads(out) == [True, "2 replica(s) hold identical final weights (1 tensors, 6 values)", False]
+    assert json.loads(out) == [True, "2 replica(s) hold identical final weights (1 tensors, 6 values)", True, False]
     tensors, meta = decode((tmp_path / "model.safetensors").read_bytes())
     assert torch.equal(tensors["w"], torch.arange(6.0).reshape(2, 3)) and meta["run_id"] == "run-1"
     assert "rank" not in meta
