@@ -33,10 +33,11 @@ def _render(console: Console, report: Any) -> None:
 def scale(
     run: Annotated[str, typer.Argument(help="Run id, a unique part of one (e.g. its 8-character suffix), or "
                                             "'latest'.", metavar="RUN", show_default=False)],
-    replicas: Annotated[str, typer.Option("--replicas", help="The replicas the run should have: N, or +K / -K "
-                                          "more or fewer.", metavar="N|+K|-K", show_default=False)],
+    replicas: Annotated[str | None, typer.Option("--replicas", help="The replicas the run should have: N, or +K / "
+                                                 "-K more or fewer.", metavar="N|+K|-K", show_default=False)] = None,
     part: Annotated[str | None, typer.Option("--part", help="A run split over backends: the part that starts the "
-                                             "new replicas, as BACKEND (e.g. sagemaker).", metavar="BACKEND",
+                                             "new replicas, by its backend (sagemaker) or index (1); "
+                                             "BACKEND:+K also says how many.", metavar="BACKEND[:+K]",
                                              show_default=False)] = None,
     fmt: FormatOpt = OutputFormat.table,
 ) -> None:
@@ -49,16 +50,24 @@ def scale(
       diloco scale 7c98 --replicas 4
       diloco scale 7c98 --replicas +2
       diloco scale 7c98 --replicas=-1
-      diloco scale 7c98 --replicas +2 --part sagemaker
+      diloco scale 7c98 --part sagemaker:+2     # a mixed run: 2 more on its SageMaker part
     """
+    from diloco.errors import ConfigError
     from diloco.launcher.run import Run
     from diloco.launcher.runs import RunRegistry
 
     registry = RunRegistry()
     view = Run(registry.resolve(run), registry=registry)
+    change: str | None = None
     if part is not None:
-        part = part.split(":", 1)[0]
-    report = view.scale(replicas, part=part)
+        part, _, change = part.partition(":")
+    if replicas is not None and change:
+        raise ConfigError(f"--replicas {replicas} and --part {part}:{change} both say how many",
+                          hint="give the count once: --part BACKEND:+K, or --part BACKEND --replicas +K")
+    count = replicas or change
+    if not count:
+        raise ConfigError("--replicas: required", hint="pass --replicas N, +K or -K (or --part BACKEND:+K)")
+    report = view.scale(count, part=part or None)
     emit(report, fmt, lambda console: _render(console, report))
 
 

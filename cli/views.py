@@ -128,6 +128,8 @@ def render_run(console: Console, report: RunReport) -> None:
     console.print(replica_table(report, width=console.width))
     if report.async_global_version is not None:
         console.print(async_line(report))
+    if len(report.membership) > 1:  # an elastic run that was scaled: who joined and left, by round
+        console.print(membership_line(report))
     if report.initial_eval_loss is not None and report.latest_eval_loss is not None:
         console.print(f"eval loss: {report.initial_eval_loss:.3f} -> {report.latest_eval_loss:.3f} "
                       f"(mean over replicas, before training -> latest)")
@@ -170,6 +172,16 @@ def _span(ranks: list[int]) -> str:
     if ranks == list(range(ranks[0], ranks[-1] + 1)):
         return f"r{ranks[0]}-{ranks[-1]}"
     return ",".join(f"r{r}" for r in ranks)
+
+
+def membership_line(report: RunReport) -> str:
+    """An elastic run's membership changes: ``members: round 1: 0-1; round 4: 4 (+2, 3); round 7: 3 (-3)``."""
+    parts = []
+    for change in report.membership:
+        moved = ", ".join([f"+{', '.join(map(str, change.joined))}"] * bool(change.joined) +
+                          [f"-{', '.join(map(str, change.left))}"] * bool(change.left))
+        parts.append(f"round {change.round}: {len(change.members)}" + (f" ({moved})" if moved else ""))
+    return "members: " + "; ".join(parts)
 
 
 def async_line(report: RunReport, now: float | None = None) -> str:

@@ -153,6 +153,9 @@ def scale_run(run: Run, request: str | int, *, part: str | None = None) -> Scale
                           hint=f"ask for between {low} and {high} replicas")
     if part is not None and wanted <= len(members):
         raise ConfigError("--part: only a run that grows starts replicas on a part", hint="drop --part")
+    if part is not None and not callable(getattr(run.executor, "add_ranks_on", None)):
+        raise ConfigError(f"--part: run {run.run_id} is not split over backends (it runs on {run.backend})",
+                          hint="drop --part")
     previous = read_target(run.store)
     if wanted == len(members):
         return ScaleReport(run_id=run.run_id, before=members, after=members,
@@ -188,12 +191,7 @@ def _add_ranks(run: Run, handle: Any, added: list[int], spec: LaunchSpec, part: 
     """The backend's ``add_ranks``; with ``part`` (a mixed run), on that part's backend."""
     if part is None:
         return run.executor.add_ranks(handle, added, spec)
-    kind, _, _ = part.partition(":")
-    parts = getattr(run.executor, "add_ranks_on", None)
-    if not callable(parts):
-        raise ConfigError(f"--part: run {run.run_id} is not split over backends (it runs on {run.backend})",
-                          hint="drop --part")
-    return parts(handle, kind, added, spec)
+    return run.executor.add_ranks_on(handle, int(part) if part.isdigit() else part, added, spec)
 
 
 def _restore(run: Run, previous: Any, members: list[int]) -> None:

@@ -539,8 +539,13 @@ def run_replica(args: ReplicaArgs, trainer: Callable[..., Any], kwargs: dict[str
             log.info("replica %d/%d, local process %d/%d (%s on %s), trainer %s:%s", args.rank, args.settings.world_size,
                      group.rank, group.size, group.backend, group.device, args.settings.trainer_module, args.settings.trainer_fn)
         else:
-            log.info("replica %d/%d, rendezvous %s, trainer %s:%s", args.rank, args.settings.world_size, args.settings.rendezvous_uri,
-                     args.settings.trainer_module, args.settings.trainer_fn)
+            if args.settings.max_replicas is not None:  # elastic: the world it started with is only round 1's
+                log.info("replica %d of an elastic run (launched with %d, at most %d), rendezvous %s, trainer %s:%s",
+                         args.rank, args.settings.world_size, args.settings.max_replicas,
+                         args.settings.rendezvous_uri, args.settings.trainer_module, args.settings.trainer_fn)
+            else:
+                log.info("replica %d/%d, rendezvous %s, trainer %s:%s", args.rank, args.settings.world_size,
+                         args.settings.rendezvous_uri, args.settings.trainer_module, args.settings.trainer_fn)
         metrics = manager.metrics
         with reporting_to(metrics) if metrics is not None else contextlib.nullcontext():
             trainer(manager=manager, rank=args.rank, world_size=args.settings.world_size, **kwargs)

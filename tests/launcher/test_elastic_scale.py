@@ -1,8 +1,8 @@
 """Elastic runs on the local backend, through the real launcher and real replica processes: a run of 2 replicas
 scaled to 4 at round 3 and back to 3 at round 6 (``Run.scale``) ends with every remaining replica holding identical
 weights, every replica exiting 0; the committed rounds' member sets, read from the round manifests, are 2, 4 and 3.
-One of the added replicas is SIGKILLed in its first round, during the change: it is relaunched by the waiting
-launcher and rejoins. The data dealt by each round's membership covers the epoch exactly: counting the blocks every
+Replica 1 is SIGKILLed during the change (the target names 4 members, the round whose manifest applies it has not
+committed): it is relaunched by the waiting launcher while the new replicas start, and rejoins. The data dealt by each round's membership covers the epoch exactly: counting the blocks every
 replica trained on, none twice, none skipped. Scaling the ended run is one line, exit 2, through the CLI.
 
 The scenario runs once (a module fixture) and the tests assert on it. Gates in the trainer
@@ -20,8 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.commands import run_cli
+from typer.testing import CliRunner
 
+from diloco.cli.main import app
+from diloco.cli.views import membership_line
+from diloco.errors import ConfigError
 from diloco.store.layout import ROUND_MANIFEST_KEY
 from diloco.store.objects import ObjectStore
 
@@ -43,6 +46,7 @@ class Scenario:
     grown: Any
     shrunk: Any
     relaunched: list[tuple[int, int, str]]
+    refused: list[str]
 
 
 def _wait_for(paths: list[Path], timeout_s: float) -> None:
@@ -71,7 +75,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
                          train={"trainer": "support.elastic_trainer:train", "steps": ROUNDS * SYNC_EVERY,
                                 "sync_every": SYNC_EVERY,
                                 "trainer_kwargs": {"gate_dir": str(gate_dir), "gates": f"{GROW_GATE},{SHRINK_GATE}",
-                                                   "kill_rank": 3, "kill_at_step": 7,
+                                                   "kill_rank": 1, "kill_at_step": GROW_GATE,
                                                    "per_step": PER_STEP, "epoch_blocks": EPOCH}},
                          store={"max_replicas": 4, "poll_interval_s": 0.05, "timeout_s": deadline_s})
         relaunched: list[tuple[int, int, str]] = []
@@ -90,6 +94,11 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
         grown = run.scale(4)  # held before round 3: its manifest names 4 members for round 4
         (gate_dir / f"step{GROW_GATE}.open").touch()
         _wait_for([gate_dir / f"step{SHRINK_GATE}.rank{r}.waiting" for r in range(4)], patience)
+        refused = []
+        for request in (5, "-4", "+0"):  # above --max-replicas, below 1, no change: refused, nothing written
+            with pytest.raises(ConfigError) as info:
+                run.scale(request)
+            refused.append(str(info.value))
         shrunk = run.scale("-1")  # held before round 6: rank 3's last round is 6
         (gate_dir / f"step{SHRINK_GATE}.open").touch()
         waiter.join(patience)
@@ -99,7 +108,8 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
         report = outcome["report"]
         run.check_weights(report)
         yield Scenario(home=home, gate_dir=gate_dir, run_id=run.run_id, report=report,
-                       store=ObjectStore(report.rendezvous_uri), grown=grown, shrunk=shrunk, relaunched=relaunched)
+                       store=ObjectStore(report.rendezvous_uri), grown=grown, shrunk=shrunk, relaunched=relaunched,
+                       refused=refused)
     finally:
         for key, value in saved.items():
             if value is None:
@@ -128,16 +138,27 @@ def test_the_committed_rounds_member_sets_are_2_then_4_then_3(scenario: Scenario
     # status shows the joins and leaves by round
     assert [(c.round, c.joined, c.left) for c in scenario.report.membership] == [
         (1, [], []), (4, [2, 3], []), (7, [], [3])], scenario.report.membership
+    assert membership_line(scenario.report) == "members: round 1: 2; round 4: 4 (+2, 3); round 7: 3 (-3)"
+
+
+def test_a_count_outside_the_bounds_is_refused_naming_them(scenario: Scenario) -> None:
+    above, below, same = scenario.refused
+    assert "--replicas: 5 would make 5 replica(s), outside this run's bounds 1..4" in above
+    assert "--replicas: -4 would make 0 replica(s)" in below
+    assert "--replicas: +0 changes nothing" in same
 
 
 def test_a_replica_killed_during_the_scale_change_is_relaunched_and_rejoins(scenario: Scenario) -> None:
-    assert [(rank, attempt) for rank, attempt, _ in scenario.relaunched] == [(3, 1)], scenario.relaunched
-    assert scenario.report.ranks[3].restarts == 1
-    assert (scenario.gate_dir / "killed.rank3").exists()
-    # It trained step 7 twice (before its death, after its rejoin), then went on with the others through round 6,
-    # its last.
+    assert [(rank, attempt) for rank, attempt, _ in scenario.relaunched] == [(1, 1)], scenario.relaunched
+    assert scenario.report.ranks[1].restarts == 1
+    assert (scenario.gate_dir / "killed.rank1").exists()
+    # Killed after step 5, past the gate (the scale written, round 3 not yet contributed to): the relaunch trained
+    # step 5 again from committed round 2, then went on to the end with the others.
+    steps = [int(line.split()[0]) for line in (scenario.gate_dir / "steps.rank1").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, *range(5, 19)], steps
+    # The new rank 3 trained rounds 4-6 only: its last round (6) counted, then it drained.
     steps = [int(line.split()[0]) for line in (scenario.gate_dir / "steps.rank3").read_text().splitlines()]
-    assert steps == [7, 7, 8, 9, 10, 11, 12], steps
+    assert steps == list(range(7, 13)), steps
 
 
 def test_the_data_dealt_by_membership_covers_the_epoch_once(scenario: Scenario) -> None:
@@ -152,8 +173,9 @@ def test_the_data_dealt_by_membership_covers_the_epoch_once(scenario: Scenario) 
 
 
 def test_scaling_an_ended_run_is_one_line_exit_2(scenario: Scenario) -> None:
-    result = run_cli("scale", scenario.run_id, "--replicas", "+1", home=scenario.home)
-    assert result.returncode == 2, result.stderr
+    result = CliRunner().invoke(app, ["scale", scenario.run_id, "--replicas", "+1"],
+                                env={"DILOCO_HOME": str(scenario.home), "COLUMNS": "200"})
+    assert result.exit_code == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "has ended (succeeded)" in lines[0] and "cannot be scaled" in lines[0], lines
     assert not scenario.store.exists("relaunch/rank_0004.json")

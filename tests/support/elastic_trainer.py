@@ -4,8 +4,8 @@ lands at a known round boundary, and one planned SIGKILL of one rank.
 At each step in ``gates`` a rank writes ``gate_dir/step{S}.rank{R}.waiting`` and holds until ``gate_dir/step{S}.open``
 exists (after the step's inner update, before the round that step belongs to starts its all-reduce). Each step's data
 depends only on (rank, step), and ``on_rejoin`` puts a joining or relaunched replica at the run's step.
-``kill_rank``/``kill_at_step``: that rank SIGKILLs itself once after that step (a marker in ``gate_dir`` makes it
-once), a replica killed during a scale change.
+``kill_rank``/``kill_at_step``: that rank SIGKILLs itself once after that step, past its gate if the step has one
+(a marker in ``gate_dir`` makes it once): a replica killed during a scale change.
 
 Data: each step takes ``per_step`` blocks of an epoch of ``epoch_blocks``, dealt by the round's membership
 (``diloco.trainers.dealing.MembershipDealer`` over the manager's ``members_of``, the built-in trainer's dealing);
@@ -60,9 +60,9 @@ def train(*, manager: Any, rank: int, world_size: int, total_steps: int = 18, sy
             opt.zero_grad()
             loss.backward()
             opt.step()
+            if step in holds and gate_dir:
+                _hold(gate_dir, step, rank)
             killed = os.path.join(gate_dir, f"killed.rank{rank}")
             if rank == kill_rank and step == kill_at_step and not os.path.exists(killed):
                 open(killed, "w").close()
                 os.kill(os.getpid(), signal.SIGKILL)
-            if step in holds and gate_dir:
-                _hold(gate_dir, step, rank)
