@@ -353,6 +353,19 @@ class MixedBackend(ServerlessExecutor[MixedBackendConfig, MixedRunHandle]):
                  for p in handle.parts]
         return handle.model_copy(update={"replicas": grown.replicas, "ranks": grown.own, "parts": parts})
 
+    def ask_again_for_capacity(self, handle: MixedRunHandle) -> MixedRunHandle:
+        """Each submitted part's own ``ask_again_for_capacity`` (a SageMaker spot part of an elastic run asks
+        again for the replicas refused for capacity); the handle holding what changed."""
+        parts = []
+        for part in handle.parts:
+            if part.handle is not None:
+                before = self._part_handle(part)
+                after = self.part_backend(part.part).ask_again_for_capacity(before)
+                if after != before:
+                    part = part.model_copy(update={"handle": after.model_dump(mode="json")})
+            parts.append(part)
+        return handle if parts == handle.parts else handle.model_copy(update={"parts": parts})
+
     def _part_named(self, handle: MixedRunHandle, part: str | int | None) -> MixedPartHandle:
         """The part ``add_ranks_on`` grows (see there); ``ConfigError`` naming the parts when none or several match."""
         kinds = ", ".join(f"{p.part}: {p.backend}" for p in handle.parts)

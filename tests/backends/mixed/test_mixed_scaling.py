@@ -52,6 +52,7 @@ def test_a_named_part_grows_and_the_run_covers_its_new_ranks(emulator: Kubernete
         handle = backend.add_ranks_on(handle, "local", [4], spec)  # local's ranks are now 0 and 4
         assert [(p.backend, p.ranks) for p in handle.parts] == [("local", [0, 4]), ("eks", [1, 2, 3])]
         assert handle.own_ranks == [0, 1, 2, 3, 4]
+        assert backend.ask_again_for_capacity(handle) is handle, "no part of it was refused capacity"
         status = wait_until(backend, handle, {ReplicaState.RUNNING}, PATIENCE_S)
         assert [(r.rank, r.backend) for r in status.replicas] == [
             (0, "local"), (1, "eks"), (2, "eks"), (3, "eks"), (4, "local")], status
@@ -99,3 +100,44 @@ def test_a_part_must_be_named_unambiguously_before_anything_starts(tmp_path: Pat
     assert not processes_with_env("DILOCO_RUN_ID", run_id)
 
 
+
+
+def test_a_spot_part_refused_capacity_is_asked_again_through_the_run(
+    aws_env: str, s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A mixed run's SageMaker spot part grows by rank 2, which SageMaker refuses for capacity once: through the
+    mixed run the rank reads pending, and the run's ``ask_again_for_capacity`` reaches the part, whose next job
+    for the rank gets an instance."""
+    from emulators.sagemaker import SageMakerEmulator
+
+    with SageMakerEmulator(aws_endpoint=aws_env, root_dir=tmp_path / "sagemaker", stop_grace_s=1.0,
+                           log_flush_s=0.1) as sm:
+        monkeypatch.setenv("AWS_ENDPOINT_URL_SAGEMAKER", sm.url)
+        backend = MixedBackend(MixedBackendConfig(parts=[
+            {"kind": "local", "replicas": 1, "log_root": str(tmp_path / "runs"), "grace_period_s": 1.0},
+            {"kind": "sagemaker", "replicas": 1, "role_arn": f"arn:aws:iam::{sm.account_id}:role/diloco-mixed",
+             "region": "us-east-1", "image_uri": "diloco-ready-image:test", "use_spot": True,
+             "capacity_retry_s": 0.2, "log_poll_interval_s": 0.2}]))
+        run_id = f"grow-mixed-spot-{int(time.time() * 1000) % 10**6}"
+        spec = BackendCase().spec(run_id, 2, sleep=60, lines=1)
+        args = spec.entrypoint_args.model_copy(update={"rendezvous_uri": f"s3://{s3_bucket}/mixed/{run_id}"})
+        spec = spec.model_copy(update={"max_replicas": 3, "entrypoint_args": args})
+        handle = backend.submit(backend.plan(spec))
+        try:
+            sm.refuse_capacity(1)
+            handle = backend.add_ranks_on(handle, "sagemaker", [2], spec)
+            deadline = time.monotonic() + PATIENCE_S
+            while "waiting for capacity" not in ((waiting := backend.describe(handle).replica(2)).reason or ""):
+                assert time.monotonic() < deadline, waiting
+                time.sleep(0.1)
+            assert waiting.state == ReplicaState.PENDING and waiting.backend == "sagemaker"
+            while sm.job(f"{run_id}-r2").running or (asked := backend.ask_again_for_capacity(handle)) is handle:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            assert asked.parts[1].handle is not None and asked.parts[1].handle["job_names"][-1] == f"{run_id}-r2-1"
+            handle = asked
+            running = wait_until(backend, handle, {ReplicaState.RUNNING}, PATIENCE_S)
+            assert (running.replica(2).state, running.replica(2).restarts) == (ReplicaState.RUNNING, 0), running
+        finally:
+            backend.cancel(handle)
+        assert backend.wait(handle, timeout_s=PATIENCE_S, poll_interval_s=0.2).state == RunState.CANCELLED
