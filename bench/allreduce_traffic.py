@@ -170,6 +170,12 @@ class PacedStore(ObjectStore):
         self.down.carry(began, len(data))
         return data
 
+    def get_range_into(self, key: str, start: int, into: bytearray | memoryview) -> int:
+        began = time.perf_counter()
+        got = super().get_range_into(key, start, into)
+        self.down.carry(began, got)
+        return got
+
 
 def open_store(uri: str, link_bytes_per_s: float | None) -> ObjectStore:
     """A rank's store instance: paced when the case runs over a limited link."""

@@ -260,6 +260,7 @@ def summarize(clock: PhaseClock, world: int, rounds: int) -> tuple[dict[str, flo
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--quick", action="store_true", help="the make bench sizes (the default sizes; fewer rounds)")
+    p.add_argument("--full", action="store_true", help="the default sizes and rounds (what make bench --full passes)")
     p.add_argument("--json", metavar="OUT", help="write the results as JSON (make bench reads it)")
     p.add_argument("--world", type=int, default=4, help="ranks (default 4)")
     p.add_argument("--formats", default="none,topk", help="comma-separated store.compression formats")

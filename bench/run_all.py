@@ -40,7 +40,8 @@ from typing import Any
 BENCH = Path(__file__).resolve().parent
 #: In the order they run: the cheap, robust ones first, so a slow one cannot starve them of the time budget.
 SCRIPTS = ("cli_startup", "read_commands", "codec_throughput", "allreduce_traffic", "scale_model", "overlap",
-           "round_memory", "rejoin", "sagemaker_api_rates", "async_vs_sync", "convergence", "convergence_warm")
+           "round_memory", "round_phases", "rejoin", "sagemaker_api_rates", "async_vs_sync", "convergence",
+           "convergence_warm")
 #: A script running longer than this is stopped, and the whole run stops starting scripts after the budget:
 #: ``make bench`` must finish in 15 minutes on 2 cores.
 DEFAULT_TIMEOUT_S = 420
