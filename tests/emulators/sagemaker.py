@@ -839,6 +839,7 @@ def _print_instructions(emulator: SageMakerEmulator, env: dict[str, str], bucket
              "python -m tests.emulators.sagemaker knob interrupt JOB    # spot jobs (--spot); --hold, then: knob "
              "resume JOB",
              "python -m tests.emulators.sagemaker knob crash JOB",
+             "python -m tests.emulators.sagemaker knob refuse-capacity 2  # the next 2 spot jobs: CapacityError",
              "python -m tests.emulators.sagemaker knob refuse-create    # the next CreateTrainingJob: "
              "ResourceLimitExceeded",
              "python -m tests.emulators.sagemaker knob throttle 4       # the next 4 calls: ThrottlingException",

@@ -13,6 +13,7 @@ From the repository root, with the variables the emulator printed exported::
     python -m tests.emulators.sagemaker knob crash <job>              # the job fails for good (exit code 137)
     python -m tests.emulators.sagemaker knob fail <job> <form>        # a FailureReason form the service writes
     python -m tests.emulators.sagemaker knob refuse-create [--nth N]  # ResourceLimitExceeded on the Nth create
+    python -m tests.emulators.sagemaker knob refuse-capacity [JOBS]   # CapacityError for the next spot jobs
     python -m tests.emulators.sagemaker knob throttle CALLS [--operation OP ...]
     python -m tests.emulators.sagemaker knob instance-limit ml.m5.xlarge 2
 """
@@ -48,6 +49,8 @@ _KNOBS: dict[str, Any] = {
     "crash": lambda emu, b: emu.crash(b["job"]),
     "fail": lambda emu, b: emu.fail(b["job"], b["form"]),
     "refuse-create": lambda emu, b: emu.refuse_create(int(b.get("nth", 1))),
+    "refuse-capacity": lambda emu, b: emu.refuse_capacity(int(b.get("jobs", 1)), instance_type=b.get("instance_type"),
+                                                          spot_only=not b.get("on_demand_too")),
     "throttle": lambda emu, b: emu.throttle(int(b["calls"]), b.get("operations") or None),
     "instance-limit": lambda emu, b: emu.set_instance_limit(b["instance_type"], int(b["instances"])),
 }
@@ -93,6 +96,11 @@ def _parser() -> argparse.ArgumentParser:
     fail.add_argument("form", help="the FailureReason form: " + ", ".join(FAILURE_FORMS))
     refuse = sub.add_parser("refuse-create", help="refuse the Nth CreateTrainingJob from now (ResourceLimitExceeded)")
     refuse.add_argument("--nth", type=int, default=1)
+    capacity = sub.add_parser("refuse-capacity", help="no capacity for the next JOBS spot jobs: each fails while "
+                                                      "Starting with CapacityError, as the service's do")
+    capacity.add_argument("jobs", type=int, nargs="?", default=1)
+    capacity.add_argument("--instance-type", help="only jobs of this instance type")
+    capacity.add_argument("--on-demand-too", action="store_true", help="refuse on-demand jobs as well")
     throttle = sub.add_parser("throttle", help="answer the next CALLS calls with ThrottlingException")
     throttle.add_argument("calls", type=int)
     throttle.add_argument("--operation", action="append", default=[], help="only this operation (repeatable)")
@@ -109,6 +117,8 @@ def _body(args: argparse.Namespace) -> dict[str, Any]:
         return {"job": args.job, "form": args.form}
     if args.knob == "refuse-create":
         return {"nth": args.nth}
+    if args.knob == "refuse-capacity":
+        return {"jobs": args.jobs, "instance_type": args.instance_type, "on_demand_too": args.on_demand_too}
     if args.knob == "throttle":
         return {"calls": args.calls, "operations": args.operation}
     if args.knob == "instance-limit":
