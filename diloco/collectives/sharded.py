@@ -201,9 +201,9 @@ class ShardedExchange:
         """Reduce-scatter, publish our reduced shard, all-gather. Each step drops what the next does not need
         (boxes, not locals, carry the big tensors), so a round holds at most the gathered mean plus one shard."""
         layout, flat = published.layout, published.flat
-        own_mean, size = self._publish_reduced(io, round_, layout, self._reduce_scatter(io, round_, published))
+        size = self._publish_reduced(io, round_, layout, self._reduce_scatter(io, round_, published), flat)
         self._means = {round_: flat}
-        return layout.unflatten(self._all_gather(io, round_, layout, flat, [own_mean], size))
+        return layout.unflatten(self._all_gather(io, round_, layout, flat, size))
 
     def release(self, round_: int) -> None:
         """The caller has ``round_``'s mean: its buffer may hold the next round's snapshot."""
@@ -217,14 +217,16 @@ class ShardedExchange:
         self._spares.clear()
         self._reads = ReadBuffer()
 
-    def _publish_reduced(self, io: RoundIO, round_: int, layout: PayloadLayout,
-                         mean: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """Publish our shard's mean (compressed once, without error feedback), streamed; -> what every rank will
-        use of it, and the object's size (every owner's is the same give or take a few metadata digits)."""
-        wire, meta, decoded = self.codec.encode_plain({SHARD_TENSOR: mean})
+    def _publish_reduced(self, io: RoundIO, round_: int, layout: PayloadLayout, mean: torch.Tensor,
+                         flat: torch.Tensor) -> int:
+        """Publish our shard's mean (compressed once, without error feedback), streamed, and write what every
+        rank will use of it into our shard of ``flat`` (the snapshot's buffer: its shards were all sent, so it
+        can hold the mean; decoded in place, no shard-sized copy); -> the object's size (every owner's is the
+        same give or take a few metadata digits)."""
+        wire, meta = self.codec.encode_plain_into({SHARD_TENSOR: mean}, {SHARD_TENSOR: layout.shard(flat, io.rank)})
         size, chunks = codec.encode_stream(wire, {**meta, **self._identity(io, round_, io.rank, layout, "reduced")})
         io.wrote(io.store.put_stream(reduced_shard_key(round_, io.rank, self.spread), chunks, size))
-        return decoded[SHARD_TENSOR], size
+        return size
 
     def own_keys(self, round_: int, rank: int) -> list[str]:
         return [contribution_key(round_, rank, self.spread), reduced_shard_key(round_, rank, self.spread)]
@@ -252,25 +254,18 @@ class ShardedExchange:
         return acc[SHARD_TENSOR].div_(io.world_size)
 
     def _all_gather(self, io: RoundIO, round_: int, layout: PayloadLayout, flat: torch.Tensor,
-                    own: list[torch.Tensor], size_bound: int) -> torch.Tensor:
-        """The whole mean vector, written into ``flat`` (the snapshot's buffer: every shard of it was sent, and
-        ours summed): our reduced shard (in a box, freed once copied; uncompressed on rank 0 it was summed in
-        place, so it is there already) and every owner's, read in owner order."""
-        mine, part = layout.shard(flat, io.rank), own.pop()
-        if part.data_ptr() != mine.data_ptr():
-            mine.copy_(part)
-        del part
+                    size_bound: int) -> torch.Tensor:
+        """The whole mean vector, written into ``flat`` (the snapshot's buffer, which holds our reduced shard
+        already): every other owner's reduced shard, read in owner order and decoded straight into its place."""
         deadline = io.deadline()
         for owner in range(io.world_size):
             if owner == io.rank:
                 continue
             io.await_object(round_, owner, lambda r: reduced_shard_key(round_, r, self.spread), deadline)
             key = reduced_shard_key(round_, owner, self.spread)
-            part = io.read_verified(round_, owner, "reduced shard", io.store.url(key),
-                                    lambda owner=owner, key=key: self._read_reduced(io, round_, owner, key, layout,
-                                                                                    size_bound))
-            layout.shard(flat, owner).copy_(part)
-            del part
+            io.read_verified(round_, owner, "reduced shard", io.store.url(key),
+                             lambda owner=owner, key=key: self._read_reduced(io, round_, owner, key, layout,
+                                                                             size_bound, layout.shard(flat, owner)))
         return flat
 
     # ---------------------------------------------------------------- reads
@@ -298,10 +293,12 @@ class ShardedExchange:
         return wire, header.metadata
 
     def _read_reduced(self, io: RoundIO, round_: int, owner: int, key: str, layout: PayloadLayout,
-                      size_bound: int) -> torch.Tensor:
-        """``owner``'s reduced shard: ``codec.read_object``, one GET into one buffer (our own reduced object's size
-        is the hint: every owner's is the same give or take a few metadata digits), verified chunk by chunk and
-        viewed in place (``get`` + ``decode_tensors`` would hold the shard two or three times)."""
+                      size_bound: int, target: torch.Tensor) -> None:
+        """``owner``'s reduced shard, decoded into ``target`` (its place in the mean): ``codec.read_object``, one
+        GET into one buffer (our own reduced object's size is the hint: every owner's is the same give or take a
+        few metadata digits), verified chunk by chunk and viewed in place (``get`` + ``decode_tensors`` would hold
+        the shard two or three times), then decoded straight into ``target`` once every check passed (a decoded
+        copy would cost a shard of fp32 more at the round's peak)."""
         import torch
 
         source = io.store.url(key)
@@ -312,11 +309,13 @@ class ShardedExchange:
                 for name, (_, view) in codec.tensors_from_data(header, data, 0, header.data_size).items()}
         self._check_identity(meta, io, round_, owner, layout, "reduced", source)
         shard_layout = {SHARD_TENSOR: ((layout.shard_elements,), torch.float32)}
-        part = self.codec.decode(wire, meta, shard_layout, source)[SHARD_TENSOR]
-        if tuple(part.shape) != (layout.shard_elements,) or part.dtype != torch.float32:
-            raise CorruptObjectError(f"{source} holds {part.dtype} {tuple(part.shape)}, expected "
-                                     f"float32 ({layout.shard_elements},)")
-        return part
+        if not self.codec.compressed:  # a compressed payload's tensors are checked against the layout on decode
+            part = wire.get(SHARD_TENSOR)
+            if set(wire) != {SHARD_TENSOR} or part is None or tuple(part.shape) != (layout.shard_elements,) or \
+                    part.dtype != torch.float32:
+                found = f"{part.dtype} {tuple(part.shape)}" if part is not None else f"tensors {sorted(wire)}"
+                raise CorruptObjectError(f"{source} holds {found}, expected float32 ({layout.shard_elements},)")
+        self.codec.decode_into(wire, meta, shard_layout, {SHARD_TENSOR: target}, source)
 
     # ---------------------------------------------------------------- identity
     def _identity(self, io: RoundIO, round_: int, rank: int, layout: PayloadLayout, kind: str) -> dict[str, str | int]:

@@ -157,6 +157,40 @@ class PayloadCodec:
         layout = compression.layout_of(fp32)
         return wire, meta, compression.decode(wire, meta, layout, fmt=self.format)
 
+    def encode_plain_into(self, tensors: Mapping[str, torch.Tensor], out: Mapping[str, torch.Tensor]
+                          ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """``encode_plain`` whose decoded values are written into ``out`` (fp32 tensors shaped like ``tensors``,
+        which may be ``tensors`` themselves) instead of a fresh payload-sized copy. Uncompressed, ``out`` gets
+        the tensors as they are (no copy where they are ``out`` already)."""
+        if not self.compressed:
+            for name, t in tensors.items():
+                if t.data_ptr() != out[name].data_ptr():
+                    out[name].copy_(t)
+            return dict(tensors), {}
+        fp32 = as_fp32(tensors)
+        wire, meta = compression.encode(fp32, self.format)
+        compression.decode_into(wire, meta, compression.layout_of(fp32), out, mode="write", fmt=self.format)
+        return wire, meta
+
+    def decode_into(self, wire: Mapping[str, torch.Tensor], meta: Mapping[str, str], layout: Layout,
+                    out: Mapping[str, torch.Tensor], source: str) -> None:
+        """``decode`` written into ``out`` (contiguous fp32 tensors shaped as in ``layout``) instead of new
+        tensors: a reader that assembles a payload from pieces decodes each straight into its place. Every check
+        is made before ``out`` is touched."""
+        sent = meta.get(compression.FORMAT_KEY, NONE)
+        if sent != self.fmt:
+            raise CorruptObjectError(f"{source} is compressed as {sent!r}, but this run uses store.compression "
+                                     f"{self.fmt!r}")
+        if not self.compressed:
+            for name in layout:
+                out[name].copy_(wire[name])
+            return
+        try:
+            compression.decode_into(self._unpacked(wire, meta, layout), meta, layout, out, mode="write",
+                                    fmt=self.format)
+        except CorruptObjectError as exc:
+            raise CorruptObjectError(f"{source}: {exc}") from exc
+
     def decode(self, wire: Mapping[str, torch.Tensor], meta: Mapping[str, str], layout: Layout,
                source: str) -> dict[str, torch.Tensor]:
         """A peer's tensors as named in ``layout``; ``CorruptObjectError`` naming ``source`` when its format is
