@@ -176,12 +176,27 @@ class Run:
     # ------------------------------------------------------------------------------------------ observe
     def replica_status(self) -> RunStatus:
         """Every replica's state as the backend reports it, in one call (no metrics read)."""
+        self._follow_scale()
         handle = self.handle
         if handle is None:
             return RunStatus(run_id=self.run_id, replicas=[
                 ReplicaStatus(rank=r, state=ReplicaState.PENDING, detail="not submitted yet")
                 for r in range(self.replicas)])
         return self.executor.describe(handle)
+
+    def _follow_scale(self) -> None:
+        """An elastic run grown by another process (``diloco scale`` while a ``launch`` or ``watch`` waits here):
+        take its larger rank space and the handle that covers the new replicas from the registry, so this wait
+        sees, judges and relaunches them too. A run launched without ``--max-replicas`` never grows: no read."""
+        store = self.record.config.get("store")
+        if self.registry is None or not isinstance(store, dict) or store.get("max_replicas") is None:
+            return
+        try:
+            saved = self.registry.load(self.run_id)
+        except (DilocoError, OSError, ValueError):
+            return
+        if saved.replicas > self.record.replicas and saved.handle is not None:
+            self.record.replicas, self.record.handle = saved.replicas, saved.handle
 
     def has_ended(self) -> bool:
         """Whether every replica is in a terminal state."""

@@ -91,15 +91,18 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
         waiter.start()
         patience = 2 * deadline_s
         _wait_for([gate_dir / f"step{GROW_GATE}.rank{r}.waiting" for r in (0, 1)], patience)
-        grown = run.scale(4)  # held before round 3: its manifest names 4 members for round 4
+        # Scaled through another handle on the run, as `diloco scale` from another terminal is: the waiting one
+        # follows the grown run through the registry (it must see, judge and be able to relaunch the new replicas).
+        scaler = api.get_run(run.run_id)
+        grown = scaler.scale(4)  # held before round 3: its manifest names 4 members for round 4
         (gate_dir / f"step{GROW_GATE}.open").touch()
         _wait_for([gate_dir / f"step{SHRINK_GATE}.rank{r}.waiting" for r in range(4)], patience)
         refused = []
         for request in (5, "-4", "+0"):  # above --max-replicas, below 1, no change: refused, nothing written
             with pytest.raises(ConfigError) as info:
-                run.scale(request)
+                scaler.scale(request)
             refused.append(str(info.value))
-        shrunk = run.scale("-1")  # held before round 6: rank 3's last round is 6
+        shrunk = scaler.scale("-1")  # held before round 6: rank 3's last round is 6
         (gate_dir / f"step{SHRINK_GATE}.open").touch()
         waiter.join(patience)
         assert not waiter.is_alive(), "the run did not end"
