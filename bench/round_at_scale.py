@@ -219,8 +219,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         context.__exit__(None, None, None)
     machine = f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}"
     notes = [
-        f"N={args.world} rank processes, one torch thread each, on {os.cpu_count()} CPUs; payload {args.mib} MiB fp32 "
-        f"on paced and file, {args.s3_mib} MiB on S3. Round 1 measures memory, round 2 time and traffic.",
+        f"N={args.world} rank processes, one torch thread each, on {os.cpu_count()} CPUs; payload fp32, "
+        + ", ".join(f"{args.s3_mib if store == 's3' else args.mib} MiB on {store}" for store in args.stores)
+        + ". Round 1 measures memory, round 2 time and traffic.",
         "peak extra: VmHWM - baseline of round 1, the worst rank (it includes the error-feedback residual a "
         "compressed format keeps: one fp32 copy of the payload).",
         "raw s: the same ranks PUT the bytes their round wrote and read the bytes it read (ranged GETs), nothing "

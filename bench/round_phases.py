@@ -317,7 +317,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "(hashing is counted in 'hash', not in 'serialize' or 'read'); 'wait()' is Work.wait() on the caller's "
         "thread: waiting for the round thread (so about the whole round), then copying the mean into the caller's "
         "tensors (its CPU). 'other' is the round thread outside every "
-        "named phase.",
+        "named phase. The chunk digests of a large object are computed on the process's hashing pool "
+        "(diloco.store.digests), whose threads' CPU shows in no column: 'hash' wall is then the wait for them.",
         f"1-minute load average when it started: {load:.2f} on {os.cpu_count()} CPUs. "
         f"Total {time.perf_counter() - started:.0f} s.",
     ]
