@@ -78,3 +78,20 @@ def test_small_path_refuses_a_corrupt_position_stream_as_the_general_one_does(
         with pytest.raises(CorruptObjectError):
             kernels.decode(index[:-1], codes, levels, spec, torch.zeros(5000), mode="add")
     assert errors[0] == errors[1]
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 6, 7, 8, 12, 16])
+def test_bitpack_numpy_path_matches_the_torch_path(monkeypatch: pytest.MonkeyPatch, bits: int) -> None:
+    from diloco.formats.kernels import bitpack
+
+    for count in (0, 1, 7, 100, 4097):
+        values = torch.randint(0, 1 << bits, (count,), generator=torch.Generator().manual_seed(count))
+        streams, fields = [], []
+        for threshold in (1 << 14, -1):
+            monkeypatch.setattr(bitpack, "NUMPY_FIELDS", threshold)
+            streams.append(bitpack.pack(values, bits))
+            fields.append(bitpack.unpack(streams[-1], bits, count))
+        assert streams[0].dtype == streams[1].dtype == torch.uint8
+        assert torch.equal(streams[0], streams[1])
+        assert torch.equal(fields[0], values) and torch.equal(fields[1], values)
+        assert fields[0].dtype == fields[1].dtype == torch.int64

@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 
 #: Field widths supported (the sparse format's indices need up to 16 bits; its codes 1 to 8).
 MAX_BITS = 16
+#: Up to this many fields a CPU stream is packed and unpacked in NumPy (``_pack_numpy``): a small tensor's fields
+#: cost torch's fixed cost per operation more than their work; above it torch's vectorised path is as fast or faster.
+NUMPY_FIELDS = 1 << 14
 
 
 def packed_nbytes(count: int, bits: int) -> int:
@@ -45,7 +48,7 @@ def pack(values: torch.Tensor, bits: int) -> torch.Tensor:
     per_group, group_bytes = _group(bits)
     if group_bytes > 8:
         return _pack_by_bits(values, bits, nbytes)
-    if values.device.type == "cpu":
+    if values.device.type == "cpu" and n <= NUMPY_FIELDS:
         return torch.from_numpy(_pack_numpy(values.reshape(-1).numpy(), bits, nbytes))
     groups = -(-n // per_group)
     v = values.reshape(-1).to(torch.int64)
@@ -74,7 +77,7 @@ def unpack(stream: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     per_group, group_bytes = _group(bits)
     if group_bytes > 8:
         return _unpack_by_bits(stream, bits, count)
-    if stream.device.type == "cpu":
+    if stream.device.type == "cpu" and count <= NUMPY_FIELDS:
         return torch.from_numpy(_unpack_numpy(stream.numpy(), bits, count))
     groups = -(-count // per_group)
     padded = torch.zeros(groups * group_bytes, dtype=torch.int64, device=stream.device)

@@ -115,7 +115,7 @@ def encode_positions(cols: torch.Tensor, width: int) -> torch.Tensor:
     rows, kept = cols.shape
     low = low_bits(width, kept)
     slots = upper_bits(width, kept)
-    if cols.device.type == "cpu":
+    if cols.device.type == "cpu" and rows * width <= SMALL_ELEMENTS:
         return torch.from_numpy(_encode_positions_numpy(cols.numpy(), width))
     upper = torch.zeros(rows, slots, dtype=torch.uint8, device=cols.device)
     rank = torch.arange(kept, device=cols.device)
@@ -153,7 +153,7 @@ def decode_positions(stream: torch.Tensor, rows: int, width: int, kept: int) -> 
     expected = _positions_nbytes(rows, width, kept)
     if stream.numel() != expected:
         raise CorruptObjectError(f"topk payload: {stream.numel()} bytes of positions, expected {expected}")
-    if stream.device.type == "cpu":
+    if stream.device.type == "cpu" and rows * width <= SMALL_ELEMENTS:
         return torch.from_numpy(_decode_positions_numpy(stream.numpy(), rows, width, kept))
     upper = bitpack.unpack_flags(stream[low_nbytes:], rows * slots)
     if not bool((upper.view(rows, slots).sum(dim=1, dtype=torch.int32) == kept).all()):
