@@ -89,8 +89,8 @@ class RunReport(BaseModel):
     #: A run split over backends (``--backend mixed``): each part's replicas and their billing, summed; empty for a
     #: run on one backend.
     parts: list[PartShare] = Field(default_factory=list)
-    #: An elastic run (``--max-replicas``): the committed rounds where its members changed (the first round
-    #: included), read from the rounds' manifests; empty for a run of fixed replicas.
+    #: An elastic run (``--max-replicas``) that was scaled: the committed rounds where its members changed (the
+    #: first round included), read from the rounds' manifests; empty for a run of fixed replicas or never scaled.
     membership: list[MembershipChange] = Field(default_factory=list)
 
     @property

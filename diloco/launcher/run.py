@@ -74,6 +74,7 @@ class Run:
         self.executor = executor or backend_for(record)
         self.registry = registry
         self._waiter: Waiter | None = None  # the wait in progress (wait_for_outcome), if any
+        self._members_by_round: list[list[int]] = []  # an elastic run's committed rounds' members, read so far
 
     def __repr__(self) -> str:
         return f"Run({self.run_id!r}, backend={self.backend!r}, replicas={self.replicas})"
@@ -220,10 +221,11 @@ class Run:
         report = run_report(self.record, status, read_progress(self.store, self.replicas), state=state,
                             left_behind=left_behind, awaiting_relaunch=awaiting)
         add_async_status(report, self.store)
-        if self.record.config.get("store", {}).get("max_replicas") is not None:
+        if self.record.config.get("store", {}).get("max_replicas") is not None and (
+                self._members_by_round or self.final_members() is not None):  # scaled at least once
             from diloco.launcher.scale import add_membership
 
-            add_membership(report, self.store, self.record)
+            add_membership(report, self.store, self._members_by_round)
         self._remember(status)
         if trends:  # one line of eval loss per replica, for `diloco status` (reads each rank's history)
             from diloco.launcher.plot import eval_trends

@@ -242,24 +242,25 @@ def launch_spec_of(run: Run, replicas: int) -> LaunchSpec:
     return spec
 
 
-def add_membership(report: Any, store: Any, record: Any) -> None:
+def add_membership(report: Any, store: Any, known: list[list[int]] | None = None) -> None:
     """Fill ``report.membership`` (``diloco status``): each committed round whose members differ from the round
-    before, from the rounds' manifests (one small read per round; rounds without a manifest end the history)."""
+    before, from the rounds' manifests (rounds without a manifest end the history). ``known``: the members of the
+    rounds read by an earlier call, extended in place, so a wait that reports every poll reads each manifest once."""
     from diloco.collectives.membership import read_manifest
     from diloco.launcher.reports import MembershipChange
 
-    changes: list[MembershipChange] = []
-    before: list[int] = []
-    round_ = 0
+    history = known if known is not None else []
     while True:
-        manifest = read_manifest(store, round_)
+        manifest = read_manifest(store, len(history))
         if manifest is None:
             break
-        members = sorted(int(r) for r in manifest.get("members", []))
+        history.append(sorted(int(r) for r in manifest.get("members", [])))
+    changes: list[MembershipChange] = []
+    before: list[int] = []
+    for round_, members in enumerate(history):
         if members != before:
             changes.append(MembershipChange(round=round_ + 1, members=members,
                                             joined=[r for r in members if r not in before] if round_ else [],
                                             left=[r for r in before if r not in members]))
         before = members
-        round_ += 1
     report.membership = changes
