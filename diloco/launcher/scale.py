@@ -171,10 +171,10 @@ def scale_run(run: Run, request: str | int, *, part: str | None = None) -> Scale
                           hint="scale a run on a backend that supports it (local, sagemaker, kubernetes, mixed)")
     space = max(run.record.replicas, max(members) + 1, max(handle.own_ranks) + 1)
     added = list(range(space, space + wanted - len(members)))
+    spec = launch_spec_of(run, space + len(added))  # refused here, before anything is written
     _announce_starts(run, added)
     target = write_target(run.store, run.run_id, members + added)
     try:
-        spec = launch_spec_of(run, space + len(added))
         grown = _add_ranks(run, handle, added, spec, part)
     except BaseException:
         _restore(run, previous, members)
@@ -226,15 +226,23 @@ def launch_spec_of(run: Run, replicas: int) -> LaunchSpec:
     import hashlib
 
     from diloco.executors.base import LaunchSpec
+    from diloco.executors.user_env import MASK
     from diloco.replica.settings import SettingsObject
     from diloco.store.layout import SPEC_KEY
 
     data = run.store.get(SPEC_KEY)
     settings = SettingsObject.model_validate_json(data).settings
     config = run.record.config
+    env = dict(config.get("env") or {})
+    hidden = sorted(name for name, value in env.items() if MASK in value)
+    if hidden:  # the record keeps secret values masked: new replicas would get the mask, not the value
+        raise ConfigError(f"run {run.run_id}'s environment holds secret value(s) the run record keeps masked "
+                          f"({', '.join(hidden)}), so new replicas could not be given them",
+                          hint="pass secrets through the backend (on Kubernetes --env-from-secret), or launch a new "
+                               "run with more replicas")
     spec = LaunchSpec(run_id=run.run_id, replicas=replicas, entrypoint_args=settings, gpu=config.get("gpu"),
                       timeout_s=config.get("timeout_s"), spec_uri=f"{run.record.rendezvous_uri}/{SPEC_KEY}",
-                      max_restarts=run.policy.max_restarts, env=dict(config.get("env") or {}))
+                      max_restarts=run.policy.max_restarts, env=env)
     if hashlib.sha256(spec.spec_object()).hexdigest() != hashlib.sha256(data).hexdigest():
         raise ConfigError(f"run {run.run_id}'s settings object ({SPEC_KEY}) does not read back as written, so new "
                           "replicas could not be given its checksum", hint="scale a run launched by this diloco "

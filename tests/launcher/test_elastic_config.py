@@ -51,3 +51,21 @@ def test_scaling_a_run_that_is_not_known_is_one_line_exit_2(tmp_path: Path) -> N
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
     missing = run_cli("scale", "nosuchrun", home=tmp_path / "home")
     assert missing.returncode == 2, missing.stderr
+
+
+def test_growing_a_run_whose_record_masks_a_secret_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    """The record keeps secret-looking values masked; new replicas would get the mask instead of the value."""
+    from types import SimpleNamespace
+
+    from diloco.launcher.scale import launch_spec_of
+    from diloco.store.objects import ObjectStore
+
+    store = ObjectStore(f"file://{tmp_path / 'store'}")
+    record = SimpleNamespace(config={"env": {"HF_TOKEN": "****", "MODE": "x"}}, run_id="r",
+                             rendezvous_uri=store.url(""))
+    store.put("spec.json", b'{"format": "diloco.replica-settings/1", "run_id": "r", "settings": '
+                           b'{"rendezvous_uri": "file:///x", "world_size": 2, "max_replicas": 4}}')
+    run = SimpleNamespace(store=store, record=record, run_id="r", policy=SimpleNamespace(max_restarts=0))
+    with pytest.raises(ConfigError, match=r"secret value\(s\) the run record keeps masked \(HF_TOKEN\)"):
+        launch_spec_of(run, 3)  # type: ignore[arg-type]
+    assert store.list() == ["spec.json"]
