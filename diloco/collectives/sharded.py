@@ -233,12 +233,18 @@ class ShardedExchange:
 
     def _reduce_scatter(self, io: RoundIO, round_: int, published: _Published) -> torch.Tensor:
         """Our shard's sum over ranks 0..N-1 in that order (fp32), divided by N: every contribution, ours included,
-        added from its wire tensors (decoded straight into the sum when compressed)."""
+        added from its wire tensors (decoded straight into the sum when compressed, the sum then being our shard
+        of the snapshot's buffer, which was sent: no shard-sized accumulator)."""
         import torch
 
         deadline = io.deadline()
         shard_layout = {SHARD_TENSOR: ((published.layout.shard_elements,), torch.float32)}
         acc: dict[str, torch.Tensor] = {}
+        empty = self._spares.empty
+        if self.codec.compressed:  # our shard of the snapshot was encoded and sent: the sum can live there
+            mine = published.layout.shard(published.flat, io.rank)
+            empty = lambda shape, dtype: mine if (tuple(shape), dtype) == (tuple(mine.shape), mine.dtype) \
+                else self._spares.empty(shape, dtype)  # noqa: E731
         for peer in range(io.world_size):
             if peer == io.rank:
                 part, published.own_shard = published.own_shard, None
@@ -249,7 +255,7 @@ class ShardedExchange:
                 part = io.read_verified(round_, peer, f"contribution (shard {io.rank})", io.store.url(key),
                                         lambda peer=peer, key=key: self._read_shard(io, round_, peer, key, published))
             # ours or a freshly read buffer: private, so an uncompressed first one can be the accumulator
-            self.codec.add_into(acc, part[0], part[1], shard_layout, owned=True, empty=self._spares.empty)
+            self.codec.add_into(acc, part[0], part[1], shard_layout, owned=True, empty=empty)
             del part
         return acc[SHARD_TENSOR].div_(io.world_size)
 
@@ -284,7 +290,10 @@ class ShardedExchange:
                 len(header.tensors) != published.layout.shards:
             raise CorruptObjectError(f"{source} does not hold {published.layout.shards} shards of "
                                      f"{published.shard_bytes} bytes (another layout or format)")
-        data = codec.read_data(io.store, key, header, entry.begin, entry.end)
+        # compressed, a shard is decoded into the sum before the next is read: every read can reuse one buffer;
+        # uncompressed, the first shard read may become the sum itself, so each is read into memory of its own
+        data = codec.read_data(io.store, key, header, entry.begin, entry.end,
+                               buffer=self._reads if self.codec.compressed else None)
         io.read(len(data))
         blob = torch.frombuffer(data, dtype=torch.uint8)  # read_data returns writable memory: no copy
         wire = unpack(blob, published.pieces)
