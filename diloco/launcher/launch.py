@@ -53,7 +53,7 @@ def build_spec(cfg: RunConfig, run_id: str) -> LaunchSpec:
                           **tracking_settings(cfg), **store_settings)
     return LaunchSpec(run_id=run_id, replicas=cfg.replicas, entrypoint_args=args, gpu=cfg.gpu,
                       timeout_s=cfg.timeout_s, spec_uri=f"{args.rendezvous_uri}/{SPEC_KEY}",
-                      max_restarts=cfg.max_restarts, env=dict(cfg.env))
+                      max_restarts=cfg.max_restarts, env=dict(cfg.env), max_replicas=cfg.store.max_replicas)
 
 
 def tracking_settings(cfg: RunConfig) -> dict[str, str | None]:

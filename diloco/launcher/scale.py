@@ -242,7 +242,7 @@ def launch_spec_of(run: Run, replicas: int) -> LaunchSpec:
                                "run with more replicas")
     spec = LaunchSpec(run_id=run.run_id, replicas=replicas, entrypoint_args=settings, gpu=config.get("gpu"),
                       timeout_s=config.get("timeout_s"), spec_uri=f"{run.record.rendezvous_uri}/{SPEC_KEY}",
-                      max_restarts=run.policy.max_restarts, env=env)
+                      max_restarts=run.policy.max_restarts, env=env, max_replicas=settings.max_replicas)
     if hashlib.sha256(spec.spec_object()).hexdigest() != hashlib.sha256(data).hexdigest():
         raise ConfigError(f"run {run.run_id}'s settings object ({SPEC_KEY}) does not read back as written, so new "
                           "replicas could not be given its checksum", hint="scale a run launched by this diloco "

@@ -141,6 +141,8 @@ class Waiter:
         out_of_reach_since: float | None = None
         while True:
             status = run.replica_status()
+            if not stopping and run.final_state is None and self._ask_again_for_capacity():
+                status = run.replica_status()
             if self.relaunching and not stopping and run.final_state is None:
                 status = self._recover(status)
             report = run.report(status, with_stderr=False)
@@ -223,6 +225,22 @@ class Waiter:
                 run.registry.save(run.record)
             self.retries_seen.add((rank, status.replica(rank).restarts + 1))  # announced as this wait's relaunch
         return run.replica_status() if due else status
+
+    def _ask_again_for_capacity(self) -> bool:
+        """Let the backend ask again for replicas its service refused for capacity (a spot run launched with
+        ``--max-replicas``: ``ServerlessExecutor.ask_again_for_capacity``); record the handle naming the new jobs.
+        Not a relaunch: no restart is counted. Whether anything was asked for."""
+        run = self.run
+        handle = run.handle
+        if handle is None:
+            return False
+        asked = run.executor.ask_again_for_capacity(handle)
+        if asked == handle:
+            return False
+        run.record.handle = asked.model_dump(mode="json")
+        if run.registry is not None:
+            run.registry.save(run.record)
+        return True
 
     def announce_relaunch(self, rank: int, *, attempt: int, ready_in_s: float, reason: str) -> None:
         """Record in the store that ``rank`` is being relaunched, so its peers' all-reduce keeps waiting for it
