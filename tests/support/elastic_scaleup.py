@@ -32,9 +32,9 @@ def _wait_for(paths: list[Path], timeout_s: float) -> None:
 
 
 def scale_up_run(backend: dict[str, Any], rendezvous: str, gate_dir: Path, *, env: dict[str, str] | None = None,
-                 patience_s: float = 120.0) -> ScaleUp:
-    """Launch on ``backend`` (a ``backend:`` section), grow 2 -> 4 at round 3, wait for the end; what happened.
-    ``DILOCO_HOME`` must be the test's own."""
+                 patience_s: float = 120.0, part: str | None = None) -> ScaleUp:
+    """Launch on ``backend`` (a ``backend:`` section), grow 2 -> 4 at round 3 (on ``part``, of a mixed run), wait
+    for the end; what happened. ``DILOCO_HOME`` must be the test's own."""
     from diloco.launcher import api
 
     gate_dir.mkdir(parents=True, exist_ok=True)
@@ -56,7 +56,7 @@ def scale_up_run(backend: dict[str, Any], rendezvous: str, gate_dir: Path, *, en
     waiter.start()
     try:
         _wait_for([gate_dir / f"step{GROW_GATE}.rank{r}.waiting" for r in (0, 1)], patience_s)
-        grown = run.scale(4)
+        grown = run.scale(4, part=part)
     finally:
         (gate_dir / f"step{GROW_GATE}.open").touch()
     waiter.join(2 * patience_s)
