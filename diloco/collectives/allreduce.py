@@ -57,7 +57,9 @@ Round semantics (what a caller can rely on, whatever the strategy):
   (``round_NNNNNN/manifest.json``, created exactly once), sums the members' contributions in rank order and
   divides by their number, so results stay bitwise identical. A contribution that lands after the manifest is not
   averaged; its rank raises ``DroppedFromRound`` (the replica exits 75) and rejoins at the next round once
-  relaunched. Without ``min_replicas`` nothing is ever averaged over a partial set.
+  relaunched. A rank the launcher has left behind (failed for good: ``left/rank_RRRR.json``) is not waited for:
+  once every missing rank is one, a round with K contributions commits at once (one HEAD per missing rank per
+  poll while a quorum waits). Without ``min_replicas`` nothing is ever averaged over a partial set.
 * **Elastic membership** (``max_replicas`` set, gather only). The members of a round are data: every round
   commits a manifest naming the ranks it averaged and the next round's members, copied from the launcher's target
   (``membership.json``, ``diloco scale``) by whoever creates it; a rank waits only for the members its previous

@@ -215,6 +215,17 @@ class RoundIO:
         at = record.get("at")
         return float(at) + self.trained_s + self.timeout_s if isinstance(at, (int, float)) else None
 
+    def left(self, peer: int) -> bool:
+        """Whether the launcher left ``peer`` behind (``left/rank_RRRR.json``): failed for good in a
+        ``min_replicas`` run, so no round is owed its contribution. A store error reads as not left (the round
+        then waits as it would have)."""
+        from diloco.store.layout import LEFT_KEY
+
+        try:
+            return self.store.exists(LEFT_KEY.format(rank=peer))
+        except (StoreError, OSError):
+            return False
+
     def extension(self, peer: int, round_: int) -> tuple[float, str]:
         """Seconds more a round past its deadline waits for ``peer``, and why: the launcher is relaunching it
         (``relaunch_extension``), or it rejoined for this round (``rejoin_deadline``); 0 when neither."""

@@ -150,7 +150,9 @@ class GatherExchange:
         every rank.
 
         Wait until every rank's contribution exists, or until the deadline (extended while a peer is being
-        relaunched) has passed with at least ``min_replicas`` of them; propose the ranks present as the round's
+        relaunched) has passed with at least ``min_replicas`` of them, or, with that many, until every missing rank
+        is one the launcher left behind (``RoundIO.left``: failed for good, so waiting for it is only lost time);
+        propose the ranks present as the round's
         manifest, created exactly once (``put_if_absent``: a conditional create on S3, a hard link on
         ``file://``), and adopt whichever proposal won. A contribution that lands after the manifest is not
         averaged: its rank gets ``DroppedFromRound`` and rejoins at the next round (a relaunch). Fewer than
@@ -165,7 +167,12 @@ class GatherExchange:
                 break
             present = [r for r in expected if r == io.rank or io.store.exists(key_of(r))]
             missing = [r for r in expected if r not in present]
-            if not missing or (deadline.remaining_for(missing, round_) <= 0 and len(present) >= quorum):
+            # ranks the launcher left behind are owed nothing: with a quorum present, commit without them now
+            gone = missing if missing and len(present) >= quorum and all(io.left(r) for r in missing) else []
+            if gone:
+                logger.info("round %d: rank(s) %s were left behind by the launcher; committing without them",
+                            number(round_), ", ".join(map(str, gone)))
+            if not missing or gone or (deadline.remaining_for(missing, round_) <= 0 and len(present) >= quorum):
                 proposal: dict[str, object] = {"round": round_, "members": present, "proposed_by": io.rank,
                                                "run_id": io.run_id or ""}
                 if self.elastic:  # the target read now is the next round's membership, for everyone

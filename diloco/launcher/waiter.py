@@ -126,6 +126,7 @@ class Waiter:
         self.pending: dict[int, float] = {}
         self.retries_seen: set[tuple[int, int]] = set()
         self.on_relaunch, self.on_retried = on_relaunch, on_retried
+        self.marked_left: set[int] = set()
 
     def wait(self, deadline: float | None, poll_interval_s: float,
              on_update: Callable[[RunReport], None] | None,
@@ -163,6 +164,8 @@ class Waiter:
                     f"run {run.run_id}: {_unreachable_line(gone, None)}; stopped waiting after {patience:g}s",
                     hint=f"the run was not stopped; once that backend answers: diloco watch {run.run_id}")
             lost = run.lost(status)
+            if run.final_state is None and not stopping:
+                self._mark_left_behind(status)
             failed = [r for r in report.failed if r.rank in lost]
             if failed and not stopping and not run.can_go_on_without(status):
                 if not fail_fast:
@@ -226,6 +229,26 @@ class Waiter:
             self.retries_seen.add((rank, status.replica(rank).restarts + 1))  # announced as this wait's relaunch
         return run.replica_status() if due else status
 
+    def _mark_left_behind(self, status: RunStatus) -> None:
+        """Record in the store each replica the run now goes on without (failed for good in a ``min_replicas``
+        run: ``lifecycle.left_behind``), once, so its peers' rounds commit without it at once instead of waiting
+        out their deadline for it (``diloco.collectives.gather``). Only while the run can still finish without it."""
+        from diloco.store.layout import LEFT_KEY
+
+        run = self.run
+        if not run.can_go_on_without(status):
+            return
+        for rank in run.left_behind(status):
+            if rank in self.marked_left:
+                continue
+            record = {"rank": rank, "at": time.time(), "reason": status.replica(rank).reason or "failed"}
+            try:
+                run.store.put(LEFT_KEY.format(rank=rank), json.dumps(record).encode())
+            except DilocoError as exc:  # peers then wait out the round deadline, as before
+                logger.warning("could not record in the store that replica %d was left behind: %s", rank, exc)
+                continue
+            self.marked_left.add(rank)
+
     def _ask_again_for_capacity(self) -> bool:
         """Let the backend ask again for replicas its service refused for capacity (a spot run launched with
         ``--max-replicas``: ``ServerlessExecutor.ask_again_for_capacity``); record the handle naming the new jobs.
@@ -246,12 +269,14 @@ class Waiter:
         """Record in the store that ``rank`` is being relaunched, so its peers' all-reduce keeps waiting for it
         until ``until`` (the backoff plus one more round timeout, time for the new replica to start and
         contribute) instead of timing out (``diloco.collectives.allreduce``)."""
-        from diloco.store.layout import RELAUNCH_KEY
+        from diloco.store.layout import LEFT_KEY, RELAUNCH_KEY
 
         grace = self.run.record.policy.round_timeout_s
         record = {"rank": rank, "attempt": attempt, "reason": reason, "at": time.time(),
                   "until": time.time() + ready_in_s + grace}
         try:
+            self.run.store.delete(LEFT_KEY.format(rank=rank))  # coming back: its peers wait for it again
+            self.marked_left.discard(rank)
             self.run.store.put(RELAUNCH_KEY.format(rank=rank), json.dumps(record).encode())
         except DilocoError as exc:  # the relaunch still happens; peers may time out and be relaunched in turn
             logger.warning("could not record the relaunch of replica %d in the store: %s", rank, exc)

@@ -60,6 +60,9 @@ COMMITTED_MARKER_KEY = "committed/round_{round:06d}/COMMITTED"
 RELAUNCH_KEY = "relaunch/rank_{rank:04d}.json"
 # A restarted rank's rejoin (written by it, read by peers' all-reduce: the round it contributes to next, and when).
 REJOIN_KEY = "rejoin/rank_{rank:04d}.json"
+# A rank the launcher left behind (failed for good in a --min-replicas run; written by the launcher, read by peers'
+# all-reduce: a round commits without it at once instead of waiting out its deadline). Removed if it is relaunched.
+LEFT_KEY = "left/rank_{rank:04d}.json"
 
 # All-reduce rounds (diloco.collectives): a rank's contribution and, sharded, the mean of one shard.
 CONTRIBUTION_KEY = "round_{round:06d}/rank_{rank:04d}.safetensors"
