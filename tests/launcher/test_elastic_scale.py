@@ -67,6 +67,8 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
     gate_dir.mkdir()
     saved = {k: os.environ.get(k) for k in ("DILOCO_HOME", "DILOCO_RESTART_BACKOFF_S")}
     os.environ.update(DILOCO_HOME=str(home), DILOCO_RESTART_BACKOFF_S="0")
+    cwd = os.getcwd()
+    os.chdir(Path(__file__).resolve().parents[1])  # tests/: the local replicas import support.elastic_trainer from here
     # Without min_replicas the round deadline only bounds a hang (no round commits without all its members), so
     # it is generous rather than measured.
     deadline_s = 120.0
@@ -114,6 +116,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
                        store=ObjectStore(report.rendezvous_uri), grown=grown, shrunk=shrunk, relaunched=relaunched,
                        refused=refused)
     finally:
+        os.chdir(cwd)
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
