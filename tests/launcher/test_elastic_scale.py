@@ -28,7 +28,8 @@ from diloco.errors import ConfigError
 from diloco.store.layout import ROUND_MANIFEST_KEY
 from diloco.store.objects import ObjectStore
 
-pytestmark = pytest.mark.slow
+#: One worker runs this module: its module-scoped scenario (a real run) is then started once, not once per worker.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_elastic_scale")]
 
 ROUNDS, SYNC_EVERY = 9, 2
 GROW_GATE, SHRINK_GATE = 5, 11  # the first step of rounds 3 and 6: held there while the test scales
