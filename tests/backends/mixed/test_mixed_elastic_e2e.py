@@ -6,13 +6,13 @@ and every replica of both parts ends with identical weights."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from emulators.kubernetes import KubernetesEmulator
 from support.elastic_scaleup import scale_up_run
+from support.kube_nodes import node_env
 
 pytestmark = pytest.mark.slow
 
@@ -24,13 +24,7 @@ IMAGE = "registry.example/diloco:e2e"
 @pytest.fixture
 def kube(aws_env: str, tmp_path: Path) -> Iterator[KubernetesEmulator]:
     """The emulator, its pods reaching moto as IRSA-credentialed pods reach S3."""
-    node_env = {key: os.environ[key] for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
-                                                 "AWS_DEFAULT_REGION", "AWS_REGION", "AWS_ENDPOINT_URL",
-                                                 "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE",
-                                                 "AWS_EC2_METADATA_DISABLED") if key in os.environ}
-    node_env["PYTHONPATH"] = TESTS_DIR
-    node_env["OMP_NUM_THREADS"] = "1"
-    with KubernetesEmulator(tmp_path / "kube", namespace=NAMESPACE, node_env=node_env) as emulator:
+    with KubernetesEmulator(tmp_path / "kube", namespace=NAMESPACE, node_env=node_env(TESTS_DIR)) as emulator:
         yield emulator
 
 
