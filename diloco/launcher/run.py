@@ -140,6 +140,15 @@ class Run:
         if self.registry is not None:
             self.registry.save(self.record)
 
+    def keep_handle(self, handle: RunHandle, *, replicas: int | None = None) -> None:
+        """Record the backend's handle after it changed (a relaunch, a job asked for again, a scale that grew the
+        rank space to ``replicas``), so every later command finds the new replicas."""
+        self.record.handle = handle.model_dump(mode="json")
+        if replicas is not None:
+            self.record.replicas = replicas
+        if self.registry is not None:
+            self.registry.save(self.record)
+
     # ------------------------------------------------------------------------------------------ the rules
     def relaunches(self, rank: int) -> bool:
         """Whether the backend can relaunch replica ``rank`` (in a run split over backends, its part's decides)."""

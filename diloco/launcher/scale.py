@@ -21,9 +21,7 @@ nothing written.
 
 from __future__ import annotations
 
-import json
 import re
-import time
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import BaseModel, Field
@@ -67,6 +65,9 @@ class Run(Protocol):
     def final_state(self) -> RunState | None: ...
 
     def report(self, status: Any = None, *, with_stderr: bool = True, trends: bool = False) -> RunReport: ...
+
+    def keep_handle(self, handle: Any, *, replicas: int | None = None) -> None: ...
+
 
 _REQUEST = re.compile(r"^([+-]?)(\d+)$")
 
@@ -179,10 +180,7 @@ def scale_run(run: Run, request: str | int, *, part: str | None = None) -> Scale
     except BaseException:
         _restore(run, previous, members)
         raise
-    run.record.handle = grown.model_dump(mode="json")
-    run.record.replicas = space + len(added)
-    if run.registry is not None:
-        run.registry.save(run.record)
+    run.keep_handle(grown, replicas=space + len(added))
     return ScaleReport(run_id=run.run_id, before=members, after=list(target.members), added=added,
                        epoch=target.epoch)
 
@@ -210,13 +208,11 @@ def _restore(run: Run, previous: Any, members: list[int]) -> None:
 
 def _announce_starts(run: Run, ranks: list[int]) -> None:
     """Peers wait for the new ranks past their round deadline as for a relaunch: a start-up plus a round timeout."""
-    from diloco.store.layout import RELAUNCH_KEY
+    from diloco.launcher.waiter import announce_start
 
-    grace = run.record.policy.round_timeout_s
     for rank in ranks:
-        record = {"rank": rank, "attempt": 0, "reason": "added by diloco scale", "at": time.time(),
-                  "until": time.time() + 2 * grace}
-        run.store.put(RELAUNCH_KEY.format(rank=rank), json.dumps(record).encode())
+        announce_start(run.store, rank, attempt=0, reason="added by diloco scale",
+                       wait_s=2 * run.record.policy.round_timeout_s)
 
 
 def launch_spec_of(run: Run, replicas: int) -> LaunchSpec:

@@ -106,6 +106,8 @@ class WaitedRun(Protocol):
     def add_stderr(self, report: RunReport) -> RunReport: ...
     def relaunches_now(self) -> lifecycle.Relaunches: ...
     def lost(self, status: RunStatus) -> list[int]: ...
+    def left_behind(self, status: RunStatus) -> list[int]: ...
+    def keep_handle(self, handle: RunHandle, *, replicas: int | None = None) -> None: ...
     def can_go_on_without(self, status: RunStatus) -> bool: ...
     def can_finish(self, status: RunStatus) -> bool: ...
     def stop(self, ranks: list[int] | None = None) -> RunStatus: ...
@@ -223,9 +225,7 @@ class Waiter:
                 if not run.replica_status().replica(rank).state.is_terminal:
                     continue  # another waiter (a second `diloco watch`) relaunched it first: it runs again
                 raise
-            run.record.handle = handle.model_dump(mode="json")
-            if run.registry is not None:
-                run.registry.save(run.record)
+            run.keep_handle(handle)
             self.retries_seen.add((rank, status.replica(rank).restarts + 1))  # announced as this wait's relaunch
         return run.replica_status() if due else status
 
@@ -260,26 +260,33 @@ class Waiter:
         asked = run.executor.ask_again_for_capacity(handle)
         if asked == handle:
             return False
-        run.record.handle = asked.model_dump(mode="json")
-        if run.registry is not None:
-            run.registry.save(run.record)
+        run.keep_handle(asked)
         return True
 
     def announce_relaunch(self, rank: int, *, attempt: int, ready_in_s: float, reason: str) -> None:
         """Record in the store that ``rank`` is being relaunched, so its peers' all-reduce keeps waiting for it
         until ``until`` (the backoff plus one more round timeout, time for the new replica to start and
         contribute) instead of timing out (``diloco.collectives.allreduce``)."""
-        from diloco.store.layout import LEFT_KEY, RELAUNCH_KEY
+        from diloco.store.layout import LEFT_KEY
 
         grace = self.run.record.policy.round_timeout_s
-        record = {"rank": rank, "attempt": attempt, "reason": reason, "at": time.time(),
-                  "until": time.time() + ready_in_s + grace}
         try:
             self.run.store.delete(LEFT_KEY.format(rank=rank))  # coming back: its peers wait for it again
             self.marked_left.discard(rank)
-            self.run.store.put(RELAUNCH_KEY.format(rank=rank), json.dumps(record).encode())
+            announce_start(self.run.store, rank, attempt=attempt, reason=reason, wait_s=ready_in_s + grace)
         except DilocoError as exc:  # the relaunch still happens; peers may time out and be relaunched in turn
             logger.warning("could not record the relaunch of replica %d in the store: %s", rank, exc)
+
+
+def announce_start(store: ObjectStore, rank: int, *, attempt: int, reason: str, wait_s: float) -> None:
+    """Tell ``rank``'s peers that it is starting (a relaunch, or a new rank of a grown run) and to wait for it past
+    their round deadline for ``wait_s`` more seconds (``relaunch/rank_RRRR.json``, read by
+    ``diloco.collectives.driver.RoundIO.relaunch_extension``)."""
+    from diloco.store.layout import RELAUNCH_KEY
+
+    now = time.time()
+    record = {"rank": rank, "attempt": attempt, "reason": reason, "at": now, "until": now + wait_s}
+    store.put(RELAUNCH_KEY.format(rank=rank), json.dumps(record).encode())
 
 
 def _unreachable_line(gone: list[ReplicaStatus], patience: float | None) -> str:
