@@ -40,9 +40,13 @@ class Collective(Protocol):
     timeout_s: float
     poll_interval_s: float
     store: ObjectStore
+    #: Whether each round's members are data (an elastic run: ``diloco.collectives.membership``).
+    elastic: bool
 
     @property
     def next_round(self) -> int: ...
+
+    def members_after(self, round_: int) -> list[int] | None: ...
 
     @property
     def stats(self) -> AllReduceStats: ...

@@ -285,6 +285,11 @@ class Exchange(Protocol[S, P]):
         """Every key this rank wrote in the round (deleted once no peer can still read them)."""
         ...
 
+    def members_after(self, round_: int) -> list[int] | None:
+        """Elastic: the members round ``round_``'s manifest names for the next round; None when the exchange has
+        no elastic rounds or that round was not reduced here."""
+        ...
+
 
 class ReusingExchange(Exchange[S, P], Protocol):
     """An exchange that hands its buffers from round to round (``diloco.collectives.spares``): told when the caller
@@ -447,8 +452,7 @@ class RoundDriver(Generic[S, P]):
     def members_after(self, round_: int) -> list[int] | None:
         """Elastic: the members of the round after ``round_``, as that round's manifest names them (None when the
         run is not elastic or ``round_`` was not reduced here)."""
-        members_after = getattr(self._exchange, "members_after", None)
-        return members_after(round_) if callable(members_after) else None
+        return self._exchange.members_after(round_)
 
     def has_own_contribution(self, round_: int) -> bool:
         """Whether this rank's contribution for ``round_`` is already in the store (written before a restart)."""

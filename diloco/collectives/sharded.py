@@ -231,6 +231,10 @@ class ShardedExchange:
     def own_keys(self, round_: int, rank: int) -> list[str]:
         return [contribution_key(round_, rank, self.spread), reduced_shard_key(round_, rank, self.spread)]
 
+    def members_after(self, round_: int) -> list[int] | None:
+        """A sharded round's shards belong to a fixed set of ranks: never elastic."""
+        return None
+
     def _reduce_scatter(self, io: RoundIO, round_: int, published: _Published) -> torch.Tensor:
         """Our shard's sum over ranks 0..N-1 in that order (fp32), divided by N: every contribution, ours included,
         added from its wire tensors (decoded straight into the sum when compressed, the sum then being our shard

@@ -268,7 +268,7 @@ class ObjectStoreManager:
             raise RuntimeError("rejoin() must come before the first round")
         own = contributed or self._allreduce.has_own_contribution
         poll = self._allreduce.poll_interval_s if poll_s is None else poll_s
-        if getattr(self._allreduce, "elastic", False):
+        if self._allreduce.elastic:
             self._wait_until_named(poll)
         deadline = time.monotonic() + self._allreduce.timeout_s
         while True:
@@ -298,7 +298,7 @@ class ObjectStoreManager:
         """Elastic: the members of the round of zero-based index ``round_index`` (what the trainers deal data by,
         ``diloco.trainers.dealing``): the ranks the run started with for the first round, else what the previous
         round's manifest names; manifests never change, so each is read once. None for a run of fixed replicas."""
-        if not getattr(self._allreduce, "elastic", False):
+        if not self._allreduce.elastic:
             return None
         known = self._members.get(round_index)
         if known is not None:
@@ -317,11 +317,10 @@ class ObjectStoreManager:
         """Whether the round that just committed was this rank's last: in an elastic run, its manifest does not
         name this rank among the next round's members (the run was scaled down). The rank's contribution to that
         round was averaged; the outer loop then ends it as drained (``ReplicaDrained``), exit 0."""
-        members_after = getattr(self._allreduce, "members_after", None)
         done = self._allreduce.next_round
-        if not callable(members_after) or done == 0:
+        if done == 0:
             return False
-        after = members_after(done - 1)
+        after = self._allreduce.members_after(done - 1)
         return after is not None and self.rank not in after
 
     def _wait_until_named(self, poll: float) -> None:
