@@ -99,7 +99,14 @@ def test_a_master_killed_at_every_moment_resumes_where_it_was_and_every_replica_
                 one(r"startup selection bootstrap \(committed None, remote None\)", relaunched)
                 assert "rejoins the run" not in relaunched
                 continue
-            resumed = int(one(r"rejoins the run at step (\d+) of", relaunched)[1])
+            if recorded == 0:
+                # A publication can come before the master's own first round ends (on a loaded machine the worker's
+                # deltas arrive first): its position record still says step 0, so the relaunch starts at step 1.
+                assert kill["moment"] == "publish", (kill, recorded)
+                assert "rejoins the run" not in relaunched
+                resumed = 0
+            else:
+                resumed = int(one(r"rejoins the run at step (\d+) of", relaunched)[1])
             assert resumed == recorded and resumed % SYNC_EVERY == 0, (kill, recorded, resumed)
             if kill["moment"] == "mid_run":
                 assert 0 < resumed <= int(str(kill["step"])), (kill, resumed)  # not step 1
