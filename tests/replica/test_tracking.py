@@ -50,7 +50,10 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     proc = subprocess.Popen([MLFLOW, "server", "--backend-store-uri", f"sqlite:///{root / 'store.db'}",
                              "--default-artifact-root", str(root / "artifacts"), "--host", "127.0.0.1",
                              "--port", str(port), "--workers", "1"], stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)  # its own process group: the server's workers go with it
+                            start_new_session=True,  # its own process group: the server's workers go with it
+                            # No server-side job runner: it starts seven more Python processes that each import
+                            # mlflow (minutes of CPU on shared cores), and tracking never submits a job to it.
+                            env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
     uri = f"http://127.0.0.1:{port}"
 
     def healthy() -> bool:
