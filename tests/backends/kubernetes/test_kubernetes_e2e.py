@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import threading
 from collections.abc import Iterator
@@ -111,15 +112,38 @@ def running(kube: KubernetesEmulator, job: str, count: int) -> dict[int, dict[st
 
 
 
+def container_pid(kube: KubernetesEmulator, pod: dict[str, Any]) -> int:
+    """The pid of the pod's running replica container: what ``kill -9`` on its node would hit."""
+    with kube.cluster.store.lock:
+        runtime = kube.cluster.runtimes[pod["metadata"]["uid"]]
+        run = runtime.runs["replica"][-1]
+        assert run.process is not None and run.exit_code is None
+        return run.process.pid
+
+
+def committed(s3_bucket: str, run_id: str, round_number: int) -> bool:
+    import boto3
+
+    key = f"e2e/{run_id}/committed/round_{round_number:06d}/COMMITTED"
+    return boto3.client("s3").list_objects_v2(Bucket=s3_bucket, Prefix=key).get("KeyCount", 0) > 0
+
+
+def ended_because(pod: dict[str, Any]) -> str | None:
+    """Why the pod's container ended (``Completed``, ``Error``, ``OOMKilled``); None while it runs."""
+    statuses = pod["status"].get("containerStatuses") or [{}]
+    return (statuses[0].get("state", {}).get("terminated") or {}).get("reason")
+
+
 # ---------------------------------------------------------------------------------------------------- tests
 @pytest.mark.long
-def test_replicas_train_through_s3_survive_evictions_before_and_after_round_1_and_agree(
+def test_replicas_survive_evictions_a_sigkill_and_an_oom_kill_the_job_counts_only_the_kills_and_weights_agree(
         kube: KubernetesEmulator, s3_bucket: str, home: Path, tmp_path: Path) -> None:
-    """Two node drains in one run whose rank 0 is left alone: replica 1 is evicted before the first round (once
-    `logs -f` has shown it waiting), replica 2 after round 1 is committed. The Job retries each evicted index (not
-    counted as a failure), `logs -f` goes on with each index's new pod, the pod evicted after round 1 rejoins from
-    the latest committed round, and the run ends as if nothing happened (weights bitwise identical)."""
-    import boto3
+    """Every way a node takes a replica, in one run with the default flags: replica 1 is evicted before the first
+    round (once `logs -f` has shown it waiting); once round 1 is committed replica 2 is evicted and replica 1's
+    container is SIGKILLed (exit 137); once round 3 is committed replica 0 is OOM-killed. The Job retries every
+    index, counting the two kills against ``backoffLimitPerIndex`` and neither eviction; `logs -f` goes on with
+    each index's new pod; every pod started after round 1 rejoins from the latest committed round, and the run
+    ends as if nothing happened (weights bitwise identical)."""
 
     gate = tmp_path / "gate"
     launch = cli(*launch_args(s3_bucket, "--replicas", "3", "--trainer", "k8s_trainers:gated", "-k",
@@ -155,29 +179,30 @@ def test_replicas_train_through_s3_survive_evictions_before_and_after_round_1_an
     kube.wait_for(lambda: any(p["metadata"]["name"] != victim and "waiting for the gate" in kube.pod_log(
         p["metadata"]["name"]) for p in by_index(kube, run_id).get(1, [])), timeout=90)
     gate.write_text("open")
-    # Another drain evicts replica 2 once round 1 is committed: its new pod rejoins from that round.
-    committed = f"e2e/{run_id}/committed/round_000001/COMMITTED"
-    s3 = boto3.client("s3")
-    kube.wait_for(lambda: s3.list_objects_v2(Bucket=s3_bucket, Prefix=committed).get("KeyCount", 0) > 0,
-                  timeout=120)
-    late_victim = running(kube, run_id, 3)[2]["metadata"]["name"]
+    # Once round 1 is committed, another drain evicts replica 2 and replica 1's node kills its container: both
+    # new pods rejoin from that round; once round 3 is, replica 0 is OOM-killed and rejoins from there.
+    kube.wait_for(lambda: committed(s3_bucket, run_id, 1), timeout=120)
+    pods = running(kube, run_id, 3)
+    late_victim = pods[2]["metadata"]["name"]
     kube.evict(late_victim)
+    os.kill(container_pid(kube, pods[1]), signal.SIGKILL)  # kill -9 of replica 1's container by its node
+    kube.wait_for(lambda: committed(s3_bucket, run_id, 3), timeout=120)
+    kube.oom_kill(running(kube, run_id, 3)[0]["metadata"]["name"])
     follow.wait(timeout=240)
     reader.join(timeout=10)
     assert follow.returncode == 0, follow.stderr.read()[-3000:]
     lines = [line.rstrip("\n") for line in lines]
     assert lines and all(line[:4] in {"[r0]", "[r1]", "[r2]"} for line in lines), lines[:5]
-    for rank in range(3):
-        assert any(line.startswith(f"[r{rank}] waiting for the gate") for line in lines), rank
-    assert sum(1 for line in lines if line.startswith("[r1] waiting for the gate")) == 2, "both attempts of r1"
-    assert sum(1 for line in lines if line.startswith("[r2] waiting for the gate")) == 2, "both attempts of r2"
+    attempts = {rank: sum(1 for line in lines if line.startswith(f"[r{rank}] waiting for the gate"))
+                for rank in range(3)}
+    assert attempts == {0: 2, 1: 3, 2: 2}, ("every attempt of every index, in one stream", attempts)
 
     status = cli("status", run_id, "-o", "json", home=home, cwd=tmp_path)
     assert status.returncode == 0, status.stderr
     report = json.loads(status.stdout)
     assert report["state"] == "succeeded" and report["backend"] == "eks"
     assert [r["state"] for r in report["ranks"]] == ["succeeded"] * 3
-    assert [r["restarts"] for r in report["ranks"]] == [0, 1, 1]
+    assert [r["restarts"] for r in report["ranks"]] == [1, 2, 1]
     assert all(r["job_id"].startswith(f"{run_id}-{r['rank']}-") for r in report["ranks"])
 
     collect = cli("collect", run_id, "--output", str(tmp_path / "model.safetensors"), "-o", "json", home=home,
@@ -185,11 +210,15 @@ def test_replicas_train_through_s3_survive_evictions_before_and_after_round_1_an
     assert collect.returncode == 0, collect.stderr[-3000:]
     result = json.loads(collect.stdout)
     assert result["weights_identical"] is True, result["weights_detail"]
-    assert [r["restarts"] for r in result["ranks"]] == [0, 1, 1]
+    assert [r["restarts"] for r in result["ranks"]] == [1, 2, 1]
     assert Path(result["model_path"]).is_file()
-    assert kube.job(run_id)["status"].get("failed") is None, "an eviction is not a failure"
-    retried = [p for p in by_index(kube, run_id).get(2, []) if p["metadata"]["name"] != late_victim]
-    assert retried and "rank 2 rejoined at step" in kube.pod_log(retried[-1]["metadata"]["name"])
+    pods = by_index(kube, run_id)  # an evicted pod is deleted by its eviction; a killed one stays, failed
+    reasons = {i: sorted(str(ended_because(p)) for p in attempts) for i, attempts in pods.items()}
+    assert reasons == {0: ["Completed", "OOMKilled"], 1: ["Completed", "Error"], 2: ["Completed"]}, reasons
+    assert kube.job(run_id)["status"].get("failed") == 2, "the kills count against the retries, no eviction does"
+    for rank, attempts in pods.items():
+        [last] = [p["metadata"]["name"] for p in attempts if ended_because(p) == "Completed"]
+        assert f"rank {rank} rejoined at step" in kube.pod_log(last), (rank, kube.pod_log(last)[-2000:])
 
 
 @pytest.mark.long

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 from backends.kubernetes.test_kubernetes_e2e import (  # noqa: F401 - fixtures, used by name
+    committed,
+    container_pid,
     home,
     image_dir,
     kube,
@@ -20,7 +22,7 @@ from backends.kubernetes.test_kubernetes_e2e import (  # noqa: F401 - fixtures, 
     running,
     start_cli,
 )
-from backends.kubernetes.test_kubernetes_retries import PACED, _job_of, committed, container_pid
+from backends.kubernetes.test_kubernetes_retries import PACED, _job_of
 from emulators.kubernetes import KubernetesEmulator
 
 pytestmark = pytest.mark.slow

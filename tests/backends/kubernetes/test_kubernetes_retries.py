@@ -1,5 +1,7 @@
 """A killed replica on EKS is retried by the Indexed Job itself, as many times as ``--max-restarts`` says (the same
-flag, with the same default, as on every backend), and the run completes with identical weights.
+flag, with the same default, as on every backend): here the flag's mapping and a kill that ``--max-restarts 0``
+turns into a failed run. That a SIGKILL and an OOM kill with the default flags end in a completed run with
+identical weights is shown by the e2e run in test_kubernetes_e2e.py, with the evictions.
 
 End to end through the real CLI, the real ``kubernetes`` client, the Kubernetes API emulator and moto's S3 (the
 fixtures of tests/test_kubernetes_e2e.py). A kill is what a node does to a container: SIGKILL of the container's
@@ -13,13 +15,12 @@ import json
 import os
 import signal
 from pathlib import Path
-from typing import Any
 
 import pytest
 from backends.kubernetes.test_kubernetes_e2e import (  # noqa: F401 - fixtures, used by name
     NAMESPACE,
-    by_index,
     cli,
+    container_pid,
     home,
     image_dir,
     kube,
@@ -34,22 +35,6 @@ pytestmark = pytest.mark.slow
 PACED = ["--trainer", "support.paced_trainer:train", "--steps", "40", "--sync-every", "5"]
 
 
-def container_pid(kube: KubernetesEmulator, pod: dict[str, Any]) -> int:
-    """The pid of the pod's running replica container: what ``kill -9`` on its node would hit."""
-    with kube.cluster.store.lock:
-        runtime = kube.cluster.runtimes[pod["metadata"]["uid"]]
-        run = runtime.runs["replica"][-1]
-        assert run.process is not None and run.exit_code is None
-        return run.process.pid
-
-
-def committed(s3_bucket: str, run_id: str, round_number: int) -> bool:
-    import boto3
-
-    key = f"e2e/{run_id}/committed/round_{round_number:06d}/COMMITTED"
-    return boto3.client("s3").list_objects_v2(Bucket=s3_bucket, Prefix=key).get("KeyCount", 0) > 0
-
-
 def test_max_restarts_is_the_jobs_per_index_retry_limit(tmp_path: Path, home: Path) -> None:
     def limit(*extra: str) -> int:
         result = cli("launch", "--backend", "eks", "--image", "registry.example/diloco:1", "--rendezvous",
@@ -62,35 +47,6 @@ def test_max_restarts_is_the_jobs_per_index_retry_limit(tmp_path: Path, home: Pa
     assert limit("--max-restarts", "5") == 5
     assert limit("--max-restarts", "0") == 0
     assert limit("--max-restarts", "5", "--set", "backend.backoff_limit_per_index=1") == 1, "the backend's own wins"
-
-
-def test_a_sigkill_and_an_oom_kill_with_default_flags_end_in_a_completed_run_with_identical_weights(
-        kube: KubernetesEmulator, s3_bucket: str, home: Path, tmp_path: Path) -> None:
-    launch = cli(*launch_args(s3_bucket, "--replicas", "2", *PACED, "--detach", "-o", "json"), home=home,
-                 cwd=tmp_path)
-    assert launch.returncode == 0, launch.stderr[-3000:]
-    run_id = json.loads(launch.stdout)["run_id"]
-
-    kube.wait_for(lambda: committed(s3_bucket, run_id, 1), timeout=120)
-    victim = running(kube, run_id, 2)[1]
-    os.kill(container_pid(kube, victim), signal.SIGKILL)
-    kube.wait_for(lambda: any(p["metadata"]["name"] != victim["metadata"]["name"] and "rejoined at step" in
-                              kube.pod_log(p["metadata"]["name"]) for p in by_index(kube, run_id).get(1, [])),
-                  timeout=120)
-    kube.wait_for(lambda: committed(s3_bucket, run_id, 3), timeout=120)
-    kube.oom_kill(running(kube, run_id, 2)[0]["metadata"]["name"])
-
-    collect = cli("collect", run_id, "--output", str(tmp_path / "model.safetensors"), "-o", "json", home=home,
-                  cwd=tmp_path)
-    assert collect.returncode == 0, collect.stderr[-3000:]
-    report = json.loads(collect.stdout)
-    assert report["state"] == "succeeded" and report["weights_identical"] is True, report["weights_detail"]
-    assert [r["restarts"] for r in report["ranks"]] == [1, 1]
-    first = by_index(kube, run_id)
-    reasons = {i: [(p["status"]["containerStatuses"][0]["state"].get("terminated") or {}).get("reason")
-                   for p in pods] for i, pods in first.items()}
-    assert "OOMKilled" in reasons[0] and "Error" in reasons[1], reasons
-    assert kube.job(run_id)["status"].get("failed") == 2, "both kills counted against the retries"
 
 
 def test_with_max_restarts_0_the_same_kill_fails_the_run(kube: KubernetesEmulator, s3_bucket: str, home: Path,
