@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import threading
@@ -128,6 +129,15 @@ def committed(s3_bucket: str, run_id: str, round_number: int) -> bool:
     return boto3.client("s3").list_objects_v2(Bucket=s3_bucket, Prefix=key).get("KeyCount", 0) > 0
 
 
+def job_of(kube: KubernetesEmulator) -> str:
+    """The one Job the test's launch creates (named after the run), once it exists."""
+    def find() -> str | None:
+        with kube.cluster.store.lock:
+            jobs = kube.cluster.store.items("jobs", NAMESPACE)
+            return jobs[0]["metadata"]["name"] if jobs else None
+    return kube.wait_for(find, timeout=120)
+
+
 def ended_because(pod: dict[str, Any]) -> str | None:
     """Why the pod's container ended (``Completed``, ``Error``, ``OOMKilled``); None while it runs."""
     statuses = pod["status"].get("containerStatuses") or [{}]
@@ -146,12 +156,57 @@ def test_replicas_survive_evictions_a_sigkill_and_an_oom_kill_the_job_counts_onl
     ends as if nothing happened (weights bitwise identical)."""
 
     gate = tmp_path / "gate"
-    launch = cli(*launch_args(s3_bucket, "--replicas", "3", "--trainer", "k8s_trainers:gated", "-k",
-                              f"gate={gate}", "--steps", "40", "--sync-every", "5", "--detach", "-o", "json"),
-                 home=home, cwd=tmp_path)
-    assert launch.returncode == 0, launch.stderr[-3000:]
-    run_id = json.loads(launch.stdout)["run_id"]
+    launch = start_cli(*launch_args(s3_bucket, "--replicas", "3", "--trainer", "k8s_trainers:gated", "-k",
+                                    f"gate={gate}", "--steps", "40", "--sync-every", "5", "-o", "json"),
+                       home=home, cwd=tmp_path)  # it waits, saying what happens to the replicas on its stderr
+    try:
+        run_id = job_of(kube)
+        follow = disrupt(kube, s3_bucket, run_id, gate, home, tmp_path)
+        launched, said = launch.communicate(timeout=240)
+    finally:
+        if launch.poll() is None:
+            launch.kill()
+            launch.wait()
+    assert launch.returncode == 0, said[-3000:]
+    assert json.loads(launched)["weights_identical"] is True, launched[-3000:]
+    retried = [re.fullmatch(r"replica (\d) preempted \(.+\); the cluster brings it back \(restart (\d)\)", line)
+               for line in said.splitlines() if line.startswith("replica ")]
+    assert sorted((int(m[1]), int(m[2])) for m in retried if m) == [(0, 1), (1, 1), (1, 2), (2, 1)], said[-3000:]
 
+    lines = follow
+    assert lines and all(line[:4] in {"[r0]", "[r1]", "[r2]"} for line in lines), lines[:5]
+    attempts = {rank: sum(1 for line in lines if line.startswith(f"[r{rank}] waiting for the gate"))
+                for rank in range(3)}
+    assert attempts == {0: 2, 1: 3, 2: 2}, ("every attempt of every index, in one stream", attempts)
+
+    status = cli("status", run_id, "-o", "json", home=home, cwd=tmp_path)
+    assert status.returncode == 0, status.stderr
+    report = json.loads(status.stdout)
+    assert report["state"] == "succeeded" and report["backend"] == "eks"
+    assert [r["state"] for r in report["ranks"]] == ["succeeded"] * 3
+    assert [r["restarts"] for r in report["ranks"]] == [1, 2, 1]
+    assert all(r["job_id"].startswith(f"{run_id}-{r['rank']}-") for r in report["ranks"])
+
+    collect = cli("collect", run_id, "--output", str(tmp_path / "model.safetensors"), "-o", "json", home=home,
+                  cwd=tmp_path)
+    assert collect.returncode == 0, collect.stderr[-3000:]
+    result = json.loads(collect.stdout)
+    assert result["weights_identical"] is True, result["weights_detail"]
+    assert [r["restarts"] for r in result["ranks"]] == [1, 2, 1]
+    assert Path(result["model_path"]).is_file()
+    pods = by_index(kube, run_id)  # an evicted pod is deleted by its eviction; a killed one stays, failed
+    reasons = {i: sorted(str(ended_because(p)) for p in tries) for i, tries in pods.items()}
+    assert reasons == {0: ["Completed", "OOMKilled"], 1: ["Completed", "Error"], 2: ["Completed"]}, reasons
+    assert kube.job(run_id)["status"].get("failed") == 2, "the kills count against the retries, no eviction does"
+    for rank, tries in pods.items():
+        [last] = [p["metadata"]["name"] for p in tries if ended_because(p) == "Completed"]
+        assert f"rank {rank} rejoined at step" in kube.pod_log(last), (rank, kube.pod_log(last)[-2000:])
+
+
+def disrupt(kube: KubernetesEmulator, s3_bucket: str, run_id: str, gate: Path, home: Path,
+            tmp_path: Path) -> list[str]:
+    """The run's Job as the launch creates it, then its disruptions with `logs -f` following them; every line
+    `logs -f` printed, once the run has ended."""
     job = kube.job(run_id)
     assert job is not None, "the Job is named after the run"
     spec = job["spec"]
@@ -191,34 +246,7 @@ def test_replicas_survive_evictions_a_sigkill_and_an_oom_kill_the_job_counts_onl
     follow.wait(timeout=240)
     reader.join(timeout=10)
     assert follow.returncode == 0, follow.stderr.read()[-3000:]
-    lines = [line.rstrip("\n") for line in lines]
-    assert lines and all(line[:4] in {"[r0]", "[r1]", "[r2]"} for line in lines), lines[:5]
-    attempts = {rank: sum(1 for line in lines if line.startswith(f"[r{rank}] waiting for the gate"))
-                for rank in range(3)}
-    assert attempts == {0: 2, 1: 3, 2: 2}, ("every attempt of every index, in one stream", attempts)
-
-    status = cli("status", run_id, "-o", "json", home=home, cwd=tmp_path)
-    assert status.returncode == 0, status.stderr
-    report = json.loads(status.stdout)
-    assert report["state"] == "succeeded" and report["backend"] == "eks"
-    assert [r["state"] for r in report["ranks"]] == ["succeeded"] * 3
-    assert [r["restarts"] for r in report["ranks"]] == [1, 2, 1]
-    assert all(r["job_id"].startswith(f"{run_id}-{r['rank']}-") for r in report["ranks"])
-
-    collect = cli("collect", run_id, "--output", str(tmp_path / "model.safetensors"), "-o", "json", home=home,
-                  cwd=tmp_path)
-    assert collect.returncode == 0, collect.stderr[-3000:]
-    result = json.loads(collect.stdout)
-    assert result["weights_identical"] is True, result["weights_detail"]
-    assert [r["restarts"] for r in result["ranks"]] == [1, 2, 1]
-    assert Path(result["model_path"]).is_file()
-    pods = by_index(kube, run_id)  # an evicted pod is deleted by its eviction; a killed one stays, failed
-    reasons = {i: sorted(str(ended_because(p)) for p in attempts) for i, attempts in pods.items()}
-    assert reasons == {0: ["Completed", "OOMKilled"], 1: ["Completed", "Error"], 2: ["Completed"]}, reasons
-    assert kube.job(run_id)["status"].get("failed") == 2, "the kills count against the retries, no eviction does"
-    for rank, attempts in pods.items():
-        [last] = [p["metadata"]["name"] for p in attempts if ended_because(p) == "Completed"]
-        assert f"rank {rank} rejoined at step" in kube.pod_log(last), (rank, kube.pod_log(last)[-2000:])
+    return [line.rstrip("\n") for line in lines]
 
 
 @pytest.mark.long

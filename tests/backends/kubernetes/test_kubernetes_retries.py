@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 from backends.kubernetes.test_kubernetes_e2e import (  # noqa: F401 - fixtures, used by name
-    NAMESPACE,
     cli,
     container_pid,
     home,
     image_dir,
+    job_of,
     kube,
     launch_args,
     running,
@@ -54,7 +54,7 @@ def test_with_max_restarts_0_the_same_kill_fails_the_run(kube: KubernetesEmulato
     launch = start_cli(*launch_args(s3_bucket, "--replicas", "2", *PACED, "--max-restarts", "0"), home=home,
                        cwd=tmp_path)
     try:
-        pods = running(kube, _job_of(kube), 2)
+        pods = running(kube, job_of(kube), 2)
         os.kill(container_pid(kube, pods[1]), signal.SIGKILL)
         _, stderr = launch.communicate(timeout=240)
     finally:
@@ -69,13 +69,3 @@ def test_with_max_restarts_0_the_same_kill_fails_the_run(kube: KubernetesEmulato
     assert status.returncode == 0, status.stderr
     ranks = json.loads(status.stdout)["ranks"]
     assert (ranks[1]["state"], ranks[1]["exit_code"], ranks[1]["restarts"]) == ("failed", 137, 0), ranks[1]
-
-
-def _job_of(kube: KubernetesEmulator) -> str:
-    """The one Job the test's launch creates."""
-    def find() -> str | None:
-        with kube.cluster.store.lock:
-            jobs = kube.cluster.store.items("jobs", NAMESPACE)
-            return jobs[0]["metadata"]["name"] if jobs else None
-    return kube.wait_for(find, timeout=120)
-
