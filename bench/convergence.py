@@ -122,10 +122,30 @@ class Result:
     setting: Setting
     curve: Curve = field(default_factory=list)
     seconds: float = 0.0
+    #: Bytes one replica's pseudo-gradient object takes at the store per outer round (the wire tensors serialized
+    #: as the store holds them, header and metadata included); 0 for the methods without rounds.
+    round_bytes: int = 0
+    #: The same without the object's header: the wire tensors' bytes (the codec's encoded size).
+    round_wire_bytes: int = 0
 
     @property
     def final(self) -> float:
         return self.curve[-1][1]
+
+    @property
+    def rounds(self) -> int:
+        """Outer rounds over the run (DiLoCo only; 0 for the others)."""
+        return self.setting.steps // self.setting.sync_every if self.method == "diloco" else 0
+
+    @property
+    def run_bytes(self) -> int:
+        """Bytes one replica writes to the store over the whole run: rounds x bytes per round."""
+        return self.rounds * self.round_bytes
+
+    @property
+    def run_wire_bytes(self) -> int:
+        """The wire tensors' bytes over the whole run (headers left out)."""
+        return self.rounds * self.round_wire_bytes
 
 
 # ------------------------------------------------------------------------------------------------ the parts
@@ -187,15 +207,25 @@ class OuterStep:
                                    momentum=setting.outer_momentum,
                                    nesterov=setting.nesterov and setting.outer_momentum > 0)
         self.rounds = 0
+        #: Bytes of rank 0's last object at the store (every rank's has the same size: the formats' sizes depend
+        #: only on the layout).
+        self.round_bytes = 0
+        self.round_wire_bytes = 0
         self.codec = wire_codec(setting.compression, setting.error_feedback, setting.replicas,
                                 setting.error_feedback_decay, sparse_spec(setting))
 
     def __call__(self, replicas: list[Replica]) -> None:
+        from diloco.store.codec import encode_tensors
+
         deltas = []
         for rank, r in enumerate(replicas):
             params = dict(r.model.named_parameters())
             delta = {n: self.global_params[n] - params[n].detach().float() for n in self.names}
-            deltas.append(self.codec(rank, delta))
+            wire, meta, decoded = self.codec(rank, delta)
+            if rank == 0:
+                self.round_bytes = len(encode_tensors(wire, meta))
+                self.round_wire_bytes = sum(t.numel() * t.element_size() for t in wire.values())
+            deltas.append(decoded)
         for n, g in self.global_params.items():
             g.grad = torch.stack([d[n] for d in deltas]).mean(0)
         self.rounds += 1
@@ -215,17 +245,20 @@ def sparse_spec(setting: Setting) -> Any:
     return TopkSpec(density=setting.topk_density, chunk=setting.topk_chunk, value_bits=setting.topk_value_bits)
 
 
-def wire_codec(fmt: str, error_feedback: bool, world: int, decay: float = 1.0,
-               sparse: Any = None) -> Callable[[int, dict[str, torch.Tensor]], dict]:
-    """What a pseudo-gradient looks like after the wire: identity for ``none``; else ``diloco.collectives.compression``'s
-    ``ErrorFeedback.compress`` per rank (encode, decode, and the residual kept for the next round when
-    ``error_feedback``): exactly the values the all-reduce averages."""
+WireCodec = Callable[[int, dict[str, torch.Tensor]], tuple[dict[str, torch.Tensor], dict[str, str], dict]]
+
+
+def wire_codec(fmt: str, error_feedback: bool, world: int, decay: float = 1.0, sparse: Any = None) -> WireCodec:
+    """What a pseudo-gradient looks like on and after the wire: ``(wire tensors, metadata, decoded)``. For ``none``
+    the fp32 tensors themselves; else ``diloco.collectives.compression``'s ``ErrorFeedback.compress`` per rank
+    (encode, decode, and the residual kept for the next round when ``error_feedback``): the decoded values are
+    exactly what the all-reduce averages, the wire tensors what the store holds."""
     if fmt == "none":
-        return lambda rank, delta: delta
+        return lambda rank, delta: (delta, {}, delta)
     from diloco.collectives.compression import ErrorFeedback
 
     feedback = [ErrorFeedback(fmt, enabled=error_feedback, decay=decay, sparse=sparse) for _ in range(world)]
-    return lambda rank, delta: feedback[rank].compress(delta)[2]
+    return lambda rank, delta: feedback[rank].compress(delta)
 
 
 # ------------------------------------------------------------------------------------------------ the methods
@@ -266,6 +299,7 @@ def run_diloco(setting: Setting) -> Result:
             outer(replicas)
             result.curve.append((step, evaluate(replicas[0].model, batches)))
     result.seconds = time.perf_counter() - began
+    result.round_bytes, result.round_wire_bytes = outer.round_bytes, outer.round_wire_bytes
     return result
 
 
@@ -528,7 +562,10 @@ def sweep(base: Setting, args: argparse.Namespace) -> int:
     methods = args.sweep.split(",")
     for m in methods:
         r = METHODS[m](setting)
-        print(f"{m:7s} {setting.label():60s} final {r.final:.4f}  ({r.seconds:.0f}s)  "
+        traffic = (f"  {r.rounds} rounds x {r.round_bytes:,} B = {r.run_bytes:,} B/replica at the store"
+                   f" ({r.run_wire_bytes:,} B of wire tensors)"
+                   if r.method == "diloco" else "")
+        print(f"{m:7s} {setting.label():60s} final {r.final:.4f}  ({r.seconds:.0f}s){traffic}  "
               + " ".join(f"{v:.3f}" for _, v in r.curve[1:]), flush=True)
     return 0
 

@@ -15,6 +15,13 @@ It reuses ``bench/convergence.py``'s in-process machinery (the same math as the 
 more (12 rounds of H=25) for data-parallel, DiLoCo with the papers' outer step (lr 0.7, Nesterov 0.9) and DiLoCo
 with the built-in trainer's outer defaults (tuned for short runs from scratch); ``--full`` continues for 900
 steps (36 rounds).
+
+``--h50`` asks what the compressed formats cost at fp32 DiLoCo's own synchronisation interval: from the same
+300-step checkpoint, 1200 more steps per replica (24 rounds of H=50) for fp32 DiLoCo with the papers' outer step,
+int8, int4 and the sparse format (``SPARSE_H50``, the setting a sweep at H=50 put first), with each format's bytes
+at the store beside its loss: bytes per round per replica (the wire tensors serialized as the store holds them)
+times the rounds. ``--seeds 1337,1338,1339`` repeats it per seed and reports the mean; ``--formats`` runs a
+subset. One method's run is a few minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -29,6 +36,12 @@ from convergence import Result, Setting, run_diloco, run_dp, run_plan, trainer_d
 
 #: The papers' outer step: Nesterov SGD, lr 0.7, momentum 0.9, from the first round.
 PAPER = {"outer_lr": 0.7, "outer_momentum": 0.9, "outer_momentum_warmup": 0}
+#: ``--h50``: steps per replica after the warm start (24 rounds of H=50) and the formats compared.
+H50_STEPS = 1200
+H50_FORMATS = ("none", "int8", "int4", "topk")
+#: The sparse format at H=50, as the sweep in docs/benchmarks.md ("The sparse format at H=50") left it.
+SPARSE_H50: dict[str, Any] = {"compression": "topk", "outer_lr": 1.0, "outer_momentum": 0.0,
+                              "error_feedback_decay": 0.95}
 
 
 def parse_args(argv: Iterable[str] | None) -> argparse.Namespace:
@@ -38,11 +51,17 @@ def parse_args(argv: Iterable[str] | None) -> argparse.Namespace:
     p.add_argument("--json", metavar="OUT", help="write the results as JSON (make bench reads it)")
     p.add_argument("--warm-start", type=int, default=300, metavar="STEPS")
     p.add_argument("--sync-every", type=int, default=25, metavar="H")
+    p.add_argument("--h50", action="store_true",
+                   help="fp32, int8, int4 and sparse DiLoCo at H=50 for 1200 steps: loss and bytes over the run")
+    p.add_argument("--seeds", default="1337", help="--h50: comma-separated seeds (the table gives the mean)")
+    p.add_argument("--formats", default=",".join(H50_FORMATS), help="--h50: which of none,int8,int4,topk")
     return p.parse_args(list(argv) if argv is not None else None)
 
 
 def main(argv: Iterable[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.h50:
+        return h50(args)
     steps = 900 if args.full else 300
     base = trainer_defaults(Setting(steps=steps, sync_every=args.sync_every, warm_start=args.warm_start))
     plan = [(run_dp, base), (run_diloco, dataclasses.replace(base, **PAPER)), (run_diloco, base)]
@@ -92,6 +111,95 @@ def build_report(base: Setting, results: list[Result]) -> dict[str, Any]:
             "The first row's seconds include the shared warm-up.",
         ],
         "plots": [{"file": "convergence_warm.png", "title": "Held-out eval loss after a data-parallel warm start",
+                   "xlabel": "inner step (warm-up included)", "ylabel": "eval loss", "series": series,
+                   "ylim": [round(min(later) - 0.05, 2), round(max(later) + 0.05, 2)]}],
+    }
+
+
+# ------------------------------------------------------------------------------------------------ --h50
+def h50_setting(fmt: str, seed: int, warm_start: int) -> Setting:
+    """fp32 DiLoCo with the papers' outer step at H=50, or a compressed format at the same H: the quantized ones
+    with the same outer step, the sparse one with ``SPARSE_H50``."""
+    base = dataclasses.replace(trainer_defaults(Setting(steps=H50_STEPS, sync_every=50, warm_start=warm_start,
+                                                        seed=seed)), **PAPER)
+    if fmt == "topk":
+        return dataclasses.replace(base, **SPARSE_H50)
+    return dataclasses.replace(base, compression=fmt)
+
+
+def h50(args: argparse.Namespace) -> int:
+    """Every format for every seed (the seed's warm-up computed once and shared), the report after each run."""
+    seeds = [int(s) for s in args.seeds.split(",")]
+    formats = [f for f in args.formats.split(",") if f]
+    unknown = set(formats) - set(H50_FORMATS)
+    if unknown:
+        raise SystemExit(f"--formats: unknown {sorted(unknown)}; choose from {', '.join(H50_FORMATS)}")
+    plan = [(run_diloco, h50_setting(fmt, seed, args.warm_start)) for seed in seeds for fmt in formats]
+    return run_plan(plan, lambda results: h50_report(results, seeds), args.json)
+
+
+def format_name(s: Setting) -> str:
+    if s.compression == "none":
+        return f"fp32, outer lr {s.outer_lr:g} Nesterov {s.outer_momentum:g}"
+    if s.compression == "topk":
+        return (f"sparse: {100 * s.topk_density:.3g}% of every {s.topk_chunk} values at {s.topk_value_bits} bits, "
+                f"outer lr {s.outer_lr:g}" + (f" Nesterov {s.outer_momentum:g}" if s.outer_momentum else
+                                               " no momentum")
+                + f", error feedback decay {s.error_feedback_decay:g}")
+    return f"{s.compression}, outer lr {s.outer_lr:g} Nesterov {s.outer_momentum:g}, error feedback"
+
+
+def h50_report(results: list[Result], seeds: list[int]) -> dict[str, Any]:
+    """One row per format: the mean final loss over the seeds run so far, each seed's, and the traffic."""
+    by_format: dict[str, list[Result]] = {}
+    for r in results:
+        by_format.setdefault(r.setting.compression, []).append(r)
+    fp32 = by_format.get("none")
+    fp32_loss = sum(r.final for r in fp32) / len(fp32) if fp32 else None
+    fp32_bytes = fp32[0].run_bytes if fp32 else None
+    fp32_wire = fp32[0].run_wire_bytes if fp32 else None
+    rows = []
+    for fmt, runs in by_format.items():
+        mean = sum(r.final for r in runs) / len(runs)
+        first = runs[0]
+        rows.append({
+            "format (M=4)": format_name(first.setting),
+            "H": first.setting.sync_every,
+            "rounds": first.rounds,
+            "final eval loss (mean)": round(mean, 4),
+            "per seed": " / ".join(f"{r.final:.4f}" for r in runs),
+            "vs fp32": "" if fp32_loss is None or fmt == "none" else f"{100 * (mean / fp32_loss - 1):+.2f}%",
+            "bytes per round": f"{first.round_bytes:,}",
+            "bytes over the run": f"{first.run_bytes:,}",
+            "fewer bytes than fp32": "" if not fp32_bytes else f"{fp32_bytes / first.run_bytes:.0f}x",
+            "wire tensors over the run": f"{first.run_wire_bytes:,}",
+            "fewer than fp32 (wire)": "" if not fp32_wire else f"{fp32_wire / first.run_wire_bytes:.0f}x",
+            "s per run": round(sum(r.seconds for r in runs) / len(runs)),
+        })
+    s0 = results[0].setting
+    series = {f"{format_name(r.setting)}, seed {r.setting.seed}": [[s0.warm_start + step, round(v, 4)]
+                                                                   for step, v in r.curve] for r in results}
+    later = [v for r in results for _, v in r.curve]
+    return {
+        "title": "Compressed pseudo-gradients at H=50 from a warm start: loss and bytes over the run",
+        "columns": list(rows[0]) if rows else [],
+        "rows": rows,
+        "notes": [
+            f"{s0.warm_start} data-parallel steps (batch {s0.replicas}x{s0.batch_size}) from the seed's "
+            f"initialisation, then {s0.steps} steps per replica, M={s0.replicas}, an outer round every "
+            f"{s0.sync_every} steps; seeds {', '.join(str(s) for s in seeds)} (each seed its own warm start, data "
+            "order and held-out batches); the final eval loss is the mean over the seeds run.",
+            "Bytes: what one replica writes to the store per round (its pseudo-gradient's wire tensors serialized "
+            "as the store holds them, safetensors header and metadata included) times the rounds; every replica "
+            "writes as much. fp32 is 4 bytes a value. 'wire tensors' leaves the object's header out (the codec's "
+            "encoded size): the header (tensor names, shapes, metadata; about 8 KB for the sparse format's 87 wire "
+            "tensors of this model's 29) costs the same whatever the model's size, so on this tiny model it is most "
+            "of a sparse object, and on a real one nothing.",
+            "The quantized formats use error feedback and the papers' outer step; the sparse one SparseLoCo's rule "
+            "(the outer momentum replaced by error feedback decayed each round) unless its row says otherwise.",
+            "In one process, the same math as the trainer and diloco.replica.outer (see bench/convergence.py).",
+        ],
+        "plots": [{"file": "convergence_h50.png", "title": "Held-out eval loss at H=50 after a warm start",
                    "xlabel": "inner step (warm-up included)", "ylabel": "eval loss", "series": series,
                    "ylim": [round(min(later) - 0.05, 2), round(max(later) + 0.05, 2)]}],
     }
