@@ -17,6 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from backends.sagemaker.test_sagemaker_iam import (  # noqa: F401 - a fixture, used by name
+    holds_only_documented_actions,
+    iam_emulator,
+    role_arn,
+)
 from emulators.sagemaker import SageMakerEmulator
 from support.async_kill_trainer import recorded_kill
 from support.commands import run_cli as cli
@@ -83,8 +88,12 @@ def home(tmp_path: Path) -> Path:
     return tmp_path / "home"
 
 
-def launch_args(emulator: SageMakerEmulator, bucket: str, source: Path, *extra: str) -> list[str]:
-    return ["launch", "--backend", "sagemaker", "--role", role(emulator), "--region", "us-east-1",
+def launch_args(emulator: SageMakerEmulator, bucket: str, source: Path, *extra: str,
+                under_iam: bool = False) -> list[str]:
+    """``diloco launch`` on the emulator; ``under_iam``: with the execution role that ``iam_emulator`` creates
+    (it checks that SageMaker can assume the role, and that the caller may do each action)."""
+    return ["launch", "--backend", "sagemaker", "--role", role_arn(emulator) if under_iam else role(emulator),
+            "--region", "us-east-1",
             "--rendezvous", f"s3://{bucket}/e2e/{{run_id}}", "--source-dir", str(source),
             "--set", "store.poll_interval_s=0.2", *extra]
 
@@ -263,12 +272,14 @@ def test_a_missing_role_names_the_roles_sagemaker_may_assume(
 
 
 def test_an_interrupted_spot_job_shows_preempted_comes_back_and_cancel_stops_every_job(
-    emulator: SageMakerEmulator, s3_bucket: str, source: Path, home: Path, tmp_path: Path
+    iam_emulator: SageMakerEmulator, s3_bucket: str, source: Path, home: Path, tmp_path: Path  # noqa: F811
 ) -> None:
-    """One slow spot run: replica 1's instance is reclaimed (status says preempted, SageMaker brings the job
-    back), then `diloco cancel` stops every job, the one that came back included, and leaves no process."""
+    """One slow spot run, with only the documented IAM policy: replica 1's instance is reclaimed (status says
+    preempted, SageMaker brings the job back), then `diloco cancel` stops every job, the one that came back
+    included, and leaves no process; every action called is in the policy."""
+    emulator = iam_emulator
     launch = cli(*launch_args(emulator, s3_bucket, source, "--replicas", "2", "--trainer", "slowtrain:train",
-                              "--spot", "--detach", "-o", "json"), home=home, cwd=tmp_path)
+                              "--spot", "--detach", "-o", "json", under_iam=True), home=home, cwd=tmp_path)
     assert launch.returncode == 0, launch.stderr[-3000:]
     run_id = json.loads(launch.stdout)["run_id"]
     name = f"{run_id}-r1"
@@ -298,22 +309,27 @@ def test_an_interrupted_spot_job_shows_preempted_comes_back_and_cancel_stops_eve
         desc = describe(f"{run_id}-r{rank}")
         assert (desc["TrainingJobStatus"], desc["SecondaryStatus"]) == ("Stopped", "Stopped")
     assert processes_of(run_id) == []
+    holds_only_documented_actions(emulator, {"sagemaker:CreateTrainingJob", "sagemaker:StopTrainingJob",
+                                             "iam:PassRole", "servicequotas:ListServiceQuotas"})
 
 
 @pytest.mark.long
 def test_after_round_1_a_spot_interruption_rejoins_in_place_a_failed_job_is_relaunched_and_weights_agree(
-    emulator: SageMakerEmulator, s3_bucket: str, source: Path, home: Path, tmp_path: Path,
+    iam_emulator: SageMakerEmulator, s3_bucket: str, source: Path, home: Path, tmp_path: Path,  # noqa: F811
     monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A replica lost after a committed round, through SageMaker, both ways at once on a managed spot run whose rank 0
     is left alone: rank 1's spot instance is reclaimed (SageMaker restarts the same job itself), rank 2's job dies
     for good (SIGKILL, exit 137: an OOM kill, a lost instance) and `diloco watch` creates a new training job for it.
-    Both rejoin from the latest committed round in the store and the run ends with bitwise-identical weights."""
+    Both rejoin from the latest committed round in the store and the run ends with bitwise-identical weights. With
+    only the documented IAM policy: launch, status, logs, the relaunch, watch and collect call nothing outside it."""
     import boto3
 
+    emulator = iam_emulator
     monkeypatch.setenv("DILOCO_RESTART_BACKOFF_S", "0")
     launch = cli(*launch_args(emulator, s3_bucket, source, "--replicas", "3", "--trainer", "pacedtrain:train",
-                              "--steps", "40", "--sync-every", "5", "--spot", "--detach", "-o", "json"),
+                              "--steps", "40", "--sync-every", "5", "--spot", "--detach", "-o", "json",
+                              under_iam=True),
                  home=home, cwd=tmp_path)
     assert launch.returncode == 0, launch.stderr[-3000:]
     run_id = json.loads(launch.stdout)["run_id"]
@@ -323,6 +339,10 @@ def test_after_round_1_a_spot_interruption_rejoins_in_place_a_failed_job_is_rela
              "round 1 to commit")
     emulator.interrupt(f"{run_id}-r1")  # SIGKILL mid-run; SageMaker brings the job back on its own
     emulator.crash(f"{run_id}-r2")  # SIGKILL mid-run; the job ends Failed and only diloco brings the rank back
+    status = cli("status", run_id, "-o", "json", home=home, cwd=tmp_path)
+    assert status.returncode == 0, status.stderr
+    logs = cli("logs", run_id, "--replica", "0", home=home, cwd=tmp_path)
+    assert logs.returncode == 0 and logs.stdout.strip(), logs.stderr
 
     watch = cli("watch", run_id, "-o", "json", home=home, cwd=tmp_path, timeout=240)
     assert watch.returncode == 0, watch.stderr[-3000:]
@@ -342,6 +362,8 @@ def test_after_round_1_a_spot_interruption_rejoins_in_place_a_failed_job_is_rela
     assert collected["weights_identical"] is True, collected["weights_detail"]
     assert [r["restarts"] for r in collected["ranks"]] == [0, 1, 1]
     assert processes_of(run_id) == []
+    holds_only_documented_actions(emulator, {"sagemaker:CreateTrainingJob", "sagemaker:ListTags", "iam:PassRole",
+                                             "logs:GetLogEvents", "servicequotas:ListServiceQuotas"})
 
 
 #: The asynchronous kill trainer (tests/support/async_kill_trainer.py), shipped in the user's source directory.
