@@ -41,9 +41,13 @@ def launch_args(*, late_rounds: str, hold_rounds: str, rounds: int = ROUNDS, ext
 
     The round deadline (``store.timeout_s``) must be one the on-time rank never misses, or a round would commit
     with a member short: a fixed few seconds is missed on a loaded machine, so it is scaled by the replica start-up
-    measured when the test runs (support/pacing.py), with 4 s as its floor on an idle machine. The late rank's drop
-    does not ride on it (``late_trainer`` holds back until the round has committed)."""
-    deadline_s = round_deadline_s(4.0)
+    measured when the test runs (support/pacing.py), with 4 s as its floor on an idle machine. No start-up falls
+    inside a round both ranks must make: the first round is a late one, and the round after a drop is held until
+    the relaunched rank has rejoined, so what the deadline covers is a few tiny steps and a load of the committed
+    state: one start-up and a half is ample. It is short because every late round waits it out (a drop costs a
+    deadline); the late rank's drop does not ride on it (``late_trainer`` holds back until the round has
+    committed)."""
+    deadline_s = round_deadline_s(4.0, starts=1.5)
     knobs = {**MODEL, "late_rank": LATE, "late_rounds": late_rounds, "hold_rounds": hold_rounds}
     return ["launch", "-n", str(REPLICAS), "--trainer", "support.late_trainer:train",
             "--steps", str(rounds * SYNC_EVERY), "--sync-every", str(SYNC_EVERY), "--min-replicas", "1",
