@@ -68,6 +68,17 @@ def handled() -> Iterator[None]:
         raise typer.Exit(report(exc)) from None
 
 
+def forget_interrupt_in_exec() -> None:
+    """Keep the documented exit code 130 under ``python -m diloco.cli.main`` (``main`` calls this before exiting
+    130).
+
+    CPython marks the interpreter to end by SIGINT, whatever exit code it is given, when a ``KeyboardInterrupt``
+    ends code run from a string by ``exec`` (``dataclasses`` creates every class's methods so, so a Ctrl-C during
+    an import can land there), even though the exception was then handled; under ``-m`` that mark is read at exit
+    and the process dies of SIGINT (-2) instead of exiting 130. Running any string clears the mark."""
+    exec("None", {})  # noqa: S102 - a constant: only the interpreter's side effect is wanted
+
+
 def command(fn: F) -> F:
     """Decorator form of ``handled`` for Typer commands (keeps the signature Typer reads)."""
 

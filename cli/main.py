@@ -17,7 +17,7 @@ from typing import Annotated, Any, NoReturn
 import typer
 
 from diloco.cli import exit_codes
-from diloco.cli.errors import command
+from diloco.cli.errors import command, forget_interrupt_in_exec
 from diloco.cli.evaluation import HfOpt
 from diloco.cli.evaluation import hf_target as _hf_target
 from diloco.cli.evaluation import write_hf as _write_hf
@@ -472,10 +472,12 @@ def main(argv: list[str] | None = None) -> NoReturn:
         sys.exit(exit_codes.USAGE)
     except typer.Abort:  # typer's own class (not in its vendored click's exceptions), or click's on older Typer
         sys.stderr.write("\ninterrupted\n")
-        sys.exit(exit_codes.INTERRUPTED)
+        rv = exit_codes.INTERRUPTED
     except errors.ClickException as exc:
         error_line(exc.format_message())
         sys.exit(exc.exit_code)
+    if rv == exit_codes.INTERRUPTED:
+        forget_interrupt_in_exec()
     sys.exit(rv if isinstance(rv, int) else exit_codes.OK)
 
 

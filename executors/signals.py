@@ -15,6 +15,13 @@ the spot, without running any clean-up, and leaves the replicas already started 
 
 Both only act in the main thread (Python runs signal handlers there and nowhere else); elsewhere they do nothing.
 Standard library only: the CLI imports this while it launches.
+
+A signal's exception can be lost: Python raises it wherever the main thread is when the signal arrives, and if that
+is a finalizer (an unreferenced file object's ``__del__``, run by the garbage collector in the middle of anything)
+CPython discards it without a trace, so a Ctrl-C during a wait would be ignored and the command would run on to
+its end. So within ``terminate_as_interrupt`` every stop signal (Ctrl-C included) is also written down when its
+exception is raised: ``raise_if_lost()``, which a waiting loop calls each poll, raises it again, and a block that
+ends without its exception having passed through raises it on the way out.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from contextlib import contextmanager
 from types import FrameType
 from typing import Any
 
-__all__ = ["Terminated", "signals_deferred", "terminate_as_interrupt"]
+__all__ = ["Terminated", "raise_if_lost", "signals_deferred", "terminate_as_interrupt"]
 
 #: The signals that stop a launcher by default and that a launcher therefore turns into its rollback.
 TERMINATING: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGHUP)
@@ -48,15 +55,44 @@ def _in_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
+#: Stop signals whose exception was raised inside a ``terminate_as_interrupt`` block and has not yet left it: an
+#: exception that leaves the block (or is raised again by ``raise_if_lost``) clears its entry.
+_raised: list[int] = []
+
+
+def _interrupt_from(signum: int) -> KeyboardInterrupt:
+    return KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signum)
+
+
 def _raise_terminated(signum: int, _frame: FrameType | None) -> None:
+    _raised.append(signum)
     raise Terminated(signum)
+
+
+def _raise_interrupt(signum: int, _frame: FrameType | None) -> None:
+    """Ctrl-C as Python's own handler treats it (``KeyboardInterrupt``), written down first."""
+    _raised.append(signum)
+    raise KeyboardInterrupt
+
+
+def raise_if_lost() -> None:
+    """Raise again a stop signal whose exception was raised in a ``terminate_as_interrupt`` block and lost on the
+    way (see the module's docstring). A loop that waits calls this each time round: while its exception was
+    travelling the loop could not be running, so a signal written down and still there was lost."""
+    if _raised:
+        signum = _raised[0]
+        _raised.clear()
+        raise _interrupt_from(signum)
 
 
 @contextmanager
 def terminate_as_interrupt(signals: tuple[signal.Signals, ...] = TERMINATING) -> Iterator[None]:
-    """Within the block, ``signals`` (SIGTERM, SIGHUP) raise ``Terminated`` (a ``KeyboardInterrupt``).
+    """Within the block, ``signals`` (SIGTERM, SIGHUP) raise ``Terminated`` (a ``KeyboardInterrupt``), and Ctrl-C
+    its ``KeyboardInterrupt`` as always; each is written down, so that one lost in a finalizer is raised again by
+    ``raise_if_lost`` or at the latest when the block ends.
 
-    The previous handlers come back when the block ends, however it ends. Ignored signals stay ignored.
+    The previous handlers come back when the block ends, however it ends. Ignored signals stay ignored, and a
+    Ctrl-C handler of the caller's own (not Python's) is left in place.
     """
     if not _in_main_thread():
         yield
@@ -65,10 +101,23 @@ def terminate_as_interrupt(signals: tuple[signal.Signals, ...] = TERMINATING) ->
     for sig, handler in previous.items():
         if handler is not signal.SIG_IGN:
             signal.signal(sig, _raise_terminated)
+    previous_int = signal.getsignal(signal.SIGINT)
+    if previous_int is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _raise_interrupt)
+    outer = list(_raised)
     try:
         yield
+    except BaseException:
+        _raised[:] = outer  # the block's own signal, if any, is this exception: it has left the block
+        raise
     finally:
         _restore(previous)
+        if previous_int is signal.default_int_handler:
+            signal.signal(signal.SIGINT, previous_int)
+    lost = _raised[len(outer):]
+    if lost:
+        _raised[:] = outer
+        raise _interrupt_from(lost[0])
 
 
 @contextmanager

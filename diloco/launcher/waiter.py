@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from diloco.errors import BackendError, ConfigError, DilocoError
 from diloco.executors.base import ReplicaState, ReplicaStatus, RunHandle, RunState, RunStatus
+from diloco.executors.signals import raise_if_lost
 from diloco.launcher import lifecycle
 from diloco.launcher.lifecycle import DEFAULT_RESTART_BACKOFF_S
 
@@ -143,6 +144,7 @@ class Waiter:
         patience = unreachable_patience()
         out_of_reach_since: float | None = None
         while True:
+            raise_if_lost()  # a Ctrl-C whose exception a finalizer swallowed still stops the wait
             status = run.replica_status()
             if not stopping and run.final_state is None and self._ask_again_for_capacity():
                 status = run.replica_status()

@@ -269,3 +269,95 @@ def test_sigterm_is_ctrl_c_and_critical_steps_hold_signals_until_they_end() -> N
         "nohup: nothing",
         "thread: [False] True",
     ]
+
+LOST_SIGNAL_SCRIPT = r"""
+import gc, os, signal, sys
+from diloco.executors.signals import raise_if_lost, terminate_as_interrupt
+
+sys.unraisablehook = lambda _unraisable: None  # CPython reports what it discards; a file object's __del__ does not
+
+class Finalized:
+    # An object whose finalizer is running when the signal's handler runs, as a file object's may be.
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGINT)
+        signal.getsignal(signal.SIGINT)  # a few bytecodes for the handler to run: its exception is discarded
+
+def lose_one():
+    Finalized()
+    gc.collect()
+
+def outcome(fn):
+    try:
+        fn()
+    except KeyboardInterrupt as exc:
+        return type(exc).__name__
+    return "nothing"
+
+def raised_by_the_waiting_loop():
+    with terminate_as_interrupt():
+        lose_one()
+        steps.append("ran on past the signal")
+        raise_if_lost()
+        steps.append("not reached")
+
+def raised_when_the_block_ends():
+    with terminate_as_interrupt():
+        lose_one()
+        steps.append("block finished")
+    steps.append("not reached")
+
+def surfaced_normally():
+    try:
+        with terminate_as_interrupt():
+            os.kill(os.getpid(), signal.SIGINT)
+            signal.getsignal(signal.SIGINT)
+    except KeyboardInterrupt:
+        pass
+    raise_if_lost()  # nothing: the exception left the block
+
+steps = []
+print("outside a block:", outcome(lose_one))
+print("waiting loop:", outcome(raised_by_the_waiting_loop), steps)
+steps = []
+print("block end:", outcome(raised_when_the_block_ends), steps)
+print("surfaced:", outcome(surfaced_normally))
+print("ctrl-c handler restored:", signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+"""
+
+
+def test_a_ctrl_c_whose_exception_a_finalizer_swallowed_still_stops_the_waiting_loop_or_the_block() -> None:
+    """Python raises a signal's exception wherever the main thread is; inside a finalizer CPython discards it, and
+    a smoke that was sent SIGINT then ran on and passed (exit 0). Within ``terminate_as_interrupt`` it is raised
+    again by the waiting loop's next poll, or when the block ends."""
+    out = subprocess.run([sys.executable, "-c", LOST_SIGNAL_SCRIPT], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        "outside a block: nothing",  # what Python does without the record: the Ctrl-C is gone
+        "waiting loop: KeyboardInterrupt ['ran on past the signal']",
+        "block end: KeyboardInterrupt ['block finished']",
+        "surfaced: nothing",
+        "ctrl-c handler restored: True",
+    ]
+
+
+INTERRUPTED_IN_EXEC = """
+import sys
+try:
+    exec("raise KeyboardInterrupt", {})
+except KeyboardInterrupt:
+    pass
+if sys.argv[1:] == ["forget"]:
+    from diloco.cli.errors import forget_interrupt_in_exec
+    forget_interrupt_in_exec()
+sys.exit(130)
+"""
+
+
+def test_under_python_m_an_interrupt_that_ended_a_string_exec_still_exits_130(tmp_path: Path) -> None:
+    """CPython under ``python -m`` dies of SIGINT at exit when a KeyboardInterrupt ended a string ``exec`` (as
+    dataclasses create their methods: a Ctrl-C during an import), even once handled: ``python -m diloco.cli.main``
+    exited -2 instead of 130. The CLI clears that mark before exiting 130."""
+    (tmp_path / "interrupted_in_exec.py").write_text(INTERRUPTED_IN_EXEC)
+    runs = {how: subprocess.run([sys.executable, "-m", "interrupted_in_exec", *how], cwd=tmp_path, timeout=60,
+                                capture_output=True, text=True).returncode for how in ((), ("forget",))}
+    assert runs == {(): -signal.SIGINT, ("forget",): 130}
