@@ -15,7 +15,7 @@ Fixtures (opt-in, except the two autouse ones at the end: an empty memory:// and
 * ``bucket_keys``: list a bucket straight from moto.
 * ``managed_policies``: moto with AWS's managed IAM policies loaded (it resets moto: request it first).
 
-Order: the longest tests run first (``pytest_collection_modifyitems``), so that under pytest-xdist the two workers
+Order: the longest tests run first (``pytest_collection_modifyitems``), so that under pytest-xdist the workers
 share them out at the start instead of one worker finishing alone on a long test at the end.
 """
 
