@@ -18,7 +18,8 @@ steps (36 rounds).
 
 ``--h50`` asks what the compressed formats cost at fp32 DiLoCo's own synchronisation interval: from the same
 300-step checkpoint, 1200 more steps per replica (24 rounds of H=50) for fp32 DiLoCo with the papers' outer step,
-int8, int4 and the sparse format (``SPARSE_H50``, the setting a sweep at H=50 put first), with each format's bytes
+int8, int4 and the sparse format (``SPARSE_H50``, SparseLoCo's rule: no single change found at H=50 did measurably
+better at 2.5%), with each format's bytes
 at the store beside its loss: bytes per round per replica (the wire tensors serialized as the store holds them)
 times the rounds. ``--seeds 1337,1338,1339`` repeats it per seed and reports the mean; ``--formats`` runs a
 subset. One method's run is a few minutes on 2 cores.
@@ -39,7 +40,8 @@ PAPER = {"outer_lr": 0.7, "outer_momentum": 0.9, "outer_momentum_warmup": 0}
 #: ``--h50``: steps per replica after the warm start (24 rounds of H=50) and the formats compared.
 H50_STEPS = 1200
 H50_FORMATS = ("none", "int8", "int4", "topk")
-#: The sparse format at H=50, as the sweep in docs/benchmarks.md ("The sparse format at H=50") left it.
+#: The sparse format at H=50: SparseLoCo's rule; the sweep in docs/benchmarks.md ("Compressed formats at fp32's H")
+#: found no single change that does better at this density.
 SPARSE_H50: dict[str, Any] = {"compression": "topk", "outer_lr": 1.0, "outer_momentum": 0.0,
                               "error_feedback_decay": 0.95}
 
