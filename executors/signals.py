@@ -20,8 +20,7 @@ A signal's exception can be lost: Python raises it wherever the main thread is w
 is a finalizer (an unreferenced file object's ``__del__``, run by the garbage collector in the middle of anything)
 CPython discards it without a trace, so a Ctrl-C during a wait would be ignored and the command would run on to
 its end. So within ``terminate_as_interrupt`` every stop signal (Ctrl-C included) is also written down when its
-exception is raised: ``raise_if_lost()``, which a waiting loop calls each poll, raises it again, and a block that
-ends without its exception having passed through raises it on the way out.
+exception is raised: ``raise_if_lost()``, which a waiting loop calls each poll, raises it again.
 """
 
 from __future__ import annotations
@@ -89,7 +88,9 @@ def raise_if_lost() -> None:
 def terminate_as_interrupt(signals: tuple[signal.Signals, ...] = TERMINATING) -> Iterator[None]:
     """Within the block, ``signals`` (SIGTERM, SIGHUP) raise ``Terminated`` (a ``KeyboardInterrupt``), and Ctrl-C
     its ``KeyboardInterrupt`` as always; each is written down, so that one lost in a finalizer is raised again by
-    ``raise_if_lost`` or at the latest when the block ends.
+    the next ``raise_if_lost``, inside the block or after it. Not when the block ends: the code after a block (a
+    launch that has submitted its replicas) may have no rollback for it, while the next wait on the run handles a
+    Ctrl-C as it handles any other.
 
     The previous handlers come back when the block ends, however it ends. Ignored signals stay ignored, and a
     Ctrl-C handler of the caller's own (not Python's) is left in place.
@@ -114,10 +115,6 @@ def terminate_as_interrupt(signals: tuple[signal.Signals, ...] = TERMINATING) ->
         _restore(previous)
         if previous_int is signal.default_int_handler:
             signal.signal(signal.SIGINT, previous_int)
-    lost = _raised[len(outer):]
-    if lost:
-        _raised[:] = outer
-        raise _interrupt_from(lost[0])
 
 
 @contextmanager

@@ -300,10 +300,12 @@ def raised_by_the_waiting_loop():
         raise_if_lost()
         steps.append("not reached")
 
-def raised_when_the_block_ends():
+def raised_by_the_next_wait_after_the_block():
     with terminate_as_interrupt():
         lose_one()
         steps.append("block finished")
+    steps.append("after the block")
+    raise_if_lost()
     steps.append("not reached")
 
 def surfaced_normally():
@@ -319,7 +321,7 @@ steps = []
 print("outside a block:", outcome(lose_one))
 print("waiting loop:", outcome(raised_by_the_waiting_loop), steps)
 steps = []
-print("block end:", outcome(raised_when_the_block_ends), steps)
+print("after the block:", outcome(raised_by_the_next_wait_after_the_block), steps)
 print("surfaced:", outcome(surfaced_normally))
 print("ctrl-c handler restored:", signal.getsignal(signal.SIGINT) is signal.default_int_handler)
 """
@@ -327,14 +329,14 @@ print("ctrl-c handler restored:", signal.getsignal(signal.SIGINT) is signal.defa
 
 def test_a_ctrl_c_whose_exception_a_finalizer_swallowed_still_stops_the_waiting_loop_or_the_block() -> None:
     """Python raises a signal's exception wherever the main thread is; inside a finalizer CPython discards it, and
-    a smoke that was sent SIGINT then ran on and passed (exit 0). Within ``terminate_as_interrupt`` it is raised
-    again by the waiting loop's next poll, or when the block ends."""
+    a smoke that was sent SIGINT then ran on and passed (exit 0). One that arrived within ``terminate_as_interrupt``
+    is raised again by the waiting loop's next poll, inside the block or after it."""
     out = subprocess.run([sys.executable, "-c", LOST_SIGNAL_SCRIPT], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == [
         "outside a block: nothing",  # what Python does without the record: the Ctrl-C is gone
         "waiting loop: KeyboardInterrupt ['ran on past the signal']",
-        "block end: KeyboardInterrupt ['block finished']",
+        "after the block: KeyboardInterrupt ['block finished', 'after the block']",
         "surfaced: nothing",
         "ctrl-c handler restored: True",
     ]
