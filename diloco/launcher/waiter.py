@@ -149,7 +149,12 @@ class Waiter:
             if not stopping and run.final_state is None and self._ask_again_for_capacity():
                 status = run.replica_status()
             if self.relaunching and not stopping and run.final_state is None:
+                found = status
                 status = self._recover(status)
+                if first_look and status is not found and on_update is not None:
+                    # The run as this wait found it, before the relaunches it made at once: what it relaunched was
+                    # seen failed first, so observers (a webhook, the page) hear of it as of any later relaunch.
+                    on_update(run.report(found, with_stderr=False))
             report = run.report(status, with_stderr=False)
             self._tell_retries(status, first=first_look)
             first_look = False

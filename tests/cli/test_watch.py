@@ -1,6 +1,7 @@
 """``diloco watch RUN`` through the real CLI on the local backend: a detached run whose replica is SIGKILLed is
 relaunched by ``watch`` (nothing else would: ``launch --detach`` has returned), rejoins, and the run ends with
-bitwise-identical weights; ``watch`` prints launch's summary and exits with launch's code. A ``logs -f`` started
+bitwise-identical weights; ``watch`` prints launch's summary and exits with launch's code, and its webhook hears
+of the replica it found failed and relaunched. A ``logs -f`` started
 before the kill waits through it and follows the relaunched replica to the run's end."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 from support.commands import run_cli, start_cli
 from support.polling import wait_for_file as wait_for
+from support.webhook import WebhookReceiver
 
 from diloco.executors.local_supervisor import parse_combined_line
 
@@ -36,8 +38,11 @@ def test_watch_relaunches_a_killed_replica_of_a_detached_run_and_ends_with_ident
     child = json.loads(wait_for("runs/*/logs/rank_1/child.json", home).read_text())
     os.kill(int(child["pid"]), signal.SIGKILL)  # nobody relaunches it until `watch` runs
 
-    watch = cli("watch", run_id, "-o", "json", home=home)
+    with WebhookReceiver() as hook:  # the replica this watch found failed and relaunched is news to its webhook
+        watch = cli("watch", run_id, "-o", "json", "--notify", hook.url, home=home)
     assert watch.returncode == 0, watch.stderr[-3000:]
+    events = [(b["diloco"]["event"], b["diloco"].get("rank")) for b in hook.bodies]
+    assert events == [("replica_failed", 1), ("replica_relaunched", 1), ("run_ended", None)], hook.bodies
     report = json.loads(watch.stdout)
     assert report["state"] == "succeeded" and report["weights_identical"] is True, report
     assert [r["restarts"] for r in report["ranks"]] == [0, 1]
