@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from emulators.sagemaker import SageMakerEmulator
 from support.commands import DILOCO_MODULE as DILOCO
-from support.commands import cli_env
+from support.commands import cli_env, killed_if_still_running
 from support.commands import run_cli as cli
 
 from diloco.cli import exit_codes
@@ -124,21 +124,18 @@ def test_ctrl_c_while_a_job_is_being_created_rolls_everything_back_and_exits_130
     on it, with one job recorded, one it has not heard of, its code shipped and run.json and the spec written."""
     home = tmp_path / "home"
     emulator.hold_create(nth=2)
-    launch = subprocess.Popen([*DILOCO, *sagemaker_launch(emulator, s3_bucket, source, "--replicas", "2")],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env(home),
-                              cwd=tmp_path)
-    try:
-        assert emulator.wait_until_held(timeout=120), "the launch never reached its second CreateTrainingJob"
-        assert len(emulator.jobs()) == 2
-        written = bucket_keys(s3_bucket)
-        assert any(key.endswith("/run.json") for key in written) and any("/sagemaker/code/" in k for k in written)
-        launch.send_signal(signal.SIGINT)
-        _, stderr = launch.communicate(timeout=240)
-    finally:
-        emulator.release_create()
-        if launch.poll() is None:
-            launch.kill()
-            launch.wait()
+    with killed_if_still_running(subprocess.Popen(
+            [*DILOCO, *sagemaker_launch(emulator, s3_bucket, source, "--replicas", "2")],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env(home), cwd=tmp_path)) as launch:
+        try:
+            assert emulator.wait_until_held(timeout=120), "the launch never reached its second CreateTrainingJob"
+            assert len(emulator.jobs()) == 2
+            written = bucket_keys(s3_bucket)
+            assert any(key.endswith("/run.json") for key in written) and any("/sagemaker/code/" in k for k in written)
+            launch.send_signal(signal.SIGINT)
+            _, stderr = launch.communicate(timeout=240)
+        finally:
+            emulator.release_create()
     assert launch.returncode == exit_codes.INTERRUPTED, stderr
     assert "interrupted" in stderr
     assert_no_job_left(emulator)  # both, the one the launcher never heard of included

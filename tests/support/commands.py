@@ -8,7 +8,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 #: The console script ``pip install`` puts beside this interpreter: what a user types.
@@ -52,3 +53,16 @@ def start_cli(*args: str, home: Path, cwd: Path | str = TESTS_DIR, env: Mapping[
     """``diloco ARGS`` in the background, stdout and stderr piped."""
     return subprocess.Popen(_argv(args, script), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
                             env=cli_env(home, env=env, restart_backoff_s=restart_backoff_s))
+
+
+@contextmanager
+def killed_if_still_running(proc: subprocess.Popen[str]) -> Iterator[subprocess.Popen[str]]:
+    """``with killed_if_still_running(start_cli(...)) as launch:``: a command started in the background that the
+    block did not see to its end (an assertion failed, a wait timed out) is killed and reaped when the block ends,
+    so no test leaves a launcher running."""
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 from emulators.kubernetes import KubernetesEmulator
 from support.async_kill_trainer import recorded_kill
+from support.commands import killed_if_still_running, start_cli
 from support.commands import run_cli as cli
-from support.commands import start_cli
 from support.run_processes import processes_of
 
 pytestmark = pytest.mark.slow
@@ -156,17 +156,12 @@ def test_replicas_survive_evictions_a_sigkill_and_an_oom_kill_the_job_counts_onl
     ends as if nothing happened (weights bitwise identical)."""
 
     gate = tmp_path / "gate"
-    launch = start_cli(*launch_args(s3_bucket, "--replicas", "3", "--trainer", "k8s_trainers:gated", "-k",
-                                    f"gate={gate}", "--steps", "40", "--sync-every", "5", "-o", "json"),
-                       home=home, cwd=tmp_path)  # it waits, saying what happens to the replicas on its stderr
-    try:
+    with killed_if_still_running(start_cli(  # it waits, saying what happens to the replicas on its stderr
+            *launch_args(s3_bucket, "--replicas", "3", "--trainer", "k8s_trainers:gated", "-k", f"gate={gate}",
+                         "--steps", "40", "--sync-every", "5", "-o", "json"), home=home, cwd=tmp_path)) as launch:
         run_id = job_of(kube)
         follow = disrupt(kube, s3_bucket, run_id, gate, home, tmp_path)
         launched, said = launch.communicate(timeout=240)
-    finally:
-        if launch.poll() is None:
-            launch.kill()
-            launch.wait()
     assert launch.returncode == 0, said[-3000:]
     assert json.loads(launched)["weights_identical"] is True, launched[-3000:]
     retried = [re.fullmatch(r"replica (\d) preempted \(.+\); the cluster brings it back \(restart (\d)\)", line)

@@ -29,6 +29,7 @@ from backends.kubernetes.test_kubernetes_e2e import (  # noqa: F401 - fixtures, 
     start_cli,
 )
 from emulators.kubernetes import KubernetesEmulator
+from support.commands import killed_if_still_running
 
 pytestmark = pytest.mark.slow
 
@@ -51,16 +52,11 @@ def test_max_restarts_is_the_jobs_per_index_retry_limit(tmp_path: Path, home: Pa
 
 def test_with_max_restarts_0_the_same_kill_fails_the_run(kube: KubernetesEmulator, s3_bucket: str, home: Path,
                                                          tmp_path: Path) -> None:
-    launch = start_cli(*launch_args(s3_bucket, "--replicas", "2", *PACED, "--max-restarts", "0"), home=home,
-                       cwd=tmp_path)
-    try:
+    with killed_if_still_running(start_cli(*launch_args(s3_bucket, "--replicas", "2", *PACED, "--max-restarts", "0"),
+                                           home=home, cwd=tmp_path)) as launch:
         pods = running(kube, job_of(kube), 2)
         os.kill(container_pid(kube, pods[1]), signal.SIGKILL)
         _, stderr = launch.communicate(timeout=240)
-    finally:
-        if launch.poll() is None:
-            launch.kill()
-            launch.wait()
     assert launch.returncode == 1, stderr[-3000:]
     assert "replica 1 failed with exit code 137" in stderr, stderr[-3000:]
     run_id = stderr.split("launched ", 1)[1].split(":", 1)[0]
