@@ -19,8 +19,9 @@ Standard library only: the CLI imports this while it launches.
 A signal's exception can be lost: Python raises it wherever the main thread is when the signal arrives, and if that
 is a finalizer (an unreferenced file object's ``__del__``, run by the garbage collector in the middle of anything)
 CPython discards it without a trace, so a Ctrl-C during a wait would be ignored and the command would run on to
-its end. So within ``terminate_as_interrupt`` every stop signal (Ctrl-C included) is also written down when its
-exception is raised: ``raise_if_lost()``, which a waiting loop calls each poll, raises it again.
+its end. So within ``terminate_as_interrupt`` every stop signal (Ctrl-C included), and within
+``interrupts_recorded`` (a wait on a run) every Ctrl-C, is also written down when its exception is raised:
+``raise_if_lost()``, which a waiting loop calls each poll, raises it again.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from contextlib import contextmanager
 from types import FrameType
 from typing import Any
 
-__all__ = ["Terminated", "raise_if_lost", "signals_deferred", "terminate_as_interrupt"]
+__all__ = ["Terminated", "interrupts_recorded", "raise_if_lost", "signals_deferred", "terminate_as_interrupt"]
 
 #: The signals that stop a launcher by default and that a launcher therefore turns into its rollback.
 TERMINATING: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGHUP)
@@ -85,6 +86,29 @@ def raise_if_lost() -> None:
 
 
 @contextmanager
+def interrupts_recorded() -> Iterator[None]:
+    """Within the block, Ctrl-C raises its ``KeyboardInterrupt`` as always and is written down, so that one lost in
+    a finalizer is raised again by the next ``raise_if_lost``. For a wait on a run outside any launch's block (a
+    waiting ``launch``, ``watch``, ``collect``): without it a swallowed Ctrl-C leaves the command waiting until the
+    run ends. A Ctrl-C handler of the caller's own (not Python's) is left in place, as are the other signals."""
+    if not _in_main_thread():
+        yield
+        return
+    ours = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    if ours:
+        signal.signal(signal.SIGINT, _raise_interrupt)
+    outer = list(_raised)
+    try:
+        yield
+    except BaseException:
+        _raised[:] = outer  # the block's own signal, if any, is this exception: it has left the block
+        raise
+    finally:
+        if ours:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+@contextmanager
 def terminate_as_interrupt(signals: tuple[signal.Signals, ...] = TERMINATING) -> Iterator[None]:
     """Within the block, ``signals`` (SIGTERM, SIGHUP) raise ``Terminated`` (a ``KeyboardInterrupt``), and Ctrl-C
     its ``KeyboardInterrupt`` as always; each is written down, so that one lost in a finalizer is raised again by
@@ -102,19 +126,11 @@ def terminate_as_interrupt(signals: tuple[signal.Signals, ...] = TERMINATING) ->
     for sig, handler in previous.items():
         if handler is not signal.SIG_IGN:
             signal.signal(sig, _raise_terminated)
-    previous_int = signal.getsignal(signal.SIGINT)
-    if previous_int is signal.default_int_handler:
-        signal.signal(signal.SIGINT, _raise_interrupt)
-    outer = list(_raised)
     try:
-        yield
-    except BaseException:
-        _raised[:] = outer  # the block's own signal, if any, is this exception: it has left the block
-        raise
+        with interrupts_recorded():
+            yield
     finally:
         _restore(previous)
-        if previous_int is signal.default_int_handler:
-            signal.signal(signal.SIGINT, previous_int)
 
 
 @contextmanager

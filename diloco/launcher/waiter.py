@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from diloco.errors import BackendError, ConfigError, DilocoError
 from diloco.executors.base import ReplicaState, ReplicaStatus, RunHandle, RunState, RunStatus
-from diloco.executors.signals import raise_if_lost
+from diloco.executors.signals import interrupts_recorded, raise_if_lost
 from diloco.launcher import lifecycle
 from diloco.launcher.lifecycle import DEFAULT_RESTART_BACKOFF_S
 
@@ -138,7 +138,17 @@ class Waiter:
         """The loop. A run whose end is recorded (``final_state``) has ended whatever a backend answers now: a part
         out of this shell's reach reads ``unknown`` forever, and is not waited on. While the run is live, an
         unreachable backend is said (in ``report.warnings``, with its fix) and waited on for
-        ``unreachable_patience()`` seconds at most, then ``BackendUnreachable``."""
+        ``unreachable_patience()`` seconds at most, then ``BackendUnreachable``.
+
+        Every Ctrl-C during the wait is written down (``interrupts_recorded``), so one whose exception a finalizer
+        swallowed still stops the wait at the next poll instead of leaving the command waiting for the run's end."""
+        with interrupts_recorded():
+            return self._wait(deadline, poll_interval_s, on_update, on_fail_fast, fail_fast)
+
+    def _wait(self, deadline: float | None, poll_interval_s: float,
+              on_update: Callable[[RunReport], None] | None,
+              on_fail_fast: Callable[[ReplicaReport, list[int]], None] | None,
+              fail_fast: bool) -> tuple[RunReport, bool]:
         run = self.run
         stopping, first_look = False, True
         patience = unreachable_patience()

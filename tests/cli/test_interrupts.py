@@ -342,6 +342,57 @@ def test_a_ctrl_c_whose_exception_a_finalizer_swallowed_still_stops_the_waiting_
     ]
 
 
+LOST_IN_A_WAIT_SCRIPT = r"""
+import gc, os, signal, sys
+from types import SimpleNamespace
+from diloco.executors.base import ReplicaState, ReplicaStatus, RunStatus
+from diloco.launcher.waiter import Waiter
+
+sys.unraisablehook = lambda _unraisable: None
+
+class Finalized:
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGINT)
+        signal.getsignal(signal.SIGINT)  # the handler runs here, inside the finalizer: its exception is discarded
+
+class RunningForever:
+    # A run that goes on for 20 polls, as a waiting launch or watch sees one.
+    final_state = None
+    handle = None
+    polls = 0
+    def replica_status(self):
+        RunningForever.polls += 1
+        if RunningForever.polls == 2:
+            Finalized()
+            gc.collect()  # the Ctrl-C arrives while a finalizer runs, between two polls
+        state = ReplicaState.RUNNING if RunningForever.polls < 20 else ReplicaState.SUCCEEDED
+        return RunStatus(run_id="r", replicas=[ReplicaStatus(rank=0, state=state)])
+    def report(self, status, with_stderr=True):
+        return SimpleNamespace(warnings=[], failed=[])
+    def add_stderr(self, report): return report
+    def lost(self, status): return []
+    def left_behind(self, status): return []
+    def can_go_on_without(self, status): return False
+
+waiter = Waiter(RunningForever(), max_restarts=0, restart_backoff_s=0, on_relaunch=None, on_retried=None)
+try:
+    waiter.wait(None, 0.01, None, None, True)
+    print("waited to the run's end: poll", RunningForever.polls)
+except KeyboardInterrupt:
+    print("stopped after poll", RunningForever.polls)
+print("ctrl-c handler restored:", signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+"""
+
+
+def test_a_ctrl_c_swallowed_during_a_wait_outside_any_launch_block_still_stops_it() -> None:
+    """A waiting ``launch`` (after its launch block), ``watch`` and ``collect`` wait outside ``terminate_as_interrupt``:
+    the wait writes every Ctrl-C down itself, so one a finalizer swallowed stops the wait at the next poll instead
+    of leaving the command waiting for the run's end (a SIGINT to a waiting launch went unanswered for 60 s)."""
+    out = subprocess.run([sys.executable, "-c", LOST_IN_A_WAIT_SCRIPT], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["stopped after poll 2", "ctrl-c handler restored: True"]
+
+
 INTERRUPTED_IN_EXEC = """
 import sys
 try:
