@@ -18,6 +18,7 @@ def read_async_status(store: ObjectStore, prefix: str = DEFAULT_PREFIX) -> Globa
     from pydantic import ValidationError
 
     try:
-        return GlobalRecord.model_validate_json(store.child(prefix).get(LATEST_KEY))
+        # The key under this store, not a child store: a child builds a client of its own, each poll.
+        return GlobalRecord.model_validate_json(store.get(f"{prefix.strip('/')}/{LATEST_KEY}"))
     except (ObjectNotFound, ValidationError):
         return None

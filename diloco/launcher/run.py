@@ -229,7 +229,8 @@ class Run:
         awaiting = lifecycle.awaiting_relaunch(status, relaunches) if not state.is_terminal else []
         report = run_report(self.record, status, read_progress(self.store, self.replicas), state=state,
                             left_behind=left_behind, awaiting_relaunch=awaiting)
-        add_async_status(report, self.store)
+        if self.record.config.get("train", {}).get("mode", "async") == "async":  # a sync run publishes none
+            add_async_status(report, self.store)
         if self.record.config.get("store", {}).get("max_replicas") is not None and (
                 self._members_by_round or self.final_members() is not None):  # scaled at least once
             from diloco.launcher.scale import add_membership

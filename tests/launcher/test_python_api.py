@@ -15,10 +15,12 @@ from pathlib import Path
 
 import pytest
 from support import REPO, TESTS_DIR
+from support.faultproxy import FaultProxy
 
 from diloco.errors import ConfigError, RunNotFound
 from diloco.executors.base import RunState
 from diloco.launcher import api
+from diloco.store.layout import METRICS_KEY, PROGRESS_KEY
 
 EXAMPLE = REPO / "examples" / "python_api.py"
 
@@ -93,6 +95,25 @@ def test_a_detached_run_is_found_listed_described_and_cancelled(idle_run: api.Ru
                          capture_output=True, text=True, timeout=120)
     assert cli.returncode == 0, cli.stderr
     assert json.loads(cli.stdout)["state"] == "cancelled"
+
+
+def test_a_poll_of_a_synchronous_run_on_s3_reads_its_ranks_progress_not_an_async_record(
+        fault_proxy: FaultProxy, s3_uri: str, home: Path) -> None:
+    """What each poll of a waiting ``launch`` or ``watch`` reads on S3: each rank's metrics and progress, not an
+    asynchronous run's published record (looked for through a client built afresh each poll, that tripled the
+    CLI's CPU on a SageMaker run)."""
+    run = api.launch(replicas=2, train={"trainer": "support.fake_replica:idle", "steps": 2, "sync_every": 1},
+                     **{"backend.grace_period_s": 1, "store.rendezvous": f"{s3_uri}/{{run_id}}"})
+    try:
+        found = api.get_run(run.run_id)
+        fault_proxy.clear()
+        assert found.status().state in (RunState.PENDING, RunState.RUNNING)
+        # The replicas go through the same proxy (a sync replica never looks under async/): the keys asked about.
+        asked = {seen.path.split("?")[0].split(run.run_id + "/", 1)[-1] for seen in fault_proxy.requests()}
+        expected = {key.format(rank=rank) for rank in range(2) for key in (METRICS_KEY, PROGRESS_KEY)}
+        assert expected <= asked and not any(key.startswith("async/") for key in asked), asked
+    finally:
+        run.cancel(wait=True)
 
 
 def test_collect_refuses_an_existing_model_file_before_waiting(idle_run: api.Run, tmp_path: Path) -> None:
