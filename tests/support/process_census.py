@@ -108,19 +108,27 @@ class _Sampler:
         if test is None:
             return
         parents: dict[int, int] = {}
+        fresh: list[tuple[int, str]] = []
         for entry in os.listdir("/proc"):
             if not entry.isdigit() or int(entry) == self.me:
                 continue
             pid = int(entry)
             info = _parent_and_start(pid)
-            if info is None or (pid, info[1]) in self.seen:
+            if info is None:
                 continue
             parents[pid] = info[0]
+            if (pid, info[1]) not in self.seen:
+                fresh.append((pid, info[1]))
+        for pid, start in fresh:
+            # Ancestry first, from the parents just read: the command line and environment are read only for
+            # this worker's descendants, not for every process on the machine (what most of a scan cost).
+            if not self._descends_from_me(pid, parents):
+                continue
             key = _replica_key(pid)
-            if key is None or not self._descends_from_me(pid, parents):
+            if key is None:
                 continue
             with self.lock:
-                self.seen[(pid, info[1])] = key
+                self.seen[(pid, start)] = key
                 self.found[test].append(key)
 
     def _loop(self) -> None:
