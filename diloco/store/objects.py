@@ -132,8 +132,22 @@ def split_uri(uri: str) -> tuple[str, str]:
     return protocol, rest
 
 
+#: The S3 filesystems of this process, by settings (see ``_filesystem``), the most recently made last; the lock
+#: makes one of each. At most ``_S3_FILESYSTEMS_KEPT`` are kept: a store keeps its own alive as long as it lives.
+_S3_FILESYSTEMS: dict[tuple[int, str, tuple[tuple[str, str], ...]], fsspec.AbstractFileSystem] = {}
+_S3_FILESYSTEMS_LOCK = threading.Lock()
+_S3_FILESYSTEMS_KEPT = 16
+
+
 def _filesystem(protocol: str, storage_options: dict[str, Any]) -> fsspec.AbstractFileSystem:
-    """A filesystem that never serves a stale listing and is not shared through fsspec's instance cache."""
+    """A filesystem that never serves a stale listing and is not shared through fsspec's instance cache (code
+    beside ours, with a listings cache on, would share it).
+
+    The stores of one process on S3 share one filesystem per settings: its botocore client costs 100-300 ms of
+    CPU to build (service model, endpoint rules), ten times a request, and a launcher, a waiting command or a
+    replica opens several stores on one bucket. The settings are the options and every ``AWS_*`` variable (what
+    botocore reads when it builds the client: endpoint, credentials, region, profile); the process id too, since a
+    forked child must not use its parent's connections."""
     options = dict(storage_options)
     if protocol == "s3":
         from diloco.store.s3 import s3_storage_options  # lazy: boto/s3fs only when an s3:// URI is used
@@ -143,17 +157,33 @@ def _filesystem(protocol: str, storage_options: dict[str, Any]) -> fsspec.Abstra
     if protocol not in ("file", "memory"):
         options.setdefault("use_listings_cache", False)
     try:
-        fs = fsspec.filesystem(protocol, **options)
         if protocol == "s3":
-            from diloco.store.s3 import configure_filesystem
-
-            configure_filesystem(fs)
-        return fs
+            return _s3_filesystem(options)
+        return fsspec.filesystem(protocol, **options)
     except ImportError as exc:  # fsspec names the missing package; add our extra
         raise StoreError(
             f"the {protocol}:// store needs an optional dependency: {exc}",
             hint="pip install 'diloco[aws]'" if protocol == "s3" else None,
         ) from exc
+
+
+def _s3_filesystem(options: dict[str, Any]) -> fsspec.AbstractFileSystem:
+    """This process's S3 filesystem for ``options`` and the ``AWS_*`` environment, made on first use."""
+    import json
+
+    from diloco.store.s3 import configure_filesystem
+
+    environment = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_")))
+    key = (os.getpid(), json.dumps(options, sort_keys=True, default=repr), environment)
+    with _S3_FILESYSTEMS_LOCK:
+        fs = _S3_FILESYSTEMS.get(key)
+        if fs is None:
+            fs = fsspec.filesystem("s3", **options)
+            configure_filesystem(fs)
+            _S3_FILESYSTEMS[key] = fs
+            while len(_S3_FILESYSTEMS) > _S3_FILESYSTEMS_KEPT:
+                del _S3_FILESYSTEMS[next(iter(_S3_FILESYSTEMS))]
+        return fs
 
 
 class ObjectStore:
@@ -211,7 +241,7 @@ class ObjectStore:
         return f"{self.uri}/{key}" if key else self.uri
 
     def child(self, prefix: str) -> ObjectStore:
-        """A store rooted at ``prefix`` under this one, sharing settings (not the filesystem instance)."""
+        """A store rooted at ``prefix`` under this one, with its settings (on S3 its filesystem too: ``_filesystem``)."""
         return ObjectStore(self.url(prefix), retries=self.retries, backoff_s=self.backoff_s,
                            max_backoff_s=self.max_backoff_s, storage_options=self._storage_options)
 
