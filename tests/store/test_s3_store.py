@@ -105,6 +105,20 @@ def test_stale_listing_regression_peer_object_seen_by_next_poll(s3_uri: str) -> 
     assert reader.list("round_000000") == ["round_000000/rank_0000.safetensors", "round_000000/rank_0001.safetensors"]
 
 
+def test_stores_of_one_process_share_a_client_until_the_aws_environment_changes(
+        s3_uri: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Building a botocore client costs ten times a request: stores with one set of settings share one filesystem
+    (a child store too); a change to the AWS environment (another endpoint, other credentials) gets its own."""
+    first, second = ObjectStore(s3_uri), ObjectStore(f"{s3_uri}/other")
+    first.put("k", b"v")
+    assert second.fs is first.fs and first.child("sub").fs is first.fs
+    assert ObjectStore(s3_uri, storage_options={"default_block_size": 2**20}).fs is not first.fs
+    with monkeypatch.context() as env:
+        env.setenv("AWS_ACCESS_KEY_ID", "someone-else")
+        assert ObjectStore(s3_uri).fs is not first.fs
+    assert ObjectStore(s3_uri).get("k") == b"v" and ObjectStore(s3_uri).fs is first.fs
+
+
 def test_transient_slowdown_and_dropped_connections_are_retried(s3_uri: str, fault_proxy: FaultProxy) -> None:
     store = ObjectStore(s3_uri, backoff_s=0.01)
     throttle = fault_proxy.add("status", method="PUT", status=503, code="SlowDown", times=2)
