@@ -8,6 +8,9 @@ from pathlib import Path
 
 from support.store_cli import launch_small_run, run_cli
 
+#: What these tests collect needs no training: a torch-free trainer whose replicas export the same weights.
+AGREED = "support.cli_trainers:agreed"
+
 
 def same_model(a: Path, b: Path) -> bool:
     """Two model files hold the same tensors (bitwise) and metadata (their headers' key order may differ)."""
@@ -18,7 +21,7 @@ def same_model(a: Path, b: Path) -> bool:
 
 
 def test_collect_output_directory_forms_and_missing_parents(home: Path, tmp_path: Path) -> None:
-    run_id = launch_small_run(home)
+    run_id = launch_small_run(home, trainer=AGREED)
     model = f"{run_id}.safetensors"
 
     into_new_dir = run_cli("collect", run_id, "--output", f"{tmp_path}/sub/", home=home)
@@ -49,7 +52,7 @@ def test_collect_output_directory_forms_and_missing_parents(home: Path, tmp_path
 def test_an_output_on_a_kernel_filesystem_is_refused_in_one_line_as_the_rendezvous_is(home: Path) -> None:
     """/proc and /sys take a path and refuse every write (root may "write" there by os.access): refused before
     any waiting, in the words ``--rendezvous`` gets, exit 2, never an internal error."""
-    run_id = launch_small_run(home)
+    run_id = launch_small_run(home, trainer=AGREED)
     for command, target in (("collect", "/proc/model.safetensors"), ("plot", "/sys/plots/"),
                             ("collect", "/proc")):
         result = run_cli(command, run_id, "--output", target, home=home)

@@ -17,6 +17,28 @@ def _metric(manager: Any, rank: int, rows: list[str], **row: Any) -> None:
     manager.store.put(f"metrics/rank_{rank:04d}.jsonl", "".join(rows).encode())
 
 
+def agreed(*, manager: Any, rank: int, world_size: int, total_steps: int, sync_every: int, **_: Any) -> None:
+    """A finished run with one model, without torch: every replica reports its rounds and exports the same weights
+    (plain safetensors, as a trainer of its own may write them). For tests of what the launcher does with a
+    finished run (collect, its output paths), where training is not what is under test."""
+    import numpy as np
+    from safetensors.numpy import save
+
+    from diloco.store.layout import FINAL_KEY
+
+    rows: list[str] = []
+    _metric(manager, rank, rows, kind="init", round=0, step=0, total_steps=total_steps, eval_loss=5.0)
+    rounds = max(1, total_steps // sync_every)
+    for number in range(1, rounds + 1):
+        loss = 4.0 + 1.0 / number
+        _metric(manager, rank, rows, kind="round", round=number, step=min(number * sync_every, total_steps),
+                total_steps=total_steps, train_loss=loss, eval_loss=loss)
+    _metric(manager, rank, rows, kind="final", round=rounds, step=total_steps, total_steps=total_steps,
+            train_loss=4.0, eval_loss=4.0)
+    weights = {"w": np.linspace(-1.0, 1.0, 8, dtype=np.float32), "b": np.zeros(2, dtype=np.float32)}
+    manager.store.put(FINAL_KEY.format(rank=rank), save(weights, metadata={"round": str(rounds)}))
+
+
 def crash_at_rank(*, manager: Any, rank: int, world_size: int, total_steps: int, sync_every: int,
                   fail_rank: int = 1, wait_s: float = 120.0, **_: Any) -> None:
     """Rank ``fail_rank`` raises; the others wait ``wait_s`` (as they would for its missing contribution)."""

@@ -24,10 +24,11 @@ def run_cli(*args: str, home: Path, cwd: str = TESTS_DIR, python_flags: str = ""
     return subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout_s)
 
 
-def launch_small_run(home: Path, *extra: str, replicas: int = 2, steps: int = 4, sync_every: int = 2) -> str:
-    """A finished run of the README's own trainer (``support.byo_trainer:train``): launch waits, prints the summary and
-    keeps one copy of the agreed weights. Returns the run id."""
-    launched = run_cli("launch", "-n", str(replicas), "-b", "local", "--trainer", "support.byo_trainer:train",
+def launch_small_run(home: Path, *extra: str, replicas: int = 2, steps: int = 4, sync_every: int = 2,
+                     trainer: str = "support.byo_trainer:train") -> str:
+    """A finished run of the README's own trainer (``support.byo_trainer:train``), or of ``trainer``: launch
+    waits, prints the summary and keeps one copy of the agreed weights. Returns the run id."""
+    launched = run_cli("launch", "-n", str(replicas), "-b", "local", "--trainer", trainer,
                        "--steps", str(steps), "--sync-every", str(sync_every), *extra, "-o", "json", home=home)
     assert launched.returncode == 0, launched.stderr
     return str(json.loads(launched.stdout)["run_id"])
