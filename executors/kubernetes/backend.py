@@ -358,14 +358,14 @@ class KubernetesBackend(ServerlessExecutor[KubernetesBackendConfig, KubernetesRu
         return self._client
 
     def _batch(self) -> Any:
-        from kubernetes import client
+        from diloco.executors.kubernetes.rest import batch_v1
 
-        return client.BatchV1Api(self.api_client())
+        return batch_v1(self.api_client())
 
     def _core(self) -> Any:
-        from kubernetes import client
+        from diloco.executors.kubernetes.rest import core_v1
 
-        return client.CoreV1Api(self.api_client())
+        return core_v1(self.api_client())
 
     def _call(self, action: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """An API call's JSON answer; any failure becomes one ``BackendError`` line naming the API's reason."""

@@ -134,8 +134,8 @@ def test_a_rotated_log_without_a_shipped_copy_reports_the_gap_in_one_line(kube: 
     assert len(lines) == len(set(lines)) and lines == [t for t in expected(0, 60) if t in lines], "in order, once"
     pod = pod_of(kube, "rotated-2", 0)
     assert pod is not None
-    served = backend._core().read_namespaced_pod_log(pod["metadata"]["name"], NAMESPACE, container="replica")
-    after = served.splitlines()  # what the kubelet still serves: its file since the rotation
+    served = backend.read_pod_log(pod["metadata"]["name"], NAMESPACE, container="replica", _preload_content=False)
+    after = served.data.decode().splitlines()  # what the kubelet still serves: its file since the rotation
     assert after and all(t in lines for t in after), "every line written after the rotation"
     assert len(lines) < 61, "the lines rotated away before they were read are not there"
     gaps = [r for r in seen if r.text.startswith("[diloco] gap")]
