@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from support.bench_scripts import load_bench_script
 
 
-def _run_all():
-    spec = importlib.util.spec_from_file_location("run_all", ROOT / "bench" / "run_all.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["run_all"] = module
-    spec.loader.exec_module(module)
-    return module
+def _run_all():  # noqa: ANN202 - a module
+    return load_bench_script("run_all")
 
 
 GOOD = '''import json, sys

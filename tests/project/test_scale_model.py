@@ -3,30 +3,21 @@ code's, its tables have the rows README quotes, and ``--check`` reads a measured
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
+from support.bench_scripts import load_bench_script
 
 from diloco.collectives import compression
 from diloco.store import codec, s3
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def load_scale_model() -> ModuleType:
-    """bench/ is scripts, not a package: load the file as a module (registered, so dataclasses resolve)."""
-    spec = importlib.util.spec_from_file_location("scale_model", ROOT / "bench" / "scale_model.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["scale_model"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_bench_script("scale_model")
 
 
 sm = load_scale_model()

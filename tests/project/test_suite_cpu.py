@@ -4,26 +4,14 @@ only the suite's processes are counted."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-from support import REPO
+from support.bench_scripts import load_bench_script
 
-
-def _load_suite_cpu():  # noqa: ANN202 - a module
-    """bench/ is scripts, not a package: load the file as a module, without putting bench/ on ``sys.path``."""
-    spec = importlib.util.spec_from_file_location("suite_cpu", REPO / "bench" / "suite_cpu.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["suite_cpu"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-suite_cpu = _load_suite_cpu()
+suite_cpu = load_bench_script("suite_cpu")
 Sampler, attribute, kind_of, report = suite_cpu.Sampler, suite_cpu.attribute, suite_cpu.kind_of, suite_cpu.report
 
 BURN = "import time\nend = time.process_time() + 0.5\nwhile time.process_time() < end: pass\ntime.sleep(30)\n"

@@ -9,28 +9,20 @@ forwarding proxy on loopback, and compared with the store's own counter and with
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
+from support.bench_scripts import load_bench_script
 from support.faultproxy import FaultProxy
 
 from diloco.store.objects import ObjectStore
 
-ROOT = Path(__file__).resolve().parents[2]
 #: S3 Standard request prices (https://aws.amazon.com/s3/pricing/): GET and HEAD; PUT, COPY, POST and LIST.
 HEAD_USD, LIST_USD = 0.0004 / 1000, 0.005 / 1000
 
 
 def load_scale_model() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("scale_model", ROOT / "bench" / "scale_model.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["scale_model"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_bench_script("scale_model")
 
 
 def wire(proxy: FaultProxy) -> list[str]:
