@@ -229,7 +229,7 @@ class Run:
         awaiting = lifecycle.awaiting_relaunch(status, relaunches) if not state.is_terminal else []
         report = run_report(self.record, status, read_progress(self.store, self.replicas), state=state,
                             left_behind=left_behind, awaiting_relaunch=awaiting)
-        if self.record.config.get("train", {}).get("mode", "async") == "async":  # a sync run publishes none
+        if self.record.train_mode != "sync":  # a sync run publishes none (a record that does not say is read)
             add_async_status(report, self.store)
         if self.record.config.get("store", {}).get("max_replicas") is not None and (
                 self._members_by_round or self.final_members() is not None):  # scaled at least once

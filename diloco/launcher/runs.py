@@ -74,6 +74,13 @@ class RunRecord(BaseModel):
     #: exited 0, but the run has no one model, so it is ``failed`` and every later command says why.
     weights_disagree: str | None = None
 
+    @property
+    def train_mode(self) -> str | None:
+        """``train.mode`` as launched (``sync`` or ``async``); None when the record does not say."""
+        train = self.config.get("train")
+        mode = train.get("mode") if isinstance(train, dict) else None
+        return str(mode) if mode is not None else None
+
     @model_validator(mode="before")
     @classmethod
     def _migrate(cls, data: Any) -> Any:
