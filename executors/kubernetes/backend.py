@@ -85,7 +85,9 @@ from diloco.executors.kubernetes.pods import (
     _disruption,
     _exit_code,
     _PodLog,
+    attempt_number,
     disk_verdict,
+    earlier_attempts_reason,
     failed_create,
     failed_create_fix,
     failure_action,
@@ -158,6 +160,9 @@ class KubernetesBackend(ServerlessExecutor[KubernetesBackendConfig, KubernetesRu
         super().__init__(config)
         self._client: Any = None
         self._logs: dict[tuple[str, str, int], dict[str, _PodLog]] = {}  # what this process has read, per pod
+        #: Why each attempt this process saw end ended, by (Job uid, index, attempt number): its pod may be gone
+        #: (deleted once counted) by the time the next attempt runs.
+        self._ended: dict[tuple[str, int, int], str] = {}
 
     # ------------------------------------------------------------------ plan (pure)
     @property
@@ -721,8 +726,8 @@ class KubernetesBackend(ServerlessExecutor[KubernetesBackendConfig, KubernetesRu
                 detail="waiting for the job controller to create its pod", **common)
         disruption = _disruption(latest)
         if not live or disruption is not None:
-            attempt = f"attempt {len(pods)}" if pods else "its pod"
-            return self._status(rank, "Retrying", job_id, reason=f"{attempt} ended ({failure_reason(latest)}); "
+            why = self._ended[(job["metadata"].get("uid", ""), rank, attempt_number(latest))] = failure_reason(latest)
+            return self._status(rank, "Retrying", job_id, reason=f"attempt {restarts + 1} ended ({why}); "
                                 f"the job controller is starting the next", detail=f"pod {phase}", **common)
         if latest["metadata"].get("deletionTimestamp"):
             return self._status(rank, "Terminating", job_id, reason="its pod is being deleted",
@@ -735,10 +740,20 @@ class KubernetesBackend(ServerlessExecutor[KubernetesBackendConfig, KubernetesRu
         reason = pending_reason(latest) if phase == "Pending" else None
         if disk is not None:
             reason = f"{disk[0]}; fix: {disk[1]}"
-        if reason is None and len(pods) > 1:  # retried: why the attempt before this one ended
-            reason = f"attempt {len(pods) - 1} ended ({failure_reason(pods[-2])}); this is attempt {len(pods)}"
+        if reason is None and restarts:
+            reason = self._earlier_reason(job, rank, pods, restarts + 1)
         return self._status(rank, phase or "Unknown", job_id, reason=reason,
                             detail=f"pod {latest['metadata']['name']} {phase}", **common)
+
+    def _earlier_reason(self, job: dict[str, Any], rank: int, pods: list[dict[str, Any]], attempt: int) -> str:
+        """Why the attempt before the running one ended: from its pod while it exists, else from what this process
+        saw of it, else from the counters the job controller wrote on the running pod."""
+        previous = pods[-2] if len(pods) > 1 else None
+        key = (job["metadata"].get("uid", ""), rank, attempt_number(pods[-1]) - 1)
+        why = failure_reason(previous) if previous is not None else self._ended.get(key)
+        if why is not None:
+            return f"attempt {attempt - 1} ended ({why}); this is attempt {attempt}"
+        return earlier_attempts_reason(pods[-1]) or f"this is attempt {attempt}"
 
     @staticmethod
     def _will_retry(job: dict[str, Any], rank: int, pods: list[dict[str, Any]], latest: dict[str, Any]) -> bool:

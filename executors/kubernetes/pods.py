@@ -154,6 +154,29 @@ def _attempt_key(pod: Mapping[str, Any]) -> tuple[int, str, str]:
             meta.get("creationTimestamp", ""), meta["name"])
 
 
+def attempt_number(pod: Mapping[str, Any]) -> int:
+    """Which attempt of its index ``pod`` is (1 for the first): the job controller writes on each new pod how many
+    earlier ones failed (counted against ``backoffLimitPerIndex``) and how many the pod failure policy ignored."""
+    return 1 + _annotation_int(pod, FAILURE_COUNT) + _annotation_int(pod, IGNORED_COUNT)
+
+
+def earlier_attempts_reason(pod: Mapping[str, Any]) -> str | None:
+    """Why the attempts before ``pod`` ended, from its counters alone, once their pods are gone (an evicted pod is
+    deleted as soon as the job controller has counted it, a failed one with the Job's TTL); None for a first attempt.
+
+    The counters tell a disruption (ignored by the pod failure policy: a drain, an eviction, a spot reclaim) from a
+    failure counted against ``backoffLimitPerIndex``, not which one came last when both happened."""
+    failed, ignored = _annotation_int(pod, FAILURE_COUNT), _annotation_int(pod, IGNORED_COUNT)
+    if failed + ignored == 0:
+        return None
+    disrupted = "disrupted (drained, evicted or reclaimed; not counted against backoffLimitPerIndex)"
+    counted = "failed (counted against backoffLimitPerIndex)"
+    if failed + ignored == 1:
+        return f"attempt 1 {disrupted if ignored else counted}; this is attempt 2"
+    parts = [f"{n} {what}" for n, what in ((ignored, disrupted), (failed, counted)) if n]
+    return f"attempts 1-{failed + ignored} ended: {', '.join(parts)}; this is attempt {failed + ignored + 1}"
+
+
 def failure_reason(pod: Mapping[str, Any]) -> str:
     """Why a pod ended, in the words a user can act on (OOMKilled, the exit code, an eviction)."""
     status = pod.get("status") or {}

@@ -193,6 +193,14 @@ def _wait_state(backend: KubernetesBackend, handle: Any, rank: int, state: str, 
         time.sleep(0.05)
 
 
+def _wait_gone(emulator: KubernetesEmulator, pod: str, timeout: float = 30) -> None:
+    """Until the pod ``pod`` is deleted from the cluster (the job controller has counted it)."""
+    deadline = time.monotonic() + timeout
+    while emulator.cluster.store.get("pods", NAMESPACE, pod) is not None:
+        assert time.monotonic() < deadline, f"pod {pod} still exists"
+        time.sleep(0.05)
+
+
 def _wait_retried(backend: KubernetesBackend, handle: Any, rank: int, ended: str, timeout: float = 30) -> Any:
     """The replica once the attempt ``ended`` is over: ``preempted`` while the next pod comes, or already running as
     the next attempt (a quick job controller leaves no window a poll must catch); both say why ``ended`` ended."""
@@ -253,9 +261,18 @@ def _evict_then_oom(emulator: KubernetesEmulator, tmp_path: Path) -> None:
     emulator.evict(first.job_id)
     preempted = _wait_retried(backend, handle, 1, first.job_id)
     assert preempted.state.value in ("preempted", "running"), preempted
-    assert preempted.reason is not None and "EvictionByEvictionAPI" in preempted.reason
+    # Its pod says why while it exists; the backend remembers what it saw; without either (the pod deleted before
+    # a poll came) the counters on the next pod still say it was a disruption.
+    assert preempted.reason is not None and (
+        "EvictionByEvictionAPI" in preempted.reason or preempted.reason.startswith("attempt 1 disrupted")), preempted
     back = _wait_state(backend, handle, 1, "running")
     assert back.job_id != first.job_id and back.restarts == 1
+    _wait_gone(emulator, first.job_id)
+    if "EvictionByEvictionAPI" in preempted.reason:
+        assert back.reason == "attempt 1 ended (EvictionByEvictionAPI: Eviction API: evicting); this is attempt 2"
+    elsewhere = _backend(emulator, tmp_path, backoff_limit_per_index=1, max_failed_indexes=2).describe(handle)
+    assert elsewhere.replica(1).reason == ("attempt 1 disrupted (drained, evicted or reclaimed; not counted against "
+                                           "backoffLimitPerIndex); this is attempt 2"), "another process: counters"
 
     emulator.oom_kill(back.job_id)
     retrying = _wait_retried(backend, handle, 1, back.job_id)
