@@ -159,10 +159,12 @@ def test_rm_never_removes_a_run_still_going(home: Path, tmp_path: Path) -> None:
         assert not record_exists(home, done)
     finally:
         assert invoke("cancel", live.run_id).exit_code == 0
-    # A cancel asks and returns; the replicas end within the backend's grace period (SIGTERM, then SIGKILL).
+    # A cancel asks and returns; the replicas end within the backend's grace period (SIGTERM, then SIGKILL). The
+    # run's state says "failed" all along (the cached end), so what is waited on is every replica having ended.
     grace_s = LocalBackendConfig().grace_period_s
-    wait_for(lambda: json.loads(invoke("status", live.run_id, "-o", "json").stdout)["state"] not in
-             ("running", "cancelling", "pending"), "the cancelled run to end", limit_s=4 * grace_s + 30)
+    wait_for(lambda: all(r["state"] in ("cancelled", "failed", "succeeded") for r in json.loads(
+        invoke("status", live.run_id, "-o", "json").stdout)["ranks"]), "the cancelled replicas to end",
+        limit_s=4 * grace_s + 30)
     cancelled = invoke("rm", live.run_id)  # once it has ended it can go
     assert cancelled.exit_code == 0, cancelled.output
     assert not record_exists(home, live) and not run_dir(home, live).exists()
