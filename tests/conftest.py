@@ -126,10 +126,9 @@ def emulator(aws_env: str, s3_bucket: str, tmp_path: Path, monkeypatch: pytest.M
 @pytest.fixture(scope="session")
 def moto_server() -> Iterator[str]:
     """moto's S3/STS/IAM/Logs/ECR server on a free loopback port, for the whole session."""
-    from moto.server import ThreadedMotoServer
+    from emulators.moto_server import start_moto_server
 
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
+    server = start_moto_server()
     host, port = server.get_host_and_port()
     yield f"http://{host}:{port}"
     server.stop()

@@ -246,10 +246,9 @@ class SageMakerEmulator:
                 "AWS_REGION": self.default_region, "AWS_DEFAULT_REGION": self.default_region, **self.credentials}
 
     def _start_embedded_moto(self) -> str:
-        from moto.server import ThreadedMotoServer
+        from .moto_server import start_moto_server
 
-        self._moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        self._moto.start()
+        self._moto = start_moto_server()
         host, port = self._moto.get_host_and_port()
         return f"http://{host}:{port}"
 

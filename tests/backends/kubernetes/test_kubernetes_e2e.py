@@ -122,11 +122,10 @@ def container_pid(kube: KubernetesEmulator, pod: dict[str, Any]) -> int:
         return run.process.pid
 
 
-def committed(s3_bucket: str, run_id: str, round_number: int) -> bool:
-    import boto3
-
+def committed(s3: Any, s3_bucket: str, run_id: str, round_number: int) -> bool:
+    """Whether round ``round_number`` is committed (``s3``: one client for the whole wait, not one per poll)."""
     key = f"e2e/{run_id}/committed/round_{round_number:06d}/COMMITTED"
-    return boto3.client("s3").list_objects_v2(Bucket=s3_bucket, Prefix=key).get("KeyCount", 0) > 0
+    return s3.list_objects_v2(Bucket=s3_bucket, Prefix=key).get("KeyCount", 0) > 0
 
 
 def job_of(kube: KubernetesEmulator) -> str:
@@ -231,12 +230,15 @@ def disrupt(kube: KubernetesEmulator, s3_bucket: str, run_id: str, gate: Path, h
     gate.write_text("open")
     # Once round 1 is committed, another drain evicts replica 2 and replica 1's node kills its container: both
     # new pods rejoin from that round; once round 3 is, replica 0 is OOM-killed and rejoins from there.
-    kube.wait_for(lambda: committed(s3_bucket, run_id, 1), timeout=120)
+    import boto3
+
+    s3 = boto3.client("s3")
+    kube.wait_for(lambda: committed(s3, s3_bucket, run_id, 1), timeout=120)
     pods = running(kube, run_id, 3)
     late_victim = pods[2]["metadata"]["name"]
     kube.evict(late_victim)
     os.kill(container_pid(kube, pods[1]), signal.SIGKILL)  # kill -9 of replica 1's container by its node
-    kube.wait_for(lambda: committed(s3_bucket, run_id, 3), timeout=120)
+    kube.wait_for(lambda: committed(s3, s3_bucket, run_id, 3), timeout=120)
     kube.oom_kill(running(kube, run_id, 3)[0]["metadata"]["name"])
     follow.wait(timeout=240)
     reader.join(timeout=10)

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from emulators.sagemaker import SageMakerEmulator
 from support.commands import run_cli as cli
-from support.sagemaker_jobs import log_lines, role
+from support.sagemaker_jobs import describe, log_lines, role
 
 from diloco.executors.code_channel import BOOTSTRAP_FILE, BOOTSTRAP_SCRIPT
 
@@ -29,12 +29,6 @@ pytestmark = pytest.mark.slow
 
 FIX = ("--env PIP_INDEX_URL=<your mirror> (or PIP_EXTRA_INDEX_URL), or pass --image with an image that holds "
        "diloco and what the run needs")
-
-
-def describe(name: str) -> dict[str, object]:
-    import boto3
-
-    return boto3.client("sagemaker").describe_training_job(TrainingJobName=name)
 
 
 def test_a_job_without_a_reachable_index_fails_in_one_line_naming_the_fix(

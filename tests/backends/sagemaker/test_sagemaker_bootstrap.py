@@ -17,13 +17,12 @@ import threading
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from emulators.sagemaker import SageMakerEmulator
 from support.commands import run_cli as cli
 from support.polling import wait_for
-from support.sagemaker_jobs import log_lines, role
+from support.sagemaker_jobs import describe, log_lines, role
 
 pytestmark = pytest.mark.slow
 
@@ -39,12 +38,6 @@ def launch_args(emulator: SageMakerEmulator, bucket: str, source: Path, *extra: 
     return ["launch", "--backend", "sagemaker", "--role", role(emulator), "--region", "us-east-1",
             "--rendezvous", f"s3://{bucket}/boot/{{run_id}}", "--source-dir", str(source),
             "--set", "store.poll_interval_s=0.2", *extra]
-
-
-def describe(name: str) -> dict[str, Any]:
-    import boto3
-
-    return boto3.client("sagemaker").describe_training_job(TrainingJobName=name)
 
 
 def process_gone(pid: int) -> bool:

@@ -28,7 +28,7 @@ from support.commands import run_cli as cli
 from support.commands import start_cli
 from support.polling import wait_for
 from support.run_processes import processes_of
-from support.sagemaker_jobs import log_lines, role
+from support.sagemaker_jobs import describe, log_lines, role
 
 pytestmark = pytest.mark.slow
 
@@ -101,12 +101,6 @@ def launch_args(emulator: SageMakerEmulator, bucket: str, source: Path, *extra: 
 def jobs_of(emulator: SageMakerEmulator) -> dict[str, Any]:
     return {job.name: job for job in emulator.jobs()}
 
-
-
-def describe(name: str) -> dict[str, Any]:
-    import boto3
-
-    return boto3.client("sagemaker").describe_training_job(TrainingJobName=name)
 
 
 # ---------------------------------------------------------------------------------------------------- tests
