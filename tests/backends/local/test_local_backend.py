@@ -87,9 +87,11 @@ def test_a_third_party_backend_registers_through_the_entry_point_group(tmp_path:
     assert bad.returncode == 2
     assert "backend.flavor: unknown key for the toy backend" in bad.stderr
 
+    # A torch-free trainer from tests/ (on the replicas' path): the backend's registration is under test.
+    trained = {**env, "PYTHONPATH": os.pathsep.join([str(site), str(Path(__file__).resolve().parents[2])])}
     out = subprocess.run([*diloco, "launch", "--backend", "toy", "--set", "backend.flavour=mint", "-n", "2",
-                          "--steps", "20", "--sync-every", "10", "-k", "n_embd=16", "-k", "eval_batches=1",
-                          "-o", "json"], env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+                          "--steps", "20", "--sync-every", "10", "--trainer", "support.cli_trainers:agreed",
+                          "-o", "json"], env=trained, capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert report["backend"] == "toy" and report["state"] == "succeeded" and report["weights_identical"] is True

@@ -17,7 +17,8 @@ from support.run_processes import processes_of
 
 pytestmark = pytest.mark.slow
 
-PACED_TRAINER = (Path(__file__).resolve().parents[2] / "support" / "paced_trainer.py").read_text()
+#: A torch-free trainer that ends with one model (the launcher's asking again, not training, is under test).
+TRAINERS = (Path(__file__).resolve().parents[2] / "support" / "cli_trainers.py").read_text()
 
 
 def test_a_spot_job_refused_for_capacity_is_asked_for_again_by_the_waiting_launch(
@@ -25,13 +26,12 @@ def test_a_spot_job_refused_for_capacity_is_asked_for_again_by_the_waiting_launc
 ) -> None:
     source = tmp_path / "src"
     source.mkdir()
-    (source / "pacedtrain.py").write_text(PACED_TRAINER)
+    (source / "trainers.py").write_text(TRAINERS)
     emulator.refuse_capacity(1)  # the next spot job: rank 0's, the first created
     launch = cli("launch", "--backend", "sagemaker", "--role", f"arn:aws:iam::{emulator.account_id}:role/diloco-e2e",
                  "--region", "us-east-1", "--rendezvous", f"s3://{s3_bucket}/capacity/{{run_id}}", "--source-dir",
-                 str(source), "--replicas", "2", "--max-replicas", "2", "--spot", "--trainer", "pacedtrain:train",
-                 "--steps", "6", "--sync-every", "3", "-k", "step_s=0.05", "--set", "store.poll_interval_s=0.2",
-                 "--set", "backend.capacity_retry_s=0.5", "-o", "json", home=tmp_path / "home", cwd=tmp_path)
+                 str(source), "--replicas", "2", "--max-replicas", "2", "--spot", "--trainer", "trainers:agreed",
+                 "--steps", "6", "--sync-every", "3", "--set", "backend.capacity_retry_s=0.5", "-o", "json", home=tmp_path / "home", cwd=tmp_path)
     assert launch.returncode == 0, launch.stderr[-3000:]
     report = json.loads(launch.stdout)
     run_id = report["run_id"]
