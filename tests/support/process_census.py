@@ -83,46 +83,50 @@ class _Sampler:
         self.me = os.getpid()
         self.lock = threading.Lock()
         self.seen: dict[tuple[int, str], tuple[str, str, str, str]] = {}
+        self.known: dict[int, tuple[int, str]] = {}  # every process seen so far: its parent and start time
+        self.mine: set[int] = set()  # those descending from this worker
+        self.scanning = threading.Lock()
         self.current: str | None = None
         self.found: dict[str, list[tuple[str, str, str, str]]] = defaultdict(list)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="process-census", daemon=True)
         self.thread.start()
 
-    def _descends_from_me(self, pid: int, parents: dict[int, int]) -> bool:
+    def _descends_from_me(self, pid: int) -> bool:
         for _ in range(64):
-            if pid == self.me:
+            if pid == self.me or pid in self.mine:
                 return True
-            if pid <= 1:
+            if pid <= 1 or pid not in self.known:
                 return False
-            if pid not in parents:
-                info = _parent_and_start(pid)
-                if info is None:
-                    return False
-                parents[pid] = info[0]
-            pid = parents[pid]
+            pid = self.known[pid][0]
         return False
 
     def scan(self) -> None:
+        """Note the replica processes this worker's test has started since the last scan.
+
+        A process is read once when it first appears (its parent and start time), so a scan of a busy machine
+        costs a directory listing, not a read of every process; only this worker's descendants are read again
+        each scan (a child forked by the test becomes a replica when it execs, which changes its command line)."""
         test = self.current
         if test is None:
             return
-        parents: dict[int, int] = {}
-        fresh: list[tuple[int, str]] = []
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit() or int(entry) == self.me:
-                continue
-            pid = int(entry)
+        with self.scanning:  # the sampler thread and take() share what was seen
+            self._scan(test)
+
+    def _scan(self, test: str) -> None:
+        current = {int(entry) for entry in os.listdir("/proc") if entry.isdigit()}
+        for pid in self.known.keys() - current:
+            del self.known[pid]
+            self.mine.discard(pid)
+        fresh = sorted(current - self.known.keys() - {self.me})  # parents before their children, mostly
+        for pid in fresh:
             info = _parent_and_start(pid)
-            if info is None:
-                continue
-            parents[pid] = info[0]
-            if (pid, info[1]) not in self.seen:
-                fresh.append((pid, info[1]))
-        for pid, start in fresh:
-            # Ancestry first, from the parents just read: the command line and environment are read only for
-            # this worker's descendants, not for every process on the machine (what most of a scan cost).
-            if not self._descends_from_me(pid, parents):
+            if info is not None:
+                self.known[pid] = info
+        self.mine.update(pid for pid in fresh if pid in self.known and self._descends_from_me(pid))
+        for pid in list(self.mine):
+            start = self.known[pid][1]
+            if (pid, start) in self.seen:
                 continue
             key = _replica_key(pid)
             if key is None:
