@@ -35,6 +35,11 @@ browser:
 	  || echo "chromium is not installed (apt-get install chromium): the status page test fails without it"
 
 # The 30 slowest tests are printed at the end, so a test that grew slow is seen in every run.
+# The suite starts about 1,600 Python processes (replicas, CLI invocations, supervisors) and four pytest workers:
+# each module is compiled once into __pycache__ (ignored by git) and pytest's rewritten test modules are kept
+# there too, even where the environment sets PYTHONDONTWRITEBYTECODE; otherwise every CLI invocation compiles the
+# CLI and the backends again (about 0.1 s each) and every worker rewrites every test module (about 8 s each).
+test: export PYTHONDONTWRITEBYTECODE :=
 test: setup lint docs
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(TEST_SCHEDULING) --durations=30
 
