@@ -166,7 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     pytest_args = [a for a in args.pytest_args if a != "--"] if args.pytest_args[:1] == ["--"] else args.pytest_args
     with tempfile.TemporaryDirectory(prefix="suite-cpu-") as current:
-        env = {**os.environ, CURRENT_DIR_ENV: current,
+        # As `make test` runs it: compiled modules kept (the Makefile clears PYTHONDONTWRITEBYTECODE for the same
+        # reason: otherwise every process compiles what it imports from the checkout again).
+        env = {**os.environ, CURRENT_DIR_ENV: current, "PYTHONDONTWRITEBYTECODE": "",
                "PYTHONPATH": os.pathsep.join([str(ROOT / "bench"), *filter(None, [os.environ.get("PYTHONPATH")])])}
         sampler = Sampler(Path(current))
         sampler.thread.start()
