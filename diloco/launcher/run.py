@@ -482,6 +482,9 @@ class Run:
             at_since = [r for r in backlog if since is not None and r.ts >= since]  # a read from since repeats them
             current: RunHandle | None = handle
             while current is not None:
+                # Which incarnation is followed, read before its stream ends: by the time it has, a watching
+                # process may already have relaunched it, and then the relaunch is what comes next.
+                followed = self.executor.describe(current).replica(rank)
                 repeats = list(at_since)
                 for record in self.executor.logs(current, [rank], follow=True, since=since):
                     if repeats and record == repeats[0]:
@@ -493,19 +496,18 @@ class Run:
                     if record.ts == since:
                         at_since.append(record)
                     yield record
-                current = self._relaunched(current, rank)
+                current = self._relaunched(followed, rank)
 
         yield from follow_merged([rest(r, b) for r, b in zip(selected, backlogs, strict=True)])
 
-    def _relaunched(self, followed: RunHandle, rank: int) -> RunHandle | None:
-        """The handle of ``rank``'s next incarnation once one exists, after the one ``followed`` names has ended;
-        None when none will come.
+    def _relaunched(self, ended: ReplicaStatus, rank: int) -> RunHandle | None:
+        """The handle of ``rank``'s next incarnation once one exists, after ``ended`` (its status while it was
+        followed) has ended; None when none will come.
 
         The relaunch is another process's doing (the attached ``launch`` or a ``watch``), recorded in the registry
         when it happens, so the record is read again every poll. A replica that failed in a way a relaunch cures,
         with restarts left, in a run that can still finish, is waited for (``status`` calls such a run running
         too); one that succeeded, was cancelled or failed for good ends its stream."""
-        ended = self.executor.describe(followed).replica(rank)
         while self.registry is not None:
             try:
                 record = self.registry.load(self.run_id)
