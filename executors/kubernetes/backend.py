@@ -746,11 +746,13 @@ class KubernetesBackend(ServerlessExecutor[KubernetesBackendConfig, KubernetesRu
                             detail=f"pod {latest['metadata']['name']} {phase}", **common)
 
     def _earlier_reason(self, job: dict[str, Any], rank: int, pods: list[dict[str, Any]], attempt: int) -> str:
-        """Why the attempt before the running one ended: from its pod while it exists, else from what this process
-        saw of it, else from the counters the job controller wrote on the running pod."""
-        previous = pods[-2] if len(pods) > 1 else None
+        """Why the attempt before the running one ended: from its pod while it exists (remembered, as the pod is
+        deleted once counted), else from what this process saw of it, else from the counters the job controller
+        wrote on the running pod."""
         key = (job["metadata"].get("uid", ""), rank, attempt_number(pods[-1]) - 1)
-        why = failure_reason(previous) if previous is not None else self._ended.get(key)
+        if len(pods) > 1:
+            self._ended[key] = failure_reason(pods[-2])
+        why = self._ended.get(key)
         if why is not None:
             return f"attempt {attempt - 1} ended ({why}); this is attempt {attempt}"
         return earlier_attempts_reason(pods[-1]) or f"this is attempt {attempt}"

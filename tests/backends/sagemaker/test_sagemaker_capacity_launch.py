@@ -31,7 +31,8 @@ def test_a_spot_job_refused_for_capacity_is_asked_for_again_by_the_waiting_launc
     launch = cli("launch", "--backend", "sagemaker", "--role", f"arn:aws:iam::{emulator.account_id}:role/diloco-e2e",
                  "--region", "us-east-1", "--rendezvous", f"s3://{s3_bucket}/capacity/{{run_id}}", "--source-dir",
                  str(source), "--replicas", "2", "--max-replicas", "2", "--spot", "--trainer", "trainers:agreed",
-                 "--steps", "6", "--sync-every", "3", "--set", "backend.capacity_retry_s=0.5", "-o", "json", home=tmp_path / "home", cwd=tmp_path)
+                 "--steps", "6", "--sync-every", "3", "--set", "backend.capacity_retry_s=0.5", "-o", "json",
+                 home=tmp_path / "home", cwd=tmp_path)
     assert launch.returncode == 0, launch.stderr[-3000:]
     report = json.loads(launch.stdout)
     run_id = report["run_id"]
