@@ -19,7 +19,7 @@ import re
 import sys
 import textwrap
 import tokenize
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -234,9 +234,13 @@ def _escape(text: str) -> str:
                    for part in parts)
 
 
+#: Every generated page: file name under ``docs/reference/`` -> what writes its text.
+PAGE_WRITERS: dict[str, Callable[[], str]] = {"cli.md": cli_page, "configuration.md": configuration_page}
+
+
 def pages() -> dict[str, str]:
     """Every generated page: file name under ``docs/reference/`` -> its text."""
-    return {"cli.md": cli_page(), "configuration.md": configuration_page()}
+    return {name: write() for name, write in PAGE_WRITERS.items()}
 
 
 def stale(directory: Path) -> list[str]:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
-from support.import_graph import Edge, build, cycles, describe_cycle, within
+from support.import_graph import Edge, Module, build, cycles, describe_cycle, within
 
 LAUNCHER, CLI, EXECUTORS = "diloco.launcher", "diloco.cli", "diloco.executors"
 FORMATS = "diloco.formats"
@@ -54,31 +54,44 @@ RULES = (
                                               "diloco.trainers")),
 )
 
-MODULES, EDGES = build()
+#: The graph is built once, by the one worker that runs this file (parsing every module takes over a second: not
+#: something each worker should pay while collecting).
+pytestmark = pytest.mark.xdist_group("architecture")
 
 
-def test_the_graph_sees_function_level_and_relative_imports() -> None:
+@dataclass(frozen=True)
+class Graph:
+    modules: dict[str, Module]
+    edges: list[Edge]
+
+
+@pytest.fixture(scope="module")
+def graph() -> Graph:
+    return Graph(*build())
+
+
+def test_the_graph_sees_function_level_and_relative_imports(graph: Graph) -> None:
     """The builder finds what the rules need: a function-level import (``diloco.report`` imports the metrics
     writer inside the function) and the backends' imports of their contract."""
-    arrows = {(edge.source, edge.target) for edge in EDGES}
+    arrows = {(edge.source, edge.target) for edge in graph.edges}
     assert ("diloco", "diloco.replica.metrics") in arrows
     assert ("diloco.executors.local", "diloco.executors.base") in arrows
-    assert {"diloco.executors.kubernetes.backend", "diloco.cli.main", "diloco.store"} <= set(MODULES)
+    assert {"diloco.executors.kubernetes.backend", "diloco.cli.main", "diloco.store"} <= set(graph.modules)
 
 
-def test_no_import_cycle() -> None:
-    found = cycles(EDGES)
+def test_no_import_cycle(graph: Graph) -> None:
+    found = cycles(graph.edges)
     assert not found, "import cycles (module (file:line of its import of the next) -> ...):\n" + "\n".join(
         describe_cycle(chain) for chain in found
     )
 
 
-def test_no_two_modules_import_each_other() -> None:
+def test_no_two_modules_import_each_other(graph: Graph) -> None:
     """Two modules that import each other share one concept between them, whichever way each arrow runs (at import,
     in a function, or only for an annotation): one of them should own it, or a third. A back-reference for
     typing is a protocol declared on the side that needs it."""
     arrows: dict[tuple[str, str], Edge] = {}
-    for edge in EDGES:
+    for edge in graph.edges:
         arrows.setdefault((edge.source, edge.target), edge)
     pairs = sorted(f"{a} ({edge.where()}) <-> {b} ({arrows[(b, a)].where()})"
                    for (a, b), edge in arrows.items() if a < b and (b, a) in arrows)
@@ -86,8 +99,8 @@ def test_no_two_modules_import_each_other() -> None:
 
 
 @pytest.mark.parametrize("rule", RULES, ids=lambda rule: rule.name)
-def test_layer_rule(rule: Rule) -> None:
-    broken = [edge for edge in EDGES if rule.broken_by(edge)]
+def test_layer_rule(rule: Rule, graph: Graph) -> None:
+    broken = [edge for edge in graph.edges if rule.broken_by(edge)]
     assert not broken, f"rule broken: {rule.name}\n" + "\n".join(
         f"{edge.where()}: {edge.source} imports {edge.target}" for edge in broken
     )
