@@ -1,9 +1,9 @@
 """What one all-reduce round costs in bytes and requests per rank, counted at the store layer, gather vs sharded.
 
-Not a test (the latencies depend on the machine; the byte and request counts do not). Why it exists: issue 12 asks
-for the bandwidth-optimal sharded all-reduce to read 2S(N-1)/N per rank per round (S: the payload's bytes on the
-wire) instead of gather's (N-1)S, and warns that at large N the request count, not the bytes, meets S3's per-prefix
-rate first. So every number here is *counted* by each rank's own ``ObjectStore`` (``ObjectStore.traffic``: bytes
+Not a test (the latencies depend on the machine; the byte and request counts do not). Why it exists: the
+bandwidth-optimal sharded all-reduce should read 2S(N-1)/N per rank per round (S: the payload's bytes on the
+wire) instead of gather's (N-1)S, and at large N the request count, not the bytes, meets S3's per-prefix rate
+first. So every number here is *counted* by each rank's own ``ObjectStore`` (``ObjectStore.traffic``: bytes
 and requests per operation, every retry and multipart part included), subtracted around one round, and averaged
 over the ranks, never computed from a formula. The formula is printed next to it: ``bound MiB`` is 2S(N-1)/N and
 ``read/bound`` says how close a rank came (sharded: 1.00 plus one 64 KiB header probe per peer; gather: N/2).

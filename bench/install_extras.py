@@ -1,5 +1,5 @@
 """How long `pip install 'diloco[aws]'` / `'diloco[sagemaker]'` take in a fresh virtual environment, as users
-install: torch already there, no constraints file. Issue 9's target: under 90 s each on a 2-core machine.
+install: torch already there, no constraints file. The target: under 90 s each on a 2-core machine.
 
     python bench/install_extras.py [--torch torch==2.13.0] [--extras aws sagemaker]
 

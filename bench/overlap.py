@@ -1,8 +1,8 @@
 """How much of the training loop's wall time is spent blocked in sync: vanilla DiLoCo vs Streaming DiLoCo's delay.
 
-Not a test (times depend on the machine). Why it exists: issue 12 asks that with Streaming DiLoCo's delay
+Not a test (times depend on the machine). Why it exists: with Streaming DiLoCo's delay
 (``fragment_sync_delay = 1``: a round's all-reduce starts one inner step before the outer step waits for it) the
-training loop never waits on the store, even when every store request takes 50 ms. The all-reduce runs its whole
+training loop should never wait on the store, even when every store request takes 50 ms. The all-reduce runs its whole
 round (upload, polling, downloads, reduction) on a background thread, so ``Work.wait()`` only copies the mean back;
 this bench shows what fraction of wall time is still blocked, next to vanilla DiLoCo (delay 0) in the same run.
 
@@ -136,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"Built-in trainer {json.dumps(MODEL)}, sync_every {sync_every}, {rounds} rounds, {args.replicas} replica "
         f"processes on this machine; S3 = moto on loopback behind tests/faultproxy.py delaying every request.",
         "blocked = AllReduceStats.seconds_blocked (time inside Work.wait()); wall = the whole diloco_train call.",
-        f"Target (issue 12): streaming under 5%. Total {time.perf_counter() - started:.0f} s.",
+        f"Target: streaming under 5%. Total {time.perf_counter() - started:.0f} s.",
     ]
     emit_table(title, machine, COLUMNS, rows, notes, args.json)
     return 0

@@ -1,6 +1,6 @@
 """Peak resident memory of one replica process during one all-reduce round, as a multiple of the payload.
 
-Why: a 0.5B-8B model's pseudo-gradient is 1-16 GB per round (issue 12 item 5), so the host memory a round needs
+Why: a 0.5B-8B model's pseudo-gradient is 1-16 GB per round, so the host memory a round needs
 on top of the model must not be a multiple of it. The target is at most 2.5x the payload: the snapshot, plus what
 is in flight (an accumulator, one range of a peer's object).
 
@@ -369,7 +369,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     notes = [
         "peak extra = VmHWM - VmRSS measured in the rank process around one round (baseline: torch and the store "
         "client imported, payload allocated, one warm-up round done); the worse of the 2 ranks.",
-        f"target: at most {TARGET}x the payload (issue 12 item 5). S3 is moto on loopback through real "
+        f"target: at most {TARGET}x the payload. S3 is moto on loopback through real "
         "boto3/s3fs, 50 MiB multipart parts.",
     ]
     with tempfile.TemporaryDirectory(prefix="round-memory-") as workdir:

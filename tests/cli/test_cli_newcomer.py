@@ -1,4 +1,4 @@
-"""Issue 7's CLI items, each through the real CLI: what a newcomer typed and what broke or misled them."""
+"""What a newcomer typed, each through the real CLI: what must neither break nor mislead them."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Nothing may be left running that the CLI cannot stop (issue 7, group A), through the real ``diloco`` command:
+"""Nothing may be left running that the CLI cannot stop, through the real ``diloco`` command:
 
 * a forced 60-replica launch records each replica as it starts, and Ctrl-C or SIGTERM during the submission stops
   at once and rolls back: no process of the run is left (checked in the process table, by ``DILOCO_RUN_ID``);

@@ -7,20 +7,19 @@ back from its ``.wandb`` file). Bad input is one line, exit 2, nothing recorded.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from support.hf_runs import TASK, TASK_DOCS, launch_tiny_hf_run, write_task
+from support.hf_runs import TASK, TASK_DOCS, TinyHfRun, write_task
 from support.wandb_files import read_run
 from typer.testing import CliRunner
 
 from diloco.cli.main import app
 from diloco.store.objects import ObjectStore
 
-#: One worker runs this module: its module-scoped run (or server) is then started once, not once per worker.
-pytestmark = pytest.mark.xdist_group("test_eval")
+#: One worker runs this module and the other readers of the tiny HF run, which it then trains once.
+pytestmark = pytest.mark.xdist_group("tiny_hf_run")
 
 runner = CliRunner()
 
@@ -35,16 +34,9 @@ class EvalRun:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EvalRun]:
+def run(in_tiny_hf_run: TinyHfRun) -> EvalRun:
     """One finished (so collected) tiny HF-trainer run with a W&B run in offline mode; Hub and datasets offline."""
-    root = tmp_path_factory.mktemp("eval")
-    with pytest.MonkeyPatch.context() as mp:
-        for name, value in {"DILOCO_HOME": str(root / "home"), "WANDB_MODE": "offline",
-                            "WANDB_DIR": str(root / "wandb"), "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1",
-                            "HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": str(root / "datasets")}.items():
-            mp.setenv(name, value)
-        (root / "wandb").mkdir()
-        yield EvalRun(root, launch_tiny_hf_run(root, "--wandb", "diloco-tests"))
+    return EvalRun(in_tiny_hf_run.root, in_tiny_hf_run.run_id)
 
 
 def expected_accuracy(model_dir: str) -> float:

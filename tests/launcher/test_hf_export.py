@@ -6,28 +6,25 @@ trainer and for a directory that is already in use."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support.hf_runs import launch_tiny_hf_run, sentences
+from support.hf_runs import TinyHfRun, sentences
 from typer.testing import CliRunner
 
 from diloco.cli.main import app
 
-#: One worker runs this module: its module-scoped run (or server) is then started once, not once per worker.
-pytestmark = pytest.mark.xdist_group("test_hf_export")
+#: One worker runs this module and the other readers of the tiny HF run, which it then trains once.
+pytestmark = pytest.mark.xdist_group("tiny_hf_run")
 
 runner = CliRunner()
 
 
 @pytest.fixture(scope="module")
-def hf_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, str]]:
-    """DILOCO_HOME and the id of one finished tiny HF-trainer run."""
-    root = tmp_path_factory.mktemp("hf-export")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("DILOCO_HOME", str(root / "home"))
-        yield root, launch_tiny_hf_run(root)
+def hf_run(in_tiny_hf_run: TinyHfRun) -> tuple[Path, str]:
+    """DILOCO_HOME's parent and the id of one finished tiny HF-trainer run (shared with ``diloco eval``'s tests:
+    what is collected here goes to this test's own directories)."""
+    return in_tiny_hf_run.root, in_tiny_hf_run.run_id
 
 
 def test_collect_hf_writes_a_directory_from_pretrained_loads_with_the_collected_weights(

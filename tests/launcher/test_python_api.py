@@ -1,7 +1,8 @@
 """The Python API (``diloco.launcher.api``) drives real local runs as the CLI does, and the CLI sees them.
 
 The example script runs as a real subprocess and trains the built-in GPT for two rounds; the lifecycle tests use
-do-nothing replicas (``tests/support/fake_replica.py``: ``idle``) run by the real replica entrypoint.
+do-nothing replicas (``tests/support/fake_replica.py``: ``idle``) or torch-free ones that export one model
+(``support.cli_trainers:agreed``), run by the real replica entrypoint.
 """
 
 from __future__ import annotations
@@ -141,9 +142,10 @@ def test_bad_settings_raise_one_config_error_and_launch_nothing(home: Path) -> N
 
 
 def test_an_attached_launch_returns_the_ended_run(home: Path) -> None:
+    """What the API does with an attached launch, not training, is under test here (the example script trains):
+    torch-free replicas of the real entrypoint that report their steps and export one model."""
     run = api.launch(REPO / "configs" / "local.yaml", detach=False, replicas=2,
-                     train={"steps": 10, "sync_every": 10, "trainer_kwargs": {"n_embd": 16, "eval_batches": 1,
-                                                                            "max_corpus_bytes": 200_000}})
+                     train={"steps": 10, "sync_every": 10, "trainer": "support.cli_trainers:agreed"})
     assert run.has_ended()
     report = run.status()
     assert report.state == RunState.SUCCEEDED and [r.step for r in report.ranks] == [10, 10]

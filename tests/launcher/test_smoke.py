@@ -66,7 +66,7 @@ def test_smoke_keep_keeps_its_prefix_and_logs(s3_bucket: str, bucket_keys: Calla
     # Writers delete round k-1 once round k is complete, so only the last round's objects remain.
     assert sorted(k for k in keys if k.startswith(f"{prefix}/round_")) == [
         f"{prefix}/round_{ROUNDS - 1:06d}/rank_{r:04d}.safetensors" for r in range(2)]
-    # Every round's global state is committed once (issue 11: what a restarted replica rejoins from).
+    # Every round's global state is committed once (what a restarted replica rejoins from).
     assert {f"{prefix}/committed/round_{n:06d}/COMMITTED" for n in range(1, ROUNDS + 1)} <= set(keys)
 
 

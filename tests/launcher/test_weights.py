@@ -47,7 +47,7 @@ def test_identical_weights_agree_and_come_back_with_rank_0s_metadata() -> None:
 
 
 def test_bitwise_equal_nan_weights_agree() -> None:
-    """Issue 7 item 4: a diverged run's replicas hold the same NaN bits; that is agreement, not "DIFFERENT"."""
+    """A diverged run's replicas hold the same NaN bits; that is agreement, not "DIFFERENT"."""
     store = new_store()
     weights = torch.tensor([1.0, float("nan"), float("inf"), -float("inf")])
     for rank in range(2):
@@ -89,7 +89,7 @@ def test_layout_differences_are_named() -> None:
 
 
 def test_plain_safetensors_final_weights_are_accepted() -> None:
-    """Issue 7 item 5: a trainer writing its final weights with plain safetensors got "has format None"."""
+    """A trainer writing its final weights with plain safetensors is read, not refused as "has format None"."""
     store = new_store()
     tensors = {"w": torch.arange(6.0).reshape(2, 3)}
     store.put("final/rank_0000.safetensors", save(tensors))

@@ -243,7 +243,7 @@ def test_all_reduce_timeout_names_round_and_missing_rank(probe_dir, capsys) -> N
 
 
 def test_a_trainer_exception_always_leaves_its_full_traceback_before_the_one_line_summary(probe_dir, capsys) -> None:
-    """Issue 7 item 13: without DILOCO_DEBUG the traceback is in the log too (nobody has to rerun the job), and
+    """Without DILOCO_DEBUG the traceback is in the log too (nobody has to rerun the job), and
     the last stderr line stays the one-line summary the CLI shows."""
     argv = ["--rendezvous", _uri(), "--world-size", "1", "--rank", "0", "--trainer", "probe_trainer:fail"]
     assert main(argv, {}) == 1
@@ -349,7 +349,7 @@ LAUNCHED = {envvars.RUN_ID: "run-7"}  # every backend sets the run id: the repli
     (["--trainer-kwargs-json", '{"n_embd": 33}'], LAUNCHED, "n_embd (33) must be a multiple of n_head (2)", None),
 ])
 def test_hints_name_launchs_flags_when_diloco_started_the_replica(extra, env, wanted, unwanted, capsys) -> None:
-    """Issue 7 item 15: a user who typed `diloco launch -k ...` was told to fix --trainer-kwargs-json."""
+    """A user who typed `diloco launch -k ...` is told to fix -k, not --trainer-kwargs-json."""
     uri = _uri()
     assert main(["--rendezvous", uri, "--world-size", "2", "--rank", "0", *extra], env) == 2
     line = _one_error_line(capsys.readouterr().err)
@@ -359,7 +359,7 @@ def test_hints_name_launchs_flags_when_diloco_started_the_replica(extra, env, wa
 
 
 def test_kwargs_are_coerced_to_the_trainers_annotations_before_it_runs(probe_dir) -> None:
-    """Issue 7 item 9: "3e-4" (YAML 1.1) reaches a `lr: float` parameter as a float."""
+    """"3e-4" (YAML 1.1) reaches a `lr: float` parameter as a float."""
     uri = _uri()
     argv = ["--rendezvous", uri, "--world-size", "1", "--rank", "0", "--trainer", "probe_trainer:typed",
             "--trainer-kwargs-json", '{"lr": "3e-4", "total_steps": "8"}']

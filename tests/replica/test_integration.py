@@ -4,8 +4,8 @@ DiLoCo, meeting only through a ``file://`` store.
 What must hold: every rank exports bitwise-identical global weights; the held-out loss falls well below where it
 started; the metrics follow the schema; old rounds are deleted; a missing peer makes the others fail naming the
 round and the rank, instead of hanging. The training run is streaming DiLoCo (two fragments, overlapped), two
-replicas; against a missing peer one replica starts. And the README's bring-your-own-trainer example, which records nothing
-itself, ends with a full progress record and checked final weights all the same.
+replicas; against a missing peer one replica starts. (The README's bring-your-own-trainer example, which records
+nothing itself, is run through ``diloco launch`` in tests/trainers/test_readme_trainer.py.)
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ import pytest
 import torch
 
 from diloco import envvars
-from diloco.launcher.progress import read_progress
-from diloco.launcher.weights import agreed_tensors, check_final_weights
 from diloco.store.codec import decode_tensors
 from diloco.store.objects import ObjectStore
 from diloco.trainers.gpt_model import GPTConfig
@@ -32,21 +30,18 @@ TINY = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32, "batch_size":
         "max_corpus_bytes": 150_000}
 METRIC_KEYS = {"kind", "round", "step", "total_steps", "train_loss", "eval_loss", "tokens", "tokens_per_s",
                "sync_s", "bytes_written", "bytes_read", "time", "diverged", "extra"}
-TESTS_DIR = Path(__file__).resolve().parents[1]
 GUARD_S = 240  # only against a hang: the runs take seconds
 
 
-def _launch(tmp_path: Path, ranks: list[int], world_size: int, kwargs: dict, timeout_s: float,
-            trainer: str = "diloco.trainers.gpt:diloco_train") -> list[tuple]:
+def _launch(tmp_path: Path, ranks: list[int], world_size: int, kwargs: dict, timeout_s: float) -> list[tuple]:
     """Start one replica process per rank (rank via ``REPLICA_RANK``, as every backend sets it); wait for all."""
     uri = f"file://{tmp_path / 'rdv'}"
     env = {k: v for k, v in os.environ.items() if k not in (envvars.SM_MODEL_DIR, envvars.JOB_COMPLETION_INDEX)}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), env.get("PYTHONPATH")]))  # byo_trainer
     procs = []
     for rank in ranks:
         out, err = open(tmp_path / f"r{rank}.out", "w"), open(tmp_path / f"r{rank}.err", "w")
         cmd = [sys.executable, "-m", "diloco.replica.entrypoint", "--rendezvous", uri,
-               "--world-size", str(world_size), "--trainer", trainer,
+               "--world-size", str(world_size), "--trainer", "diloco.trainers.gpt:diloco_train",
                "--trainer-kwargs-json", json.dumps(kwargs), "--timeout", str(timeout_s), "--poll-interval", "0.05"]
         procs.append((rank, subprocess.Popen(cmd, cwd=tmp_path, env={**env, envvars.REPLICA_RANK: str(rank)},
                                              stdout=out, stderr=err), out, err))
@@ -126,29 +121,3 @@ def test_missing_peer_fails_the_others_naming_round_and_rank(tmp_path) -> None:
         assert "Traceback" not in err
     store = ObjectStore(f"file://{tmp_path / 'rdv'}")
     assert not [k for k in store.list() if k.startswith("final/")]  # nobody exported half-trained weights
-
-
-def test_the_readme_trainer_gets_a_full_progress_record_and_checked_weights(tmp_path) -> None:
-    """Issue 7 items 6 and 9: README's own trainer (tests/byo_trainer.py) writes no metrics and no weights itself;
-    the outer loop records step/total, round, sync time and bytes, the one report() line adds loss and tok/s, and
-    every rank exports the same global weights. ``lr`` arrives as the string "3e-4" (what YAML 1.1 makes of it)
-    and is converted from the default's kind (lr=1e-3), so the trainer runs."""
-    kwargs = {"total_steps": 40, "sync_every": 20, "lr": "3e-4"}
-    results = _launch(tmp_path, [0, 1], 2, kwargs, timeout_s=120, trainer="support.byo_trainer:train")
-    for rank, code, out, err in results:
-        assert code == 0, f"rank {rank} exited {code}:\n{err}"
-        assert "round 2 step 40/40" in out  # the loop's own log line per round
-
-    store = ObjectStore(f"file://{tmp_path / 'rdv'}")
-    readout = read_progress(store, 2)
-    assert readout.warnings == []
-    for rep in readout.replicas:
-        assert (rep.step, rep.total_steps, rep.round, rep.finished_training) == (40, 40, 2, True)
-        assert rep.train_loss is not None and rep.train_loss > 0 and not rep.diverged
-        assert rep.tokens == 40 * 32 and rep.tokens_per_s is not None and rep.tokens_per_s > 0
-        assert rep.sync_s is not None and rep.sync_s >= 0
-        assert rep.bytes_written and rep.bytes_read  # it really exchanged through the store
-    check = check_final_weights(store, 2)
-    assert check.identical is True, check.detail
-    assert sorted(agreed_tensors(store, check)) == ["bias", "weight"] and check.value_count == 17
-    assert check.metadata["step"] == "40" and check.metadata["round"] == "2"

@@ -40,7 +40,7 @@ def writer(store: ObjectStore, rank: int = 0, **kw: Any) -> MetricsWriter:
 
 # ---------------------------------------------------------------------------------------------- reader
 def test_bad_rows_from_a_trainer_never_crash_the_reader_and_warn_once_per_rank_and_field() -> None:
-    """Issue 7 item 7: a trainer writing its own rows with "abc" made launch/status/collect crash."""
+    """A trainer writing its own rows with "abc" in them must not crash launch, status or collect."""
     store = new_store()
     good = {"kind": "round", "time": 10.0, "step": 5, "total_steps": 10, "round": 1, "eval_loss": 2.0,
             "sync_s": 0.1}
@@ -69,7 +69,7 @@ def test_bad_rows_from_a_trainer_never_crash_the_reader_and_warn_once_per_rank_a
 
 
 def test_non_finite_losses_are_divergence_never_nan_in_json() -> None:
-    """Issue 7 item 4: a diverged run printed NaN/Infinity (invalid JSON)."""
+    """A diverged run never prints NaN/Infinity (invalid JSON)."""
     store = new_store()
     # Python's json module writes (and reads) these tokens: a trainer writing its own rows produces them.
     rows = [{"kind": "init", "time": 1.0, "step": 0, "round": 0, "eval_loss": 5.5},
@@ -220,7 +220,7 @@ def test_the_final_row_takes_later_reports_and_has_the_whole_run_rate() -> None:
 
 
 def test_a_rejoining_replica_keeps_its_history_up_to_the_committed_round() -> None:
-    """Issue 11: a relaunched replica's writer starts empty; without resume() its first write would replace the
+    """A relaunched replica's writer starts empty; without resume() its first write would replace the
     rounds it recorded before it died. Rows past the committed round (work thrown away) are dropped."""
     store = new_store()
     rows = [{"kind": "init", "time": 1.0, "step": 0, "round": 0, "eval_loss": 5.5}] + [

@@ -1,4 +1,4 @@
-"""Replicas of several local processes (``--procs-per-replica K``, issue 14 item 2), on CPU with gloo.
+"""Replicas of several local processes (``--procs-per-replica K``), on CPU with gloo.
 
 The end-to-end test runs 2 replicas x 2 local processes of the Hugging Face trainer through the real ``diloco launch``
 (local backend, ``file://`` store), and the same model as 2 replicas x 1 process: the 4 processes end on the same

@@ -458,7 +458,7 @@ def test_finished_rounds_keep_no_tensor_alive_without_should_commit() -> None:
 
 # ---------------------------------------------------------------- what the loop records for any trainer
 def test_progress_rows_move_between_rounds_for_a_trainer_that_reports_nothing() -> None:
-    """Issue 7 item 8: before the first round the progress object already shows the step moving (time-based
+    """Before the first round the progress object already shows the step moving (time-based
     rows), with round 0; the loop needs nothing from the trainer for that."""
     frag = Scalar(1.0)
     opt = torch.optim.SGD(frag.parameters(), lr=0.01)

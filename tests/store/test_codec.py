@@ -87,7 +87,7 @@ def test_foreign_safetensors_without_our_format_tag_are_rejected() -> None:
 
 # ---------------------------------------------------------------------------------------------- decode: ours or plain
 def test_decode_accepts_plain_safetensors_written_by_a_trainer(tmp_path) -> None:
-    """Issue 7 item 5: final weights written with safetensors.torch.save_file (no metadata) or by
+    """Final weights written with safetensors.torch.save_file (no metadata) or by
     save_pretrained (``format: pt``) are accepted; only ``decode_tensors`` (contributions) insists on ours."""
     from safetensors.torch import save, save_file
 

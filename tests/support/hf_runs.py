@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import dataclass
 from pathlib import Path
 
 from typer.testing import CliRunner
@@ -80,3 +81,19 @@ def write_task(directory: Path) -> Path:
         'doc_to_target: "{{label}}"\n'
         "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n")
     return directory
+
+
+def tiny_hf_environment(root: Path) -> dict[str, str]:
+    """What a run under ``root`` and the tests that read it need set: DILOCO_HOME, W&B offline into
+    ``root/wandb``, the Hub and datasets offline."""
+    return {"DILOCO_HOME": str(root / "home"), "WANDB_MODE": "offline", "WANDB_DIR": str(root / "wandb"),
+            "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+            "HF_DATASETS_CACHE": str(root / "datasets")}
+
+
+@dataclass(frozen=True)
+class TinyHfRun:
+    """One finished tiny run of the Hugging Face trainer with a W&B run in offline mode."""
+
+    root: Path
+    run_id: str

@@ -4,8 +4,9 @@ Why: such a module shares a module-scoped fixture that starts something costly (
 test by test, each worker that draws one of its tests starts it again. xdist's own ``--dist loadgroup`` does this
 by appending ``@group`` to each marked test's node id on the workers, which pytest 9.2's read-only node ids no
 longer allow (the suffix is silently lost and the group's tests are spread over the workers). This scheduler reaches
-the same result on the controller, which sees only node ids: a test's unit of work is its module when the module's
-source declares ``pytestmark`` with ``xdist_group``, else the test alone. Units go out in collection order.
+the same result on the controller, which sees only node ids: a test's unit of work is its group when the module's
+source declares ``pytestmark`` with ``xdist_group("name")`` (every module of that name together: modules that share
+a session-scoped run), else the test alone. Units go out in collection order.
 """
 
 from __future__ import annotations
@@ -16,21 +17,23 @@ from pathlib import Path
 
 from xdist.scheduler.loadscope import LoadScopeScheduling
 
-#: A module-level ``pytestmark`` that names ``xdist_group``, on one line (as every marked module writes it).
-_MARKED = re.compile(r"^pytestmark\s*=.*\bxdist_group\(", re.MULTILINE)
+#: A module-level ``pytestmark`` that names ``xdist_group("name")``, on one line (as every marked module writes it).
+_MARKED = re.compile(r"""^pytestmark\s*=.*\bxdist_group\(\s*["']([^"']+)["']""", re.MULTILINE)
 
 
 @functools.cache
-def _module_is_grouped(rootdir: str, path: str) -> bool:
+def _module_group(rootdir: str, path: str) -> str | None:
+    """The ``xdist_group`` name the module at ``path`` declares, if any."""
     try:
-        return _MARKED.search((Path(rootdir) / path).read_text()) is not None
+        found = _MARKED.search((Path(rootdir) / path).read_text())
     except OSError:
-        return False
+        return None
+    return found.group(1) if found else None
 
 
 class ModuleGroupScheduling(LoadScopeScheduling):
-    """``LoadScopeScheduling`` whose scope is the module for a marked module and the test itself otherwise."""
+    """``LoadScopeScheduling`` whose scope is the group for a marked module and the test itself otherwise."""
 
     def _split_scope(self, nodeid: str) -> str:
-        path = nodeid.split("::", 1)[0]
-        return path if _module_is_grouped(str(self.config.rootpath), path) else nodeid
+        group = _module_group(str(self.config.rootpath), nodeid.split("::", 1)[0])
+        return f"xdist_group:{group}" if group else nodeid

@@ -2,7 +2,8 @@
 written here, 2 local replicas through ``diloco launch``; nothing comes from a hub.
 
 The collected model must load with ``AutoModelForCausalLM.from_pretrained`` and beat the initial model on the
-held-out blocks; the same run with the data under an ``s3://`` prefix on the loopback S3 server.
+held-out blocks; the run's data is under an ``s3://`` prefix on the loopback S3 server, and the same files in a
+local directory are checked to be the same data.
 """
 
 from __future__ import annotations
@@ -109,22 +110,37 @@ def check_trained_model(store: ObjectStore, model_file: Path, data: str, tokeniz
         assert rows[-1]["kind"] == "final" and rows[-1]["eval_loss"] == pytest.approx(end, rel=1e-4)
 
 
-def test_two_replicas_on_local_jsonl_train_a_model_that_loads_with_from_pretrained(
-        home: Path, tmp_path: Path, tokenizer_dir: Path) -> None:
-    data = str(write_jsonl(tmp_path / "corpus"))
-    store, model_file = launch_and_collect(home, tmp_path, data, tokenizer_dir)
-    check_trained_model(store, model_file, data, tokenizer_dir)
-
-
-def test_the_same_run_reads_its_data_from_an_s3_prefix(
-        home: Path, tmp_path: Path, tokenizer_dir: Path, s3_uri: str) -> None:
+def corpus_under_an_s3_prefix(tmp_path: Path, s3_uri: str) -> tuple[Path, ObjectStore]:
+    """The JSONL corpus as local files and the same files under an ``s3://`` prefix (beside a file that is not
+    data: no data suffix, so it is ignored)."""
     corpus = write_jsonl(tmp_path / "corpus")
     data = ObjectStore(f"{s3_uri}/corpus")
     for path in sorted(corpus.iterdir()):
         data.put(path.name, path.read_bytes())
     data.put("README", b"not data: ignored (no data suffix)")
+    return corpus, data
+
+
+def test_two_replicas_on_data_under_an_s3_prefix_train_a_model_that_loads_with_from_pretrained(
+        home: Path, tmp_path: Path, tokenizer_dir: Path, s3_uri: str) -> None:
+    _, data = corpus_under_an_s3_prefix(tmp_path, s3_uri)
     store, model_file = launch_and_collect(home, tmp_path, data.url(), tokenizer_dir)
     check_trained_model(store, model_file, data.url(), tokenizer_dir)
+
+
+def test_a_local_directory_and_an_s3_prefix_of_the_same_files_are_the_same_data(
+        tmp_path: Path, tokenizer_dir: Path, s3_uri: str) -> None:
+    """Where the files live changes nothing the trainer reads (the run above trains on the prefix): local JSONL
+    files, by path or as ``file://``, give exactly the prefix's blocks."""
+    import torch
+    from transformers import AutoTokenizer
+
+    corpus, data = corpus_under_an_s3_prefix(tmp_path, s3_uri)
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    remote = hf.load_blocks(data.url(), tok, block_size=BLOCK)
+    assert remote.shape[0] > 20
+    for local in (str(corpus), f"file://{corpus}"):
+        assert torch.equal(hf.load_blocks(local, tok, block_size=BLOCK), remote)
 
 
 # ------------------------------------------------------------------------------------------------ pieces

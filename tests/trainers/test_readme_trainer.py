@@ -2,8 +2,9 @@
 the README, run through ``diloco launch`` with real replica processes.
 
 What must hold: the README's file is the one the other tests run (``tests/byo_trainer.py``); each replica trains
-on its own batches (different train losses at the first round), not on the same ones; and a run without a config
-polls at the documented default, which the replicas really used.
+on its own batches (different train losses at the first round), not on the same ones; a run without a config
+polls at the documented default, which the replicas really used; and the trainer, which records nothing itself
+but the one optional ``report()`` line, ends with a full progress record and checked identical final weights.
 """
 
 from __future__ import annotations
@@ -72,7 +73,9 @@ def test_the_readme_trainer_gives_every_replica_its_own_batches(home: Path, tmp_
     """The README's file saved as ``mypkg/train.py``, the README's command from that folder, 2 replicas and 2
     rounds: the replicas' train losses differ at round 1 (the same batches everywhere would give equal ones, since
     every replica starts from the same weights), and the run used the documented default poll interval (what the
-    replicas polled at), not the 1 s at which short rounds spend most of their sync time polling."""
+    replicas polled at), not the 1 s at which short rounds spend most of their sync time polling. The outer loop
+    recorded step/total, round, sync time and bytes, the report() line the loss and tok/s, and every rank exported
+    the same global weights."""
     package = tmp_path / "mypkg"
     package.mkdir()
     (package / "__init__.py").write_text("")
@@ -104,6 +107,28 @@ def test_the_readme_trainer_gives_every_replica_its_own_batches(home: Path, tmp_
     assert used == StoreConfig().poll_interval_s <= 0.25, used  # not 1 s: a round is noticed in a few tenths
     spec = json.loads((store / "spec.json").read_text())
     assert spec["settings"]["poll_interval_s"] == used  # what the replicas polled at
+    assert "lr=3e-4" in argv and spec["settings"]["trainer_kwargs"]["lr"] == 3e-4  # the README's setting, a number
+
+    from diloco.launcher.compaction import compacted_verdict
+    from diloco.launcher.progress import read_progress
+    from diloco.launcher.weights import agreed_tensors
+    from diloco.store.objects import ObjectStore
+
+    objects = ObjectStore(f"file://{store}")
+    readout = read_progress(objects, 2)
+    assert readout.warnings == []
+    for rep in readout.replicas:
+        assert (rep.step, rep.total_steps, rep.round, rep.finished_training) == (40, 40, 2, True)
+        assert rep.train_loss is not None and rep.train_loss > 0 and not rep.diverged
+        assert rep.tokens == 40 * 32 and rep.tokens_per_s is not None and rep.tokens_per_s > 0
+        assert rep.sync_s is not None and rep.sync_s >= 0
+        assert rep.bytes_written and rep.bytes_read  # it really exchanged through the store
+    check = compacted_verdict(objects, 2)  # launch checked every rank's copy, then kept one
+    assert check is not None and check.identical is True, check
+    assert sorted(agreed_tensors(objects, check)) == ["bias", "weight"] and check.value_count == 17
+    assert check.metadata["step"] == "40" and check.metadata["round"] == "2"
+    for rank in (0, 1):  # the loop's own log line per round
+        assert "round 2 step 40/40" in (home / "runs" / run_id / "logs" / f"rank_{rank}" / "stdout.log").read_text()
 
 
 @pytest.mark.parametrize("option", ["--replicas", "--steps", "--sync-every", "--trainer-kwargs"])

@@ -244,7 +244,7 @@ def test_eval_every_evaluates_the_global_model_every_k_rounds_and_after_the_last
 
 
 def test_a_diverged_run_is_reported_as_divergence_with_valid_json_and_agreeing_weights() -> None:
-    """Issue 7 item 4 (``-k lr=1000 -k outer_lr=100``, with the momentum 0.9 and no warm-up of that time): losses go non-finite. The metrics say "diverged" with
+    """A run pushed to diverge (``-k lr=1000 -k outer_lr=100``, with the momentum 0.9 and no warm-up of that time): losses go non-finite. The metrics say "diverged" with
     nulls (strict JSON), and the replicas, which still computed identical global weights, are found to agree."""
     uri, world = f"memory://diverge-{uuid.uuid4().hex}", 2
 

@@ -119,7 +119,7 @@ def test_a_preflight_hook_gets_every_value_and_the_context() -> None:
     ({"eval_fraction": 1.5}, "eval_fraction must be in (0, 1)"),
 ])
 def test_the_built_in_trainer_rejects_before_launch_what_it_would_reject_at_start(kwargs: dict, needle: str) -> None:
-    """Issue 7 item 10: these used to start N replicas that all failed."""
+    """Refused before any replica starts, rather than starting N replicas that all fail."""
     with pytest.raises(ConfigError) as info:
         check_trainer_kwargs(diloco_train, kwargs, world_size=2)
     assert needle in str(info.value)

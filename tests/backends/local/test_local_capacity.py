@@ -1,4 +1,4 @@
-"""A local launch this machine cannot hold is refused before anything starts (issue 7, item 1): the estimate, the
+"""A local launch this machine cannot hold is refused before anything starts: the estimate, the
 limits, the override and the force, and the refusal through the real CLI (exit 2, one line with the numbers)."""
 
 from __future__ import annotations
