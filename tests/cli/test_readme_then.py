@@ -37,8 +37,10 @@ def checkout_copy(tmp_path: Path) -> Path:
 
 
 def test_the_then_block_works_in_a_fresh_shell(tmp_path: Path) -> None:
+    """The block reads the latest run, whatever trained it: a finished run of torch-free replicas (the real
+    entrypoint, one model exported by every replica) stands for the demo's."""
     home = tmp_path / "home"
-    run_id = launch_small_run(home)
+    run_id = launch_small_run(home, trainer="support.cli_trainers:agreed")
     block = block_starting("What the demo prints", "bash", FIRST_LINE)
     checkout = checkout_copy(tmp_path)
     result = subprocess.run(["bash", "-e", "-c", block], capture_output=True, text=True, cwd=checkout,
