@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from support.polling import until
 from torch import nn
 
 from diloco.errors import ConfigError
@@ -75,6 +76,14 @@ class Node:
                                             run_id="")
         self.step = 0
         self.results: list[SyncResult] = []
+
+    def start(self) -> None:
+        """Start the coordinator; a master's outer thread makes its first pass at once (deltas left by an earlier
+        life), then none until asked: wait for that pass, or under load it could come after a delta a test
+        uploads next and apply it before the test's own ``process_deltas()``."""
+        self.coord.start()
+        if self.coord.role == "master":
+            assert until(lambda: self.coord.events["outer_passes"] >= 1, 60), "the outer thread made no first pass"
 
     def train(self, n: int) -> None:
         for _ in range(n):
@@ -165,7 +174,7 @@ def test_node_identity_order_and_sanitising() -> None:
 def test_master_state_lives_in_the_store_and_the_local_folder_holds_only_the_cache(
         store: ObjectStore, tmp_path: Path) -> None:
     master = Node("master", "m0", store, tmp_path)
-    master.coord.start()
+    master.start()
     assert master.coord.local_step == 0 and master.coord.last_global_step == 0 and master.coord.outer_step == 0
     master.train(INNER)  # the master's own delta: version 1
     assert master.coord.process_deltas() == 1
@@ -212,7 +221,7 @@ def test_startup_committed_state_wins_when_nothing_was_published(store: ObjectSt
     saved = {k: v + 1 for k, v in cpu_state(make_model()).items()}
     committed_master_state(store, "m", saved, 4)  # committed, then killed before its publication
     master = Node("master", "m", store, tmp_path)
-    master.coord.start()
+    master.start()
     try:
         assert master.coord.events["startup_committed"] == 1
         assert master.coord.outer_step == 4 and master.coord.last_global_step == 4
@@ -228,7 +237,7 @@ def test_startup_committed_state_wins_when_remote_is_not_newer(store: ObjectStor
     committed_master_state(store, "m", saved, 4)
     publish_remote(store, {k: v - 5 for k, v in saved.items()}, 3)
     master = Node("master", "m", store, tmp_path)
-    master.coord.start()
+    master.start()
     try:
         assert master.coord.outer_step == 4
         assert master.coord.outer is not None
@@ -244,7 +253,7 @@ def test_startup_remote_wins_when_newer_and_momentum_resets(store: ObjectStore, 
     remote = {k: v + 3 for k, v in base.items()}
     publish_remote(store, remote, 7)
     master = Node("master", "m", store, tmp_path)
-    master.coord.start()
+    master.start()
     try:
         assert master.coord.outer_step == 7
         assert master.coord.outer is not None and master.coord.outer.momentum() == {}
@@ -257,7 +266,7 @@ def test_startup_both_at_zero_installs_the_remote_model(store: ObjectStore, tmp_
     remote = {k: v * 0 + 0.25 for k, v in cpu_state(make_model()).items()}
     publish_remote(store, remote, 0)
     master = Node("master", "m", store, tmp_path)
-    master.coord.start()
+    master.start()
     try:
         assert master.coord.outer_step == 0 and same(cpu_state(master.model), remote)
     finally:
@@ -267,7 +276,7 @@ def test_startup_both_at_zero_installs_the_remote_model(store: ObjectStore, tmp_
 def test_startup_bootstrap_publishes_the_current_model_at_zero(store: ObjectStore, tmp_path: Path) -> None:
     master = Node("master", "m", store, tmp_path)
     before = cpu_state(master.model)
-    master.coord.start()
+    master.start()
     try:
         meta = latest(store)
         assert meta["version"] == 0 and master.coord.outer_step == 0
@@ -281,15 +290,15 @@ def test_a_master_relaunched_elsewhere_resumes_its_committed_state(store: Object
     """The relaunch has none of the first master's local files (another folder: another machine, a new job)."""
     master = Node("master", "m", store, tmp_path / "first")
     worker = Node("worker", "w", store, tmp_path, seed=1)
-    master.coord.start()
-    worker.coord.start()
+    master.start()
+    worker.start()
     worker.train(2 * INNER)
     assert master.coord.process_deltas() == 2
     assert master.coord.outer is not None
     momentum, (_, weights) = master.coord.outer.momentum(), master.coord.outer.snapshot()
     master.coord.stop()
     again = Node("master", "m", store, tmp_path / "relaunched", seed=5)
-    again.coord.start()
+    again.start()
     try:
         assert again.coord.events["startup_committed"] == 1
         assert again.coord.outer_step == 2 and again.coord.outer is not None
@@ -304,9 +313,9 @@ def test_a_master_relaunched_elsewhere_resumes_its_committed_state(store: Object
 # ------------------------------------------------------------------------------------------------ the lifecycle
 def test_worker_installs_the_global_and_uploads_at_boundaries(store: ObjectStore, tmp_path: Path) -> None:
     master = Node("master", "m", store, tmp_path)
-    master.coord.start()
+    master.start()
     worker = Node("worker", "w", store, tmp_path, seed=3)  # other initial weights: the global replaces them
-    worker.coord.start()
+    worker.start()
     try:
         assert same(cpu_state(worker.model), cpu_state(master.model))
         worker.train(INNER)
@@ -328,7 +337,7 @@ def test_installation_filters_keys_and_shapes(store: ObjectStore, tmp_path: Path
     ref = cpu_state(make_model())
     publish_remote(store, {"0.weight": ref["0.weight"] + 1, "0.bias": torch.zeros(3), "other": torch.ones(2)}, 1)
     worker = Node("worker", "w", store, tmp_path)
-    worker.coord.start()
+    worker.start()
     try:
         state = worker.model.state_dict()
         assert torch.allclose(state["0.weight"], ref["0.weight"] + 1)  # matching: installed
@@ -342,8 +351,8 @@ def test_stop_is_restartable(store: ObjectStore, tmp_path: Path) -> None:
     master = Node("master", "m", store, tmp_path, master_poll_interval_s=0.05)
     worker = Node("worker", "w", store, tmp_path, async_delta_upload=True)
     for _ in range(2):
-        master.coord.start()
-        worker.coord.start()
+        master.start()
+        worker.start()
         worker.train(INNER)
         assert worker.coord.wait_for_uploads()
         wait_until(lambda: master.coord.outer_step >= 1)
@@ -354,12 +363,12 @@ def test_stop_is_restartable(store: ObjectStore, tmp_path: Path) -> None:
 
 def test_async_poll_never_touches_the_live_model(store: ObjectStore, tmp_path: Path) -> None:
     master = Node("master", "m", store, tmp_path)
-    master.coord.start()
+    master.start()
     worker = Node("worker", "w", store, tmp_path, async_global_poll=True, poll_interval_s=0)
-    worker.coord.start()
+    worker.start()
     try:
         other = Node("worker", "w2", store, tmp_path, seed=1)
-        other.coord.start()
+        other.start()
         other.train(INNER)
         master.coord.process_deltas()
         worker.train(1)  # submits a background poll (interval 0)
@@ -378,7 +387,7 @@ def test_async_poll_never_touches_the_live_model(store: ObjectStore, tmp_path: P
 def test_busy_upload_slot_emits_delta_upload_skipped(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     store = ObjectStore(f"file://{tmp_path}/store")
     worker = Node("worker", "w", store, tmp_path, async_delta_upload=True)
-    worker.coord.start()
+    worker.start()
     try:
         with worker.coord._lock:  # the uploader finishes its PUT, then waits here to advance the baseline
             worker.train(INNER)  # accepted: the slot is taken
@@ -401,7 +410,7 @@ def test_failure_master_store_unreachable_warns_and_trains_locally(tmp_path: Pat
     dead = ObjectStore(f"file://{tmp_path}/blocker/store", retries=0)
     master = Node("master", "m", dead, tmp_path)
     with caplog.at_level(logging.WARNING, logger="diloco.async"):
-        master.coord.start()
+        master.start()
         master.train(INNER)
     master.coord.stop()
     assert "could not publish" in caplog.text and master.step == INNER
@@ -413,7 +422,7 @@ def test_failure_initial_worker_read_keeps_local_weights(tmp_path: Path, caplog:
     worker = Node("worker", "w", store, tmp_path)
     before = cpu_state(worker.model)
     with caplog.at_level(logging.WARNING, logger="diloco.async"):
-        worker.coord.start()
+        worker.start()
     assert "could not read the global metadata" in caplog.text
     assert same(cpu_state(worker.model), before) and worker.coord.last_global_step == 0
     worker.train(INNER)  # local training goes on
@@ -424,7 +433,7 @@ def test_failure_poll_leaves_the_model_unchanged(store: ObjectStore, tmp_path: P
                                                  caplog: pytest.LogCaptureFixture) -> None:
     publish_remote(store, cpu_state(make_model()), 0)
     worker = Node("worker", "w", store, tmp_path)
-    worker.coord.start()
+    worker.start()
     worker.train(INNER - 1)
     store.child("async").put(LATEST_KEY, json.dumps({"version": 9, "key": "global/missing"}).encode())
     before = cpu_state(worker.model)
@@ -440,7 +449,7 @@ def test_failure_key_or_shape_mismatch_logs_an_error_and_uploads_nothing(
     model = make_model()
     model.register_buffer("extra", torch.zeros(3))
     worker = Node("worker", "w", store, tmp_path, model=model)
-    worker.coord.start()
+    worker.start()
     model.extra = torch.zeros(5)  # the model changed shape under the coordinator
     with caplog.at_level(logging.ERROR, logger="diloco.async"):
         worker.train(INNER)
@@ -453,7 +462,7 @@ def test_failure_upload_keeps_the_baseline_then_sends_the_cumulative_delta(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     store = ObjectStore(f"file://{tmp_path}/store", retries=0)
     worker = Node("worker", "w", store, tmp_path)
-    worker.coord.start()
+    worker.start()
     start = cpu_state(worker.model)
     blocker = tmp_path / "store" / "async" / "deltas"
     blocker.parent.mkdir(parents=True)
@@ -480,7 +489,7 @@ def test_failure_corrupt_cache_is_deleted_and_downloaded_again(store: ObjectStor
     remote = {k: v + 1 for k, v in cpu_state(make_model()).items()}
     publish_remote(store, remote, 2)
     first = Node("worker", "w", store, tmp_path)
-    first.coord.start()
+    first.start()
     first.coord.stop()
     (cached,) = (tmp_path / "w" / "cache").glob("global_v*.safetensors")
     data = bytearray(cached.read_bytes())
@@ -488,7 +497,7 @@ def test_failure_corrupt_cache_is_deleted_and_downloaded_again(store: ObjectStor
     cached.write_bytes(bytes(data))
     again = Node("worker", "w", store, tmp_path, seed=4)
     with caplog.at_level(logging.WARNING, logger="diloco.async"):
-        again.coord.start()
+        again.start()
     assert "is corrupt" in caplog.text and again.coord.events["cache_corrupt"] == 1
     assert same(cpu_state(again.model), remote)
     assert cached.read_bytes() != bytes(data)  # re-downloaded and re-cached
@@ -497,7 +506,7 @@ def test_failure_corrupt_cache_is_deleted_and_downloaded_again(store: ObjectStor
 
 def test_failure_wrong_model_raises_value_error(store: ObjectStore, tmp_path: Path) -> None:
     worker = Node("worker", "w", store, tmp_path)
-    worker.coord.start()
+    worker.start()
     with pytest.raises(ValueError, match="different model"):
         worker.coord.after_optimizer_step(make_model(), 1)
     worker.coord.stop()
@@ -507,7 +516,7 @@ def test_stop_is_bounded_and_warns_when_a_store_request_outlives_it(
         s3_uri: str, fault_proxy: Any, caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
     store = ObjectStore(s3_uri)
     worker = Node("worker", "w", store, tmp_path, async_delta_upload=True, stop_timeout_s=0.3)
-    worker.coord.start()
+    worker.start()
     fault_proxy.add("delay", method="PUT", path=r"/deltas/", delay_s=3.0)
     worker.train(INNER)
     time.sleep(0.3)  # the uploader is now inside the delayed PUT
@@ -521,11 +530,11 @@ def test_stop_is_bounded_and_warns_when_a_store_request_outlives_it(
 # ------------------------------------------------------------------------------------------------ what it must show
 def test_late_upload_completion_does_not_move_the_baseline_back(store: ObjectStore, tmp_path: Path) -> None:
     master = Node("master", "m", store, tmp_path)
-    master.coord.start()
+    master.start()
     worker = Node("worker", "w", store, tmp_path, async_delta_upload=True, poll_interval_s=0)
     other = Node("worker", "o", store, tmp_path, seed=1)
-    worker.coord.start()
-    other.coord.start()
+    worker.start()
+    other.start()
     try:
         with worker.coord._lock:  # the upload's PUT lands, its completion waits for this lock
             worker.train(INNER)
@@ -546,11 +555,11 @@ def test_late_upload_completion_does_not_move_the_baseline_back(store: ObjectSto
 @pytest.mark.parametrize("order", ["load_then_start", "start_then_load"])
 def test_restarted_worker_sends_no_oversized_first_delta(store: ObjectStore, tmp_path: Path, order: str) -> None:
     master = Node("master", "m", store, tmp_path, outer_lr=0.7, outer_momentum=0.9)
-    master.coord.start()
+    master.start()
     a = Node("worker", "a", store, tmp_path, seed=1)
     b = Node("worker", "b", store, tmp_path, seed=2)
-    a.coord.start()
-    b.coord.start()
+    a.start()
+    b.start()
     try:
         a.train(INNER)
         master.coord.process_deltas()
@@ -575,9 +584,9 @@ def test_restarted_worker_sends_no_oversized_first_delta(store: ObjectStore, tmp
         restarted.step = a_step
         if order == "load_then_start":
             restarted.coord.load_state_dict(state)
-            restarted.coord.start()
+            restarted.start()
         else:
-            restarted.coord.start()
+            restarted.start()
             restarted.coord.load_state_dict(state)
         assert restarted.coord.last_global_step == master.coord.outer_step
         restarted.train(INNER - 2)  # to the next boundary
@@ -611,9 +620,9 @@ def test_load_state_dict_refuses_another_role_or_node(store: ObjectStore, tmp_pa
 
 def test_resume_without_a_newer_global_restores_the_checkpoint(store: ObjectStore, tmp_path: Path) -> None:
     master = Node("master", "m", store, tmp_path)
-    master.coord.start()
+    master.start()
     worker = Node("worker", "w", store, tmp_path, seed=1)
-    worker.coord.start()
+    worker.start()
     try:
         worker.train(INNER + 3)
         state = worker.coord.state_dict()
@@ -622,7 +631,7 @@ def test_resume_without_a_newer_global_restores_the_checkpoint(store: ObjectStor
         worker.coord.stop()
         again = Node("worker", "w", store, tmp_path, seed=9)  # a fresh model: the checkpoint rebuilds it
         again.coord.load_state_dict(state)
-        again.coord.start()
+        again.start()
         assert close(cpu_state(again.model), expect)  # rebuilt as baseline - pending_delta (fp32 rounding)
         assert same(again.coord.baseline, state["baseline"]) and again.coord.local_step == INNER + 3
         again.coord.stop()
@@ -634,7 +643,7 @@ def test_resume_without_a_newer_global_restores_the_checkpoint(store: ObjectStor
 def master_outcome(store: ObjectStore, state_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Start a master (a fresh process: nothing in ``state_dir``), apply what is waiting; its weights, momentum."""
     master = Node("master", "m", store, state_dir)
-    master.coord.start()
+    master.start()
     try:
         master.coord.process_deltas()
         assert master.coord.outer is not None
@@ -680,7 +689,7 @@ def test_a_master_killed_after_committing_before_deleting_never_applies_that_del
     first, _ = master_outcome(store, tmp_path / "first-life")
     store.child("async").put(key, blob)  # killed after version 1's commit and publication, before the delete
     again = Node("master", "m", store, tmp_path / "second-life")
-    again.coord.start()
+    again.start()
     try:
         assert again.coord.process_deltas() == 0 and again.coord.outer_step == 1
         assert store.child("async").list("deltas/") == []
@@ -709,11 +718,11 @@ def test_a_cached_version_is_used_only_when_it_is_the_object_published_under_tha
     committed states) must not be read from a node's cache: the cache is keyed and checked by SHA-256."""
     first = {k: v + 1 for k, v in cpu_state(make_model()).items()}
     publish_remote(store, first, 2)
-    Node("worker", "w", store, tmp_path).coord.start()  # caches version 2
+    Node("worker", "w", store, tmp_path).start()  # caches version 2
     second = {k: v - 1 for k, v in first.items()}
     publish_remote(store, second, 2)
     again = Node("worker", "w", store, tmp_path, seed=4)
-    again.coord.start()
+    again.start()
     try:
         assert same(cpu_state(again.model), second)
     finally:
@@ -723,7 +732,7 @@ def test_a_cached_version_is_used_only_when_it_is_the_object_published_under_tha
 def test_a_node_records_its_position_before_each_delta_for_its_relaunch(
         store: ObjectStore, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     worker = Node("worker", "w", store, tmp_path)
-    worker.coord.start()
+    worker.start()
     worker.train(2 * INNER + 2)  # two boundaries, then progress no delta carries yet
     worker.coord.stop()
     relaunched = Node("worker", "w", store, tmp_path / "elsewhere", seed=3)

@@ -498,11 +498,14 @@ class AsyncDiLoCoCoordinator:
 
     # ---------------------------------------------------------------- the master's outer thread
     def _outer_loop(self) -> None:
+        """Apply what arrived, every ``master_poll_interval_s``; the first pass at once (deltas left by an earlier
+        life). ``events["outer_passes"]`` counts the passes made, so a caller can tell when the first is over."""
         while not self._stop.is_set():
             try:
                 self.process_deltas()
             except Exception as exc:  # noqa: BLE001 - a store hiccup must not end the outer thread
                 self.log.warning("outer loop: %s; retrying", exc)
+            self.events["outer_passes"] += 1
             self._stop.wait(self.config.master_poll_interval_s)
 
     def process_deltas(self) -> int:
