@@ -2,7 +2,9 @@
 
 Not a test (timings depend on the machine): ``python bench/cli_startup.py [-n RUNS]`` prints the median and the
 best of N runs of each command, in a small table. ``diloco status`` runs against an empty, temporary
-``DILOCO_HOME`` so it measures start-up plus the registry lookup, not a backend.
+``DILOCO_HOME`` so it measures start-up plus the registry lookup, not a backend. ``diloco launch --backend
+sagemaker --dry-run`` plans a run offline (an image given, so no code to ship; made-up credentials, no endpoint
+reached): start-up plus what a SageMaker plan reads of botocore's data.
 """
 
 from __future__ import annotations
@@ -58,7 +60,9 @@ def main() -> int:
     args.runs = args.runs or (3 if args.quick else 10)
     diloco = str(Path(sys.executable).with_name("diloco"))
     with tempfile.TemporaryDirectory() as home:
-        env = {**os.environ, "DILOCO_HOME": home}
+        env = {**os.environ, "DILOCO_HOME": home, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench"}
+        for name in [k for k in env if k.startswith("AWS_ENDPOINT_URL") or k in ("AWS_PROFILE", "AWS_REGION")]:
+            del env[name]
         minimal = Path(home, "minimal_typer.py")
         minimal.write_text(MINIMAL_TYPER_APP)
         commands = {
@@ -67,13 +71,17 @@ def main() -> int:
             "minimal Typer app --help": [sys.executable, str(minimal), "--help"],
             "diloco --help": [diloco, "--help"],
             "diloco status": [diloco, "status"],
+            "diloco launch (SageMaker) --dry-run": [
+                diloco, "launch", "-n", "2", "--backend", "sagemaker", "--region", "us-east-1",
+                "--role", "arn:aws:iam::123456789012:role/bench", "--rendezvous", "s3://bench-bucket/runs/{run_id}",
+                "--image", "123456789012.dkr.ecr.us-east-1.amazonaws.com/diloco:bench", "--dry-run", "-o", "json"],
         }
         rows = [(name, time_command(argv, args.runs, env)) for name, argv in commands.items()]
     base = statistics.median(rows[0][1])
-    print(f"{'command':<28} {'median s':>9} {'best s':>8} {'over python':>12}   ({args.runs} runs each)")
+    print(f"{'command':<36} {'median s':>9} {'best s':>8} {'over python':>12}   ({args.runs} runs each)")
     for name, samples in rows:
         med = statistics.median(samples)
-        print(f"{name:<28} {med:>9.3f} {min(samples):>8.3f} {med - base:>+12.3f}")
+        print(f"{name:<36} {med:>9.3f} {min(samples):>8.3f} {med - base:>+12.3f}")
     medians = {name: statistics.median(samples) for name, samples in rows}
     ratio = medians["diloco --help"] / medians["minimal Typer app --help"]
     print(f"diloco --help / minimal Typer app --help: {ratio:.2f}x (target: under 1.15x)")

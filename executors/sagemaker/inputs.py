@@ -21,6 +21,7 @@ import re
 from typing import Any
 
 from diloco.errors import ConfigError
+from diloco.executors.sagemaker.service_model import botocore_session, sagemaker_model
 
 #: What a role ARN looks like where no account is known yet.
 ROLE_ARN_FORM = "arn:aws:iam::<account>:role/<name>"
@@ -29,32 +30,23 @@ _ROLE_NAME_RE = re.compile(r"^[\w+=,.@-]{1,64}$")
 
 
 @functools.cache
-def _sagemaker_model() -> Any:
-    import botocore.session
-
-    return botocore.session.get_session().get_service_model("sagemaker")
-
-
-@functools.cache
 def role_arn_pattern() -> re.Pattern[str]:
     """The ``RoleArn`` pattern of CreateTrainingJob in botocore's SageMaker model (matched whole, as the service
     does; the model's patterns carry no anchors)."""
-    shape = _sagemaker_model().operation_model("CreateTrainingJob").input_shape.members["RoleArn"]
+    shape = sagemaker_model().operation_model("CreateTrainingJob").input_shape.members["RoleArn"]
     return re.compile(shape.metadata["pattern"])
 
 
 @functools.cache
 def training_instance_types() -> tuple[str, ...]:
     """Every training instance type botocore's SageMaker model knows (the ``TrainingInstanceType`` enum)."""
-    return tuple(_sagemaker_model().shape_for("TrainingInstanceType").enum)
+    return tuple(sagemaker_model().shape_for("TrainingInstanceType").enum)
 
 
 @functools.cache
 def sagemaker_regions() -> tuple[str, ...]:
     """The regions SageMaker is offered in, every partition, from botocore's endpoint data (no network)."""
-    import botocore.session
-
-    session = botocore.session.get_session()
+    session = botocore_session()
     regions: set[str] = set()
     for partition in session.get_available_partitions():
         regions.update(session.get_available_regions("sagemaker", partition_name=partition))

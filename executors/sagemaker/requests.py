@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from diloco.errors import ConfigError
 from diloco.executors.gpus import GPUS
+from diloco.executors.sagemaker.service_model import sagemaker_model
 
 if TYPE_CHECKING:
     pass
@@ -220,7 +221,7 @@ def _botocore_validation(request: Mapping[str, Any], rank: int) -> None:
     same model that only the service enforces (maximum lengths, patterns, enums, ranges)."""
     from botocore.validate import ParamValidator
 
-    shape = _sagemaker_model().operation_model("CreateTrainingJob").input_shape
+    shape = sagemaker_model().operation_model("CreateTrainingJob").input_shape
     report = ParamValidator().validate(dict(request), shape)
     if report.has_errors():
         first = report.generate_report().splitlines()[0].strip()
@@ -288,12 +289,3 @@ def _first_violation(shape: Any, value: Any, path: str) -> tuple[str, str] | Non
         return None
     what = _scalar_violation(shape, value)
     return (path, what) if what else None
-
-
-@functools.cache
-def _sagemaker_model() -> Any:
-    import botocore.session
-
-    return botocore.session.get_session().get_service_model("sagemaker")
-
-
