@@ -79,6 +79,7 @@ from pathlib import Path
 from typing import Any
 
 from .aws_iam import ACCESS_DENIED, ActionLog, CallerPolicy, authorize, role_problem
+from .aws_session import aws_client
 from .cloudwatch_logs import LogsApiFront
 from .rate_limits import (
     LOGS_QUOTAS,
@@ -253,12 +254,10 @@ class SageMakerEmulator:
         return f"http://{host}:{port}"
 
     def _make_runtime(self, endpoint: str) -> Runtime:
-        import boto3
+        def client(service: str) -> Any:
+            return aws_client(service, endpoint_url=endpoint, region_name=self.default_region,
+                              credentials=self.credentials)
 
-        session = boto3.session.Session(
-            aws_access_key_id=self.credentials["AWS_ACCESS_KEY_ID"],
-            aws_secret_access_key=self.credentials["AWS_SECRET_ACCESS_KEY"],
-            aws_session_token=self.credentials.get("AWS_SESSION_TOKEN"), region_name=self.default_region)
         shim_dir = self.root / "bin"
         _write_python_shims(shim_dir, self.interpreter)
         prebuilt_shims = self.root / "bin-pytorch-training" if self.prebuilt_python else None
@@ -266,8 +265,8 @@ class SageMakerEmulator:
             _write_python_shims(prebuilt_shims, self.prebuilt_python)
         pip_env = {"PIP_FIND_LINKS": str(self.pip_wheelhouse), "PIP_NO_INDEX": "1"} if self.pip_wheelhouse else {}
         return Runtime(root=self.root / "jobs", shim_dir=shim_dir, aws_endpoint=endpoint,
-                       credentials=dict(self.credentials), s3=session.client("s3", endpoint_url=endpoint),
-                       logs=session.client("logs", endpoint_url=endpoint), prebuilt_shim_dir=prebuilt_shims,
+                       credentials=dict(self.credentials), s3=client("s3"), logs=client("logs"),
+                       prebuilt_shim_dir=prebuilt_shims,
                        pip_env=pip_env, bootstrap_cache=self.bootstrap_cache, **self._timing)
 
     # ------------------------------------------------------------------ fault knobs
