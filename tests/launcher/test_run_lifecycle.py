@@ -1,7 +1,8 @@
 """A run's lifecycle as the launcher judges it, through the real CLI on the local backend (real replica processes,
 real kills): ``watch`` honours the run's own ``--max-restarts`` and never relaunches into a run that has ended;
 a run whose replica died but can still finish reads as running (with the replica awaiting a relaunch) until
-nothing can help; a run whose launcher died is finished by ``watch``; Ctrl-C says what state the run is in (on
+nothing can help; a run whose launcher died is finished by ``watch``, whose webhook hears of what it did, while a
+``logs -f`` follows the relaunched replica to the end; Ctrl-C says what state the run is in (on
 that finished run: each real run asserts everything that can be seen on it)."""
 
 from __future__ import annotations
@@ -13,13 +14,16 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from functools import partial
 from pathlib import Path
 
 from support.commands import run_cli, start_cli
 from support.polling import wait_for_file as wait_for
 from support.run_processes import processes_of
+from support.webhook import WebhookReceiver
+
+from diloco.executors.local_supervisor import parse_combined_line
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
 
@@ -107,12 +111,17 @@ def test_watch_honours_the_runs_max_restarts_and_on_the_run_it_ended_relaunches_
 def test_a_run_whose_launcher_died_reads_as_running_with_the_killed_replica_and_watch_finishes_it(
         tmp_path: Path) -> None:
     """The launcher dies, then replica 1 is SIGKILLed: the run reads as running with replica 1 awaiting a relaunch;
-    ``watch --max-restarts 2`` relaunches it and the run succeeds. On that succeeded run, Ctrl-C in a later
-    ``watch`` (caught while it still reads the summary) says the run has ended, not that it keeps running."""
+    ``watch --max-restarts 2`` relaunches it (nothing else would), it rejoins and the run succeeds with
+    bitwise-identical weights; ``watch`` prints launch's summary, and its webhook hears of the replica it found
+    failed and relaunched. A ``logs -f`` started before the kill waits through it and follows the relaunched
+    replica to the run's end. On that succeeded run, Ctrl-C in a later ``watch`` (caught while it still reads the
+    summary) says the run has ended, not that it keeps running."""
     home = tmp_path / "home"
     launch = background("launch", *PACED, "--steps", "60", "--set", "store.timeout_s=120", "-o", "json", home=home)
-    with cleaned_up(home, launch):
+    with cleaned_up(home, launch), ExitStack() as stack:  # the logs follower goes too, whatever happens
         run_id = wait_for("runs/*.json", home).stem
+        logs = background("logs", run_id, "-f", "-r", "1", home=home)
+        stack.callback(lambda: logs.poll() is None and logs.kill())
         wait_for("runs/*/store/committed/round_000001/COMMITTED", home)
         launch.kill()  # the launcher's terminal went away: nobody relaunches anything now
         launch.communicate(timeout=60)
@@ -127,12 +136,28 @@ def test_a_run_whose_launcher_died_reads_as_running_with_the_killed_replica_and_
         runs = json.loads(cli("runs", "-o", "json", home=home).stdout)["runs"]
         assert [r["state"] for r in runs] == ["running"]
 
-        watch = cli("watch", run_id, "--max-restarts", "2", "-o", "json", home=home)
+        with WebhookReceiver() as hook:  # the replica this watch found failed and relaunched is news to its webhook
+            watch = cli("watch", run_id, "--max-restarts", "2", "-o", "json", "--notify", hook.url, home=home)
         assert watch.returncode == 0, watch.stderr[-3000:]
-        assert "relaunching it (restart 1 of 2)" in watch.stderr, watch.stderr[-3000:]
+        assert "replica 1 failed" in watch.stderr and "relaunching it (restart 1 of 2)" in watch.stderr, \
+            watch.stderr[-3000:]
+        events = [(b["diloco"]["event"], b["diloco"].get("rank")) for b in hook.bodies]
+        assert events == [("replica_failed", 1), ("replica_relaunched", 1), ("run_ended", None)], hook.bodies
         report = json.loads(watch.stdout)
         assert report["state"] == "succeeded" and report["weights_identical"] is True, report
         assert [r["restarts"] for r in report["ranks"]] == [0, 1] and report["awaiting_relaunch"] == []
+        victim_log = "".join(p.read_text() for p in home.glob("runs/*/logs/rank_1/combined.log"))
+        assert "rank 1 rejoined at step" in victim_log, victim_log[-2000:]
+
+        followed, _ = logs.communicate(timeout=60)  # it ends with the run: the relaunched replica's end is the run's
+        assert logs.returncode == 0
+        lines = followed.splitlines()
+        assert lines and all(line.startswith("[r1] ") for line in lines), lines[:5]
+        attempts = [home.glob("runs/*/logs/rank_1.try1/combined.log"), home.glob("runs/*/logs/rank_1/combined.log")]
+        written = [f"[r1] {parsed[2]}" for found in attempts for path in found
+                   for parsed in map(parse_combined_line, path.read_text().splitlines()) if parsed is not None]
+        assert any("rank 1 rejoined at step" in line for line in written), written[-10:]
+        assert lines == written, "every line of both attempts, in order, each once"
         assert json.loads((home / "runs" / f"{run_id}.json").read_text())["policy"]["max_restarts"] == 2
         runs = json.loads(cli("runs", "-o", "json", home=home).stdout)["runs"]
         assert [r["state"] for r in runs] == ["succeeded"]
