@@ -234,8 +234,16 @@ def test_the_documented_doctor_command_runs_as_printed_and_fails_a_stock_gpu_nod
 
 
 # ---------------------------------------------------------------------------------------------- the documented disk
-TINY = ["--steps", "4", "--sync-every", "2", "-k", "n_layer=1", "-k", "n_embd=16", "-k", "eval_batches=1",
-        "-k", "threads=1"]
+#: A trainer that exports the same weights on every replica, without torch.
+QUICK_TRAINER = '''
+def train(*, manager, rank, **_):
+    import numpy as np
+    from safetensors.numpy import save
+
+    from diloco.store.layout import FINAL_KEY
+
+    manager.store.put(FINAL_KEY.format(rank=rank), save({"w": np.ones(4, dtype=np.float32)}, metadata={"round": "2"}))
+'''
 
 
 @pytest.fixture
@@ -260,12 +268,15 @@ def documented(aws_env: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
 @pytest.mark.slow
 def test_on_nodes_with_the_documented_disk_the_default_cuda_image_trains_two_replicas_to_identical_weights(
         documented: KubernetesEmulator, s3_bucket: str, tmp_path: Path) -> None:
+    """Where the default image lands, not training, is under test: the shipped source's torch-free trainer (the
+    working directory is the source a launch without an image ships) exports one model from both replicas."""
     import json
 
+    (tmp_path / "quick.py").write_text(QUICK_TRAINER)
     launch = run_cli("launch", "--backend", "eks", "--namespace", NAMESPACE, "--replicas", "2", "--gpu", "A10G",
                      "--rendezvous", f"s3://{s3_bucket}/documented/{{run_id}}", "--set", "store.poll_interval_s=0.2",
-                     "--set", "backend.grace_period_s=2", *TINY, "-o", "json", home=tmp_path / "home", cwd=tmp_path,
-                     timeout=600)
+                     "--set", "backend.grace_period_s=2", "--trainer", "quick:train", "--steps", "4",
+                     "--sync-every", "2", "-o", "json", home=tmp_path / "home", cwd=tmp_path, timeout=600)
     report = json.loads(launch.stdout) if launch.stdout.strip() else {}
     assert launch.returncode == 0, launch.stderr[-3000:]
     assert report["state"] == "succeeded" and report["weights_identical"] is True, report
