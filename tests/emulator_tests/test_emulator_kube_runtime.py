@@ -292,6 +292,21 @@ def test_the_image_decides_which_interpreter_python_is(kube: KubernetesEmulator,
     assert log_of(core, unmapped).strip() == sys.prefix
 
 
+@pytest.mark.parametrize("mode", ["paths"])
+def test_a_dlc_image_starts_its_containers_with_its_env_lines_under_the_pods_own(
+        kube: KubernetesEmulator, batch: client.BatchV1Api, core: client.CoreV1Api) -> None:
+    """The DLC's ``ENV`` lines reach every container of the image (no ``.pyc`` is written into its site-packages);
+    a pod's ``env`` wins over them; other images get none of them."""
+    show = ("import os, sys; print(sys.dont_write_bytecode, os.environ.get('DLC_CONTAINER_TYPE'), "
+            "os.environ.get('PYTHONUNBUFFERED'))")
+    dlc = "public.ecr.aws/deep-learning-containers/pytorch-training:2.8.0-gpu-py312-cu129-ubuntu22.04-ec2"
+    run_job(batch, "dlc", [container("main", show, image=dlc)])
+    run_job(batch, "dlc-env", [container("main", show, image=dlc, env=[{"name": "PYTHONUNBUFFERED", "value": "0"}])])
+    run_job(batch, "plain", [container("main", show, image="python:3.11-slim")])
+    logs = {name: log_of(core, finished_pod(kube, name)).strip() for name in ("dlc", "dlc-env", "plain")}
+    assert logs == {"dlc": "True training 1", "dlc-env": "True training 0", "plain": "False None None"}, logs
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1200)  # the image-like interpreter is built once per machine (one to two minutes), then cached
 def test_pods_can_run_on_the_training_image_stand_in(tmp_path: Path) -> None:

@@ -46,6 +46,7 @@ from .kube_images import (
     DEFAULT_SIZES,
     DISK_PRESSURE_TAINT,
     disk_pressure_condition,
+    image_env,
     no_space_message,
     pull_bytes,
 )
@@ -1067,8 +1068,10 @@ class Cluster:
             runtime_limits.remove_volume_dirs(pod["metadata"]["uid"], self.config.root)
 
     def _container_env(self, pod: Obj, container: Obj) -> dict[str, str]:
-        """The process environment: inherited basics, the node's injections, then the pod's ``env`` in order."""
+        """The process environment: inherited basics, the image's ``ENV`` lines, the node's injections, then the
+        pod's ``env`` in order."""
         env = {k: os.environ[k] for k in kubelet.INHERITED_ENV if k in os.environ}
+        env.update(image_env(container["image"]))
         env["PATH"] = f"{self.images.bin_dir(container['image'])}{os.pathsep}{env.get('PATH', os.defpath)}"
         env["HOSTNAME"] = pod["spec"].get("hostname") or pod["metadata"]["name"]
         env["KUBERNETES_SERVICE_HOST"] = "127.0.0.1"

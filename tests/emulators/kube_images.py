@@ -25,12 +25,19 @@ text follows containerd's (``failed to pull and unpack image "<ref>": failed to 
 form of usestrix/strix#483's containerd report) wrapped by the CRI as the kubelet shows it (``rpc error: code =
 Unknown desc = ...: no space left on device: unknown``, dandi/dandi-hub#89 on EKS). The condition clears once no
 pod on the node is still trying such a pull (containerd's garbage collector removes the partial layers).
+
+**Environment.** An image's config carries its ``ENV`` lines, and the container runtime starts every container with
+them, under the pod's own ``env`` (which wins on a clash). The DLC training images set ``PYTHONDONTWRITEBYTECODE=1``
+among others (``sagemaker_image.DLC_IMAGE_ENV``), so a container never writes ``.pyc`` files into the image's
+site-packages; ``DEFAULT_ENVS`` holds them by the same globs.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import hashlib
+
+from .sagemaker_image import DLC_IMAGE_ENV
 
 MIB = 1024 * 1024
 #: The DLC training images' ``image_size_baseline`` (MiB, uncompressed): buildspec-2-10-ec2.yml.
@@ -42,6 +49,8 @@ DEFAULT_SIZES: dict[str, int] = {
     "*pytorch-training:*-gpu-*": DLC_GPU_TRAINING_MIB,
     "*pytorch-training:*-cpu-*": DLC_CPU_TRAINING_MIB,
 }
+#: Image reference glob -> the ``ENV`` lines of its config, first match wins (any DLC training image's).
+DEFAULT_ENVS: dict[str, dict[str, str]] = {"*pytorch-training:*": DLC_IMAGE_ENV}
 DISK_PRESSURE_TAINT = "node.kubernetes.io/disk-pressure"
 
 
@@ -49,6 +58,11 @@ def unpacked_bytes(image: str, sizes: dict[str, int]) -> int:
     """The image's unpacked size in bytes (0 for an image of no known size)."""
     mib = next((m for pattern, m in sizes.items() if fnmatch.fnmatchcase(image, pattern)), 0)
     return mib * MIB
+
+
+def image_env(image: str, envs: dict[str, dict[str, str]] = DEFAULT_ENVS) -> dict[str, str]:
+    """The ``ENV`` lines of the image's config (none for an image this module does not know)."""
+    return dict(next((env for pattern, env in envs.items() if fnmatch.fnmatchcase(image, pattern)), {}))
 
 
 def pull_bytes(image: str, sizes: dict[str, int]) -> int:
@@ -76,5 +90,5 @@ def disk_pressure_condition(stamp: str, pressure: bool) -> dict[str, str]:
             "reason": "KubeletHasNoDiskPressure", "message": "kubelet has no disk pressure"}
 
 
-__all__ = ["DEFAULT_SIZES", "DISK_PRESSURE_TAINT", "DLC_CPU_TRAINING_MIB", "DLC_GPU_TRAINING_MIB",
-           "disk_pressure_condition", "no_space_message", "pull_bytes", "unpacked_bytes"]
+__all__ = ["DEFAULT_ENVS", "DEFAULT_SIZES", "DISK_PRESSURE_TAINT", "DLC_CPU_TRAINING_MIB", "DLC_GPU_TRAINING_MIB",
+           "disk_pressure_condition", "image_env", "no_space_message", "pull_bytes", "unpacked_bytes"]

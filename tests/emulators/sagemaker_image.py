@@ -47,7 +47,10 @@ cp313 build) is not seen. The package set is modelled exactly; the pins above al
 Build: a virtual environment without the system's packages, made once per pin list and cached under
 ``$DILOCO_TEST_CACHE`` (default ``~/.cache/diloco-tests``) in a folder named by the list's hash, so every test
 session after the first finds it ready (the first build takes one to two minutes, mostly torch's files; pip's own
-cache is reused and no ``.pyc`` is written, as the image's ``PYTHONDONTWRITEBYTECODE=1`` would not either). A file
+cache is reused). pip byte-compiles what it installs, as the Dockerfile's ``pip install`` lines do: the image's
+``PYTHONDONTWRITEBYTECODE=1`` keeps its interpreter from writing ``.pyc`` files at import, not pip from writing
+them at install, so the image ships them and a process on it imports torch from them; without them each such
+process would compile torch's sources again (about 4 CPU-seconds more each). A file
 lock makes parallel test workers build it once. ``wheelhouse()`` likewise caches a folder of wheels, a stand-in
 for the package index that a job's pip reads through ``PIP_FIND_LINKS`` with ``PIP_NO_INDEX``: pip still resolves
 and installs for real, only without the network.
@@ -67,6 +70,18 @@ import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+#: The PyTorch training DLC's own ``ENV`` lines (deep-learning-containers, pytorch/training/docker/2.8/py3/
+#: Dockerfile.cpu): what the image adds to every process it runs, under SageMaker or Kubernetes alike. Its Python
+#: never writes ``.pyc`` files (``PYTHONDONTWRITEBYTECODE``), so nothing run on the image changes its site-packages.
+DLC_IMAGE_ENV = {
+    "PYTHONDONTWRITEBYTECODE": "1",
+    "PYTHONUNBUFFERED": "1",
+    "PYTHONIOENCODING": "UTF-8",
+    "LANG": "C.UTF-8",
+    "LC_ALL": "C.UTF-8",
+    "DLC_CONTAINER_TYPE": "training",
+}
 
 #: The image's packages other than torch as a consistent set, exact versions (see the module docstring for where
 #: each comes from): the common and PyTorch stages, and the SageMaker stage's s3fs with the aiobotocore it pulls and
@@ -147,7 +162,7 @@ def _pip(*args: str) -> None:
 def image_python(root: Path | None = None) -> Path:
     """The image-like interpreter, built on first use and cached (see the module docstring); its ``bin/python``."""
     pins = image_pins()
-    home = (root or cache_root()) / f"pytorch-training-image-{_key([*pins, '--no-deps', *IMAGE_FORCED])}"
+    home = (root or cache_root()) / f"pytorch-training-image-{_key([*pins, '--no-deps', *IMAGE_FORCED, 'compiled'])}"
     python = home / "bin" / "python"
     if (home / _READY).is_file():
         return python
@@ -157,8 +172,8 @@ def image_python(root: Path | None = None) -> Path:
         shutil.rmtree(home, ignore_errors=True)  # a build that died half-way
         started = time.monotonic()
         subprocess.run([_base_python(), "-m", "venv", "--without-pip", str(home)], check=True)
-        _pip("--python", str(python), "install", "--quiet", "--no-compile", *pins)
-        _pip("--python", str(python), "install", "--quiet", "--no-compile", "--no-deps", *IMAGE_FORCED)
+        _pip("--python", str(python), "install", "--quiet", *pins)
+        _pip("--python", str(python), "install", "--quiet", "--no-deps", *IMAGE_FORCED)
         (home / _READY).write_text(json.dumps({"pins": pins, "forced": list(IMAGE_FORCED),
                                                "build_s": round(time.monotonic() - started, 1)}))
     return python
@@ -172,7 +187,7 @@ def build_seconds(python: Path) -> float:
 def site_packages(python: Path) -> Path:
     """The interpreter's own site-packages directory (what a job must never modify)."""
     out = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                         capture_output=True, text=True, check=True)
+                         capture_output=True, text=True, check=True, env={**os.environ, **DLC_IMAGE_ENV})
     return Path(out.stdout.strip())
 
 

@@ -76,6 +76,7 @@ from pathlib import Path
 from typing import Any
 
 from .cloudwatch_logs import LogStreamWriter
+from .sagemaker_image import DLC_IMAGE_ENV
 from .sagemaker_validation import RequestInvalid
 
 LOG_GROUP = "/aws/sagemaker/TrainingJobs"
@@ -85,17 +86,6 @@ FAILURE_REASON_MAX = 1024
 TERMINAL = ("Completed", "Failed", "Stopped")
 #: The ECR repository of AWS's prebuilt PyTorch training images (sagemaker-core's image URI tables).
 PYTORCH_TRAINING_REPOSITORY = "pytorch-training"
-
-#: The PyTorch training DLC's own ``ENV`` lines (deep-learning-containers, pytorch/training/docker/2.8/py3/
-#: Dockerfile.cpu): what the image adds to every process, independent of SageMaker.
-DLC_IMAGE_ENV = {
-    "PYTHONDONTWRITEBYTECODE": "1",
-    "PYTHONUNBUFFERED": "1",
-    "PYTHONIOENCODING": "UTF-8",
-    "LANG": "C.UTF-8",
-    "LC_ALL": "C.UTF-8",
-    "DLC_CONTAINER_TYPE": "training",
-}
 
 _OPT_ML = re.compile(r"(?<![\w.-])/opt/ml(?![\w.-])")
 

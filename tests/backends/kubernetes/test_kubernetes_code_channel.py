@@ -85,7 +85,8 @@ def _spec(rendezvous: str) -> LaunchSpec:
 def _fetch(python: Path, init: dict[str, Any], target: Path, extra_env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     """Run the init container's command as the container would: its env (the code dir pointed at ``target``, a
     plain host folder here), the identity the node injects, from outside the checkout."""
-    env = {"PATH": os.environ.get("PATH", ""), "HOME": os.environ.get("HOME", "/"), **extra_env}
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": os.environ.get("HOME", "/"), **sagemaker_image.DLC_IMAGE_ENV,
+           **extra_env}
     env.update({e["name"]: e["value"] for e in init["env"] if "value" in e})
     env["DILOCO_CODE_DIR"] = str(target)
     command = [str(python), *init["command"][1:]]

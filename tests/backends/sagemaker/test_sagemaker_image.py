@@ -88,7 +88,7 @@ def snapshot(directory: Path) -> dict[str, tuple[int, int]]:
 def run_in(python: Path, code: str) -> subprocess.CompletedProcess[str]:
     """``python -c code`` as a container would run it: outside the checkout (``-c`` puts the working directory on
     ``sys.path``, and a checkout may hold an editable install's ``diloco.egg-info``)."""
-    env = {"PATH": os.environ.get("PATH", ""), "HOME": os.environ.get("HOME", "/")}
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": os.environ.get("HOME", "/"), **sagemaker_image.DLC_IMAGE_ENV}
     return subprocess.run([str(python), "-c", code], capture_output=True, text=True, env=env, timeout=120,
                           cwd=Path(python).anchor)
 
