@@ -15,8 +15,8 @@ Fixtures (opt-in, except the two autouse ones at the end: an empty memory:// and
 * ``bucket_keys``: list a bucket straight from moto.
 * ``managed_policies``: moto with AWS's managed IAM policies loaded (it resets moto: request it first).
 
-Order: the longest tests run first (``pytest_collection_modifyitems``), so that under pytest-xdist the workers
-share them out at the start instead of one worker finishing alone on a long test at the end.
+Order: the longest units of work run first, by ``tests/test_durations.json`` (``support.run_order``), so that under
+pytest-xdist the workers share them out at the start instead of one worker finishing alone on a long test at the end.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ pytest.register_assert_rewrite("support")
 
 from support.faultproxy import FaultProxy  # noqa: E402 (tests/ is on sys.path: pytest's rootdir-relative import)
 from support.process_census import ProcessCensus  # noqa: E402
+from support.run_order import DurationRecorder, load_durations, longest_first  # noqa: E402
 from support.time_budget import TimeBudgets  # noqa: E402
 
 BUCKET = "diloco-test-bucket"
@@ -47,16 +48,6 @@ _CLEARED = (
     "AWS_CONTAINER_CREDENTIALS_FULL_URI", "AWS_MAX_ATTEMPTS", "AWS_RETRY_MODE", "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS",
     "DILOCO_S3_URI",
 )
-
-
-def _expected_cost(item: pytest.Item) -> int:
-    """A sort key, smallest first, for how long ``item`` is expected to take: the ``long`` tests (a minute or more
-    every time), then the other ``slow`` (multi-process end-to-end) tests, then the rest. A declared timeout is
-    no guide: the image tests declare a long one for the first session on a machine, which builds a cached
-    interpreter (under a lock: two workers starting with them would both wait for one build)."""
-    if item.get_closest_marker("long") is not None:
-        return 0
-    return 1 if item.get_closest_marker("slow") is not None else 2
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -73,6 +64,7 @@ def pytest_configure(config: pytest.Config) -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     config.pluginmanager.register(TimeBudgets(), "diloco-time-budgets")
     config.pluginmanager.register(ProcessCensus(), "diloco-process-census")
+    config.pluginmanager.register(DurationRecorder(), "diloco-test-durations")
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -87,10 +79,10 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Longest tests first: pytest-xdist's ``load`` scheduling hands tests out in collection order, so a long test
-    collected late would leave one worker running it alone while the other has finished. The sort is stable:
-    within a tier the collection order (and fixture reuse) stays."""
-    items.sort(key=_expected_cost)
+    """Longest units of work first, by what each test took in the last whole run (``support.run_order``): under
+    pytest-xdist the workers share the long scenarios out at the start instead of one finishing alone on one at the
+    end."""
+    longest_first(items, load_durations())
 
 
 @pytest.fixture

@@ -1,0 +1,64 @@
+"""The suite hands out its longest units of work first (``support.run_order``), by what each test took in the last
+whole run: a real pytest run of a small suite shows the order, and writes what it measured for the next one."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parents[1]
+
+CONFTEST = f"""
+import sys
+from pathlib import Path
+sys.path.insert(0, {str(TESTS)!r})
+from support.run_order import DurationRecorder, load_durations, longest_first
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: a slow test")
+    config.addinivalue_line("markers", "xdist_group(name): one worker runs the module")
+    config.pluginmanager.register(DurationRecorder(Path("measured.json")), "durations")
+
+def pytest_collection_modifyitems(items):
+    longest_first(items, load_durations(Path("durations.json")))
+"""
+
+SUITE = {
+    "test_a.py": "import time\n\n"
+                 "def test_short():\n    pass\n\n"
+                 "def test_measured_long():\n    time.sleep(1.1)\n",
+    "test_b.py": "import pytest\n\n"
+                 "@pytest.mark.slow\ndef test_marked_slow():\n    pass\n\n"
+                 "def test_unmarked():\n    pass\n",
+    "test_c.py": "import pytest\n\npytestmark = pytest.mark.xdist_group('together')\n\n"
+                 "def test_first_of_group():\n    pass\n\n"
+                 "def test_second_of_group():\n    pass\n",
+}
+
+
+def test_the_longest_units_go_first_a_group_stays_together_and_the_run_records_its_durations(
+        tmp_path: Path) -> None:
+    (tmp_path / "conftest.py").write_text(CONFTEST)
+    for name, text in SUITE.items():
+        (tmp_path / name).write_text(text)
+    (tmp_path / "durations.json").write_text(json.dumps({
+        "test_a.py::test_measured_long": 8.0,
+        "test_c.py::test_first_of_group": 1.5, "test_c.py::test_second_of_group": 1.5}))
+    done = subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    ran = re.findall(r"^(test_\w+\.py::\w+) PASSED", done.stdout, re.MULTILINE)
+    assert ran == [
+        "test_a.py::test_measured_long",   # measured: 8 s
+        "test_b.py::test_marked_slow",     # not measured, marked slow: 5 s
+        "test_c.py::test_first_of_group",  # one unit of 3 s, its tests together and in their order
+        "test_c.py::test_second_of_group",
+        "test_a.py::test_short",           # the rest in collection order
+        "test_b.py::test_unmarked",
+    ], done.stdout
+    measured = json.loads((tmp_path / "measured.json").read_text())
+    assert list(measured) == ["test_a.py::test_measured_long"], measured  # only tests of a second or more
+    assert measured["test_a.py::test_measured_long"] >= 1.1
