@@ -15,8 +15,8 @@ Fixtures (opt-in, except the two autouse ones at the end: an empty memory:// and
 * ``bucket_keys``: list a bucket straight from moto.
 * ``managed_policies``: moto with AWS's managed IAM policies loaded (it resets moto: request it first).
 
-Order: the longest units of work run first, by ``tests/test_durations.json`` (``support.run_order``), so that under
-pytest-xdist the workers share them out at the start instead of one worker finishing alone on a long test at the end.
+Order: the long scenarios go out early and spread among the short tests, by ``tests/test_durations.json``
+(``support.run_order``), so that under pytest-xdist no worker finishes alone on a long test at the end.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ pytest.register_assert_rewrite("support")
 
 from support.faultproxy import FaultProxy  # noqa: E402 (tests/ is on sys.path: pytest's rootdir-relative import)
 from support.process_census import ProcessCensus  # noqa: E402
-from support.run_order import DurationRecorder, load_durations, longest_first  # noqa: E402
+from support.run_order import DurationRecorder, dispatch_order, load_durations  # noqa: E402
 from support.time_budget import TimeBudgets  # noqa: E402
 
 BUCKET = "diloco-test-bucket"
@@ -79,10 +79,10 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Longest units of work first, by what each test took in the last whole run (``support.run_order``): under
-    pytest-xdist the workers share the long scenarios out at the start instead of one finishing alone on one at the
-    end."""
-    longest_first(items, load_durations())
+    """The long scenarios early and spread among the short tests, by what each test took in the last whole run
+    (``support.run_order``): under pytest-xdist no worker finishes alone on a long one, and the short tests' waits
+    are filled all along."""
+    dispatch_order(items, load_durations())
 
 
 @pytest.fixture

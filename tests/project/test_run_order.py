@@ -1,5 +1,6 @@
-"""The suite hands out its longest units of work first (``support.run_order``), by what each test took in the last
-whole run: a real pytest run of a small suite shows the order, and writes what it measured for the next one."""
+"""The suite hands out its long scenarios early and spread among the short tests (``support.run_order``), by what
+each test took in the last whole run: a real pytest run of a small suite shows the order, and writes what it
+measured for the next one."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ CONFTEST = f"""
 import sys
 from pathlib import Path
 sys.path.insert(0, {str(TESTS)!r})
-from support.run_order import DurationRecorder, load_durations, longest_first
+from support.run_order import DurationRecorder, dispatch_order, load_durations
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: a slow test")
@@ -23,7 +24,7 @@ def pytest_configure(config):
     config.pluginmanager.register(DurationRecorder(Path("measured.json")), "durations")
 
 def pytest_collection_modifyitems(items):
-    longest_first(items, load_durations(Path("durations.json")))
+    dispatch_order(items, load_durations(Path("durations.json")))
 """
 
 SUITE = {
@@ -39,7 +40,7 @@ SUITE = {
 }
 
 
-def test_the_longest_units_go_first_a_group_stays_together_and_the_run_records_its_durations(
+def test_heavy_units_go_longest_first_among_the_short_ones_a_group_stays_together_and_durations_are_kept(
         tmp_path: Path) -> None:
     (tmp_path / "conftest.py").write_text(CONFTEST)
     for name, text in SUITE.items():
@@ -51,13 +52,14 @@ def test_the_longest_units_go_first_a_group_stays_together_and_the_run_records_i
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     ran = re.findall(r"^(test_\w+\.py::\w+) PASSED", done.stdout, re.MULTILINE)
+    # Heavy: the measured 8 s, then the marked 5 s; short, in collection order: 0.3 s, 0.3 s and the group's 3 s.
     assert ran == [
-        "test_a.py::test_measured_long",   # measured: 8 s
-        "test_b.py::test_marked_slow",     # not measured, marked slow: 5 s
-        "test_c.py::test_first_of_group",  # one unit of 3 s, its tests together and in their order
-        "test_c.py::test_second_of_group",
-        "test_a.py::test_short",           # the rest in collection order
+        "test_a.py::test_measured_long",   # the longest heavy unit first: 8 of the 13 heavy seconds out
+        "test_a.py::test_short",           # then short ones until their share catches up (0.3 + 0.3 + 3 of 3.6)
         "test_b.py::test_unmarked",
+        "test_c.py::test_first_of_group",  # a group is one unit: its tests together and in their order
+        "test_c.py::test_second_of_group",
+        "test_b.py::test_marked_slow",     # not measured, marked slow: 5 s, heavy
     ], done.stdout
     measured = json.loads((tmp_path / "measured.json").read_text())
     assert list(measured) == ["test_a.py::test_measured_long"], measured  # only tests of a second or more
