@@ -33,6 +33,8 @@ from pathlib import Path
 
 import pytest
 
+from .xdist_groups import module_group
+
 DURATIONS_FILE = Path(__file__).resolve().parents[1] / "test_durations.json"
 MEASURED_FILE = Path(__file__).resolve().parents[2] / "build" / "test-durations.json"
 #: Tests shorter than this are left out of the durations file: the default for an unmeasured test stands for them.
@@ -64,11 +66,10 @@ def expected_seconds(item: pytest.Item, durations: Mapping[str, float]) -> float
 
 
 def unit_of(item: pytest.Item) -> str:
-    """The unit of work the scheduler hands out whole: the module's ``xdist_group`` name, else the test."""
-    group = item.get_closest_marker("xdist_group")
-    if group is not None and group.args:
-        return f"xdist_group:{group.args[0]}"
-    return item.nodeid
+    """The unit of work the scheduler hands out whole: the module's ``xdist_group`` (as ``support.xdist_groups``
+    finds it), else the test."""
+    group = module_group(str(item.config.rootpath), item.nodeid.split("::", 1)[0])
+    return f"xdist_group:{group}" if group else item.nodeid
 
 
 def dispatch_order(items: list[pytest.Item], durations: Mapping[str, float]) -> None:

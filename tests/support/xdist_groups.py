@@ -22,7 +22,7 @@ _MARKED = re.compile(r"""^pytestmark\s*=.*\bxdist_group\(\s*["']([^"']+)["']""",
 
 
 @functools.cache
-def _module_group(rootdir: str, path: str) -> str | None:
+def module_group(rootdir: str, path: str) -> str | None:
     """The ``xdist_group`` name the module at ``path`` declares, if any."""
     try:
         found = _MARKED.search((Path(rootdir) / path).read_text())
@@ -35,5 +35,5 @@ class ModuleGroupScheduling(LoadScopeScheduling):
     """``LoadScopeScheduling`` whose scope is the group for a marked module and the test itself otherwise."""
 
     def _split_scope(self, nodeid: str) -> str:
-        group = _module_group(str(self.config.rootpath), nodeid.split("::", 1)[0])
+        group = module_group(str(self.config.rootpath), nodeid.split("::", 1)[0])
         return f"xdist_group:{group}" if group else nodeid
