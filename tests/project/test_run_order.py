@@ -64,3 +64,9 @@ def test_heavy_units_go_longest_first_among_the_short_ones_a_group_stays_togethe
     measured = json.loads((tmp_path / "measured.json").read_text())
     assert list(measured) == ["test_a.py::test_measured_long"], measured  # only tests of a second or more
     assert measured["test_a.py::test_measured_long"] >= 1.1
+
+    # A run of part of the suite keeps what it did not run.
+    again = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_b.py"],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert json.loads((tmp_path / "measured.json").read_text()) == measured

@@ -19,8 +19,9 @@ What a test is expected to take: its seconds in ``tests/test_durations.json`` (s
 ``slow`` 5 s, others 0.3 s). A unit costs the sum of its tests. Units keep their tests together, in collection
 order, so a module-scoped fixture is set up once per unit; the short units keep their collection order.
 
-Each run writes what it measured to ``build/test-durations.json`` (the controller's reports, so also under xdist);
-after a whole ``make test``, copying it over ``tests/test_durations.json`` refreshes the order. A stale file only
+Each run records what it measured in ``build/test-durations.json`` (the controller's reports, so also under xdist;
+a run of part of the suite updates only the tests it ran); after a whole ``make test``, copying it over
+``tests/test_durations.json`` refreshes the order. A stale file only
 makes the order less good, never a test wrong.
 """
 
@@ -57,6 +58,7 @@ def load_durations(path: Path = DURATIONS_FILE) -> dict[str, float]:
 
 
 def expected_seconds(item: pytest.Item, durations: Mapping[str, float]) -> float:
+    """What ``item`` is expected to take: its measured seconds, else its marker's default."""
     if item.nodeid in durations:
         return durations[item.nodeid]
     for marker, seconds in DEFAULT_S.items():
@@ -97,7 +99,9 @@ def dispatch_order(items: list[pytest.Item], durations: Mapping[str, float]) -> 
 
 
 class DurationRecorder:
-    """The plugin that writes what this run's tests took (``MEASURED_FILE``), on the controller only."""
+    """The plugin that records what this run's tests took in ``MEASURED_FILE``, on the controller only. A run of
+    part of the suite updates the tests it ran and keeps the others' seconds, so running one file after a whole
+    ``make test`` does not lose the whole run's measure."""
 
     def __init__(self, measured_file: Path = MEASURED_FILE) -> None:
         self.measured_file = measured_file
@@ -110,9 +114,14 @@ class DurationRecorder:
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         if hasattr(session.config, "workerinput") or not self.seconds:
             return
-        kept = {nodeid: round(s, 1) for nodeid, s in sorted(self.seconds.items()) if s >= KEPT_FROM_S}
+        kept = load_durations(self.measured_file)
+        for nodeid, seconds in self.seconds.items():
+            if seconds >= KEPT_FROM_S:
+                kept[nodeid] = round(seconds, 1)
+            else:
+                kept.pop(nodeid, None)
         self.measured_file.parent.mkdir(parents=True, exist_ok=True)
-        self.measured_file.write_text(json.dumps(kept, indent=0) + "\n")
+        self.measured_file.write_text(json.dumps(dict(sorted(kept.items())), indent=0) + "\n")
 
 
 __all__ = ["DURATIONS_FILE", "DurationRecorder", "dispatch_order", "expected_seconds", "load_durations", "unit_of"]
