@@ -72,7 +72,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 #: The PyTorch training DLC's own ``ENV`` lines (deep-learning-containers, pytorch/training/docker/2.8/py3/
-#: Dockerfile.cpu): what the image adds to every process it runs, under SageMaker or Kubernetes alike. Its Python
+#: Dockerfile.cpu, and the same lines in 2.10/py3/Dockerfile.cpu's common stage): what the image adds to every
+#: process it runs, under SageMaker or Kubernetes alike. Its Python
 #: never writes ``.pyc`` files (``PYTHONDONTWRITEBYTECODE``), so nothing run on the image changes its site-packages.
 DLC_IMAGE_ENV = {
     "PYTHONDONTWRITEBYTECODE": "1",
