@@ -5,15 +5,10 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from diloco.errors import ConfigError
 from diloco.executors.gpus import GPUS
-from diloco.executors.sagemaker.service_model import sagemaker_model
-
-if TYPE_CHECKING:
-    pass
-
 from diloco.executors.sagemaker.config import (
     CONTAINER_ARG_MAX,
     CONTAINER_ARGS_MAX_ITEMS,
@@ -26,6 +21,7 @@ from diloco.executors.sagemaker.config import (
     MAX_RUNTIME_CEILING_S,
     TAGS_MAX,
 )
+from diloco.executors.sagemaker.service_model import sagemaker_model
 
 
 def _gpus_by_family() -> dict[str, dict[str, int]]:

@@ -27,7 +27,8 @@ Unknown desc = ...: no space left on device: unknown``, dandi/dandi-hub#89 on EK
 pod on the node is still trying such a pull (containerd's garbage collector removes the partial layers).
 
 **Environment.** An image's config carries its ``ENV`` lines, and the container runtime starts every container with
-them, under the pod's own ``env`` (which wins on a clash). The DLC training images set ``PYTHONDONTWRITEBYTECODE=1``
+them, under the pod's own ``env`` (kubernetes.io "Define Environment Variables for a Container": "Environment
+variables that you define in the configuration override any environment variables set in the container image"). The DLC training images set ``PYTHONDONTWRITEBYTECODE=1``
 among others (``sagemaker_image.DLC_IMAGE_ENV``), so a container never writes ``.pyc`` files into the image's
 site-packages; ``DEFAULT_ENVS`` holds them by the same globs.
 """
