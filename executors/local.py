@@ -577,8 +577,9 @@ class LocalBackend(ServerlessExecutor[LocalBackendConfig, LocalRunHandle]):
             return self._status(
                 rank, "cancel-requested" if cancel_requested else "unsupervised", job_id, started_at=started,
                 detail="unsupervised",
-                reason=f"its supervisor (pid {p.pid}) was killed; the replica runs on unsupervised, its output "
-                       f"is no longer logged and its exit code will not be recorded")
+                reason=f"its supervisor (pid {p.pid}) was killed; the replica runs on unsupervised: its output "
+                       f"still goes to stdout.log and stderr.log in {p.log_dir}, no longer to `diloco logs`, and "
+                       f"its exit code will not be recorded")
         if exit_rec is None and not os.path.isdir(p.log_dir):
             return self._status(rank, "files-gone", job_id, started_at=started,
                                 reason=f"its run files are gone ({p.log_dir} was deleted): how it ended is no "

@@ -4,9 +4,11 @@
 the supervisor's own process group (the executor starts the supervisor in a new session, so one ``killpg``
 reaches both) and:
 
-* tees the child's stdout and stderr line by line into ``stdout.log``, ``stderr.log`` and ``combined.log``;
-  every ``combined.log`` line is ``"<unix time> <out|err> <text>"`` so ``diloco logs`` can merge replicas in
-  time order;
+* points the child's stdout and stderr straight at ``stdout.log`` and ``stderr.log`` and follows both into
+  ``combined.log``, where every line is ``"<unix time> <out|err> <text>"`` so ``diloco logs`` can merge replicas
+  in time order. Files, not pipes: a pipe would close with a killed supervisor (``kill -9``, the OOM killer) and
+  the replica's next print would die of it (EPIPE); a file outlives the supervisor, and so do the replica and
+  its output;
 * forwards SIGTERM/SIGINT/SIGHUP to the child, records that it was stopped by a signal, and SIGKILLs it if it is
   still alive ``--grace`` seconds later (so a cancel's escalation does not depend on the CLI that asked);
 * enforces ``--timeout`` (SIGTERM, then SIGKILL after ``--grace`` seconds);
@@ -175,24 +177,56 @@ def parse_combined_line(line: str) -> tuple[float, str, str] | None:
 
 
 # ------------------------------------------------------------------ the supervisor itself
-class _Tee:
-    """Copies one pipe into its own raw log and, with a timestamp, into the shared combined log."""
+#: How often the supervisor looks for new output: a line's time in ``combined.log`` is at most this late, and
+#: stdout and stderr lines written within it may be merged out of their order.
+FOLLOW_EVERY_S = 0.05
+#: A line longer than this (a progress bar redrawn with carriage returns, never a newline) is cut and copied, so
+#: the follower's memory stays bounded.
+MAX_LINE_BYTES = 64 * 1024
 
-    def __init__(self, pipe: IO[bytes], raw: IO[bytes], combined: IO[bytes], lock: threading.Lock, tag: str):
-        self._pipe, self._raw, self._combined, self._lock, self._tag = pipe, raw, combined, lock, tag
-        self.thread = threading.Thread(target=self._run, daemon=True, name=f"tee-{tag}")
+
+class _LogFollower:
+    """Copies the new lines of the child's own ``stdout.log`` and ``stderr.log``, each with the time it was
+    seen, into ``combined.log``, until closed (then the last unterminated line too)."""
+
+    def __init__(self, sources: list[tuple[str, str]], combined: IO[bytes]):
+        self._sources: list[tuple[IO[bytes], str]] = []
+        for path, tag in sources:
+            f = open(path, "rb")  # noqa: SIM115 - held until close()
+            f.seek(0, os.SEEK_END)  # an earlier attempt's output, appended to the same file, was copied then
+            self._sources.append((f, tag))
+        self._combined = combined
+        self._partial = {tag: b"" for _, tag in sources}
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="log-follower")
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self.thread.join()
+        self._copy(final=True)
+        for f, _ in self._sources:
+            f.close()
 
     def _run(self) -> None:
-        for line in iter(self._pipe.readline, b""):
-            if not line.endswith(b"\n"):
-                line += b"\n"
-            with self._lock:
-                # Stamped under the lock, so combined.log is in non-decreasing time order.
-                stamp = f"{time.time():.6f} {self._tag} ".encode()
-                self._raw.write(line)
-                self._raw.flush()
-                self._combined.write(stamp + line)
-                self._combined.flush()
+        while not self._stop.wait(FOLLOW_EVERY_S):
+            self._copy(final=False)
+
+    def _copy(self, *, final: bool) -> None:
+        stamp = f"{time.time():.6f}"
+        out: list[bytes] = []
+        for f, tag in self._sources:
+            *lines, rest = (self._partial[tag] + f.read()).split(b"\n")
+            if rest and (final or len(rest) > MAX_LINE_BYTES):
+                lines.append(rest)
+                rest = b""
+            self._partial[tag] = rest
+            out.extend(f"{stamp} {tag} ".encode() + line + b"\n" for line in lines)
+        if out:
+            self._combined.write(b"".join(out))
+            self._combined.flush()
 
 
 def _kill_leftovers() -> None:
@@ -246,24 +280,21 @@ def supervise(log_dir: str, command: list[str], timeout_s: float | None, grace_s
                                       "ended_at": time.time()})
         return 128 + received[0]
 
-    lock = threading.Lock()
     with open(os.path.join(log_dir, STDOUT_LOG), "ab") as out_raw, \
          open(os.path.join(log_dir, STDERR_LOG), "ab") as err_raw, \
          open(os.path.join(log_dir, COMBINED_LOG), "ab") as combined:
+        follower = _LogFollower([(out_raw.name, "out"), (err_raw.name, "err")], combined)
         try:
-            child = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE)
+            child = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out_raw, stderr=err_raw)
         except OSError as exc:
+            follower.close()
             write_json_atomic(exit_path, {"exit_code": 127, "signal": None, "reason": f"could not start: {exc}",
                                           "started_at": started_at, "ended_at": time.time()})
             return 127
         if received:  # a signal that arrived while the child was being started
             forward(received[0], None)
         write_json_atomic(os.path.join(log_dir, CHILD_FILE), {"pid": child.pid, "started_at": started_at})
-        assert child.stdout is not None and child.stderr is not None
-        tees = [_Tee(child.stdout, out_raw, combined, lock, "out"), _Tee(child.stderr, err_raw, combined, lock, "err")]
-        for tee in tees:
-            tee.thread.start()
+        follower.start()
 
         timed_out: float | None = None
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -281,9 +312,8 @@ def supervise(log_dir: str, command: list[str], timeout_s: float | None, grace_s
                 child.wait(timeout=0.1)
             except subprocess.TimeoutExpired:
                 pass
-        _kill_leftovers()  # so pipes held open by grandchildren reach EOF, and nothing is left behind
-        for tee in tees:
-            tee.thread.join(timeout=5.0)
+        _kill_leftovers()  # nothing the child started outlives it, nor writes after the last copy
+        follower.close()
 
     code, sig_name, reason = _describe_end(child.returncode, received[0] if received else None, timed_out)
     write_json_atomic(exit_path, {"exit_code": code, "signal": sig_name, "reason": reason,

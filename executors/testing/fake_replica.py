@@ -5,7 +5,8 @@ It needs nothing beyond this package (no torch, no pytest), so it runs in any re
 
 Behaviour comes from ``--trainer-kwargs-json`` (the executor's contract is only "run this module with these
 args and env"): print ``lines`` lines to stdout and one to stderr, optionally spawn a grandchild, optionally
-ignore SIGTERM (or log each one's sender to ``term_log``), say its world size (``announce_world``), sleep, then
+ignore SIGTERM (or log each one's sender to ``term_log``), say its world size (``announce_world``), wait for the
+file ``go_on_when`` to exist before printing (so a test can act between the start and the output), sleep, then
 exit with ``exit`` (or ``fail_exit`` on ``fail_rank``). Its rank is the environment's plus ``DILOCO_RANK_OFFSET``, as
 the real entrypoint reads it. ``env_out`` is a directory
 where each rank writes what it saw (argv, cwd, environment) as JSON.
@@ -54,6 +55,8 @@ def main() -> int:
                 f.write(str(child.pid))
     if kwargs.get("announce_world"):
         print(f"rank {rank} of world size {os.environ.get('WORLD_SIZE')}")
+    while kwargs.get("go_on_when") and not os.path.exists(kwargs["go_on_when"]):
+        time.sleep(0.05)
     for i in range(int(kwargs.get("lines", 3))):
         print(f"rank {rank} line {i}")
         time.sleep(float(kwargs.get("line_gap", 0.0)))

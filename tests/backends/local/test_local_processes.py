@@ -238,12 +238,19 @@ def test_killed_supervisor_leaves_a_running_replica_that_cancel_still_stops(tmp_
                                                                             backend: LocalBackend) -> None:
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
-    handle = backend.submit(backend.plan(make_spec(tmp_path, n=1, sleep=120, env_out=str(pid_dir))))
+    go_on = tmp_path / "go-on"
+    handle = backend.submit(backend.plan(make_spec(tmp_path, n=1, sleep=120, env_out=str(pid_dir),
+                                                   go_on_when=str(go_on))))
     supervisor = handle.processes[0].pid
     wait_for(lambda: (pid_dir / "rank_0.json").exists(), "rank 0 to record its pid")
     replica_pid = json.loads((pid_dir / "rank_0.json").read_text())["pid"]
     os.kill(supervisor, signal.SIGKILL)  # the supervisor only, as `kill -9 <pid>` or the OOM killer would
     wait_for(lambda: not alive(supervisor), "the supervisor to exit")
+    go_on.touch()  # the replica prints only now, with no supervisor: its output must still have somewhere to go
+    logs = log_dir(handle, 0)
+    wait_for(lambda: "hello on stderr" in (logs / "stderr.log").read_text(), "the replica's unsupervised output",
+             alive=lambda: alive(replica_pid))
+    assert (logs / "stdout.log").read_text().splitlines() == [f"rank 0 line {i}" for i in range(3)]
     assert alive(replica_pid)
 
     status = backend.describe(handle).replica(0)  # not "failed" while the replica still trains, nor "running"
