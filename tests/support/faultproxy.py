@@ -14,6 +14,10 @@ Actions:
 * ``drop_response``: forward the request (the server acts on it), then close without answering: the client
   cannot know whether its write happened and retries it.
 * ``delay``: wait ``delay_s`` then forward normally (a slow network or a slow server).
+
+A stopped proxy forwards nothing more: a request still waiting out a ``delay`` is hung up on instead, and
+``stop()`` waits for the forwards already under way, so no request of one test reaches the server during the next
+(the server is shared by the tests of a worker, and reset between them).
 * ``status``: answer ``status`` with an S3-style XML error body ``code`` (``503 SlowDown``, ``403 AccessDenied``).
 * ``truncate``: forward, then return only the first half of the body with an honest ``Content-Length`` and the
   S3 checksum headers removed, so the client cannot tell; only an end-to-end checksum can catch it.
@@ -94,6 +98,8 @@ class FaultProxy:
         self._lock = threading.Lock()
         self._rng = random.Random(seed)
         self.seen: list[Seen] = []
+        self._stopped = threading.Event()
+        self._forwarding = 0  # requests being forwarded upstream now, under _lock
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _make_handler(self))
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, name="fault-proxy", daemon=True)
@@ -109,8 +115,27 @@ class FaultProxy:
         return self
 
     def stop(self) -> None:
+        self._stopped.set()
+        deadline = time.monotonic() + 60.0  # one upstream request's own timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if self._forwarding == 0:
+                    break
+            time.sleep(0.01)
         self._server.shutdown()
         self._server.server_close()
+
+    def _begin_forward(self) -> bool:
+        """Count a forward in, unless the proxy is stopping (then the request must not reach the server)."""
+        with self._lock:
+            if self._stopped.is_set():
+                return False
+            self._forwarding += 1
+            return True
+
+    def _end_forward(self) -> None:
+        with self._lock:
+            self._forwarding -= 1
 
     def __enter__(self) -> FaultProxy:
         return self.start()
@@ -226,9 +251,15 @@ def _make_handler(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
                 self.wfile.write(payload)
                 return
             if rule is not None and rule.action == "delay":
-                time.sleep(rule.delay_s)
+                proxy._stopped.wait(rule.delay_s)
             strip = rule.header.lower() if rule is not None and rule.action == "strip_header" else None
-            status, reason, headers, data = self._forward(method, path, body, strip)
+            if not proxy._begin_forward():
+                self._hang_up()
+                return
+            try:
+                status, reason, headers, data = self._forward(method, path, body, strip)
+            finally:
+                proxy._end_forward()
             if rule is not None and rule.action == "drop_response":
                 proxy._record(method, path, "drop_response", seen_headers)
                 self._hang_up()
