@@ -26,10 +26,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
-import threading
 import time
 from typing import IO, Any, NamedTuple
 
@@ -177,17 +177,18 @@ def parse_combined_line(line: str) -> tuple[float, str, str] | None:
 
 
 # ------------------------------------------------------------------ the supervisor itself
-#: How often the supervisor looks for new output: a line's time in ``combined.log`` is at most this late, and
-#: stdout and stderr lines written within it may be merged out of their order.
-FOLLOW_EVERY_S = 0.05
+#: How often the supervisor looks for new output while the child writes, and while it is quiet: a line's time in
+#: ``combined.log`` is at most this late, and stdout and stderr lines written within it may be merged out of order.
+FOLLOW_BUSY_S = 0.05
+FOLLOW_QUIET_S = 0.1
 #: A line longer than this (a progress bar redrawn with carriage returns, never a newline) is cut and copied, so
-#: the follower's memory stays bounded.
+#: the supervisor's memory stays bounded.
 MAX_LINE_BYTES = 64 * 1024
 
 
 class _LogFollower:
     """Copies the new lines of the child's own ``stdout.log`` and ``stderr.log``, each with the time it was
-    seen, into ``combined.log``, until closed (then the last unterminated line too)."""
+    seen, into ``combined.log``; ``close`` copies the last unterminated line too."""
 
     def __init__(self, sources: list[tuple[str, str]], combined: IO[bytes]):
         self._sources: list[tuple[IO[bytes], str]] = []
@@ -197,28 +198,16 @@ class _LogFollower:
             self._sources.append((f, tag))
         self._combined = combined
         self._partial = {tag: b"" for _, tag in sources}
-        self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True, name="log-follower")
 
-    def start(self) -> None:
-        self.thread.start()
-
-    def close(self) -> None:
-        self._stop.set()
-        self.thread.join()
-        self._copy(final=True)
-        for f, _ in self._sources:
-            f.close()
-
-    def _run(self) -> None:
-        while not self._stop.wait(FOLLOW_EVERY_S):
-            self._copy(final=False)
-
-    def _copy(self, *, final: bool) -> None:
+    def copy(self, *, final: bool = False) -> bool:
+        """Copy what is new; whether there was anything."""
         stamp = f"{time.time():.6f}"
         out: list[bytes] = []
+        grew = False
         for f, tag in self._sources:
-            *lines, rest = (self._partial[tag] + f.read()).split(b"\n")
+            data = f.read()
+            grew = grew or bool(data)
+            *lines, rest = (self._partial[tag] + data).split(b"\n")
             if rest and (final or len(rest) > MAX_LINE_BYTES):
                 lines.append(rest)
                 rest = b""
@@ -227,6 +216,38 @@ class _LogFollower:
         if out:
             self._combined.write(b"".join(out))
             self._combined.flush()
+        return grew
+
+    def close(self) -> None:
+        self.copy(final=True)
+        for f, _ in self._sources:
+            f.close()
+
+
+class _ExitWaiter:
+    """Waits for the child's exit for at most a given time, woken by the exit itself (a Linux pidfd) rather than
+    by polling, which is what ``Popen.wait(timeout)`` does every 50 ms; polls where there is no pidfd."""
+
+    def __init__(self, child: subprocess.Popen[bytes]):
+        self._child = child
+        self._pidfd: int | None = None
+        try:
+            self._pidfd = os.pidfd_open(child.pid)
+        except (AttributeError, OSError):
+            pass
+
+    def wait(self, timeout_s: float) -> None:
+        if self._pidfd is None:
+            try:
+                self._child.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+            return
+        select.select([self._pidfd], [], [], timeout_s)
+
+    def close(self) -> None:
+        if self._pidfd is not None:
+            os.close(self._pidfd)
 
 
 def _kill_leftovers() -> None:
@@ -294,7 +315,7 @@ def supervise(log_dir: str, command: list[str], timeout_s: float | None, grace_s
         if received:  # a signal that arrived while the child was being started
             forward(received[0], None)
         write_json_atomic(os.path.join(log_dir, CHILD_FILE), {"pid": child.pid, "started_at": started_at})
-        follower.start()
+        exited = _ExitWaiter(child)
 
         timed_out: float | None = None
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -308,10 +329,8 @@ def supervise(log_dir: str, command: list[str], timeout_s: float | None, grace_s
                 kill_at = now + grace_s  # the supervisor owns the escalation: no CLI needs to stay alive for it
             if kill_at is not None and now >= kill_at:
                 child.kill()
-            try:
-                child.wait(timeout=0.1)
-            except subprocess.TimeoutExpired:
-                pass
+            exited.wait(FOLLOW_BUSY_S if follower.copy() else FOLLOW_QUIET_S)
+        exited.close()
         _kill_leftovers()  # nothing the child started outlives it, nor writes after the last copy
         follower.close()
 
