@@ -1,9 +1,11 @@
 """Replicas of several local processes (``--procs-per-replica K``), on CPU with gloo.
 
 The end-to-end test runs 2 replicas x 2 local processes of the Hugging Face trainer through the real ``diloco launch``
-(local backend, ``file://`` store), and the same model as 2 replicas x 1 process: the 4 processes end on the same
-weights, bitwise (each logs the sha256 of its final weights; the store's final weights have the same digest), and
-each replica moves exactly the bytes per round that a one-process replica moves. The other tests pin what the
+(local backend, ``file://`` store): the 4 processes end on the same weights, bitwise (each logs the sha256 of its
+final weights; the store's final weights have the same digest), and each replica moves the bytes per round that a
+one-process replica moves: with two replicas, it writes its whole pseudo-gradient once and reads its peer's once,
+each the size of the exported fp32 model give or take a safetensors header (two processes doing the store's work
+would move twice that). The other tests pin what the
 backends request and refuse, and that a failing local process fails its replica with its own error line.
 """
 
@@ -75,7 +77,6 @@ def test_two_replicas_of_two_processes_end_bitwise_identical_and_move_the_bytes_
 
     data = str(write_jsonl(tmp_path / "corpus"))
     two = launch(home, data, tokenizer_dir, procs=2)
-    one = launch(home, data, tokenizer_dir, procs=1)
 
     digests = logged_digests(home, two)
     assert set(digests) == {(0, 0), (0, 1), (1, 0), (1, 1)}, digests
@@ -83,10 +84,13 @@ def test_two_replicas_of_two_processes_end_bitwise_identical_and_move_the_bytes_
     final = load_file(run_store(home, two).path("final/rank_0000.safetensors"))
     assert hf.tensors_digest(final) == digests[(0, 0)]  # ... and they are the run's exported global weights
 
+    model_bytes = os.path.getsize(run_store(home, two).path("final/rank_0000.safetensors"))
+    assert model_bytes > 100_000
     for rank in (0, 1):
         per_round = bytes_per_round(run_store(home, two), rank)
-        assert len(per_round) == 2 and all(w > 100_000 and r > 100_000 for w, r in per_round), per_round
-        assert per_round == bytes_per_round(run_store(home, one), rank)  # K processes move the bytes of one
+        assert len(per_round) == 2, per_round
+        for moved in (n for pair in per_round for n in pair):  # K processes move the bytes of one
+            assert abs(moved - model_bytes) <= model_bytes // 100, (per_round, model_bytes)
     rows = [json.loads(line) for line in run_store(home, two).get(METRICS_KEY.format(rank=0)).decode().splitlines()]
     assert [r["kind"] for r in rows] == ["init", "round", "round", "final"]  # one writer per replica, not two
     assert all(r["eval_loss"] is not None for r in rows)
