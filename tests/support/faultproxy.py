@@ -14,15 +14,15 @@ Actions:
 * ``drop_response``: forward the request (the server acts on it), then close without answering: the client
   cannot know whether its write happened and retries it.
 * ``delay``: wait ``delay_s`` then forward normally (a slow network or a slow server).
-
-A stopped proxy forwards nothing more: a request still waiting out a ``delay`` is hung up on instead, and
-``stop()`` waits for the forwards already under way, so no request of one test reaches the server during the next
-(the server is shared by the tests of a worker, and reset between them).
 * ``status``: answer ``status`` with an S3-style XML error body ``code`` (``503 SlowDown``, ``403 AccessDenied``).
 * ``truncate``: forward, then return only the first half of the body with an honest ``Content-Length`` and the
   S3 checksum headers removed, so the client cannot tell; only an end-to-end checksum can catch it.
 * ``strip_header``: forward without the request header ``header`` (e.g. ``If-None-Match``): the server never sees
   it, as an S3-compatible store that ignores that header behaves (the client's signature is not checked by moto).
+
+A stopped proxy forwards nothing more: a request still waiting out a ``delay`` is hung up on instead, and
+``stop()`` waits for the forwards already under way, so no request of one test reaches the server during the next
+(the server is shared by the tests of a worker, and reset between them).
 """
 
 from __future__ import annotations
