@@ -77,6 +77,7 @@ from diloco.executors.local_supervisor import (
     proc_stat,
     processes_with_env,
     read_json,
+    uncopied_output,
     write_json_atomic,
 )
 from diloco.executors.logstream import LogRecord
@@ -578,8 +579,8 @@ class LocalBackend(ServerlessExecutor[LocalBackendConfig, LocalRunHandle]):
                 rank, "cancel-requested" if cancel_requested else "unsupervised", job_id, started_at=started,
                 detail="unsupervised",
                 reason=f"its supervisor (pid {p.pid}) was killed; the replica runs on unsupervised: its output "
-                       f"still goes to stdout.log and stderr.log in {p.log_dir}, no longer to `diloco logs`, and "
-                       f"its exit code will not be recorded")
+                       f"still goes to stdout.log and stderr.log in {p.log_dir} (`diloco logs` shows it, stamped "
+                       f"when read), but its exit code will not be recorded")
         if exit_rec is None and not os.path.isdir(p.log_dir):
             return self._status(rank, "files-gone", job_id, started_at=started,
                                 reason=f"its run files are gone ({p.log_dir} was deleted): how it ended is no "
@@ -655,11 +656,14 @@ class LocalBackend(ServerlessExecutor[LocalBackendConfig, LocalRunHandle]):
     # ------------------------------------------------------------------ logs
     def replica_logs(self, handle: LocalRunHandle, rank: int, *, follow: bool = False,
                      since: float | None = None) -> Iterator[LogRecord]:
-        """The replica's output lines with the time each was written; ``follow`` waits for more until it ends."""
+        """The replica's output lines with the time each was written; ``follow`` waits for more until it ends.
+        After them, what a killed supervisor left uncopied (the replica kept writing into its own files): each
+        stream's lines in order, stamped when read."""
         p = handle.process(rank) or self._current(handle).process(rank)
         path = os.path.join(p.log_dir if p else self.log_dir(handle.run_id, rank, handle.run_dir), COMBINED_LOG)
         buf = b""
         offset = 0
+        uncopied_shown = 0
         while True:
             chunk = b""
             try:
@@ -675,6 +679,12 @@ class LocalBackend(ServerlessExecutor[LocalBackendConfig, LocalRunHandle]):
                 parsed = parse_combined_line(raw.decode(errors="replace"))
                 if parsed is not None and (since is None or parsed[0] >= since):
                     yield LogRecord(parsed[0], rank, parsed[1], parsed[2])
+            if not chunk or not follow:
+                uncopied = self._uncopied(p)
+                now = time.time()
+                for stream, text in uncopied[uncopied_shown:]:
+                    yield LogRecord(now, rank, stream, text)
+                uncopied_shown = max(uncopied_shown, len(uncopied))
             if not follow:
                 return
             if not chunk:
@@ -685,6 +695,14 @@ class LocalBackend(ServerlessExecutor[LocalBackendConfig, LocalRunHandle]):
                     follow = False  # one more read: the last lines may have landed after the previous one
                     continue
                 time.sleep(0.2)
+
+    def _uncopied(self, p: LocalProcess | None) -> list[tuple[str, str]]:
+        """Output its supervisor never copied into ``combined.log``: none while the supervisor lives or once it
+        recorded the end (it copies everything first); otherwise it was killed, and the replica's own files hold
+        what came after."""
+        if p is None or self._is_ours(p) or os.path.exists(os.path.join(p.log_dir, EXIT_FILE)):
+            return []
+        return uncopied_output(p.log_dir)
 
     def failure_tail(self, handle: LocalRunHandle, rank: int, n: int = 10) -> list[str]:
         """The last ``n`` lines the replica wrote to stderr (why it failed, usually)."""

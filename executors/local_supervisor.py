@@ -164,6 +164,35 @@ def read_json(path: str) -> dict[str, Any] | None:
         return None
 
 
+def uncopied_output(log_dir: str) -> list[tuple[str, str]]:
+    """``(out|err, text)`` of the lines the replica wrote into ``stdout.log`` and ``stderr.log`` that its
+    supervisor did not copy into ``combined.log`` (all of them are copied unless the supervisor was killed): the
+    lines after as many as ``combined.log`` holds of each stream since this attempt began. A last line without its
+    newline is left out: it may still be being written. Empty without a ``child.json``."""
+    child = read_json(os.path.join(log_dir, CHILD_FILE))
+    if child is None:
+        return []
+    copied = {"out": 0, "err": 0}
+    for raw in _read_from(os.path.join(log_dir, COMBINED_LOG), int(child.get("combined_at", 0))).split(b"\n"):
+        parsed = parse_combined_line(raw.decode(errors="replace"))
+        if parsed is not None and parsed[1] in copied:
+            copied[parsed[1]] += 1
+    found: list[tuple[str, str]] = []
+    for tag, name in (("out", STDOUT_LOG), ("err", STDERR_LOG)):
+        lines = _read_from(os.path.join(log_dir, name), int(child.get(f"{tag}_at", 0))).split(b"\n")[:-1]
+        found += [(tag, line.decode(errors="replace")) for line in lines[copied[tag]:]]
+    return found
+
+
+def _read_from(path: str, offset: int) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read()
+    except OSError:
+        return b""
+
+
 def parse_combined_line(line: str) -> tuple[float, str, str] | None:
     """``"<ts> <out|err> <text>"`` -> ``(ts, stream, text)``; ``None`` for a malformed line."""
     parts = line.split(" ", 2)
@@ -192,9 +221,12 @@ class _LogFollower:
 
     def __init__(self, sources: list[tuple[str, str]], combined: IO[bytes]):
         self._sources: list[tuple[IO[bytes], str]] = []
+        #: Where this attempt's output begins in each file (an earlier attempt's, appended to the same file, was
+        #: copied then): recorded in ``child.json`` as ``<tag>_at``, with ``combined_at``.
+        self.starts: dict[str, int] = {"combined": combined.tell()}
         for path, tag in sources:
             f = open(path, "rb")  # noqa: SIM115 - held until close()
-            f.seek(0, os.SEEK_END)  # an earlier attempt's output, appended to the same file, was copied then
+            self.starts[tag] = f.seek(0, os.SEEK_END)
             self._sources.append((f, tag))
         self._combined = combined
         self._partial = {tag: b"" for _, tag in sources}
@@ -314,7 +346,8 @@ def supervise(log_dir: str, command: list[str], timeout_s: float | None, grace_s
             return 127
         if received:  # a signal that arrived while the child was being started
             forward(received[0], None)
-        write_json_atomic(os.path.join(log_dir, CHILD_FILE), {"pid": child.pid, "started_at": started_at})
+        write_json_atomic(os.path.join(log_dir, CHILD_FILE), {
+            "pid": child.pid, "started_at": started_at, **{f"{tag}_at": at for tag, at in follower.starts.items()}})
         exited = _ExitWaiter(child)
 
         timed_out: float | None = None

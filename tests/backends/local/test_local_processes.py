@@ -240,18 +240,24 @@ def test_killed_supervisor_leaves_a_running_replica_that_cancel_still_stops(tmp_
     pid_dir.mkdir()
     go_on = tmp_path / "go-on"
     handle = backend.submit(backend.plan(make_spec(tmp_path, n=1, sleep=120, env_out=str(pid_dir),
-                                                   go_on_when=str(go_on))))
+                                                   announce_world=True, go_on_when=str(go_on))))
     supervisor = handle.processes[0].pid
-    wait_for(lambda: (pid_dir / "rank_0.json").exists(), "rank 0 to record its pid")
+    logs = log_dir(handle, 0)
+    combined = logs / "combined.log"
+    wait_for(lambda: combined.exists() and "world size" in combined.read_text(), "the supervisor to copy a line")
     replica_pid = json.loads((pid_dir / "rank_0.json").read_text())["pid"]
     os.kill(supervisor, signal.SIGKILL)  # the supervisor only, as `kill -9 <pid>` or the OOM killer would
     wait_for(lambda: not alive(supervisor), "the supervisor to exit")
     go_on.touch()  # the replica prints only now, with no supervisor: its output must still have somewhere to go
-    logs = log_dir(handle, 0)
     wait_for(lambda: "hello on stderr" in (logs / "stderr.log").read_text(), "the replica's unsupervised output",
              alive=lambda: alive(replica_pid))
-    assert (logs / "stdout.log").read_text().splitlines() == [f"rank 0 line {i}" for i in range(3)]
+    later = [f"rank 0 line {i}" for i in range(3)]
+    assert (logs / "stdout.log").read_text().splitlines() == ["rank 0 of world size 1", *later]
     assert alive(replica_pid)
+    # `diloco logs` shows the copied line and then, once each, what the supervisor never copied
+    shown = [(r.stream, r.text) for r in backend.replica_logs(handle, 0)]
+    assert shown == [("out", "rank 0 of world size 1"), *[("out", t) for t in later],
+                     ("err", "rank 0 says hello on stderr")]
 
     status = backend.describe(handle).replica(0)  # not "failed" while the replica still trains, nor "running"
     assert status.state == ReplicaState.RUNNING  # forever: it says why
@@ -261,6 +267,7 @@ def test_killed_supervisor_leaves_a_running_replica_that_cancel_still_stops(tmp_
     wait_for(lambda: not alive(replica_pid), "the replica to exit")
     assert group_members(supervisor) == []
     assert backend.describe(handle).replica(0).state == ReplicaState.CANCELLED
+    assert [(r.stream, r.text) for r in backend.replica_logs(handle, 0, follow=True)] == shown  # ends, and no twice
 
 
 def test_killed_supervisor_whose_replica_then_ends_is_failed_with_the_reason(tmp_path: Path,
