@@ -6,8 +6,8 @@ TORCH ?= torch==2.13.0
 # Test processes (pytest-xdist): most tests wait on replica processes, emulated jobs and stores, so with two workers a
 # 2-core machine's CPU is busy under half the time; four keep it busy and finish the suite in two thirds of the time
 # (measured from clean clones: 14.7 minutes against 22.7, the same 1,864 tests). Tests go out in collection order, which
-# tests/conftest.py makes longest first by what each took in the last whole run (tests/test_durations.json;
-# --no-loadscope-reorder keeps it), each a unit of its own, except a module marked
+# tests/conftest.py sets by what each took in the last whole run (tests/test_durations.json: the long scenarios early
+# and spread among the short tests; --no-loadscope-reorder keeps it), each a unit of its own, except a module marked
 # xdist_group: its tests go to one worker together, so its module-scoped run or server is started once, not once
 # per worker. A worker is handed its next unit as soon as it has fewer than two pending.
 TEST_WORKERS ?= 4

@@ -76,6 +76,7 @@ from diloco.executors.local_supervisor import (
     parse_combined_line,
     proc_stat,
     processes_with_env,
+    read_from,
     read_json,
     uncopied_output,
     write_json_atomic,
@@ -665,13 +666,7 @@ class LocalBackend(ServerlessExecutor[LocalBackendConfig, LocalRunHandle]):
         offset = 0
         uncopied_shown = 0
         while True:
-            chunk = b""
-            try:
-                with open(path, "rb") as f:
-                    f.seek(offset)
-                    chunk = f.read()
-            except FileNotFoundError:
-                pass
+            chunk = read_from(path, offset)
             offset += len(chunk)
             buf += chunk
             *lines, buf = buf.split(b"\n")

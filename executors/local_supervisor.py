@@ -173,23 +173,24 @@ def uncopied_output(log_dir: str) -> list[tuple[str, str]]:
     if child is None:
         return []
     copied = {"out": 0, "err": 0}
-    for raw in _read_from(os.path.join(log_dir, COMBINED_LOG), int(child.get("combined_at", 0))).split(b"\n"):
+    for raw in read_from(os.path.join(log_dir, COMBINED_LOG), int(child.get("combined_at", 0))).split(b"\n"):
         parsed = parse_combined_line(raw.decode(errors="replace"))
         if parsed is not None and parsed[1] in copied:
             copied[parsed[1]] += 1
     found: list[tuple[str, str]] = []
     for tag, name in (("out", STDOUT_LOG), ("err", STDERR_LOG)):
-        lines = _read_from(os.path.join(log_dir, name), int(child.get(f"{tag}_at", 0))).split(b"\n")[:-1]
+        lines = read_from(os.path.join(log_dir, name), int(child.get(f"{tag}_at", 0))).split(b"\n")[:-1]
         found += [(tag, line.decode(errors="replace")) for line in lines[copied[tag]:]]
     return found
 
 
-def _read_from(path: str, offset: int) -> bytes:
+def read_from(path: str, offset: int) -> bytes:
+    """The bytes of ``path`` from ``offset`` on; none when there is no such file (yet)."""
     try:
         with open(path, "rb") as f:
             f.seek(offset)
             return f.read()
-    except OSError:
+    except FileNotFoundError:
         return b""
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from .xdist_groups import module_group
+from .xdist_groups import scope_of
 
 DURATIONS_FILE = Path(__file__).resolve().parents[1] / "test_durations.json"
 MEASURED_FILE = Path(__file__).resolve().parents[2] / "build" / "test-durations.json"
@@ -70,8 +70,7 @@ def expected_seconds(item: pytest.Item, durations: Mapping[str, float]) -> float
 def unit_of(item: pytest.Item) -> str:
     """The unit of work the scheduler hands out whole: the module's ``xdist_group`` (as ``support.xdist_groups``
     finds it), else the test."""
-    group = module_group(str(item.config.rootpath), item.nodeid.split("::", 1)[0])
-    return f"xdist_group:{group}" if group else item.nodeid
+    return scope_of(str(item.config.rootpath), item.nodeid)
 
 
 def dispatch_order(items: list[pytest.Item], durations: Mapping[str, float]) -> None:

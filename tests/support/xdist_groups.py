@@ -22,7 +22,7 @@ _MARKED = re.compile(r"""^pytestmark\s*=.*\bxdist_group\(\s*["']([^"']+)["']""",
 
 
 @functools.cache
-def module_group(rootdir: str, path: str) -> str | None:
+def _module_group(rootdir: str, path: str) -> str | None:
     """The ``xdist_group`` name the module at ``path`` declares, if any."""
     try:
         found = _MARKED.search((Path(rootdir) / path).read_text())
@@ -31,9 +31,14 @@ def module_group(rootdir: str, path: str) -> str | None:
     return found.group(1) if found else None
 
 
+def scope_of(rootdir: str, nodeid: str) -> str:
+    """The unit of work a test goes out in: its module's ``xdist_group``, else the test itself."""
+    group = _module_group(rootdir, nodeid.split("::", 1)[0])
+    return f"xdist_group:{group}" if group else nodeid
+
+
 class ModuleGroupScheduling(LoadScopeScheduling):
     """``LoadScopeScheduling`` whose scope is the group for a marked module and the test itself otherwise."""
 
     def _split_scope(self, nodeid: str) -> str:
-        group = module_group(str(self.config.rootpath), nodeid.split("::", 1)[0])
-        return f"xdist_group:{group}" if group else nodeid
+        return scope_of(str(self.config.rootpath), nodeid)
