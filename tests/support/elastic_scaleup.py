@@ -1,8 +1,12 @@
 """One scale-up of a live run, the same on every backend the tests emulate: 2 replicas of the gated
-``support.elastic_trainer`` held at the first step of round 3 while the run is scaled to 4 (``Run.scale``, the
-backend's ``add_ranks``), then let go. The new replicas adopt the committed global model and join at round 4; the
+``support.elastic_trainer`` held at the first step of round 3 while the run is scaled to 3 (``Run.scale``, the
+backend's ``add_ranks``), then let go. The new replica adopts the committed global model and joins at round 4; the
 run ends with every replica's weights identical (``Run.check_weights``). The gate makes the scale land at a known
-round boundary whatever the machine's load."""
+round boundary whatever the machine's load.
+
+One new replica, not two: what a backend adds here is one more real replica process that must find the run and
+join it; several ranks added at once are each backend's ``add_ranks`` tests' (fake replicas, no torch), and
+several real joiners in one round the local backend's elastic test's (2 -> 4 -> 3)."""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from typing import Any
 
 ROUNDS, SYNC_EVERY = 4, 2
 GROW_GATE = 5  # the first step of round 3: held there while the run grows
+GROWN = 3  # replicas after the scale: rank 2 is the one added
 
 
 @dataclass
@@ -33,7 +38,7 @@ def _wait_for(paths: list[Path], timeout_s: float) -> None:
 
 def scale_up_run(backend: dict[str, Any], rendezvous: str, gate_dir: Path, *, env: dict[str, str] | None = None,
                  patience_s: float = 120.0, part: str | None = None) -> ScaleUp:
-    """Launch on ``backend`` (a ``backend:`` section), grow 2 -> 4 at round 3 (on ``part``, of a mixed run), wait
+    """Launch on ``backend`` (a ``backend:`` section), grow 2 -> 3 at round 3 (on ``part``, of a mixed run), wait
     for the end; what happened. ``DILOCO_HOME`` must be the test's own."""
     from diloco.launcher import api
 
@@ -42,7 +47,7 @@ def scale_up_run(backend: dict[str, Any], rendezvous: str, gate_dir: Path, *, en
                      train={"trainer": "support.elastic_trainer:train", "steps": ROUNDS * SYNC_EVERY,
                             "sync_every": SYNC_EVERY,
                             "trainer_kwargs": {"gate_dir": str(gate_dir), "gates": str(GROW_GATE)}},
-                     store={"rendezvous": rendezvous, "max_replicas": 4, "poll_interval_s": 0.1,
+                     store={"rendezvous": rendezvous, "max_replicas": GROWN, "poll_interval_s": 0.1,
                             "timeout_s": patience_s})
     outcome: dict[str, Any] = {}
 
@@ -56,7 +61,7 @@ def scale_up_run(backend: dict[str, Any], rendezvous: str, gate_dir: Path, *, en
     waiter.start()
     try:
         _wait_for([gate_dir / f"step{GROW_GATE}.rank{r}.waiting" for r in (0, 1)], patience_s)
-        grown = run.scale(4, part=part)
+        grown = run.scale(GROWN, part=part)
     finally:
         (gate_dir / f"step{GROW_GATE}.open").touch()
     waiter.join(2 * patience_s)

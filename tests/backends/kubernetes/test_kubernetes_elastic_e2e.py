@@ -1,6 +1,6 @@
-"""A live Kubernetes run grown from 2 to 4 replicas (``Run.scale``) on the API emulator, through the real launcher and
+"""A live Kubernetes run grown from 2 to 3 replicas (``Run.scale``) on the API emulator, through the real launcher and
 real replica processes (the gated ``support.elastic_trainer``, its pods local processes reaching moto's S3): the
-second Indexed Job's pods adopt the committed global model, join at the next round, and the run ends with every
+second Indexed Job's pod adopts the committed global model, joins at the next round, and the run ends with every
 replica's weights identical."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def kube(aws_env: str, tmp_path: Path) -> Iterator[KubernetesEmulator]:
         yield emulator
 
 
-def test_a_kubernetes_run_scaled_from_2_to_4_ends_with_identical_weights(
+def test_a_kubernetes_run_scaled_from_2_to_3_ends_with_identical_weights(
     kube: KubernetesEmulator, s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("DILOCO_HOME", str(tmp_path / "home"))
@@ -37,8 +37,8 @@ def test_a_kubernetes_run_scaled_from_2_to_4_ends_with_identical_weights(
     done = scale_up_run(backend, f"s3://{s3_bucket}/elastic/{{run_id}}", tmp_path / "gates")
     report = done.report
     assert report.state.value == "succeeded", report
-    assert [(r.rank, r.exit_code) for r in report.ranks] == [(r, 0) for r in range(4)], report.ranks
+    assert [(r.rank, r.exit_code) for r in report.ranks] == [(r, 0) for r in range(3)], report.ranks
     assert report.weights_identical is True, report.weights_detail
-    assert done.grown.added == [2, 3]
-    assert [a["job_name"] for a in done.handle["added"]] == [f"{done.run_id}-r2-3"]
-    assert kube.job(f"{done.run_id}-r2-3") is not None
+    assert done.grown.added == [2]
+    assert [a["job_name"] for a in done.handle["added"]] == [f"{done.run_id}-r2"]
+    assert kube.job(f"{done.run_id}-r2") is not None

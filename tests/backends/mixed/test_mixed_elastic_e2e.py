@@ -1,7 +1,7 @@
-"""A live run split over a local process and a Kubernetes part, grown from 2 to 4 replicas on its Kubernetes part
-(``Run.scale(4, part="eks")``, what ``diloco scale RUN --part eks:+2`` does), through the real launcher and real
+"""A live run split over a local process and a Kubernetes part, grown from 2 to 3 replicas on its Kubernetes part
+(``Run.scale(3, part="eks")``, what ``diloco scale RUN --part eks:+1`` does), through the real launcher and real
 replica processes (the gated ``support.elastic_trainer``; the API emulator's pods are local processes reaching moto's
-S3): the new ranks start as the part's second Indexed Job, adopt the committed global model, join at the next round,
+S3): the new rank starts as the part's second Indexed Job, adopts the committed global model, joins at the next round,
 and every replica of both parts ends with identical weights."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def kube(aws_env: str, tmp_path: Path) -> Iterator[KubernetesEmulator]:
         yield emulator
 
 
-def test_a_mixed_runs_kubernetes_part_scaled_from_1_to_3_ends_with_identical_weights_everywhere(
+def test_a_mixed_runs_kubernetes_part_scaled_from_1_to_2_ends_with_identical_weights_everywhere(
     kube: KubernetesEmulator, s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("DILOCO_HOME", str(tmp_path / "home"))
@@ -42,8 +42,8 @@ def test_a_mixed_runs_kubernetes_part_scaled_from_1_to_3_ends_with_identical_wei
     done = scale_up_run(backend, f"s3://{s3_bucket}/mixed-elastic/{{run_id}}", tmp_path / "gates", part="eks")
     report = done.report
     assert report.state.value == "succeeded", report
-    assert [(r.rank, r.exit_code) for r in report.ranks] == [(r, 0) for r in range(4)], report.ranks
+    assert [(r.rank, r.exit_code) for r in report.ranks] == [(r, 0) for r in range(3)], report.ranks
     assert report.weights_identical is True, report.weights_detail
-    assert done.grown.added == [2, 3]
-    assert [(p["backend"], p["ranks"]) for p in done.handle["parts"]] == [("local", [0]), ("eks", [1, 2, 3])]
-    assert kube.job(f"{done.run_id}-r2-3") is not None  # the Kubernetes part's new ranks: a second Indexed Job
+    assert done.grown.added == [2]
+    assert [(p["backend"], p["ranks"]) for p in done.handle["parts"]] == [("local", [0]), ("eks", [1, 2])]
+    assert kube.job(f"{done.run_id}-r2") is not None  # the Kubernetes part's new rank: a second Indexed Job
