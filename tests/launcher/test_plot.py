@@ -1,6 +1,10 @@
-"""``diloco plot``: a PNG of the training curves, for a finished run (the built-in trainer, 2 replicas), a failed
-one and a run still training (``support.plot_trainers``, detached, plotted mid-run, then cancelled). The PNG is opened and
-checked: its size, and that it holds drawn curves, not a blank canvas."""
+"""``diloco plot``: a PNG of the training curves, for a finished run, a failed one and a run still training
+(``support.plot_trainers``, detached, plotted mid-run, then cancelled). The PNG is opened and checked: its size, and
+that it holds drawn curves, not a blank canvas.
+
+The finished run is 2 torch-free replicas of the real entrypoint that record three rounds
+(``support.cli_trainers:agreed``): what ``plot`` reads is the metrics history, whoever wrote it. A real trainer's run
+is plotted in ``test_finished_run_store.py`` (the README's trainer, whose run that module keeps)."""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.store_cli import run_cli
+from support.store_cli import launch_small_run, run_cli
 from typer.testing import CliRunner
 
 from diloco.cli.main import app
@@ -39,18 +43,15 @@ def assert_drawn_png(path: Path) -> None:
 
 
 def test_plot_of_a_finished_run(home: Path, tmp_path: Path) -> None:
-    launched = runner.invoke(app, ["launch", "-n", "2", "-b", "local", "--steps", "12", "--sync-every", "4",
-                                   "-k", "n_layer=1", "-k", "n_embd=16", "-k", "block_size=16", "-k",
-                                   "batch_size=4", "-k", "eval_batches=2", "-k", "max_corpus_bytes=60000",
-                                   "-o", "json"])
-    assert launched.exit_code == 0, launched.output
-    run_id = json.loads(launched.stdout)["run_id"]
+    run_id = launch_small_run(home, trainer="support.cli_trainers:agreed", steps=12, sync_every=4)
     out = tmp_path / "curves.png"
     result = runner.invoke(app, ["plot", run_id, "--output", str(out), "-o", "json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["path"] == str(out) and report["ranks"] == [0, 1] and report["finished_ranks"] == [0, 1]
-    assert report["rounds"] == 3 and report["train_points"] == 6 and report["eval_points"] == 8  # init + 3 rounds
+    # per rank: a train point for each of the 3 rounds and for the final row (its loss differs from the last
+    # round's: a point of its own); an eval point for init, the 3 rounds and the final row
+    assert report["rounds"] == 3 and report["train_points"] == 8 and report["eval_points"] == 10
     assert_drawn_png(out)
 
     default = runner.invoke(app, ["plot", "--output", str(tmp_path)])  # latest run, into a directory
