@@ -24,9 +24,9 @@ round N lives under ``round_{N-1:06d}/``.
 
 Round semantics (what a caller can rely on, whatever the strategy):
 
-* **Identical results.** Contributions are accumulated in fp32 (gather keeps fp64 in fp64) strictly in rank order
-  0..N-1 and divided by N on the CPU, so every rank computes the same bits (and uncompressed gather and sharded
-  the same bits as each other); the mean is then cast to each caller tensor's dtype on the CPU and copied back
+* **Identical results.** Contributions are accumulated in fp32 (gather keeps fp64 in fp64) in a fixed order (rank
+  order 0..N-1; a compressed sharded round's owner adds its own shard first) and divided by N on the CPU, so every
+  rank computes the same bits (and uncompressed gather and sharded the same bits as each other); the mean is then cast to each caller tensor's dtype on the CPU and copied back
   into it, keeping its device. With ``store.compression``, every rank averages the *decoded* version of its own
   contribution, the very values its peers decode (``diloco.collectives.wire``).
 * **Overlap.** ``allreduce_async`` snapshots the tensors and runs the whole round (upload, polling, downloads,

@@ -71,7 +71,8 @@ def test_rounds_that_reuse_buffers_give_every_rank_the_exact_mean(strategy: str,
 
 def sharded_expected_means(fmt: str) -> list[dict[str, torch.Tensor]]:
     """Every round's sharded mean, computed apart with fresh buffers: each rank's shards encoded with its own error
-    feedback, each shard's contributions added in rank order and divided, the reduced shard re-encoded once."""
+    feedback, each shard's contributions added by its owner (its own first, then the others in rank order) and
+    divided, the reduced shard re-encoded once."""
     codecs = [PayloadCodec(fmt) for _ in range(WORLD)]
     means = []
     for k in range(len(PAYLOADS)):
@@ -83,7 +84,8 @@ def sharded_expected_means(fmt: str) -> list[dict[str, torch.Tensor]]:
         shard_layout = {SHARD_TENSOR: ((layout.shard_elements,), torch.float32)}
         for j in range(WORLD):
             acc: dict[str, torch.Tensor] = {}
-            for rank, codec in enumerate(codecs):
+            for rank in [j, *(r for r in range(WORLD) if r != j)]:
+                codec = codecs[rank]
                 wire, meta = codec.encode_wire((layout.key, j), {SHARD_TENSOR: shards_of[rank][j]})
                 codec.add_into(acc, wire, meta, shard_layout)
             reduced = codecs[j].encode_plain({SHARD_TENSOR: acc[SHARD_TENSOR].div_(WORLD)})[2][SHARD_TENSOR]
