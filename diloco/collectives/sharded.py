@@ -191,7 +191,10 @@ class ShardedExchange:
             blob, pieces = pack(wire)
             blobs[shard_name(j)] = blob
             if j == io.rank:
-                own_shard = (wire, meta)  # uncompressed: the snapshot's own shard itself (no copy)
+                # uncompressed: the snapshot's own shard itself (no copy); compressed: views of its blob, which
+                # holds the same bytes (the wire tensors packed into one, copied where there are several)
+                own_shard = (wire if not self.codec.compressed else unpack(blob, pieces), meta)
+            del wire  # packed into the blob: a copy of several wire tensors is not held beside them
         shard_bytes = len(blobs[shard_name(0)])
         metadata = {**meta, **self._identity(io, round_, io.rank, layout, "contribution")}
         size, chunks = codec.encode_stream(blobs, metadata, chunk_bytes=shard_bytes)
