@@ -110,14 +110,15 @@ def wire_nbytes(layout: Layout, fmt: str | WireFormat, block: int = DEFAULT_BLOC
 # ---------------------------------------------------------------- encode / decode
 def encode(
     tensors: Mapping[str, torch.Tensor], fmt: str | WireFormat, *, block: int | None = None,
-    sparse: TopkSpec | None = None
+    sparse: TopkSpec | None = None, empty: Allocator | None = None
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Floating tensors -> (CPU wire tensors storable by safetensors, the metadata tag).
 
     Wire names derive from the input names (the format's module docstring has the bit layout). ``none`` passes
     each tensor through (CPU, contiguous, its own dtype); the lossy formats read every floating dtype as fp32 and
-    do their work on the tensor's device, copying only the wire tensors to the host."""
-    wire, meta = _encode_on_device(tensors, resolve(fmt, block, sparse))
+    do their work on the tensor's device, copying only the wire tensors to the host. ``empty(shape, dtype)`` makes
+    the payload-sized wire tensors of CPU tensors (memory the caller has spare; never the input's own)."""
+    wire, meta = _encode_on_device(tensors, resolve(fmt, block, sparse), empty)
     return {name: t.to("cpu") for name, t in wire.items()}, meta
 
 
@@ -226,13 +227,18 @@ class ErrorFeedback:
     def _compress(self, tensors: Mapping[str, torch.Tensor], empty: Allocator | None = None
                   ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """Encode ``x + residual`` (wire tensors left on the input's device) and keep ``residual = sent -
-        decode(wire)``, subtracted in place (``decode_into``, mode "subtract": no decoded tensor is made)."""
+        decode(wire)``, subtracted in place (``decode_into``, mode "subtract": no decoded tensor is made).
+
+        What is encoded is always memory of ours (the residual, or a copy of ``x`` made before encoding where no
+        residual is kept yet), never the caller's tensor: with error feedback, ``empty`` may hand out the
+        caller's memory for the wire tensors (a sharded round puts a shard's wire in the fp32 snapshot it was
+        encoded from, which it no longer needs)."""
         if not self.enabled:
             return _encode_on_device(_as_fp32(tensors), self.format, empty)
         inputs, owned = self._with_residuals(tensors)
-        wire, meta = _encode_on_device(inputs, self.format, empty)
         residuals = {name: sent.contiguous() if name in owned else sent.clone(memory_format=_contiguous())
                      for name, sent in inputs.items()}  # never the caller's tensor
+        wire, meta = _encode_on_device(residuals, self.format, empty)
         decode_into(wire, meta, layout_of(tensors), residuals, mode="subtract", fmt=self.format)
         if not self.format.residual_finite(wire):
             for residual in residuals.values():

@@ -51,6 +51,7 @@ from diloco.collectives.driver import RoundDriver, RoundIO
 from diloco.collectives.spares import Spares
 from diloco.collectives.wire import PayloadCodec
 from diloco.errors import ConfigError, CorruptObjectError
+from diloco.formats.base import Allocator
 from diloco.store import codec
 from diloco.store.codec import ReadBuffer
 from diloco.store.layout import check_spread, contribution_key, reduced_shard_key
@@ -60,6 +61,8 @@ if TYPE_CHECKING:
 
 #: Packed wire pieces and padded shards start at multiples of this (every dtype's alignment; codec's chunk unit).
 ALIGN = 8
+#: What the read buffer holds beyond a shard's wire bytes: a reduced shard's header and the probe read with it.
+READ_RESERVE = 3 * codec.HEADER_PROBE_BYTES
 #: Name of the single fp32 tensor a shard is, as far as the compression format is concerned.
 SHARD_TENSOR = "x"
 
@@ -187,7 +190,8 @@ class ShardedExchange:
         meta: dict[str, str] = {}
         own_shard = None
         for j in range(layout.shards):
-            wire, meta = self.codec.encode_wire((layout.key, j), {SHARD_TENSOR: snapshot.shards[j]})
+            wire, meta = self.codec.encode_wire((layout.key, j), {SHARD_TENSOR: snapshot.shards[j]},
+                                                empty=self._wire_memory(snapshot.shards[j], j == io.rank))
             blob, pieces = pack(wire)
             blobs[shard_name(j)] = blob
             if j == io.rank:
@@ -203,12 +207,33 @@ class ShardedExchange:
         assert own_shard is not None
         return _Published(layout, own_shard, pieces, shard_bytes, snapshot.flat)
 
-    # ---------------------------------------------------------------- phases 2-4
+    def _wire_memory(self, shard: torch.Tensor, own: bool) -> Allocator | None:
+        """Where a shard's wire tensors go: into the shard's own fp32 snapshot memory, which is not read again once
+        the shard is encoded (error feedback encodes from its residual, never from the snapshot), until the
+        all-gather writes that shard's mean there; so a round holds the snapshot, the residual and its read
+        buffer, not every shard encoded for the upload beside them (at N = 2, bf16: 2.5x the payload). Not
+        without error feedback (the encoder reads the snapshot itself): None, fresh memory. Our own shard's go
+        into the read buffer, idle between rounds, since our shard of the snapshot is where its sum is added up
+        (from our encoded shard, before any peer's is read into that buffer)."""
+        if not (self.codec.compressed and self.codec.error_feedback):
+            return None
+        return self._read_memory() if own else carve(shard)
+
+    def _read_memory(self) -> Allocator:
+        """The read buffer's memory as it is now (never grown: a piece that does not fit gets fresh memory)."""
+        import torch
+
+        capacity = self._reads.capacity
+        return carve(torch.frombuffer(self._reads.view(capacity), dtype=torch.uint8) if capacity else
+                     torch.empty(0, dtype=torch.uint8))
+
+    # ---------------------------------------------------------------- phases 2-4    # ---------------------------------------------------------------- phases 2-4
     def reduce(self, io: RoundIO, round_: int, published: _Published) -> dict[str, torch.Tensor]:
         """Reduce-scatter, publish our reduced shard, all-gather. Each step drops what the next does not need
         (boxes, not locals, carry the big tensors), so a round holds at most the gathered mean plus one shard."""
         layout, flat = published.layout, published.flat
-        size = self._publish_reduced(io, round_, layout, self._reduce_scatter(io, round_, published), flat)
+        size = self._publish_reduced(io, round_, layout, self._reduce_scatter(io, round_, published), flat,
+                                     published.shard_bytes)
         self._means = {round_: flat}
         return layout.unflatten(self._all_gather(io, round_, layout, flat, size))
 
@@ -225,12 +250,16 @@ class ShardedExchange:
         self._reads = ReadBuffer()
 
     def _publish_reduced(self, io: RoundIO, round_: int, layout: PayloadLayout, mean: torch.Tensor,
-                         flat: torch.Tensor) -> int:
+                         flat: torch.Tensor, shard_bytes: int) -> int:
         """Publish our shard's mean (compressed once, without error feedback), streamed, and write what every
         rank will use of it into our shard of ``flat`` (the snapshot's buffer: its shards were all sent, so it
         can hold the mean; decoded in place, no shard-sized copy); -> the object's size (every owner's is the
-        same give or take a few metadata digits)."""
-        wire, meta = self.codec.encode_plain_into({SHARD_TENSOR: mean}, {SHARD_TENSOR: layout.shard(flat, io.rank)})
+        same give or take a few metadata digits). Compressed, the wire tensors go into the read buffer, idle
+        between the reduce-scatter's reads (a peer's encoded shard: ``shard_bytes``, the same size give or
+        take the pieces' alignment) and the all-gather's, which start once the upload is done."""
+        empty = self._read_memory() if self.codec.compressed else None
+        wire, meta = self.codec.encode_plain_into({SHARD_TENSOR: mean}, {SHARD_TENSOR: layout.shard(flat, io.rank)},
+                                                  empty=empty)
         size, chunks = codec.encode_stream(wire, {**meta, **self._identity(io, round_, io.rank, layout, "reduced")})
         io.wrote(io.store.put_stream(reduced_shard_key(round_, io.rank, self.spread), chunks, size))
         return size
@@ -260,7 +289,11 @@ class ShardedExchange:
             if peer == io.rank:
                 part, published.own_shard = published.own_shard, None
                 assert part is not None
-            else:
+            elif self.codec.compressed and self._reads.capacity < published.shard_bytes + READ_RESERVE:
+                # sized once for the round, now that nothing else of it is held: every read and the reduced
+                # shard's wire tensors fit without growing it (a growth holds the old buffer and the new)
+                self._reads.view(published.shard_bytes + READ_RESERVE)
+            if peer != io.rank:
                 io.await_object(round_, peer, lambda r: contribution_key(round_, r, self.spread), deadline)
                 key = contribution_key(round_, peer, self.spread)
                 part = io.read_verified(round_, peer, f"contribution (shard {io.rank})", io.store.url(key),
@@ -378,6 +411,25 @@ def pack(wire: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, tuple[WirePiec
         if piece.end > piece.begin:
             blob[piece.begin:piece.end].copy_(t.view(torch.uint8))
     return blob, tuple(pieces)
+
+
+def carve(region: torch.Tensor) -> Allocator:
+    """An allocator handing out consecutive pieces of ``region``'s memory (a contiguous CPU tensor), each
+    starting on a 64-byte boundary, and fresh memory for a request that no longer fits."""
+    import torch
+
+    raw = region.view(-1).view(torch.uint8)
+    used = [0]
+
+    def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        start = -(-used[0] // 64) * 64
+        nbytes = _numel(shape) * dtype.itemsize
+        if region.device.type != "cpu" or start + nbytes > raw.numel():
+            return torch.empty(shape, dtype=dtype)
+        used[0] = start + nbytes
+        return raw[start:start + nbytes].view(dtype).view(shape)
+
+    return empty
 
 
 def unpack(blob: torch.Tensor, pieces: tuple[WirePiece, ...]) -> dict[str, torch.Tensor]:

@@ -157,18 +157,19 @@ class PayloadCodec:
         layout = compression.layout_of(fp32)
         return wire, meta, compression.decode(wire, meta, layout, fmt=self.format)
 
-    def encode_plain_into(self, tensors: Mapping[str, torch.Tensor], out: Mapping[str, torch.Tensor]
-                          ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    def encode_plain_into(self, tensors: Mapping[str, torch.Tensor], out: Mapping[str, torch.Tensor], *,
+                          empty: Allocator | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """``encode_plain`` whose decoded values are written into ``out`` (fp32 tensors shaped like ``tensors``,
         which may be ``tensors`` themselves) instead of a fresh payload-sized copy. Uncompressed, ``out`` gets
-        the tensors as they are (no copy where they are ``out`` already)."""
+        the tensors as they are (no copy where they are ``out`` already). ``empty(shape, dtype)`` makes the wire
+        tensors (memory the caller has spare, neither ``tensors``' nor ``out``'s)."""
         if not self.compressed:
             for name, t in tensors.items():
                 if t.data_ptr() != out[name].data_ptr():
                     out[name].copy_(t)
             return dict(tensors), {}
         fp32 = as_fp32(tensors)
-        wire, meta = compression.encode(fp32, self.format)
+        wire, meta = compression.encode(fp32, self.format, empty=empty)
         compression.decode_into(wire, meta, compression.layout_of(fp32), out, mode="write", fmt=self.format)
         return wire, meta
 

@@ -352,6 +352,11 @@ class ReadBuffer:
     def __init__(self) -> None:
         self._data = bytearray()
 
+    @property
+    def capacity(self) -> int:
+        """Bytes it holds now (a view of up to this many does not grow it)."""
+        return len(self._data)
+
     def view(self, size: int, *, keep: int = 0) -> memoryview:
         """The buffer's first ``size`` bytes, growing it (into new memory: views of the old stay valid) when it is
         shorter; its first ``keep`` bytes are kept when it grows."""

@@ -94,9 +94,12 @@ def sharded_expected_means(fmt: str) -> list[dict[str, torch.Tensor]]:
     return means
 
 
-def test_sharded_compressed_rounds_that_reuse_buffers_give_every_rank_the_exact_mean(tmp_path: Any) -> None:
-    expected = sharded_expected_means("int8")
-    for kept in run_rounds(f"file://{tmp_path}/rdv", "sharded", "int8"):
+@pytest.mark.parametrize("fmt", ["int8", "bf16", "int4"])  # several wire tensors, one, and packed codes
+def test_sharded_compressed_rounds_that_reuse_buffers_give_every_rank_the_exact_mean(fmt: str, tmp_path: Any) -> None:
+    """Rounds whose wire tensors live in memory the round reuses (a shard's in its snapshot, our own and the
+    reduced shard's in the read buffer) send what fresh memory would: the exact means of the reference."""
+    expected = sharded_expected_means(fmt)
+    for kept in run_rounds(f"file://{tmp_path}/rdv", "sharded", fmt):
         for k, (got, want) in enumerate(zip(kept, expected, strict=True)):
             for name in want:
                 assert torch.equal(got[name].view(torch.int32), want[name].view(torch.int32)), (k, name)
