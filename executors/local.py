@@ -134,6 +134,19 @@ class LocalProcess(BaseModel):
     restarts: int = 0  # how many times this rank was relaunched (this process is attempt restarts + 1)
     restart_reasons: list[str] = Field(default_factory=list)  # why each earlier attempt ended
 
+    @property
+    def moved_dir(self) -> str:
+        """Where a relaunch moves this attempt's files (``rank_R.tryN``, N = this attempt's number), so that
+        the next attempt gets the rank's log directory."""
+        return f"{self.log_dir}.try{self.restarts + 1}"
+
+    def attempt_dir(self) -> str:
+        """Where this attempt's files are now: its log directory, or ``moved_dir`` once a relaunch has moved them
+        there (the move is one rename, so one of the two holds them at any moment). A handle read before the
+        relaunch (a record another process has not rewritten yet, a ``logs -f`` following this attempt) so
+        reads its own attempt: never the next one's files, nor, while the next one starts, none at all."""
+        return self.moved_dir if os.path.isdir(self.moved_dir) else self.log_dir
+
 
 class LocalRunHandle(RunHandle):
     """The run's supervisors on this host; ``complete`` once every replica has been started."""
@@ -540,7 +553,7 @@ class LocalBackend(ServerlessExecutor[LocalBackendConfig, LocalRunHandle]):
         if old is not None:
             reasons.append(self._replica_status(handle, rank).reason or "ended")
             if os.path.isdir(old.log_dir):
-                os.replace(old.log_dir, f"{old.log_dir}.try{old.restarts + 1}")
+                os.replace(old.log_dir, old.moved_dir)
         with signals_deferred():  # a replica started is a replica recorded
             fresh = self._spawn(request).model_copy(update={"restarts": len(reasons), "restart_reasons": reasons})
             processes = sorted([p for p in handle.processes if p.rank != rank] + [fresh], key=lambda p: p.rank)
@@ -561,10 +574,11 @@ class LocalBackend(ServerlessExecutor[LocalBackendConfig, LocalRunHandle]):
                 return self._status(rank, "never-started", reason="never started: its launch was interrupted")
             return self._status(rank, "not-started", detail="waiting for the launch to start it")
         job_id = str(p.pid)
-        cancel_requested = os.path.exists(os.path.join(p.log_dir, CANCEL_MARKER))
-        child = read_json(os.path.join(p.log_dir, CHILD_FILE)) or {}
+        files = p.attempt_dir()
+        cancel_requested = os.path.exists(os.path.join(files, CANCEL_MARKER))
+        child = read_json(os.path.join(files, CHILD_FILE)) or {}
         started = child.get("started_at")
-        exit_rec = read_json(os.path.join(p.log_dir, EXIT_FILE))
+        exit_rec = read_json(os.path.join(files, EXIT_FILE))
         if self._is_ours(p):
             # No exit record yet, or the supervisor wrote it and has not quite exited: a replica is terminal only
             # once its supervisor is gone (it kills the rest of the group first), so a caller that waited for it
@@ -572,7 +586,7 @@ class LocalBackend(ServerlessExecutor[LocalBackendConfig, LocalRunHandle]):
             native = "cancel-requested" if cancel_requested else ("running" if child else "starting")
             return self._status(rank, native, job_id, started_at=started, detail=f"pid {p.pid}")
         if exit_rec is None:  # it may have finished between the two reads
-            exit_rec = read_json(os.path.join(p.log_dir, EXIT_FILE))
+            exit_rec = read_json(os.path.join(files, EXIT_FILE))
         if exit_rec is None and self._is_ours(p) is None and self._alive(p):
             # The supervisor was killed (kill -9, OOM killer) but the replica lives on in its process group:
             # still running, and still ours to stop (cancel signals the group).
@@ -580,11 +594,11 @@ class LocalBackend(ServerlessExecutor[LocalBackendConfig, LocalRunHandle]):
                 rank, "cancel-requested" if cancel_requested else "unsupervised", job_id, started_at=started,
                 detail="unsupervised",
                 reason=f"its supervisor (pid {p.pid}) was killed; the replica runs on unsupervised: its output "
-                       f"still goes to stdout.log and stderr.log in {p.log_dir} (`diloco logs` shows it, stamped "
+                       f"still goes to stdout.log and stderr.log in {files} (`diloco logs` shows it, stamped "
                        f"when read), but its exit code will not be recorded")
-        if exit_rec is None and not os.path.isdir(p.log_dir):
+        if exit_rec is None and not os.path.isdir(files):
             return self._status(rank, "files-gone", job_id, started_at=started,
-                                reason=f"its run files are gone ({p.log_dir} was deleted): how it ended is no "
+                                reason=f"its run files are gone ({files} was deleted): how it ended is no "
                                        f"longer known here")
         if exit_rec is None:
             if cancel_requested:
@@ -593,7 +607,7 @@ class LocalBackend(ServerlessExecutor[LocalBackendConfig, LocalRunHandle]):
             return self._status(
                 rank, "lost", job_id, started_at=started,
                 reason=f"ended without recording an exit code: its supervisor (pid {p.pid}) was killed "
-                       f"(kill -9, the OOM killer, a reboot?); see {os.path.join(p.log_dir, SUPERVISOR_LOG)}")
+                       f"(kill -9, the OOM killer, a reboot?); see {os.path.join(files, SUPERVISOR_LOG)}")
         code = int(exit_rec.get("exit_code", 1))
         reason = exit_rec.get("reason")
         failure = None
@@ -661,11 +675,13 @@ class LocalBackend(ServerlessExecutor[LocalBackendConfig, LocalRunHandle]):
         After them, what a killed supervisor left uncopied (the replica kept writing into its own files): each
         stream's lines in order, stamped when read."""
         p = handle.process(rank) or self._current(handle).process(rank)
-        path = os.path.join(p.log_dir if p else self.log_dir(handle.run_id, rank, handle.run_dir), COMBINED_LOG)
         buf = b""
         offset = 0
         uncopied_shown = 0
         while True:
+            # looked up at every read: a relaunch may move this attempt's files aside once it has ended
+            path = os.path.join(p.attempt_dir() if p else self.log_dir(handle.run_id, rank, handle.run_dir),
+                                COMBINED_LOG)
             chunk = read_from(path, offset)
             offset += len(chunk)
             buf += chunk
@@ -695,16 +711,16 @@ class LocalBackend(ServerlessExecutor[LocalBackendConfig, LocalRunHandle]):
         """Output its supervisor never copied into ``combined.log``: none while the supervisor lives or once it
         recorded the end (it copies everything first); otherwise it was killed, and the replica's own files hold
         what came after."""
-        if p is None or self._is_ours(p) or os.path.exists(os.path.join(p.log_dir, EXIT_FILE)):
+        if p is None or self._is_ours(p) or os.path.exists(os.path.join(p.attempt_dir(), EXIT_FILE)):
             return []
-        return uncopied_output(p.log_dir)
+        return uncopied_output(p.attempt_dir())
 
     def failure_tail(self, handle: LocalRunHandle, rank: int, n: int = 10) -> list[str]:
         """The last ``n`` lines the replica wrote to stderr (why it failed, usually)."""
         p = handle.process(rank) or self._current(handle).process(rank)
         if p is None:
             return []
-        path = os.path.join(p.log_dir, STDERR_LOG)
+        path = os.path.join(p.attempt_dir(), STDERR_LOG)
         try:
             with open(path, "rb") as f:
                 f.seek(max(0, os.path.getsize(path) - 64 * 1024))
