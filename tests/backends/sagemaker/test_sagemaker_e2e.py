@@ -33,21 +33,18 @@ from support.sagemaker_jobs import describe, log_lines, role
 pytestmark = pytest.mark.slow
 
 TESTS_DIR = str(Path(__file__).resolve().parents[2])
-TINY = ["--steps", "20", "--sync-every", "10", "-k", "n_layer=1", "-k", "n_embd=16", "-k", "eval_batches=1",
-        "-k", "threads=1"]
-
 SHIPPED_TRAINER = '''
 import json
 import sys
 
-from diloco.trainers.gpt import diloco_train
+from pacedtrain import train as paced
 
 
 def train(**kwargs):
-    """The built-in trainer, from the user's own (shipped) source directory; then the file of every loaded
+    """The paced trainer, from the user's own (shipped) source directory; then the file of every loaded
     diloco module (the shipped wheel's, installed by the bootstrap)."""
     print("shipped trainer from", __file__, flush=True)
-    result = diloco_train(**kwargs)
+    result = paced(**kwargs)
     files = sorted(m.__file__ for n, m in list(sys.modules.items())
                    if n.split(".")[0] == "diloco" and getattr(m, "__file__", None))
     print("diloco imported from", json.dumps(files), flush=True)
@@ -104,82 +101,6 @@ def jobs_of(emulator: SageMakerEmulator) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------------- tests
-@pytest.mark.long
-def test_replicas_on_sagemaker_train_agree_log_and_collect(
-    emulator: SageMakerEmulator, s3_bucket: str, source: Path, home: Path, tmp_path: Path
-) -> None:
-    import boto3
-
-    launch = cli(*launch_args(emulator, s3_bucket, source, "--replicas", "2", "--trainer", "shipped:train", *TINY,
-                              "-o", "json"), home=home, cwd=tmp_path)
-    assert launch.returncode == 0, launch.stderr[-3000:]
-    summary = json.loads(launch.stdout)
-    run_id = summary["run_id"]
-    assert summary["backend"] == "sagemaker" and summary["state"] == "succeeded"
-    assert summary["weights_identical"] is True, summary["weights_detail"]
-
-    jobs = jobs_of(emulator)
-    assert sorted(jobs) == [f"{run_id}-r{r}" for r in range(2)]
-    first = describe(f"{run_id}-r0")
-    assert first["AlgorithmSpecification"]["ContainerEntrypoint"] == ["python",
-                                                                      "/opt/ml/input/data/code/diloco_bootstrap.py"]
-    assert first["ResourceConfig"] == {"InstanceType": "ml.m5.xlarge", "InstanceCount": 1, "VolumeSizeInGB": 30}
-    assert first["EnableNetworkIsolation"] is False
-    from diloco.executors.sagemaker import default_image_versions
-
-    version, py = default_image_versions("us-east-1")
-    assert f"pytorch-training:{version}-cpu-{py}" in first["AlgorithmSpecification"]["TrainingImage"]
-    r0_lines = log_lines(f"{run_id}-r0")
-    bootstrap = next(line for line in r0_lines if line.startswith("diloco bootstrap: installed"))
-    assert "diloco-0.1.0-py3-none-any.whl" in bootstrap  # the uploaded wheel, pip-installed in the job
-    # the user's source, unpacked into the job's /opt/ml/code (the emulator's stand-in directory for it)
-    assert any(line.startswith("shipped trainer from") and line.endswith("/opt/ml/code/shipped.py")
-               for line in r0_lines)
-    # the wheel the launch uploaded is the one builder's, and the replica ran diloco from it, not from the checkout
-    from diloco.executors.wheel_builder import build_wheel
-
-    wheel_name, wheel = build_wheel()
-    uploaded = boto3.client("s3").get_object(Bucket=s3_bucket, Key=f"e2e/{run_id}/sagemaker/code/{wheel_name}")
-    assert uploaded["Body"].read() == wheel
-    imported = json.loads(next(line for line in r0_lines if line.startswith("diloco imported from"))
-                          [len("diloco imported from"):])
-    assert any(f.endswith("/diloco/collectives/__init__.py") for f in imported), imported
-    # the site the bootstrap installed into: the job's own, or the warm-instance cache's site for this wheel
-    site = bootstrap.split(" into ", 1)[1].split(";", 1)[0]
-    assert site.endswith("/opt/ml/diloco/site") or "/diloco-site-" in site, bootstrap
-    assert not site.startswith(str(Path(TESTS_DIR).parent)), site  # not the checkout
-    assert [f for f in imported if not f.startswith(f"{site}/diloco/")] == []
-    code = boto3.client("s3").get_object(Bucket=s3_bucket, Key=f"e2e/{run_id}/sagemaker/code/source.tar.gz")
-    with tarfile.open(fileobj=io.BytesIO(code["Body"].read())) as tar:
-        assert sorted(tar.getnames()) == [".dilocoignore", "pacedtrain.py", "shipped.py", "slowtrain.py"]  # data/ ignored
-
-    logs = cli("logs", run_id, home=home, cwd=tmp_path)
-    assert logs.returncode == 0, logs.stderr
-    lines = logs.stdout.splitlines()
-    for rank in range(2):
-        assert any(line.startswith(f"[r{rank}] shipped trainer from") for line in lines), rank
-    assert all(line[:4] in {"[r0]", "[r1]"} for line in lines)
-    followed = cli("logs", run_id, "-f", home=home, cwd=tmp_path, timeout=60)  # ends: every job is terminal
-    assert followed.returncode == 0 and followed.stdout.splitlines() == lines
-
-    collect = cli("collect", run_id, "--output", str(tmp_path / "model.safetensors"), "-o", "json",
-                  home=home, cwd=tmp_path)
-    assert collect.returncode == 0, collect.stderr
-    report = json.loads(collect.stdout)
-    assert report["weights_identical"] is True and Path(report["model_path"]).is_file()
-    assert report["cost_usd"] > 0 and report["billable_s"] >= 4
-    s3 = boto3.client("s3")
-    for row in report["ranks"]:
-        uri = row["artifacts"]["model"]
-        assert uri == f"s3://{s3_bucket}/e2e/{run_id}/sagemaker/output/{run_id}-r{row['rank']}/output/model.tar.gz"
-        blob = s3.get_object(Bucket=s3_bucket, Key=uri.split("/", 3)[3])["Body"].read()
-        with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
-            assert "model.safetensors" in tar.getnames()  # $SM_MODEL_DIR, uploaded by SageMaker
-        assert row["billable_s"] >= 1
-        assert row["cost_usd"] > 0 and "an estimate" in row["cost_source"]
-        assert row["state"] == "succeeded" and row["exit_code"] == 0
-
-
 def test_a_refused_third_job_rolls_the_launch_back(
     emulator: SageMakerEmulator, s3_bucket: str, source: Path, home: Path, tmp_path: Path
 ) -> None:
@@ -316,12 +237,18 @@ def test_after_round_1_a_spot_interruption_rejoins_in_place_a_failed_job_is_rela
     is left alone: rank 1's spot instance is reclaimed (SageMaker restarts the same job itself), rank 2's job dies
     for good (SIGKILL, exit 137: an OOM kill, a lost instance) and `diloco watch` creates a new training job for it.
     Both rejoin from the latest committed round in the store and the run ends with bitwise-identical weights. With
-    only the documented IAM policy: launch, status, logs, the relaunch, watch and collect call nothing outside it."""
+    only the documented IAM policy: launch, status, logs, the relaunch, watch and collect call nothing outside it.
+
+    The same run is the no-image path's: the jobs' requests, the wheel the launch uploaded and the bootstrap
+    pip-installed (diloco is imported from it, not from the checkout), the user's source unpacked into the job
+    (its trainer is ``shipped.py``, the paced trainer called from the source's own module), what the ignore file
+    kept out, every replica's logs (``logs`` and, the run ended, ``logs -f`` alike) and what ``collect`` gets from
+    each job's ``model.tar.gz`` and billing."""
     import boto3
 
     emulator = iam_emulator
     monkeypatch.setenv("DILOCO_RESTART_BACKOFF_S", "0")
-    launch = cli(*launch_args(emulator, s3_bucket, source, "--replicas", "3", "--trainer", "pacedtrain:train",
+    launch = cli(*launch_args(emulator, s3_bucket, source, "--replicas", "3", "--trainer", "shipped:train",
                               "--steps", "40", "--sync-every", "5", "--spot", "--detach", "-o", "json",
                               under_iam=True),
                  home=home, cwd=tmp_path)
@@ -349,12 +276,65 @@ def test_after_round_1_a_spot_interruption_rejoins_in_place_a_failed_job_is_rela
     assert any("rank 1 rejoined at step" in line for line in log_lines(f"{run_id}-r1"))
     assert any("rank 2 rejoined at step" in line for line in log_lines(f"{run_id}-r2-1"))
 
+    first = describe(f"{run_id}-r0")
+    assert first["AlgorithmSpecification"]["ContainerEntrypoint"] == ["python",
+                                                                      "/opt/ml/input/data/code/diloco_bootstrap.py"]
+    assert first["ResourceConfig"] == {"InstanceType": "ml.m5.xlarge", "InstanceCount": 1, "VolumeSizeInGB": 30}
+    assert first["EnableNetworkIsolation"] is False
+    from diloco.executors.sagemaker import default_image_versions
+
+    version, py = default_image_versions("us-east-1")
+    assert f"pytorch-training:{version}-cpu-{py}" in first["AlgorithmSpecification"]["TrainingImage"]
+    r0_lines = log_lines(f"{run_id}-r0")
+    bootstrap = next(line for line in r0_lines if line.startswith("diloco bootstrap: installed"))
+    assert "diloco-0.1.0-py3-none-any.whl" in bootstrap  # the uploaded wheel, pip-installed in the job
+    # the user's source, unpacked into the job's /opt/ml/code (the emulator's stand-in directory for it)
+    assert any(line.startswith("shipped trainer from") and line.endswith("/opt/ml/code/shipped.py")
+               for line in r0_lines)
+    # the wheel the launch uploaded is the one builder's, and the replica ran diloco from it, not from the checkout
+    from diloco.executors.wheel_builder import build_wheel
+
+    wheel_name, wheel = build_wheel()
+    uploaded = s3.get_object(Bucket=s3_bucket, Key=f"e2e/{run_id}/sagemaker/code/{wheel_name}")
+    assert uploaded["Body"].read() == wheel
+    imported = json.loads(next(line for line in r0_lines if line.startswith("diloco imported from"))
+                          [len("diloco imported from"):])
+    assert any(f.endswith("/diloco/collectives/__init__.py") for f in imported), imported
+    # the site the bootstrap installed into: the job's own, or the warm-instance cache's site for this wheel
+    site = bootstrap.split(" into ", 1)[1].split(";", 1)[0]
+    assert site.endswith("/opt/ml/diloco/site") or "/diloco-site-" in site, bootstrap
+    assert not site.startswith(str(Path(TESTS_DIR).parent)), site  # not the checkout
+    assert [f for f in imported if not f.startswith(f"{site}/diloco/")] == []
+    code = s3.get_object(Bucket=s3_bucket, Key=f"e2e/{run_id}/sagemaker/code/source.tar.gz")
+    with tarfile.open(fileobj=io.BytesIO(code["Body"].read())) as tar:
+        assert sorted(tar.getnames()) == [".dilocoignore", "pacedtrain.py", "shipped.py", "slowtrain.py"]  # data/ ignored
+
+    every = cli("logs", run_id, home=home, cwd=tmp_path)
+    assert every.returncode == 0, every.stderr
+    lines = every.stdout.splitlines()
+    for rank in range(3):
+        assert any(line.startswith(f"[r{rank}] shipped trainer from") for line in lines), rank
+    assert all(line[:4] in {"[r0]", "[r1]", "[r2]"} for line in lines)
+    followed = cli("logs", run_id, "-f", home=home, cwd=tmp_path, timeout=60)  # ends: every job is terminal
+    assert followed.returncode == 0 and followed.stdout.splitlines() == lines
+
     collect = cli("collect", run_id, "--output", str(tmp_path / "model.safetensors"), "-o", "json",
                   home=home, cwd=tmp_path, timeout=240)
     assert collect.returncode == 0, collect.stderr[-3000:]
     collected = json.loads(collect.stdout)
     assert collected["weights_identical"] is True, collected["weights_detail"]
+    assert Path(collected["model_path"]).is_file()
     assert [r["restarts"] for r in collected["ranks"]] == [0, 1, 1]
+    assert collected["cost_usd"] > 0 and collected["billable_s"] >= 4
+    for row in collected["ranks"]:  # each job's $SM_MODEL_DIR, uploaded by SageMaker
+        uri = row["artifacts"]["model"]
+        assert uri == f"s3://{s3_bucket}/e2e/{run_id}/sagemaker/output/{row['job_id']}/output/model.tar.gz"
+        blob = s3.get_object(Bucket=s3_bucket, Key=uri.split("/", 3)[3])["Body"].read()
+        with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
+            assert "model.safetensors" in tar.getnames()
+        assert row["billable_s"] >= 1
+        assert row["cost_usd"] > 0 and "an estimate" in row["cost_source"]
+        assert row["state"] == "succeeded" and row["exit_code"] == 0
     assert processes_of(run_id) == []
     holds_only_documented_actions(emulator, {"sagemaker:CreateTrainingJob", "sagemaker:ListTags", "iam:PassRole",
                                              "logs:GetLogEvents", "servicequotas:ListServiceQuotas"})
