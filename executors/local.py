@@ -235,7 +235,8 @@ class LocalBackend(ServerlessExecutor[LocalBackendConfig, LocalRunHandle]):
         cwd = os.getcwd()
         return [
             {"rank": rank, "argv": spec.argv(self.python), "env": {**added, **spec.replica_env(rank)}, "cwd": cwd,
-             "log_dir": self.log_dir(spec.run_id, rank, base), "timeout_s": spec.timeout_s}
+             "log_dir": self.log_dir(spec.run_id, rank, base), "timeout_s": spec.timeout_s,
+             "stop_file": os.path.join(base, RUN_CANCEL_MARKER)}
             for rank in spec.own_ranks
         ]
 
@@ -415,6 +416,8 @@ class LocalBackend(ServerlessExecutor[LocalBackendConfig, LocalRunHandle]):
                "--grace", f"{self.config.grace_period_s:g}"]
         if request.get("timeout_s") is not None:
             cmd += ["--timeout", f"{request['timeout_s']:g}"]
+        if request.get("stop_file"):  # absent from requests an older diloco recorded
+            cmd += ["--stop-file", request["stop_file"]]
         cmd += ["--", *request["argv"]]
         with open(os.path.join(log_dir, SUPERVISOR_LOG), "ab") as sup_log:
             proc = subprocess.Popen(
@@ -643,10 +646,10 @@ class LocalBackend(ServerlessExecutor[LocalBackendConfig, LocalRunHandle]):
         starting replicas (``cancel_requested`` in the run directory). Ctrl-C while it asks is acted on once every
         replica has been asked: a cancel cut in half would leave the rest running with nobody to escalate.
         """
+        if ranks is None:  # first: a supervisor that starts after the look below finds it and starts nothing
+            _touch(os.path.join(handle.run_dir, RUN_CANCEL_MARKER))
         handle = self._current(handle)  # also the replicas a killed launch had no time to record
         with signals_deferred():
-            if ranks is None:
-                _touch(os.path.join(handle.run_dir, RUN_CANCEL_MARKER))
             groups = live_process_groups()
             for p in handle.processes:
                 if (ranks is None or p.rank in ranks) and self._alive(p, groups):

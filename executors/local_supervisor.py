@@ -309,8 +309,14 @@ def _describe_end(returncode: int, received: int | None, timed_out: float | None
     return code, sig_name, reason
 
 
-def supervise(log_dir: str, command: list[str], timeout_s: float | None, grace_s: float) -> int:
-    """Run ``command`` to completion under supervision; returns its shell-style exit code."""
+def supervise(log_dir: str, command: list[str], timeout_s: float | None, grace_s: float,
+              stop_file: str | None = None) -> int:
+    """Run ``command`` to completion under supervision; returns its shell-style exit code.
+
+    ``stop_file``: the run's cancel marker. A supervisor that finds it when it starts does not start its child:
+    its launcher was killed while starting it and the run has been cancelled since. The cancel writes the marker
+    before it looks for the run's processes, so a supervisor is either found by that look (and stopped) or
+    finds the marker: none is left running, however late its start."""
     os.makedirs(log_dir, exist_ok=True)
     received: list[int] = []
     child: subprocess.Popen[bytes] | None = None
@@ -333,6 +339,13 @@ def supervise(log_dir: str, command: list[str], timeout_s: float | None, grace_s
                                       "reason": "cancelled before start", "started_at": started_at,
                                       "ended_at": time.time()})
         return 128 + received[0]
+    if stop_file is not None and os.path.exists(stop_file):  # the run was cancelled before this start
+        with open(os.path.join(log_dir, CANCEL_MARKER), "a"):
+            pass
+        write_json_atomic(exit_path, {"exit_code": 128 + signal.SIGTERM, "signal": None,
+                                      "reason": "not started: its run had been cancelled",
+                                      "started_at": started_at, "ended_at": time.time()})
+        return 128 + signal.SIGTERM
 
     with open(os.path.join(log_dir, STDOUT_LOG), "ab") as out_raw, \
          open(os.path.join(log_dir, STDERR_LOG), "ab") as err_raw, \
@@ -380,12 +393,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-dir", required=True)
     parser.add_argument("--timeout", type=float, default=None, help="wall-clock limit for the child, seconds")
     parser.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL (on a stop request or the timeout)")
+    parser.add_argument("--stop-file", default=None,
+                        help="the run's cancel marker: if it exists at start, the command is not started")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command to run")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("no command given (put it after --)")
-    return supervise(args.log_dir, command, args.timeout, args.grace)
+    return supervise(args.log_dir, command, args.timeout, args.grace, args.stop_file)
 
 
 if __name__ == "__main__":

@@ -397,3 +397,24 @@ def test_a_launcher_killed_mid_submit_leaves_replicas_that_cancel_finds(tmp_path
     backend.wait(lost, timeout_s=30, poll_interval_s=0.1)
     wait_for(lambda: processes_of_run(run_id) == [], "no process of the run", 30)
     assert backend.describe(lost).state == RunState.CANCELLED
+
+
+def test_a_replica_started_after_its_runs_cancel_starts_nothing(tmp_path: Path) -> None:
+    """A launcher killed while it starts a supervisor leaves a process that may run its first line only after a
+    ``cancel`` has looked for the run's processes and found none of it. The cancel marks the run first, and a
+    supervisor that finds the mark starts nothing: here a start after the cancel (a relaunch of a cancelled
+    run's replica, which goes through the same start) ends at once, cancelled, with no process of the run left."""
+    backend = LocalBackend(LocalBackendConfig(log_root=str(tmp_path / "logs"), grace_period_s=1.0))
+    run_id = f"late-start-{os.getpid()}"
+    handle = backend.submit(backend.plan(make_spec(tmp_path, n=2, run_id=run_id, sleep=120)))
+    wait_for(lambda: all(r.state == ReplicaState.RUNNING for r in backend.describe(handle).replicas), "both to run")
+    backend.cancel(handle)
+    assert backend.wait(handle, timeout_s=30, poll_interval_s=0.1).state == RunState.CANCELLED
+    wait_for(lambda: processes_of_run(run_id) == [], "the cancelled replicas to be gone", 30)
+
+    handle = backend.relaunch(handle, 1)
+    late = backend.wait(handle, timeout_s=30, poll_interval_s=0.1).replica(1)
+    assert late.state == ReplicaState.CANCELLED and late.restarts == 1, late
+    assert late.reason == "cancelled (not started: its run had been cancelled)", late
+    assert not (log_dir(handle, 1) / "child.json").exists()  # no replica process was ever started
+    assert processes_of_run(run_id) == []
