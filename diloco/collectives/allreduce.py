@@ -26,9 +26,10 @@ Round semantics (what a caller can rely on, whatever the strategy):
 
 * **Identical results.** Contributions are accumulated in fp32 (gather keeps fp64 in fp64) in a fixed order (rank
   order 0..N-1; a compressed sharded round's owner adds its own shard first) and divided by N on the CPU, so every
-  rank computes the same bits (and uncompressed gather and sharded the same bits as each other); the mean is then cast to each caller tensor's dtype on the CPU and copied back
-  into it, keeping its device. With ``store.compression``, every rank averages the *decoded* version of its own
-  contribution, the very values its peers decode (``diloco.collectives.wire``).
+  rank computes the same bits (and uncompressed gather and sharded the same bits as each other); the mean is then
+  cast to each caller tensor's dtype on the CPU and copied back into it, keeping its device. With
+  ``store.compression``, every rank averages the *decoded* version of its own contribution, the very values its
+  peers decode (``diloco.collectives.wire``).
 * **Overlap.** ``allreduce_async`` snapshots the tensors and runs the whole round (upload, polling, downloads,
   reduction) on a background thread; ``Work.wait()`` only waits for it and copies the mean back. The time callers
   spend in ``wait()`` is ``AllReduceStats.seconds_blocked`` (``sync s`` in ``diloco status``).

@@ -227,13 +227,12 @@ class ShardedExchange:
         return carve(torch.frombuffer(self._reads.view(capacity), dtype=torch.uint8) if capacity else
                      torch.empty(0, dtype=torch.uint8))
 
-    # ---------------------------------------------------------------- phases 2-4    # ---------------------------------------------------------------- phases 2-4
+    # ---------------------------------------------------------------- phases 2-4
     def reduce(self, io: RoundIO, round_: int, published: _Published) -> dict[str, torch.Tensor]:
         """Reduce-scatter, publish our reduced shard, all-gather. Each step drops what the next does not need
         (boxes, not locals, carry the big tensors), so a round holds at most the gathered mean plus one shard."""
         layout, flat = published.layout, published.flat
-        size = self._publish_reduced(io, round_, layout, self._reduce_scatter(io, round_, published), flat,
-                                     published.shard_bytes)
+        size = self._publish_reduced(io, round_, layout, self._reduce_scatter(io, round_, published), flat)
         self._means = {round_: flat}
         return layout.unflatten(self._all_gather(io, round_, layout, flat, size))
 
@@ -250,13 +249,13 @@ class ShardedExchange:
         self._reads = ReadBuffer()
 
     def _publish_reduced(self, io: RoundIO, round_: int, layout: PayloadLayout, mean: torch.Tensor,
-                         flat: torch.Tensor, shard_bytes: int) -> int:
+                         flat: torch.Tensor) -> int:
         """Publish our shard's mean (compressed once, without error feedback), streamed, and write what every
         rank will use of it into our shard of ``flat`` (the snapshot's buffer: its shards were all sent, so it
         can hold the mean; decoded in place, no shard-sized copy); -> the object's size (every owner's is the
         same give or take a few metadata digits). Compressed, the wire tensors go into the read buffer, idle
-        between the reduce-scatter's reads (a peer's encoded shard: ``shard_bytes``, the same size give or
-        take the pieces' alignment) and the all-gather's, which start once the upload is done."""
+        between the reduce-scatter's reads (sized for a peer's encoded shard, the same size give or take the
+        pieces' alignment) and the all-gather's, which start once the upload is done."""
         empty = self._read_memory() if self.codec.compressed else None
         wire, meta = self.codec.encode_plain_into({SHARD_TENSOR: mean}, {SHARD_TENSOR: layout.shard(flat, io.rank)},
                                                   empty=empty)
@@ -272,9 +271,9 @@ class ShardedExchange:
         return None
 
     def _reduce_scatter(self, io: RoundIO, round_: int, published: _Published) -> torch.Tensor:
-        """Our shard's sum over every rank (fp32, in ``_summing_order``), divided by N: every contribution, ours included,
-        added from its wire tensors (decoded straight into the sum when compressed, the sum then being our shard
-        of the snapshot's buffer, which was sent: no shard-sized accumulator)."""
+        """Our shard's sum over every rank (fp32, in ``_summing_order``), divided by N: every contribution, ours
+        included, added from its wire tensors (decoded straight into the sum when compressed, the sum then being
+        our shard of the snapshot's buffer, which was sent: no shard-sized accumulator)."""
         import torch
 
         deadline = io.deadline()
@@ -289,11 +288,9 @@ class ShardedExchange:
             if peer == io.rank:
                 part, published.own_shard = published.own_shard, None
                 assert part is not None
-            elif self.codec.compressed and self._reads.capacity < published.shard_bytes + READ_RESERVE:
-                # sized once for the round, now that nothing else of it is held: every read and the reduced
-                # shard's wire tensors fit without growing it (a growth holds the old buffer and the new)
-                self._reads.view(published.shard_bytes + READ_RESERVE)
-            if peer != io.rank:
+            else:
+                if self.codec.compressed:
+                    self._size_reads(published.shard_bytes)
                 io.await_object(round_, peer, lambda r: contribution_key(round_, r, self.spread), deadline)
                 key = contribution_key(round_, peer, self.spread)
                 part = io.read_verified(round_, peer, f"contribution (shard {io.rank})", io.store.url(key),
@@ -302,6 +299,13 @@ class ShardedExchange:
             self.codec.add_into(acc, part[0], part[1], shard_layout, owned=True, empty=empty)
             del part
         return acc[SHARD_TENSOR].div_(io.world_size)
+
+    def _size_reads(self, shard_bytes: int) -> None:
+        """Grow the read buffer once for the round, before its first read and with nothing else of the round held
+        (our own encoded shard is added and dropped by then): every read and the reduced shard's wire tensors then
+        fit without growing it again (a growth holds the old buffer and the new one at once)."""
+        if self._reads.capacity < shard_bytes + READ_RESERVE:
+            self._reads.view(shard_bytes + READ_RESERVE)
 
     def _summing_order(self, rank: int, world_size: int) -> list[int]:
         """The order our shard's contributions are added in. Uncompressed: ranks 0..N-1, the order gather sums
