@@ -714,9 +714,10 @@ class LocalBackend(ServerlessExecutor[LocalBackendConfig, LocalRunHandle]):
         """Output its supervisor never copied into ``combined.log``: none while the supervisor lives or once it
         recorded the end (it copies everything first); otherwise it was killed, and the replica's own files hold
         what came after."""
-        if p is None or self._is_ours(p) or os.path.exists(os.path.join(p.attempt_dir(), EXIT_FILE)):
+        if p is None or self._is_ours(p):
             return []
-        return uncopied_output(p.attempt_dir())
+        files = p.attempt_dir()
+        return [] if os.path.exists(os.path.join(files, EXIT_FILE)) else uncopied_output(files)
 
     def failure_tail(self, handle: LocalRunHandle, rank: int, n: int = 10) -> list[str]:
         """The last ``n`` lines the replica wrote to stderr (why it failed, usually)."""
