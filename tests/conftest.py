@@ -21,6 +21,7 @@ Order: the long scenarios go out early and spread among the short tests, by ``te
 
 from __future__ import annotations
 
+import os
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
@@ -62,9 +63,24 @@ def pytest_configure(config: pytest.Config) -> None:
 
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    _start_processes_without_the_compiler()
     config.pluginmanager.register(TimeBudgets(), "diloco-time-budgets")
     config.pluginmanager.register(ProcessCensus(), "diloco-process-census")
     config.pluginmanager.register(DurationRecorder(), "diloco-test-durations")
+
+
+#: ``tests/startup``: its ``sitecustomize`` keeps torch from importing its compiler where nothing compiles.
+STARTUP_DIR = str(Path(__file__).resolve().parent / "startup")
+
+
+def _start_processes_without_the_compiler() -> None:
+    """Every process the suite starts (pytest's workers, replicas, CLI invocations) gets ``tests/startup`` first on
+    its ``PYTHONPATH``, unless a test hands it an environment of its own: about 1.3 CPU-seconds saved in each
+    replica that builds a torch optimizer (``tests/startup/sitecustomize.py`` says how, and why it changes no
+    behaviour)."""
+    entries = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    if STARTUP_DIR not in entries:
+        os.environ["PYTHONPATH"] = os.pathsep.join([STARTUP_DIR, *entries])
 
 
 @pytest.hookimpl(optionalhook=True)
