@@ -169,9 +169,10 @@ def check_wandb(tmp_path: Path, summary: dict, wandb_dir: Path) -> None:
     wandb_id = record_of(tmp_path, summary["run_id"])["config"]["metrics"]["wandb_run_id"]
     assert wandb_id
     files = sorted(wandb_dir.glob("**/offline-run-*/*.wandb"))
-    # the launcher's (settings) and one per replica attempt: the replicas + 1 relaunch, all of one W&B run; the
-    # killed attempt's file may hold no record at all (its wandb-core process died with it before writing)
-    assert len(files) == 1 + REPLICAS + 1, files
+    # the launcher's (settings) and one per replica attempt: the replicas + 1 relaunch, all of one W&B run. The
+    # killed attempt's file may hold no record at all, or not exist: its sink connects beside training, and the
+    # kill can come before wandb-core has written anything or even made the attempt's folder
+    assert 1 + REPLICAS <= len(files) <= 1 + REPLICAS + 1, files
     runs = [run for run in map(read_run, files) if run["run_id"] is not None]
     assert len(runs) >= 1 + REPLICAS and {run["run_id"] for run in runs} == {wandb_id}, runs
     config = {key: value for run in runs for key, value in run["config"].items()}
