@@ -254,10 +254,11 @@ def test_after_round_1_a_spot_interruption_rejoins_in_place_a_failed_job_is_rela
                  home=home, cwd=tmp_path)
     assert launch.returncode == 0, launch.stderr[-3000:]
     run_id = json.loads(launch.stdout)["run_id"]
-    committed = f"e2e/{run_id}/committed/round_000001/COMMITTED"
+    committed = f"e2e/{run_id}/committed/"  # any committed round: the store keeps only the last 3
     s3 = boto3.client("s3")
-    wait_for(lambda: s3.list_objects_v2(Bucket=s3_bucket, Prefix=committed).get("KeyCount", 0) > 0,
-             "round 1 to commit")
+    wait_for(lambda: any(obj["Key"].endswith("/COMMITTED")
+                         for obj in s3.list_objects_v2(Bucket=s3_bucket, Prefix=committed).get("Contents", [])),
+             "a round to commit")
     emulator.interrupt(f"{run_id}-r1")  # SIGKILL mid-run; SageMaker brings the job back on its own
     emulator.crash(f"{run_id}-r2")  # SIGKILL mid-run; the job ends Failed and only diloco brings the rank back
     status = cli("status", run_id, "-o", "json", home=home, cwd=tmp_path)
