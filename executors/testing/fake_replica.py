@@ -5,11 +5,11 @@ It needs nothing beyond this package (no torch, no pytest), so it runs in any re
 
 Behaviour comes from ``--trainer-kwargs-json`` (the executor's contract is only "run this module with these
 args and env"): print ``lines`` lines to stdout and one to stderr, optionally spawn a grandchild, optionally
-ignore SIGTERM (or log each one's sender to ``term_log``), say its world size (``announce_world``), wait for the
-file ``go_on_when`` to exist before printing (so a test can act between the start and the output), sleep, then
-exit with ``exit`` (or ``fail_exit`` on ``fail_rank``). Its rank is the environment's plus ``DILOCO_RANK_OFFSET``, as
-the real entrypoint reads it. ``env_out`` is a directory
-where each rank writes what it saw (argv, cwd, environment) as JSON.
+ignore SIGTERM (or log each one's sender to ``term_log``, a file that exists once every SIGTERM will be logged),
+say its world size (``announce_world``), wait for the file ``go_on_when`` to exist before printing (so a test can
+act between the start and the output), sleep, then exit with ``exit`` (or ``fail_exit`` on ``fail_rank``). Its rank
+is the environment's plus ``DILOCO_RANK_OFFSET``, as the real entrypoint reads it. ``env_out`` is a directory where
+each rank writes what it saw (argv, cwd, environment) as JSON.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ def main() -> int:
 
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # delivered to sigwaitinfo only
         threading.Thread(target=wait_for_terms, daemon=True).start()
+        open(kwargs["term_log"], "a").close()  # the log exists once every SIGTERM is sure to be logged
     if kwargs.get("spawn_child"):
         # A grandchild that outlives us unless someone kills the whole process group.
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])

@@ -201,8 +201,7 @@ def test_cancel_with_sigterm_records_the_exit(tmp_path: Path, backend: LocalBack
 def test_cancel_delivers_exactly_one_sigterm_to_the_replica(tmp_path: Path, backend: LocalBackend) -> None:
     term_log = tmp_path / "terms"
     handle = backend.submit(backend.plan(make_spec(tmp_path, n=1, sleep=120, term_log=str(term_log))))
-    wait_for(lambda: (log_dir(handle, 0) / "child.json").exists(), "the supervisor to start its child")
-    time.sleep(0.5)  # the replica has installed its handler
+    wait_for(term_log.exists, "the replica to catch SIGTERM (it creates the log then)")
     backend.cancel(handle)
     (status,) = backend.wait(handle, timeout_s=30, poll_interval_s=0.05).replicas
     # Only the supervisor's forwarded SIGTERM: a group-wide one would reach the replica a second time, directly
