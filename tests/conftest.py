@@ -76,7 +76,7 @@ STARTUP_DIR = str(Path(__file__).resolve().parent / "startup")
 def _start_processes_without_the_compiler() -> None:
     """Every process the suite starts (pytest's workers, replicas, CLI invocations) gets ``tests/startup`` first on
     its ``PYTHONPATH``, unless a test hands it an environment of its own: about 1.3 CPU-seconds saved in each
-    replica that builds a torch optimizer (``tests/startup/sitecustomize.py`` says how, and why it changes no
+    replica that builds a torch optimizer (``tests/startup/compiler_on_demand.py`` says how, and why it changes no
     behaviour)."""
     entries = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
     if STARTUP_DIR not in entries:
