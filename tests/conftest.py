@@ -34,6 +34,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 # The shared helpers assert too: rewrite them as pytest rewrites test modules, before the first import of them.
 pytest.register_assert_rewrite("support")
 
+from support import STARTUP_DIR  # noqa: E402
 from support.faultproxy import FaultProxy  # noqa: E402 (tests/ is on sys.path: pytest's rootdir-relative import)
 from support.process_census import ProcessCensus  # noqa: E402
 from support.run_order import DurationRecorder, dispatch_order, load_durations  # noqa: E402
@@ -69,18 +70,14 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(DurationRecorder(), "diloco-test-durations")
 
 
-#: ``tests/startup``: its ``sitecustomize`` keeps torch from importing its compiler where nothing compiles.
-STARTUP_DIR = str(Path(__file__).resolve().parent / "startup")
-
-
 def _start_processes_without_the_compiler() -> None:
     """Every process the suite starts (pytest's workers, replicas, CLI invocations) gets ``tests/startup`` first on
     its ``PYTHONPATH``, unless a test hands it an environment of its own: about 1.3 CPU-seconds saved in each
     replica that builds a torch optimizer (``tests/startup/compiler_on_demand.py`` says how, and why it changes no
     behaviour)."""
     entries = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
-    if STARTUP_DIR not in entries:
-        os.environ["PYTHONPATH"] = os.pathsep.join([STARTUP_DIR, *entries])
+    if str(STARTUP_DIR) not in entries:
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(STARTUP_DIR), *entries])
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -14,9 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from support import TESTS_DIR
-
-STARTUP_DIR = TESTS_DIR / "startup"
+from support import STARTUP_DIR, TESTS_DIR
 
 #: Two optimizers as a replica uses them (AdamW inside, Nesterov SGD outside), stepped on fixed data; prints the
 #: parameters' bytes and whether the compiler got imported. With ``compile``, it then imports the compiler and

@@ -12,5 +12,8 @@ from pathlib import Path
 
 #: ``tests/``: the directory that makes ``support.*`` importable, for replica processes' cwd or PYTHONPATH.
 TESTS_DIR = Path(__file__).resolve().parents[1]
+#: ``tests/startup``: its ``sitecustomize`` keeps torch from importing its compiler where nothing compiles
+#: (``tests/startup/compiler_on_demand.py``); on every test process's ``PYTHONPATH`` (``tests/conftest.py``).
+STARTUP_DIR = TESTS_DIR / "startup"
 #: The repository root (README, configs, docs).
 REPO = TESTS_DIR.parent
