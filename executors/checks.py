@@ -99,9 +99,9 @@ class DoctorContext:
 
     def session(self) -> Any:
         if self._session is None:
-            import boto3
+            from diloco.store.aws_data import boto3_session
 
-            self._session = boto3.Session(region_name=self.region) if self.region else boto3.Session()
+            self._session = boto3_session(self.region)
         return self._session
 
     def client(self, service: str, region: str | None = None) -> Any:

@@ -147,7 +147,8 @@ def _filesystem(protocol: str, storage_options: dict[str, Any]) -> fsspec.Abstra
     CPU to build (service model, endpoint rules), ten times a request, and a launcher, a waiting command or a
     replica opens several stores on one bucket. The settings are the options and every ``AWS_*`` variable (what
     botocore reads when it builds the client: endpoint, credentials, region, profile); the process id too, since a
-    forked child must not use its parent's connections."""
+    forked child must not use its parent's connections. A filesystem for other settings still builds its own
+    client, but on the process's decoded botocore data (``diloco.store.aws_data``)."""
     options = dict(storage_options)
     if protocol == "s3":
         from diloco.store.s3 import s3_storage_options  # lazy: boto/s3fs only when an s3:// URI is used
@@ -171,6 +172,7 @@ def _s3_filesystem(options: dict[str, Any]) -> fsspec.AbstractFileSystem:
     """This process's S3 filesystem for ``options`` and the ``AWS_*`` environment, made on first use."""
     import json
 
+    from diloco.store.aws_data import aio_session
     from diloco.store.s3 import configure_filesystem
 
     environment = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_")))
@@ -180,6 +182,8 @@ def _s3_filesystem(options: dict[str, Any]) -> fsspec.AbstractFileSystem:
         if fs is None:
             fs = fsspec.filesystem("s3", **options)
             configure_filesystem(fs)
+            if fs.session is None:  # s3fs would make its session with the kwargs it kept; ours shares the loader
+                fs.session = aio_session(**fs.kwargs)
             _S3_FILESYSTEMS[key] = fs
             while len(_S3_FILESYSTEMS) > _S3_FILESYSTEMS_KEPT:
                 del _S3_FILESYSTEMS[next(iter(_S3_FILESYSTEMS))]

@@ -209,6 +209,10 @@ class SageMakerBackend(ServerlessExecutor[SageMakerBackendConfig, SageMakerRunHa
             import boto3
             from botocore.config import Config
 
+            from diloco.executors.sagemaker.service_model import botocore_session
+
+            botocore_session()  # boto3's default session, on the process's decoded botocore data
+
             retries = {} if os.environ.get("AWS_MAX_ATTEMPTS") or os.environ.get("AWS_RETRY_MODE") else \
                 {"retries": {"mode": "adaptive", "max_attempts": 10}}
             self._clients[key] = boto3.client(service, region_name=region,
