@@ -11,6 +11,9 @@ the caller so the CLI can print it once. Non-finite losses are reported as diver
 
 from __future__ import annotations
 
+import math
+import time
+from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, Field
@@ -103,3 +106,29 @@ def read_progress(store: ObjectStore, world_size: int) -> MetricsReadout:
         replicas.append(progress)
         warnings += problems
     return MetricsReadout(replicas=replicas, warnings=warnings)
+
+
+class ProgressCache:
+    """The last readout of a run's progress, for a command that reports the run again and again while it waits.
+
+    A waiting command asks the backend about the run as often as the replicas poll the store (five times a
+    second by default), but each readout is two GETs per replica, and a replica rewrites its metrics once a
+    round and its progress object every few seconds at most: read at that pace, an 8-replica run cost its
+    launcher a third of a core and 80 requests a second. A readout is therefore reused for ``max_age_s`` while
+    the replicas' states (``key``) stay as they were; any change of state (a replica ended, failed, came back)
+    reads afresh, so a report that ends a wait always holds the latest metrics."""
+
+    def __init__(self) -> None:
+        self._at = -math.inf
+        self._key: Hashable = None
+        self._readout: MetricsReadout | None = None
+
+    def read(self, store: ObjectStore, world_size: int, *, key: Hashable, max_age_s: float) -> MetricsReadout:
+        """``read_progress(store, world_size)``, or the last readout when it is younger than ``max_age_s`` and was
+        read for the same ``key`` and world size. A readout is shared: read it, never change it."""
+        now = time.monotonic()
+        last = self._readout
+        if last is not None and key == self._key and len(last.replicas) == world_size and now - self._at < max_age_s:
+            return last
+        self._readout, self._key, self._at = read_progress(store, world_size), key, now
+        return self._readout

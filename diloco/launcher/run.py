@@ -23,7 +23,7 @@ from diloco.executors.base import ReplicaState, ReplicaStatus, RunHandle, RunSta
 from diloco.executors.logstream import LogRecord, follow_merged, merged, tail
 from diloco.launcher import lifecycle
 from diloco.launcher.config import backend_config
-from diloco.launcher.progress import read_progress
+from diloco.launcher.progress import ProgressCache
 from diloco.launcher.reports import ReplicaReport, RunReport, RunSummary, add_async_status, run_report
 from diloco.launcher.runs import RunRecord, RunRegistry
 
@@ -75,6 +75,7 @@ class Run:
         self.registry = registry
         self._waiter: Waiter | None = None  # the wait in progress (wait_for_outcome), if any
         self._members_by_round: list[list[int]] = []  # an elastic run's committed rounds' members, read so far
+        self._progress = ProgressCache()  # the replicas' metrics as a wait last read them
 
     def __repr__(self) -> str:
         return f"Run({self.run_id!r}, backend={self.backend!r}, replicas={self.replicas})"
@@ -217,8 +218,11 @@ class Run:
         with ``with_stderr``, a failed replica's last stderr lines; ``trends`` adds each eval-loss sparkline."""
         return self.report(trends=trends, with_stderr=with_stderr)
 
-    def report(self, status: RunStatus | None = None, *, with_stderr: bool = True, trends: bool = False) -> RunReport:
-        """Describe the run (unless ``status`` is given), read the metrics, judge it; failed replicas' stderr."""
+    def report(self, status: RunStatus | None = None, *, with_stderr: bool = True, trends: bool = False,
+               progress_max_age_s: float = 0.0) -> RunReport:
+        """Describe the run (unless ``status`` is given), read the metrics, judge it; failed replicas' stderr.
+        ``progress_max_age_s``: reuse metrics read that recently, while no replica's state changed (a wait's
+        repeated reports: ``ProgressCache``)."""
         status = status if status is not None else self.replica_status()
         relaunches = self.relaunches_now()
         state = self.final_state or lifecycle.verdict(status, self.policy, relaunches)  # an ended run stays ended
@@ -227,7 +231,9 @@ class Run:
         else:
             left_behind = lifecycle.left_behind(status, self.policy, relaunches) if state == RunState.SUCCEEDED else []
         awaiting = lifecycle.awaiting_relaunch(status, relaunches) if not state.is_terminal else []
-        report = run_report(self.record, status, read_progress(self.store, self.replicas), state=state,
+        states = tuple((s.rank, s.state, s.restarts) for s in status.replicas)
+        readout = self._progress.read(self.store, self.replicas, key=states, max_age_s=progress_max_age_s)
+        report = run_report(self.record, status, readout, state=state,
                             left_behind=left_behind, awaiting_relaunch=awaiting)
         if self.record.train_mode != "sync":  # a sync run publishes none (a record that does not say is read)
             add_async_status(report, self.store)

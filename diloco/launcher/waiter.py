@@ -37,6 +37,9 @@ logger = logging.getLogger(__name__)
 #: access to that backend at all (no kubeconfig) would otherwise wait forever, since the replica reads ``unknown``.
 DEFAULT_UNREACHABLE_PATIENCE_S = 300.0
 UNREACHABLE_PATIENCE_ENV = "DILOCO_UNREACHABLE_PATIENCE_S"
+#: Seconds a wait's reports reuse the replicas' metrics while no replica's state changes: a live table, a
+#: webhook or the status page is at most this late on a step or a loss (``diloco.launcher.progress.ProgressCache``).
+PROGRESS_REFRESH_S = 1.0
 #: How ``MixedBackend.describe`` says a part's backend could not be asked (the reason of its ``unknown`` replicas).
 UNREACHABLE_REASON = "its backend could not be asked"
 
@@ -103,7 +106,7 @@ class WaitedRun(Protocol):
     def final_state(self) -> RunState | None: ...
     def replica_status(self) -> RunStatus: ...
     def report(self, status: RunStatus | None = None, *, with_stderr: bool = True,
-               trends: bool = False) -> RunReport: ...
+               trends: bool = False, progress_max_age_s: float = 0.0) -> RunReport: ...
     def add_stderr(self, report: RunReport) -> RunReport: ...
     def relaunches_now(self) -> lifecycle.Relaunches: ...
     def lost(self, status: RunStatus) -> list[int]: ...
@@ -165,7 +168,7 @@ class Waiter:
                     # The run as this wait found it, before the relaunches it made at once: what it relaunched was
                     # seen failed first, so observers (a webhook, the page) hear of it as of any later relaunch.
                     on_update(run.report(found, with_stderr=False))
-            report = run.report(status, with_stderr=False)
+            report = run.report(status, with_stderr=False, progress_max_age_s=PROGRESS_REFRESH_S)
             self._tell_retries(status, first=first_look)
             first_look = False
             gone = unreachable(status) if run.final_state is None else []
