@@ -367,7 +367,7 @@ class RunningForever:
             gc.collect()  # the Ctrl-C arrives while a finalizer runs, between two polls
         state = ReplicaState.RUNNING if RunningForever.polls < 20 else ReplicaState.SUCCEEDED
         return RunStatus(run_id="r", replicas=[ReplicaStatus(rank=0, state=state)])
-    def report(self, status, with_stderr=True):
+    def report(self, status, with_stderr=True, progress_max_age_s=0.0):
         return SimpleNamespace(warnings=[], failed=[])
     def add_stderr(self, report): return report
     def lost(self, status): return []
