@@ -350,12 +350,12 @@ def test_installation_filters_keys_and_shapes(store: ObjectStore, tmp_path: Path
 def test_stop_is_restartable(store: ObjectStore, tmp_path: Path) -> None:
     master = Node("master", "m", store, tmp_path, master_poll_interval_s=0.05)
     worker = Node("worker", "w", store, tmp_path, async_delta_upload=True)
-    for _ in range(2):
+    for expected in (1, 2):  # a restarted master resumes at its committed step: wait for this start's own step
         master.start()
         worker.start()
         worker.train(INNER)
         assert worker.coord.wait_for_uploads()
-        wait_until(lambda: master.coord.outer_step >= 1)
+        wait_until(lambda step=expected: master.coord.outer_step >= step)
         worker.coord.stop()
         master.coord.stop()
     assert master.coord.outer_step == 2
