@@ -1,7 +1,7 @@
 """botocore's data files (service models, endpoint rules, partitions, SDK defaults), decoded once per process.
 
 Every botocore session has its own loader, and a loader decodes each JSON file the first time it is asked for it:
-the endpoint rules alone are over a megabyte. A process makes several sessions: s3fs one per S3 filesystem, boto3
+the endpoint table alone is over a megabyte. A process makes several sessions: s3fs one per S3 filesystem, boto3
 one per ``boto3.Session``, the doctor one per context. Each then decoded the same files again, about 90 ms of CPU per
 S3 filesystem before its first request, where a client built on a warm loader costs about 5 ms. A loader only reads
 files and keeps what it decoded, so one loader per data path serves every session of the process; credentials,
