@@ -5,9 +5,8 @@ a run as this ``Run`` (the TorchX ``Runner`` / SkyPilot SDK pattern).
 A ``Run`` holds no state of its own beyond the record (and, while one is in progress, its wait's): every method
 asks the backend and the store afresh, so several processes may hold the same run. Its rules (relaunchable, lost,
 left behind, can finish, the verdict) are ``diloco.launcher.lifecycle``'s, its reports ``diloco.launcher.reports``',
-its wait ``diloco.launcher.waiter``'s; what it adds is the I/O: the backend's statuses, the store's metrics, the
-registry's record.
-"""
+its wait ``diloco.launcher.waiter``'s, the following of its logs ``diloco.launcher.run_logs``'; what it adds is the
+I/O: the backend's statuses, the store's metrics, the registry's record."""
 
 from __future__ import annotations
 
@@ -20,11 +19,12 @@ from typing import TYPE_CHECKING, Any
 from diloco.errors import ConfigError, DilocoError
 from diloco.executors import create_backend
 from diloco.executors.base import ReplicaState, ReplicaStatus, RunHandle, RunState, RunStatus
-from diloco.executors.logstream import LogRecord, follow_merged, merged, tail
+from diloco.executors.logstream import LogRecord
 from diloco.launcher import lifecycle
 from diloco.launcher.config import backend_config
 from diloco.launcher.progress import ProgressCache
 from diloco.launcher.reports import ReplicaReport, RunReport, RunSummary, add_async_status, run_report
+from diloco.launcher.run_logs import run_log_lines
 from diloco.launcher.runs import RunRecord, RunRegistry
 
 if TYPE_CHECKING:
@@ -450,6 +450,17 @@ class Run:
         return report
 
     # ------------------------------------------------------------------------------------------ logs
+    def reloaded(self) -> Run | None:
+        """This run as its record reads now (another process may have relaunched a replica since); None once the
+        run is removed, or for a run held without a registry."""
+        if self.registry is None:
+            return None
+        try:
+            record = self.registry.load(self.run_id)
+        except DilocoError:
+            return None
+        return Run(record, self.executor, self.registry)
+
     def logs(self, *, follow: bool = False, ranks: list[int] | None = None,
              tail: int | None = None) -> Iterator[LogRecord]:
         """The replicas' output lines (``LogRecord``: rank, ts, stream "out"/"err", text) merged in time order;
@@ -461,76 +472,7 @@ class Run:
             if not 0 <= rank < self.replicas:
                 raise ConfigError(f"--replica: replica {rank} does not exist (the run has replicas "
                                   f"0-{self.replicas - 1})")
-        return self.log_lines(ranks=ranks, follow=follow, tail_n=tail)
-
-    def log_lines(self, *, ranks: list[int] | None = None, follow: bool = False,
-                  tail_n: int | None = None) -> Iterator[LogRecord]:
-        """All (or ``ranks``') replicas' lines merged in time order; ``tail_n`` lines per replica at most.
-
-        With ``follow``, the backlog comes first (time-ordered), then new lines as they arrive, until every
-        followed replica has ended. The follow starts at each replica's last backlog line (``since``), so a
-        backend that can read from a time (CloudWatch, the Kubernetes API) does not fetch the backlog again;
-        the lines at that very moment that the backlog already had are skipped. A replica whose process or job
-        ended in a failure that a relaunch cures is followed into its relaunch (``_relaunched``), whichever
-        process relaunches it (the attached ``launch``, a ``watch``): its lines go on under the same prefix.
-        """
-        handle = self.handle
-        if handle is None:
-            return
-        selected = list(range(self.replicas)) if ranks is None else ranks
-        backlogs = [list(self.executor.logs(handle, [rank], follow=False)) for rank in selected]
-        yield from merged([tail(b, tail_n) for b in backlogs])
-        if not follow:
-            return
-
-        def rest(rank: int, backlog: list[LogRecord]) -> Iterator[LogRecord]:
-            since = backlog[-1].ts if backlog else None
-            at_since = [r for r in backlog if since is not None and r.ts >= since]  # a read from since repeats them
-            current: RunHandle | None = handle
-            while current is not None:
-                # Which incarnation is followed, read before its stream ends: by the time it has, a watching
-                # process may already have relaunched it, and then the relaunch is what comes next.
-                followed = self.executor.describe(current).replica(rank)
-                repeats = list(at_since)
-                for record in self.executor.logs(current, [rank], follow=True, since=since):
-                    if repeats and record == repeats[0]:
-                        repeats.pop(0)
-                        continue
-                    repeats = []
-                    if since is None or record.ts > since:
-                        since, at_since = record.ts, []
-                    if record.ts == since:
-                        at_since.append(record)
-                    yield record
-                current = self._relaunched(followed, rank)
-
-        yield from follow_merged([rest(r, b) for r, b in zip(selected, backlogs, strict=True)])
-
-    def _relaunched(self, ended: ReplicaStatus, rank: int) -> RunHandle | None:
-        """The handle of ``rank``'s next incarnation once one exists, after ``ended`` (its status while it was
-        followed) has ended; None when none will come.
-
-        The relaunch is another process's doing (the attached ``launch`` or a ``watch``), recorded in the registry
-        when it happens, so the record is read again every poll. A replica that failed in a way a relaunch cures,
-        with restarts left, in a run that can still finish, is waited for (``status`` calls such a run running
-        too); one that succeeded, was cancelled or failed for good ends its stream."""
-        while self.registry is not None:
-            try:
-                record = self.registry.load(self.run_id)
-            except DilocoError:
-                return None  # the run was removed while it was followed
-            now_run = Run(record, self.executor, self.registry)
-            handle = now_run.handle
-            if handle is None:
-                return None
-            status = now_run.replica_status()
-            now = status.replica(rank)
-            if now.job_id != ended.job_id or now.restarts > ended.restarts:
-                return handle
-            if now.state != ReplicaState.FAILED or not now_run.awaits_relaunch(now) or not now_run.can_finish(status):
-                return None
-            time.sleep(self.poll_interval_s)
-        return None
+        return run_log_lines(self, ranks=ranks, follow=follow, tail_n=tail)
 
 
 def summarize_runs(registry: RunRegistry) -> list[RunSummary]:

@@ -216,7 +216,7 @@ def test_following_a_run_stays_within_the_logs_quotas_and_reads_each_backlog_onc
     wait_for(lambda: sum(len(emulator.job(n).log_streams) for n in handle.job_names) == 4, "the streams")
     time.sleep(0.5)  # a backlog to read first
     view = run_view(backend, handle, s3_bucket)
-    texts = [r.text for r in view.log_lines(follow=True)]
+    texts = [r.text for r in view.logs(follow=True)]
     for rank in range(4):
         assert [t for t in texts if t.startswith(f"rank {rank} line")] == [f"rank {rank} line {i}" for i in range(40)]
     calls = emulator.logs_calls
