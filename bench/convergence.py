@@ -215,19 +215,17 @@ class OuterStep:
                                 setting.error_feedback_decay, sparse_spec(setting))
 
     def __call__(self, replicas: list[Replica]) -> None:
-        from diloco.store.codec import encode_tensors
-
         deltas = []
         for rank, r in enumerate(replicas):
             params = dict(r.model.named_parameters())
-            delta = {n: self.global_params[n] - params[n].detach().float() for n in self.names}
+            delta = self.proposed(rank, {n: self.global_params[n] - params[n].detach().float() for n in self.names})
             wire, meta, decoded = self.codec(rank, delta)
             if rank == 0:
-                self.round_bytes = len(encode_tensors(wire, meta))
+                self.round_bytes = stored_nbytes(self.setting.compression, wire, meta)
                 self.round_wire_bytes = sum(t.numel() * t.element_size() for t in wire.values())
             deltas.append(decoded)
         for n, g in self.global_params.items():
-            g.grad = torch.stack([d[n] for d in deltas]).mean(0)
+            g.grad = self.combined([d[n] for d in deltas])
         self.rounds += 1
         if self.setting.outer_momentum_warmup:
             ramp = min(1.0, (self.rounds - 1) / self.setting.outer_momentum_warmup)
@@ -238,6 +236,29 @@ class OuterStep:
             for r in replicas:
                 for n, p in r.model.named_parameters():
                     p.copy_(self.global_params[n].to(p.dtype))
+
+
+    def proposed(self, rank: int, delta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What replica ``rank`` sends for its pseudo-gradient ``delta`` (before the wire format): ``delta``
+        itself, as the trainer does. A variant (``bench/sparse_variants.py``) may transform it first."""
+        return delta
+
+    def combined(self, contributions: list[torch.Tensor]) -> torch.Tensor:
+        """The outer gradient of one tensor from every replica's decoded contribution: their mean, as the
+        all-reduce computes it."""
+        return torch.stack(contributions).mean(0)
+
+
+def stored_nbytes(fmt: str, wire: dict[str, torch.Tensor], meta: dict[str, str]) -> int:
+    """The bytes of the object the store holds for these wire tensors: a packed format's (the sparse one's) wire
+    tensors go to the store concatenated by kind (``compression.pack``, as ``diloco.collectives.wire`` does),
+    so its header names three tensors instead of three per model tensor."""
+    from diloco.collectives import compression
+    from diloco.store.codec import encode_tensors
+
+    if fmt != "none" and compression.resolve(fmt).packed:
+        wire, meta = compression.pack(wire, meta)
+    return len(encode_tensors(wire, meta))
 
 
 def sparse_spec(setting: Setting) -> Any:
@@ -282,15 +303,16 @@ def _shards(setting: Setting, corpus: bytes) -> list[torch.Tensor]:
             for r in range(setting.replicas)]
 
 
-def run_diloco(setting: Setting) -> Result:
-    """M replicas on their own shards, an outer round every ``sync_every`` steps."""
+def run_diloco(setting: Setting, outer_step: Callable[[Setting, GPT], OuterStep] | None = None) -> Result:
+    """M replicas on their own shards, an outer round every ``sync_every`` steps; ``outer_step`` makes the outer
+    step (``OuterStep``, the trainer's, unless a variant is measured)."""
     config, corpus, batches = _common(setting)
     began = time.perf_counter()
     replicas = [Replica(setting, config, shard, r, setting.batch_size)
                 for r, shard in enumerate(_shards(setting, corpus))]
     if setting.warm_start:
         warm_up(setting, config, replicas)
-    outer = OuterStep(setting, replicas[0].model)
+    outer = (outer_step or OuterStep)(setting, replicas[0].model)
     result = Result("diloco", setting, [(0, evaluate(replicas[0].model, batches))])
     for step in range(1, setting.steps + 1):
         for r in replicas:

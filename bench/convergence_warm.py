@@ -192,11 +192,11 @@ def h50_report(results: list[Result], seeds: list[int]) -> dict[str, Any]:
             f"{s0.sync_every} steps; seeds {', '.join(str(s) for s in seeds)} (each seed its own warm start, data "
             "order and held-out batches); the final eval loss is the mean over the seeds run.",
             "Bytes: what one replica writes to the store per round (its pseudo-gradient's wire tensors serialized "
-            "as the store holds them, safetensors header and metadata included) times the rounds; every replica "
-            "writes as much. fp32 is 4 bytes a value. 'wire tensors' leaves the object's header out (the codec's "
-            "encoded size): the header (tensor names, shapes, metadata; about 8 KB for the sparse format's 87 wire "
-            "tensors of this model's 29) costs the same whatever the model's size, so on this tiny model it is most "
-            "of a sparse object, and on a real one nothing.",
+            "as the store holds them, safetensors header and metadata included; the sparse format's packed into "
+            "three tensors, as a round sends them) times the rounds; every replica writes as much. fp32 is 4 bytes "
+            "a value. 'wire tensors' leaves the object's header out (the codec's encoded size): the header costs "
+            "the same whatever the model's size (about 0.4 KB for the packed sparse object, 2.8 KB for fp32's 29 "
+            "tensors), so on this tiny model it is a tenth of a sparse object, and on a real one nothing.",
             "The quantized formats use error feedback and the papers' outer step; the sparse one SparseLoCo's rule "
             "(the outer momentum replaced by error feedback decayed each round) unless its row says otherwise.",
             "In one process, the same math as the trainer and diloco.replica.outer (see bench/convergence.py).",

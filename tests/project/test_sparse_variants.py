@@ -1,0 +1,91 @@
+"""bench/sparse_variants.py's variants do what their rows say, and bench/convergence.py counts the bytes the store
+holds: checked on small tensors, without training."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import torch
+from support.bench_scripts import load_bench_script
+
+from diloco.collectives.wire import PayloadCodec
+from diloco.store.codec import encode_tensors
+
+convergence = load_bench_script("convergence")
+load_bench_script("convergence_warm")
+variants = load_bench_script("sparse_variants")
+
+SMALL = convergence.GPTConfig(block_size=8, n_layer=1, n_head=2, n_embd=16)
+
+
+def _replicas(n: int, seed: int) -> list[SimpleNamespace]:
+    return [SimpleNamespace(model=convergence.build_model(SMALL, seed=seed)) for _ in range(n)]
+
+
+def _drift(replicas: list[SimpleNamespace], generator: torch.Generator) -> None:
+    with torch.no_grad():
+        for r in replicas:
+            for p in r.model.parameters():
+                p.add_(torch.randn(p.shape, generator=generator) * 0.01)
+
+
+def test_each_replicas_own_nesterov_update_is_fp32_diloco_when_nothing_is_lost() -> None:
+    """Lossless, sending each replica's Nesterov update and applying the mean with lr 1 is the papers' outer
+    step on the mean: the variant's check row measures the variant's machinery, not a different method."""
+    paper = dataclasses.replace(convergence.Setting(replicas=3), **variants.PAPER)
+    local = dataclasses.replace(paper, outer_lr=1.0, outer_momentum=0.0)
+    a, b = _replicas(3, seed=1), _replicas(3, seed=1)
+    reference = convergence.OuterStep(paper, a[0].model)
+    variant = variants.LocalMomentum(local, b[0].model)
+    for round_seed in range(4):
+        _drift(a, torch.Generator().manual_seed(round_seed))
+        _drift(b, torch.Generator().manual_seed(round_seed))
+        reference(a)
+        variant(b)
+    for name, g in reference.global_params.items():
+        torch.testing.assert_close(variant.global_params[name], g, rtol=1e-5, atol=1e-6)
+    start = dict(convergence.build_model(SMALL, seed=1).named_parameters())
+    assert sum(float((g - start[name].detach()).abs().sum()) for name, g in reference.global_params.items()) > 0
+
+
+def test_contributor_mean_applies_a_value_one_replica_sent_whole() -> None:
+    step = variants.ContributorMean.__new__(variants.ContributorMean)
+    one = torch.tensor([2.0, 0.0, 4.0])
+    other = torch.tensor([0.0, 0.0, 2.0])
+    assert step.combined([one, other]).tolist() == [2.0, 0.0, 3.0]
+    assert convergence.OuterStep.combined(step, [one, other]).tolist() == [1.0, 0.0, 3.0]
+
+
+def test_dct_variant_sends_one_coefficient_of_a_block_exactly() -> None:
+    """A block that is one DCT basis pattern has one non-zero coefficient: kept alone, it comes back whole."""
+    basis = variants._dct_matrix(64)
+    torch.testing.assert_close(basis @ basis.T, torch.eye(64), atol=1e-5, rtol=0)
+    pattern = 3.0 * torch.outer(basis[5], basis[9])
+    x = torch.zeros(128, 64)
+    x[64:] = pattern
+    decoded, nbytes = variants.dct_topk(x, density=1 / 4096)
+    torch.testing.assert_close(decoded, x, atol=1e-5, rtol=0)
+    assert nbytes > 0
+    vector, cost = variants.dct_topk(torch.linspace(-1, 1, 64))
+    assert cost == 64 + 4 and float((vector - torch.linspace(-1, 1, 64)).abs().max()) < 1 / 127
+
+
+def test_rank_one_variant_is_exact_on_a_rank_one_matrix_and_costs_its_factors() -> None:
+    x = torch.outer(torch.arange(1.0, 7.0), torch.tensor([1.0, -2.0, 0.5, 3.0]))
+    decoded, nbytes = variants.rank_one(x)
+    torch.testing.assert_close(decoded, x, atol=1e-4, rtol=1e-5)
+    assert nbytes == 4 * (6 + 4)
+
+
+def test_bytes_at_the_store_are_the_objects_a_round_writes() -> None:
+    """The sparse format goes to the store packed (three tensors, whatever the model): the bench counts that
+    object, not one with three wire tensors per model tensor."""
+    model = convergence.build_model(SMALL, seed=3)
+    delta = {n: torch.randn(p.shape, generator=torch.Generator().manual_seed(7)) for n, p in model.named_parameters()}
+    for fmt in ("topk", "int8"):
+        spec = convergence.sparse_spec(convergence.Setting()) if fmt == "topk" else None
+        wire, meta, _ = convergence.wire_codec(fmt, True, 1, sparse=spec)(0, delta)
+        sent = PayloadCodec(fmt, sparse=spec).encode_wire("payload", delta)
+        assert convergence.stored_nbytes(fmt, wire, meta) == len(encode_tensors(*sent))
+    assert convergence.stored_nbytes("none", delta, {}) == len(encode_tensors(delta, {}))
