@@ -35,6 +35,7 @@ raises ``CorruptObjectError`` on any mismatch: a peer using another format is co
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -162,10 +163,9 @@ def decode_into(
         raise ValueError(f"decode_into mode: {mode!r}; use one of {', '.join(MODES)}")
     got = _checked(wire, meta, layout, fmt, block, sparse)
     for name in layout:
-        target = out[name]
-        if not target.is_contiguous():
+        if not out[name].is_contiguous():
             raise ValueError(f"decode_into: the output for {name!r} must be contiguous")
-        got.decode_tensor(wire, name, target.view(-1), mode)
+    got.decode_payload(wire, {name: out[name].view(-1) for name in layout}, mode)
 
 
 def check(wire: Mapping[str, torch.Tensor], meta: Mapping[str, str], layout: Layout, *,
@@ -174,8 +174,7 @@ def check(wire: Mapping[str, torch.Tensor], meta: Mapping[str, str], layout: Lay
     format checks (``topk``: every kept position) are checked, nothing is decoded. What a reader runs before it
     adds a payload to a running sum, so a corrupt payload is refused whole, never half added."""
     got = _checked(wire, meta, layout, fmt, block, sparse)
-    for name, (shape, _dtype) in layout.items():
-        got.check_tensor(wire, name, numel(tuple(shape)))
+    got.check_payload(wire, {name: numel(tuple(shape)) for name, (shape, _dtype) in layout.items()})
 
 
 # ---------------------------------------------------------------- error feedback
@@ -303,10 +302,7 @@ def _encode_on_device(tensors: Mapping[str, torch.Tensor], wire_format: WireForm
                       empty: Allocator | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """``encode``, leaving the lossy formats' wire tensors on the input's device; ``empty`` makes the wire tensors
     of CPU inputs (the payload-sized ones)."""
-    wire: dict[str, torch.Tensor] = {}
-    for name, tensor in tensors.items():
-        wire.update(wire_format.encode_tensor(name, tensor, empty if tensor.device.type == "cpu" else None))
-    return wire, wire_format.meta()
+    return wire_format.encode_payload(tensors, empty), wire_format.meta()
 
 
 # ---------------------------------------------------------------- packing
@@ -340,9 +336,7 @@ def unpack(packed: Mapping[str, torch.Tensor], meta: Mapping[str, str], layout: 
     ``CorruptObjectError`` when a packed tensor is not exactly as long as its parts."""
     tag = _read_tag(meta, fmt, block, sparse)
     expected = _expected_wire(layout, tag)
-    by_kind: dict[str, list[str]] = {}
-    for name in sorted(expected):
-        by_kind.setdefault(name.rpartition(":")[2], []).append(name)
+    by_kind = _by_kind(tuple(expected))
     if set(packed) != {f"{PACKED_NAME}:{kind}" for kind in by_kind}:
         raise CorruptObjectError(f"packed {tag.name} payload holds {sorted(packed)}, expected "
                                  f"{sorted(f'{PACKED_NAME}:{k}' for k in by_kind)}")
@@ -396,11 +390,28 @@ def _read_tag(meta: Mapping[str, str], fmt: str | WireFormat | None, block: int 
 
 
 def _expected_wire(layout: Layout, got: WireFormat) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Every wire tensor's (shape, dtype) that ``encode`` produces for ``layout``."""
+    """Every wire tensor's (shape, dtype) that ``encode`` produces for ``layout`` (not to be modified: a
+    payload's is computed once, since every round of a run reads the same layout for every peer)."""
+    return _wire_of_layout(got, tuple((name, tuple(shape), dtype) for name, (shape, dtype) in layout.items()))
+
+
+@functools.lru_cache(maxsize=64)
+def _wire_of_layout(got: WireFormat, layout: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
+                    ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     expected: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-    for name, (shape, dtype) in layout.items():
-        expected.update(got.wire_of(name, tuple(shape), dtype))
+    for name, shape, dtype in layout:
+        expected.update(got.wire_of(name, shape, dtype))
     return expected
+
+
+@functools.lru_cache(maxsize=64)
+def _by_kind(names: tuple[str, ...]) -> dict[str, list[str]]:
+    """A packed payload's wire tensor names by kind (``idx``, ``q``, ``scale``), each kind's in sorted order:
+    the order ``pack`` lays them out in."""
+    by_kind: dict[str, list[str]] = {}
+    for name in sorted(names):
+        by_kind.setdefault(name.rpartition(":")[2], []).append(name)
+    return by_kind
 
 
 def _check_wire(wire: Mapping[str, torch.Tensor], expected: Mapping[str, tuple[tuple[int, ...], torch.dtype]],

@@ -155,6 +155,27 @@ class WireFormat:
         """``CorruptObjectError`` when wire tensors of the right names, dtypes and shapes still do not decode
         (``topk``'s positions); nothing to check by default."""
 
+    # ------------------------------------------------------------ a whole payload
+    def encode_payload(self, tensors: Mapping[str, torch.Tensor], empty: Allocator | None = None
+                       ) -> dict[str, torch.Tensor]:
+        """The wire tensors of every tensor, in the payload's order (``encode_tensor`` of each, ``empty`` for the
+        CPU ones). A format whose fixed cost per tensor dominates small tensors may do them together, with the
+        same bits."""
+        wire: dict[str, torch.Tensor] = {}
+        for name, tensor in tensors.items():
+            wire.update(self.encode_tensor(name, tensor, empty if tensor.device.type == "cpu" else None))
+        return wire
+
+    def decode_payload(self, wire: Mapping[str, torch.Tensor], outs: Mapping[str, torch.Tensor], mode: str) -> None:
+        """``decode_tensor`` of every flat output in ``outs`` (by name), with the same bits."""
+        for name, out in outs.items():
+            self.decode_tensor(wire, name, out, mode)
+
+    def check_payload(self, wire: Mapping[str, torch.Tensor], numels: Mapping[str, int]) -> None:
+        """``check_tensor`` of every tensor (name -> its elements)."""
+        for name, n in numels.items():
+            self.check_tensor(wire, name, n)
+
     def residual_finite(self, wire: Mapping[str, torch.Tensor]) -> bool:
         """Whether ``x - decode(encode(x))`` is known finite everywhere from the wire alone (the error feedback
         then skips its pass that resets non-finite residuals); False when it cannot say."""

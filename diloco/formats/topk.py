@@ -130,12 +130,10 @@ class Topk(WireFormat):
     def wire_of(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> WireSpec:
         import torch
 
-        from diloco.formats.kernels import bitpack
 
-        spec, n = self.spec, numel(shape)
-        return {name + INDEX_SUFFIX: ((spec.index_nbytes(n),), torch.uint8),
-                name + CODES_SUFFIX: ((bitpack.packed_nbytes(spec.kept(n), spec.value_bits),), torch.uint8),
-                name + SCALE_SUFFIX: ((spec.num_chunks(n) * spec.levels,), torch.float32)}
+        index, codes, levels = _wire_sizes(self.spec, numel(shape))
+        return {name + INDEX_SUFFIX: ((index,), torch.uint8), name + CODES_SUFFIX: ((codes,), torch.uint8),
+                name + SCALE_SUFFIX: ((levels,), torch.float32)}
 
     def encode_tensor(self, name: str, tensor: torch.Tensor, empty: Allocator | None = None
                       ) -> dict[str, torch.Tensor]:
@@ -166,11 +164,87 @@ class Topk(WireFormat):
 
         topk.check_positions(wire[name + INDEX_SUFFIX], self.spec, numel)
 
+    # ------------------------------------------------------------ a whole payload
+    def encode_payload(self, tensors: Mapping[str, torch.Tensor], empty: Allocator | None = None
+                       ) -> dict[str, torch.Tensor]:
+        """The small CPU tensors together (``diloco.formats.kernels.topk_many``: a round of a model's biases and
+        norms paid a fixed cost per tensor), the rest one at a time; the same wire tensors either way."""
+        import torch
+
+        from diloco.formats.kernels import topk_many
+
+        small = [name for name, t in tensors.items() if _small(t)]
+        if len(small) < 2:
+            return super().encode_payload(tensors, empty)
+        flats = [self.fp32(name, tensors[name]).view(-1).numpy() for name in small]
+        together = dict(zip(small, topk_many.encode_many(flats, self.spec), strict=True))
+        wire: dict[str, torch.Tensor] = {}
+        for name, tensor in tensors.items():
+            if name in together:
+                index, codes, levels = together[name]
+                wire.update({name + INDEX_SUFFIX: torch.from_numpy(index), name + CODES_SUFFIX: torch.from_numpy(codes),
+                             name + SCALE_SUFFIX: torch.from_numpy(levels)})
+            else:
+                wire.update(self.encode_tensor(name, tensor, empty if tensor.device.type == "cpu" else None))
+        return wire
+
+    def decode_payload(self, wire: Mapping[str, torch.Tensor], outs: Mapping[str, torch.Tensor], mode: str) -> None:
+        import torch
+
+        from diloco.formats.kernels import topk_many
+
+        small = [name for name, out in outs.items()
+                 if _small(out) and out.dtype == torch.float32 and _small(wire[name + INDEX_SUFFIX])]
+        if len(small) < 2:
+            return super().decode_payload(wire, outs, mode)
+        topk_many.decode_many([self._streams(wire, name) for name in small], [outs[name].numpy() for name in small],
+                              self.spec, mode=mode)
+        for name, out in outs.items():
+            if name not in small:
+                self.decode_tensor(wire, name, out, mode)
+        return None
+
+    def check_payload(self, wire: Mapping[str, torch.Tensor], numels: Mapping[str, int]) -> None:
+        from diloco.formats.kernels import topk_many
+        from diloco.formats.kernels.topk import SMALL_ELEMENTS
+
+        small = [name for name, n in numels.items()
+                 if n <= SMALL_ELEMENTS and wire[name + INDEX_SUFFIX].device.type == "cpu"]
+        if len(small) < 2:
+            return super().check_payload(wire, numels)
+        topk_many.check_many([wire[name + INDEX_SUFFIX].numpy() for name in small], [numels[n] for n in small],
+                             self.spec)
+        for name, n in numels.items():
+            if name not in small:
+                self.check_tensor(wire, name, n)
+        return None
+
+    @staticmethod
+    def _streams(wire: Mapping[str, torch.Tensor], name: str) -> tuple[Any, Any, Any]:
+        return (wire[name + INDEX_SUFFIX].numpy(), wire[name + CODES_SUFFIX].numpy(),
+                wire[name + SCALE_SUFFIX].numpy())
+
     def residual_finite(self, wire: Mapping[str, torch.Tensor]) -> bool:
         """A chunk with finite levels held only finite kept values, and what was not kept is its own value."""
         import torch
 
         return all(bool(torch.isfinite(t).all()) for name, t in wire.items() if name.endswith(SCALE_SUFFIX))
+
+
+@functools.lru_cache(maxsize=4096)
+def _wire_sizes(spec: TopkSpec, n: int) -> tuple[int, int, int]:
+    """The lengths of a tensor of ``n`` elements' positions (bytes), codes (bytes) and levels (fp32 values):
+    asked for every tensor each time a payload is packed, unpacked or checked, the same every round."""
+    from diloco.formats.kernels import bitpack
+
+    return spec.index_nbytes(n), bitpack.packed_nbytes(spec.kept(n), spec.value_bits), spec.num_chunks(n) * spec.levels
+
+
+def _small(t: torch.Tensor) -> bool:
+    """A CPU tensor the sparse kernels do in NumPy (``topk.SMALL_ELEMENTS``), and so may do with others."""
+    from diloco.formats.kernels.topk import SMALL_ELEMENTS
+
+    return t.device.type == "cpu" and t.numel() <= SMALL_ELEMENTS
 
 
 @functools.lru_cache(maxsize=32)
