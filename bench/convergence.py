@@ -99,6 +99,9 @@ class Setting:
     n_embd: int = 64
     block_size: int = 64
     max_corpus_bytes: int = 1_000_000
+    #: The trainer's ``corpus``: None for the standard library's top-level modules (4.7 MB in all), or a file or a
+    #: directory of text (``diloco.trainers.data.corpus_files``) for a run long enough to need more.
+    corpus: str | None = None
     eval_batches: int = 16
     eval_batch_size: int = 16
 
@@ -287,7 +290,7 @@ def _common(setting: Setting) -> tuple[GPTConfig, bytes, Batches]:
     torch.set_num_threads(1)
     config = GPTConfig(block_size=setting.block_size, n_layer=setting.n_layer, n_head=setting.n_head,
                        n_embd=setting.n_embd)
-    corpus = load_corpus(None, setting.max_corpus_bytes)
+    corpus = load_corpus(setting.corpus, setting.max_corpus_bytes)
     held_out = split_corpus(corpus, rank=0, world_size=1, block_size=setting.block_size).eval
     batches = eval_batches(held_out, n_batches=setting.eval_batches, batch_size=setting.eval_batch_size,
                            block_size=setting.block_size, seed=setting.seed)
