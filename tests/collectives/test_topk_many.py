@@ -78,3 +78,22 @@ def test_a_corrupt_stream_is_refused_before_any_tensor_is_written() -> None:
     short = {**wire, "t1" + INDEX_SUFFIX: wire["t1" + INDEX_SUFFIX][:-1]}
     with pytest.raises(CorruptObjectError, match="bytes of positions"):
         fmt.check_payload(short, numels)
+
+
+def test_payloads_read_into_one_buffer_in_turn_decode_as_their_own_bytes() -> None:
+    """A round reads every peer into the same buffer, checks it, then adds it: positions decoded once per content
+    are reused only for the very same bytes, never for whatever else later sits in that buffer."""
+    fmt = Topk()
+    first, second = fmt.encode_payload(payload(seed=11)), fmt.encode_payload(payload(seed=12))
+    numels = {name: t.numel() for name, t in payload(seed=11).items()}
+    buffer = {name: t.clone() for name, t in first.items()}  # one buffer, refilled with each payload in turn
+    for wire in (first, second, first, second):
+        for name, t in wire.items():
+            buffer[name].copy_(t)
+        fmt.check_payload(buffer, numels)
+        got = {name: torch.zeros(n) for name, n in numels.items()}
+        fmt.decode_payload(buffer, got, "add")
+        want = {name: torch.zeros(n) for name, n in numels.items()}
+        WireFormat.decode_payload(fmt, wire, want, "add")
+        for name in numels:
+            assert torch.equal(bits(got[name]), bits(want[name])), name

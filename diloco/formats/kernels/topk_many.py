@@ -19,6 +19,8 @@ first.
 from __future__ import annotations
 
 import functools
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -159,16 +161,40 @@ def _joined(parts: list[np.ndarray], dtype: type) -> np.ndarray:
 
 
 # ---------------------------------------------------------------- positions, checked
-def _positions(streams: Sequence[np.ndarray], plan: _Plan, spec: TopkSpec
-               ) -> list[tuple[int, int, tuple[_Member, ...], np.ndarray]]:
-    """Per group: (width, kept, members, positions (rows, kept)), every stream checked as ``decode_positions``
-    checks one: ``CorruptObjectError`` for a wrong length, a bitmap without exactly ``kept`` marks in a row, or
-    positions not strictly increasing inside their chunk."""
-    import numpy as np
+Groups = list[tuple[int, int, tuple[_Member, ...], "np.ndarray"]]
+#: Positions decoded and checked lately, by the exact bytes of the streams they came from: a round checks a peer's
+#: payload when it reads it and decodes the same positions again when it adds it (and an encode decodes its own
+#: to keep the residual, then adds them to the sum), so each is decoded once. Keyed by content, never by
+#: buffer: a round reads every peer into the same buffer.
+_DECODED: OrderedDict[tuple[_Plan, TopkSpec, bytes], Groups] = OrderedDict()
+_DECODED_MAX = 16
+_DECODED_LOCK = threading.Lock()
 
+
+def _positions(streams: Sequence[np.ndarray], plan: _Plan, spec: TopkSpec) -> Groups:
+    """Per group: (width, kept, members, positions (rows, kept); read-only), every stream checked as
+    ``decode_positions`` checks one: ``CorruptObjectError`` for a wrong length, a bitmap without exactly ``kept``
+    marks in a row, or positions not strictly increasing inside their chunk."""
     for stream, expected in zip(streams, plan.index_nbytes, strict=True):
         if stream.size != expected:
             raise CorruptObjectError(f"topk payload: {stream.size} bytes of positions, expected {expected}")
+    key = (plan, spec, b"".join(stream.tobytes() for stream in streams))
+    with _DECODED_LOCK:
+        known = _DECODED.get(key)
+        if known is not None:
+            _DECODED.move_to_end(key)
+            return known
+    groups = _decoded_positions(streams, plan)
+    with _DECODED_LOCK:
+        _DECODED[key] = groups
+        while len(_DECODED) > _DECODED_MAX:
+            _DECODED.popitem(last=False)
+    return groups
+
+
+def _decoded_positions(streams: Sequence[np.ndarray], plan: _Plan) -> Groups:
+    import numpy as np
+
     out = []
     for (width, kept), members in plan.groups:
         low = low_bits(width, kept)
@@ -196,6 +222,7 @@ def _positions(streams: Sequence[np.ndarray], plan: _Plan, spec: TopkSpec
                                or int(positions[:, -1].max()) >= width):
             raise CorruptObjectError(f"topk payload: kept positions are not strictly increasing positions within "
                                      f"their chunk of {width} elements")
+        positions.flags.writeable = False
         out.append((width, kept, members, positions))
     return out
 
