@@ -168,6 +168,8 @@ Groups = list[tuple[int, int, tuple[_Member, ...], "np.ndarray"]]
 #: buffer: a round reads every peer into the same buffer.
 _DECODED: OrderedDict[tuple[_Plan, TopkSpec, bytes], Groups] = OrderedDict()
 _DECODED_MAX = 16
+#: A payload whose positions take more than this is not kept (its decode is then data, not fixed cost).
+_DECODED_MAX_BYTES = 1 << 22
 _DECODED_LOCK = threading.Lock()
 
 
@@ -185,6 +187,8 @@ def _positions(streams: Sequence[np.ndarray], plan: _Plan, spec: TopkSpec) -> Gr
             _DECODED.move_to_end(key)
             return known
     groups = _decoded_positions(streams, plan)
+    if sum(positions.nbytes for *_, positions in groups) > _DECODED_MAX_BYTES:
+        return groups
     with _DECODED_LOCK:
         _DECODED[key] = groups
         while len(_DECODED) > _DECODED_MAX:
