@@ -9,7 +9,9 @@ seconds blocked in sync over the whole run (``sync_s``), the bytes each wrote to
 tokens per second. ``--pairs N`` then runs fp32 and the sparse format alternately N more times, since sync time on
 a shared machine moves by a third from run to run.
 
-``python bench/cli_h50.py [--pairs N] [--json OUT]``: about a minute a run on 2 cores. Not part of ``make bench``.
+``python bench/cli_h50.py [--pairs N] [--fragment-sync-delay D] [--json OUT]``: about a minute a run on 2 cores;
+``--fragment-sync-delay`` overlaps every round with the next D inner steps (Streaming DiLoCo), where a round's
+codec then runs beside compute. Not part of ``make bench``.
 """
 
 from __future__ import annotations
@@ -47,14 +49,17 @@ def diloco(home: Path, *args: str) -> dict[str, Any]:
     return json.loads(proc.stdout)
 
 
-def launch_args(warm: Path, name: str) -> list[str]:
-    """``diloco launch``'s arguments for format ``name`` from the warm start ``warm``: the docs' recipe."""
+def launch_args(warm: Path, name: str, delay: int = 0) -> list[str]:
+    """``diloco launch``'s arguments for format ``name`` from the warm start ``warm``: the docs' recipe; ``delay``:
+    Streaming DiLoCo's ``fragment_sync_delay`` (the round starts that many inner steps before its outer step)."""
+    overlap = ["-k", f"fragment_sync_delay={delay}"] if delay else []
     return ["-c", "configs/local.yaml", "--replicas", "4", "--steps", "1200", "--sync-every", "50",
-            "-k", f"init_from={warm}", "-k", "eval_batches=16", "-k", "outer_momentum_warmup=0", *FORMATS[name]]
+            "-k", f"init_from={warm}", "-k", "eval_batches=16", "-k", "outer_momentum_warmup=0", *overlap,
+            *FORMATS[name]]
 
 
-def run(home: Path, warm: Path, name: str) -> dict[str, Any]:
-    summary = diloco(home, "launch", *launch_args(warm, name))
+def run(home: Path, warm: Path, name: str, delay: int = 0) -> dict[str, Any]:
+    summary = diloco(home, "launch", *launch_args(warm, name, delay))
     ranks = summary["ranks"]
     sync = [r["sync_s"] for r in ranks]
     row = {"format (M=4, H=50, 24 rounds)": name, "final eval loss": round(summary["final_eval_loss"], 4),
@@ -68,6 +73,8 @@ def run(home: Path, warm: Path, name: str) -> dict[str, Any]:
 def main(argv: Iterable[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--pairs", type=int, default=0, help="then fp32 and the sparse format alternately N more times")
+    p.add_argument("--fragment-sync-delay", type=int, default=0, metavar="D",
+                   help="overlap each round with the next D inner steps (Streaming DiLoCo; default 0: none)")
     p.add_argument("--json", metavar="OUT", help="write the results as JSON (bench/run_all.py's format)")
     args = p.parse_args(list(argv) if argv is not None else None)
     with tempfile.TemporaryDirectory(prefix="diloco-cli-h50-") as tmp:
@@ -75,9 +82,10 @@ def main(argv: Iterable[str] | None = None) -> int:
         warm_run = diloco(home, "launch", *WARM)["run_id"]
         warm = home / "warm.safetensors"
         diloco(home, "collect", warm_run, "--output", str(warm))
-        rows = [run(home, warm, name) for name in FORMATS]
-        pairs = [(run(home, warm, "fp32, outer lr 0.7 Nesterov 0.9")["_sync"],
-                  run(home, warm, "sparse, SparseLoCo's rule")["_sync"]) for _ in range(args.pairs)]
+        delay = args.fragment_sync_delay
+        rows = [run(home, warm, name, delay) for name in FORMATS]
+        pairs = [(run(home, warm, "fp32, outer lr 0.7 Nesterov 0.9", delay)["_sync"],
+                  run(home, warm, "sparse, SparseLoCo's rule", delay)["_sync"]) for _ in range(args.pairs)]
     fp32_bytes = rows[0]["_bytes"]
     for row in rows:
         row["fewer bytes than fp32"] = f"{fp32_bytes / row.pop('_bytes'):.1f}x"
@@ -86,6 +94,9 @@ def main(argv: Iterable[str] | None = None) -> int:
              "(one replica, batch 64) and collected; the same 16 held-out batches as the in-process bench.",
              "sync s: each replica's seconds blocked in the all-reduce over the whole run; bytes written: what each "
              "replica wrote to the store over the run, its committed-round records included."]
+    if args.fragment_sync_delay:
+        notes.append(f"Every round overlaps the next {args.fragment_sync_delay} inner steps (-k fragment_sync_delay="
+                     f"{args.fragment_sync_delay}: the outer step applies a pseudo-gradient that many steps old).")
     if pairs:
         fp32_mean = statistics.mean(f for f, _ in pairs)
         sparse_mean = statistics.mean(s for _, s in pairs)

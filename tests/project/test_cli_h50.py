@@ -29,6 +29,9 @@ def test_every_run_of_the_recipe_is_a_valid_launch_with_its_format(tmp_path: Pat
         assert spec["replicas"] == 4
         compression = flags[flags.index("--compression") + 1] if "--compression" in flags else "none"
         assert spec["entrypoint_args"]["compression"] == compression, name
+    overlapped = cli_h50.launch_args(tmp_path / "warm.safetensors", "sparse, SparseLoCo's rule", delay=5)
+    assert dry_run(tmp_path, overlapped)["spec"]["replicas"] == 4
+    assert "fragment_sync_delay=5" in overlapped
 
 
 def test_the_docs_print_the_same_flags() -> None:
