@@ -78,7 +78,7 @@ def _plan(sizes: tuple[int, ...], spec: TopkSpec) -> _Plan:
             low = low_bits(width, kept)
             lows_nbytes = bitpack.packed_nbytes(rows * kept, low) if low else 0
             upper_nbytes = bitpack.packed_nbytes(rows * upper_bits(width, kept), 1)
-            first = 0 if width == spec.chunk and full else full * spec.chunk
+            first = 0 if run == 0 else full * spec.chunk  # the whole chunks, then the tail after them
             grouped.setdefault((width, kept), []).append(
                 _Member(i, run, rows, width, kept, first, chunk_row, code, at, lows_nbytes, upper_nbytes))
             chunk_row += rows
