@@ -173,8 +173,8 @@ class Topk(WireFormat):
 
         from diloco.formats.kernels import topk_many
 
-        small = [name for name, t in tensors.items() if _small(t)]
-        if len(small) < 2:
+        small = _together([name for name, t in tensors.items() if _small(t.numel(), t.device)])
+        if not small:
             return super().encode_payload(tensors, empty)
         flats = [self.fp32(name, tensors[name]).view(-1).numpy() for name in small]
         together = dict(zip(small, topk_many.encode_many(flats, self.spec), strict=True))
@@ -193,9 +193,9 @@ class Topk(WireFormat):
 
         from diloco.formats.kernels import topk_many
 
-        small = [name for name, out in outs.items()
-                 if _small(out) and out.dtype == torch.float32 and _small(wire[name + INDEX_SUFFIX])]
-        if len(small) < 2:
+        small = _together([name for name, out in outs.items() if out.dtype == torch.float32
+                           and _small(out.numel(), out.device) and _small(0, wire[name + INDEX_SUFFIX].device)])
+        if not small:
             return super().decode_payload(wire, outs, mode)
         topk_many.decode_many([self._streams(wire, name) for name in small], [outs[name].numpy() for name in small],
                               self.spec, mode=mode)
@@ -206,11 +206,9 @@ class Topk(WireFormat):
 
     def check_payload(self, wire: Mapping[str, torch.Tensor], numels: Mapping[str, int]) -> None:
         from diloco.formats.kernels import topk_many
-        from diloco.formats.kernels.topk import SMALL_ELEMENTS
 
-        small = [name for name, n in numels.items()
-                 if n <= SMALL_ELEMENTS and wire[name + INDEX_SUFFIX].device.type == "cpu"]
-        if len(small) < 2:
+        small = _together([name for name, n in numels.items() if _small(n, wire[name + INDEX_SUFFIX].device)])
+        if not small:
             return super().check_payload(wire, numels)
         topk_many.check_many([wire[name + INDEX_SUFFIX].numpy() for name in small], [numels[n] for n in small],
                              self.spec)
@@ -240,11 +238,16 @@ def _wire_sizes(spec: TopkSpec, n: int) -> tuple[int, int, int]:
     return spec.index_nbytes(n), bitpack.packed_nbytes(spec.kept(n), spec.value_bits), spec.num_chunks(n) * spec.levels
 
 
-def _small(t: torch.Tensor) -> bool:
+def _small(numel: int, device: torch.device) -> bool:
     """A CPU tensor the sparse kernels do in NumPy (``topk.SMALL_ELEMENTS``), and so may do with others."""
     from diloco.formats.kernels.topk import SMALL_ELEMENTS
 
-    return t.device.type == "cpu" and t.numel() <= SMALL_ELEMENTS
+    return device.type == "cpu" and numel <= SMALL_ELEMENTS
+
+
+def _together(small: list[str]) -> list[str]:
+    """The small tensors a payload method does together: none when fewer than two (one at a time is the same)."""
+    return small if len(small) >= 2 else []
 
 
 @functools.lru_cache(maxsize=32)

@@ -258,12 +258,11 @@ def decode_many(wires: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], outs
     if mode == "write" and not zeroed:
         for out in outs:
             out[:] = 0.0
-    sign = -1 if mode == "subtract" else 1  # a + (-v) is a - v, exactly
     for width, kept, members, positions in groups:
         row_levels = np.concatenate([levels[m.tensor][m.first_chunk : m.first_chunk + m.rows] for m in members])
         signed = np.stack([row_levels, -row_levels], axis=2).reshape(-1, 2 * spec.levels)
-        if sign < 0:
-            signed = -signed
+        if mode == "subtract":
+            signed = -signed  # a + (-v) is a - v, exactly
         row_codes = np.concatenate([codes[m.tensor][m.first_code : m.first_code + m.rows * kept] for m in members])
         values = np.take_along_axis(signed, row_codes.reshape(-1, kept), axis=1)
         row = 0
