@@ -13,10 +13,11 @@ measured rounds; ``raw s`` is, in the same run on the same store, the ranks writ
 their round wrote and read (plain PUTs of that size, ranged GETs spread over the peers' objects, no encoding,
 hashing, polling or phases); ``round/raw`` is the price of the protocol over the bare I/O. ``round CPU s`` and
 ``raw CPU s`` are the CPU seconds the whole process (all ranks) spent on each: they tell a round that computes
-(encodes, decodes, sums and hashes its payload) from one that waits. ``SHA-256 CPU s`` is the share of that the
-protocol's integrity check costs at the least: the bytes all ranks wrote and read, at this machine's SHA-256 rate
-per core (measured in the same run). Every written byte is hashed once and every read byte verified, so a round
-costs its raw transfer plus that, plus the codec's work, however the rest is optimised.
+(encodes, decodes, sums and checksums its payload) from one that waits. ``checksum CPU s`` is the share of that
+the protocol's integrity check costs at the least: the bytes all ranks wrote and read, at this machine's rate per
+core for the chunk checksum rounds write (CRC-32, ``diloco.store.digests``; measured in the same run). Every
+written byte is checksummed once and every read byte verified, so a round costs its raw transfer plus that, plus
+the codec's work, however the rest is optimised.
 
 For a compressing format, ``raw s`` moves the *compressed* bytes, so ``round/raw`` asks for a codec faster than
 the store by the compression ratio (topk's 130x fewer bytes would need a codec ~200x faster than the network for
@@ -34,7 +35,7 @@ or download holds its direction of the rank's link for bytes / rate (transfers q
 itself runs while the link is held, as a NIC's DMA does), and a request costs nothing more (no latency per
 request). The round and its raw transfer go over the same kind of link. Its ranks are as many as the cores (2 to
 4), so each has a core of its own as a replica on its own instance does: with more ranks than cores a round's
-computation (SHA-256 of every byte at about 1.5 GiB/s per core, the codecs at 1-4) would be measured on a fraction
+computation (a CRC-32 of every byte at about 4 GiB/s per core, the codecs at 1-4) would be measured on a fraction
 of a core against a whole link per rank.
 
 How it runs: ranks are threads of this process (each with its own collective and store instance, so the counts are
@@ -89,7 +90,7 @@ PACED = "paced"
 RAM_FOLDER = "/dev/shm"
 COLUMNS = ["store", "N", "strategy", "compression", "S MiB", "written MiB", "read MiB", "bound MiB", "read/bound",
            "PUTs", "GETs", "polls", "round s", "raw s", "round/raw", "fp32 raw s", "round/fp32 raw", "round CPU s",
-           "raw CPU s", "SHA-256 CPU s"]
+           "raw CPU s", "checksum CPU s"]
 
 
 @dataclass(frozen=True)
@@ -323,23 +324,23 @@ def wire_bytes(elements: int, fmt: str) -> int:
     return compression.wire_nbytes({"g": ((elements,), torch.float32)}, fmt)
 
 
-def sha256_seconds_per_byte() -> float:
-    """CPU seconds SHA-256 takes per byte on one core of this machine (best of a few runs over 64 MiB): what the
-    chunk digests of a round's bytes cost at the least."""
-    import hashlib
+def checksum_seconds_per_byte() -> float:
+    """CPU seconds the chunk checksum (``diloco.store.digests.crc32_hex``) takes per byte on one core of this
+    machine (best of a few runs over 64 MiB): what checking a round's bytes costs at the least."""
+    from diloco.store.digests import crc32_hex
 
     data = bytes(64 * MIB)
     best = float("inf")
     for _ in range(3):
         began = time.thread_time()
-        hashlib.sha256(data).digest()
+        crc32_hex([data])
         best = min(best, time.thread_time() - began)
     return best / len(data)
 
 
 def row_of(case: Case, counts: list[list[RankCount]], times: list[float], raw: list[float],
            cpu: tuple[list[float], list[float]] = ([], []), fp32_raw: list[float] | None = None,
-           sha256_s_per_byte: float | None = None) -> dict[str, Any]:
+           checksum_s_per_byte: float | None = None) -> dict[str, Any]:
     flat = [c for per_round in counts for c in per_round]
     mean = lambda f: statistics.fmean(f(c) for c in flat)  # noqa: E731
     s = wire_bytes(case.elements, case.compression)
@@ -357,8 +358,8 @@ def row_of(case: Case, counts: list[list[RankCount]], times: list[float], raw: l
             "round/fp32 raw": round(round_s / fp32_raw_s, 2) if fp32_raw_s else None,
             "round CPU s": round(statistics.median(cpu[0]), 3) if cpu[0] else None,
             "raw CPU s": round(statistics.median(cpu[1]), 3) if cpu[1] else None,
-            "SHA-256 CPU s": round(case.world * (mean(lambda c: c.written) + read) * sha256_s_per_byte, 3)
-            if sha256_s_per_byte else None}
+            "checksum CPU s": round(case.world * (mean(lambda c: c.written) + read) * checksum_s_per_byte, 3)
+            if checksum_s_per_byte else None}
 
 
 def cases(args: argparse.Namespace) -> list[Case]:
@@ -417,7 +418,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     rows: list[dict[str, Any]] = []
     fp32_bytes: dict[tuple[str, int, str], tuple[int, int]] = {}  # (store, N, strategy) -> fp32 written, read
-    sha256_s = sha256_seconds_per_byte()
+    checksum_s = checksum_seconds_per_byte()
     with tempfile.TemporaryDirectory(prefix="diloco-traffic-bench-") as workdir:
         for store in args.stores:
             link = args.link_gbs * 1e9 if store == PACED else None
@@ -441,7 +442,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                   rounds, link)
                     else:  # no fp32 case of this strategy at this N on this store ran
                         fp32_raw = None
-                    rows.append(row_of(case, counts, times, raw, (round_cpu, raw_cpu), fp32_raw, sha256_s))
+                    rows.append(row_of(case, counts, times, raw, (round_cpu, raw_cpu), fp32_raw, checksum_s))
     machine = f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}"
     notes = [
         f"Counted by each rank's ObjectStore (bytes and requests), {args.rounds} round(s) after a warm-up "
@@ -458,11 +459,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "by the compression ratio as well (topk: 130x), which on memory-speed stores no codec can.",
         "round CPU s / raw CPU s: CPU seconds of the whole process (every rank) per round, median: where round s "
         "exceeds raw s by about what round CPU s exceeds raw CPU s over the cores, the round is computing "
-        "(encoding, decoding, summing, hashing every byte), not waiting on the protocol.",
-        f"SHA-256 CPU s: what hashing the bytes every rank wrote and read costs at this machine's SHA-256 rate, "
-        f"{1 / sha256_s / 2**30:.2f} GiB/s per core (measured in this run): every byte a round writes is hashed "
-        "once and every byte it reads verified, which a bare transfer does not do. round CPU s is about raw CPU s "
-        "+ SHA-256 CPU s + the codec's work.",
+        "(encoding, decoding, summing, checksumming every byte), not waiting on the protocol.",
+        f"checksum CPU s: what the CRC-32 of the bytes every rank wrote and read costs at this machine's rate, "
+        f"{1 / checksum_s / 2**30:.2f} GiB/s per core (measured in this run): every byte a round writes is "
+        "checksummed once and every byte it reads verified, which a bare transfer does not do. round CPU s is about "
+        "raw CPU s + checksum CPU s + the codec's work.",
         f"Stores: file:// (the page cache, fsync to disk) and S3 (moto on loopback, in this process) move bytes at "
         f"memory speed; paced = file:// in RAM behind a {args.link_gbs:g} GB/s link per rank and direction (bytes "
         "paced, no latency per request): where the network, not memory, is the limit.",

@@ -53,7 +53,7 @@ PHASES: tuple[tuple[str, str, str], ...] = (
     ("read", "diloco.store.codec", "read_object"),
     ("read", "diloco.store.codec", "read_header"),
     ("read", "diloco.store.codec", "read_data"),
-    ("hash", "diloco.store.codec", "sha256_all"),
+    ("hash", "diloco.store.codec", "checksum_all"),
     ("check", "diloco.collectives.wire", "PayloadCodec.check"),
     ("decode+add", "diloco.collectives.wire", "PayloadCodec.add_into"),
     ("mean", "diloco.collectives.gather", "finish_mean"),

@@ -6,7 +6,7 @@ elements (L a multiple of the block, so no block straddles two shards). Rank r o
 
 1. **Publish.** Each rank writes ONE object, ``round_NNNNNN/rank_RRRR.safetensors``, holding its N shards as N
    uint8 tensors ``shard_0000``..: each is one shard's wire bytes (the compression format's tensors, packed),
-   padded to the same P bytes, with a SHA-256 per shard (``diloco.store.codec.encode_stream`` with ``chunk_bytes = P``,
+   padded to the same P bytes, with a CRC-32 per shard (``diloco.store.codec.encode_stream`` with ``chunk_bytes = P``,
    so every shard is exactly one verified chunk).
 2. **Reduce-scatter.** Rank r reads shard r of every peer's object, in rank order 0..N-1 (compressed, after
    adding its own: see below): ``codec.read_header`` then ``codec.read_data`` of exactly that shard's P bytes (one

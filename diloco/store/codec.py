@@ -13,12 +13,13 @@ Two readers, on purpose:
   still verified whenever it is present, so a corrupted object of ours is a ``CorruptObjectError`` either way.
 
 Streamed, range-verifiable objects (``encode_stream``): the same safetensors file, produced as a header plus views
-of the tensors' memory (never one joined buffer), whose metadata also carries a SHA-256 per ``chunk_bytes`` of the
+of the tensors' memory (never one joined buffer), whose metadata also carries a CRC-32 per ``chunk_bytes`` of the
 data section and a digest of the tensor table. A reader can then fetch the header (``read_header``, 1-2 ranged
 GETs) and any byte range of the data (``read_data``, one ranged GET widened to whole chunks and verified), and view
 the tensors it covers in place (``tensors_from_data``): a shard of a multi-GB contribution is read, verified and
 accumulated without ever materialising the whole object. ``decode_tensors``/``decode`` read a streamed object like
-any other, verifying its chunk digests in place of the whole-object checksum.
+any other, verifying its chunk digests in place of the whole-object checksum. Why a CRC-32 and not a SHA-256 per
+chunk: ``diloco.store.digests``; objects written with a SHA-256 per chunk (``chunk_sha256``) are verified as before.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from diloco.errors import CorruptObjectError
-from diloco.store.digests import sha256_all
+from diloco.store.digests import CRC32, SHA256, checksum_all
 
 if TYPE_CHECKING:
     import torch
@@ -43,11 +44,14 @@ FORMAT = "diloco.tensors/1"
 _CHECKSUM_KEY = "sha256"
 _FORMAT_KEY = "format"
 _CHUNK_BYTES_KEY = "chunk_bytes"
-_CHUNK_DIGESTS_KEY = "chunk_sha256"  # comma-separated hex digests, one per chunk of the data section
+_CHUNK_DIGESTS_KEY = "chunk_crc32"  # comma-separated hex CRC-32s, one per chunk of the data section
+#: Each metadata key chunk checksums may be under, with its checksum (``diloco.store.digests``): objects written
+#: before the CRC-32s carry a SHA-256 per chunk, and are read and verified as they were.
+_CHUNK_CHECKSUM_KEYS = {_CHUNK_DIGESTS_KEY: CRC32, "chunk_sha256": SHA256}
 _LAYOUT_KEY = "layout_sha256"  # digest of the tensor table and the chunk digests: a flipped header bit is caught
 
 #: Default verification granularity of streamed objects: a ranged read fetches at most one extra chunk at each
-#: end, and the header holds 64 hex characters per chunk (16 KiB of header per GiB of data).
+#: end, and the header holds 9 characters per chunk (8 hex digits and a comma: 2.3 KiB of header per GiB of data).
 CHUNK_BYTES = 4 * 2**20
 #: The first ranged GET of ``read_header``; a header larger than this costs one more.
 HEADER_PROBE_BYTES = 64 * 2**10
@@ -145,7 +149,7 @@ def decode(
 def _verify_checksum(data: bytes, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str], source: str) -> None:
     """Our object's integrity: the whole-object SHA-256 (``encode_tensors``) or, for a streamed object
     (``encode_stream``), its layout digest and every chunk digest over the raw data section."""
-    if _CHECKSUM_KEY not in meta and _CHUNK_DIGESTS_KEY in meta:
+    if _CHECKSUM_KEY not in meta and _chunk_checksum_key(meta) is not None:
         n = int.from_bytes(data[:8], "little")
         header = _parse_header(json.loads(data[8 : 8 + n]), key=source, data_offset=8 + n)
         if len(data) != header.data_offset + header.data_size:
@@ -160,7 +164,12 @@ def _verify_checksum(data: bytes, tensors: Mapping[str, torch.Tensor], meta: Map
 
 def has_checksum(metadata: Mapping[str, str]) -> bool:
     """Whether an object's metadata carries our checksum (so ``decode`` verified its tensors bit for bit)."""
-    return _CHECKSUM_KEY in metadata or _CHUNK_DIGESTS_KEY in metadata
+    return _CHECKSUM_KEY in metadata or _chunk_checksum_key(metadata) is not None
+
+
+def _chunk_checksum_key(metadata: Mapping[str, str]) -> str | None:
+    """The metadata key a streamed object's chunk checksums are under (``_CHUNK_CHECKSUM_KEYS``), if any."""
+    return next((key for key in _CHUNK_CHECKSUM_KEYS if key in metadata), None)
 
 
 def _read_metadata(data: bytes) -> dict[str, str]:
@@ -201,7 +210,8 @@ class ObjectHeader:
     tensors: dict[str, TensorEntry]  # in data-section order
     metadata: dict[str, str]
     chunk_bytes: int
-    digests: tuple[str, ...]  # SHA-256 of each chunk of the data section
+    digests: tuple[str, ...]  # the checksum of each chunk of the data section
+    checksum: str = CRC32  # which one (``diloco.store.digests.CHECKSUMS``)
 
     @property
     def data_size(self) -> int:
@@ -250,15 +260,19 @@ def encode_stream(
     metadata: Mapping[str, str | int] | None = None,
     *,
     chunk_bytes: int = CHUNK_BYTES,
+    checksum: str = CRC32,
 ) -> tuple[int, Iterator[memoryview | bytes]]:
     """``(total size, chunks)`` of a safetensors object whose data is never copied into one buffer.
 
-    The header (our format tag, the caller's metadata, a SHA-256 per ``chunk_bytes`` of the data section and a
+    The header (our format tag, the caller's metadata, a CRC-32 per ``chunk_bytes`` of the data section and a
     digest of the tensor table, which together replace the whole-object checksum: ``decode_tensors`` verifies
     them instead) comes first, then each tensor's bytes as views of at most ``chunk_bytes``. Tensors are laid
     out by element size, largest first (as safetensors does), so each starts aligned to its element size. CPU
-    contiguous tensors are not copied; others are copied once to the CPU. The data is hashed once, before the
-    first byte is produced; the caller's tensors must not change until the iterator is exhausted."""
+    contiguous tensors are not copied; others are copied once to the CPU. The data is checksummed once, before the
+    first byte is produced; the caller's tensors must not change until the iterator is exhausted. ``checksum``:
+    ``"sha256"`` writes an object as diloco did before the CRC-32s (every reader verifies either)."""
+    if checksum not in _CHUNK_CHECKSUM_KEYS.values():
+        raise ValueError(f"checksum must be one of {sorted(_CHUNK_CHECKSUM_KEYS.values())}, got {checksum!r}")
     if chunk_bytes <= 0 or chunk_bytes % 8:
         raise ValueError(f"chunk_bytes must be a positive multiple of 8, got {chunk_bytes}")
     cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
@@ -271,11 +285,11 @@ def encode_stream(
         table[name] = {"dtype": _dtype_name(t.dtype), "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     views = [_raw_view(cpu[name]) for name in order]
-    digests = ",".join(_chunk_digests(views, chunk_bytes))
+    digests = ",".join(_chunk_digests(views, chunk_bytes, checksum))
     meta = {k: str(v) for k, v in (metadata or {}).items()}
     meta[_FORMAT_KEY] = FORMAT
     meta[_CHUNK_BYTES_KEY] = str(chunk_bytes)
-    meta[_CHUNK_DIGESTS_KEY] = digests
+    meta[next(key for key, name in _CHUNK_CHECKSUM_KEYS.items() if name == checksum)] = digests
     meta[_LAYOUT_KEY] = _layout_digest(table, digests, chunk_bytes)
     header = json.dumps({**table, "__metadata__": meta}, separators=(",", ":")).encode()
     header += b" " * (-(8 + len(header)) % 8)  # the data section starts 8-aligned, as safetensors writes it
@@ -293,9 +307,9 @@ def encode_stream(
     return total, chunks()
 
 
-def _chunk_digests(views: list[memoryview], chunk_bytes: int) -> list[str]:
-    """SHA-256 of each ``chunk_bytes`` piece of the concatenation of ``views`` (never concatenated), several chunks
-    at once (``diloco.store.digests``)."""
+def _chunk_digests(views: list[memoryview], chunk_bytes: int, checksum: str) -> list[str]:
+    """The ``checksum`` (CRC-32 or SHA-256) of each ``chunk_bytes`` piece of the concatenation of ``views`` (never concatenated), several
+    chunks at once (``diloco.store.digests``)."""
     chunks: list[list[memoryview]] = []
     current: list[memoryview] = []
     filled = 0
@@ -311,7 +325,7 @@ def _chunk_digests(views: list[memoryview], chunk_bytes: int) -> list[str]:
                 current, filled = [], 0
     if filled:
         chunks.append(current)
-    return sha256_all(chunks)
+    return checksum_all(chunks, checksum)
 
 
 def read_header(store: ObjectStore, key: str) -> ObjectHeader:
@@ -401,9 +415,10 @@ def _parse_header(header: dict[str, object], *, key: str, data_offset: int) -> O
     meta = {str(k): str(v) for k, v in dict(header.pop("__metadata__", None) or {}).items()}  # type: ignore[call-overload]
     if meta.get(_FORMAT_KEY) != FORMAT:
         raise CorruptObjectError(f"{key} has format {meta.get(_FORMAT_KEY)!r}, expected {FORMAT!r}")
-    if _CHUNK_DIGESTS_KEY not in meta or _CHUNK_BYTES_KEY not in meta:
+    checksum_key = _chunk_checksum_key(meta)
+    if checksum_key is None or _CHUNK_BYTES_KEY not in meta:
         raise CorruptObjectError(f"{key} carries no chunk digests: it was not written by encode_stream")
-    digests = meta[_CHUNK_DIGESTS_KEY]
+    digests = meta[checksum_key]
     chunk_bytes = int(meta[_CHUNK_BYTES_KEY])
     if meta.get(_LAYOUT_KEY) != _layout_digest(header, digests, chunk_bytes):
         raise CorruptObjectError(f"{key} failed its header checksum ({_LAYOUT_KEY})")
@@ -420,7 +435,7 @@ def _parse_header(header: dict[str, object], *, key: str, data_offset: int) -> O
     if len(digest_list) != -(-expected_begin // chunk_bytes):
         raise CorruptObjectError(f"{key} has {len(digest_list)} chunk digests for {expected_begin} data bytes")
     return ObjectHeader(key=key, data_offset=data_offset, tensors=entries, metadata=meta, chunk_bytes=chunk_bytes,
-                        digests=digest_list)
+                        digests=digest_list, checksum=_CHUNK_CHECKSUM_KEYS[checksum_key])
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -458,7 +473,7 @@ def _verify_chunks(header: ObjectHeader, data: memoryview, lo: int) -> None:
     hi = lo + len(data)
     first = lo // c
     pieces = [data[i * c - lo : min((i + 1) * c, hi) - lo] for i in range(first, -(-hi // c))]
-    for i, digest in enumerate(sha256_all([[piece] for piece in pieces]), start=first):
+    for i, digest in enumerate(checksum_all([[piece] for piece in pieces], header.checksum), start=first):
         if digest != header.digests[i]:
             raise CorruptObjectError(f"{header.key} failed the checksum of data chunk {i} (bytes [{i * c}, "
                                      f"{min((i + 1) * c, hi)}))")
