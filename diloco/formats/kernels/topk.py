@@ -43,6 +43,7 @@ Student-t(3) data (heavy tails, which two levels per chunk cannot follow; error 
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -217,6 +218,47 @@ def encode_index(cols: torch.Tensor, spec: TopkSpec, n: int) -> torch.Tensor:
     return torch.cat(streams) if streams else torch.zeros(0, dtype=torch.uint8, device=cols.device)
 
 
+class _PositionsMemo:
+    """The positions of one large CPU tensor's stream, from where they were last decoded or encoded to the decode
+    of the same stream that follows: a round checks a peer's payload whole before it adds any of it (``check_
+    positions``, then ``decode``), and error feedback subtracts what it has just encoded (``encode``, then
+    ``decode``); each would otherwise decode the positions a second time (about 0.13 s per GiB of payload on one
+    core, as much as the rest of a decode).
+
+    One entry, keyed by the stream's exact bytes (a copy, compared in full, so a read buffer reused for the next
+    peer's payload is never mistaken for the last one), handed out once: its positions (a twentieth of the
+    payload's bytes) are held from one call to the next and no longer. Several ranks of one process share it:
+    one replacing another's entry only costs a decode."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entry: tuple[TopkSpec, int, torch.Tensor, list[torch.Tensor]] | None = None
+
+    def keep(self, stream: torch.Tensor, spec: TopkSpec, n: int, positions: list[torch.Tensor]) -> None:
+        if stream.device.type != "cpu" or n <= SMALL_ELEMENTS:
+            return
+        with self._lock:
+            self._entry = (spec, n, stream.clone(), positions)
+
+    def take(self, stream: torch.Tensor, spec: TopkSpec, n: int) -> list[torch.Tensor] | None:
+        """The positions kept for exactly these bytes (and ``spec`` and ``n``), forgotten as they are handed out."""
+        import torch
+
+        with self._lock:
+            entry = self._entry
+            if entry is None or stream.device.type != "cpu":
+                return None
+            kept_spec, kept_n, kept_stream, positions = entry
+            if kept_n != n or kept_spec != spec or kept_stream.numel() != stream.numel() or \
+                    not torch.equal(kept_stream, stream):
+                return None
+            self._entry = None
+            return positions
+
+
+_memo = _PositionsMemo()
+
+
 def decode_index(stream: torch.Tensor, spec: TopkSpec, n: int) -> list[torch.Tensor]:
     """Per run of ``spec.parts(n)``: its (chunks, kept) positions, checked (``decode_positions``)."""
     out, at = [], 0
@@ -257,7 +299,19 @@ def encode(flat: torch.Tensor, spec: TopkSpec) -> tuple[torch.Tensor, torch.Tens
                      tail)
         _describe_kept(_Kept.of_keys(rows, torch.topk(keys, kt, dim=1).values, spec.index_bits), kt, spec,
                        cols[full * k :].view(1, kt), codes[full * k :].view(1, kt), levels[full:])
-    return encode_index(cols, spec, n), bitpack.pack(codes, spec.value_bits), levels.view(-1)
+    index = encode_index(cols, spec, n)
+    _memo.keep(index, spec, n, _runs(cols, spec, n))
+    return index, bitpack.pack(codes, spec.value_bits), levels.view(-1)
+
+
+def _runs(cols: torch.Tensor, spec: TopkSpec, n: int) -> list[torch.Tensor]:
+    """``cols`` (every kept position, chunk after chunk) as ``decode_index`` returns them: per run of
+    ``spec.parts(n)``, a (chunks, kept) view."""
+    out, at = [], 0
+    for rows, _width, kept in spec.parts(n):
+        out.append(cols[at : at + rows * kept].view(rows, kept))
+        at += rows * kept
+    return out
 
 
 def _encode_small(flat: torch.Tensor, spec: TopkSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -618,7 +672,7 @@ def decode(packed_cols: torch.Tensor, packed_codes: torch.Tensor, levels: torch.
         return out
     full = n // spec.chunk
     kept = spec.kept(n)
-    positions = decode_index(packed_cols, spec, n)
+    positions = _memo.take(packed_cols, spec, n) or decode_index(packed_cols, spec, n)
     codes = bitpack.unpack(packed_codes, spec.value_bits, kept)
     # per chunk, code c decodes to signed[c]: +level[c // 2] for an even code, -level[c // 2] for an odd one
     chunk_levels = levels.view(-1, spec.levels)
@@ -699,8 +753,9 @@ def _decode_small(packed_cols: torch.Tensor, packed_codes: torch.Tensor, levels:
 
 def check_positions(packed_cols: torch.Tensor, spec: TopkSpec, n: int) -> None:
     """``CorruptObjectError`` unless the positions of a tensor of ``n`` elements are a valid Elias-Fano stream of
-    strictly increasing positions within each chunk (what ``decode`` checks, without decoding)."""
-    decode_index(packed_cols, spec, n)
+    strictly increasing positions within each chunk (what ``decode`` checks, without decoding). The positions of a
+    large CPU tensor are kept for the ``decode`` of the same stream that usually follows (``_PositionsMemo``)."""
+    _memo.keep(packed_cols, spec, n, decode_index(packed_cols, spec, n))
 
 
 def _check_positions(cols: torch.Tensor, width: int) -> None:
