@@ -1,8 +1,9 @@
 """The sparse format's small tensors done together give the very bits of one tensor at a time.
 
 A payload's small CPU tensors are encoded, checked and decoded as groups of chunks (``topk_many``) where the general
-path does one tensor at a time; peers may take either path (a GPU replica never groups), so the wire and the sums
-must not depend on which ran, and a corrupt stream must be refused before anything is written."""
+path does one tensor at a time with torch (the reference here: ``SMALL_ELEMENTS`` set below every size); peers may
+take either path (a GPU replica never groups), so the wire and the sums must not depend on which ran, and a corrupt
+stream must be refused before anything is written."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ torch = pytest.importorskip("torch")
 
 from diloco.errors import CorruptObjectError  # noqa: E402
 from diloco.formats.base import INDEX_SUFFIX, WireFormat  # noqa: E402
+from diloco.formats.kernels import topk as kernels  # noqa: E402
 from diloco.formats.topk import Topk  # noqa: E402
 
 SPECS = [(0.025, 4096, 2), (0.0156, 4096, 3), (0.05, 1024, 4), (0.5, 64, 2), (1.0, 16, 1)]
@@ -41,12 +43,15 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("density,chunk,value_bits", SPECS)
-def test_a_payload_encodes_and_decodes_to_the_bits_of_one_tensor_at_a_time(density: float, chunk: int,
+def test_a_payload_encodes_and_decodes_to_the_bits_of_one_tensor_at_a_time(monkeypatch: pytest.MonkeyPatch,
+                                                                            density: float, chunk: int,
                                                                             value_bits: int) -> None:
     fmt = Topk(density=density, chunk=chunk, value_bits=value_bits)
     tensors = payload(seed=int(density * 1000) + chunk)
     together = fmt.encode_payload(tensors)
-    alone = WireFormat.encode_payload(fmt, tensors)
+    with monkeypatch.context() as torch_path:
+        torch_path.setattr(kernels, "SMALL_ELEMENTS", -1)
+        alone = WireFormat.encode_payload(fmt, tensors)
     assert list(together) == list(alone)  # the order the object lays them out in
     for name, t in alone.items():
         assert together[name].dtype == t.dtype and together[name].shape == t.shape, name
@@ -55,7 +60,9 @@ def test_a_payload_encodes_and_decodes_to_the_bits_of_one_tensor_at_a_time(densi
     for mode in ("write", "add", "subtract"):
         outs = [{name: b.clone() for name, b in base.items()} for _ in range(2)]
         fmt.decode_payload(alone, outs[0], mode)
-        WireFormat.decode_payload(fmt, alone, outs[1], mode)
+        with monkeypatch.context() as torch_path:
+            torch_path.setattr(kernels, "SMALL_ELEMENTS", -1)
+            WireFormat.decode_payload(fmt, alone, outs[1], mode)
         for name in base:
             assert torch.equal(bits(outs[0][name]), bits(outs[1][name])), (name, mode)
     fmt.check_payload(alone, {name: t.numel() for name, t in tensors.items()})

@@ -44,12 +44,19 @@ from __future__ import annotations
 
 import functools
 import threading
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from diloco.errors import CorruptObjectError
-from diloco.formats.kernels import bitpack
-from diloco.topk_params import TopkParams
+from diloco.formats.kernels import bitpack, topk_many
+from diloco.formats.kernels.topk_layout import (
+    MAGNITUDE,
+    NONFINITE_BITS,
+    TopkSpec,
+    low_bits,
+    median_ranks,
+    positions_nbytes,
+    upper_bits,
+)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -64,45 +71,13 @@ DEVICE_PASS_ELEMENTS = 1 << 26
 _SERIAL_ELEMENTS = 1 << 15
 #: The pre-filter's groups: at least this many per kept element, so few groups tie and candidates stay few.
 GROUPS_PER_KEPT = 8
-#: A CPU tensor of at most this many elements is encoded and decoded in NumPy (``_encode_small``, ``_decode_small``):
-#: below it a torch operation's fixed cost, not the data, is most of the work.
+#: A CPU tensor of at most this many elements is encoded and decoded in NumPy (``topk_many``, which does a payload's
+#: small tensors together, given one): below it a torch operation's fixed cost, not the data, is most of the work.
+#: ``topk_layout.describe_rows`` is the selection rule itself there, which the pre-filter here reproduces exactly.
 SMALL_ELEMENTS = 1 << 16
-_MAGNITUDE = 0x7FFFFFFF
-_NONFINITE_BITS = 0x7F800000  # fp32 bits of +inf: magnitudes at or above are inf or NaN
-
-
-@dataclass(frozen=True)
-class TopkSpec(TopkParams):
-    """The sparse format's parameters (``diloco.topk_params``, their defaults and rules) and what they cost on the
-    wire."""
-
-    def index_nbytes(self, n: int) -> int:
-        """Bytes of the positions of a tensor of ``n`` elements (``encode_positions``)."""
-        return sum(_positions_nbytes(rows, width, kept) for rows, width, kept in self.parts(n))
-
-    def wire_nbytes(self, n: int) -> int:
-        """Bytes on the wire for ``n`` elements: the positions, the packed codes and the fp32 levels."""
-        return (self.index_nbytes(n) + bitpack.packed_nbytes(self.kept(n), self.value_bits)
-                + 4 * self.levels * self.num_chunks(n))
 
 
 # ---------------------------------------------------------------- positions (Elias-Fano)
-def low_bits(width: int, kept: int) -> int:
-    """Elias-Fano's low bits per position: ``floor(log2(width / kept))`` (0 when over half the chunk is kept)."""
-    return (width // kept).bit_length() - 1
-
-
-def upper_bits(width: int, kept: int) -> int:
-    """Bits of a chunk's upper bitmap: one set bit per kept element, one clear bit per bucket boundary."""
-    return kept + ((width - 1) >> low_bits(width, kept)) + 1
-
-
-def _positions_nbytes(rows: int, width: int, kept: int) -> int:
-    low = low_bits(width, kept)
-    return (bitpack.packed_nbytes(rows * kept, low) if low else 0) + \
-        bitpack.packed_nbytes(rows * upper_bits(width, kept), 1)
-
-
 def encode_positions(cols: torch.Tensor, width: int) -> torch.Tensor:
     """The Elias-Fano stream of ``cols`` (R, kept): every row the strictly increasing positions of one chunk of
     ``width`` elements. Position ``p``, the ``i``-th of its row, splits into its ``low`` lowest bits and
@@ -151,7 +126,7 @@ def decode_positions(stream: torch.Tensor, rows: int, width: int, kept: int) -> 
     low = low_bits(width, kept)
     slots = upper_bits(width, kept)
     low_nbytes = bitpack.packed_nbytes(rows * kept, low) if low else 0
-    expected = _positions_nbytes(rows, width, kept)
+    expected = positions_nbytes(rows, width, kept)
     if stream.numel() != expected:
         raise CorruptObjectError(f"topk payload: {stream.numel()} bytes of positions, expected {expected}")
     if stream.device.type == "cpu" and rows * width <= SMALL_ELEMENTS:
@@ -263,7 +238,7 @@ def decode_index(stream: torch.Tensor, spec: TopkSpec, n: int) -> list[torch.Ten
     """Per run of ``spec.parts(n)``: its (chunks, kept) positions, checked (``decode_positions``)."""
     out, at = [], 0
     for rows, width, kept in spec.parts(n):
-        size = _positions_nbytes(rows, width, kept)
+        size = positions_nbytes(rows, width, kept)
         out.append(decode_positions(stream[at : at + size], rows, width, kept))
         at += size
     if at != stream.numel():
@@ -278,7 +253,9 @@ def encode(flat: torch.Tensor, spec: TopkSpec) -> tuple[torch.Tensor, torch.Tens
 
     n = flat.numel()
     if flat.device.type == "cpu" and n <= SMALL_ELEMENTS:
-        return _encode_small(flat, spec)
+        import torch
+
+        return tuple(torch.from_numpy(a) for a in topk_many.encode_many([flat.detach().numpy()], spec)[0])
     full, tail = divmod(n, spec.chunk)
     k = spec.k
     cols = torch.empty(spec.kept(n), dtype=torch.int64, device=flat.device)
@@ -295,7 +272,7 @@ def encode(flat: torch.Tensor, spec: TopkSpec) -> tuple[torch.Tensor, torch.Tens
     if tail:
         kt = spec.kept_in(tail)
         rows = flat[full * spec.chunk :].view(1, tail)
-        keys = _keys(rows.view(torch.int32) & _MAGNITUDE, torch.arange(tail, device=flat.device), spec.index_bits,
+        keys = _keys(rows.view(torch.int32) & MAGNITUDE, torch.arange(tail, device=flat.device), spec.index_bits,
                      tail)
         _describe_kept(_Kept.of_keys(rows, torch.topk(keys, kt, dim=1).values, spec.index_bits), kt, spec,
                        cols[full * k :].view(1, kt), codes[full * k :].view(1, kt), levels[full:])
@@ -312,60 +289,6 @@ def _runs(cols: torch.Tensor, spec: TopkSpec, n: int) -> list[torch.Tensor]:
         out.append(cols[at : at + rows * kept].view(rows, kept))
         at += rows * kept
     return out
-
-
-def _encode_small(flat: torch.Tensor, spec: TopkSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``encode`` of a small CPU tensor, in NumPy, by the selection rule itself (every row's ``kept`` largest
-    keys: magnitude bits, then the reversed position), which the pre-filter of large tensors reproduces exactly:
-    the same bits. Why: a model's biases and norms are a few hundred elements each, where a torch operation's
-    fixed cost (several microseconds, dozens of them per tensor) is the whole encode; NumPy's is about one."""
-    import numpy as np
-    import torch
-
-    x = flat.detach().numpy()
-    n = x.size
-    full = n // spec.chunk
-    cols, codes, levels = [], [], []
-    for rows, width, kept in spec.parts(n):
-        first = 0 if width == spec.chunk else full * spec.chunk
-        block = x[first : first + rows * width].reshape(rows, width)
-        c, q, lv = _describe_rows(block, kept, spec)
-        cols.append(c)
-        codes.append(q)
-        levels.append(lv)
-    if not cols:
-        return torch.zeros(0, dtype=torch.uint8), torch.zeros(0, dtype=torch.uint8), torch.zeros(0)
-    all_cols = np.concatenate([c.reshape(-1) for c in cols])
-    all_codes = np.concatenate([q.reshape(-1) for q in codes])
-    index = encode_index(torch.from_numpy(all_cols), spec, n)
-    packed_codes = bitpack.pack(torch.from_numpy(all_codes), spec.value_bits)
-    return index, packed_codes, torch.from_numpy(np.concatenate([lv.reshape(-1) for lv in levels]))
-
-
-def _describe_rows(block: np.ndarray, kept: int, spec: TopkSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(positions ascending, codes in position order, levels) of every row of ``block`` (R, width) fp32, each
-    keeping its ``kept`` largest keys (``_keys``); what ``_describe_kept`` writes, in NumPy."""
-    import numpy as np
-
-    rows, width = block.shape
-    bits = block.view(np.int32)
-    keys = (bits & _MAGNITUDE).astype(np.int64) << spec.index_bits
-    keys |= (width - 1) - np.arange(width, dtype=np.int64)
-    top = np.partition(keys, width - kept, axis=1)[:, width - kept :] if kept < width else keys
-    top = np.sort(top, axis=1)[:, ::-1]  # rank order: largest key first
-    position = (width - 1) - (top & ((1 << spec.index_bits) - 1))
-    magnitude = (top >> spec.index_bits).astype(np.int32)
-    negative = np.take_along_axis(bits, position, axis=1) < 0
-    rank = np.argsort(position, axis=1)  # positions are unique in a row
-    cols = np.take_along_axis(position, rank, axis=1)
-    group_code = np.arange(kept, dtype=np.int64) * spec.levels // kept * 2
-    median, empty = _median_ranks(kept, spec.levels)
-    codes = np.take_along_axis(group_code + negative, rank, axis=1)
-    levels = np.ascontiguousarray(magnitude[:, median]).view(np.float32)
-    if empty:
-        levels[:, empty] = 0.0
-    levels[magnitude[:, 0] >= _NONFINITE_BITS] = np.nan  # the whole chunk decodes to NaN
-    return cols, codes, levels
 
 
 class _Kept:
@@ -406,7 +329,7 @@ class _Selector:
         searched = max(self.groups, self.size * k) if self.size > 1 else width
         self.rows_per_call = max(1, _SERIAL_ELEMENTS // searched) if device.type == "cpu" else 1 << 30
         self.position = torch.arange(width, device=device)
-        self.magnitude_mask = torch.tensor(_MAGNITUDE, dtype=torch.int32, device=device)
+        self.magnitude_mask = torch.tensor(MAGNITUDE, dtype=torch.int32, device=device)
         self._buffers: dict[str, torch.Tensor] = {}
         self._offsets: dict[int, np.ndarray] = {}
         self._candidates: tuple[np.ndarray, np.ndarray] | None = None
@@ -436,7 +359,7 @@ class _Selector:
         top = torch.empty(r, self.k, dtype=torch.int64, device=rows.device)
         for first in range(0, r, self.rows_per_call):
             last = min(first + self.rows_per_call, r)
-            keys = _keys(rows[first:last].view(torch.int32) & _MAGNITUDE, self.position, self.index_bits, self.width)
+            keys = _keys(rows[first:last].view(torch.int32) & MAGNITUDE, self.position, self.index_bits, self.width)
             torch.topk(keys, self.k, dim=1, out=(top[first:last], self._buffer("indices", (last - first, self.k))))
         return top
 
@@ -479,7 +402,7 @@ class _Selector:
         position += at.div(picked, rounding_mode="floor").mul_(self.groups)
         negative = torch.gather(bits, 1, at) < 0
         inexact = (magnitude[:, 1:] == magnitude[:, :-1]).any(dim=1)  # equal magnitudes, kept or at the boundary
-        inexact |= magnitude[:, 0] > _NONFINITE_BITS
+        inexact |= magnitude[:, 0] > NONFINITE_BITS
         return _Kept(position, magnitude[:, :k], negative), inexact
 
     def _prefiltered_on_cpu(self, rows: torch.Tensor) -> tuple[_Kept, torch.Tensor]:
@@ -523,14 +446,14 @@ class _Selector:
             np.bitwise_and(top[:, 1:], (1 << candidate_bits) - 1, out=at[first:last], casting="unsafe")
         # rank the k + 1 by full magnitude: one sort of int64 keys magnitude | candidate | sign
         chosen = np.take(bits, at + self._row_offsets(r, size * picked))
-        keys = (chosen.astype(np.int64) & _MAGNITUDE) << (candidate_bits + 1)
+        keys = (chosen.astype(np.int64) & MAGNITUDE) << (candidate_bits + 1)
         keys |= at << 1
         keys |= chosen < 0
         keys.sort(axis=1)
         keys = keys[:, ::-1]  # largest first
         magnitude = (keys >> (candidate_bits + 1)).astype(np.int32)
         inexact |= (magnitude[:, 1:] == magnitude[:, :-1]).any(axis=1)  # equal magnitudes among the k + 1
-        inexact |= magnitude[:, 0] > _NONFINITE_BITS
+        inexact |= magnitude[:, 0] > NONFINITE_BITS
         at = (keys[:, :k] >> 1) & ((1 << candidate_bits) - 1)
         # candidate c is element c // picked of group groups[c % picked]: position group + element * groups
         slot, element = self._candidate_tables(size, picked, groups_n)
@@ -623,7 +546,7 @@ def _describe_kept(kept: _Kept, k: int, spec: TopkSpec, cols: torch.Tensor, code
     levels.copy_(kept.magnitude[:, median].view(torch.float32))
     if empty:
         levels[:, empty] = 0.0
-    nonfinite = kept.magnitude[:, 0] >= _NONFINITE_BITS
+    nonfinite = kept.magnitude[:, 0] >= NONFINITE_BITS
     if bool(nonfinite.any()):
         levels[nonfinite] = float("nan")  # the whole chunk decodes to NaN
 
@@ -638,21 +561,13 @@ def _group_size(width: int, k: int) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _median_ranks(k: int, levels: int) -> tuple[list[int], list[int]]:
-    """Per magnitude group: the rank of its median element (0 for an empty group); and the empty groups."""
-    first = [-(-g * k // levels) for g in range(levels + 1)]
-    median = [(first[g] + first[g + 1] - 1) // 2 if first[g + 1] > first[g] else 0 for g in range(levels)]
-    return median, [g for g in range(levels) if first[g + 1] == first[g]]
-
-
-@functools.lru_cache(maxsize=64)
 def _rank_tables(k: int, levels: int, device: torch.device) -> tuple[torch.Tensor, list[int], list[int]]:
     """``2 * group`` of every rank (a kept element's code, less its sign: rank ``r`` is in group
-    ``floor(r * levels / k)``), on ``device``; and ``_median_ranks``."""
+    ``floor(r * levels / k)``), on ``device``; and ``median_ranks``."""
     import torch
 
     group_code = torch.arange(k, device=device).mul_(levels).floor_divide_(k).mul_(2)
-    return (group_code, *_median_ranks(k, levels))
+    return (group_code, *median_ranks(k, levels))
 
 
 # ---------------------------------------------------------------- decode
@@ -668,7 +583,8 @@ def decode(packed_cols: torch.Tensor, packed_codes: torch.Tensor, levels: torch.
     n = out.numel()
     if n <= SMALL_ELEMENTS and out.device.type == "cpu" and out.dtype == torch.float32 and \
             packed_cols.device.type == "cpu":
-        _decode_small(packed_cols, packed_codes, levels, spec, out, mode=mode, zeroed=zeroed)
+        topk_many.decode_many([(packed_cols.numpy(), packed_codes.numpy(), levels.numpy())], [out.view(-1).numpy()],
+                              spec, mode=mode, zeroed=zeroed)
         return out
     full = n // spec.chunk
     kept = spec.kept(n)
@@ -699,56 +615,6 @@ def decode(packed_cols: torch.Tensor, packed_codes: torch.Tensor, levels: torch.
         if tail and bool(bad[-1]):
             out[full * spec.chunk :] = float("nan")
     return out
-
-
-def _decode_small(packed_cols: torch.Tensor, packed_codes: torch.Tensor, levels: torch.Tensor, spec: TopkSpec,
-                  out: torch.Tensor, *, mode: str, zeroed: bool) -> None:
-    """``decode`` of a small CPU tensor, in NumPy (``_encode_small`` says why), with the same checks and the same
-    operations: one fp32 addition (subtraction: the addition of the negated value) or one store per kept
-    position, then NaN over every chunk with a non-finite level."""
-    import numpy as np
-
-    n = out.numel()
-    target = out.numpy()
-    parts = spec.parts(n)
-    stream = packed_cols.numpy()
-    positions, at = [], 0
-    for rows, width, kept in parts:  # decode_index's checks, in NumPy
-        size = _positions_nbytes(rows, width, kept)
-        if stream[at : at + size].size != size:
-            raise CorruptObjectError(f"topk payload: {stream[at : at + size].size} bytes of positions, expected "
-                                     f"{size}")
-        positions.append(_decode_positions_numpy(stream[at : at + size], rows, width, kept))
-        at += size
-    if at != stream.size:
-        raise CorruptObjectError(f"topk payload: {stream.size} bytes of positions, expected {at}")
-    kept_n = spec.kept(n)
-    if packed_codes.numel() < bitpack.packed_nbytes(kept_n, spec.value_bits):
-        raise ValueError(f"a stream of {packed_codes.numel()} bytes cannot hold {kept_n} fields of "
-                         f"{spec.value_bits} bits")
-    codes = bitpack._unpack_numpy(packed_codes.numpy(), spec.value_bits, kept_n)
-    chunk_levels = levels.numpy().reshape(-1, spec.levels)
-    signed = np.stack([chunk_levels, -chunk_levels], axis=2).reshape(-1, 2 * spec.levels)
-    if mode == "subtract":
-        signed = -signed  # a + (-v) is a - v, exactly
-    if mode == "write" and not zeroed:
-        target[:] = 0.0
-    first = 0
-    for (rows, width, _), cols in zip(parts, positions, strict=True):
-        row_codes = codes[first * spec.k : first * spec.k + cols.size].reshape(cols.shape)
-        values = np.take_along_axis(signed[first : first + rows], row_codes, axis=1)
-        flat = cols + (first * spec.chunk + np.arange(rows, dtype=np.int64) * width)[:, None]
-        if mode != "write":
-            target[flat] += values  # positions are unique: one addition each, as out + decode does
-        else:
-            target[flat] = values
-        first += rows
-    bad = ~np.isfinite(chunk_levels).all(axis=1)
-    if bad.any():
-        full = n // spec.chunk
-        target[: full * spec.chunk].reshape(full, spec.chunk)[bad[:full]] = np.nan
-        if n > full * spec.chunk and bad[-1]:
-            target[full * spec.chunk :] = np.nan
 
 
 def check_positions(packed_cols: torch.Tensor, spec: TopkSpec, n: int) -> None:

@@ -1,10 +1,9 @@
 """The sparse format's small CPU tensors encoded, checked and decoded together: the very bits of one at a time.
 
 Why: a model's biases and norms are tensors of a few hundred values, and a payload holds dozens of them (the
-built-in model: 29 tensors, 137K values). One at a time (``topk._encode_small``, ``topk._decode_small``) each
-costs some thirty NumPy operations whatever its size, which was most of a small model's sparse round: 9 ms to
-encode a contribution with error feedback and 3 ms to add one into the sum, on one core, where fp32's whole round
-costs 4. Here the chunks of every tensor that share a width and a kept count (the whole chunks of every tensor,
+built-in model: 29 tensors, 137K values). One at a time, each cost some thirty NumPy operations whatever its
+size, which was most of a small model's sparse round: 9 ms to encode a contribution with error feedback and 3 ms
+to add one into the sum, on one core, where fp32's whole round costs 4. Here the chunks of every tensor that share a width and a kept count (the whole chunks of every tensor,
 and each distinct tail length) are selected, described and decoded as one array, so that fixed cost is paid per
 group, a handful per payload; what is left per tensor is slicing its rows and packing or unpacking its bits.
 
@@ -27,16 +26,12 @@ from typing import TYPE_CHECKING
 
 from diloco.errors import CorruptObjectError
 from diloco.formats.kernels import bitpack
-from diloco.formats.kernels.topk import (
-    _describe_rows,
-    low_bits,
-    upper_bits,
-)
+from diloco.formats.kernels.topk_layout import describe_rows, low_bits, upper_bits
 
 if TYPE_CHECKING:
     import numpy as np
 
-    from diloco.formats.kernels.topk import TopkSpec
+    from diloco.formats.kernels.topk_layout import TopkSpec
 
 
 @dataclass(frozen=True)
@@ -128,7 +123,7 @@ def encode_many(flats: Sequence[np.ndarray], spec: TopkSpec) -> list[tuple[np.nd
     for (width, kept), members in plan.groups:
         blocks = [flats[m.tensor][m.first_element : m.first_element + m.rows * width].reshape(m.rows, width)
                   for m in members]
-        cols, codes, levels = _describe_rows(blocks[0] if len(blocks) == 1 else np.concatenate(blocks), kept, spec)
+        cols, codes, levels = describe_rows(blocks[0] if len(blocks) == 1 else np.concatenate(blocks), kept, spec)
         low = low_bits(width, kept)
         slots = upper_bits(width, kept)
         upper = np.zeros((cols.shape[0], slots), dtype=np.uint8)
