@@ -89,3 +89,28 @@ def test_bytes_at_the_store_are_the_objects_a_round_writes() -> None:
         sent = PayloadCodec(fmt, sparse=spec).encode_wire("payload", delta)
         assert convergence.stored_nbytes(fmt, wire, meta) == len(encode_tensors(*sent))
     assert convergence.stored_nbytes("none", delta, {}) == len(encode_tensors(delta, {}))
+
+
+def test_shared_positions_are_every_replicas_and_cost_two_bits_a_value_and_the_levels() -> None:
+    """The shared-* rows: in a round every replica sends values at the same positions (so the mean is exact there),
+    at two levels a chunk; the next round draws others; with last_mean half of them are the largest of the last
+    round's mean; bytes are 2 bits a value and two fp32 levels a chunk, no positions."""
+    codec = variants.SharedPositions(world=2, decay=0.95, density=1 / 8, chunk=64)
+    generator = torch.Generator().manual_seed(0)
+    deltas = [{"w": torch.randn(3, 50, generator=generator)} for _ in range(2)]  # 150: two chunks of 64, a tail of 22
+    sent = [codec(rank, d) for rank, d in enumerate(deltas)]
+    where = [s[2]["w"].reshape(-1) != 0 for s in sent]
+    assert torch.equal(where[0], where[1]) and int(where[0].sum()) == 2 * 8 + 3
+    assert sent[0][0]["wire"].numel() == -(-(2 * (2 * 8 + 64) + (2 * 3 + 64)) // 8)
+    for rank, (s, d) in enumerate(zip(sent, deltas, strict=True)):
+        values = s[2]["w"].reshape(-1)[where[0]]
+        assert len(set(values.abs().tolist())) <= 2 * 3  # two levels in each of the three runs
+        torch.testing.assert_close(codec.residuals[rank]["w"], d["w"] - s[2]["w"])
+    next_round = codec(0, deltas[0])[2]["w"].reshape(-1) != 0
+    assert not torch.equal(next_round, where[0])
+
+    chosen = variants.SharedPositions(world=1, decay=1.0, density=1 / 8, chunk=64, last_mean=True)
+    chosen.previous = {"w": torch.zeros(64)}
+    chosen.previous["w"][[5, 40, 63, 7]] = torch.tensor([9.0, -8.0, 7.0, 6.0])
+    at = chosen.positions("w", 3, rows=1, width=64, k=8)[0].tolist()
+    assert {5, 40, 63, 7} <= set(at) and len(set(at)) == 8
