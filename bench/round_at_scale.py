@@ -15,7 +15,10 @@ of fp32 tensors shaped like a model's (``bench/round_memory.py``'s: four large m
   are in, ``VmHWM`` reset): ``peak x`` is that round's ``VmHWM - baseline`` over the payload, the worst rank; it
   includes what a compressed format keeps between rounds (the error-feedback residual, one fp32 copy);
 * round 2: ``round s``, the slowest rank (barrier release to the mean in its tensors), and the bytes and requests
-  every rank's store counted (``ObjectStore.traffic``), mean over ranks;
+  every rank's store counted (``ObjectStore.traffic``), mean over ranks. Its values are Gaussian noise (seeded by
+  the rank), as a pseudo-gradient's are near enough: round 1's (value ``i`` is ``i % 1000`` scaled, so that its
+  mean can be checked) repeat every thousand elements, and such ties send the sparse format's selection down its
+  exact path for tied chunks, 3.5x slower than on noise;
 * then ``raw s``: the same ranks PUT as many bytes as their round wrote and read as many as it read (ranged GETs
   spread over the peers' objects), nothing else; ``round/raw`` is the protocol's price over the bare transfer.
 
@@ -85,6 +88,9 @@ def rank_process(uri: str, rank: int, world: int, fmt: str, nbytes: int, link: f
             check_mean(tensors, world)
         del tensors  # before the next payload: never two of them at once
         tensors = make_payload(nbytes, scale=float(rank + 1))
+        noise = torch.Generator().manual_seed(rank)
+        for t in tensors.values():  # the timed round's values are noise, as a pseudo-gradient's (docstring)
+            t.normal_(generator=noise)
         before = ar.store.traffic
         barrier.wait(TIMEOUT_S)
         started = time.time()

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 from diloco.errors import CorruptObjectError
@@ -194,41 +195,70 @@ def encode_index(cols: torch.Tensor, spec: TopkSpec, n: int) -> torch.Tensor:
 
 
 class _PositionsMemo:
-    """The positions of one large CPU tensor's stream, from where they were last decoded or encoded to the decode
-    of the same stream that follows: a round checks a peer's payload whole before it adds any of it (``check_
-    positions``, then ``decode``), and error feedback subtracts what it has just encoded (``encode``, then
-    ``decode``); each would otherwise decode the positions a second time (about 0.13 s per GiB of payload on one
-    core, as much as the rest of a decode).
+    """The positions of large CPU tensors' streams, from where they were decoded or encoded to the decode of the
+    same stream that follows: a round checks a peer's payload whole before it adds any of it (``check_positions``
+    of every tensor, then ``decode`` of every tensor), and error feedback subtracts what it has just encoded
+    (``encode``, then ``decode``); each would otherwise decode the positions a second time (about 0.13 s per GiB
+    of payload on one core, as much as the rest of a decode).
 
-    One entry, keyed by the stream's exact bytes (a copy, compared in full, so a read buffer reused for the next
-    peer's payload is never mistaken for the last one), handed out once: its positions (a twentieth of the
-    payload's bytes) are held from one call to the next and no longer. Several ranks of one process share it:
-    one replacing another's entry only costs a decode."""
+    Entries are keyed by the stream's exact bytes (a copy, compared in full, so a read buffer reused for the next
+    peer's payload is never mistaken for the last one) and handed out once: a payload's positions (a twentieth of
+    its bytes) are held from its check to its decode and no longer. At most ``MAX_BYTES`` of positions are held
+    (the oldest go first), so positions kept for a decode that never came cost a bounded amount. Several ranks of
+    one process share it: one evicting another's entries only costs decodes."""
+
+    #: Positions (and their streams' copies) held at most.
+    MAX_BYTES = 1 << 30
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._entry: tuple[TopkSpec, int, torch.Tensor, list[torch.Tensor]] | None = None
+        self._entries: OrderedDict[tuple[TopkSpec, int, int, str], tuple[torch.Tensor, list[torch.Tensor]]] = \
+            OrderedDict()
+        self._bytes = 0
+
+    @staticmethod
+    def _key(stream: torch.Tensor, spec: TopkSpec, n: int) -> tuple[TopkSpec, int, int, str]:
+        from diloco.store.digests import crc32_hex
+
+        return spec, n, stream.numel(), crc32_hex([stream.contiguous().numpy()])
+
+    @staticmethod
+    def _nbytes(stream: torch.Tensor, positions: list[torch.Tensor]) -> int:
+        return stream.numel() + sum(p.numel() * p.element_size() for p in positions)
 
     def keep(self, stream: torch.Tensor, spec: TopkSpec, n: int, positions: list[torch.Tensor]) -> None:
         if stream.device.type != "cpu" or n <= SMALL_ELEMENTS:
             return
+        entry = (stream.clone(), positions)
+        key = self._key(stream, spec, n)
         with self._lock:
-            self._entry = (spec, n, stream.clone(), positions)
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._bytes -= self._nbytes(*old)
+            self._entries[key] = entry
+            self._bytes += self._nbytes(*entry)
+            while self._bytes > self.MAX_BYTES and self._entries:
+                self._bytes -= self._nbytes(*self._entries.popitem(last=False)[1])
 
     def take(self, stream: torch.Tensor, spec: TopkSpec, n: int) -> list[torch.Tensor] | None:
         """The positions kept for exactly these bytes (and ``spec`` and ``n``), forgotten as they are handed out."""
         import torch
 
+        if stream.device.type != "cpu" or n <= SMALL_ELEMENTS:
+            return None
+        key = self._key(stream, spec, n)
         with self._lock:
-            entry = self._entry
-            if entry is None or stream.device.type != "cpu":
+            entry = self._entries.get(key)
+            if entry is None or not torch.equal(entry[0], stream):
                 return None
-            kept_spec, kept_n, kept_stream, positions = entry
-            if kept_n != n or kept_spec != spec or kept_stream.numel() != stream.numel() or \
-                    not torch.equal(kept_stream, stream):
-                return None
-            self._entry = None
-            return positions
+            del self._entries[key]
+            self._bytes -= self._nbytes(*entry)
+            return entry[1]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._bytes = 0
 
 
 _memo = _PositionsMemo()
