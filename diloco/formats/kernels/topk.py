@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import zlib
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
@@ -212,15 +213,13 @@ class _PositionsMemo:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._entries: OrderedDict[tuple[TopkSpec, int, int, str], tuple[torch.Tensor, list[torch.Tensor]]] = \
+        self._entries: OrderedDict[tuple[TopkSpec, int, int, int], tuple[torch.Tensor, list[torch.Tensor]]] = \
             OrderedDict()
         self._bytes = 0
 
     @staticmethod
-    def _key(stream: torch.Tensor, spec: TopkSpec, n: int) -> tuple[TopkSpec, int, int, str]:
-        from diloco.store.digests import crc32_hex
-
-        return spec, n, stream.numel(), crc32_hex([stream.contiguous().numpy()])
+    def _key(stream: torch.Tensor, spec: TopkSpec, n: int) -> tuple[TopkSpec, int, int, int]:
+        return spec, n, stream.numel(), zlib.crc32(stream.contiguous().numpy())
 
     @staticmethod
     def _nbytes(stream: torch.Tensor, positions: list[torch.Tensor]) -> int:
