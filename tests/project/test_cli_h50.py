@@ -32,6 +32,10 @@ def test_every_run_of_the_recipe_is_a_valid_launch_with_its_format(tmp_path: Pat
     overlapped = cli_h50.launch_args(tmp_path / "warm.safetensors", "sparse, SparseLoCo's rule", delay=5)
     assert dry_run(tmp_path, overlapped)["spec"]["replicas"] == 4
     assert "fragment_sync_delay=5" in overlapped
+    on_s3 = cli_h50.launch_args(tmp_path / "warm.safetensors", cli_h50.SPARSE, rendezvous="s3://bench/h50/{run_id}")
+    spec = dry_run(tmp_path, on_s3)["spec"]
+    assert spec["entrypoint_args"]["rendezvous_uri"] == f"s3://bench/h50/{spec['run_id']}"
+    assert set(cli_h50.KEYS.values()) == set(cli_h50.FORMATS)
 
 
 def test_the_docs_print_the_same_flags() -> None:
