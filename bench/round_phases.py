@@ -257,6 +257,26 @@ def summarize(clock: PhaseClock, world: int, rounds: int) -> tuple[dict[str, flo
     return wall, cpu, other
 
 
+@contextmanager
+def request_latency(latency_ms: float) -> Iterator[None]:
+    """Every S3 request of the ranks (spawned inside the block: they inherit the endpoint) through a proxy on
+    loopback that delays it by ``latency_ms`` (``tests/support/faultproxy.py``); nothing when 0."""
+    if not latency_ms:
+        yield
+        return
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    from support.faultproxy import FaultProxy
+
+    moto = os.environ["AWS_ENDPOINT_URL"]
+    with FaultProxy(moto, seed=0) as proxy:
+        proxy.add("delay", delay_s=latency_ms / 1000)
+        os.environ["AWS_ENDPOINT_URL"] = proxy.url
+        try:
+            yield
+        finally:
+            os.environ["AWS_ENDPOINT_URL"] = moto
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--quick", action="store_true", help="the make bench sizes (the default sizes; fewer rounds)")
@@ -270,7 +290,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=None, help="measured rounds per case (default 10; --quick 5)")
     p.add_argument("--poll-interval", type=float, default=0.2,
                    help="store.poll_interval_s (default 0.2, configs/local.yaml's)")
-    p.add_argument("--store", choices=("file", PACED), default="file", help="file:// (default) or the paced store")
+    p.add_argument("--store", choices=("file", PACED, "s3"), default="file",
+                   help="file:// (default), the paced store, or S3 (moto's server on loopback)")
+    p.add_argument("--latency-ms", type=float, default=0.0,
+                   help="with --store s3: a proxy adds this to every request, as S3's own latency does (default 0)")
     p.add_argument("--link-gbs", type=float, default=1.2, help="the paced store's link per rank and direction")
     args = p.parse_args(argv)
     args.formats = [f for f in args.formats.split(",") if f]
@@ -293,7 +316,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     link = args.link_gbs * 1e9 if args.store == PACED else None
     rows: list[dict[str, Any]] = []
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="diloco-phases-") as workdir, case_root(args.store, workdir) as root:
+    with tempfile.TemporaryDirectory(prefix="diloco-phases-") as workdir, case_root(args.store, workdir) as root, \
+            request_latency(args.latency_ms if args.store == "s3" else 0.0):
         for i, (spec, fmt) in enumerate((e, f) for e in args.payloads for f in args.formats):
             shapes = builtin_shapes() if spec == "builtin" else {"g": (int(spec),)}
             elements = sum(math.prod(shape) for shape in shapes.values())
@@ -312,7 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     machine = f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}"
     notes = [
         f"N={args.world} ranks (one process each, one torch thread each), gather, "
-        f"{args.store} store, poll interval {args.poll_interval:g} s, {args.rounds} measured rounds after a warm-up.",
+        f"{args.store} store{f' with {args.latency_ms:g} ms per request' if args.store == 's3' and args.latency_ms else ''}, poll interval {args.poll_interval:g} s, {args.rounds} measured rounds after a warm-up.",
         "Each phase: wall ms (thread CPU ms), mean over ranks, median over rounds, nested phases excluded "
         "(hashing is counted in 'hash', not in 'serialize' or 'read'); 'wait()' is Work.wait() on the caller's "
         "thread: waiting for the round thread (so about the whole round), then copying the mean into the caller's "

@@ -14,6 +14,7 @@ started tau inner steps before it is waited for) a round that fits in those step
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import threading
@@ -92,12 +93,36 @@ class Deadline:
         return remaining
 
 
+class _EitherStop:
+    """Set once either event is: what a cancellable copy of a ``RoundIO`` waits on, its own cancel or the
+    all-reduce's close. It waits on the cancel and looks at the close every ``SLICE_S`` (an ``Event`` cannot wait
+    for two), so a close reaches a cancellable wait within that long."""
+
+    SLICE_S = 0.05
+
+    def __init__(self, closed: threading.Event | _EitherStop, cancelled: threading.Event) -> None:
+        self._closed = closed
+        self._cancelled = cancelled
+
+    def is_set(self) -> bool:
+        return self._cancelled.is_set() or self._closed.is_set()
+
+    def wait(self, timeout: float) -> bool:
+        until = time.monotonic() + timeout
+        while not self.is_set():
+            left = until - time.monotonic()
+            if left <= 0:
+                return False
+            self._cancelled.wait(min(left, self.SLICE_S))
+        return True
+
+
 class RoundIO:
     """What an exchange does on the background thread: identity, polling, verified reads, counted bytes."""
 
     def __init__(self, store: ObjectStore, rank: int, world_size: int, *, timeout_s: float, poll_interval_s: float,
                  run_id: str | None, spread: int, stats: AllReduceStats, stats_lock: threading.Lock,
-                 stop: threading.Event, trained_s: float = 0.0) -> None:
+                 stop: threading.Event | _EitherStop, trained_s: float = 0.0) -> None:
         self.store = store
         self.trained_s = trained_s  # how long this rank trained before contributing to the round (rejoin slack)
         self.rank = rank
@@ -118,6 +143,14 @@ class RoundIO:
         if self.run_id:
             identity["run_id"] = self.run_id
         return identity
+
+    def cancellable(self, cancelled: threading.Event) -> RoundIO:
+        """This round's I/O for a helper thread: the same store, identity and counters (under their lock), whose
+        polls and retries also stop once ``cancelled`` is set (``RoundClosed``), so a round that fails or is closed
+        leaves none of them waiting."""
+        helper = copy.copy(self)
+        helper._stop = _EitherStop(self._stop, cancelled)
+        return helper
 
     def wrote(self, nbytes: int) -> None:
         with self._stats_lock:

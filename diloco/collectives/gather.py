@@ -5,14 +5,19 @@ the store's threshold), read (N-1)·S, plus the polling (one HEAD per peer per `
 appears, after up to four quicker ones). Uncompressed, each peer's object is read as a header probe (64 KiB, ``codec.HEADER_PROBE_BYTES``) and
 verified ranged GETs of ``WINDOW_BYTES`` (32 MiB) that are accumulated as they arrive, so memory stays at the
 snapshot plus the accumulator plus one window: (N-1)·(1 + ceil(S / 32 MiB)) GETs. Compressed payloads (S/4 or
-less) are read whole: N-1 GETs. Fewest requests and a single phase, so the lowest latency for small payloads or small N; reads
-grow with N (the sharded strategy reads under 2·S whatever N is).
+less) are read whole: N-1 GETs, all at once when they are small (``CONCURRENT_READ_MAX_BYTES`` for every peer's
+together), so a round of small objects on a store with per-request latency (S3's tens of milliseconds) waits
+about one request's time for its peers' objects instead of one per peer; they are still added in rank order, so
+the sum's bits do not depend on which arrived first. Fewest requests and a single phase, so the lowest latency
+for small payloads or small N; reads grow with N (the sharded strategy reads under 2·S whatever N is).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -33,6 +38,12 @@ logger = logging.getLogger(__name__)
 #: Bytes of a peer's object read (and verified) per ranged GET when accumulating it: what a round holds in flight
 #: on top of the snapshot and the accumulator (a multiple of ``codec.CHUNK_BYTES``, so reads need no widening).
 WINDOW_BYTES = 8 * codec.CHUNK_BYTES
+#: Compressed contributions are fetched concurrently (each into memory of its own, held until it is added) when
+#: every peer's together is at most this many bytes: the sparse format's at any size worth sending, int8's of a
+#: model up to 16M parameters at N = 4. Larger ones are read one after another into one buffer.
+CONCURRENT_READ_MAX_BYTES = 64 * 2**20
+#: Fetches at once, at most (the rest start as these finish).
+MAX_CONCURRENT_READS = 16
 
 
 @dataclass
@@ -93,20 +104,27 @@ class GatherExchange:
         else:
             members = self._agree_on_members(io, round_, deadline, list(range(io.world_size)))
         acc: dict[str, torch.Tensor] = {}
-        for peer in members:
-            if peer == io.rank:
-                self.codec.add_into(acc, published.wire, published.meta, published.reference, owned=True,
-                                    empty=self._spares.empty)
-                continue
-            io.await_object(round_, peer, lambda r: self._key(round_, r), deadline)
-            key = self._key(round_, peer)
-            if self.codec.compressed:  # a quarter of the payload or less: read whole, check, decode into the sum
-                wire, meta = io.read_verified(
-                    round_, peer, "contribution", io.store.url(key),
-                    lambda peer=peer, key=key: self._read(io, round_, peer, key, published))
-                self.codec.add_into(acc, wire, meta, published.reference, empty=self._spares.empty)
-            else:
-                self._accumulate_streamed(io, round_, peer, key, published.reference, acc)
+        peers = [peer for peer in members if peer != io.rank]
+        fetches = _PeerFetches(self, io, round_, peers, published, deadline) if self.codec.compressed and \
+            len(peers) > 1 and len(peers) * published.wire_bytes <= CONCURRENT_READ_MAX_BYTES else None
+        try:
+            for peer in members:
+                if peer == io.rank:
+                    self.codec.add_into(acc, published.wire, published.meta, published.reference, owned=True,
+                                        empty=self._spares.empty)
+                elif fetches is not None:
+                    wire, meta = fetches.result(peer)
+                    self.codec.add_into(acc, wire, meta, published.reference, empty=self._spares.empty)
+                    del wire
+                elif self.codec.compressed:  # a quarter of the payload or less: read whole, check, decode into the sum
+                    wire, meta = self._fetch(io, round_, peer, published, deadline, self._reads)
+                    self.codec.add_into(acc, wire, meta, published.reference, empty=self._spares.empty)
+                else:
+                    io.await_object(round_, peer, lambda r: self._key(round_, r), deadline)
+                    self._accumulate_streamed(io, round_, peer, self._key(round_, peer), published.reference, acc)
+        finally:
+            if fetches is not None:
+                fetches.close()
         # our wire tensors (uncompressed: the snapshot) were summed, or became the sum: what is not the sum is free
         summed = {t.data_ptr() for t in acc.values()}
         self._spares.give(round_, [t for t in published.wire.values() if t.data_ptr() not in summed])
@@ -240,14 +258,23 @@ class GatherExchange:
             _add_window(flat, codec.tensors_from_data(header, data, begin, end), first)
             del data  # with the views gone (they lived in _add_window), the window's buffer is freed now
 
-    def _read(self, io: RoundIO, round_: int, peer: int, key: str, published: _Published
+    def _fetch(self, io: RoundIO, round_: int, peer: int, published: _Published, deadline: Deadline,
+               buffer: ReadBuffer) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """Wait for ``peer``'s compressed contribution and read it whole into ``buffer``, checked (retried when it
+        reads corrupt): what ``add_into`` takes."""
+        io.await_object(round_, peer, lambda r: self._key(round_, r), deadline)
+        key = self._key(round_, peer)
+        return io.read_verified(round_, peer, "contribution", io.store.url(key),
+                                lambda: self._read(io, round_, peer, key, published, buffer))
+
+    def _read(self, io: RoundIO, round_: int, peer: int, key: str, published: _Published, buffer: ReadBuffer
               ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """Fetch and verify ``peer``'s compressed object: one GET into one buffer (``codec.read_object``: our own
         object's size is the hint, every rank's is the same), its chunk digests, its identity, then its format and
         wire tensors against our layout: everything ``add_into`` needs, so nothing unverified is ever half added.
         The wire tensors are views of that buffer (no copy)."""
         source = io.store.url(key)
-        header, data = codec.read_object(io.store, key, data_bytes_hint=published.wire_bytes, buffer=self._reads)
+        header, data = codec.read_object(io.store, key, data_bytes_hint=published.wire_bytes, buffer=buffer)
         io.read(header.data_offset + len(data))
         meta = header.metadata
         for name, want in io.identity(round_, peer).items():
@@ -257,6 +284,31 @@ class GatherExchange:
                 for name, (_, view) in codec.tensors_from_data(header, data, 0, header.data_size).items()}
         self.codec.check(wire, meta, published.reference, source)
         return wire, meta
+
+
+class _PeerFetches:
+    """Every peer's compressed contribution fetched at once, each on a thread of its own into memory of its own
+    (``GatherExchange._fetch``: its wait, its read, its checks), handed out by peer. ``close`` cancels what is
+    still waiting (a round that failed on one peer leaves no other polling) and joins the threads."""
+
+    def __init__(self, exchange: GatherExchange, io: RoundIO, round_: int, peers: Sequence[int],
+                 published: _Published, deadline: Deadline) -> None:
+        self._cancelled = threading.Event()
+        helper = io.cancellable(self._cancelled)
+        self._pool = ThreadPoolExecutor(min(len(peers), MAX_CONCURRENT_READS), thread_name_prefix="diloco-fetch")
+        self._futures: dict[int, Future[tuple[dict[str, torch.Tensor], dict[str, str]]]] = {
+            peer: self._pool.submit(exchange._fetch, helper, round_, peer, published, deadline, ReadBuffer())
+            for peer in peers}
+
+    def result(self, peer: int) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """``peer``'s wire tensors and tag once fetched; its failure (a timeout, a corrupt object) raised here."""
+        future = self._futures.pop(peer)
+        return future.result()
+
+    def close(self) -> None:
+        self._cancelled.set()
+        self._futures.clear()  # what was fetched and not taken is dropped with its buffer
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 class DroppedFromRound(DilocoError):
