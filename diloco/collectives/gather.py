@@ -2,14 +2,15 @@
 
 Per rank per round, for a payload of S bytes on the wire and N ranks: written S (1 PUT; a multipart upload above
 the store's threshold), read (N-1)·S, plus the polling (one HEAD per peer per ``poll_interval_s`` until it
-appears, after up to four quicker ones). Uncompressed, each peer's object is read as a header probe (64 KiB, ``codec.HEADER_PROBE_BYTES``) and
-verified ranged GETs of ``WINDOW_BYTES`` (32 MiB) that are accumulated as they arrive, so memory stays at the
-snapshot plus the accumulator plus one window: (N-1)·(1 + ceil(S / 32 MiB)) GETs. Compressed payloads (S/4 or
-less) are read whole: N-1 GETs, all at once when they are small (``CONCURRENT_READ_MAX_BYTES`` for every peer's
-together), so a round of small objects on a store with per-request latency (S3's tens of milliseconds) waits
-about one request's time for its peers' objects instead of one per peer; they are still added in rank order, so
-the sum's bits do not depend on which arrived first. Fewest requests and a single phase, so the lowest latency
-for small payloads or small N; reads grow with N (the sharded strategy reads under 2·S whatever N is).
+appears, after up to four quicker ones). Uncompressed, each peer's object is read as a header probe (64 KiB,
+``codec.HEADER_PROBE_BYTES``) and verified ranged GETs of ``WINDOW_BYTES`` (32 MiB) that are accumulated as they
+arrive, so memory stays at the snapshot plus the accumulator plus one window: (N-1)·(1 + ceil(S / 32 MiB)) GETs.
+Compressed payloads (S/4 or less) are read whole: N-1 GETs. Small contributions, compressed or not (every peer's
+together at most ``CONCURRENT_READ_MAX_BYTES``), are read whole and all at once, each on a thread of its own, so
+a round of small objects on a store with per-request latency (S3's tens of milliseconds) waits about one
+request's time for its peers' objects instead of one per peer; they are still added in rank order, so the sum's
+bits do not depend on which arrived first. Fewest requests and a single phase, so the lowest latency for small
+payloads or small N; reads grow with N (the sharded strategy reads under 2·S whatever N is).
 """
 
 from __future__ import annotations
@@ -38,9 +39,10 @@ logger = logging.getLogger(__name__)
 #: Bytes of a peer's object read (and verified) per ranged GET when accumulating it: what a round holds in flight
 #: on top of the snapshot and the accumulator (a multiple of ``codec.CHUNK_BYTES``, so reads need no widening).
 WINDOW_BYTES = 8 * codec.CHUNK_BYTES
-#: Compressed contributions are fetched concurrently (each into memory of its own, held until it is added) when
+#: Contributions are fetched whole and concurrently (each into memory of its own, held until it is added) when
 #: every peer's together is at most this many bytes: the sparse format's at any size worth sending, int8's of a
-#: model up to 16M parameters at N = 4. Larger ones are read one after another into one buffer.
+#: model up to 16M parameters at N = 4, fp32's up to 4M. Larger ones are read one after another (compressed:
+#: whole, into one buffer; uncompressed: by windows, ``WINDOW_BYTES``).
 CONCURRENT_READ_MAX_BYTES = 64 * 2**20
 #: Fetches at once, at most (the rest start as these finish).
 MAX_CONCURRENT_READS = 16
@@ -105,7 +107,7 @@ class GatherExchange:
             members = self._agree_on_members(io, round_, deadline, list(range(io.world_size)))
         acc: dict[str, torch.Tensor] = {}
         peers = [peer for peer in members if peer != io.rank]
-        fetches = _PeerFetches(self, io, round_, peers, published, deadline) if self.codec.compressed and \
+        fetches = _PeerFetches(self, io, round_, peers, published, deadline) if \
             len(peers) > 1 and len(peers) * published.wire_bytes <= CONCURRENT_READ_MAX_BYTES else None
         try:
             for peer in members:
@@ -260,8 +262,8 @@ class GatherExchange:
 
     def _fetch(self, io: RoundIO, round_: int, peer: int, published: _Published, deadline: Deadline,
                buffer: ReadBuffer) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-        """Wait for ``peer``'s compressed contribution and read it whole into ``buffer``, checked (retried when it
-        reads corrupt): what ``add_into`` takes."""
+        """Wait for ``peer``'s contribution and read it whole into ``buffer``, checked (retried when it reads
+        corrupt): what ``add_into`` takes."""
         io.await_object(round_, peer, lambda r: self._key(round_, r), deadline)
         key = self._key(round_, peer)
         return io.read_verified(round_, peer, "contribution", io.store.url(key),
@@ -269,14 +271,17 @@ class GatherExchange:
 
     def _read(self, io: RoundIO, round_: int, peer: int, key: str, published: _Published, buffer: ReadBuffer
               ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-        """Fetch and verify ``peer``'s compressed object: one GET into one buffer (``codec.read_object``: our own
+        """Fetch and verify ``peer``'s whole object: one GET into one buffer (``codec.read_object``: our own
         object's size is the hint, every rank's is the same), its chunk digests, its identity, then its format and
-        wire tensors against our layout: everything ``add_into`` needs, so nothing unverified is ever half added.
-        The wire tensors are views of that buffer (no copy)."""
+        wire tensors against our layout (uncompressed: ``check_header``, as a streamed read checks them):
+        everything ``add_into`` needs, so nothing unverified is ever half added. The wire tensors are views of
+        that buffer (no copy)."""
         source = io.store.url(key)
         header, data = codec.read_object(io.store, key, data_bytes_hint=published.wire_bytes, buffer=buffer)
         io.read(header.data_offset + len(data))
         meta = header.metadata
+        if not self.codec.compressed:
+            check_header(meta, header.tensors, io.identity(round_, peer), published.reference, round_, peer, source)
         for name, want in io.identity(round_, peer).items():
             if meta.get(name) != str(want):
                 raise CorruptObjectError(f"{source} has {name}={meta.get(name)!r}, expected {str(want)!r}")
@@ -287,7 +292,7 @@ class GatherExchange:
 
 
 class _PeerFetches:
-    """Every peer's compressed contribution fetched at once, each on a thread of its own into memory of its own
+    """Every peer's (small) contribution fetched at once, each on a thread of its own into memory of its own
     (``GatherExchange._fetch``: its wait, its read, its checks), handed out by peer. ``close`` cancels what is
     still waiting (a round that failed on one peer leaves no other polling) and joins the threads."""
 

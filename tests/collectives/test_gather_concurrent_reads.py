@@ -1,4 +1,4 @@
-"""Gather fetches small compressed contributions of every peer at once (``gather._PeerFetches``) and still adds
+"""Gather fetches small contributions of every peer at once (``gather._PeerFetches``) and still adds
 them in rank order: the same bits as one peer after another, the same errors naming the same rank, and no fetch
 left polling or reading once a round has failed or the all-reduce is closed."""
 
@@ -43,7 +43,7 @@ def no_fetch_threads_soon() -> bool:
     return not fetch_threads()
 
 
-@pytest.mark.parametrize("fmt", ["topk", "int8"])
+@pytest.mark.parametrize("fmt", ["topk", "int8", "none"])
 def test_fetching_every_peer_at_once_sums_the_bits_one_at_a_time_does(tmp_path: Any, fmt: str,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     def rounds(uri: str) -> list[dict[str, torch.Tensor]]:
@@ -116,4 +116,33 @@ def test_closing_the_all_reduce_stops_its_fetches_waiting_for_late_peers(tmp_pat
     ar.close()
     with pytest.raises(RoundClosed):  # closed long before its 600 s were up
         work.wait()
+    assert no_fetch_threads_soon()
+
+
+def test_a_small_uncompressed_peer_object_is_checked_as_a_streamed_read_checks_it(tmp_path: Any) -> None:
+    """Read whole and at once, an fp32 contribution of the wrong shape, dtype, round or format is refused naming
+    its rank, and nothing is averaged, as when it is read window by window."""
+    from diloco.store.codec import encode_stream
+
+    uri = f"file://{tmp_path}/rdv"
+    store = ObjectStore(uri)
+    good = {"round": 0, "rank": 2, "world_size": 3}
+    cases = {
+        "wrong shape": ({"g": torch.full((3,), 7.0)}, good),
+        "wrong dtype": ({"g": torch.full((64,), 7.0, dtype=torch.float64)}, good),
+        "wrong round": ({"g": torch.full((64,), 7.0)}, {**good, "round": 5}),
+        "compressed": ({"g": torch.full((64,), 7.0, dtype=torch.bfloat16)}, {**good, "compression": "bf16",
+                                                                             "block": 256}),
+    }
+    for what, (tensors, meta) in cases.items():
+        store.delete_prefix("")
+        store.put(contribution_key(0, 1), b"".join(bytes(c) for c in encode_stream(
+            {"g": torch.full((64,), 5.0)}, {"round": 0, "rank": 1, "world_size": 3})[1]))
+        store.put(contribution_key(0, 2), b"".join(bytes(c) for c in encode_stream(tensors, meta)[1]))
+        mine = torch.full((64,), 1.0)
+        ar = make(uri, 0, 3, compression="none")
+        with pytest.raises(CorruptObjectError, match="rank 2"):
+            ar.allreduce({"g": mine})
+        assert torch.equal(mine, torch.full((64,), 1.0)), what
+        ar.close()
     assert no_fetch_threads_soon()
