@@ -28,10 +28,9 @@ following diloco/collectives (gather.py, sharded.py):
 * **requests**: ``store.put`` (gather's object, the reduced shard) is one PUT below two parts, ``put_stream``
   (sharded's contribution) one PUT up to one part; above that CreateMultipartUpload + one UploadPart per part
   (``--part-mib``, 50 MiB as ``diloco/store/s3.py``'s ``MULTIPART_CHUNKSIZE``) + CompleteMultipartUpload. Every awaited
-  peer object costs at least one look (``exists``; more when a peer is late: ``--polls``). A look that finds the
-  object is one HEAD; a look at a missing object is a HEAD (404) and then a ListObjectsV2 with ``MaxKeys=1``, which
-  s3fs sends to tell a missing key from a directory (``S3FileSystem._info``, fsspec/s3fs ``s3fs/core.py``), and a
-  LIST is billed at the PUT rate, 12.5 times a HEAD: with ``--polls P`` each object costs P HEADs and P-1 LISTs.
+  peer object costs at least one look (``exists``; more when a peer is late: ``--polls``), one HEAD each, found or
+  not (``diloco.store.s3.object_exists``: s3fs's own ``exists`` follows a 404 with a ListObjectsV2, billed at the
+  PUT rate, 12.5 times a HEAD; diloco asks with the HEAD alone): with ``--polls P`` each object costs P HEADs.
   GETs: gather N-1, sharded 3(N-1). DELETEs (a rank deletes its previous round's objects) are free on S3 and not counted.
 * **time**: each phase (upload, then the reads it waited for) takes the longer of its bytes at the instance's S3
   throughput and its requests at S3's per-prefix request rate (all N ranks hit the round's prefixes at once),
@@ -117,7 +116,7 @@ class Assumptions:
     #: the built-in default (0.2 s) and what ``configs/sagemaker.yaml`` and ``configs/eks.yaml`` set (2 s).
     poll_interval_s: float = 1.0
     #: Looks (``exists``) per awaited object: 1 is the minimum (every peer already there when polled); each look
-    #: beyond the one that finds the object is a miss, a HEAD and a LIST.
+    #: beyond the one that finds the object is a miss, one HEAD as well.
     polls_per_object: float = 1.0
     part_bytes: int = MULTIPART_CHUNKSIZE
     block: int = DEFAULT_BLOCK
@@ -137,8 +136,7 @@ class Phase:
     bytes_read: int = 0
     put_requests: int = 0
     get_requests: int = 0  # GETs (whole or ranged)
-    polls: int = 0  # looks while waiting for peers: one HEAD each (billed at the GET rate)
-    poll_lists: int = 0  # the looks that missed: one ListObjectsV2 each after the HEAD (billed at the PUT rate)
+    polls: int = 0  # looks while waiting for peers: one HEAD each, found or not (billed at the GET rate)
     waits_for_peers: bool = False
 
 
@@ -158,7 +156,6 @@ class RoundCost:
     put_requests: int  # per rank: PUT, multipart Create/UploadPart/Complete
     get_requests: int  # per rank: GETs, whole or ranged
     polls: int  # per rank: looks while waiting, a HEAD each (at least one per awaited object)
-    poll_lists: int  # per rank: the looks that missed, a LIST each after their HEAD
     round_s: float
     request_bound: bool  # S3's request rate, not bandwidth, sets over 10% of the round's time
     usd: float  # all N ranks
@@ -166,8 +163,8 @@ class RoundCost:
 
     @property
     def total_requests(self) -> int:
-        """Per rank: PUT-class, GETs, and the polls' HEADs and LISTs."""
-        return self.put_requests + self.get_requests + self.polls + self.poll_lists
+        """Per rank: PUT-class, GETs, and the polls' HEADs."""
+        return self.put_requests + self.get_requests + self.polls
 
 
 # ---------------------------------------------------------------- bytes and requests
@@ -271,15 +268,13 @@ def sharded_phases(n: int, s: int, s_reduced: int, a: Assumptions) -> tuple[Phas
 
 
 def _polls(peers: int, a: Assumptions) -> dict[str, int]:
-    """The HEADs (one per look) and LISTs (one per look that missed: all but the last look at each object) of
-    waiting for ``peers`` objects."""
-    heads = max(peers, math.ceil(peers * a.polls_per_object))
-    return {"polls": heads, "poll_lists": heads - peers}
+    """The HEADs (one per look, found or not) of waiting for ``peers`` objects."""
+    return {"polls": max(peers, math.ceil(peers * a.polls_per_object))}
 
 
 def poll_usd(looks: int, found: int) -> float:
-    """Dollars of ``looks`` polls of which ``found`` found their object: a HEAD each, and a LIST for each miss."""
-    return usd_for(0, looks, lists=looks - found)
+    """Dollars of ``looks`` polls of which ``found`` found their object: a HEAD each, whichever."""
+    return usd_for(0, looks)
 
 
 # ---------------------------------------------------------------- time and dollars
@@ -287,7 +282,7 @@ def phase_seconds(phase: Phase, n: int, a: Assumptions) -> tuple[float, float]:
     """(seconds, of which the request rate adds beyond the transfer) of one phase that all N ranks run at once."""
     transfer = (phase.bytes_written + phase.bytes_read) / a.instance_bytes_per_s
     by_puts = n * phase.put_requests / (PUT_RATE_PER_PREFIX * a.prefixes)
-    by_gets = n * (phase.get_requests + phase.polls + phase.poll_lists) / (GET_RATE_PER_PREFIX * a.prefixes)
+    by_gets = n * (phase.get_requests + phase.polls) / (GET_RATE_PER_PREFIX * a.prefixes)
     busiest = max(transfer, by_puts, by_gets)
     wait = a.poll_interval_s / 2 if phase.waits_for_peers else 0.0
     return busiest + a.request_latency_s + wait, busiest - transfer
@@ -315,14 +310,12 @@ def round_cost(model: str, params: float, n: int, strategy: str, fmt: str, a: As
     puts = sum(p.put_requests for p in phases)
     gets = sum(p.get_requests for p in phases)
     polls = sum(p.polls for p in phases)
-    lists = sum(p.poll_lists for p in phases)
     return RoundCost(
         model=model, params=params, n=n, strategy=strategy, fmt=fmt, payload_bytes=s,
         bytes_written=sum(p.bytes_written for p in phases), bytes_read=sum(p.bytes_read for p in phases),
         limit_read=math.ceil(2 * s * (n - 1) / n), put_requests=puts, get_requests=gets, polls=polls,
-        poll_lists=lists,
         round_s=sum(t for t, _ in timed), request_bound=sum(x for _, x in timed) > 0.1 * sum(t for t, _ in timed),
-        usd=n * usd_for(puts, gets + polls, lists), phases=phases,
+        usd=n * usd_for(puts, gets + polls), phases=phases,
     )
 
 
@@ -438,7 +431,7 @@ def describe(a: Assumptions) -> str:
     return (
         f"Assumptions: {a.instance_bytes_per_s * 8 / 1e9:g} Gbit/s of S3 throughput per instance, "
         f"{a.request_latency_s * 1e3:g} ms per request, poll interval {a.poll_interval_s:g} s, "
-        f"{a.polls_per_object:g} look(s) per awaited object (a HEAD each, and a LIST for each that misses), "
+        f"{a.polls_per_object:g} look(s) per awaited object (a HEAD each, found or not), "
         f"{a.part_bytes // MIB} MiB multipart parts, "
         f"int8/int4 scale block {a.block}, {a.prefixes} S3 prefix(es) per round at "
         f"{PUT_RATE_PER_PREFIX:,.0f} PUT/s and {GET_RATE_PER_PREFIX:,.0f} GET/s each, sharded reduced shards in "
@@ -557,7 +550,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--latency-ms", type=float, default=30.0, help="latency per request (default 30 ms)")
     p.add_argument("--poll-s", type=float, default=1.0, help="store.poll_interval_s (default 1)")
     p.add_argument("--polls", type=float, default=1.0, help="looks per awaited object (default 1, the minimum; "
-                   "each look a HEAD, each miss also a LIST)")
+                   "each look a HEAD, found or not)")
     p.add_argument("--part-mib", type=int, default=MULTIPART_CHUNKSIZE // MIB, help="multipart part size, MiB")
     p.add_argument("--block", type=int, default=DEFAULT_BLOCK, help="int8/int4 elements per scale (default 256)")
     p.add_argument("--prefixes", type=int, default=1, help="S3 prefixes a round's objects are spread over (store.spread; default 1)")

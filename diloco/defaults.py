@@ -12,10 +12,10 @@ DEFAULT_MAX_RESTARTS = 3
 #: once it has waited a while: a wait starts with quicker looks (after 1/16, 1/8, 1/4 and 1/2 of it), so an upload
 #: that lands soon is noticed within about as long as the replica had waited for it, and a late one at most this
 #: long after it landed. Each look is one object per waiting replica, 5N looks a second for N replicas (plus at most
-#: four per wait). On S3 a look at a missing object is a HEAD (404) and a ListObjectsV2 (s3fs's ``_info`` tells a
-#: missing key from a directory that way), and S3 Standard bills a LIST at $0.005 per 1,000, 12.5 times a HEAD: about
-#: 10 cents per replica per hour of waiting at 0.2 s, 1 cent at 2 s; 10N requests a second stay below S3's 5,500
-#: GET/HEAD/LIST per second per prefix up to about 500 replicas. On a
+#: four per wait). On S3 a look is one HEAD, found or not (``diloco.store.s3.object_exists``; s3fs's own ``exists``
+#: would add a ListObjectsV2 after every 404, billed at 12.5 times a HEAD): at $0.0004 per 1,000 HEADs, about 0.7
+#: cents per replica per hour of waiting at 0.2 s, 0.07 at 2 s; 5N requests a second stay below S3's 5,500
+#: GET/HEAD per second per prefix up to about 1,100 replicas. On a
 #: ``file://`` store it is a stat. Configs for huge runs or long rounds may raise it (``configs/sagemaker.yaml``).
 DEFAULT_POLL_INTERVAL_S = 0.2
 #: Seconds between the progress rows a replica writes between outer rounds (``diloco status`` reads the latest).

@@ -76,9 +76,11 @@ class StoreTraffic:
     cost is measured, not computed. Subtract two snapshots (``after - before``) for the cost of what happened
     between them. Operation names: ``put``, ``put_if_absent``, ``get``, ``get_range``, ``size``, ``exists``,
     ``list``, ``delete``, and for streamed S3 uploads ``create_multipart``, ``put_part``, ``complete_multipart``,
-    ``abort_multipart``. On S3 ``size`` and ``exists`` are a HEAD each, and a look at a missing key is also a
+    ``abort_multipart``. On S3 ``size`` and ``exists`` are a HEAD each; a ``size`` of a missing key is also a
     ``miss_list``: s3fs follows the 404 with a ListObjectsV2 (``MaxKeys=1``) to tell a missing key from a
-    directory (``S3FileSystem._info``), a request billed at the PUT rate."""
+    directory (``S3FileSystem._info``), a request billed at the PUT rate. ``exists`` asks with one HEAD whatever
+    the answer (``diloco.store.s3.object_exists``), and the first time a store instance finds nothing, with one
+    ``head_bucket`` too (a missing bucket answers a HEAD of a key as a missing key does)."""
 
     bytes_written: int = 0
     bytes_read: int = 0
@@ -223,6 +225,7 @@ class ObjectStore:
             self._transient += s3.transient_errors()
             self.put_kwargs = s3.pop_put_kwargs(options)
         self.fs = _filesystem(self.protocol, options)
+        self._bucket_seen = False  # S3: the bucket answered a HeadBucket once (``exists``)
         self._local = isinstance(self.fs, LocalFileSystem)
         #: Public, with ``put_kwargs``, ``with_retries`` and ``invalidate``: ``diloco.store.s3``'s upload paths count,
         #: size, retry and invalidate through the same store instance.
@@ -470,22 +473,29 @@ class ObjectStore:
             raise ObjectNotFound(f"no object at {self.url(key)}") from exc
 
     def exists(self, key: str) -> bool:
-        """Whether ``key`` exists now, asked of the store itself (never of a cached listing)."""
+        """Whether ``key`` exists now, asked of the store itself (never of a cached listing): on S3 one HEAD
+        (``diloco.store.s3.object_exists``: no ListObjectsV2 after a 404), which is what a waiting replica polls."""
         path = self.path(key)
+        if self.protocol == "s3":
+            from diloco.store import s3
+
+            def head() -> bool:
+                found = s3.object_exists(self.fs, path)
+                if not found and not self._bucket_seen:  # a misnamed bucket must not read as "not written yet"
+                    self.traffic_counter.request("head_bucket")
+                    s3.check_bucket(self.fs, path)
+                    self._bucket_seen = True
+                return found
+
+            return self.with_retries("exists", key, head)
 
         def probe() -> bool:
             self.invalidate(path)
             try:
                 info = self.fs.info(path)
-            except FileNotFoundError as exc:
-                self._count_miss_list()
-                if (better := self._explain("exists", key, exc)) is not None:
-                    raise better from exc
+            except FileNotFoundError:
                 return False
-            if info.get("type") == "directory":
-                self._count_miss_list()
-                return False
-            return True
+            return info.get("type") != "directory"
 
         return self.with_retries("exists", key, probe)
 

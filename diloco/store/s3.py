@@ -471,6 +471,43 @@ def read_range(fs: Any, path: str, start: int, end: int) -> bytearray:
     return made[0] if made else bytearray()
 
 
+def object_exists(fs: Any, path: str) -> bool:
+    """Whether an object is at ``path``: one HeadObject, a 404 meaning no. s3fs's ``info`` and ``exists`` follow a
+    404 with a ListObjectsV2 (to tell a missing key from a directory), which doubles a miss's latency and is billed
+    at the PUT rate, 12.5 HEADs; a key diloco asks about is an object's, never a directory's, so the 404 says
+    enough. Other errors (a 403: no ``s3:GetObject``, or a missing key without ``s3:ListBucket``) are raised as
+    s3fs translates them."""
+    from fsspec.asyn import sync
+
+    bucket, key, _ = fs.split_path(path)
+
+    async def head() -> bool:
+        try:
+            await fs._call_s3("head_object", Bucket=bucket, Key=key)
+        except FileNotFoundError:
+            return False
+        return True
+
+    return bool(sync(fs.loop, head))
+
+
+def check_bucket(fs: Any, path: str) -> None:
+    """``FileNotFoundError`` (S3's ``NoSuchBucket``, as ``is_missing_bucket`` reads it) unless the bucket of
+    ``path`` exists: one HeadBucket. A HEAD of a key answers a missing bucket with the same bodiless 404 as a
+    missing key, so ``object_exists`` alone would take a misnamed bucket for an object not written yet."""
+    from fsspec.asyn import sync
+
+    bucket, _, _ = fs.split_path(path)
+
+    async def head() -> None:
+        try:
+            await fs._call_s3("head_bucket", Bucket=bucket)
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(f"NoSuchBucket: The {_MISSING_BUCKET_TEXT}: {bucket}") from exc
+
+    sync(fs.loop, head)
+
+
 def read_range_into(fs: Any, path: str, start: int, into: memoryview) -> int:
     """``read_range`` of ``len(into)`` bytes from ``start``, into ``into``; -> how many arrived (fewer when the
     object ends first, 0 at or past its end)."""
