@@ -93,7 +93,10 @@ def _next_incarnation(run: FollowedRun, ended: ReplicaStatus, rank: int) -> RunH
     The relaunch is another process's doing (the attached ``launch`` or a ``watch``), recorded in the registry
     when it happens, so the record is read again every poll. A replica that failed in a way a relaunch cures,
     with restarts left, in a run that can still finish, is waited for (``status`` calls such a run running
-    too); one that succeeded, was cancelled or failed for good ends its stream."""
+    too); one that succeeded, was cancelled or failed for good ends its stream. One whose stream ended while its
+    status does not say it ended (a killed process's log closes before its exit is recorded; a preempted one is
+    being brought back) is followed again after a poll, from where its lines stopped: reading that moment as the
+    end would stop following just before a relaunch."""
     while (now_run := run.reloaded()) is not None:  # None: the run was removed while it was followed
         handle = now_run.handle
         if handle is None:
@@ -101,6 +104,9 @@ def _next_incarnation(run: FollowedRun, ended: ReplicaStatus, rank: int) -> RunH
         status = now_run.replica_status()
         now = status.replica(rank)
         if now.job_id != ended.job_id or now.restarts > ended.restarts:
+            return handle
+        if not now.state.is_terminal:
+            time.sleep(run.poll_interval_s)
             return handle
         if now.state != ReplicaState.FAILED or not now_run.awaits_relaunch(now) or not now_run.can_finish(status):
             return None
