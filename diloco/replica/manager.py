@@ -99,7 +99,7 @@ class ObjectStoreManager:
         self.sibling_bytes = (0, 0)
         self.metrics = MetricsWriter(allreduce.store, allreduce.rank, total_steps=total_steps,
                                      stats=lambda: self.stats, rounds=self.current_step,
-                                     progress_interval_s=progress_interval_s, background=True)
+                                     progress_interval_s=progress_interval_s)
         self._step = 0
         self._error: BaseException | None = None
         self._round_open = False

@@ -23,7 +23,6 @@ the launcher reads them back (``diloco.launcher.progress``).
 
 from __future__ import annotations
 
-import atexit
 import json
 import logging
 import math
@@ -116,12 +115,6 @@ class MetricsWriter:
     Driven by the outer loop (``begin`` on entering, ``on_step`` after each inner step, ``on_round`` after each
     outer round, ``finish`` on leaving after training) and by ``report()``. Thread-safe. A failed store write is
     logged once and retried at the next write: metrics never fail a training run.
-
-    ``background=True`` (what a replica uses): the objects are written by a thread of the writer's own
-    (``_BackgroundPuts``), so the training loop never waits for the store; on S3 a round's two or three writes of
-    two objects each cost the loop a request's latency apiece (tens of ms). Only the latest bytes of each object
-    are written (readers take the newer of the history's last row and the progress row, so the two need no
-    order); ``finish`` and ``close`` wait until what was queued is written.
     """
 
     def __init__(
@@ -133,7 +126,6 @@ class MetricsWriter:
         stats: Callable[[], AllReduceStats] | None = None,
         rounds: Callable[[], int] | None = None,
         progress_interval_s: float = DEFAULT_PROGRESS_INTERVAL_S,
-        background: bool = False,
     ) -> None:
         if not progress_interval_s > 0:
             raise ValueError(f"progress_interval_s must be > 0, got {progress_interval_s}")
@@ -159,7 +151,6 @@ class MetricsWriter:
         self._last_flush: float | None = None
         self._warned: set[str] = set()
         self._listeners: list[Callable[[dict[str, Any]], None]] = []
-        self._background = _BackgroundPuts(self._put) if background else None
 
     def add_listener(self, listener: Callable[[dict[str, Any]], None]) -> None:
         """Also give every row to ``listener`` (e.g. ``diloco.replica.tensorboard.TensorBoardWriter.on_row``): each history
@@ -252,7 +243,6 @@ class MetricsWriter:
             self._close_row()  # logged now: nothing else closes it
             self._amendable = True
             self._flush()
-        self.wait_written()
 
     def close(self) -> None:
         """The trainer returned: finish if it recorded anything but never finished, else write what is pending."""
@@ -261,13 +251,6 @@ class MetricsWriter:
                 self.finish()
             elif self._history_dirty:
                 self._flush()
-        self.wait_written()
-        if self._background is not None:
-            self._background.stop()
-
-    def wait_written(self, timeout_s: float = 120.0) -> bool:
-        """Block until every write queued so far is done (at once without ``background``); False on timeout."""
-        return True if self._background is None else self._background.drain(timeout_s)
 
     # ------------------------------------------------------------------------------------------ report()
     def report(self, values: Mapping[str, Any]) -> None:
@@ -376,20 +359,12 @@ class MetricsWriter:
         self._last_flush = time.monotonic()
         if self._history_dirty:
             text = "".join(json.dumps(row, allow_nan=False) + "\n" for row in self._history)
-            if self._write(METRICS_KEY.format(rank=self.rank), text.encode()):
+            if self._put(METRICS_KEY.format(rank=self.rank), text.encode()):
                 self._history_dirty = False
         progress = dict(self._history[-1]) if self.finished else self._snapshot("progress")
-        self._write(PROGRESS_KEY.format(rank=self.rank), json.dumps(progress, allow_nan=False).encode())
+        self._put(PROGRESS_KEY.format(rank=self.rank), json.dumps(progress, allow_nan=False).encode())
         if not self.finished:
             self._tell_listeners(progress)
-
-    def _write(self, key: str, data: bytes) -> bool:
-        """Write now, or queue for the background thread (then True: a failed write is retried by the next
-        flush's, as the history is rewritten whole whenever it changes)."""
-        if self._background is None:
-            return self._put(key, data)
-        self._background.submit(key, data)
-        return True
 
     def _put(self, key: str, data: bytes) -> bool:
         try:
@@ -404,58 +379,6 @@ class MetricsWriter:
         if key not in self._warned:
             self._warned.add(key)
             log.warning("%s", message)
-
-
-class _BackgroundPuts:
-    """The latest bytes of each object, written by one daemon thread (started at the first write); a newer write of
-    an object still queued replaces its bytes (nothing stale is written after something newer). ``drain`` waits for the queue to empty; ``stop`` ends the thread. Writes still
-    queued when the interpreter exits are written first (``atexit``), within ``EXIT_WAIT_S``."""
-
-    EXIT_WAIT_S = 10.0
-
-    def __init__(self, put: Callable[[str, bytes], bool]) -> None:
-        self._put = put
-        self._cond = threading.Condition()
-        self._queued: dict[str, bytes] = {}
-        self._writing = False
-        self._stopped = False
-        self._thread: threading.Thread | None = None
-
-    def submit(self, key: str, data: bytes) -> None:
-        with self._cond:
-            self._queued[key] = data
-            if self._thread is None or not self._thread.is_alive():
-                self._stopped = False
-                self._thread = threading.Thread(target=self._run, name="diloco-metrics", daemon=True)
-                self._thread.start()
-                atexit.register(self.drain, self.EXIT_WAIT_S)
-            self._cond.notify_all()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._queued or self._stopped)
-                if not self._queued:
-                    return
-                key = next(iter(self._queued))
-                data = self._queued.pop(key)
-                self._writing = True
-            try:
-                self._put(key, data)  # logs a failure once and never raises
-            finally:
-                with self._cond:
-                    self._writing = False
-                    self._cond.notify_all()
-
-    def drain(self, timeout_s: float) -> bool:
-        with self._cond:
-            return self._cond.wait_for(lambda: not self._queued and not self._writing, timeout_s)
-
-    def stop(self) -> None:
-        with self._cond:
-            self._stopped = True
-            self._cond.notify_all()
-        atexit.unregister(self.drain)
 
 
 def _as_number(value: Any) -> float | None:
