@@ -280,11 +280,12 @@ class GatherExchange:
         header, data = codec.read_object(io.store, key, data_bytes_hint=published.wire_bytes, buffer=buffer)
         io.read(header.data_offset + len(data))
         meta = header.metadata
-        if not self.codec.compressed:
+        if not self.codec.compressed:  # its identity, its format and its tensors' shapes and dtypes
             check_header(meta, header.tensors, io.identity(round_, peer), published.reference, round_, peer, source)
-        for name, want in io.identity(round_, peer).items():
-            if meta.get(name) != str(want):
-                raise CorruptObjectError(f"{source} has {name}={meta.get(name)!r}, expected {str(want)!r}")
+        else:
+            for name, want in io.identity(round_, peer).items():
+                if meta.get(name) != str(want):
+                    raise CorruptObjectError(f"{source} has {name}={meta.get(name)!r}, expected {str(want)!r}")
         wire = {name: view.view(header.tensors[name].shape)
                 for name, (_, view) in codec.tensors_from_data(header, data, 0, header.data_size).items()}
         self.codec.check(wire, meta, published.reference, source)
