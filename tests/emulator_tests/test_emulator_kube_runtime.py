@@ -80,11 +80,48 @@ def run_job(batch: client.BatchV1Api, name: str, containers: list[dict[str, Any]
 
 
 def finished_pod(kube: KubernetesEmulator, job: str, timeout: float = 60) -> dict[str, Any]:
-    """The Job's pod once it has succeeded or failed (the bound covers a loaded machine, it is not a speed test)."""
+    """The Job's pod once it has succeeded or failed (the bound covers a loaded machine, it is not a speed test);
+    past the bound, what the pod printed and what each of its processes is doing, so a hang explains itself."""
     def done() -> dict[str, Any] | None:
         pods = [p for p in kube.pods(job) if p["status"].get("phase") in ("Succeeded", "Failed")]
         return pods[0] if pods else None
-    return kube.wait_for(done, timeout=timeout)
+    try:
+        return kube.wait_for(done, timeout=timeout)
+    except TimeoutError as exc:
+        raise AssertionError(f"{exc}\n{describe_pods(kube, job)}") from None
+
+
+def describe_pods(kube: KubernetesEmulator, job: str) -> str:
+    """Each pod's phase, container states and log, and every live container process with its children."""
+    lines = []
+    for pod in kube.pods(job):
+        name = pod["metadata"]["name"]
+        lines += [f"pod {name}: {pod['status'].get('phase')} {pod['status'].get('containerStatuses')}",
+                  f"log of {name}:", kube.pod_log(name)]
+    for leader in kube.live_processes():
+        for pid in sorted(session_members(leader)):
+            proc = Path(f"/proc/{pid}")
+            try:
+                state = next(x for x in (proc / "status").read_text().splitlines() if x.startswith("State:"))
+                wchan = (proc / "wchan").read_text()
+                argv = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:200]
+            except (OSError, StopIteration):
+                continue
+            lines.append(f"process {pid} (session {leader}): {state} wchan={wchan} {argv}")
+    return "\n".join(lines)
+
+
+def session_members(session: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[-1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == session:
+                found.append(int(entry.name))
+    return found
 
 
 def terminated(pod: dict[str, Any], name: str, *, init: bool = False) -> dict[str, Any]:

@@ -9,7 +9,8 @@ reservation fails and NCCL logs, from each rank (the wording of NVIDIA/nccl-test
     misc/shmutils.cc:112 NCCL WARN Error while creating shared memory segment /dev/shm/nccl-fjwOOB (size 5967872)
 
 Run as ``python shm_peers.py --procs 4 --segments 2 --size-mib 10 [--hold S]``: the launcher forks one process
-per rank and ends them all when one fails; each rank creates its segments (``open`` + ``posix_fallocate``), maps them and touches every page as a
+per rank and, when one fails, ends the others (SIGTERM, then SIGKILL after ``GRACE_S``, as torchrun's agent
+does); each rank creates its segments (``open`` + ``posix_fallocate``), maps them and touches every page as a
 communicator's first collective does, holds them ``--hold`` seconds (a communicator keeps them for the whole
 run), unlinks them and exits 0. A reservation that fails prints NCCL's two lines and exits 1, as torch's
 ``DistBackendError`` ends a rank.
@@ -27,6 +28,9 @@ import sys
 import time
 
 SHM = "/dev/shm"
+#: How long ranks told to stop (SIGTERM) have before they are killed: torch.distributed.elastic's
+#: ``PContext.close`` sends SIGTERM, waits, then SIGKILLs whatever is left.
+GRACE_S = 5.0
 _ALPHABET = string.ascii_letters + string.digits
 
 
@@ -86,11 +90,20 @@ def main(argv: list[str] | None = None) -> int:
                 os._exit(code)
         children.add(pid)
     code = 0
+    kill_at: float | None = None
     while children:  # the launcher's part (torchrun's agent): the first rank that fails ends the others
-        pid, status = os.wait()
+        pid, status = os.waitpid(-1, 0 if kill_at is None else os.WNOHANG)
+        if pid == 0:  # ranks told to stop that are still alive
+            if kill_at is not None and time.monotonic() >= kill_at:
+                for other in children:
+                    os.kill(other, signal.SIGKILL)
+                kill_at = float("inf")
+            time.sleep(0.05)
+            continue
         children.discard(pid)
         if os.waitstatus_to_exitcode(status) != 0 and not code:
             code = 1
+            kill_at = time.monotonic() + GRACE_S
             for other in children:
                 os.kill(other, signal.SIGTERM)
     if code == 0:
