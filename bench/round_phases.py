@@ -9,7 +9,7 @@ cut; this bench says it.
 
 How: every rank is a process of its own with one torch thread (threads of one process would share one GIL, and
 a small payload's codec is mostly Python: its ranks would wait for each other's interpreter, not for the
-store), running real gather rounds on a ``file://`` store (or the paced one, ``bench/allreduce_traffic.py``'s). The bench wraps the functions the round calls for each phase (it changes nothing in
+store), running real rounds (gather, or ``--allreduce sharded``) on a ``file://`` store (or the paced one, ``bench/allreduce_traffic.py``'s). The bench wraps the functions the round calls for each phase (it changes nothing in
 them) and adds, per rank and round, each phase's wall seconds and the CPU seconds of the thread that ran it. A
 phase nested in another (the digests inside ``encode_stream``) is counted in the inner phase only. ``round s`` is
 the slowest rank's ``allreduce`` (barrier release to the mean in its tensors), median over the measured rounds;
@@ -18,6 +18,7 @@ spent outside every phase named (its own bookkeeping, waiting for a core).
 
     python bench/round_phases.py --quick [--json OUT]    # N=4, the built-in model's 29 tensors and 8 MiB, none and topk
     python bench/round_phases.py --formats topk --payloads builtin --rounds 20 --world 4
+    python bench/round_phases.py --allreduce sharded --formats int8 --payloads 268435456 --store paced --link-gbs 0.25
 """
 
 from __future__ import annotations
@@ -46,7 +47,9 @@ TIMEOUT_S = 300.0
 #: inside another is subtracted from the outer one.
 PHASES: tuple[tuple[str, str, str], ...] = (
     ("snapshot", "diloco.collectives.gather", "GatherExchange.snapshot"),
+    ("snapshot", "diloco.collectives.sharded", "ShardedExchange.snapshot"),
     ("encode", "diloco.collectives.wire", "PayloadCodec.encode_wire"),
+    ("encode", "diloco.collectives.wire", "PayloadCodec.encode_plain_into"),
     ("serialize", "diloco.store.codec", "encode_stream"),
     ("upload", "diloco.store.objects", "ObjectStore.put_stream"),
     ("poll", "diloco.collectives.driver", "RoundIO.await_object"),
@@ -56,6 +59,7 @@ PHASES: tuple[tuple[str, str, str], ...] = (
     ("hash", "diloco.store.codec", "checksum_all"),
     ("check", "diloco.collectives.wire", "PayloadCodec.check"),
     ("decode+add", "diloco.collectives.wire", "PayloadCodec.add_into"),
+    ("decode+add", "diloco.collectives.wire", "PayloadCodec.decode_into"),
     ("mean", "diloco.collectives.gather", "finish_mean"),
     ("delete", "diloco.collectives.driver", "RoundIO.delete"),
     ("wait()", "diloco.collectives.driver", "RoundDriver.complete"),
@@ -178,9 +182,9 @@ def payload(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, Any]:
 
 
 def rank_process(uri: str, rank: int, world: int, fmt: str, shapes: dict[str, tuple[int, ...]], rounds: int,
-                 poll_s: float, link: float | None, barrier: Any, results: Any) -> None:
-    """One rank in its own process (as a replica is: no GIL shared with its peers): ``rounds`` measured gather
-    rounds after one warm-up, every phase timed; reports ``(rank, spans, wall, cpu, round thread)``."""
+                 poll_s: float, link: float | None, barrier: Any, results: Any, strategy: str = "gather") -> None:
+    """One rank in its own process (as a replica is: no GIL shared with its peers): ``rounds`` measured rounds
+    of ``strategy`` after one warm-up, every phase timed; reports ``(rank, spans, wall, cpu, round thread)``."""
     try:
         import torch
 
@@ -190,7 +194,7 @@ def rank_process(uri: str, rank: int, world: int, fmt: str, shapes: dict[str, tu
         clock = PhaseClock()
         spans = []
         with instrumented(clock), create_allreduce(uri, rank, world, compression=fmt, timeout_s=TIMEOUT_S,
-                                                   poll_interval_s=poll_s) as ar:
+                                                   poll_interval_s=poll_s, allreduce=strategy) as ar:
             if link:
                 ar.store = open_store(uri, link)
             for k in range(1 + rounds):
@@ -211,21 +215,21 @@ def rank_process(uri: str, rank: int, world: int, fmt: str, shapes: dict[str, tu
 
 
 def measure(uri: str, world: int, fmt: str, shapes: dict[str, tuple[int, ...]], rounds: int, poll_s: float,
-            link: float | None, clock: PhaseClock) -> list[float]:
-    """``rounds`` measured gather rounds (one process per rank) after one warm-up; the slowest rank's round time
+            link: float | None, clock: PhaseClock, strategy: str = "gather") -> list[float]:
+    """``rounds`` measured rounds of ``strategy`` (one process per rank) after one warm-up; the slowest rank's round time
     of each (first start to last end, wall clock); every rank's phases merged into ``clock``."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     barrier, results = ctx.Barrier(world), ctx.Queue()
     processes = [ctx.Process(target=rank_process, args=(uri, r, world, fmt, shapes, rounds, poll_s, link, barrier,
-                                                        results)) for r in range(world)]
+                                                        results, strategy)) for r in range(world)]
     for process in processes:
         process.start()
     reports = {}
     try:
         for _ in range(world):
-            rank, spans, wall, cpu, thread = results.get(timeout=TIMEOUT_S)
+            rank, spans, wall, cpu, thread = next_report(results, processes, reports)
             if isinstance(spans, str):
                 raise RuntimeError(f"rank {rank} failed:\n{spans}")
             reports[rank] = spans
@@ -239,6 +243,34 @@ def measure(uri: str, world: int, fmt: str, shapes: dict[str, tuple[int, ...]], 
                 process.terminate()
     return [max(reports[r][k][1] for r in range(world)) - min(reports[r][k][0] for r in range(world))
             for k in range(1, 1 + rounds)]
+
+
+def next_report(results: Any, processes: list[Any], reports: dict[int, Any]) -> tuple[Any, ...]:
+    """The next rank's report; ``RuntimeError`` as soon as a rank process is gone without one (killed by the
+    kernel's OOM killer, say: its peers would otherwise wait for it until ``TIMEOUT_S``)."""
+    import queue
+
+    deadline = time.monotonic() + TIMEOUT_S
+    while True:
+        try:
+            return tuple(results.get(timeout=1.0))
+        except queue.Empty:
+            dead = [(r, p.exitcode) for r, p in enumerate(processes) if p.exitcode is not None and r not in reports]
+            if dead:
+                raise RuntimeError(f"rank {dead[0][0]} ended with exit code {dead[0][1]} and no report "
+                                   "(a negative code is the signal that killed it)") from None
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no report from ranks {sorted(set(range(len(processes))) - set(reports))} "
+                                   f"within {TIMEOUT_S:g} s") from None
+
+
+def discard(uri: str) -> None:
+    """A finished case's objects (its last round's are still there), so the next case does not find the RAM
+    folder of the paced store full of them."""
+    import shutil
+
+    if uri.startswith("file://"):
+        shutil.rmtree(uri[len("file://"):], ignore_errors=True)
 
 
 def summarize(clock: PhaseClock, world: int, rounds: int) -> tuple[dict[str, float], dict[str, float], float]:
@@ -295,6 +327,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--latency-ms", type=float, default=0.0,
                    help="with --store s3: a proxy adds this to every request, as S3's own latency does (default 0)")
     p.add_argument("--link-gbs", type=float, default=1.2, help="the paced store's link per rank and direction")
+    p.add_argument("--allreduce", choices=("gather", "sharded"), default="gather",
+                   help="the round's strategy (store.allreduce; default gather)")
     args = p.parse_args(argv)
     args.formats = [f for f in args.formats.split(",") if f]
     args.payloads = [e for e in args.payloads.split(",") if e]
@@ -324,8 +358,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             label = f"built-in model ({len(shapes)} tensors)" if spec == "builtin" else "one tensor"
             print(f"{fmt} {label}, {elements} elements", file=sys.stderr, flush=True)
             clock = PhaseClock()
-            times = measure(f"{root}/case{i}", args.world, fmt, shapes, args.rounds, args.poll_interval, link,
-                            clock)
+            try:
+                times = measure(f"{root}/case{i}", args.world, fmt, shapes, args.rounds, args.poll_interval, link,
+                                clock, args.allreduce)
+            finally:
+                discard(f"{root}/case{i}")
             wall, cpu, other = summarize(clock, args.world, args.rounds)
             row: dict[str, Any] = {"format": fmt, "payload": label, "payload MiB": round(elements * 4 / MIB, 2),
                                    "round ms": round(1e3 * statistics.median(times), 1)}
@@ -333,9 +370,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 row[phase] = f"{wall[phase]:.1f} ({cpu[phase]:.1f})"
             row["other"] = round(other, 1)
             rows.append(row)
+            print(" | ".join(f"{k} {v}" for k, v in row.items()), file=sys.stderr, flush=True)
     machine = f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}"
     notes = [
-        f"N={args.world} ranks (one process each, one torch thread each), gather, "
+        f"N={args.world} ranks (one process each, one torch thread each), {args.allreduce}, "
         f"{args.store} store{f' with {args.latency_ms:g} ms per request' if args.store == 's3' and args.latency_ms else ''}, poll interval {args.poll_interval:g} s, {args.rounds} measured rounds after a warm-up.",
         "Each phase: wall ms (thread CPU ms), mean over ranks, median over rounds, nested phases excluded "
         "(hashing is counted in 'hash', not in 'serialize' or 'read'); 'wait()' is Work.wait() on the caller's "
