@@ -1,5 +1,5 @@
 """The positions a large tensor's check (or encode) decoded, reused by the decode of the same stream that follows
-(``diloco.formats.kernels.topk._PositionsMemo``): the very bits a decode without it gives, never the positions
+(``diloco.formats.kernels.topk._memo``, a ``content_memo.ContentMemo``): the very bits a decode without it gives, never the positions
 of another stream of the same size (a read buffer is reused for the next peer's payload), and never kept for a
 stream that failed its check."""
 
@@ -38,16 +38,16 @@ def test_a_checked_stream_decodes_to_the_same_bits_and_is_handed_out_once() -> N
     base = torch.randn(N, generator=torch.Generator().manual_seed(9))
     want = without_memo(wire, mode="add", base=base)
     topk.check_positions(wire[0], SPEC, N)
-    assert len(topk._memo._entries) == 1
+    assert len(topk._memo) == 1
     assert torch.equal(decoded(wire, mode="add", base=base), want)
-    assert not topk._memo._entries  # taken: not held past the decode that used it
+    assert not len(topk._memo)  # taken: not held past the decode that used it
 
 
 def test_an_encode_keeps_its_positions_for_the_subtraction_of_error_feedback() -> None:
     flat = torch.randn(N, generator=torch.Generator().manual_seed(2))
     topk._memo.clear()
     wire = topk.encode(flat, SPEC)
-    assert len(topk._memo._entries) == 1
+    assert len(topk._memo) == 1
     residual = decoded(wire, mode="subtract", base=flat)
     assert torch.equal(residual, without_memo(wire, mode="subtract", base=flat))
 
@@ -71,7 +71,7 @@ def test_a_stream_that_fails_its_check_leaves_nothing_to_reuse() -> None:
     bad[-1] ^= 0xFF  # the last chunk's bitmap no longer marks exactly k elements
     with pytest.raises(CorruptObjectError):
         topk.check_positions(bad, SPEC, N)
-    assert not topk._memo._entries
+    assert not len(topk._memo)
     with pytest.raises(CorruptObjectError):
         decoded((bad, wire[1], wire[2]))
 
@@ -82,18 +82,18 @@ def test_every_tensor_of_a_payload_checked_first_is_decoded_from_its_kept_positi
     want = [without_memo(w, mode="add") for w in wires]
     for w in wires:
         topk.check_positions(w[0], SPEC, N)
-    assert len(topk._memo._entries) == 3
+    assert len(topk._memo) == 3
     assert all(torch.equal(decoded(w, mode="add"), expected) for w, expected in zip(wires, want, strict=True))
-    assert not topk._memo._entries and topk._memo._bytes == 0
+    assert not len(topk._memo) and topk._memo.held_bytes == 0
 
 
 def test_what_is_held_is_bounded_oldest_first(monkeypatch: pytest.MonkeyPatch) -> None:
     wires = [encoded(seed) for seed in (10, 11, 12)]
     topk._memo.clear()
-    one = topk._memo._nbytes(wires[0][0], topk.decode_index(wires[0][0], SPEC, N))
-    monkeypatch.setattr(topk._PositionsMemo, "MAX_BYTES", 2 * one)
+    one = wires[0][0].numel() + sum(p.numel() * p.element_size() for p in topk.decode_index(wires[0][0], SPEC, N))
+    monkeypatch.setattr(topk._memo, "max_bytes", 2 * one)
     for w in wires:
         topk.check_positions(w[0], SPEC, N)
-    assert len(topk._memo._entries) == 2 and topk._memo._bytes <= 2 * one
-    assert topk._memo.take(wires[0][0], SPEC, N) is None  # the oldest went first
-    assert topk._memo.take(wires[2][0], SPEC, N) is not None
+    assert len(topk._memo) == 2 and topk._memo.held_bytes <= 2 * one
+    assert topk._taken_positions(wires[0][0], SPEC, N) is None  # the oldest went first
+    assert topk._taken_positions(wires[2][0], SPEC, N) is not None

@@ -43,13 +43,11 @@ Student-t(3) data (heavy tails, which two levels per chunk cannot follow; error 
 from __future__ import annotations
 
 import functools
-import threading
-import zlib
-from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 from diloco.errors import CorruptObjectError
 from diloco.formats.kernels import bitpack, topk_many
+from diloco.formats.kernels.content_memo import ContentMemo
 from diloco.formats.kernels.topk_layout import (
     MAGNITUDE,
     NONFINITE_BITS,
@@ -195,72 +193,27 @@ def encode_index(cols: torch.Tensor, spec: TopkSpec, n: int) -> torch.Tensor:
     return torch.cat(streams) if streams else torch.zeros(0, dtype=torch.uint8, device=cols.device)
 
 
-class _PositionsMemo:
-    """The positions of large CPU tensors' streams, from where they were decoded or encoded to the decode of the
-    same stream that follows: a round checks a peer's payload whole before it adds any of it (``check_positions``
-    of every tensor, then ``decode`` of every tensor), and error feedback subtracts what it has just encoded
-    (``encode``, then ``decode``); each would otherwise decode the positions a second time (about 0.13 s per GiB
-    of payload on one core, as much as the rest of a decode).
-
-    Entries are keyed by the stream's exact bytes (a copy, compared in full, so a read buffer reused for the next
-    peer's payload is never mistaken for the last one) and handed out once: a payload's positions (a twentieth of
-    its bytes) are held from its check to its decode and no longer. At most ``MAX_BYTES`` of positions are held
-    (the oldest go first), so positions kept for a decode that never came cost a bounded amount. Several ranks of
-    one process share it: one evicting another's entries only costs decodes."""
-
-    #: Positions (and their streams' copies) held at most.
-    MAX_BYTES = 1 << 30
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._entries: OrderedDict[tuple[TopkSpec, int, int, int], tuple[torch.Tensor, list[torch.Tensor]]] = \
-            OrderedDict()
-        self._bytes = 0
-
-    @staticmethod
-    def _key(stream: torch.Tensor, spec: TopkSpec, n: int) -> tuple[TopkSpec, int, int, int]:
-        return spec, n, stream.numel(), zlib.crc32(stream.contiguous().numpy())
-
-    @staticmethod
-    def _nbytes(stream: torch.Tensor, positions: list[torch.Tensor]) -> int:
-        return stream.numel() + sum(p.numel() * p.element_size() for p in positions)
-
-    def keep(self, stream: torch.Tensor, spec: TopkSpec, n: int, positions: list[torch.Tensor]) -> None:
-        if stream.device.type != "cpu" or n <= SMALL_ELEMENTS:
-            return
-        entry = (stream.clone(), positions)
-        key = self._key(stream, spec, n)
-        with self._lock:
-            old = self._entries.pop(key, None)
-            if old is not None:
-                self._bytes -= self._nbytes(*old)
-            self._entries[key] = entry
-            self._bytes += self._nbytes(*entry)
-            while self._bytes > self.MAX_BYTES and self._entries:
-                self._bytes -= self._nbytes(*self._entries.popitem(last=False)[1])
-
-    def take(self, stream: torch.Tensor, spec: TopkSpec, n: int) -> list[torch.Tensor] | None:
-        """The positions kept for exactly these bytes (and ``spec`` and ``n``), forgotten as they are handed out."""
-        import torch
-
-        if stream.device.type != "cpu" or n <= SMALL_ELEMENTS:
-            return None
-        key = self._key(stream, spec, n)
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is None or not torch.equal(entry[0], stream):
-                return None
-            del self._entries[key]
-            self._bytes -= self._nbytes(*entry)
-            return entry[1]
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-            self._bytes = 0
+#: The positions of large CPU tensors' streams, from where they were decoded (a check) or encoded to the decode of
+#: the same stream that follows: a round checks a peer's payload whole before it adds any of it, and error feedback
+#: subtracts what it has just encoded; each would otherwise decode the positions a second time (about 0.13 s per
+#: GiB of payload on one core, as much as the rest of a decode). Handed out once, so a payload's positions (a
+#: twentieth of its bytes) are held from its check to its decode and no longer; at most 1 GiB held, so positions
+#: kept for a decode that never came cost a bounded amount. Several ranks of one process share it: one evicting
+#: another's entries only costs decodes.
+_memo: ContentMemo[list[torch.Tensor]] = ContentMemo(max_bytes=1 << 30, take_once=True)
 
 
-_memo = _PositionsMemo()
+def _keep_positions(stream: torch.Tensor, spec: TopkSpec, n: int, positions: list[torch.Tensor]) -> None:
+    if stream.device.type == "cpu" and n > SMALL_ELEMENTS:
+        _memo.keep((spec, n), stream.contiguous().numpy(), positions,
+                   sum(p.numel() * p.element_size() for p in positions))
+
+
+def _taken_positions(stream: torch.Tensor, spec: TopkSpec, n: int) -> list[torch.Tensor] | None:
+    """The positions kept for exactly these bytes (and ``spec`` and ``n``), forgotten as they are handed out."""
+    if stream.device.type != "cpu" or n <= SMALL_ELEMENTS:
+        return None
+    return _memo.find((spec, n), stream.contiguous().numpy())
 
 
 def decode_index(stream: torch.Tensor, spec: TopkSpec, n: int) -> list[torch.Tensor]:
@@ -306,7 +259,7 @@ def encode(flat: torch.Tensor, spec: TopkSpec) -> tuple[torch.Tensor, torch.Tens
         _describe_kept(_Kept.of_keys(rows, torch.topk(keys, kt, dim=1).values, spec.index_bits), kt, spec,
                        cols[full * k :].view(1, kt), codes[full * k :].view(1, kt), levels[full:])
     index = encode_index(cols, spec, n)
-    _memo.keep(index, spec, n, _runs(cols, spec, n))
+    _keep_positions(index, spec, n, _runs(cols, spec, n))
     return index, bitpack.pack(codes, spec.value_bits), levels.view(-1)
 
 
@@ -617,7 +570,7 @@ def decode(packed_cols: torch.Tensor, packed_codes: torch.Tensor, levels: torch.
         return out
     full = n // spec.chunk
     kept = spec.kept(n)
-    positions = _memo.take(packed_cols, spec, n) or decode_index(packed_cols, spec, n)
+    positions = _taken_positions(packed_cols, spec, n) or decode_index(packed_cols, spec, n)
     codes = bitpack.unpack(packed_codes, spec.value_bits, kept)
     # per chunk, code c decodes to signed[c]: +level[c // 2] for an even code, -level[c // 2] for an odd one
     chunk_levels = levels.view(-1, spec.levels)
@@ -649,8 +602,8 @@ def decode(packed_cols: torch.Tensor, packed_codes: torch.Tensor, levels: torch.
 def check_positions(packed_cols: torch.Tensor, spec: TopkSpec, n: int) -> None:
     """``CorruptObjectError`` unless the positions of a tensor of ``n`` elements are a valid Elias-Fano stream of
     strictly increasing positions within each chunk (what ``decode`` checks, without decoding). The positions of a
-    large CPU tensor are kept for the ``decode`` of the same stream that usually follows (``_PositionsMemo``)."""
-    _memo.keep(packed_cols, spec, n, decode_index(packed_cols, spec, n))
+    large CPU tensor are kept for the ``decode`` of the same stream that usually follows (``_memo``)."""
+    _keep_positions(packed_cols, spec, n, decode_index(packed_cols, spec, n))
 
 
 def _check_positions(cols: torch.Tensor, width: int) -> None:

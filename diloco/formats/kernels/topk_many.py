@@ -18,14 +18,13 @@ first.
 from __future__ import annotations
 
 import functools
-import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from diloco.errors import CorruptObjectError
 from diloco.formats.kernels import bitpack
+from diloco.formats.kernels.content_memo import ContentMemo
 from diloco.formats.kernels.topk_layout import describe_rows, low_bits, upper_bits
 
 if TYPE_CHECKING:
@@ -159,35 +158,28 @@ def _joined(parts: list[np.ndarray], dtype: type) -> np.ndarray:
 Groups = list[tuple[int, int, tuple[_Member, ...], "np.ndarray"]]
 #: Positions decoded and checked lately, by the exact bytes of the streams they came from: a round checks a peer's
 #: payload when it reads it and decodes the same positions again when it adds it (and an encode decodes its own
-#: to keep the residual, then adds them to the sum), so each is decoded once. Keyed by content, never by
-#: buffer: a round reads every peer into the same buffer.
-_DECODED: OrderedDict[tuple[_Plan, TopkSpec, bytes], Groups] = OrderedDict()
-_DECODED_MAX = 16
-#: A payload whose positions take more than this is not kept (its decode is then data, not fixed cost).
-_DECODED_MAX_BYTES = 1 << 22
-_DECODED_LOCK = threading.Lock()
+#: to keep the residual, then adds them to the sum), so each is decoded once; kept for reuse (not handed out once,
+#: as ``topk``'s large tensors' are), 16 payloads at most, none whose positions take over 4 MiB (its decode is then
+#: data, not fixed cost).
+_DECODED: ContentMemo[Groups] = ContentMemo(max_bytes=1 << 26, max_entries=16, max_entry_bytes=1 << 22,
+                                            take_once=False)
 
 
 def _positions(streams: Sequence[np.ndarray], plan: _Plan, spec: TopkSpec) -> Groups:
     """Per group: (width, kept, members, positions (rows, kept); read-only), every stream checked as
     ``decode_positions`` checks one: ``CorruptObjectError`` for a wrong length, a bitmap without exactly ``kept``
     marks in a row, or positions not strictly increasing inside their chunk."""
+    import numpy as np
+
     for stream, expected in zip(streams, plan.index_nbytes, strict=True):
         if stream.size != expected:
             raise CorruptObjectError(f"topk payload: {stream.size} bytes of positions, expected {expected}")
-    key = (plan, spec, b"".join(stream.tobytes() for stream in streams))
-    with _DECODED_LOCK:
-        known = _DECODED.get(key)
-        if known is not None:
-            _DECODED.move_to_end(key)
-            return known
+    content = _joined(list(streams), np.uint8)
+    known = _DECODED.find((plan, spec), content)
+    if known is not None:
+        return known
     groups = _decoded_positions(streams, plan)
-    if sum(positions.nbytes for *_, positions in groups) > _DECODED_MAX_BYTES:
-        return groups
-    with _DECODED_LOCK:
-        _DECODED[key] = groups
-        while len(_DECODED) > _DECODED_MAX:
-            _DECODED.popitem(last=False)
+    _DECODED.keep((plan, spec), content, groups, sum(positions.nbytes for *_, positions in groups))
     return groups
 
 
