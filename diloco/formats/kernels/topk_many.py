@@ -119,10 +119,13 @@ def encode_many(flats: Sequence[np.ndarray], spec: TopkSpec) -> list[tuple[np.nd
     index_of: list[list[list[np.ndarray]]] = [[[], []] for _ in flats]
     codes_of: list[list[list[np.ndarray]]] = [[[], []] for _ in flats]
     levels_of: list[list[list[np.ndarray]]] = [[[], []] for _ in flats]
+    groups: Groups = []
     for (width, kept), members in plan.groups:
         blocks = [flats[m.tensor][m.first_element : m.first_element + m.rows * width].reshape(m.rows, width)
                   for m in members]
         cols, codes, levels = describe_rows(blocks[0] if len(blocks) == 1 else np.concatenate(blocks), kept, spec)
+        cols.flags.writeable = False
+        groups.append((width, kept, members, cols))
         low = low_bits(width, kept)
         slots = upper_bits(width, kept)
         upper = np.zeros((cols.shape[0], slots), dtype=np.uint8)
@@ -143,6 +146,9 @@ def encode_many(flats: Sequence[np.ndarray], spec: TopkSpec) -> list[tuple[np.nd
         index = _joined([*index_of[i][0], *index_of[i][1]], np.uint8)
         codes = np.packbits(_joined([*codes_of[i][0], *codes_of[i][1]], np.uint8), bitorder="little")
         out.append((index, codes, _joined([*levels_of[i][0], *levels_of[i][1]], np.float32)))
+    # the decode that follows an encode (error feedback's subtraction, then the sum) finds the positions it made
+    _DECODED.keep((plan, spec), _joined([index for index, _, _ in out], np.uint8), groups,
+                  sum(cols.nbytes for *_, cols in groups))
     return out
 
 
