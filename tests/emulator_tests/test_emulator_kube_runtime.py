@@ -98,8 +98,9 @@ def describe_pods(kube: KubernetesEmulator, job: str) -> str:
         name = pod["metadata"]["name"]
         lines += [f"pod {name}: {pod['status'].get('phase')} {pod['status'].get('containerStatuses')}",
                   f"log of {name}:", kube.pod_log(name)]
+    sessions = kube_runtime.SessionIndex().refresh()  # a container is its main process's session
     for leader in kube.live_processes():
-        for pid in sorted(session_members(leader)):
+        for pid in sorted({leader, *sessions.get(leader, [])}):
             proc = Path(f"/proc/{pid}")
             try:
                 state = next(x for x in (proc / "status").read_text().splitlines() if x.startswith("State:"))
@@ -109,19 +110,6 @@ def describe_pods(kube: KubernetesEmulator, job: str) -> str:
                 continue
             lines.append(f"process {pid} (session {leader}): {state} wchan={wchan} {argv}")
     return "\n".join(lines)
-
-
-def session_members(session: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[-1].split()
-            except OSError:
-                continue
-            if int(fields[3]) == session:
-                found.append(int(entry.name))
-    return found
 
 
 def terminated(pod: dict[str, Any], name: str, *, init: bool = False) -> dict[str, Any]:
