@@ -24,6 +24,8 @@ at the store beside its loss: bytes per round per replica (the wire tensors seri
 times the rounds. ``--seeds 1337,1338,1339`` repeats it per seed and reports the mean; ``--formats`` runs a
 subset. One method's run is a few minutes on 2 cores. ``--h50-steps`` runs longer (9600: 192 rounds), with
 ``--corpus-bytes`` and ``--corpus`` a corpus long enough for it (the built-in 1 MB would be read dozens of times).
+``--min-lr-ratio R`` decays every format's inner lr along a cosine to ``lr * R`` at the run's last step (the papers'
+schedule) instead of keeping it constant.
 """
 
 from __future__ import annotations
@@ -66,6 +68,9 @@ def parse_args(argv: Iterable[str] | None) -> argparse.Namespace:
     p.add_argument("--corpus", default=None, metavar="PATH",
                    help="--h50: a file or directory of text to train on (the trainer's corpus; default the standard "
                         "library's top-level modules, 4.7 MB in all)")
+    p.add_argument("--min-lr-ratio", type=float, default=1.0, metavar="RATIO",
+                   help="--h50: decay every format's inner lr along a cosine to lr * RATIO at the run's last step "
+                        "(the papers' schedule; default 1: constant)")
     return p.parse_args(list(argv) if argv is not None else None)
 
 
@@ -129,11 +134,11 @@ def build_report(base: Setting, results: list[Result]) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------------ --h50
 def h50_setting(fmt: str, seed: int, warm_start: int, steps: int = H50_STEPS, corpus_bytes: int | None = None,
-                corpus: str | None = None) -> Setting:
+                corpus: str | None = None, min_lr_ratio: float = 1.0) -> Setting:
     """fp32 DiLoCo with the papers' outer step at H=50, or a compressed format at the same H: the quantized ones
     with the same outer step, the sparse one with ``SPARSE_H50``."""
     base = dataclasses.replace(trainer_defaults(Setting(steps=steps, sync_every=50, warm_start=warm_start,
-                                                        seed=seed)), **PAPER)
+                                                        seed=seed)), **PAPER, min_lr_ratio=min_lr_ratio)
     if corpus_bytes is not None:
         base = dataclasses.replace(base, max_corpus_bytes=corpus_bytes)
     if corpus is not None:
@@ -150,7 +155,10 @@ def h50(args: argparse.Namespace) -> int:
     unknown = set(formats) - set(H50_FORMATS)
     if unknown:
         raise SystemExit(f"--formats: unknown {sorted(unknown)}; choose from {', '.join(H50_FORMATS)}")
-    plan = [(run_diloco, h50_setting(fmt, seed, args.warm_start, args.h50_steps, args.corpus_bytes, args.corpus))
+    if not 0 <= args.min_lr_ratio <= 1:
+        raise SystemExit(f"--min-lr-ratio: {args.min_lr_ratio:g} is not between 0 and 1 (1: a constant inner lr)")
+    plan = [(run_diloco, h50_setting(fmt, seed, args.warm_start, args.h50_steps, args.corpus_bytes, args.corpus,
+                                     args.min_lr_ratio))
             for seed in seeds for fmt in formats]
     return run_plan(plan, lambda results: h50_report(results, seeds), args.json)
 
@@ -206,6 +214,9 @@ def h50_report(results: list[Result], seeds: list[int]) -> dict[str, Any]:
             f"initialisation, then {s0.steps} steps per replica, M={s0.replicas}, an outer round every "
             f"{s0.sync_every} steps; seeds {', '.join(str(s) for s in seeds)} (each seed its own warm start, data "
             "order and held-out batches); the final eval loss is the mean over the seeds run.",
+            f"Inner AdamW lr {s0.lr:g}, "
+            + ("constant." if s0.min_lr_ratio >= 1 else
+               f"decayed along a cosine to {s0.lr * s0.min_lr_ratio:g} at the run's last step, for every format."),
             "Bytes: what one replica writes to the store per round (its pseudo-gradient's wire tensors serialized "
             "as the store holds them, safetensors header and metadata included; the sparse format's packed into "
             "three tensors, as a round sends them) times the rounds; every replica writes as much. fp32 is 4 bytes "
