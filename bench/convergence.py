@@ -48,6 +48,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -58,6 +59,9 @@ from diloco.trainers.gpt_model import GPT, GPTConfig, build_model
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 Curve = list[tuple[int, float]]
+#: ``run_diloco(state=...)``: rounds between two saves of a run's state (a save of the built-in model's run takes
+#: a few ms; losing up to this many rounds to a kill is what it bounds).
+SAVE_EVERY_ROUNDS = 24
 
 
 @dataclass(frozen=True)
@@ -241,6 +245,21 @@ class OuterStep:
                     p.copy_(self.global_params[n].to(p.dtype))
 
 
+    def feedback_state(self) -> list[dict[str, torch.Tensor]]:
+        """Every rank's error-feedback residuals (none for fp32): what a saved run keeps of the wire format."""
+        feedback = getattr(self.codec, "feedback", None)
+        return [f.state_dict() for f in feedback] if feedback is not None else []
+
+    def load_feedback_state(self, states: list[dict[str, torch.Tensor]]) -> None:
+        """Put back what ``feedback_state`` returned."""
+        feedback = getattr(self.codec, "feedback", None)
+        if feedback is None:
+            if any(states):
+                raise ValueError("error-feedback residuals saved for a run whose format keeps none")
+            return
+        for f, state in zip(feedback, states, strict=True):
+            f.load_state_dict(state)
+
     def proposed(self, rank: int, delta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """What replica ``rank`` sends for its pseudo-gradient ``delta`` (before the wire format): ``delta``
         itself, as the trainer does. A variant (``bench/sparse_variants.py``) may transform it first."""
@@ -279,10 +298,22 @@ def wire_codec(fmt: str, error_feedback: bool, world: int, decay: float = 1.0, s
     exactly what the all-reduce averages, the wire tensors what the store holds."""
     if fmt == "none":
         return lambda rank, delta: (delta, {}, delta)
-    from diloco.collectives.compression import ErrorFeedback
+    return FeedbackCodecs(fmt, error_feedback, world, decay, sparse)
 
-    feedback = [ErrorFeedback(fmt, enabled=error_feedback, decay=decay, sparse=sparse) for _ in range(world)]
-    return lambda rank, delta: feedback[rank].compress(delta)
+
+class FeedbackCodecs:
+    """Every rank's ``ErrorFeedback`` (a lossy format's residuals are each replica's own state), called as a
+    ``WireCodec``."""
+
+    def __init__(self, fmt: str, error_feedback: bool, world: int, decay: float, sparse: Any) -> None:
+        from diloco.collectives.compression import ErrorFeedback
+
+        self.feedback = [ErrorFeedback(fmt, enabled=error_feedback, decay=decay, sparse=sparse)
+                         for _ in range(world)]
+
+    def __call__(self, rank: int, delta: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor],
+                                                                          dict[str, str], dict]:
+        return self.feedback[rank].compress(delta)
 
 
 # ------------------------------------------------------------------------------------------------ the methods
@@ -306,24 +337,41 @@ def _shards(setting: Setting, corpus: bytes) -> list[torch.Tensor]:
             for r in range(setting.replicas)]
 
 
-def run_diloco(setting: Setting, outer_step: Callable[[Setting, GPT], OuterStep] | None = None) -> Result:
+def run_diloco(setting: Setting, outer_step: Callable[[Setting, GPT], OuterStep] | None = None,
+               state: Path | None = None, save_every: int = SAVE_EVERY_ROUNDS) -> Result:
     """M replicas on their own shards, an outer round every ``sync_every`` steps; ``outer_step`` makes the outer
-    step (``OuterStep``, the trainer's, unless a variant is measured)."""
+    step (``OuterStep``, the trainer's, unless a variant is measured). ``state``: keep the run's whole state in
+    that file (``bench/run_state.py``) every ``save_every`` rounds and at the end, and go on from it when it is
+    already there (the trainer's outer step only)."""
+    if state is not None and outer_step is not None:
+        raise ValueError("a saved run state holds the trainer's outer step only, not a variant's")
     config, corpus, batches = _common(setting)
     began = time.perf_counter()
     replicas = [Replica(setting, config, shard, r, setting.batch_size)
                 for r, shard in enumerate(_shards(setting, corpus))]
-    if setting.warm_start:
+    resume = state is not None and state.exists()
+    if setting.warm_start and not resume:
         warm_up(setting, config, replicas)
     outer = (outer_step or OuterStep)(setting, replicas[0].model)
-    result = Result("diloco", setting, [(0, evaluate(replicas[0].model, batches))])
-    for step in range(1, setting.steps + 1):
+    result = Result("diloco", setting)
+    done, spent = 0, 0.0
+    if resume:
+        from run_state import load_run
+
+        done, spent = load_run(state, setting, replicas, outer, result)
+    else:
+        result.curve.append((0, evaluate(replicas[0].model, batches)))
+    for step in range(done + 1, setting.steps + 1):
         for r in replicas:
             r.step(step)
         if step % setting.sync_every == 0:
             outer(replicas)
             result.curve.append((step, evaluate(replicas[0].model, batches)))
-    result.seconds = time.perf_counter() - began
+            if state is not None and (outer.rounds % save_every == 0 or step + setting.sync_every > setting.steps):
+                from run_state import save_run
+
+                save_run(state, setting, replicas, outer, result, step, spent + time.perf_counter() - began)
+    result.seconds = spent + time.perf_counter() - began
     result.round_bytes, result.round_wire_bytes = outer.round_bytes, outer.round_wire_bytes
     return result
 

@@ -24,6 +24,8 @@ at the store beside its loss: bytes per round per replica (the wire tensors seri
 times the rounds. ``--seeds 1337,1338,1339`` repeats it per seed and reports the mean; ``--formats`` runs a
 subset. One method's run is a few minutes on 2 cores. ``--h50-steps`` runs longer (9600: 192 rounds), with
 ``--corpus-bytes`` and ``--corpus`` a corpus long enough for it (the built-in 1 MB would be read dozens of times).
+``--state DIR`` keeps each run's whole state (``bench/run_state.py``) and goes on from it: a killed run resumes where
+it last saved, and the same command with a larger ``--h50-steps`` continues a finished run instead of redoing it.
 ``--min-lr-ratio R`` decays every format's inner lr along a cosine to ``lr * R`` at the run's last step (the papers'
 schedule) instead of keeping it constant.
 """
@@ -32,8 +34,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 from convergence import Result, Setting, run_diloco, run_dp, run_plan, trainer_defaults
@@ -68,6 +72,9 @@ def parse_args(argv: Iterable[str] | None) -> argparse.Namespace:
     p.add_argument("--corpus", default=None, metavar="PATH",
                    help="--h50: a file or directory of text to train on (the trainer's corpus; default the standard "
                         "library's top-level modules, 4.7 MB in all)")
+    p.add_argument("--state", default=None, metavar="DIR",
+                   help="--h50: keep each run's state in DIR (every 24 rounds and at the end) and go on from it when "
+                        "it is there: a killed run resumes, and a longer --h50-steps continues a shorter run")
     p.add_argument("--min-lr-ratio", type=float, default=1.0, metavar="RATIO",
                    help="--h50: decay every format's inner lr along a cosine to lr * RATIO at the run's last step "
                         "(the papers' schedule; default 1: constant)")
@@ -157,10 +164,17 @@ def h50(args: argparse.Namespace) -> int:
         raise SystemExit(f"--formats: unknown {sorted(unknown)}; choose from {', '.join(H50_FORMATS)}")
     if not 0 <= args.min_lr_ratio <= 1:
         raise SystemExit(f"--min-lr-ratio: {args.min_lr_ratio:g} is not between 0 and 1 (1: a constant inner lr)")
-    plan = [(run_diloco, h50_setting(fmt, seed, args.warm_start, args.h50_steps, args.corpus_bytes, args.corpus,
-                                     args.min_lr_ratio))
+    plan = [(run_method(fmt, seed, args.state), h50_setting(fmt, seed, args.warm_start, args.h50_steps,
+                                                            args.corpus_bytes, args.corpus, args.min_lr_ratio))
             for seed in seeds for fmt in formats]
     return run_plan(plan, lambda results: h50_report(results, seeds), args.json)
+
+
+def run_method(fmt: str, seed: int, state: str | None) -> Callable[[Setting], Result]:
+    """``run_diloco``, with ``--state``: keeping its state in ``DIR/<format>-seed<seed>.safetensors``."""
+    if state is None:
+        return run_diloco
+    return functools.partial(run_diloco, state=Path(state) / f"{fmt}-seed{seed}.safetensors")
 
 
 def format_name(s: Setting) -> str:
