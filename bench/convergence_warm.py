@@ -25,7 +25,9 @@ times the rounds. ``--seeds 1337,1338,1339`` repeats it per seed and reports the
 subset. One method's run is a few minutes on 2 cores. ``--h50-steps`` runs longer (9600: 192 rounds), with
 ``--corpus-bytes`` and ``--corpus`` a corpus long enough for it (the built-in 1 MB would be read dozens of times).
 ``--state DIR`` keeps each run's whole state (``bench/run_state.py``) and goes on from it: a killed run resumes where
-it last saved, and the same command with a larger ``--h50-steps`` continues a finished run instead of redoing it.
+it last saved, and the same command with a larger ``--h50-steps`` continues a finished run instead of redoing it;
+``--progress`` with it prints how far each kept run has got and the gap at the latest round all reached, while they
+train.
 ``--min-lr-ratio R`` decays every format's inner lr along a cosine to ``lr * R`` at the run's last step (the papers'
 schedule) instead of keeping it constant.
 """
@@ -75,6 +77,9 @@ def parse_args(argv: Iterable[str] | None) -> argparse.Namespace:
     p.add_argument("--state", default=None, metavar="DIR",
                    help="--h50: keep each run's state in DIR (every 24 rounds and at the end) and go on from it when "
                         "it is there: a killed run resumes, and a longer --h50-steps continues a shorter run")
+    p.add_argument("--progress", action="store_true",
+                   help="--h50 --state DIR: how far each run kept in DIR has got, and each format's gap to fp32 at the "
+                        "latest round every run reached; trains nothing (the runs may still be training)")
     p.add_argument("--min-lr-ratio", type=float, default=1.0, metavar="RATIO",
                    help="--h50: decay every format's inner lr along a cosine to lr * RATIO at the run's last step "
                         "(the papers' schedule; default 1: constant)")
@@ -164,17 +169,53 @@ def h50(args: argparse.Namespace) -> int:
         raise SystemExit(f"--formats: unknown {sorted(unknown)}; choose from {', '.join(H50_FORMATS)}")
     if not 0 <= args.min_lr_ratio <= 1:
         raise SystemExit(f"--min-lr-ratio: {args.min_lr_ratio:g} is not between 0 and 1 (1: a constant inner lr)")
+    if args.progress:
+        if args.state is None:
+            raise SystemExit("--progress reads the runs kept by --state DIR: give --state")
+        print(progress(Path(args.state), formats, seeds))
+        return 0
     plan = [(run_method(fmt, seed, args.state), h50_setting(fmt, seed, args.warm_start, args.h50_steps,
                                                             args.corpus_bytes, args.corpus, args.min_lr_ratio))
             for seed in seeds for fmt in formats]
     return run_plan(plan, lambda results: h50_report(results, seeds), args.json)
 
 
+def state_path(directory: Path, fmt: str, seed: int) -> Path:
+    """Where ``--state DIR`` keeps one run: ``DIR/<format>-seed<seed>.safetensors``."""
+    return directory / f"{fmt}-seed{seed}.safetensors"
+
+
 def run_method(fmt: str, seed: int, state: str | None) -> Callable[[Setting], Result]:
-    """``run_diloco``, with ``--state``: keeping its state in ``DIR/<format>-seed<seed>.safetensors``."""
+    """``run_diloco``, with ``--state``: keeping its state in ``state_path``."""
     if state is None:
         return run_diloco
-    return functools.partial(run_diloco, state=Path(state) / f"{fmt}-seed{seed}.safetensors")
+    return functools.partial(run_diloco, state=state_path(Path(state), fmt, seed))
+
+
+def progress(directory: Path, formats: list[str], seeds: list[int]) -> str:
+    """``--progress``: each saved run's latest round and loss, then every format's mean gap to fp32 (and each
+    seed's) at the latest step all the saved runs reached."""
+    from run_state import saved_curve
+
+    curves = {(fmt, seed): dict(saved_curve(state_path(directory, fmt, seed)))
+              for seed in seeds for fmt in formats if state_path(directory, fmt, seed).exists()}
+    if not curves:
+        raise SystemExit(f"--progress: no run of formats {','.join(formats)} and seeds "
+                         f"{','.join(map(str, seeds))} is kept in {directory}")
+    lines = [f"{fmt} seed {seed}: step {max(c)} ({max(c) // 50} rounds of H=50), eval loss {c[max(c)]:.4f}"
+             for (fmt, seed), c in curves.items()]
+    common = min(max(c) for c in curves.values())
+    for fmt in formats:
+        both = [s for s in seeds if ("none", s) in curves and (fmt, s) in curves]
+        if fmt == "none" or not both:
+            continue
+        fp32 = [curves[("none", s)][common] for s in both]
+        other = [curves[(fmt, s)][common] for s in both]
+        each = ", ".join(f"{s} {100 * (b / a - 1):+.2f}%" for s, a, b in zip(both, fp32, other, strict=True))
+        lines.append(f"at step {common} ({common // 50} rounds): {fmt} {sum(other) / len(both):.4f} against fp32 "
+                     f"{sum(fp32) / len(both):.4f}, {100 * (sum(other) / sum(fp32) - 1):+.2f}% on the mean of seeds "
+                     f"{','.join(map(str, both))} (each: {each})")
+    return "\n".join(lines)
 
 
 def format_name(s: Setting) -> str:

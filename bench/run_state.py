@@ -72,6 +72,18 @@ def save_run(path: Path, setting: Setting, replicas: list[Replica], outer: Outer
     os.replace(partial, path)
 
 
+def saved_curve(path: Path) -> list[tuple[int, float]]:
+    """The eval curve (step, loss) a saved run holds, read from the file's header alone: no tensor is loaded, so a
+    run still writing its state can be looked at while it trains."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        record = json.loads((f.metadata() or {}).get("run", "{}"))
+    if record.get("version") != VERSION:
+        raise StateMismatch(f"{path}: not a run state this script writes (version {record.get('version')!r})")
+    return [(int(s), float(v)) for s, v in record["curve"]]
+
+
 def load_run(path: Path, setting: Setting, replicas: list[Replica], outer: OuterStep, result: Result
              ) -> tuple[int, float]:
     """Put the run saved at ``path`` into ``replicas``, ``outer`` and ``result``: -> (steps done, seconds spent).

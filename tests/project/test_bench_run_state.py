@@ -59,3 +59,19 @@ def test_another_runs_state_is_refused_naming_the_field(tmp_path: Path) -> None:
     with pytest.raises(run_state.StateMismatch, match="steps 4 there, 8 here"):  # the schedule depends on the length
         convergence.run_diloco(dataclasses.replace(cosine, steps=8), state=tmp_path / "cosine.safetensors")
     assert state.read_bytes() == before
+
+
+def test_progress_reads_the_kept_runs_curves_and_the_gap_at_the_step_all_reached(tmp_path: Path) -> None:
+    """``convergence_warm.py --h50 --state DIR --progress``: the latest step of each kept run, and the format's gap
+    to fp32 at the latest step every run reached (a run further on is compared where the others are)."""
+    warm = load_bench_script("convergence_warm")
+    fp32 = convergence.run_diloco(dataclasses.replace(TINY, steps=8), state=warm.state_path(tmp_path, "none", 1))
+    sparse = convergence.run_diloco(dataclasses.replace(TINY, steps=4, compression="topk"),
+                                    state=warm.state_path(tmp_path, "topk", 1))
+    report = warm.progress(tmp_path, ["none", "topk"], [1, 2])
+    assert "none seed 1: step 8 " in report and "topk seed 1: step 4 " in report
+    at_4 = dict(fp32.curve)[4], dict(sparse.curve)[4]
+    assert "at step 4 " in report and f"{100 * (at_4[1] / at_4[0] - 1):+.2f}%" in report
+    assert "seeds 1 " in report  # seed 2 has no kept run
+    with pytest.raises(SystemExit, match="no run of formats int8"):
+        warm.progress(tmp_path, ["int8"], [1])
