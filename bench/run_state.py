@@ -72,30 +72,32 @@ def save_run(path: Path, setting: Setting, replicas: list[Replica], outer: Outer
     os.replace(partial, path)
 
 
-def saved_curve(path: Path) -> list[tuple[int, float]]:
-    """The eval curve (step, loss) a saved run holds, read from the file's header alone: no tensor is loaded, so a
-    run still writing its state can be looked at while it trains."""
+def _record(path: Path) -> dict[str, Any]:
+    """The JSON part of a saved run, read from the file's header alone (no tensor is loaded); ``StateMismatch``
+    when the file is not a state this script writes."""
     from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        record = json.loads((f.metadata() or {}).get("run", "{}"))
-    if record.get("version") != VERSION:
-        raise StateMismatch(f"{path}: not a run state this script writes (version {record.get('version')!r})")
-    return [(int(s), float(v)) for s, v in record["curve"]]
-
-
-def load_run(path: Path, setting: Setting, replicas: list[Replica], outer: OuterStep, result: Result
-             ) -> tuple[int, float]:
-    """Put the run saved at ``path`` into ``replicas``, ``outer`` and ``result``: -> (steps done, seconds spent).
-    ``StateMismatch`` (naming what differs) when it is another run's or went past ``setting.steps``."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file
 
     with safe_open(str(path), framework="pt") as f:
         record = json.loads((f.metadata() or {}).get("run", "{}"))
     if record.get("version") != VERSION:
         raise StateMismatch(f"{path}: not a run state this script writes (version {record.get('version')!r}, "
                             f"expected {VERSION}); move it away to start the run afresh")
+    return record
+
+
+def saved_curve(path: Path) -> list[tuple[int, float]]:
+    """The eval curve (step, loss) a saved run holds: from the header alone, so a run still writing its state can
+    be looked at while it trains."""
+    return [(int(s), float(v)) for s, v in _record(path)["curve"]]
+
+
+def load_run(path: Path, setting: Setting, replicas: list[Replica], outer: OuterStep, result: Result
+             ) -> tuple[int, float]:
+    """Put the run saved at ``path`` into ``replicas``, ``outer`` and ``result``: -> (steps done, seconds spent).
+    ``StateMismatch`` (naming what differs) when it is another run's or went past ``setting.steps``."""
+    from safetensors.torch import load_file
+
+    record = _record(path)
     saved, wanted = record["setting"], json.loads(json.dumps(_comparable(setting)))
     differ = sorted(k for k in set(saved) | set(wanted) if saved.get(k) != wanted.get(k))
     if differ:
