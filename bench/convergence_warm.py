@@ -83,7 +83,36 @@ def parse_args(argv: Iterable[str] | None) -> argparse.Namespace:
     p.add_argument("--min-lr-ratio", type=float, default=1.0, metavar="RATIO",
                    help="--h50: decay every format's inner lr along a cosine to lr * RATIO at the run's last step "
                         "(the papers' schedule; default 1: constant)")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", dest="overrides",
+                   help="--h50: change one of every run's settings (bench/convergence.py's Setting), e.g. "
+                        "--set outer_lr=2 with --formats topk; repeatable. Keep such runs in a --state of their own: "
+                        "a kept run of another setting is refused")
     return p.parse_args(list(argv) if argv is not None else None)
+
+
+def overrides(pairs: Iterable[str]) -> dict[str, Any]:
+    """``--set FIELD=VALUE`` pairs as Setting fields of the field's own type; a clear error for an unknown field
+    or a value of the wrong type."""
+    fields = {f.name: f for f in dataclasses.fields(Setting)}
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        name, sep, text = pair.partition("=")
+        if not sep or name not in fields:
+            raise SystemExit(f"--set {pair!r}: expected FIELD=VALUE with FIELD one of {', '.join(fields)}")
+        default = getattr(Setting(), name)
+        try:
+            if isinstance(default, bool):
+                if text.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError(text)
+                out[name] = text.lower() in ("true", "1")
+            elif default is None:
+                out[name] = text
+            else:
+                out[name] = type(default)(text)
+        except ValueError:
+            kind = {bool: "true or false", int: "a whole number", float: "a number"}.get(type(default), "text")
+            raise SystemExit(f"--set {pair!r}: {name} takes {kind}, not {text!r}") from None
+    return out
 
 
 def main(argv: Iterable[str] | None = None) -> int:
@@ -174,8 +203,10 @@ def h50(args: argparse.Namespace) -> int:
             raise SystemExit("--progress reads the runs kept by --state DIR: give --state")
         print(progress(Path(args.state), formats, seeds))
         return 0
-    plan = [(run_method(fmt, seed, args.state), h50_setting(fmt, seed, args.warm_start, args.h50_steps,
-                                                            args.corpus_bytes, args.corpus, args.min_lr_ratio))
+    changed = overrides(args.overrides)
+    plan = [(run_method(fmt, seed, args.state),
+             dataclasses.replace(h50_setting(fmt, seed, args.warm_start, args.h50_steps, args.corpus_bytes,
+                                             args.corpus, args.min_lr_ratio), **changed))
             for seed in seeds for fmt in formats]
     return run_plan(plan, lambda results: h50_report(results, seeds), args.json)
 

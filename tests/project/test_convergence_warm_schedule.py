@@ -35,3 +35,21 @@ def test_the_report_names_the_schedule() -> None:
 def test_a_ratio_outside_zero_to_one_is_refused_naming_the_option(ratio: str) -> None:
     with pytest.raises(SystemExit, match="--min-lr-ratio"):
         warm.main(["--h50", "--min-lr-ratio", ratio])
+
+
+def test_set_changes_a_setting_in_the_fields_own_type() -> None:
+    changed = warm.overrides(["outer_lr=2", "outer_momentum=0", "nesterov=false", "topk_chunk=256",
+                              "corpus=pycorpus"])
+    assert changed == {"outer_lr": 2.0, "outer_momentum": 0.0, "nesterov": False, "topk_chunk": 256,
+                       "corpus": "pycorpus"}
+    assert isinstance(changed["outer_lr"], float) and isinstance(changed["topk_chunk"], int)
+    assert warm.format_name(convergence.Setting(**{**warm.PAPER, **changed})) == "fp32, outer lr 2 Nesterov 0"
+
+
+@pytest.mark.parametrize(("pair", "says"), [("bogus=1", "FIELD one of"), ("outer_lr", "FIELD=VALUE"),
+                                            ("outer_lr=fast", "takes a number"),
+                                            ("nesterov=maybe", "takes true or false"),
+                                            ("topk_chunk=2.5", "takes a whole number")])
+def test_a_bad_set_is_refused_before_anything_trains(pair: str, says: str) -> None:
+    with pytest.raises(SystemExit, match=says):
+        warm.main(["--h50", "--formats", "topk", "--set", pair])
