@@ -473,17 +473,34 @@ def parse_args(argv: Iterable[str] | None) -> argparse.Namespace:
     return p.parse_args(list(argv) if argv is not None else None)
 
 
-def with_overrides(setting: Setting, pairs: list[str]) -> Setting:
-    types = {f.name: f.type for f in dataclasses.fields(Setting)}
-    changes: dict[str, Any] = {}
+def overrides(pairs: Iterable[str]) -> dict[str, Any]:
+    """``--set FIELD=VALUE`` pairs as Setting fields of the field's own type; a clear error for an unknown field
+    or a value of the wrong type."""
+    fields = {f.name: f for f in dataclasses.fields(Setting)}
+    out: dict[str, Any] = {}
     for pair in pairs:
-        key, _, value = pair.partition("=")
-        if key not in types:
-            raise SystemExit(f"--set {pair}: unknown field {key!r}; fields: {', '.join(types)}")
-        kind = types[key]
-        changes[key] = (value.lower() in ("1", "true", "yes")) if kind == "bool" else (
-            int(value) if kind == "int" else float(value) if kind == "float" else value)
-    return dataclasses.replace(setting, **changes)
+        name, sep, text = pair.partition("=")
+        if not sep or name not in fields:
+            raise SystemExit(f"--set {pair!r}: expected FIELD=VALUE with FIELD one of {', '.join(fields)}")
+        default = getattr(Setting(), name)
+        try:
+            if isinstance(default, bool):
+                if text.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError(text)
+                out[name] = text.lower() in ("true", "1")
+            elif default is None:
+                out[name] = text
+            else:
+                out[name] = type(default)(text)
+        except ValueError:
+            kind = {bool: "true or false", int: "a whole number", float: "a number"}.get(type(default), "text")
+            raise SystemExit(f"--set {pair!r}: {name} takes {kind}, not {text!r}") from None
+    return out
+
+
+def with_overrides(setting: Setting, pairs: list[str]) -> Setting:
+    """``setting`` with the ``--set FIELD=VALUE`` pairs applied."""
+    return dataclasses.replace(setting, **overrides(pairs))
 
 
 #: The sparse format (at its default 2.5% density) with SparseLoCo's outer rule (no outer momentum, error feedback

@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from convergence import Result, Setting, run_diloco, run_dp, run_plan, trainer_defaults
+from convergence import Result, Setting, overrides, run_diloco, run_dp, run_plan, trainer_defaults
 
 #: The papers' outer step: Nesterov SGD, lr 0.7, momentum 0.9, from the first round.
 PAPER = {"outer_lr": 0.7, "outer_momentum": 0.9, "outer_momentum_warmup": 0}
@@ -88,31 +88,6 @@ def parse_args(argv: Iterable[str] | None) -> argparse.Namespace:
                         "--set outer_lr=2 with --formats topk; repeatable. Keep such runs in a --state of their own: "
                         "a kept run of another setting is refused")
     return p.parse_args(list(argv) if argv is not None else None)
-
-
-def overrides(pairs: Iterable[str]) -> dict[str, Any]:
-    """``--set FIELD=VALUE`` pairs as Setting fields of the field's own type; a clear error for an unknown field
-    or a value of the wrong type."""
-    fields = {f.name: f for f in dataclasses.fields(Setting)}
-    out: dict[str, Any] = {}
-    for pair in pairs:
-        name, sep, text = pair.partition("=")
-        if not sep or name not in fields:
-            raise SystemExit(f"--set {pair!r}: expected FIELD=VALUE with FIELD one of {', '.join(fields)}")
-        default = getattr(Setting(), name)
-        try:
-            if isinstance(default, bool):
-                if text.lower() not in ("true", "false", "1", "0"):
-                    raise ValueError(text)
-                out[name] = text.lower() in ("true", "1")
-            elif default is None:
-                out[name] = text
-            else:
-                out[name] = type(default)(text)
-        except ValueError:
-            kind = {bool: "true or false", int: "a whole number", float: "a number"}.get(type(default), "text")
-            raise SystemExit(f"--set {pair!r}: {name} takes {kind}, not {text!r}") from None
-    return out
 
 
 def main(argv: Iterable[str] | None = None) -> int:
