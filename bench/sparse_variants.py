@@ -21,6 +21,9 @@ script measures what the format's settings cannot express, each as one row again
   coefficients. Vectors go as int8. Wire bytes are estimated as the sparse format's cost per block.
 * ``low-rank``: the best rank-1 approximation (SVD) of every matrix, fp32 factors, with error feedback (PowerSGD's
   idea with an exact SVD); vectors as int8.
+* ``vectors-fp32`` / ``vectors-int8``: the sparse format on every matrix, and every vector (biases, norms: 1.3% of
+  the built-in model's values, most in tensors of 64, of which 2.5% is two values a round) sent whole, or in int8
+  with error feedback: whether the few values a small tensor gets a round are what the format loses.
 * ``shared-random`` / ``shared-last-mean``: every replica sends values at the same positions, so no position is
   sent and the same bytes buy 4.6x the density (11.5% of every chunk at 2 bits and two levels, against the sparse
   format's 2.5% with its positions), and the mean over the replicas is exact where it is sent: positions drawn at
@@ -29,7 +32,7 @@ script measures what the format's settings cannot express, each as one row again
 
 Every row uses the same warm start, data order and held-out batches as ``--h50`` (``convergence_warm.h50_setting``),
 in one process. ``python bench/sparse_variants.py [--only NAME,...] [--seed S] [--json OUT]``; about a minute a row
-on an idle core, so all fourteen take about 18 minutes. Not part of ``make bench``; the latest result is committed in
+on an idle core, so all sixteen take about 20 minutes. Not part of ``make bench``; the latest result is committed in
 ``bench/results/sparse_variants.md``.
 """
 
@@ -161,6 +164,42 @@ def with_codec(approximate: Callable[[torch.Tensor], tuple[torch.Tensor, float]]
     return make
 
 
+class VectorsApart:
+    """The sparse format (with its error feedback) on every matrix, and every vector (a bias, a norm's weight:
+    1,792 of the built-in model's 136,960 values, most of them in tensors of 64) in ``vectors`` instead: ``none``
+    sends them whole, ``int8`` quantized with error feedback. At 2.5% a 64-value norm sends 2 values a round."""
+
+    def __init__(self, setting: Setting, vectors: str) -> None:
+        from convergence import sparse_spec
+
+        from diloco.collectives.compression import ErrorFeedback
+
+        self.matrices = [ErrorFeedback("topk", decay=setting.error_feedback_decay, sparse=sparse_spec(setting))
+                         for _ in range(setting.replicas)]
+        self.vectors = [ErrorFeedback(vectors) for _ in range(setting.replicas)]
+
+    def __call__(self, rank: int, delta: dict[str, torch.Tensor]) -> tuple[dict, dict, dict]:
+        wire: dict[str, torch.Tensor] = {}
+        decoded: dict[str, torch.Tensor] = {}
+        for codec, part in ((self.matrices[rank], {n: d for n, d in delta.items() if d.dim() > 1}),
+                            (self.vectors[rank], {n: d for n, d in delta.items() if d.dim() <= 1})):
+            part_wire, _, part_decoded = codec.compress(part)
+            wire.update({f"{len(wire) + i}": t for i, t in enumerate(part_wire.values())})
+            decoded.update(part_decoded)
+        return wire, {}, decoded
+
+
+def vectors_apart(vectors: str) -> Callable[[Setting, GPT], OuterStep]:
+    """An outer step whose replicas send matrices in the sparse format and vectors in ``vectors``."""
+    def make(setting: Setting, model: GPT) -> OuterStep:
+        step = OuterStep(dataclasses.replace(setting, compression="none"), model)
+        step.setting = setting
+        codec: WireCodec = VectorsApart(setting, vectors)
+        step.codec = codec
+        return step
+    return make
+
+
 class SharedPositions:
     """Per-rank error feedback around values sent at positions every replica chooses alike (``shared-*`` rows):
     in each chunk of ``chunk`` elements, ``density`` of them at two levels (the sparse format's 2-bit values),
@@ -248,6 +287,10 @@ VARIANTS: dict[str, Variant] = {
             with_codec(dct_topk)),
     "low-rank": ("rank 1 of every matrix (SVD), fp32 factors, SparseLoCo's rule", SPARSELOCO_RULE,
                  with_codec(rank_one)),
+    "vectors-fp32": ("sparse matrices, every vector (bias, norm) sent whole in fp32, SparseLoCo's rule",
+                     SPARSELOCO_RULE, vectors_apart("none")),
+    "vectors-int8": ("sparse matrices, every vector in int8 with error feedback, SparseLoCo's rule", SPARSELOCO_RULE,
+                     vectors_apart("int8")),
     "shared-random": ("positions every replica draws alike, none sent: 11.5% at 2 bits, SparseLoCo's rule",
                       SPARSELOCO_RULE, shared_positions(last_mean=False)),
     "shared-last-mean": ("the same, half of the positions the largest of the last round's mean",

@@ -114,3 +114,20 @@ def test_shared_positions_are_every_replicas_and_cost_two_bits_a_value_and_the_l
     chosen.previous["w"][[5, 40, 63, 7]] = torch.tensor([9.0, -8.0, 7.0, 6.0])
     at = chosen.positions("w", 3, rows=1, width=64, k=8)[0].tolist()
     assert {5, 40, 63, 7} <= set(at) and len(set(at)) == 8
+
+
+def test_vectors_apart_sends_vectors_in_their_format_and_matrices_sparse() -> None:
+    """``vectors-*``: every vector arrives whole (fp32) or within int8's rounding, each matrix keeps the sparse
+    format's 2.5% per chunk, and the wire bytes count both parts."""
+    setting = dataclasses.replace(convergence.Setting(replicas=2), **variants.SPARSELOCO_RULE)
+    generator = torch.Generator().manual_seed(0)
+    delta = {"w": torch.randn(64, 64, generator=generator), "b": torch.randn(64, generator=generator)}
+    whole_wire, _, whole = variants.VectorsApart(setting, "none")(0, delta)
+    int8_wire, _, int8 = variants.VectorsApart(setting, "int8")(0, delta)
+    assert torch.equal(whole["b"], delta["b"])
+    torch.testing.assert_close(int8["b"], delta["b"], atol=float(delta["b"].abs().max()) / 100, rtol=0)
+    assert not torch.equal(int8["b"], delta["b"])
+    for decoded in (whole, int8):
+        assert int((decoded["w"] != 0).sum()) == convergence.sparse_spec(setting).kept(64 * 64)
+    nbytes = [sum(t.numel() * t.element_size() for t in wire.values()) for wire in (whole_wire, int8_wire)]
+    assert nbytes[0] - nbytes[1] >= 64 * 4 - (64 + 4 * 4)  # 4 bytes a value against 1, and a few fp32 scales
