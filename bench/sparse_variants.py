@@ -155,11 +155,17 @@ def rank_one(x: torch.Tensor) -> tuple[torch.Tensor, float]:
 def with_codec(approximate: Callable[[torch.Tensor], tuple[torch.Tensor, float]]
                ) -> Callable[[Setting, GPT], OuterStep]:
     """An outer step whose wire format is ``approximate`` with error feedback, decayed as the setting says."""
+    return with_wire_codec(lambda setting: _FeedbackCodec(setting.replicas, setting.error_feedback_decay,
+                                                          approximate))
+
+
+def with_wire_codec(codec_of: Callable[[Setting], WireCodec]) -> Callable[[Setting, GPT], OuterStep]:
+    """An outer step whose replicas' pseudo-gradients go through ``codec_of(setting)`` instead of the setting's
+    format (the step itself sees fp32, so it counts the codec's wire bytes, not the format's)."""
     def make(setting: Setting, model: GPT) -> OuterStep:
         step = OuterStep(dataclasses.replace(setting, compression="none"), model)
         step.setting = setting
-        codec: WireCodec = _FeedbackCodec(setting.replicas, setting.error_feedback_decay, approximate)
-        step.codec = codec
+        step.codec = codec_of(setting)
         return step
     return make
 
@@ -191,13 +197,7 @@ class VectorsApart:
 
 def vectors_apart(vectors: str) -> Callable[[Setting, GPT], OuterStep]:
     """An outer step whose replicas send matrices in the sparse format and vectors in ``vectors``."""
-    def make(setting: Setting, model: GPT) -> OuterStep:
-        step = OuterStep(dataclasses.replace(setting, compression="none"), model)
-        step.setting = setting
-        codec: WireCodec = VectorsApart(setting, vectors)
-        step.codec = codec
-        return step
-    return make
+    return with_wire_codec(lambda setting: VectorsApart(setting, vectors))
 
 
 class SharedPositions:
