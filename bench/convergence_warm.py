@@ -27,7 +27,10 @@ subset. One method's run is a few minutes on 2 cores. ``--h50-steps`` runs longe
 ``--state DIR`` keeps each run's whole state (``bench/run_state.py``) and goes on from it: a killed run resumes where
 it last saved, and the same command with a larger ``--h50-steps`` continues a finished run instead of redoing it;
 ``--progress`` with it prints how far each kept run has got and the gap at the latest round all reached, while they
-train.
+train; ``--report --json OUT`` builds the whole report of the kept runs without training (the table, each seed, the
+mean round by round and over windows of rounds; OUT with its page and plot beside it), and ``--fp32-state DIR``
+compares a variant kept apart (``--set``) with the fp32 runs kept in DIR. Beside each format's gap read at its last
+round the table gives it averaged over the last quarter of the rounds (``GAP_WINDOW_ROUNDS`` says why).
 ``--min-lr-ratio R`` decays every format's inner lr along a cosine to ``lr * R`` at the run's last step (the papers'
 schedule) instead of keeping it constant.
 """
@@ -53,6 +56,13 @@ H50_FORMATS = ("none", "int8", "int4", "topk")
 #: found no single change that does better at this density.
 SPARSE_H50: dict[str, Any] = {"compression": "topk", "outer_lr": 1.0, "outer_momentum": 0.0,
                               "error_feedback_decay": 0.95}
+#: Rounds a format's gap to fp32 is averaged over, beside its reading at the last round. fp32's Nesterov step moves
+#: its eval loss by about 0.004 from one round to the next on the built-in model (plain averaging's by about
+#: 0.0014), so a gap near 1% read at one round lands anywhere within about half a point of it: where a run "ends"
+#: decides which side of 1% it reads. A run's last quarter, up to this many rounds, does not move with it.
+GAP_WINDOW_ROUNDS = 96
+#: ``--report``: the rounds at which the mean over seeds is tabulated (those a run reached, then its last).
+REPORT_ROUNDS = (24, 48, 96, 192, 288, 384, 576, 800, 1000, 1200, 1600, 2000, 2400)
 
 
 def parse_args(argv: Iterable[str] | None) -> argparse.Namespace:
@@ -77,6 +87,14 @@ def parse_args(argv: Iterable[str] | None) -> argparse.Namespace:
     p.add_argument("--state", default=None, metavar="DIR",
                    help="--h50: keep each run's state in DIR (every 24 rounds and at the end) and go on from it when "
                         "it is there: a killed run resumes, and a longer --h50-steps continues a shorter run")
+    p.add_argument("--report", action="store_true",
+                   help="--h50 with --state: the report of the kept runs of --formats and --seeds as they stand, "
+                        "without training (at the latest round all reached): the table, each seed, the mean "
+                        "round by round and over windows of rounds; with --json OUT, also OUT's page (.md) and "
+                        "plot (.png) beside it")
+    p.add_argument("--fp32-state", default=None, metavar="DIR",
+                   help="--progress and --report: fp32's kept runs are in DIR, not in --state (a variant kept "
+                        "apart, with --set, compared with the fp32 runs kept before)")
     p.add_argument("--progress", action="store_true",
                    help="--h50 --state DIR: how far each run kept in DIR has got, and each format's gap to fp32 at the "
                         "latest round every run reached; trains nothing (the runs may still be training)")
@@ -173,10 +191,14 @@ def h50(args: argparse.Namespace) -> int:
         raise SystemExit(f"--formats: unknown {sorted(unknown)}; choose from {', '.join(H50_FORMATS)}")
     if not 0 <= args.min_lr_ratio <= 1:
         raise SystemExit(f"--min-lr-ratio: {args.min_lr_ratio:g} is not between 0 and 1 (1: a constant inner lr)")
-    if args.progress:
+    if args.progress or args.report:
+        flag = "--report" if args.report else "--progress"
         if args.state is None:
-            raise SystemExit("--progress reads the runs kept by --state DIR: give --state")
-        print(progress(Path(args.state), formats, seeds))
+            raise SystemExit(f"{flag} reads the runs kept by --state DIR: give --state")
+        fp32_state = Path(args.fp32_state) if args.fp32_state else None
+        if args.report:
+            return report_kept(Path(args.state), formats, seeds, args.json, fp32_state)
+        print(progress(Path(args.state), formats, seeds, fp32_state))
         return 0
     changed = overrides(args.overrides)
     plan = [(run_method(fmt, seed, args.state),
@@ -198,30 +220,178 @@ def run_method(fmt: str, seed: int, state: str | None) -> Callable[[Setting], Re
     return functools.partial(run_diloco, state=state_path(Path(state), fmt, seed))
 
 
-def progress(directory: Path, formats: list[str], seeds: list[int]) -> str:
-    """``--progress``: each saved run's latest round and loss, then every format's mean gap to fp32 (and each
-    seed's) at the latest step all the saved runs reached."""
-    from run_state import saved_curve
+def kept_runs(directory: Path, formats: list[str], seeds: list[int], flag: str = "--progress",
+              fp32_directory: Path | None = None
+              ) -> tuple[dict[tuple[str, int], Result], dict[tuple[str, int], str | None]]:
+    """Every run of ``formats`` x ``seeds`` kept in ``directory`` (fp32's in ``fp32_directory`` when given) as it
+    stands, and the machine of its latest save; ``SystemExit`` naming ``flag`` when none is."""
+    from run_state import saved_result
 
-    curves = {(fmt, seed): dict(saved_curve(state_path(directory, fmt, seed)))
-              for seed in seeds for fmt in formats if state_path(directory, fmt, seed).exists()}
-    if not curves:
-        raise SystemExit(f"--progress: no run of formats {','.join(formats)} and seeds "
-                         f"{','.join(map(str, seeds))} is kept in {directory}")
-    lines = [f"{fmt} seed {seed}: step {max(c)} ({max(c) // 50} rounds of H=50), eval loss {c[max(c)]:.4f}"
-             for (fmt, seed), c in curves.items()]
-    common = min(max(c) for c in curves.values())
+    runs: dict[tuple[str, int], Result] = {}
+    machines: dict[tuple[str, int], str | None] = {}
+    for seed in seeds:
+        for fmt in formats:
+            path = state_path(fp32_directory if fmt == "none" and fp32_directory else directory, fmt, seed)
+            if path.exists():
+                runs[(fmt, seed)], machines[(fmt, seed)] = saved_result(path)
+    if not runs:
+        raise SystemExit(f"{flag}: no run of formats {','.join(formats)} and seeds {','.join(map(str, seeds))} is "
+                         f"kept in {directory}")
+    return runs, machines
+
+
+def cut(result: Result, step: int) -> Result:
+    """``result`` as it stood at ``step`` (a round boundary it reached)."""
+    return dataclasses.replace(result, setting=dataclasses.replace(result.setting, steps=step),
+                               curve=[(s, v) for s, v in result.curve if s <= step])
+
+
+def window_rounds(rounds: int) -> int:
+    """The rounds a gap is averaged over at the end of a run of ``rounds``: its last quarter, at most
+    ``GAP_WINDOW_ROUNDS`` (``GAP_WINDOW_ROUNDS`` says why)."""
+    return max(1, min(GAP_WINDOW_ROUNDS, rounds // 4))
+
+
+def mean_gap(fp32: list[Result], other: list[Result], first: int, last: int) -> float:
+    """``other``'s loss over fp32's in percent, both summed over their runs (paired by seed) and over the eval
+    points of rounds ``first``..``last`` (1-based, inclusive)."""
+    def total(runs: list[Result]) -> float:
+        return sum(v for r in runs for s, v in r.curve if first <= s // r.setting.sync_every <= last)
+
+    return 100 * (total(other) / total(fp32) - 1)
+
+
+def progress(directory: Path, formats: list[str], seeds: list[int], fp32_directory: Path | None = None) -> str:
+    """``--progress``: each saved run's latest round and loss, then every format's mean gap to fp32 (and each
+    seed's) at the latest step all the saved runs reached, read there and over the rounds before it."""
+    runs, _ = kept_runs(directory, formats, seeds, fp32_directory=fp32_directory)
+    lines = [f"{fmt} seed {seed}: step {r.setting.steps} ({r.rounds} rounds of H={r.setting.sync_every}), eval loss "
+             f"{r.final:.4f}" for (fmt, seed), r in runs.items()]
+    common = min(r.setting.steps for r in runs.values())
     for fmt in formats:
-        both = [s for s in seeds if ("none", s) in curves and (fmt, s) in curves]
+        both = [s for s in seeds if ("none", s) in runs and (fmt, s) in runs]
         if fmt == "none" or not both:
             continue
-        fp32 = [curves[("none", s)][common] for s in both]
-        other = [curves[(fmt, s)][common] for s in both]
-        each = ", ".join(f"{s} {100 * (b / a - 1):+.2f}%" for s, a, b in zip(both, fp32, other, strict=True))
-        lines.append(f"at step {common} ({common // 50} rounds): {fmt} {sum(other) / len(both):.4f} against fp32 "
-                     f"{sum(fp32) / len(both):.4f}, {100 * (sum(other) / sum(fp32) - 1):+.2f}% on the mean of seeds "
-                     f"{','.join(map(str, both))} (each: {each})")
+        fp32 = [cut(runs[("none", s)], common) for s in both]
+        other = [cut(runs[(fmt, s)], common) for s in both]
+        each = ", ".join(f"{s} {100 * (b.final / a.final - 1):+.2f}%" for s, a, b in zip(both, fp32, other,
+                                                                                          strict=True))
+        rounds = fp32[0].rounds
+        window = window_rounds(rounds)
+        lines.append(f"at step {common} ({rounds} rounds): {fmt} {sum(r.final for r in other) / len(both):.4f} "
+                     f"against fp32 {sum(r.final for r in fp32) / len(both):.4f}, "
+                     f"{mean_gap(fp32, other, rounds, rounds):+.2f}% on the mean of seeds "
+                     f"{','.join(map(str, both))} (each: {each}); "
+                     f"{mean_gap(fp32, other, rounds - window + 1, rounds):+.2f}% over its last {window} rounds")
     return "\n".join(lines)
+
+
+def report_kept(directory: Path, formats: list[str], seeds: list[int], json_path: str | None,
+                fp32_directory: Path | None = None) -> int:
+    """``--report``: ``h50_report`` of the kept runs cut at the latest step all reached, with each seed's gap, the
+    mean over the seeds round by round and over consecutive windows of rounds; printed, and with ``json_path``
+    written there with its page (``.md``) and plot (``.png``) beside it."""
+    import json
+
+    from run_all import machine, machine_line, markdown_table, tables_of
+
+    runs, machines = kept_runs(directory, formats, seeds, "--report", fp32_directory)
+    common = min(r.setting.steps for r in runs.values())
+    cut_runs = {key: cut(r, common) for key, r in runs.items()}
+    order = [(fmt, seed) for seed in seeds for fmt in formats if (fmt, seed) in cut_runs]
+    kept_seeds = sorted({seed for _, seed in order}, key=seeds.index)
+    data = h50_report([cut_runs[key] for key in order], kept_seeds)
+    rounds = cut_runs[order[0]].rounds
+    data["title"] = (f"Kept runs at H={cut_runs[order[0]].setting.sync_every}, round {rounds} (the latest all "
+                     f"reached): formats {', '.join(f for f in formats if any(k[0] == f for k in order))}, seeds "
+                     f"{', '.join(map(str, kept_seeds))}")
+    data["tables"] = kept_tables(cut_runs, formats, kept_seeds)
+    data["plots"][0].update(kept_plot(cut_runs, order))
+    recorded = sorted({m for m in machines.values() if m})
+    data["machine"] = "; ".join(recorded) if recorded else "not recorded (states saved before runs recorded it)"
+    where = f"{directory} (fp32's in {fp32_directory})" if fp32_directory else str(directory)
+    data["notes"] = [f"Built from the runs kept in {where} with --report, on {machine_line(machine())}; the "
+                     f"runs' own latest saves: {data['machine']}. 's per run' is the seconds a run trained, summed "
+                     "over every command that continued it (runs sharing the cores train slower).",
+                     *data["notes"]]
+    for title, columns, rows in tables_of(data):
+        print(f"{title}\n{markdown_table(columns, rows)}")
+    if json_path:
+        out = Path(json_path)
+        data["plots"][0]["file"] = f"{out.stem}.png"
+        out.write_text(json.dumps(data, indent=2) + "\n")
+        baseline = f" --fp32-state {fp32_directory}" if fp32_directory else ""
+        write_page(data, out.with_suffix(".md"),
+                   f"python bench/convergence_warm.py --h50 --formats {','.join(formats)} --seeds "
+                   f"{','.join(map(str, seeds))} --state {directory}{baseline} --report --json {out}")
+        print(f"wrote {out}, {out.with_suffix('.md')} and {out.with_suffix('.png')}")
+    return 0
+
+
+def kept_plot(runs: dict[tuple[str, int], Result], order: list[tuple[str, int]]) -> dict[str, Any]:
+    """``--report``'s curves: labelled by format and seed (the table names each format's setting), and framed on
+    the run after its first twentieth, where a long run's gap is, not on the warm start's steep first rounds."""
+    short = {"none": "fp32", "topk": "sparse"}
+    series = {f"{short.get(fmt, fmt)}, seed {seed}": [[runs[(fmt, seed)].setting.warm_start + step, round(v, 4)]
+                                                      for step, v in runs[(fmt, seed)].curve] for fmt, seed in order}
+    later = [v for fmt, seed in order for step, v in runs[(fmt, seed)].curve
+             if step >= runs[(fmt, seed)].setting.steps / 20]
+    return {"series": series, "ylim": [round(min(later) - 0.02, 2), round(max(later) + 0.02, 2)]}
+
+
+def kept_tables(runs: dict[tuple[str, int], Result], formats: list[str], seeds: list[int]) -> list[dict[str, Any]]:
+    """``--report``'s tables beside the main one: each seed's final loss and gap per format (read at the last round
+    and over the last rounds), the mean over the seeds at ``REPORT_ROUNDS``, and over consecutive windows."""
+    fp32 = {seed: runs[("none", seed)] for seed in seeds if ("none", seed) in runs}
+    others = [fmt for fmt in formats if fmt != "none"]
+    if not fp32 or not others:
+        return []
+    rounds = next(iter(fp32.values())).rounds
+    window = window_rounds(rounds)
+    tables: list[dict[str, Any]] = []
+    per_seed = []
+    for seed, base in fp32.items():
+        row: dict[str, Any] = {"seed": seed, "fp32": f"{base.final:.4f}"}
+        for fmt in others:
+            if (fmt, seed) in runs:
+                r = runs[(fmt, seed)]
+                row[fmt] = f"{r.final:.4f}"
+                row[f"{fmt} vs fp32"] = f"{100 * (r.final / base.final - 1):+.2f}%"
+                row[f"{fmt} vs fp32, last {window} rounds"] = f"{mean_gap([base], [r], rounds - window + 1, rounds):+.2f}%"
+        per_seed.append(row)
+    tables.append({"title": f"Each seed at round {rounds}", "rows": per_seed})
+    for fmt in others:
+        both = [seed for seed in fp32 if (fmt, seed) in runs]
+        if not both:
+            continue
+        a, b = [fp32[s] for s in both], [runs[(fmt, s)] for s in both]
+
+        def mean_at(group: list[Result], at: int) -> float:
+            return sum(v for r in group for s, v in r.curve if s == at * r.setting.sync_every) / len(group)
+
+        marks = [m for m in REPORT_ROUNDS if m < rounds] + [rounds]
+        tables.append({"title": f"{fmt} against fp32, the mean over seeds {', '.join(map(str, both))}, round by round",
+                       "rows": [{"round": m, "fp32": f"{mean_at(a, m):.4f}", fmt: f"{mean_at(b, m):.4f}",
+                                 f"{fmt} vs fp32": f"{mean_gap(a, b, m, m):+.2f}%"} for m in marks]})
+        starts = [rounds - window * (i + 1) + 1 for i in range(8) if rounds - window * (i + 1) >= 0]
+        tables.append({"title": f"{fmt} against fp32 over windows of {window} rounds (the mean over seeds and rounds)",
+                       "rows": [{"rounds": f"{lo}-{lo + window - 1}", f"{fmt} vs fp32":
+                                 f"{mean_gap(a, b, lo, lo + window - 1):+.2f}%"} for lo in reversed(starts)]})
+    return tables
+
+
+def write_page(data: dict[str, Any], path: Path, command: str) -> None:
+    """``data``'s page, as ``make bench`` writes a script's (``run_all``), with the command that built it."""
+    from run_all import draw_plots, markdown_table, tables_of
+
+    lines = [f"# {data['title']}", "", f"`{command}`", "", f"Machine: {data['machine']}.", ""]
+    for title, columns, rows in tables_of(data):
+        if title and title != data["title"]:
+            lines += [f"## {title}", ""]
+        lines.append(markdown_table(columns, rows))
+    lines += [f"![{png}]({png})\n" for png in draw_plots(data, path.parent)]
+    lines += ["## Notes", ""] + [f"- {note}" for note in data["notes"]] + [""]
+    path.write_text("\n".join(lines))
 
 
 def format_name(s: Setting) -> str:
@@ -242,19 +412,26 @@ def h50_report(results: list[Result], seeds: list[int]) -> dict[str, Any]:
         by_format.setdefault(r.setting.compression, []).append(r)
     fp32 = by_format.get("none")
     fp32_loss = sum(r.final for r in fp32) / len(fp32) if fp32 else None
+    fp32_by_seed = {r.setting.seed: r for r in fp32 or []}
     fp32_bytes = fp32[0].run_bytes if fp32 else None
     fp32_wire = fp32[0].run_wire_bytes if fp32 else None
     rows = []
     for fmt, runs in by_format.items():
         mean = sum(r.final for r in runs) / len(runs)
         first = runs[0]
+        window = window_rounds(first.rounds)
+        paired = [r for r in runs if r.setting.seed in fp32_by_seed
+                  and r.rounds == fp32_by_seed[r.setting.seed].rounds == first.rounds]
+        tail = mean_gap([fp32_by_seed[r.setting.seed] for r in paired], paired, first.rounds - window + 1,
+                        first.rounds) if paired else 0.0
         rows.append({
             "format (M=4)": format_name(first.setting),
             "H": first.setting.sync_every,
             "rounds": first.rounds,
-            "final eval loss (mean)": round(mean, 4),
+            "final eval loss (mean)": f"{mean:.4f}",
             "per seed": " / ".join(f"{r.final:.4f}" for r in runs),
             "vs fp32": "" if fp32_loss is None or fmt == "none" else f"{100 * (mean / fp32_loss - 1):+.2f}%",
+            "vs fp32, mean of the last rounds": "" if fmt == "none" or not paired else f"{tail:+.2f}% ({window})",
             "bytes per round": f"{first.round_bytes:,}",
             "bytes over the run": f"{first.run_bytes:,}",
             "fewer bytes than fp32": "" if not fp32_bytes else f"{fp32_bytes / first.run_bytes:.0f}x",
@@ -284,6 +461,10 @@ def h50_report(results: list[Result], seeds: list[int]) -> dict[str, Any]:
             "a value. 'wire tensors' leaves the object's header out (the codec's encoded size): the header costs "
             "the same whatever the model's size (about 0.4 KB for the packed sparse object, 2.8 KB for fp32's 29 "
             "tensors), so on this tiny model it is a tenth of a sparse object, and on a real one nothing.",
+            f"'vs fp32, mean of the last rounds': the mean over the seeds and the last quarter of the rounds (at "
+            f"most {GAP_WINDOW_ROUNDS}, in brackets) of the format's eval loss over fp32's, paired by seed: fp32's "
+            "Nesterov step moves its eval loss by about 0.004 from round to round here, so the gap read at one "
+            "round moves by up to half a point with it.",
             "The quantized formats use error feedback and the papers' outer step; the sparse one SparseLoCo's rule "
             "(the outer momentum replaced by error feedback decayed each round) unless its row says otherwise.",
             "In one process, the same math as the trainer and diloco.replica.outer (see bench/convergence.py).",

@@ -9,8 +9,9 @@ on the run's length) the curve and the weights are those of one uninterrupted ru
 
 What it holds: every replica's weights, AdamW state and batch generator (its place in its shard), the outer step's
 fp32 global weights and momentum buffers, every replica's error-feedback residuals, the eval curve so far, the
-step reached and the seconds spent. Tensors go into safetensors with the rest as JSON in its metadata; one file,
-replaced atomically (written beside it, then renamed), so a kill mid-save leaves the previous state whole.
+step reached, the seconds spent and the machine of the latest save (a report built from kept runs names where they
+ran). Tensors go into safetensors with the rest as JSON in its metadata; one file, replaced atomically (written
+beside it, then renamed), so a kill mid-save leaves the previous state whole.
 """
 
 from __future__ import annotations
@@ -63,9 +64,12 @@ def save_run(path: Path, setting: Setting, replicas: list[Replica], outer: Outer
     for rank, residuals in enumerate(outer.feedback_state()):
         for name, t in residuals.items():
             tensors[f"outer.feedback{rank}.{name}"] = t
+    from run_all import machine, machine_line
+
     record = {"version": VERSION, "setting": _comparable(setting), "step": step,
               "seconds": seconds, "rounds": outer.rounds, "round_bytes": outer.round_bytes,
-              "round_wire_bytes": outer.round_wire_bytes, "curve": result.curve}
+              "round_wire_bytes": outer.round_wire_bytes, "curve": result.curve,
+              "machine": machine_line(machine())}
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
     save_file(tensors, str(partial), metadata={"run": json.dumps(record)})
@@ -89,6 +93,20 @@ def saved_curve(path: Path) -> list[tuple[int, float]]:
     """The eval curve (step, loss) a saved run holds: from the header alone, so a run still writing its state can
     be looked at while it trains."""
     return [(int(s), float(v)) for s, v in _record(path)["curve"]]
+
+
+def saved_result(path: Path) -> tuple[Result, str | None]:
+    """A saved run as it stands, as its ``Result`` (its setting with ``steps`` the step it reached, its curve, its
+    bytes per round and seconds), and the machine line of its latest save (None in a state saved before runs
+    recorded it): from the header alone, like ``saved_curve``."""
+    from convergence import Result, Setting
+
+    record = _record(path)
+    fields = {**record["setting"], "steps": int(record["step"])}
+    result = Result("diloco", Setting(**fields), [(int(s), float(v)) for s, v in record["curve"]],
+                    seconds=float(record["seconds"]), round_bytes=int(record["round_bytes"]),
+                    round_wire_bytes=int(record["round_wire_bytes"]))
+    return result, record.get("machine")
 
 
 def load_run(path: Path, setting: Setting, replicas: list[Replica], outer: OuterStep, result: Result

@@ -11,6 +11,7 @@ import pytest
 import torch
 from support.bench_scripts import load_bench_script
 
+load_bench_script("run_all")  # a save records the machine it ran on as make bench labels it
 run_state = load_bench_script("run_state")
 convergence = load_bench_script("convergence")
 
@@ -75,3 +76,51 @@ def test_progress_reads_the_kept_runs_curves_and_the_gap_at_the_step_all_reached
     assert "seeds 1 " in report  # seed 2 has no kept run
     with pytest.raises(SystemExit, match="no run of formats int8"):
         warm.progress(tmp_path, ["int8"], [1])
+
+
+def test_report_builds_the_table_and_its_page_from_the_kept_runs_without_training(tmp_path: Path) -> None:
+    """``convergence_warm.py --h50 --state DIR --fp32-state DIR --report --json OUT``: the kept runs (a variant's
+    kept apart from fp32's) cut at the latest step all reached, the gap read at the last round and averaged over the
+    last quarter of the rounds (paired by seed), each seed's, the mean round by round and over windows; OUT, its
+    page and its plot written, nothing trained."""
+    import json
+
+    warm = load_bench_script("convergence_warm")
+    state, fp32_state = tmp_path / "sparse", tmp_path / "fp32"
+    longer = dataclasses.replace(TINY, steps=20)  # 10 rounds, cut at 8 below: the shortest run's
+    fp32 = {seed: convergence.run_diloco(dataclasses.replace(longer, seed=seed),
+                                         state=warm.state_path(fp32_state, "none", seed)) for seed in (1, 2)}
+    sparse = {seed: convergence.run_diloco(dataclasses.replace(TINY, steps=16, seed=seed, compression="topk"),
+                                           state=warm.state_path(state, "topk", seed)) for seed in (1, 2)}
+    kept = {path: path.read_bytes() for path in [*state.iterdir(), *fp32_state.iterdir()]}
+    out = tmp_path / "results" / "kept.json"
+    out.parent.mkdir()
+    assert warm.main(["--h50", "--formats", "none,topk", "--seeds", "1,2,3", "--state", str(state), "--fp32-state",
+                      str(fp32_state), "--report", "--json", str(out)]) == 0
+    assert {path: path.read_bytes() for path in [*state.iterdir(), *fp32_state.iterdir()]} == kept  # only read
+
+    data = json.loads(out.read_text())
+    row = {r["format (M=4)"].split(":")[0]: r for r in data["rows"]}
+    at = {seed: (dict(fp32[seed].curve), dict(sparse[seed].curve)) for seed in (1, 2)}
+    final = sum(b[16] for _, b in at.values()) / sum(a[16] for a, _ in at.values())
+    window = sum(b[s] for _, b in at.values() for s in (14, 16)) / sum(a[s] for a, _ in at.values() for s in (14, 16))
+    assert row["sparse"]["rounds"] == 8 and row["sparse"]["vs fp32"] == f"{100 * (final - 1):+.2f}%"
+    assert row["sparse"]["vs fp32, mean of the last rounds"] == f"{100 * (window - 1):+.2f}% (2)"
+    assert row["fp32, outer lr 0.7 Nesterov 0.9"]["final eval loss (mean)"] == \
+        f"{(at[1][0][16] + at[2][0][16]) / 2:.4f}"  # cut at step 16, not its own 20
+    titles = [table["title"] for table in data["tables"]]
+    assert titles[0] == "Each seed at round 8" and "round by round" in titles[1] and "windows of 2" in titles[2]
+    assert [r["round"] for r in data["tables"][1]["rows"]] == [8]
+    assert [r["rounds"] for r in data["tables"][2]["rows"]] == ["1-2", "3-4", "5-6", "7-8"]
+    assert data["machine"].count("cores") == 1  # every save recorded where it ran: one machine here
+    page = (tmp_path / "results" / "kept.md").read_text()
+    assert f"--fp32-state {fp32_state} --report --json" in page and "## Each seed at round 8" in page and "![kept.png](kept.png)" in page
+    assert (tmp_path / "results" / "kept.png").stat().st_size > 0
+
+
+def test_report_without_kept_runs_names_the_flag(tmp_path: Path) -> None:
+    warm = load_bench_script("convergence_warm")
+    with pytest.raises(SystemExit, match="--report reads the runs kept by --state"):
+        warm.main(["--h50", "--report"])
+    with pytest.raises(SystemExit, match="--report: no run of formats none,topk"):
+        warm.main(["--h50", "--formats", "none,topk", "--state", str(tmp_path), "--report"])
