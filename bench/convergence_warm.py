@@ -381,17 +381,12 @@ def kept_tables(runs: dict[tuple[str, int], Result], formats: list[str], seeds: 
 
 
 def write_page(data: dict[str, Any], path: Path, command: str) -> None:
-    """``data``'s page, as ``make bench`` writes a script's (``run_all``), with the command that built it."""
-    from run_all import draw_plots, markdown_table, tables_of
+    """``data``'s page and plot, as ``make bench`` writes a script's (``run_all``), headed by the command that built
+    it."""
+    from run_all import draw_plots, page_markdown
 
-    lines = [f"# {data['title']}", "", f"`{command}`", "", f"Machine: {data['machine']}.", ""]
-    for title, columns, rows in tables_of(data):
-        if title and title != data["title"]:
-            lines += [f"## {title}", ""]
-        lines.append(markdown_table(columns, rows))
-    lines += [f"![{png}]({png})\n" for png in draw_plots(data, path.parent)]
-    lines += ["## Notes", ""] + [f"- {note}" for note in data["notes"]] + [""]
-    path.write_text("\n".join(lines))
+    pngs = draw_plots(data, path.parent)
+    path.write_text(page_markdown(data, path.stem, [f"`{command}`", "", f"Machine: {data['machine']}."], pngs))
 
 
 def format_name(s: Setting) -> str:

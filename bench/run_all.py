@@ -211,12 +211,17 @@ def draw_plots(data: Mapping[str, Any], out_dir: Path) -> list[str]:
 def result_markdown(outcome: Outcome, info: Mapping[str, str], pngs: list[str]) -> str:
     """``bench/results/<name>.md``: title, machine, tables, plots, notes."""
     data = outcome.data or {}
-    lines = [f"# {data.get('title') or outcome.name}", "",
-             f"`python bench/{outcome.name}.py` via `make bench`, {outcome.seconds:.0f} s.", "",
-             f"Machine: {machine_line(info)}."]
+    head = [f"`python bench/{outcome.name}.py` via `make bench`, {outcome.seconds:.0f} s.", "",
+            f"Machine: {machine_line(info)}."]
     if data.get("machine"):
-        lines += [f"The script's own label: {data['machine']}."]
-    lines.append("")
+        head += [f"The script's own label: {data['machine']}."]
+    return page_markdown(data, outcome.name, head, pngs)
+
+
+def page_markdown(data: Mapping[str, Any], name: str, head: list[str], pngs: list[str]) -> str:
+    """A result page: its title (``name`` without one), the lines ``head`` (how it was made, on what machine),
+    then its tables, plots and notes."""
+    lines = [f"# {data.get('title') or name}", "", *head, ""]
     for title, columns, rows in tables_of(data):
         if title and title != data.get("title"):
             lines += [f"## {title}", ""]

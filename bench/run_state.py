@@ -89,16 +89,10 @@ def _record(path: Path) -> dict[str, Any]:
     return record
 
 
-def saved_curve(path: Path) -> list[tuple[int, float]]:
-    """The eval curve (step, loss) a saved run holds: from the header alone, so a run still writing its state can
-    be looked at while it trains."""
-    return [(int(s), float(v)) for s, v in _record(path)["curve"]]
-
-
 def saved_result(path: Path) -> tuple[Result, str | None]:
     """A saved run as it stands, as its ``Result`` (its setting with ``steps`` the step it reached, its curve, its
     bytes per round and seconds), and the machine line of its latest save (None in a state saved before runs
-    recorded it): from the header alone, like ``saved_curve``."""
+    recorded it): from the header alone, so a run still writing its state can be looked at while it trains."""
     from convergence import Result, Setting
 
     record = _record(path)
