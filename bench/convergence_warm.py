@@ -29,8 +29,10 @@ it last saved, and the same command with a larger ``--h50-steps`` continues a fi
 ``--progress`` with it prints how far each kept run has got and the gap at the latest round all reached, while they
 train; ``--report --json OUT`` builds the whole report of the kept runs without training (the table, each seed, the
 mean round by round and over windows of rounds; OUT with its page and plot beside it), and ``--fp32-state DIR``
-compares a variant kept apart (``--set``) with the fp32 runs kept in DIR. Beside each format's gap read at its last
-round the table gives it averaged over the last quarter of the rounds (``GAP_WINDOW_ROUNDS`` says why).
+compares a variant kept apart (``--set``) with the fp32 runs kept in DIR, and ``--baseline-state DIR`` puts the
+same formats' runs kept in DIR (the setting the variant changes) beside it, seed for seed. Beside each format's gap
+read at its last round the table gives it averaged over the last quarter of the rounds (``GAP_WINDOW_ROUNDS`` says
+why).
 ``--min-lr-ratio R`` decays every format's inner lr along a cosine to ``lr * R`` at the run's last step (the papers'
 schedule) instead of keeping it constant.
 """
@@ -95,6 +97,10 @@ def parse_args(argv: Iterable[str] | None) -> argparse.Namespace:
     p.add_argument("--fp32-state", default=None, metavar="DIR",
                    help="--progress and --report: fp32's kept runs are in DIR, not in --state (a variant kept "
                         "apart, with --set, compared with the fp32 runs kept before)")
+    p.add_argument("--baseline-state", default=None, metavar="DIR",
+                   help="--report: beside the variant kept in --state, the same formats' runs kept in DIR (the "
+                        "setting the variant changes), paired by seed over the same rounds: each table gets their "
+                        "gap to fp32 too, so a variant is read against what it changes on the same seeds")
     p.add_argument("--progress", action="store_true",
                    help="--h50 --state DIR: how far each run kept in DIR has got, and each format's gap to fp32 at the "
                         "latest round every run reached; trains nothing (the runs may still be training)")
@@ -197,7 +203,10 @@ def h50(args: argparse.Namespace) -> int:
             raise SystemExit(f"{flag} reads the runs kept by --state DIR: give --state")
         fp32_state = Path(args.fp32_state) if args.fp32_state else None
         if args.report:
-            return report_kept(Path(args.state), formats, seeds, args.json, fp32_state)
+            baseline = Path(args.baseline_state) if args.baseline_state else None
+            return report_kept(Path(args.state), formats, seeds, args.json, fp32_state, baseline)
+        if args.baseline_state:
+            raise SystemExit("--baseline-state is read by --report only: add --report")
         print(progress(Path(args.state), formats, seeds, fp32_state))
         return 0
     changed = overrides(args.overrides)
@@ -287,16 +296,27 @@ def progress(directory: Path, formats: list[str], seeds: list[int], fp32_directo
 
 
 def report_kept(directory: Path, formats: list[str], seeds: list[int], json_path: str | None,
-                fp32_directory: Path | None = None) -> int:
+                fp32_directory: Path | None = None, baseline_directory: Path | None = None) -> int:
     """``--report``: ``h50_report`` of the kept runs cut at the latest step all reached, with each seed's gap, the
-    mean over the seeds round by round and over consecutive windows of rounds; printed, and with ``json_path``
-    written there with its page (``.md``) and plot (``.png``) beside it."""
+    mean over the seeds round by round and over consecutive windows of rounds (and, with ``baseline_directory``,
+    the same formats' runs kept there beside them); printed, and with ``json_path`` written there with its page
+    (``.md``) and plot (``.png``) beside it."""
     import json
 
     from run_all import machine, machine_line, markdown_table, tables_of
 
     runs, machines = kept_runs(directory, formats, seeds, "--report", fp32_directory)
-    common = min(r.setting.steps for r in runs.values())
+    recorded_lines = list(machines.values())
+    baseline: dict[tuple[str, int], Result] = {}
+    if baseline_directory is not None:
+        compared = [fmt for fmt in formats if fmt != "none"]
+        baseline, baseline_machines = kept_runs(baseline_directory, compared, seeds, "--baseline-state")
+        missing = [f"{fmt} seed {seed}" for fmt, seed in runs if fmt != "none" and (fmt, seed) not in baseline]
+        if missing:
+            raise SystemExit(f"--baseline-state: {baseline_directory} keeps no run of {', '.join(missing)}: give "
+                             "--seeds only the seeds kept in both")
+        recorded_lines.extend(baseline_machines.values())
+    common = min(r.setting.steps for r in [*runs.values(), *baseline.values()])
     cut_runs = {key: cut(r, common) for key, r in runs.items()}
     order = [(fmt, seed) for seed in seeds for fmt in formats if (fmt, seed) in cut_runs]
     kept_seeds = sorted({seed for _, seed in order}, key=seeds.index)
@@ -305,11 +325,14 @@ def report_kept(directory: Path, formats: list[str], seeds: list[int], json_path
     data["title"] = (f"Kept runs at H={cut_runs[order[0]].setting.sync_every}, round {rounds} (the latest all "
                      f"reached): formats {', '.join(f for f in formats if any(k[0] == f for k in order))}, seeds "
                      f"{', '.join(map(str, kept_seeds))}")
-    data["tables"] = kept_tables(cut_runs, formats, kept_seeds)
+    data["tables"] = kept_tables(cut_runs, formats, kept_seeds,
+                                 {key: cut(r, common) for key, r in baseline.items() if key in cut_runs})
     data["plots"][0].update(kept_plot(cut_runs, order))
-    recorded = sorted({m for m in machines.values() if m})
+    recorded = sorted({m for m in recorded_lines if m})
     data["machine"] = "; ".join(recorded) if recorded else "not recorded (states saved before runs recorded it)"
     where = f"{directory} (fp32's in {fp32_directory})" if fp32_directory else str(directory)
+    if baseline_directory is not None:
+        where += f", beside the runs kept in {baseline_directory}"
     data["notes"] = [f"Built from the runs kept in {where} with --report, on {machine_line(machine())}; the "
                      f"runs' own latest saves: {data['machine']}. 's per run' is the seconds a run trained, summed "
                      "over every command that continued it (runs sharing the cores train slower).",
@@ -320,10 +343,11 @@ def report_kept(directory: Path, formats: list[str], seeds: list[int], json_path
         out = Path(json_path)
         data["plots"][0]["file"] = f"{out.stem}.png"
         out.write_text(json.dumps(data, indent=2) + "\n")
-        baseline = f" --fp32-state {fp32_directory}" if fp32_directory else ""
+        also = (f" --fp32-state {fp32_directory}" if fp32_directory else "") + \
+            (f" --baseline-state {baseline_directory}" if baseline_directory else "")
         write_page(data, out.with_suffix(".md"),
                    f"python bench/convergence_warm.py --h50 --formats {','.join(formats)} --seeds "
-                   f"{','.join(map(str, seeds))} --state {directory}{baseline} --report --json {out}")
+                   f"{','.join(map(str, seeds))} --state {directory}{also} --report --json {out}")
         print(f"wrote {out}, {out.with_suffix('.md')} and {out.with_suffix('.png')}")
     return 0
 
@@ -339,13 +363,22 @@ def kept_plot(runs: dict[tuple[str, int], Result], order: list[tuple[str, int]])
     return {"series": series, "ylim": [round(min(later) - 0.02, 2), round(max(later) + 0.02, 2)]}
 
 
-def kept_tables(runs: dict[tuple[str, int], Result], formats: list[str], seeds: list[int]) -> list[dict[str, Any]]:
+def kept_tables(runs: dict[tuple[str, int], Result], formats: list[str], seeds: list[int],
+                baseline: dict[tuple[str, int], Result] | None = None) -> list[dict[str, Any]]:
     """``--report``'s tables beside the main one: each seed's final loss and gap per format (read at the last round
-    and over the last rounds), the mean over the seeds at ``REPORT_ROUNDS``, and over consecutive windows."""
+    and over the last rounds), the mean over the seeds at ``REPORT_ROUNDS``, and over consecutive windows; with
+    ``baseline`` (the same formats and seeds under the setting a variant changes), its gaps beside the variant's,
+    named by what it sets otherwise."""
     fp32 = {seed: runs[("none", seed)] for seed in seeds if ("none", seed) in runs}
     others = [fmt for fmt in formats if fmt != "none"]
     if not fp32 or not others:
         return []
+    baseline = baseline or {}
+    named: dict[str, str] = {}  # format -> its baseline's column name
+    for fmt in others:
+        key = next((k for k in runs if k[0] == fmt and k in baseline), None)
+        if key is not None:
+            named[fmt] = f"{fmt} at {setting_difference(runs[key].setting, baseline[key].setting)}"
     rounds = next(iter(fp32.values())).rounds
     window = window_rounds(rounds)
     tables: list[dict[str, Any]] = []
@@ -353,31 +386,51 @@ def kept_tables(runs: dict[tuple[str, int], Result], formats: list[str], seeds: 
     for seed, base in fp32.items():
         row: dict[str, Any] = {"seed": seed, "fp32": f"{base.final:.4f}"}
         for fmt in others:
-            if (fmt, seed) in runs:
-                r = runs[(fmt, seed)]
-                row[fmt] = f"{r.final:.4f}"
-                row[f"{fmt} vs fp32"] = f"{100 * (r.final / base.final - 1):+.2f}%"
-                row[f"{fmt} vs fp32, last {window} rounds"] = f"{mean_gap([base], [r], rounds - window + 1, rounds):+.2f}%"
+            for name, group in [(fmt, runs), (named.get(fmt), baseline)]:
+                if name is None or (fmt, seed) not in group:
+                    continue
+                r = group[(fmt, seed)]
+                row[name] = f"{r.final:.4f}"
+                row[f"{name} vs fp32"] = f"{100 * (r.final / base.final - 1):+.2f}%"
+                row[f"{name} vs fp32, last {window} rounds"] = \
+                    f"{mean_gap([base], [r], rounds - window + 1, rounds):+.2f}%"
         per_seed.append(row)
     tables.append({"title": f"Each seed at round {rounds}", "rows": per_seed})
     for fmt in others:
         both = [seed for seed in fp32 if (fmt, seed) in runs]
         if not both:
             continue
-        a, b = [fp32[s] for s in both], [runs[(fmt, s)] for s in both]
+        a = [fp32[s] for s in both]
+        compared = [(fmt, [runs[(fmt, s)] for s in both])]
+        if fmt in named:
+            compared.append((named[fmt], [baseline[(fmt, s)] for s in both]))
 
         def mean_at(group: list[Result], at: int) -> float:
             return sum(v for r in group for s, v in r.curve if s == at * r.setting.sync_every) / len(group)
 
-        marks = [m for m in REPORT_ROUNDS if m < rounds] + [rounds]
+        by_round = []
+        for m in [m for m in REPORT_ROUNDS if m < rounds] + [rounds]:
+            row = {"round": m, "fp32": f"{mean_at(a, m):.4f}"}
+            for name, b in compared:
+                row[name], row[f"{name} vs fp32"] = f"{mean_at(b, m):.4f}", f"{mean_gap(a, b, m, m):+.2f}%"
+            by_round.append(row)
         tables.append({"title": f"{fmt} against fp32, the mean over seeds {', '.join(map(str, both))}, round by round",
-                       "rows": [{"round": m, "fp32": f"{mean_at(a, m):.4f}", fmt: f"{mean_at(b, m):.4f}",
-                                 f"{fmt} vs fp32": f"{mean_gap(a, b, m, m):+.2f}%"} for m in marks]})
+                       "rows": by_round})
         starts = [rounds - window * (i + 1) + 1 for i in range(8) if rounds - window * (i + 1) >= 0]
         tables.append({"title": f"{fmt} against fp32 over windows of {window} rounds (the mean over seeds and rounds)",
-                       "rows": [{"rounds": f"{lo}-{lo + window - 1}", f"{fmt} vs fp32":
-                                 f"{mean_gap(a, b, lo, lo + window - 1):+.2f}%"} for lo in reversed(starts)]})
+                       "rows": [{"rounds": f"{lo}-{lo + window - 1}",
+                                 **{f"{name} vs fp32": f"{mean_gap(a, b, lo, lo + window - 1):+.2f}%"
+                                    for name, b in compared}} for lo in reversed(starts)]})
     return tables
+
+
+def setting_difference(variant: Setting, baseline: Setting) -> str:
+    """What ``baseline`` sets otherwise than ``variant`` (its values; the seed and length aside), e.g.
+    ``topk_density 0.025``: the name of a baseline's column beside the variant's."""
+    differ = [(f.name, getattr(baseline, f.name)) for f in dataclasses.fields(Setting)
+              if f.name not in ("seed", "steps") and getattr(variant, f.name) != getattr(baseline, f.name)]
+    return ", ".join(f"{name} {value:g}" if isinstance(value, float) else f"{name} {value}"
+                     for name, value in differ) or "the same setting"
 
 
 def write_page(data: dict[str, Any], path: Path, command: str) -> None:

@@ -124,3 +124,41 @@ def test_report_without_kept_runs_names_the_flag(tmp_path: Path) -> None:
         warm.main(["--h50", "--report"])
     with pytest.raises(SystemExit, match="--report: no run of formats none,topk"):
         warm.main(["--h50", "--formats", "none,topk", "--state", str(tmp_path), "--report"])
+
+
+def test_report_with_a_baseline_puts_its_gaps_beside_the_variants_on_the_same_seeds(tmp_path: Path) -> None:
+    """``--report --baseline-state DIR``: a variant (here another density) kept apart is read beside the runs it
+    changes, paired by seed over the same rounds, each baseline column named by what the baseline sets otherwise;
+    a seed the baseline does not keep is refused, naming it, before anything is written."""
+    import json
+
+    warm = load_bench_script("convergence_warm")
+    kept, variant = tmp_path / "kept", tmp_path / "variant"
+    sparse = dataclasses.replace(TINY, compression="topk", outer_lr=1.0, outer_momentum=0.0)
+    fp32 = convergence.run_diloco(TINY, state=warm.state_path(kept, "none", 1))
+    base = convergence.run_diloco(dataclasses.replace(sparse, steps=12), state=warm.state_path(kept, "topk", 1))
+    density = convergence.run_diloco(dataclasses.replace(sparse, topk_density=0.05),
+                                     state=warm.state_path(variant, "topk", 1))
+    out = tmp_path / "variant.json"
+    command = ["--h50", "--formats", "none,topk", "--state", str(variant), "--fp32-state", str(kept),
+               "--baseline-state", str(kept), "--report", "--json"]
+    assert warm.main(["--seeds", "1", *command, str(out)]) == 0
+
+    tables = {table["title"].split(",")[0]: table["rows"] for table in json.loads(out.read_text())["tables"]}
+    named = "topk at topk_density 0.025"  # the baseline's own value of what the variant changes
+    seed_1 = tables["Each seed at round 4"][0]
+    assert seed_1[named] == f"{dict(base.curve)[8]:.4f}"  # cut at round 4, where every run is
+    assert seed_1["topk"] == f"{density.final:.4f}"
+    gap = {which: f"{100 * (dict(run.curve)[8] / fp32.final - 1):+.2f}%" for which, run in
+           [("topk", density), (named, base)]}
+    last = tables["topk against fp32 over windows of 1 rounds (the mean over seeds and rounds)"][-1]
+    assert last == {"rounds": "4-4", "topk vs fp32": gap["topk"], f"{named} vs fp32": gap[named]}
+    assert f"--baseline-state {kept} --report" in out.with_suffix(".md").read_text()
+
+    convergence.run_diloco(dataclasses.replace(sparse, seed=2, steps=4), state=warm.state_path(variant, "topk", 2))
+    again = tmp_path / "again.json"
+    with pytest.raises(SystemExit, match=f"--baseline-state: {kept} keeps no run of topk seed 2: give --seeds"):
+        warm.main(["--seeds", "1,2", *command, str(again)])
+    assert not again.exists()
+    with pytest.raises(SystemExit, match="--baseline-state is read by --report only"):
+        warm.main(["--h50", "--state", str(variant), "--baseline-state", str(kept), "--progress"])
