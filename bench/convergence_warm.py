@@ -328,8 +328,7 @@ def report_kept(directory: Path, formats: list[str], seeds: list[int], json_path
     data["tables"] = kept_tables(cut_runs, formats, kept_seeds,
                                  {key: cut(r, common) for key, r in baseline.items() if key in cut_runs})
     data["plots"][0].update(kept_plot(cut_runs, order))
-    recorded = sorted({m for m in recorded_lines if m})
-    data["machine"] = "; ".join(recorded) if recorded else "not recorded (states saved before runs recorded it)"
+    data["machine"] = machines_of(recorded_lines)
     where = f"{directory} (fp32's in {fp32_directory})" if fp32_directory else str(directory)
     if baseline_directory is not None:
         where += f", beside the runs kept in {baseline_directory}"
@@ -350,6 +349,22 @@ def report_kept(directory: Path, formats: list[str], seeds: list[int], json_path
                    f"{','.join(map(str, seeds))} --state {directory}{also} --report --json {out}")
         print(f"wrote {out}, {out.with_suffix('.md')} and {out.with_suffix('.png')}")
     return 0
+
+
+def machines_of(lines: Iterable[str | None]) -> str:
+    """The machines the kept runs' latest saves name, each once with the span of its saves' dates: the same machine
+    saving a minute later is not another machine (``run_all.machine_line`` ends with the date)."""
+    dates: dict[str, list[str]] = {}
+    for line in filter(None, lines):
+        where, _, when = line.rpartition("; ")
+        dates.setdefault(where or line, []).append(when if where else "")
+    if not dates:
+        return "not recorded (states saved before runs recorded it)"
+    spans = []
+    for where, when in sorted(dates.items()):
+        first, last = min(when), max(when)
+        spans.append(f"{where}; {first}" + (f" to {last}" if last != first else ""))
+    return "; ".join(spans)
 
 
 def kept_plot(runs: dict[tuple[str, int], Result], order: list[tuple[str, int]]) -> dict[str, Any]:

@@ -162,3 +162,15 @@ def test_report_with_a_baseline_puts_its_gaps_beside_the_variants_on_the_same_se
     assert not again.exists()
     with pytest.raises(SystemExit, match="--baseline-state is read by --report only"):
         warm.main(["--h50", "--state", str(variant), "--baseline-state", str(kept), "--progress"])
+
+
+def test_the_report_names_each_machine_once_with_the_span_of_its_saves() -> None:
+    """Runs kept on one machine and saved in different minutes are one machine (its line ends with the date)."""
+    warm = load_bench_script("convergence_warm")
+    here = "Xeon, 2 cores, 23.5 GiB memory; Linux 6; Python 3.11.7, torch 2.13.0+cpu"
+    there = "EPYC, 8 cores, 64.0 GiB memory; Linux 6; Python 3.12.1, torch 2.13.0+cpu"
+    lines = [f"{here}; 2026-12-06 21:47 UTC", None, f"{here}; 2026-12-06 20:30 UTC", f"{there}; 2026-12-07 09:00 UTC",
+             f"{here}; 2026-12-06 21:47 UTC"]
+    assert warm.machines_of(lines) == (f"{there}; 2026-12-07 09:00 UTC; "
+                                       f"{here}; 2026-12-06 20:30 UTC to 2026-12-06 21:47 UTC")
+    assert warm.machines_of([None]).startswith("not recorded")
